@@ -1,0 +1,112 @@
+"""Control connections: length-prefixed msgpack frames over TCP, and address parsing."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import struct
+
+from kv_connector import protocol
+from kv_connector.protocol import ProtocolError
+
+_LEN = struct.Struct(">I")
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the control connection."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); raise ValueError if malformed."""
+    host, sep, port_s = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"address {text!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"address {text!r} has a non-numeric port") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"address {text!r} has a port outside 0-65535")
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class FramedConnection:
+    """One control connection. ``send`` blocks (with a timeout); ``receive`` returns the
+    complete messages already readable without blocking."""
+
+    def __init__(self, sock: socket.socket, send_timeout: float = 30.0) -> None:
+        self.sock = sock
+        sock.settimeout(send_timeout)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = bytearray()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, address: str, timeout: float = 10.0) -> FramedConnection:
+        host, port = parse_address(address)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        return cls(sock)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: protocol._Msg) -> None:
+        data = protocol.encode(msg)
+        self.sock.sendall(_LEN.pack(len(data)) + data)
+
+    def receive(self) -> list[protocol.Message]:
+        """Read once and return the complete messages (call only when readable)."""
+        self._fill()
+        out: list[protocol.Message] = []
+        while (msg := self.receive_buffered()) is not None:
+            out.append(msg)
+        return out
+
+    def receive_one(self, timeout: float) -> protocol.Message:
+        """Block up to ``timeout`` seconds for exactly the next message (handshakes)."""
+        pending = self.receive_buffered()
+        if pending is not None:
+            return pending
+        while True:
+            r, _, _ = select.select([self.sock], [], [], timeout)
+            if not r:
+                raise TimeoutError("no message from the peer in time")
+            self._fill()
+            pending = self.receive_buffered()
+            if pending is not None:
+                return pending
+
+    def _fill(self) -> None:
+        try:
+            chunk = self.sock.recv(1 << 20)
+        except OSError as e:
+            raise ConnectionClosed(str(e)) from None
+        if not chunk:
+            raise ConnectionClosed("peer closed the connection")
+        self._buf += chunk
+
+    def receive_buffered(self) -> protocol.Message | None:
+        if len(self._buf) < _LEN.size:
+            return None
+        (n,) = _LEN.unpack_from(self._buf)
+        if n > protocol.MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {n} bytes exceeds {protocol.MAX_FRAME_BYTES}")
+        if len(self._buf) < _LEN.size + n:
+            return None
+        frame = bytes(self._buf[_LEN.size : _LEN.size + n])
+        del self._buf[: _LEN.size + n]
+        return protocol.decode(frame)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self.sock.close()

@@ -1,0 +1,127 @@
+"""``python -m kv_connector.reader``: receive samples and write them as safetensors files.
+
+Each sample becomes ``OUT/<request_id>.safetensors`` with ``hidden_states``
+[num_tokens, num_layers, hidden] (producer dtype) and ``token_ids`` [num_tokens] int64,
+written under a temporary name, fsynced and renamed, so a file under its final name is
+always whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from kv_connector.control import parse_address
+from kv_connector.reader.core import HiddenStatesReader, Sample
+
+log = logging.getLogger("kv_connector.reader")
+
+
+def write_sample(out_dir: Path, sample: Sample) -> Path:
+    """Write one sample atomically; returns the final path."""
+    final = out_dir / f"{sample.request_id}.safetensors"
+    fd, tmp = tempfile.mkstemp(prefix=f".{sample.request_id}.", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        save_file(
+            {"hidden_states": sample.hidden_states, "token_ids": sample.token_ids},
+            tmp,
+            metadata={
+                "request_id": sample.request_id,
+                "producer_id": sample.producer_id,
+                "layer_ids": ",".join(str(i) for i in sample.layer_ids),
+            },
+        )
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return final
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m kv_connector.reader",
+        description="Receive hidden states from producers and write one safetensors file per sample.",
+    )
+    ap.add_argument(
+        "--listen", default="127.0.0.1:0", help="control address HOST:PORT (port 0: any free port)"
+    )
+    ap.add_argument("--out", required=True, help="directory for <request_id>.safetensors files")
+    ap.add_argument("--max-samples", type=int, default=None, help="exit 0 after this many samples")
+    ap.add_argument("--pool-mib", type=float, default=256.0, help="receive pool size in MiB (default 256)")
+    ap.add_argument(
+        "--timeout", type=float, default=None, help="exit 1 if no sample arrives for this many seconds"
+    )
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    def fail(msg: str) -> int:
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        parse_address(args.listen)
+    except ValueError as e:
+        return fail(str(e))
+    if args.max_samples is not None and args.max_samples <= 0:
+        return fail("--max-samples must be positive")
+    if args.pool_mib <= 0:
+        return fail("--pool-mib must be positive")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".probe."):
+            pass
+    except OSError as e:
+        return fail(f"cannot write to {out}: {e.strerror or e}")
+    try:
+        reader = HiddenStatesReader(listen=args.listen, pool_bytes=int(args.pool_mib * (1 << 20)))
+    except OSError as e:
+        return fail(f"cannot listen on {args.listen}: {e.strerror or e}")
+    except ValueError as e:
+        return fail(str(e))
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    print(reader.address, flush=True)
+    n = 0
+    try:
+        with reader:
+            for sample in reader.samples(args.max_samples, args.timeout):
+                path = write_sample(out, sample)
+                n += 1
+                log.info("wrote %s (%d tokens)", path.name, sample.token_ids.numel())
+    except TimeoutError as e:
+        print(f"error: {e}; wrote {n} samples", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        log.info("interrupted after %d samples", n)
+        return 130
+    log.info("done: %d samples in %s", n, out)
+    return 0

@@ -1,0 +1,500 @@
+"""HiddenStatesReader: the consumer side. Grants pool pages to producers, receives their
+WRITEs, reassembles samples and hands them out; a sample's pages return to the pool (and
+its producer gets an ``Ack``) once the sample was copied out."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import selectors
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from kv_connector import auth, protocol
+from kv_connector.control import ConnectionClosed, FramedConnection, format_address, parse_address
+from kv_connector.layout import pages_per_block
+from kv_connector.pool import PagePool, PoolTooSmall
+from kv_connector.protocol import ProtocolError
+from kv_connector.transport import Region, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POOL_BYTES = 256 << 20
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class Sample(NamedTuple):
+    """One request's captured hidden states.
+
+    request_id: the producer's request id.
+    token_ids: [num_tokens] int64.
+    hidden_states: [num_tokens, num_captured_layers, hidden_size], the producer's dtype.
+    layer_ids: the captured layer ids, in the order of ``hidden_states``' second dim.
+    producer_id: which producer sent it.
+    """
+
+    request_id: str
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    layer_ids: tuple[int, ...]
+    producer_id: str = ""
+
+
+class ReaderClosed(Exception):
+    """The reader was closed while waiting for a sample."""
+
+
+@dataclass
+class _Peer:
+    conn: FramedConnection
+    addr: str
+    fd: int
+    state: str = "hello"  # hello -> auth -> ready
+    hello: protocol.Hello | None = None
+    nonce: bytes = b""
+    agent: str = ""
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def label(self) -> str:
+        h = self.hello
+        return f"{h.producer_id}/rank{h.rank}@{self.addr}" if h else self.addr
+
+
+@dataclass
+class _Pending:
+    manifest: protocol.Manifest
+    producer_id: str
+    world_size: int
+    promised: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> blocks
+    written: set[int] = field(default_factory=set)  # ranks whose WRITEs landed
+    peers: list[_Peer] = field(default_factory=list)
+    pages: list[int] | None = None
+    ppb: int = 1
+    complete: bool = False
+
+    def is_complete(self) -> bool:
+        if len(self.promised) < self.world_size or self.pages is None:
+            return False
+        return all(r in self.written or not b for r, b in self.promised.items())
+
+
+_Key = tuple[str, str]
+
+
+class HiddenStatesReader:
+    """Receives hidden states from producers over NIXL.
+
+    ``listen``: control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it).
+    ``pool_bytes``: receive pool size, registered with NIXL once.
+    ``page_bytes``: pool page size; by default the first producer's block size.
+    ``secret``: shared secret for the handshake; by default from ``KV_CONNECTOR_SECRET``
+    or ``KV_CONNECTOR_SECRET_FILE`` (none: producers are not authenticated).
+
+    Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
+    ``close``.
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        page_bytes: int | None = None,
+        secret: bytes | None = None,
+        name: str | None = None,
+    ) -> None:
+        host, port = parse_address(listen)
+        if pool_bytes <= 0:
+            raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
+        if page_bytes is not None and not 0 < page_bytes <= pool_bytes:
+            raise ValueError(f"page_bytes must be in 1..pool_bytes, got {page_bytes}")
+        self._secret = secret if secret is not None else auth.load_secret()
+        self.reader_id = name or f"reader-{uuid.uuid4().hex[:12]}"
+        self._lsock = socket.create_server((host, port), reuse_port=False)
+        self._lsock.setblocking(False)
+        real_host, real_port = self._lsock.getsockname()[:2]
+        self.address = format_address(real_host, real_port)
+
+        self._pool_tensor = torch.zeros(pool_bytes, dtype=torch.uint8)
+        try:
+            self._transport = Transport(self.reader_id)
+            self._region: Region = self._transport.register(self._pool_tensor)
+        except Exception:
+            self._lsock.close()
+            raise
+        self._page_bytes = page_bytes
+        self._pool: PagePool | None = None
+        if page_bytes is not None:
+            self._pool = PagePool(pool_bytes // page_bytes)
+
+        self._lock = threading.RLock()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        self._peers: dict[int, _Peer] = {}
+        self._by_agent: dict[str, _Peer] = {}
+        self._world: dict[str, int] = {}
+        self._ranks: dict[tuple[str, int], _Peer] = {}
+        self._pending: dict[_Key, _Pending] = {}
+        self._ready: queue.Queue[_Key | None] = queue.Queue()
+        self._closed = False
+        self.stats = {"samples": 0, "bytes": 0, "refused": 0}
+        self._thread = threading.Thread(target=self._run, name="hs-reader", daemon=True)
+        self._thread.start()
+        log.info(
+            "hidden-states reader %s listening on %s, pool %.1f MiB%s",
+            self.reader_id,
+            self.address,
+            pool_bytes / (1 << 20),
+            ", handshake authenticated" if self._secret else "",
+        )
+
+    # ---------------------------------------------------------------- user side
+    def get(self, timeout: float | None = None) -> Sample:
+        """The next complete sample (copied out of the pool, its pages returned).
+        Raises ``TimeoutError`` after ``timeout`` seconds, ``ReaderClosed`` once closed."""
+        if self._closed:
+            raise ReaderClosed("the reader is closed")
+        try:
+            key = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no sample within {timeout} s") from None
+        if key is None:
+            self._ready.put(None)
+            raise ReaderClosed("the reader is closed")
+        return self._take(key)
+
+    def __iter__(self) -> Iterator[Sample]:
+        while True:
+            try:
+                yield self.get()
+            except ReaderClosed:
+                return
+
+    def samples(self, max_samples: int | None = None, timeout: float | None = None) -> Iterator[Sample]:
+        """Yield up to ``max_samples`` samples, each within ``timeout`` seconds."""
+        n = 0
+        while max_samples is None or n < max_samples:
+            try:
+                yield self.get(timeout)
+            except ReaderClosed:
+                return
+            n += 1
+
+    def __enter__(self) -> HiddenStatesReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop serving, close every connection and free the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ready.put(None)
+        self._thread.join(timeout=10)
+        with self._lock:
+            for peer in list(self._peers.values()):
+                peer.conn.close()
+            self._peers.clear()
+            self._sel.close()
+            self._lsock.close()
+            self._transport.close()
+        log.info("hidden-states reader %s closed (%d samples)", self.reader_id, self.stats["samples"])
+
+    def _take(self, key: _Key) -> Sample:
+        with self._lock:
+            p = self._pending.get(key)
+        assert p is not None and p.pages is not None
+        m = p.manifest
+        hidden = self._assemble(m, p.pages, p.ppb)
+        sample = Sample(
+            request_id=m.request_id,
+            token_ids=torch.tensor(m.token_ids, dtype=torch.int64),
+            hidden_states=hidden,
+            layer_ids=tuple(m.layer_ids),
+            producer_id=p.producer_id,
+        )
+        with self._lock:
+            del self._pending[key]
+            assert self._pool is not None
+            self._pool.release(key, p.pages)
+            self.stats["samples"] += 1
+            self.stats["bytes"] += hidden.numel() * hidden.element_size()
+            for peer in p.peers:
+                peer.requests.discard(m.request_id)
+                self._send(peer, protocol.Ack(request_id=m.request_id))
+            self._grant()
+        return sample
+
+    def _assemble(self, m: protocol.Manifest, pages: list[int], ppb: int) -> torch.Tensor:
+        """Copy a sample out of its pages into [T, L, H] of its dtype."""
+        assert self._page_bytes is not None
+        pb = self._page_bytes
+        num_pages = self._pool_tensor.numel() // pb
+        paged = self._pool_tensor[: num_pages * pb].view(num_pages, pb)
+        idx = torch.tensor(pages, dtype=torch.int64)
+        raw = paged.index_select(0, idx).view(m.num_blocks, ppb * pb)[:, : m.block_bytes]
+        dtype = getattr(torch, m.dtype)
+        blocks = raw.contiguous().view(dtype)
+        L, H, bs = m.num_layers, m.hidden_size, m.block_size
+        if m.layout == "LTH":
+            tokens = blocks.view(m.num_blocks, L, bs, H).permute(0, 2, 1, 3)
+        else:
+            tokens = blocks.view(m.num_blocks, bs, L, H)
+        return tokens.reshape(m.num_blocks * bs, L, H)[: m.num_tokens].contiguous()
+
+    # ------------------------------------------------------------ serving thread
+    def _run(self) -> None:
+        idle = 0
+        while not self._closed:
+            with self._lock:
+                expecting = any(p.pages is not None and not p.complete for p in self._pending.values())
+            # Writers need our progress to finish: poll tightly while WRITEs are due.
+            timeout = 0.0 if expecting and idle < 200 else (0.0005 if expecting else 0.05)
+            try:
+                events = self._sel.select(timeout)
+            except (OSError, ValueError):
+                if self._closed:
+                    return
+                raise
+            busy = False
+            with self._lock:
+                if self._closed:
+                    return
+                for k, _ in events:
+                    busy = True
+                    if k.data is None:
+                        self._accept()
+                    else:
+                        self._on_readable(k.data)
+                busy |= self._poll_notifs()
+            idle = 0 if busy else idle + 1
+
+    def _accept(self) -> None:
+        try:
+            sock, addr = self._lsock.accept()
+        except BlockingIOError:
+            return
+        peer = _Peer(FramedConnection(sock), format_address(addr[0], addr[1]), sock.fileno())
+        self._peers[peer.fd] = peer
+        self._sel.register(sock, selectors.EVENT_READ, peer)
+        peer.nonce = auth.make_nonce()
+        log.debug("control connection from %s", peer.addr)
+
+    def _on_readable(self, peer: _Peer) -> None:
+        try:
+            msgs = peer.conn.receive()
+            for msg in msgs:
+                self._handle(peer, msg)
+        except ConnectionClosed:
+            self._drop(peer, "connection closed")
+        except ProtocolError as e:
+            self.stats["refused"] += 1
+            log.warning("refusing %s: %s", peer.label, e)
+            self._send(peer, protocol.Refuse(code="protocol", message=str(e)))
+            self._drop(peer, f"protocol error: {e}")
+
+    def _send(self, peer: _Peer, msg: protocol._Msg) -> None:
+        if peer.conn.closed:
+            return
+        try:
+            peer.conn.send(msg)
+        except OSError as e:
+            log.warning("cannot send to %s: %s", peer.label, e)
+
+    def _handle(self, peer: _Peer, msg: protocol.Message) -> None:
+        if peer.state == "hello":
+            if not isinstance(msg, protocol.Hello):
+                raise ProtocolError(f"expected hello, got {type(msg).__name__}")
+            self._on_hello(peer, msg)
+        elif peer.state == "auth":
+            if not isinstance(msg, protocol.Auth):
+                raise ProtocolError(f"expected auth, got {type(msg).__name__}")
+            self._on_auth(peer, msg)
+        elif isinstance(msg, protocol.CreditRequest):
+            self._on_credit_request(peer, msg)
+        elif isinstance(msg, protocol.Refuse):
+            log.warning("%s says: %s %s", peer.label, msg.code, msg.message)
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from a producer")
+
+    def _on_hello(self, peer: _Peer, h: protocol.Hello) -> None:
+        known = self._world.get(h.producer_id)
+        if known is not None and known != h.world_size:
+            raise ProtocolError(
+                f"producer {h.producer_id} said world size {known} before, now {h.world_size}"
+            )
+        if h.rank >= h.world_size:
+            raise ProtocolError(f"rank {h.rank} outside world size {h.world_size}")
+        if (h.producer_id, h.rank) in self._ranks:
+            raise ProtocolError(f"producer {h.producer_id} rank {h.rank} is already connected")
+        peer.hello = h
+        digest = auth.proof(self._secret, "reader", h.producer_id, h.rank, h.nonce, peer.nonce)
+        self._send(
+            peer,
+            protocol.Challenge(
+                version=protocol.PROTOCOL_VERSION,
+                nonce=peer.nonce,
+                digest=digest,
+                auth_required=self._secret is not None,
+            ),
+        )
+        peer.state = "auth"
+
+    def _on_auth(self, peer: _Peer, a: protocol.Auth) -> None:
+        h = peer.hello
+        assert h is not None
+        if self._secret is not None:
+            want = auth.proof(self._secret, "producer", h.producer_id, h.rank, h.nonce, peer.nonce)
+            if not auth.verify(want, a.digest):
+                raise ProtocolError("authentication failed: wrong shared secret")
+        if self._page_bytes is None:
+            self._page_bytes = min(h.block_bytes, self._pool_tensor.numel())
+            self._pool = PagePool(self._pool_tensor.numel() // self._page_bytes)
+            log.info(
+                "pool page size %d bytes (first producer's block), %d pages",
+                self._page_bytes,
+                self._pool.num_pages,
+            )
+        try:
+            agent = self._transport.add_peer(a.agent_metadata)
+        except TransportError as e:
+            raise ProtocolError(str(e)) from None
+        if agent != h.agent_name or agent in self._by_agent:
+            self._transport.remove_peer(agent)
+            raise ProtocolError(f"agent name {agent!r} does not match hello or is in use")
+        peer.agent = agent
+        self._by_agent[agent] = peer
+        self._world[h.producer_id] = h.world_size
+        self._ranks[(h.producer_id, h.rank)] = peer
+        peer.state = "ready"
+        assert self._pool is not None
+        self._send(
+            peer,
+            protocol.Welcome(
+                reader_id=self.reader_id,
+                agent_name=self._transport.name,
+                agent_metadata=self._transport.metadata,
+                pool_addr=self._region.addr,
+                pool_bytes=self._region.nbytes,
+                page_bytes=self._page_bytes,
+                num_pages=self._pool.num_pages,
+                mem_type="DRAM" if self._region.mem_type == "DRAM" else "VRAM",
+                device_id=self._region.device_id,
+            ),
+        )
+        log.info("producer %s connected (world size %d)", peer.label, h.world_size)
+
+    def _on_credit_request(self, peer: _Peer, req: protocol.CreditRequest) -> None:
+        h = peer.hello
+        assert h is not None and self._pool is not None and self._page_bytes is not None
+        m = req.manifest
+        key = (h.producer_id, m.request_id)
+        p = self._pending.get(key)
+        if p is None:
+            p = _Pending(manifest=m, producer_id=h.producer_id, world_size=h.world_size)
+            p.ppb = pages_per_block(m.block_bytes, self._page_bytes)
+            try:
+                self._pool.request(key, m.num_blocks * p.ppb)
+            except PoolTooSmall as e:
+                self.stats["refused"] += 1
+                self._send(
+                    peer, protocol.Refuse(code="pool_too_small", message=str(e), request_id=m.request_id)
+                )
+                log.error("request %s refused: %s", m.request_id, e)
+                return
+            self._pending[key] = p
+        elif p.manifest != m:
+            raise ProtocolError(f"rank {h.rank} sent a manifest of {m.request_id} that differs from rank 0's")
+        if h.rank in p.promised:
+            raise ProtocolError(f"rank {h.rank} asked twice for {m.request_id}")
+        share = frozenset(req.blocks)
+        for r, other in p.promised.items():
+            if share & other:
+                raise ProtocolError(f"ranks {r} and {h.rank} both promise blocks of {m.request_id}")
+        p.promised[h.rank] = share
+        p.peers.append(peer)
+        peer.requests.add(m.request_id)
+        if len(p.promised) == p.world_size:
+            covered = set().union(*p.promised.values())
+            if len(covered) != m.num_blocks:
+                raise ProtocolError(f"the ranks' shares of {m.request_id} leave blocks unwritten")
+        if p.pages is not None:
+            self._send(peer, protocol.Grant(request_id=m.request_id, pages=p.pages, pages_per_block=p.ppb))
+            self._maybe_complete(key, p)
+        self._grant()
+
+    def _grant(self) -> None:
+        if self._pool is None:
+            return
+        for key, pages in self._pool.grantable():
+            p = self._pending[key]  # type: ignore[index]
+            p.pages = pages
+            for peer in p.peers:
+                self._send(
+                    peer, protocol.Grant(request_id=p.manifest.request_id, pages=pages, pages_per_block=p.ppb)
+                )
+            self._maybe_complete(key, p)  # type: ignore[arg-type]
+
+    def _maybe_complete(self, key: _Key, p: _Pending) -> None:
+        if not p.complete and p.is_complete():
+            p.complete = True
+            self._ready.put(key)
+
+    def _poll_notifs(self) -> bool:
+        notifs = self._transport.notifications()
+        for agent, data in notifs:
+            peer = self._by_agent.get(agent)
+            if peer is None or peer.hello is None:
+                log.warning("notification from unknown agent %s ignored", agent)
+                continue
+            try:
+                msg = protocol.decode(data)
+                if not isinstance(msg, protocol.WriteDone):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} as a notification")
+                key = (peer.hello.producer_id, msg.request_id)
+                p = self._pending.get(key)
+                if p is None or p.pages is None or peer.hello.rank not in p.promised:
+                    raise ProtocolError(f"write_done for {msg.request_id}, which it was not granted")
+                p.written.add(peer.hello.rank)
+                self._maybe_complete(key, p)
+            except ProtocolError as e:
+                self.stats["refused"] += 1
+                log.warning("bad notification from %s: %s", peer.label, e)
+        return bool(notifs)
+
+    def _drop(self, peer: _Peer, why: str) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(peer.conn.sock)
+        peer.conn.close()
+        self._peers.pop(peer.fd, None)
+        if peer.agent:
+            self._by_agent.pop(peer.agent, None)
+            self._transport.remove_peer(peer.agent)
+        h = peer.hello
+        if h is not None and self._ranks.get((h.producer_id, h.rank)) is peer:
+            del self._ranks[(h.producer_id, h.rank)]
+            # Samples this rank had not finished cannot complete: discard them.
+            for key, p in list(self._pending.items()):
+                if key[0] == h.producer_id and not p.complete:
+                    self._discard(key, p)
+            if not any(pid == h.producer_id for pid, _ in self._ranks):
+                self._world.pop(h.producer_id, None)
+        log.info("producer %s gone: %s", peer.label, why)
+
+    def _discard(self, key: _Key, p: _Pending) -> None:
+        assert self._pool is not None
+        del self._pending[key]
+        if p.pages is None:
+            self._pool.cancel(key)
+        else:
+            self._pool.release(key, p.pages)
+        log.warning("discarded incomplete sample %s of producer %s", key[1], key[0])

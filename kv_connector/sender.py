@@ -1,0 +1,400 @@
+"""HiddenStatesSender: the producer side of one rank. Asks the reader for pages, WRITEs a
+request's cache blocks into them over NIXL, and reports the request finished once the
+reader acknowledged it (so its blocks may be freed)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import selectors
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kv_connector import auth, protocol
+from kv_connector.control import ConnectionClosed, FramedConnection
+from kv_connector.layout import BlockLayout, piece_spans, stripe
+from kv_connector.protocol import ProtocolError
+from kv_connector.transport import Region, Transfer, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    """Where and as whom a rank ships.
+
+    consumer_address: the reader's control address, ``HOST:PORT``.
+    producer_id: shared by all ranks of one producer engine, unique among producers.
+    rank / world_size: this rank and how many ranks share each sample's blocks.
+    connect_timeout_s: how long to keep trying to reach the reader.
+    """
+
+    consumer_address: str
+    producer_id: str
+    rank: int = 0
+    world_size: int = 1
+    connect_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        if self.connect_timeout_s <= 0:
+            raise ValueError("connect_timeout_s must be positive")
+
+
+@dataclass
+class _Job:
+    request_id: str
+    manifest: protocol.Manifest
+    block_ids: list[int]
+    share: range
+    xfer: Transfer | None = None
+    granted: bool = False
+    written: bool = False
+    t_submit: float = field(default_factory=time.monotonic)
+
+
+class SenderError(RuntimeError):
+    """The sender cannot reach or work with the reader."""
+
+
+class HiddenStatesSender:
+    """Ships one rank's share of each request's hidden-state blocks.
+
+    ``cache``: the cache-only layer's tensor, [num_blocks, ...] in ``layout``; registered
+    with NIXL once, never copied. ``ship`` is thread-safe and returns at once; the
+    ``take_finished`` / ``take_failed`` results come from a background thread.
+    """
+
+    def __init__(
+        self,
+        config: SenderConfig,
+        cache: torch.Tensor,
+        layout: BlockLayout,
+        layer_ids: Sequence[int],
+        secret: bytes | None = None,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.layer_ids = list(layer_ids)
+        if len(self.layer_ids) != layout.num_layers:
+            raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
+        block_stride = cache.stride(0) * cache.element_size()
+        if block_stride != layout.block_bytes or not cache.is_contiguous():
+            raise ValueError(
+                f"cache tensor blocks are {block_stride} bytes apart (contiguous="
+                f"{cache.is_contiguous()}), the layout says {layout.block_bytes}"
+            )
+        self.num_cache_blocks = cache.shape[0]
+        self._secret = secret if secret is not None else auth.load_secret()
+        self.agent_name = f"{config.producer_id}-r{config.rank}-{os.getpid()}"
+        self._transport = Transport(self.agent_name)
+        self._local: Region = self._transport.register(cache)
+        self._remote: Region | None = None
+        self._page_bytes = 0
+        self._reader_agent = ""
+        self._conn: FramedConnection | None = None
+
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._jobs: dict[str, _Job] = {}
+        self._finished: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closed = False
+        self.connected = threading.Event()
+        self.stats = {"requests": 0, "bytes": 0, "write_s": 0.0}
+        self._thread = threading.Thread(target=self._run, name=f"hs-sender-r{config.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- caller side
+    def ship(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
+        holding them in block-table order (block j holds tokens j*block_size...)."""
+        bs = self.layout.block_size
+        n_blocks = -(-len(token_ids) // bs)
+        if len(block_ids) < n_blocks:
+            raise ValueError(
+                f"{request_id}: {len(token_ids)} tokens need {n_blocks} blocks, got {len(block_ids)}"
+            )
+        blocks = [int(b) for b in block_ids[:n_blocks]]
+        for b in blocks:
+            if not 0 <= b < self.num_cache_blocks:
+                raise ValueError(f"{request_id}: block id {b} outside the cache's {self.num_cache_blocks}")
+        manifest = protocol.Manifest(
+            request_id=request_id,
+            token_ids=[int(t) for t in token_ids],
+            layer_ids=self.layer_ids,
+            hidden_size=self.layout.hidden_size,
+            dtype=self.layout.dtype,
+            layout=self.layout.layout,
+            block_size=bs,
+            num_blocks=n_blocks,
+            block_bytes=self.layout.block_bytes,
+        )
+        protocol.check_manifest(manifest)
+        share = stripe(n_blocks, self.config.rank, self.config.world_size)
+        self._inbox.put(_Job(request_id, manifest, blocks, share))
+        self._wake()
+
+    def take_finished(self) -> set[str]:
+        """Request ids the reader acknowledged since the last call."""
+        with self._lock:
+            out, self._finished = self._finished, set()
+        return out
+
+    def take_failed(self) -> dict[str, str]:
+        """Request ids that failed since the last call, with the reason."""
+        with self._lock:
+            out, self._failed = self._failed, {}
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._jobs) + self._inbox.qsize()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake()
+        self._thread.join(timeout=10)
+        if self._conn is not None:
+            self._conn.close()
+        self._transport.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    # ---------------------------------------------------------- sender thread
+    def _run(self) -> None:
+        try:
+            self._connect()
+        except Exception as e:
+            log.error(
+                "rank %d cannot reach the reader at %s: %s", self.config.rank, self.config.consumer_address, e
+            )
+            self._fail_all(f"cannot reach the reader at {self.config.consumer_address}: {e}")
+            while not self._closed:
+                time.sleep(0.05)
+                self._fail_all(f"cannot reach the reader at {self.config.consumer_address}: {e}")
+            return
+        assert self._conn is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._conn.sock, selectors.EVENT_READ, "conn")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        idle = 0
+        try:
+            while not self._closed:
+                writing = any(j.xfer is not None for j in self._jobs.values())
+                timeout = 0.0 if writing and idle < 200 else (0.0002 if writing else 0.05)
+                busy = False
+                for key, _ in sel.select(timeout):
+                    busy = True
+                    if key.data == "wake":
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                    else:
+                        for msg in self._conn.receive():
+                            self._handle(msg)
+                busy |= self._submit_new()
+                busy |= self._poll_writes()
+                idle = 0 if busy else idle + 1
+        except (ConnectionClosed, ProtocolError, OSError) as e:
+            log.error("rank %d lost the reader: %s", self.config.rank, e)
+            self._fail_all(f"lost the reader connection: {e}")
+        except Exception as e:
+            log.exception("rank %d sender thread failed", self.config.rank)
+            self._fail_all(f"sender failed: {type(e).__name__}: {e}")
+        finally:
+            sel.close()
+
+    def _connect(self) -> None:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                self._handshake()
+                self.connected.set()
+                return
+            except (OSError, TimeoutError, ConnectionClosed) as e:
+                if time.monotonic() + delay > deadline or self._closed:
+                    raise SenderError(f"gave up after {cfg.connect_timeout_s:.0f} s: {e}") from None
+                log.warning(
+                    "rank %d: reader at %s not reachable (%s); retrying in %.1f s",
+                    cfg.rank,
+                    cfg.consumer_address,
+                    e,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _handshake(self) -> None:
+        cfg = self.config
+        conn = FramedConnection.connect(cfg.consumer_address)
+        try:
+            nonce = auth.make_nonce()
+            conn.send(
+                protocol.Hello(
+                    version=protocol.PROTOCOL_VERSION,
+                    producer_id=cfg.producer_id,
+                    rank=cfg.rank,
+                    world_size=cfg.world_size,
+                    agent_name=self.agent_name,
+                    block_bytes=self.layout.block_bytes,
+                    nonce=nonce,
+                )
+            )
+            ch = conn.receive_one(10.0)
+            if isinstance(ch, protocol.Refuse):
+                raise SenderError(f"reader refused: {ch.message}")
+            if not isinstance(ch, protocol.Challenge):
+                raise SenderError(f"expected a challenge, got {type(ch).__name__}")
+            if ch.auth_required and self._secret is None:
+                raise SenderError("the reader requires a shared secret; set KV_CONNECTOR_SECRET")
+            if self._secret is not None:
+                want = auth.proof(self._secret, "reader", cfg.producer_id, cfg.rank, nonce, ch.nonce)
+                if not auth.verify(want, ch.digest):
+                    raise SenderError("the reader failed authentication (wrong or no shared secret)")
+            digest = auth.proof(self._secret, "producer", cfg.producer_id, cfg.rank, nonce, ch.nonce)
+            conn.send(protocol.Auth(digest=digest, agent_metadata=self._transport.metadata))
+            w = conn.receive_one(10.0)
+            if isinstance(w, protocol.Refuse):
+                raise SenderError(f"reader refused: {w.message}")
+            if not isinstance(w, protocol.Welcome):
+                raise SenderError(f"expected welcome, got {type(w).__name__}")
+            self._reader_agent = self._transport.add_peer(w.agent_metadata)
+            self._remote = Region(w.pool_addr, w.pool_bytes, w.mem_type, w.device_id)
+            self._page_bytes = w.page_bytes
+            self._conn = conn
+            log.info(
+                "rank %d connected to reader %s at %s (pages of %d bytes)",
+                cfg.rank,
+                w.reader_id,
+                cfg.consumer_address,
+                w.page_bytes,
+            )
+        except BaseException:
+            conn.close()
+            raise
+
+    def _submit_new(self) -> bool:
+        assert self._conn is not None
+        n = 0
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return n > 0
+            n += 1
+            if job.request_id in self._jobs:
+                self._record_failure(job.request_id, "shipped twice while in flight")
+                continue
+            with self._lock:
+                self._jobs[job.request_id] = job
+            self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
+
+    def _handle(self, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.Grant):
+            job = self._jobs.get(msg.request_id)
+            if job is None or job.granted:
+                raise ProtocolError(f"grant for {msg.request_id}, which is not waiting")
+            job.granted = True
+            self._write(job, msg)
+        elif isinstance(msg, protocol.Ack):
+            job = self._jobs.get(msg.request_id)
+            if job is None:
+                raise ProtocolError(f"ack for unknown request {msg.request_id}")
+            with self._lock:
+                del self._jobs[msg.request_id]
+                self._finished.add(msg.request_id)
+            self.stats["requests"] += 1
+        elif isinstance(msg, protocol.Refuse):
+            if msg.request_id and msg.request_id in self._jobs:
+                with self._lock:
+                    del self._jobs[msg.request_id]
+                self._record_failure(msg.request_id, f"reader refused ({msg.code}): {msg.message}")
+            else:
+                raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
+
+    def _write(self, job: _Job, grant: protocol.Grant) -> None:
+        if not job.share:
+            job.written = True
+            return
+        m = job.manifest
+        pieces = piece_spans(m.block_bytes, self._page_bytes)
+        ppb = len(pieces)
+        if grant.pages_per_block != ppb or len(grant.pages) != m.num_blocks * ppb:
+            raise ProtocolError(f"grant of {len(grant.pages)} pages does not fit {m.request_id}")
+        js = np.fromiter(job.share, dtype=np.int64)
+        blocks = np.asarray(job.block_ids, dtype=np.int64)[js]
+        pages = np.asarray(grant.pages, dtype=np.int64).reshape(m.num_blocks, ppb)[js]
+        offs = np.array([o for o, _ in pieces], dtype=np.int64)
+        lens = np.array([n for _, n in pieces], dtype=np.int64)
+        spans = np.empty((len(js), ppb, 3), dtype=np.int64)
+        spans[:, :, 0] = blocks[:, None] * m.block_bytes + offs[None, :]
+        spans[:, :, 1] = pages * self._page_bytes
+        spans[:, :, 2] = lens[None, :]
+        assert self._remote is not None
+        notif = protocol.encode(protocol.WriteDone(request_id=job.request_id))
+        try:
+            job.xfer = self._transport.write(
+                self._reader_agent, self._local, self._remote, spans.reshape(-1, 3), notif
+            )
+        except TransportError as e:
+            with self._lock:
+                self._jobs.pop(job.request_id, None)
+            self._record_failure(job.request_id, str(e))
+
+    def _poll_writes(self) -> bool:
+        done_any = False
+        for job in list(self._jobs.values()):
+            if job.xfer is None:
+                continue
+            try:
+                done = self._transport.poll(job.xfer)
+            except TransportError as e:
+                job.xfer = None
+                with self._lock:
+                    self._jobs.pop(job.request_id, None)
+                self._record_failure(job.request_id, str(e))
+                continue
+            if done:
+                self.stats["bytes"] += job.xfer.nbytes
+                job.xfer = None
+                job.written = True
+                done_any = True
+        return done_any
+
+    def _record_failure(self, request_id: str, why: str) -> None:
+        log.error("request %s failed: %s", request_id, why)
+        with self._lock:
+            self._failed[request_id] = why
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        while True:
+            try:
+                jobs.append(self._inbox.get_nowait().request_id)
+            except queue.Empty:
+                break
+        for rid in jobs:
+            self._record_failure(rid, why)

@@ -1,0 +1,77 @@
+"""Build deterministic tiny random models (no hub): dense Llama / Qwen3 for now.
+
+python -m scripts.make_tiny_model --family llama --out /tmp/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TINY_DENSE: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def build_tiny_model(
+    out: str | os.PathLike[str],
+    family: str = "llama",
+    seed: int = 0,
+    dtype: str = "float32",
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random model of ``family`` to ``out`` (config + safetensors weights).
+
+    The same arguments always give the same weights. Returns the directory. An existing
+    directory with the same build arguments is reused.
+    """
+    import torch
+    import transformers
+
+    out = Path(out)
+    stamp = {"family": family, "seed": seed, "dtype": dtype, **overrides}
+    marker = out / "tiny_model_args.json"
+    if marker.exists() and json.loads(marker.read_text()) == stamp:
+        return out
+
+    params = {**TINY_DENSE, **overrides}
+    if family == "llama":
+        config: Any = transformers.LlamaConfig(**params)
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(
+            head_dim=params["hidden_size"] // params["num_attention_heads"], **params
+        )
+    else:
+        raise ValueError(f"unknown family {family!r}; expected llama or qwen3")
+    config.torch_dtype = dtype
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model = model.to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps(stamp))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="llama", choices=["llama", "qwen3"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    print(build_tiny_model(args.out, args.family, args.seed, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

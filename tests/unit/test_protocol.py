@@ -1,0 +1,144 @@
+"""The wire protocol round-trips every message and refuses anything malformed with
+ProtocolError (never another exception)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_connector import protocol
+from kv_connector.protocol import ProtocolError
+
+
+def manifest(**kw: object) -> protocol.Manifest:
+    base: dict[str, object] = dict(
+        request_id="req-1",
+        token_ids=list(range(20)),
+        layer_ids=[1, 2, 3],
+        hidden_size=8,
+        dtype="float32",
+        layout="LTH",
+        block_size=16,
+        num_blocks=2,
+        block_bytes=16 * 3 * 8 * 4,
+    )
+    base.update(kw)
+    return protocol.Manifest(**base)  # type: ignore[arg-type]
+
+
+MESSAGES = [
+    protocol.Hello(
+        version=1, producer_id="p", rank=0, world_size=2, agent_name="a", block_bytes=64, nonce=b"n" * 32
+    ),
+    protocol.Challenge(version=1, nonce=b"r" * 32, digest=b"d" * 32, auth_required=True),
+    protocol.Auth(digest=b"d" * 32, agent_metadata=b"\x00meta"),
+    protocol.Welcome(
+        reader_id="r",
+        agent_name="ra",
+        agent_metadata=b"m",
+        pool_addr=1 << 40,
+        pool_bytes=4096,
+        page_bytes=1024,
+        num_pages=4,
+        mem_type="DRAM",
+        device_id=0,
+    ),
+    protocol.CreditRequest(manifest=manifest(), blocks=[1]),
+    protocol.Grant(request_id="req-1", pages=[3, 0], pages_per_block=1),
+    protocol.Ack(request_id="req-1"),
+    protocol.Refuse(code="x", message="no", request_id="req-1"),
+    protocol.WriteDone(request_id="req-1"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg: protocol._Msg) -> None:
+    assert protocol.decode(protocol.encode(msg)) == msg
+
+
+def raw(d: dict[str, object]) -> bytes:
+    return msgspec.msgpack.encode(d)
+
+
+def hello_dict(**kw: object) -> dict[str, object]:
+    d: dict[str, object] = dict(
+        type="hello",
+        version=1,
+        producer_id="p",
+        rank=0,
+        world_size=1,
+        agent_name="a",
+        block_bytes=64,
+        nonce=b"n" * 32,
+    )
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize(
+    "payload, fragment",
+    [
+        (hello_dict(version=2), "version 2"),
+        (hello_dict(extra=1), "unknown field"),
+        (hello_dict(rank="0"), "Expected `int`"),
+        (hello_dict(rank=-1), ">= 0"),
+        (hello_dict(world_size=0), ">= 1"),
+        (hello_dict(nonce=b"short"), "length"),
+        (hello_dict(producer_id="x" * 300), "length"),
+        (hello_dict(type="nope"), "Invalid value 'nope'"),
+        ({"version": 1}, "missing required field `type`"),
+    ],
+)
+def test_bad_hello_is_refused(payload: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        protocol.decode(raw(payload))
+
+
+def credit(m: dict[str, object], blocks: list[int]) -> bytes:
+    good = msgspec.to_builtins(manifest())
+    good.update(m)
+    return raw({"type": "credit_request", "manifest": good, "blocks": blocks})
+
+
+@pytest.mark.parametrize(
+    "change, blocks, fragment",
+    [
+        ({"block_bytes": 100}, [0], "block_bytes"),
+        ({"num_blocks": 3}, [0], "need 2 blocks"),
+        ({"layout": "XYZ"}, [0], "layout"),
+        ({"dtype": "int7"}, [0], "dtype"),
+        ({}, [2], "outside"),
+        ({}, [0, 0], "duplicate"),
+        ({"request_id": "../etc/passwd"}, [0], "matching regex"),
+        ({"token_ids": []}, [0], "length"),
+        ({"token_ids": [-1]}, [0], ">= 0"),
+    ],
+)
+def test_bad_manifest_is_refused(change: dict[str, object], blocks: list[int], fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        protocol.decode(credit(change, blocks))
+
+
+def test_oversize_message_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode(b"\x00" * (protocol.MAX_FRAME_BYTES + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_raise_only_protocol_error(data: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        protocol.decode(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(MESSAGES), st.data())
+def test_truncated_messages_raise_only_protocol_error(msg: protocol._Msg, data: st.DataObject) -> None:
+    enc = protocol.encode(msg)
+    cut = data.draw(st.integers(0, len(enc) - 1))
+    with pytest.raises(ProtocolError):
+        protocol.decode(enc[:cut])
