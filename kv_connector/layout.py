@@ -48,30 +48,44 @@ class BlockLayout:
         return (self.block_size, self.num_layers, self.hidden_size)
 
 
-def detect_layout(shape: Sequence[int], num_layers: int, hidden_size: int, on_cpu: bool) -> tuple[str, int]:
-    """Find (layout, block_size) of a cache-only tensor of ``shape``
-    ([num_blocks, a, b, hidden_size]) holding ``num_layers`` states per token.
+def layout_from_view(
+    shape: Sequence[int], strides: Sequence[int], num_layers: int, hidden_size: int
+) -> tuple[str, int]:
+    """(layout, block_size) of the cache-only layer's tensor, read from its view.
 
-    Read from the tensor, never assumed; when both orders fit (block_size equal to
-    num_layers) the device decides: vLLM's CPU backend uses "LTH", its GPU backends "TLH".
+    vLLM's cache-only layer indexes its cache as [num_blocks, num_layers, block_size,
+    hidden] (it writes ``cache[slot // shape[2], :, slot % shape[2]]``); the memory
+    behind that view is "LTH" when contiguous (the CPU backend) and "TLH" when the view
+    is a permutation of [num_blocks, block_size, num_layers, hidden] (the GPU "LBNHC"
+    layout). A plain [num_blocks, block_size, num_layers, hidden] tensor is also read as
+    "TLH". Blocks must be dense: ``strides[0]`` is one block.
     """
-    if len(shape) != 4 or shape[3] != hidden_size:
+    if len(shape) != 4 or len(strides) != 4 or shape[3] != hidden_size or strides[3] != 1:
         raise ValueError(
-            f"cache-only tensor of shape {tuple(shape)} is not [num_blocks, ., ., hidden_size={hidden_size}]"
+            f"cache-only tensor of shape {tuple(shape)} strides {tuple(strides)} is not "
+            f"[num_blocks, ., ., hidden_size={hidden_size}] with unit stride in hidden"
         )
-    a, b = shape[1], shape[2]
-    fits = []
-    if a == num_layers:
-        fits.append(("LTH", b))
-    if b == num_layers:
-        fits.append(("TLH", a))
-    if not fits:
+    H = hidden_size
+    if shape[1] == num_layers:
+        bs = shape[2]
+        if strides[1] == bs * H and strides[2] == H:
+            layout = "LTH"
+        elif strides[2] == num_layers * H and strides[1] == H:
+            layout = "TLH"
+        else:
+            raise ValueError(f"cache-only tensor strides {tuple(strides)} are neither LTH nor TLH")
+    elif shape[2] == num_layers and strides[2] == H and strides[1] == num_layers * H:
+        bs, layout = shape[1], "TLH"
+    else:
         raise ValueError(
             f"cache-only tensor of shape {tuple(shape)} has no dimension of {num_layers} captured layers"
         )
-    if len(fits) == 2:
-        return ("LTH", b) if on_cpu else ("TLH", a)
-    return fits[0]
+    if strides[0] != bs * num_layers * H:
+        raise ValueError(
+            f"cache-only tensor blocks are {strides[0]} elements apart, not one block "
+            f"({bs * num_layers * H}): blocks are not dense"
+        )
+    return layout, bs
 
 
 def pages_per_block(block_bytes: int, page_bytes: int) -> int:

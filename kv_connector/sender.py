@@ -87,10 +87,13 @@ class HiddenStatesSender:
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         block_stride = cache.stride(0) * cache.element_size()
-        if block_stride != layout.block_bytes or not cache.is_contiguous():
+        if (
+            block_stride != layout.block_bytes
+            or cache.numel() * cache.element_size() != cache.shape[0] * layout.block_bytes
+        ):
             raise ValueError(
-                f"cache tensor blocks are {block_stride} bytes apart (contiguous="
-                f"{cache.is_contiguous()}), the layout says {layout.block_bytes}"
+                f"cache tensor blocks are {block_stride} bytes apart and it holds "
+                f"{cache.numel() * cache.element_size()} bytes; the layout says blocks of {layout.block_bytes}"
             )
         self.num_cache_blocks = cache.shape[0]
         self._secret = secret if secret is not None else auth.load_secret()
@@ -161,6 +164,12 @@ class HiddenStatesSender:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._jobs) + self._inbox.qsize()
+
+    @property
+    def unwritten(self) -> int:
+        """Requests whose blocks have not all landed in the reader yet."""
+        with self._lock:
+            return sum(not j.written for j in self._jobs.values()) + self._inbox.qsize()
 
     def close(self) -> None:
         if self._closed:

@@ -102,9 +102,11 @@ class Transport:
         return bytes(self._agent.get_agent_metadata())
 
     def register(self, tensor: torch.Tensor) -> Region:
-        """Register a contiguous tensor's memory once (no copy)."""
-        if not tensor.is_contiguous():
-            raise TransportError("only a contiguous tensor's memory can be registered")
+        """Register a tensor's memory once (no copy). The tensor must be dense (any
+        permutation of a contiguous tensor), so its bytes are one range."""
+        span = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+        if tensor.numel() == 0 or span != tensor.numel() or min(tensor.stride()) < 0:
+            raise TransportError("only a dense tensor's memory can be registered")
         mem_type, dev = mem_type_of(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         try:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kv_connector.layout import (
     BlockLayout,
     blocks_for_tokens,
-    detect_layout,
+    layout_from_view,
     pages_per_block,
     piece_spans,
     stripe,
@@ -51,17 +51,23 @@ def test_block_layout_bytes_and_shape() -> None:
         BlockLayout("LTH", 16, 4, 8, "int3")
 
 
-def test_detect_layout_reads_the_tensor() -> None:
-    assert detect_layout((10, 3, 128, 64), 3, 64, on_cpu=True) == ("LTH", 128)
-    assert detect_layout((10, 16, 3, 64), 3, 64, on_cpu=False) == ("TLH", 16)
-    # A GPU-shaped tensor on a CPU is still read as what it is.
-    assert detect_layout((10, 16, 3, 64), 3, 64, on_cpu=True) == ("TLH", 16)
-    assert detect_layout((10, 4, 4, 64), 4, 64, on_cpu=True) == ("LTH", 4)
-    assert detect_layout((10, 4, 4, 64), 4, 64, on_cpu=False) == ("TLH", 4)
+def test_layout_is_read_from_the_view_strides() -> None:
+    L, bs, H = 3, 128, 64
+    # CPU: the layer's view [nb, L, bs, H] is contiguous.
+    assert layout_from_view((10, L, bs, H), (L * bs * H, bs * H, H, 1), L, H) == ("LTH", bs)
+    # GPU: the same view over [nb, bs, L, H] memory.
+    assert layout_from_view((10, L, 16, H), (16 * L * H, H, L * H, 1), L, H) == ("TLH", 16)
+    # A plain [nb, bs, L, H] tensor.
+    assert layout_from_view((10, 16, L, H), (16 * L * H, L * H, H, 1), L, H) == ("TLH", 16)
+    # num_layers == block_size: the view convention decides, strides tell the memory order.
+    assert layout_from_view((10, 4, 4, H), (16 * H, 4 * H, H, 1), 4, H) == ("LTH", 4)
+    assert layout_from_view((10, 4, 4, H), (16 * H, H, 4 * H, 1), 4, H) == ("TLH", 4)
     with pytest.raises(ValueError, match="captured layers"):
-        detect_layout((10, 5, 6, 64), 3, 64, on_cpu=True)
+        layout_from_view((10, 5, 6, H), (30 * H, 6 * H, H, 1), L, H)
     with pytest.raises(ValueError, match="hidden_size"):
-        detect_layout((10, 3, 16, 32), 3, 64, on_cpu=True)
+        layout_from_view((10, L, 16, 32), (L * 16 * 32, 16 * 32, 32, 1), L, H)
+    with pytest.raises(ValueError, match="not dense"):
+        layout_from_view((10, L, bs, H), (2 * L * bs * H, bs * H, H, 1), L, H)
 
 
 def test_blocks_for_tokens_follows_the_slot_mapping() -> None:

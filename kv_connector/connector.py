@@ -1,0 +1,148 @@
+"""HiddenStatesConnector: the vLLM KV connector (a thin facade over the scheduler-side
+and worker-side modules) that ships extract_hidden_states outputs to a reader.
+
+Load it with
+``--kv-transfer-config '{"kv_connector":"HiddenStatesConnector",
+"kv_connector_module_path":"kv_connector.connector","kv_role":"kv_producer",
+"kv_connector_extra_config":{"consumer_address":"HOST:PORT"}}'``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kv_connector.options import EXAMPLE, ConnectorOptions
+from kv_connector.planning import StepPlan
+from kv_connector.scheduler_side import SchedulerSide
+from kv_connector.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HiddenStatesConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
+    """Validate the engine's configuration; raise ValueError naming the problem and fix."""
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    if ktc.kv_role != "kv_producer":
+        raise ValueError(
+            f'HiddenStatesConnector is a producer: set "kv_role":"kv_producer" (got {ktc.kv_role!r}); '
+            f"e.g. {EXAMPLE}"
+        )
+    options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "extract_hidden_states":
+        raise ValueError(
+            "HiddenStatesConnector needs vLLM's extract_hidden_states speculative method: add "
+            '--speculative-config \'{"method":"extract_hidden_states","num_speculative_tokens":1,'
+            '"draft_model_config":{"hf_config":{"eagle_aux_hidden_state_layer_ids":[...]}}}\''
+        )
+    assert spec.draft_model_config is not None
+    layer_ids = list(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
+    if not layer_ids:
+        raise ValueError("extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
+    return options, layer_ids
+
+
+class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
+    """Ships each request's captured hidden states to a HiddenStatesReader over NIXL."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.options, layer_ids = check_config(vllm_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        producer_id = self.options.producer_id or f"vllm-{ktc.engine_id}"
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.options, kv_cache_config, producer_id)
+        else:
+            self._worker = WorkerSide(vllm_config, self.options, producer_id, layer_ids)
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        assert self._worker is not None
+        self._worker.save_kv_layer(layer_name, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        plan = meta.plan if isinstance(meta, HiddenStatesConnectorMetadata) else None
+        self._worker.wait_for_save(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids), None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        return None
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return HiddenStatesConnectorMetadata(plan=self._scheduler.build_plan(scheduler_output))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        g = self._scheduler.group
+        return self.request_finished(request, block_ids[g] if g < len(block_ids) else [])

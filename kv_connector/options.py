@@ -1,0 +1,83 @@
+"""The connector's options, read from ``kv_connector_extra_config`` and validated once.
+
+Pure logic: a bad value raises ``ValueError`` naming the key and the fix, so vLLM fails
+at startup with that message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kv_connector.control import parse_address
+
+EXAMPLE = (
+    '--kv-transfer-config \'{"kv_connector":"HiddenStatesConnector",'
+    '"kv_connector_module_path":"kv_connector.connector","kv_role":"kv_producer",'
+    '"kv_connector_extra_config":{"consumer_address":"HOST:PORT"}}\''
+)
+
+_KNOWN = {
+    "consumer_address",
+    "producer_id",
+    "connect_timeout_s",
+    "drain_timeout_s",
+    "include_output_tokens",
+}
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """consumer_address: the reader's control address (required).
+    producer_id: this engine's name at the reader (default: vLLM's engine_id).
+    connect_timeout_s: how long a worker keeps trying to reach the reader.
+    drain_timeout_s: at shutdown, how long to wait for samples still in flight.
+    include_output_tokens: ship output tokens too, for every request (a request can
+    also ask with ``kv_transfer_params={"include_output_tokens": true}``).
+    """
+
+    consumer_address: str
+    producer_id: str | None = None
+    connect_timeout_s: float = 60.0
+    drain_timeout_s: float = 60.0
+    include_output_tokens: bool = False
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        extra = dict(extra or {})
+        unknown = set(extra) - _KNOWN
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(_KNOWN)}"
+            )
+        addr = extra.get("consumer_address")
+        if not isinstance(addr, str) or not addr:
+            raise ValueError(
+                "HiddenStatesConnector needs kv_connector_extra_config.consumer_address, the "
+                f"reader's HOST:PORT (start `python -m kv_connector.reader`), e.g. {EXAMPLE}"
+            )
+        try:
+            parse_address(addr)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
+        pid = extra.get("producer_id")
+        if pid is not None and (not isinstance(pid, str) or not 0 < len(pid) <= 128):
+            raise ValueError("kv_connector_extra_config.producer_id must be a non-empty string")
+
+        def seconds(key: str, default: float) -> float:
+            v = extra.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds")
+            return float(v)
+
+        inc = extra.get("include_output_tokens", False)
+        if not isinstance(inc, bool):
+            raise ValueError("kv_connector_extra_config.include_output_tokens must be true or false")
+        return cls(
+            consumer_address=addr,
+            producer_id=pid,
+            connect_timeout_s=seconds("connect_timeout_s", 60.0),
+            drain_timeout_s=seconds("drain_timeout_s", 60.0),
+            include_output_tokens=inc,
+        )

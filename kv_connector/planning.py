@@ -1,0 +1,220 @@
+"""What to ship and when: the scheduler-side plan and the worker-side block record.
+
+Pure logic (no vllm, nixl or torch). The scheduler side (``ShipPlanner``) turns each
+engine step into a ``StepPlan``: which positions of which tracked request are computed in
+this step, and which requests are complete and must be shipped now. The worker side
+(``BlockRecorder``) finds those positions in the slot mapping the cache-only layer really
+wrote with, and records the cache block of every position from those slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kv_connector.layout import blocks_for_tokens
+
+
+@dataclass(frozen=True)
+class StepSlice:
+    """Positions ``start .. start + num_tokens - 1`` of a request computed in this step;
+    ``block_ids`` is the request's block table (the hidden-state blocks), used only to
+    find the rows of this slice in the step's slot mapping and to cross-check them."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShipOrder:
+    """Ship the states of ``token_ids`` (positions 0..len-1) of a request now."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class StepPlan:
+    slices: list[StepSlice] = field(default_factory=list)
+    ships: list[ShipOrder] = field(default_factory=list)
+    resets: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.slices or self.ships or self.resets)
+
+
+@dataclass
+class _Tracked:
+    prompt: tuple[int, ...]
+    include_output: bool
+    block_ids: list[int] = field(default_factory=list)
+    shipped: bool = False
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    request_id: str
+    new_block_ids: Sequence[int] | None
+    resumed: bool
+    num_computed_tokens: int
+
+
+class ShipPlanner:
+    """Scheduler side: follows each request until its prompt is computed.
+
+    By default a request is shipped in the step that computes its last prompt token
+    (prompt tokens only). A request added with ``include_output=True`` is shipped when
+    it finishes instead, with its prompt and all output tokens but the last (the last
+    sampled token never went through a forward pass, so it has no hidden state).
+    """
+
+    def __init__(self) -> None:
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_ships: list[ShipOrder] = []
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+    def add(self, request_id: str, include_output: bool = False) -> None:
+        self._tracked[request_id] = _Tracked(prompt=(), include_output=include_output)
+
+    def is_shipping(self, request_id: str) -> bool:
+        t = self._tracked.get(request_id)
+        return t is not None and t.shipped
+
+    def plan(
+        self,
+        new: Sequence[NewRequest],
+        running: Sequence[RunningRequest],
+        num_scheduled: dict[str, int],
+    ) -> StepPlan:
+        plan = StepPlan(ships=self._pending_ships)
+        self._pending_ships = []
+        for n in new:
+            t = self._tracked.setdefault(n.request_id, _Tracked(prompt=(), include_output=False))
+            t.prompt = tuple(n.prompt_token_ids)
+            t.block_ids = list(n.block_ids)
+            self._step(plan, n.request_id, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
+        for r in running:
+            tracked = self._tracked.get(r.request_id)
+            if tracked is None:
+                continue
+            t = tracked
+            if r.resumed:
+                # Preempted and rescheduled: the old blocks are gone, recompute from here.
+                t.block_ids = list(r.new_block_ids or [])
+                plan.resets.append(r.request_id)
+            elif r.new_block_ids:
+                t.block_ids.extend(r.new_block_ids)
+            self._step(plan, r.request_id, t, r.num_computed_tokens, num_scheduled.get(r.request_id, 0))
+        return plan
+
+    def _step(self, plan: StepPlan, rid: str, t: _Tracked, start: int, n: int) -> None:
+        if n <= 0 or t.shipped:
+            return
+        limit = None if t.include_output else len(t.prompt)
+        if limit is not None:
+            n = min(n, limit - start)
+            if n <= 0:
+                return
+        plan.slices.append(StepSlice(rid, start, n, tuple(t.block_ids)))
+        if not t.include_output and start + n >= len(t.prompt):
+            t.shipped = True
+            plan.ships.append(ShipOrder(rid, t.prompt, tuple(t.block_ids)))
+
+    def finish(self, request_id: str, all_token_ids: Sequence[int], block_ids: Sequence[int]) -> bool:
+        """The request finished; True if the connector holds its blocks (a ship was or
+        will be made), False if it never got far enough to ship anything."""
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return False
+        if t.include_output and not t.shipped:
+            tokens = tuple(all_token_ids[:-1]) if len(all_token_ids) > 1 else tuple(all_token_ids)
+            if not t.prompt or not tokens:
+                return False
+            self._pending_ships.append(ShipOrder(request_id, tokens, tuple(block_ids)))
+            return True
+        return t.shipped
+
+
+class SlotMismatch(ValueError):
+    """The slot mapping the layer wrote with disagrees with the request's block table."""
+
+
+class BlockRecorder:
+    """Worker side: the cache block of each position of each request, read from the slot
+    mapping the cache-only layer wrote with, in units of the cache tensor's own block
+    size."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._blocks: dict[str, dict[int, int]] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._blocks.pop(request_id, None)
+
+    def record(self, slots: Sequence[int], slices: Sequence[StepSlice]) -> dict[str, str]:
+        """Find each slice's rows in ``slots`` (the step's slot mapping) and record the
+        blocks they wrote; returns {request_id: error} for slices that do not match."""
+        if not slices:
+            return {}
+        bs = self.block_size
+        row_of: dict[int, int] = {s: i for i, s in enumerate(slots) if s >= 0}
+        errors: dict[str, str] = {}
+        for sl in slices:
+            j0 = sl.start // bs
+            if j0 >= len(sl.block_ids):
+                errors[sl.request_id] = f"position {sl.start} has no block in the block table"
+                continue
+            row = row_of.get(sl.block_ids[j0] * bs + sl.start % bs)
+            if row is None or row + sl.num_tokens > len(slots):
+                errors[sl.request_id] = (
+                    f"positions {sl.start}..{sl.start + sl.num_tokens - 1} were not written where "
+                    f"the block table puts them with block size {bs}"
+                )
+                continue
+            try:
+                pairs = blocks_for_tokens(slots[row : row + sl.num_tokens], bs, sl.start)
+            except ValueError as e:
+                errors[sl.request_id] = str(e)
+                continue
+            rec = self._blocks.setdefault(sl.request_id, {})
+            for j, b in pairs:
+                if j >= len(sl.block_ids) or sl.block_ids[j] != b:
+                    errors[sl.request_id] = (
+                        f"block {j} was written to cache block {b}, the block table says "
+                        f"{sl.block_ids[j] if j < len(sl.block_ids) else None}"
+                    )
+                    break
+                rec[j] = b
+        return errors
+
+    def blocks(self, request_id: str, num_tokens: int, table: Sequence[int]) -> tuple[list[int], int]:
+        """The cache blocks of positions 0..num_tokens-1 in order, and how many came from
+        the block table rather than a recorded write (prefix-cache hits, computed by an
+        earlier request)."""
+        rec = self._blocks.get(request_id, {})
+        nb = -(-num_tokens // self.block_size)
+        if nb > len(table):
+            raise SlotMismatch(f"{num_tokens} tokens need {nb} blocks, the block table has {len(table)}")
+        out, from_table = [], 0
+        for j in range(nb):
+            b = rec.get(j)
+            if b is None:
+                b = table[j]
+                from_table += 1
+            out.append(b)
+        return out, from_table

@@ -1,0 +1,167 @@
+"""Worker side of the connector: registers the cache-only layer's tensor with NIXL, reads
+each step's slot mapping, and hands complete requests to the sender."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kv_connector.layout import BlockLayout, layout_from_view
+from kv_connector.options import ConnectorOptions
+from kv_connector.planning import BlockRecorder, SlotMismatch, StepPlan
+from kv_connector.sender import HiddenStatesSender, SenderConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class WorkerSide:
+    def __init__(
+        self, vllm_config: VllmConfig, options: ConnectorOptions, producer_id: str, layer_ids: list[int]
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.options = options
+        self.producer_id = producer_id
+        self.layer_ids = layer_ids
+        self.layer_name = ""
+        self.sender: HiddenStatesSender | None = None
+        self.recorder: BlockRecorder | None = None
+        self._slots: torch.Tensor | None = None
+        self._shipped: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._done: set[str] = set()
+        self._finished_by_scheduler: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        layers = get_layers_from_vllm_config(self.vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
+        if len(layers) != 1:
+            raise ValueError(
+                f"HiddenStatesConnector needs exactly one cache-only layer, found {len(layers)}: "
+                "start vLLM with the extract_hidden_states speculative method"
+            )
+        self.layer_name = next(iter(layers))
+        cache = kv_caches[self.layer_name]
+        hidden = self.vllm_config.model_config.get_hidden_size()
+        layout, block_size = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
+        block_layout = BlockLayout(layout, block_size, len(self.layer_ids), hidden, _dtype_name(cache.dtype))
+        rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.recorder = BlockRecorder(block_size)
+        self.sender = HiddenStatesSender(
+            SenderConfig(
+                consumer_address=self.options.consumer_address,
+                producer_id=self.producer_id,
+                rank=rank,
+                world_size=world,
+                connect_timeout_s=self.options.connect_timeout_s,
+            ),
+            cache,
+            block_layout,
+            self.layer_ids,
+        )
+        atexit.register(self.shutdown)
+        log.info(
+            "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
+            "shipping to %s",
+            rank,
+            world,
+            self.layer_name,
+            cache.shape[0],
+            block_size,
+            layout,
+            block_layout.dtype,
+            block_layout.block_bytes,
+            self.options.consumer_address,
+        )
+
+    def save_kv_layer(self, layer_name: str, attn_metadata: object) -> None:
+        if layer_name == self.layer_name:
+            slots = getattr(attn_metadata, "slot_mapping", None)
+            if isinstance(slots, torch.Tensor):
+                self._slots = slots
+
+    def wait_for_save(self, plan: StepPlan | None) -> None:
+        if plan is None or not plan or self.recorder is None or self.sender is None:
+            self._slots = None
+            return
+        for rid in plan.resets:
+            self.recorder.forget(rid)
+        if plan.slices:
+            if self._slots is None:
+                errors = {
+                    sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices
+                }
+            else:
+                if self._slots.is_cuda:
+                    torch.cuda.current_stream().synchronize()  # states written before WRITEs read them
+                slots = self._slots.tolist()
+                errors = self.recorder.record(slots, plan.slices)
+            for rid, why in errors.items():
+                log.error("request %s: %s; its hidden states will not be shipped", rid, why)
+                self._failed.setdefault(rid, why)
+        self._slots = None
+        for order in plan.ships:
+            rid = order.request_id
+            if rid in self._failed:
+                self._done.add(rid)
+                continue
+            try:
+                blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
+                if from_table:
+                    log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
+                self.sender.ship(rid, order.token_ids, blocks)
+                self._shipped.add(rid)
+            except (SlotMismatch, ValueError) as e:
+                log.error("request %s cannot be shipped: %s", rid, e)
+                self._failed[rid] = str(e)
+                self._done.add(rid)
+            self.recorder.forget(rid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        if self.sender is None:
+            return None
+        self._finished_by_scheduler |= finished_req_ids
+        self._done |= self.sender.take_finished()
+        for rid, why in self.sender.take_failed().items():
+            self._failed[rid] = why
+            self._done.add(rid)
+        ready = self._done & self._finished_by_scheduler
+        if not ready:
+            return None
+        self._done -= ready
+        self._finished_by_scheduler -= ready
+        self._shipped -= ready
+        for rid in ready:
+            self._failed.pop(rid, None)
+        return ready
+
+    def shutdown(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is None:
+            return
+        deadline = time.monotonic() + self.options.drain_timeout_s
+        while sender.unwritten and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if sender.unwritten:
+            log.error(
+                "shutting down with %d hidden-state samples not delivered to the reader after %.0f s",
+                sender.unwritten,
+                self.options.drain_timeout_s,
+            )
+        sender.close()

@@ -1,0 +1,79 @@
+"""A real producer: vLLM (CPU build) with extract_hidden_states and HiddenStatesConnector,
+in its own process. Reads a JSON spec from argv, runs generate(), prints one JSON line
+with each prompt's request id and kv_transfer_params, and exits without stepping again."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if spec.get("inprocess", True):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    extra = {"consumer_address": spec["address"], **spec.get("extra", {})}
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+        max_model_len=spec.get("max_model_len", 2048),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+        max_num_seqs=spec.get("max_num_seqs", 16),
+        enable_prefix_caching=spec.get("enable_prefix_caching", False),
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 128 << 20),
+        tensor_parallel_size=spec.get("tp", 1),
+        enforce_eager=True,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec["layer_ids"]}},
+        },
+        kv_transfer_config={
+            "kv_connector": "HiddenStatesConnector",
+            "kv_connector_module_path": "kv_connector.connector",
+            "kv_role": spec.get("kv_role", "kv_producer"),
+            "kv_connector_extra_config": extra,
+        },
+    )
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    params = [
+        SamplingParams(
+            max_tokens=m,
+            temperature=0.0,
+            ignore_eos=True,
+            extra_args=(
+                {"kv_transfer_params": {"include_output_tokens": True}}
+                if i in spec.get("with_output", [])
+                else None
+            ),
+        )
+        for i, m in enumerate(spec.get("max_tokens", [1] * len(prompts)))
+    ]
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params)
+    elapsed = time.monotonic() - t0
+    result = {
+        "elapsed_s": elapsed,
+        "outputs": [
+            {
+                "request_id": (o.kv_transfer_params or {}).get("hidden_states", {}).get("request_id"),
+                "kv_transfer_params": o.kv_transfer_params,
+                "output_token_ids": list(o.outputs[0].token_ids),
+            }
+            for o in outs
+        ],
+    }
+    print(json.dumps(result), flush=True)
+    if spec.get("linger_s"):
+        time.sleep(spec["linger_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

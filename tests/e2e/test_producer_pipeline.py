@@ -1,0 +1,110 @@
+"""Real vLLM (CPU build) -> HiddenStatesConnector -> NIXL -> HiddenStatesReader.
+
+The received states must equal the transformers model's output_hidden_states[k] for the
+configured layer ids, token_ids must equal the prompt, and each request must arrive
+exactly once, without stepping the engine after generate() returned."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kv_connector.reader import HiddenStatesReader, Sample
+from tests.e2e.conftest import Reference, relative_error, start_producer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LAYER_IDS = [1, 2, 4]
+CPU_BLOCK = 128  # vLLM's CPU block size; the connector reads it from the tensor
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
+
+
+def run_and_collect(
+    reader: HiddenStatesReader, spec: dict[str, Any], n: int
+) -> tuple[dict[str, Sample], dict[str, Any]]:
+    import json
+
+    proc = start_producer(spec)
+    got: dict[str, Sample] = {}
+    try:
+        for _ in range(n):
+            s = reader.get(timeout=300)
+            assert s.request_id not in got, f"{s.request_id} delivered twice"
+            got[s.request_id] = s
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-5000:]
+    result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+    with pytest.raises(TimeoutError):
+        extra = reader.get(timeout=1.0)
+        pytest.fail(f"unexpected extra sample {extra.request_id}")
+    return got, result
+
+
+def check_against_reference(
+    got: dict[str, Sample],
+    result: dict[str, Any],
+    prompts: list[list[int]],
+    ref: Reference,
+    with_output: set[int],
+) -> float:
+    worst = 0.0
+    assert {o["request_id"] for o in result["outputs"]} == set(got)
+    for i, (o, prompt) in enumerate(zip(result["outputs"], prompts, strict=True)):
+        s = got[o["request_id"]]
+        tokens = prompt + o["output_token_ids"][:-1] if i in with_output else prompt
+        assert s.token_ids.tolist() == tokens
+        assert s.layer_ids == tuple(LAYER_IDS)
+        assert s.hidden_states.shape == (len(tokens), len(LAYER_IDS), 128)
+        assert s.hidden_states.abs().sum() > 0
+        err = relative_error(s.hidden_states, ref.states(tokens, LAYER_IDS))
+        assert err < 1e-4, (i, len(tokens), err)
+        worst = max(worst, err)
+        params = o["kv_transfer_params"]["hidden_states"]
+        assert params["consumer_address"] and params["request_id"] == s.request_id
+    return worst
+
+
+def test_inprocess_engine_chunked_prefill_mixed_batch(tiny_llama: Path, llama_reference: Reference) -> None:
+    lengths = [1, CPU_BLOCK, CPU_BLOCK + 1, 2 * CPU_BLOCK, 700, 37, 1000, 5]
+    prompts = prompts_of(lengths, seed=11)
+    with HiddenStatesReader() as reader:
+        spec = dict(
+            model=str(tiny_llama),
+            address=reader.address,
+            layer_ids=LAYER_IDS,
+            prompts=prompts,
+            max_tokens=[1, 1, 3, 1, 2, 5, 1, 4],
+            max_num_batched_tokens=256,  # chunked prefill: 700 and 1000 span several steps
+            inprocess=True,
+        )
+        got, result = run_and_collect(reader, spec, len(prompts))
+    worst = check_against_reference(got, result, prompts, llama_reference, with_output=set())
+    print(f"worst relative error {worst:.2e}")
+
+
+def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_reference: Reference) -> None:
+    lengths = [3, CPU_BLOCK, 300, 129]
+    prompts = prompts_of(lengths, seed=12)
+    with HiddenStatesReader() as reader:
+        spec = dict(
+            model=str(tiny_llama),
+            address=reader.address,
+            layer_ids=LAYER_IDS,
+            prompts=prompts,
+            max_tokens=[2, 1, 4, 6],
+            with_output=[2, 3],
+            inprocess=False,
+        )
+        got, result = run_and_collect(reader, spec, len(prompts))
+    check_against_reference(got, result, prompts, llama_reference, with_output={2, 3})
