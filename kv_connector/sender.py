@@ -87,13 +87,11 @@ class HiddenStatesSender:
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         block_stride = cache.stride(0) * cache.element_size()
-        if (
-            block_stride != layout.block_bytes
-            or cache.numel() * cache.element_size() != cache.shape[0] * layout.block_bytes
-        ):
+        nbytes = cache.numel() * cache.element_size()
+        if block_stride != layout.block_bytes or nbytes != cache.shape[0] * layout.block_bytes:
             raise ValueError(
-                f"cache tensor blocks are {block_stride} bytes apart and it holds "
-                f"{cache.numel() * cache.element_size()} bytes; the layout says blocks of {layout.block_bytes}"
+                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
+                f"bytes; the layout says blocks of {layout.block_bytes}"
             )
         self.num_cache_blocks = cache.shape[0]
         self._secret = secret if secret is not None else auth.load_secret()
