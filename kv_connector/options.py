@@ -6,6 +6,7 @@ at startup with that message.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ class ConnectorOptions:
 
         def seconds(key: str, default: float) -> float:
             v = extra.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds")
             return float(v)
 

@@ -51,6 +51,7 @@ class _Tracked:
     prompt: tuple[int, ...]
     include_output: bool
     block_ids: list[int] = field(default_factory=list)
+    computed: int = 0  # positions 0..computed-1 have states in the cache
     shipped: bool = False
 
 
@@ -105,6 +106,7 @@ class ShipPlanner:
             t = self._tracked.setdefault(n.request_id, _Tracked(prompt=(), include_output=False))
             t.prompt = tuple(n.prompt_token_ids)
             t.block_ids = list(n.block_ids)
+            t.computed = n.num_computed_tokens  # a prefix-cache hit is computed already
             self._step(plan, n.request_id, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
         for r in running:
             tracked = self._tracked.get(r.request_id)
@@ -114,6 +116,7 @@ class ShipPlanner:
             if r.resumed:
                 # Preempted and rescheduled: the old blocks are gone, recompute from here.
                 t.block_ids = list(r.new_block_ids or [])
+                t.computed = r.num_computed_tokens
                 plan.resets.append(r.request_id)
             elif r.new_block_ids:
                 t.block_ids.extend(r.new_block_ids)
@@ -123,6 +126,7 @@ class ShipPlanner:
     def _step(self, plan: StepPlan, rid: str, t: _Tracked, start: int, n: int) -> None:
         if n <= 0 or t.shipped:
             return
+        t.computed = max(t.computed, start + n)
         limit = None if t.include_output else len(t.prompt)
         if limit is not None:
             n = min(n, limit - start)
@@ -135,13 +139,14 @@ class ShipPlanner:
 
     def finish(self, request_id: str, all_token_ids: Sequence[int], block_ids: Sequence[int]) -> bool:
         """The request finished; True if the connector holds its blocks (a ship was or
-        will be made), False if it never got far enough to ship anything."""
+        will be made), False if it never got far enough to ship anything (aborted before
+        its prompt, or for ``include_output`` its tokens, were all computed)."""
         t = self._tracked.pop(request_id, None)
         if t is None:
             return False
         if t.include_output and not t.shipped:
             tokens = tuple(all_token_ids[:-1]) if len(all_token_ids) > 1 else tuple(all_token_ids)
-            if not t.prompt or not tokens:
+            if not t.prompt or not tokens or t.computed < len(tokens):
                 return False
             self._pending_ships.append(ShipOrder(request_id, tokens, tuple(block_ids)))
             return True

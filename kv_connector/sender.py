@@ -25,6 +25,12 @@ from kv_connector.transport import Region, Transfer, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
+# Sender-thread polling while a WRITE is in flight (UCX moves the bytes inside these
+# polls): SPIN_POLLS polls without sleeping after each event, then one every POLL_S.
+SPIN_POLLS = int(os.environ.get("KV_CONNECTOR_SENDER_SPIN_POLLS", "20"))
+POLL_S = float(os.environ.get("KV_CONNECTOR_SENDER_POLL_S", "0.0002"))
+IDLE_POLL_S = 0.05
+
 
 @dataclass(frozen=True)
 class SenderConfig:
@@ -56,6 +62,7 @@ class _Job:
     block_ids: list[int]
     share: range
     xfer: Transfer | None = None
+    t_write: float = 0.0
     granted: bool = False
     written: bool = False
     t_submit: float = field(default_factory=time.monotonic)
@@ -112,7 +119,13 @@ class HiddenStatesSender:
         os.set_blocking(self._wake_r, False)
         self._closed = False
         self.connected = threading.Event()
-        self.stats = {"requests": 0, "bytes": 0, "write_s": 0.0}
+        self.stats: dict[str, float] = {
+            "requests": 0,
+            "bytes": 0,
+            "grant_wait_s": 0.0,
+            "write_s": 0.0,
+            "ack_wait_s": 0.0,
+        }
         self._thread = threading.Thread(target=self._run, name=f"hs-sender-r{config.rank}", daemon=True)
         self._thread.start()
 
@@ -206,7 +219,7 @@ class HiddenStatesSender:
         try:
             while not self._closed:
                 writing = any(j.xfer is not None for j in self._jobs.values())
-                timeout = 0.0 if writing and idle < 200 else (0.0002 if writing else 0.05)
+                timeout = 0.0 if writing and idle < SPIN_POLLS else (POLL_S if writing else IDLE_POLL_S)
                 busy = False
                 for key, _ in sel.select(timeout):
                     busy = True
@@ -220,7 +233,15 @@ class HiddenStatesSender:
                 busy |= self._poll_writes()
                 idle = 0 if busy else idle + 1
         except (ConnectionClosed, ProtocolError, OSError) as e:
-            log.error("rank %d lost the reader: %s", self.config.rank, e)
+            if self.in_flight:
+                log.error(
+                    "rank %d lost the reader with %d requests in flight: %s",
+                    self.config.rank,
+                    self.in_flight,
+                    e,
+                )
+            else:
+                log.info("rank %d: the reader closed the connection (nothing in flight)", self.config.rank)
             self._fail_all(f"lost the reader connection: {e}")
         except Exception as e:
             log.exception("rank %d sender thread failed", self.config.rank)
@@ -321,6 +342,8 @@ class HiddenStatesSender:
             if job is None or job.granted:
                 raise ProtocolError(f"grant for {msg.request_id}, which is not waiting")
             job.granted = True
+            job.t_write = time.monotonic()
+            self.stats["grant_wait_s"] += job.t_write - job.t_submit
             self._write(job, msg)
         elif isinstance(msg, protocol.Ack):
             job = self._jobs.get(msg.request_id)
@@ -330,6 +353,7 @@ class HiddenStatesSender:
                 del self._jobs[msg.request_id]
                 self._finished.add(msg.request_id)
             self.stats["requests"] += 1
+            self.stats["ack_wait_s"] += time.monotonic() - job.t_write
         elif isinstance(msg, protocol.Refuse):
             if msg.request_id and msg.request_id in self._jobs:
                 with self._lock:
@@ -383,6 +407,9 @@ class HiddenStatesSender:
                 self._record_failure(job.request_id, str(e))
                 continue
             if done:
+                now = time.monotonic()
+                self.stats["write_s"] += now - job.t_write
+                job.t_write = now
                 self.stats["bytes"] += job.xfer.nbytes
                 job.xfer = None
                 job.written = True

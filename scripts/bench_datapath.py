@@ -1,0 +1,297 @@
+"""Data-path ceiling, measured side by side in one run on GPU-sized states
+(4 captured layers x hidden 4096, bf16: 32 KiB per token), with no model compute:
+
+  e: our connector's worker side driven with real vLLM objects (scripts.vllm_harness)
+     into a HiddenStatesReader in another process that copies every sample out;
+  b: vLLM's ExampleHiddenStatesConnector driven the same way, writing safetensors files
+     to /dev/shm (a minimal CPU-safe subclass: the stock one needs CUDA);
+  r: a raw NIXL WRITE of the same blocks from the same registered cache into another
+     process's registered memory on the same link (no protocol, no copy-out).
+
+Prints e/b and d = e's bytes/s over r's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYERS = [1, 2, 3, 4]
+HIDDEN = 4096
+BLOCK = 128  # vLLM's CPU block size
+
+
+# ------------------------------------------------------------------ reader process (e)
+def _reader_proc(conn: Any, n: int, pool_bytes: int) -> None:
+    from kv_connector.reader import HiddenStatesReader
+
+    with HiddenStatesReader(pool_bytes=pool_bytes) as reader:
+        conn.send(reader.address)
+        nbytes = 0
+        t_first = None
+        for s in reader.samples(n, timeout=300):
+            t_first = t_first or time.time()
+            nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
+        conn.send((time.time(), nbytes, dict(reader.stats)))
+
+
+# ------------------------------------------------------------------ raw target process (r)
+def _raw_target_proc(conn: Any, pool_bytes: int, expected: int) -> None:
+    from kv_connector.transport import Transport
+
+    t = Transport(f"raw-target-{os.getpid()}")
+    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
+    region = t.register(pool)
+    conn.send((t.metadata, region.addr, region.nbytes))
+    peer_md = conn.recv()
+    t.add_peer(peer_md)
+    got = 0
+    while got < expected:
+        got += len(t.notifications())
+    conn.send(time.time())
+    conn.recv()
+    t.close()
+
+
+def _drive(rank: Any, n_req: int, tokens: int, prefix: str = "q") -> float:
+    """Admit requests as blocks free up, step until every one is reported sent."""
+    pending = [f"{prefix}{i}" for i in range(n_req)]
+    done: set[str] = set()
+    prompt = list(range(tokens))
+    t0 = time.time()
+    while len(done) < n_req:
+        admitted = False
+        while pending and rank.can_admit(tokens):
+            rank.add(pending.pop(0), prompt)
+            admitted = True
+        finished = rank.step().finished_sending
+        done |= finished
+        if not admitted and not finished:
+            time.sleep(0.0005)  # an idle engine step; a real engine would not spin either
+    return t0
+
+
+def bench_ours(
+    model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int
+) -> dict[str, float]:
+    from kv_connector.connector import HiddenStatesConnector
+    from scripts.vllm_harness import ProducerRank, engine_config, init_parallel
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_reader_proc, args=(b, n_req + 1, pool_bytes))
+    proc.start()
+    address = a.recv()
+    cfg = engine_config(
+        model_dir,
+        LAYERS,
+        {
+            "kv_connector": "HiddenStatesConnector",
+            "kv_connector_module_path": "kv_connector.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"consumer_address": address},
+        },
+    )
+    init_parallel(cfg)
+    rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK)
+    rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
+    assert rank.worker._worker.sender.connected.wait(30)
+    # warm-up request: connection set-up and first-touch out of the timing
+    _drive(rank, 1, tokens, prefix="warmup")
+    t0 = _drive(rank, n_req, tokens)
+    t_end, nbytes, reader_stats = a.recv()
+    nbytes -= tokens * len(LAYERS) * HIDDEN * 2  # the warm-up sample
+    proc.join(30)
+    sender_stats = dict(rank.worker._worker.sender.stats)
+    rank.shutdown()
+    return {
+        "seconds": t_end - t0,
+        "bytes": float(nbytes),
+        "tokens": float(n_req * tokens),
+        "reader_copy_out_s": reader_stats["copy_s"],
+        "sender_write_s": sender_stats["write_s"],
+    }
+
+
+def _cpu_example_connector() -> type:
+    """vLLM's ExampleHiddenStatesConnector with its two CUDA-only steps replaced: the
+    device-to-host copy (pinned memory, a CUDA stream) becomes a plain gather on CPU,
+    and the CUDA event it polls becomes the write's future."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        PendingSave,
+        extract_from_kv_cache,
+    )
+
+    class _Done:
+        def __init__(self, fut: Future[Any]) -> None:
+            self.fut = fut
+
+        def query(self) -> bool:
+            return self.fut.done()
+
+        def synchronize(self) -> None:
+            return None
+
+    class CpuExampleHiddenStatesConnector(ExampleHiddenStatesConnector):  # type: ignore[misc]
+        def _submit_async_write(self, pending: PendingSave) -> None:
+            if not self._is_tp_rank_zero:
+                return
+            block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+            offs = torch.arange(self._block_size, dtype=torch.long)
+            slots = (block_ids[:, None] * self._block_size + offs[None, :]).flatten()
+            assert self._kv_cache is not None
+            hs = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
+            tensors = {"hidden_states": hs, "token_ids": pending.token_ids.clone()}
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            lock_fd = self._lock_fds.pop(pending.req_id, None)
+            no_wait: Any = _Done(Future())  # nothing to wait for: the gather above is done
+            fut = self._executor.submit(self._write_tensors, tensors, no_wait, pending.filename, lock_fd)
+            done: Any = _Done(fut)  # stands in for the CUDA event get_finished() polls
+            self._req_copy_events[pending.req_id] = done
+            self._req_futures[pending.req_id] = fut
+
+    return CpuExampleHiddenStatesConnector
+
+
+def bench_example(model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> dict[str, float]:
+    from scripts.vllm_harness import ProducerRank, engine_config, init_parallel
+
+    out_dir = Path(tempfile.mkdtemp(prefix="hs-example-", dir="/dev/shm"))
+    try:
+        cls = _cpu_example_connector()
+        cfg = engine_config(
+            model_dir,
+            LAYERS,
+            {
+                "kv_connector": "ExampleHiddenStatesConnector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(out_dir)},
+            },
+        )
+        init_parallel(cfg)
+        rank = ProducerRank(cfg, cls, num_blocks=num_blocks, block_size=BLOCK)
+        rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
+        _drive(rank, 1, tokens, prefix="warmup")
+        t0 = _drive(rank, n_req, tokens)
+        for fut in list(rank.worker._req_futures.values()):
+            fut.result()
+        rank.worker._executor.shutdown(wait=True)
+        t1 = time.time()
+        files = [f for f in out_dir.iterdir() if f.suffix == ".safetensors"]
+        assert len(files) == n_req + 1, len(files)
+        nbytes = n_req * tokens * len(LAYERS) * HIDDEN * 2
+        return {"seconds": t1 - t0, "bytes": float(nbytes), "tokens": float(n_req * tokens)}
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def bench_raw(n_req: int, tokens: int, num_blocks: int, in_flight: int) -> dict[str, float]:
+    """Raw NIXL: WRITE each request's blocks (scattered in a cache of the same shape)
+    into pages of another process's registered pool, ``in_flight`` requests at a time."""
+    import numpy as np
+
+    from kv_connector.transport import Transport
+
+    block_bytes = BLOCK * len(LAYERS) * HIDDEN * 2
+    nb = -(-tokens // BLOCK)
+    pool_bytes = in_flight * nb * block_bytes
+    cache = torch.randn(num_blocks, len(LAYERS), BLOCK, HIDDEN, dtype=torch.bfloat16)
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_raw_target_proc, args=(b, pool_bytes, n_req + 1))
+    proc.start()
+    md, addr, size = a.recv()
+    t = Transport(f"raw-init-{os.getpid()}")
+    local = t.register(cache)
+    a.send(t.metadata)
+    peer = t.add_peer(md)
+    from kv_connector.transport import Region
+
+    remote = Region(addr, size, "DRAM", 0)
+
+    def spans(i: int) -> Any:
+        blocks = [(i * nb + k) % (num_blocks - 1) + 1 for k in range(nb)]
+        slot = i % in_flight
+        return np.array(
+            [(bl * block_bytes, (slot * nb + k) * block_bytes, block_bytes) for k, bl in enumerate(blocks)]
+        )
+
+    # warm-up
+    x = t.write(peer, local, remote, spans(0), b"w")
+    while not t.poll(x):
+        pass
+    t0 = time.time()
+    live: list[Any] = []
+    i = 1
+    while i <= n_req or live:
+        while i <= n_req and len(live) < in_flight:
+            live.append(t.write(peer, local, remote, spans(i), b"n"))
+            i += 1
+        live = [x for x in live if not t.poll(x)]
+    t_end = a.recv()
+    a.send("bye")
+    proc.join(30)
+    t.close()
+    return {"seconds": t_end - t0, "bytes": float(n_req * nb * block_bytes), "tokens": float(n_req * tokens)}
+
+
+def _run(fn_name: str, conn: Any, *args: Any) -> None:
+    conn.send(globals()[fn_name](*args))
+
+
+def isolated(fn_name: str, *args: Any) -> dict[str, float]:
+    """Run one measurement in a fresh process (vLLM's global state is per process)."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_run, args=(fn_name, b, *args))
+    p.start()
+    while not a.poll(1.0):
+        if not p.is_alive():
+            raise RuntimeError(f"{fn_name} died (exit code {p.exitcode})")
+    res: dict[str, float] = a.recv()
+    p.join(60)
+    return res
+
+
+def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
+    from scripts.vllm_harness import config_only_model
+
+    work = Path(tempfile.mkdtemp(prefix="hs-bench-"))
+    model = config_only_model(work / "wide-llama", HIDDEN, num_layers=4)
+    nb = -(-tokens // BLOCK)
+    num_blocks = 4 * nb + 1
+    pool = 4 * nb * BLOCK * len(LAYERS) * HIDDEN * 2
+    e = isolated("bench_ours", model, n_req, tokens, num_blocks, pool)
+    b = isolated("bench_example", model, n_req, tokens, num_blocks)
+    r = isolated("bench_raw", n_req, tokens, num_blocks, 4)
+    shutil.rmtree(work, ignore_errors=True)
+    out: dict[str, Any] = {}
+    for name, m in (("e_ours", e), ("b_example_shm", b), ("r_raw_nixl", r)):
+        out[name] = {
+            "tokens_per_s": m["tokens"] / m["seconds"],
+            "GB_per_s": m["bytes"] / m["seconds"] / 1e9,
+            "seconds": m["seconds"],
+        }
+    # where our time goes (both include the warm-up sample): the reader's copy-out and
+    # the producer's WRITEs, which share this host's cores and memory bus
+    out["e_ours"]["reader_copy_out_s"] = e["reader_copy_out_s"]
+    out["e_ours"]["sender_write_s"] = e["sender_write_s"]
+    out["e_over_b"] = out["e_ours"]["tokens_per_s"] / out["b_example_shm"]["tokens_per_s"]
+    out["d"] = out["e_ours"]["GB_per_s"] / out["r_raw_nixl"]["GB_per_s"]
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(json.dumps(main(), indent=1))

@@ -1,0 +1,110 @@
+"""A misconfigured producer fails at startup with a message that names the fix.
+
+``check_config`` is run on real VllmConfig objects built by vLLM's own EngineArgs (no
+engine started; this works on CPU as is), and once through a real ``vllm.LLM`` in a
+subprocess, where the message must reach the user on stderr."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests.e2e.conftest import run_producer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+pytestmark = [pytest.mark.e2e]
+
+LAYER_IDS = [1, 2, 4]
+ADDRESS = "127.0.0.1:1"  # never contacted: these producers fail before connecting
+SPECULATIVE = {
+    "method": "extract_hidden_states",
+    "num_speculative_tokens": 1,
+    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
+}
+_DEFAULT: Any = object()
+
+
+def engine_config(
+    model: Path,
+    *,
+    kv_role: str = "kv_producer",
+    extra: dict[str, Any] | None = None,
+    speculative: dict[str, Any] | None = _DEFAULT,
+) -> VllmConfig:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory_bytes=128 << 20,
+        enforce_eager=True,
+        speculative_config=SPECULATIVE if speculative is _DEFAULT else speculative,
+        kv_transfer_config={  # vLLM validates the dict into a KVTransferConfig
+            "kv_connector": "HiddenStatesConnector",
+            "kv_connector_module_path": "kv_connector.connector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"consumer_address": ADDRESS} if extra is None else extra,
+        },
+    ).create_engine_config()
+
+
+def check_error(config: VllmConfig) -> str:
+    from kv_connector.connector import check_config
+
+    with pytest.raises(ValueError) as info:
+        check_config(config)
+    return str(info.value)
+
+
+def test_good_config_gives_the_options_and_the_layer_ids(tiny_llama: Path) -> None:
+    from kv_connector.connector import check_config
+
+    config = engine_config(tiny_llama)
+    assert config.kv_transfer_config is not None and config.kv_transfer_config.kv_role == "kv_producer"
+    options, layer_ids = check_config(config)
+    assert layer_ids == LAYER_IDS
+    assert options.consumer_address == ADDRESS
+    assert options.include_output_tokens is False
+
+
+def test_consumer_role_is_rejected_naming_kv_producer(tiny_llama: Path) -> None:
+    msg = check_error(engine_config(tiny_llama, kv_role="kv_consumer"))
+    assert '"kv_role":"kv_producer"' in msg
+    assert "'kv_consumer'" in msg
+
+
+def test_missing_consumer_address_is_named(tiny_llama: Path) -> None:
+    msg = check_error(engine_config(tiny_llama, extra={}))
+    assert "kv_connector_extra_config.consumer_address" in msg
+
+
+def test_missing_speculative_config_names_extract_hidden_states(tiny_llama: Path) -> None:
+    config = engine_config(tiny_llama, speculative=None)
+    assert config.speculative_config is None
+    msg = check_error(config)
+    assert "extract_hidden_states" in msg and "--speculative-config" in msg
+
+
+def test_vllm_fails_to_start_as_a_kv_consumer_and_says_why(tiny_llama: Path) -> None:
+    result = run_producer(
+        {
+            "model": str(tiny_llama),
+            "address": ADDRESS,
+            "layer_ids": LAYER_IDS,
+            "prompts": [[1, 2, 3]],
+            "kv_role": "kv_consumer",
+            "max_model_len": 1024,
+        },
+        timeout=300,
+    )
+    assert result["rc"] != 0
+    assert "outputs" not in result, "generate() ran although the connector was misconfigured"
+    stderr = result["stderr"]
+    assert "HiddenStatesConnector is a producer" in stderr, stderr[-3000:]
+    assert '"kv_role":"kv_producer"' in stderr and "'kv_consumer'" in stderr

@@ -1,0 +1,167 @@
+"""ConnectorOptions.parse: the connector's kv_connector_extra_config, validated once.
+
+Every rejection must be a ValueError whose message names the offending key, because that
+message is what vLLM prints when it fails at startup."""
+
+from __future__ import annotations
+
+import math
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from kv_connector.options import ConnectorOptions
+
+GOOD = "127.0.0.1:5555"
+TIMEOUT_KEYS = ["connect_timeout_s", "drain_timeout_s"]
+
+
+def parse_error(extra: Any) -> str:
+    with pytest.raises(ValueError) as info:
+        ConnectorOptions.parse(extra)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------ good values
+
+
+def test_only_consumer_address_gives_the_documented_defaults() -> None:
+    opts = ConnectorOptions.parse({"consumer_address": GOOD})
+    assert opts == ConnectorOptions(
+        consumer_address=GOOD,
+        producer_id=None,
+        connect_timeout_s=60.0,
+        drain_timeout_s=60.0,
+        include_output_tokens=False,
+    )
+
+
+def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
+    opts = ConnectorOptions.parse(
+        {
+            "consumer_address": "[::1]:7000",
+            "producer_id": "p" * 128,
+            "connect_timeout_s": 5,
+            "drain_timeout_s": 0.25,
+            "include_output_tokens": True,
+        }
+    )
+    assert opts.consumer_address == "[::1]:7000"
+    assert opts.producer_id == "p" * 128
+    assert opts.connect_timeout_s == 5.0 and type(opts.connect_timeout_s) is float
+    assert opts.drain_timeout_s == 0.25
+    assert opts.include_output_tokens is True
+
+
+def test_any_mapping_is_accepted_and_left_unchanged() -> None:
+    extra = {"consumer_address": GOOD, "include_output_tokens": False}
+    frozen = MappingProxyType(extra)
+    assert ConnectorOptions.parse(frozen).consumer_address == GOOD
+    assert extra == {"consumer_address": GOOD, "include_output_tokens": False}
+
+
+@pytest.mark.parametrize("address", ["localhost:0", "10.0.0.1:65535", "[fe80::1]:80", "reader.example:9"])
+def test_well_formed_addresses_are_kept_verbatim(address: str) -> None:
+    assert ConnectorOptions.parse({"consumer_address": address}).consumer_address == address
+
+
+# ------------------------------------------------------------- consumer_address
+
+
+@pytest.mark.parametrize("extra", [None, {}], ids=["none", "empty-dict"])
+def test_missing_consumer_address_is_named_with_an_example(extra: Any) -> None:
+    msg = parse_error(extra)
+    assert "kv_connector_extra_config.consumer_address" in msg
+    assert '"consumer_address":"HOST:PORT"' in msg  # the example command line
+
+
+@pytest.mark.parametrize("value", ["", None, 5555, ["127.0.0.1:1"], b"127.0.0.1:1"])
+def test_empty_or_non_string_consumer_address_is_named(value: Any) -> None:
+    assert "consumer_address" in parse_error({"consumer_address": value})
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("localhost", "not HOST:PORT"),
+        (":80", "not HOST:PORT"),
+        ("host:port", "non-numeric port"),
+        ("host:", "non-numeric port"),
+        ("host:65536", "outside 0-65535"),
+        ("host:-1", "outside 0-65535"),
+    ],
+)
+def test_malformed_consumer_address_is_named_with_the_reason(value: str, why: str) -> None:
+    msg = parse_error({"consumer_address": value})
+    assert msg.startswith("kv_connector_extra_config.consumer_address:")
+    assert why in msg and repr(value) in msg
+
+
+# ----------------------------------------------------------------- unknown keys
+
+
+def test_unknown_key_is_named_with_the_known_ones() -> None:
+    msg = parse_error({"consumer_address": GOOD, "consumer_adress": GOOD})
+    assert "'consumer_adress'" in msg
+    for known in ["consumer_address", "producer_id", "connect_timeout_s", "drain_timeout_s"]:
+        assert known in msg
+
+
+def test_every_unknown_key_is_named_even_without_an_address() -> None:
+    msg = parse_error({"timeout": 1, "include_output": True})
+    assert "unknown" in msg and "'include_output'" in msg and "'timeout'" in msg
+
+
+# --------------------------------------------------------------------- timeouts
+
+
+@pytest.mark.parametrize("key", TIMEOUT_KEYS)
+@pytest.mark.parametrize(
+    "value", [0, 0.0, -1, -0.5, True, False, "10", None, [5]], ids=lambda v: f"{type(v).__name__}-{v}"
+)
+def test_bad_timeout_is_named(key: str, value: Any) -> None:
+    msg = parse_error({"consumer_address": GOOD, key: value})
+    assert f"kv_connector_extra_config.{key}" in msg
+    assert "positive number of seconds" in msg
+
+
+@pytest.mark.parametrize("key", TIMEOUT_KEYS)
+def test_a_tiny_positive_timeout_is_accepted(key: str) -> None:
+    assert getattr(ConnectorOptions.parse({"consumer_address": GOOD, key: 1e-3}), key) == 1e-3
+
+
+@pytest.mark.parametrize("key", TIMEOUT_KEYS)
+def test_nan_timeout_is_rejected(key: str) -> None:
+    msg = parse_error({"consumer_address": GOOD, key: math.nan})
+    assert key in msg
+
+
+# --------------------------------------------------------- include_output_tokens
+
+
+@pytest.mark.parametrize("value", ["true", "false", 1, 0, None, "yes"])
+def test_non_boolean_include_output_tokens_is_named(value: Any) -> None:
+    msg = parse_error({"consumer_address": GOOD, "include_output_tokens": value})
+    assert "kv_connector_extra_config.include_output_tokens" in msg
+    assert "true or false" in msg
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_boolean_include_output_tokens_is_kept(value: bool) -> None:
+    opts = ConnectorOptions.parse({"consumer_address": GOOD, "include_output_tokens": value})
+    assert opts.include_output_tokens is value
+
+
+# ------------------------------------------------------------------ producer_id
+
+
+@pytest.mark.parametrize("value", ["", 7, "p" * 129, ["p"]])
+def test_bad_producer_id_is_named(value: Any) -> None:
+    assert "kv_connector_extra_config.producer_id" in parse_error(
+        {"consumer_address": GOOD, "producer_id": value}
+    )
+
+
+def test_explicit_null_producer_id_means_the_default() -> None:
+    assert ConnectorOptions.parse({"consumer_address": GOOD, "producer_id": None}).producer_id is None
