@@ -103,6 +103,11 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.save_kv_layer(layer_name, attn_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, HiddenStatesConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata.plan)
+
     def wait_for_save(self) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None

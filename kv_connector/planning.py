@@ -9,7 +9,7 @@ wrote with, and records the cache block of every position from those slots.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kv_connector.layout import blocks_for_tokens
@@ -41,9 +41,12 @@ class StepPlan:
     slices: list[StepSlice] = field(default_factory=list)
     ships: list[ShipOrder] = field(default_factory=list)
     resets: list[str] = field(default_factory=list)
+    # tracked requests preempted by this step: their blocks are about to be reused, so
+    # WRITEs still reading them must finish first (see WorkerSide.handle_preemptions)
+    preempted: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.slices or self.ships or self.resets)
+        return bool(self.slices or self.ships or self.resets or self.preempted)
 
 
 @dataclass
@@ -99,9 +102,11 @@ class ShipPlanner:
         new: Sequence[NewRequest],
         running: Sequence[RunningRequest],
         num_scheduled: dict[str, int],
+        preempted: Iterable[str] = (),
     ) -> StepPlan:
         plan = StepPlan(ships=self._pending_ships)
         self._pending_ships = []
+        plan.preempted = [rid for rid in preempted if rid in self._tracked]
         for n in new:
             t = self._tracked.setdefault(n.request_id, _Tracked(prompt=(), include_output=False))
             t.prompt = tuple(n.prompt_token_ids)

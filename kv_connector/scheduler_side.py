@@ -82,7 +82,7 @@ class SchedulerSide:
             )
             for i, rid in enumerate(c.req_ids)
         ]
-        return self.planner.plan(new, running, out.num_scheduled_tokens)
+        return self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         hold = self.planner.finish(request.request_id, list(request.all_token_ids), block_ids)

@@ -156,7 +156,12 @@ class HiddenStatesSender:
         )
         protocol.check_manifest(manifest)
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
-        self._inbox.put(_Job(request_id, manifest, blocks, share))
+        job = _Job(request_id, manifest, blocks, share)
+        with self._lock:
+            if request_id in self._jobs:
+                raise ValueError(f"{request_id} is already being shipped")
+            self._jobs[request_id] = job
+        self._inbox.put(job)
         self._wake()
 
     def take_finished(self) -> set[str]:
@@ -174,13 +179,27 @@ class HiddenStatesSender:
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return len(self._jobs) + self._inbox.qsize()
+            return len(self._jobs)
 
     @property
     def unwritten(self) -> int:
         """Requests whose blocks have not all landed in the reader yet."""
         with self._lock:
-            return sum(not j.written for j in self._jobs.values()) + self._inbox.qsize()
+            return sum(not j.written for j in self._jobs.values())
+
+    def wait_written(self, request_ids: Sequence[str], timeout: float) -> bool:
+        """Block until none of ``request_ids`` has a WRITE pending (landed, failed or
+        unknown); False if ``timeout`` seconds passed first."""
+        want = set(request_ids)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = {r for r in want if r in self._jobs and not self._jobs[r].written}
+            if not pending:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def close(self) -> None:
         if self._closed:
@@ -218,7 +237,8 @@ class HiddenStatesSender:
         idle = 0
         try:
             while not self._closed:
-                writing = any(j.xfer is not None for j in self._jobs.values())
+                with self._lock:
+                    writing = any(j.xfer is not None for j in self._jobs.values())
                 timeout = 0.0 if writing and idle < SPIN_POLLS else (POLL_S if writing else IDLE_POLL_S)
                 busy = False
                 for key, _ in sel.select(timeout):
@@ -329,11 +349,8 @@ class HiddenStatesSender:
             except queue.Empty:
                 return n > 0
             n += 1
-            if job.request_id in self._jobs:
-                self._record_failure(job.request_id, "shipped twice while in flight")
-                continue
-            with self._lock:
-                self._jobs[job.request_id] = job
+            if self._jobs.get(job.request_id) is not job:
+                continue  # failed (e.g. connection lost) before its credit request went out
             self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
 
     def _handle(self, msg: protocol.Message) -> None:
@@ -427,7 +444,7 @@ class HiddenStatesSender:
             self._jobs.clear()
         while True:
             try:
-                jobs.append(self._inbox.get_nowait().request_id)
+                self._inbox.get_nowait()
             except queue.Empty:
                 break
         for rid in jobs:

@@ -133,6 +133,21 @@ class WorkerSide:
                 self._done.add(rid)
             self.recorder.forget(rid)
 
+    def handle_preemptions(self, plan: StepPlan | None) -> None:
+        """Called before this step reuses preempted requests' blocks: WRITEs still
+        reading those blocks must land first, or the reader would get another request's
+        states."""
+        if plan is None or not plan.preempted or self.sender is None:
+            return
+        if self.recorder is not None:
+            for rid in plan.preempted:
+                self.recorder.forget(rid)
+        busy = [rid for rid in plan.preempted if rid in self._shipped]
+        if busy and not self.sender.wait_written(busy, self.options.drain_timeout_s):
+            log.error(
+                "preempted requests %s still being written after %.0f s", busy, self.options.drain_timeout_s
+            )
+
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         if self.sender is None:
             return None

@@ -604,3 +604,11 @@ def test_planner_and_recorder_ship_every_prompt_once_from_the_blocks_it_was_writ
         assert order.token_ids == tuple(prompts[rid])
         assert blocks == tables[rid][: nblocks(len(prompts[rid]))]
         assert from_table == hits[rid]
+
+
+def test_preempted_tracked_requests_are_passed_to_the_workers() -> None:
+    planner = ShipPlanner()
+    planner.add("p")
+    planner.plan([NewRequest("p", prompt_of(10), [1], 0)], [], {"p": 10})
+    plan = planner.plan([], [], {}, preempted={"p", "untracked"})
+    assert plan.preempted == ["p"] and bool(plan)
