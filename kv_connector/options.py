@@ -19,8 +19,11 @@ EXAMPLE = (
     '"kv_connector_extra_config":{"consumer_address":"HOST:PORT"}}\''
 )
 
+SHARDING = ("request_hash", "round_robin")
+
 _KNOWN = {
     "consumer_address",
+    "sharding",
     "producer_id",
     "connect_timeout_s",
     "drain_timeout_s",
@@ -30,7 +33,10 @@ _KNOWN = {
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """consumer_address: the reader's control address (required).
+    """consumer_address: the reader's control address (required); a list of addresses
+    shards the samples over several readers, each sample to exactly one.
+    sharding: how a request picks its reader: "request_hash" (crc32 of the request id,
+    the default) or "round_robin" (in the order requests complete).
     producer_id: this engine's name at the reader (default: vLLM's engine_id).
     connect_timeout_s: how long a worker keeps trying to reach the reader.
     drain_timeout_s: at shutdown, how long to wait for samples still in flight.
@@ -40,6 +46,8 @@ class ConnectorOptions:
 
     consumer_address: str
     producer_id: str | None = None
+    consumer_addresses: tuple[str, ...] = ()
+    sharding: str = "request_hash"
     connect_timeout_s: float = 60.0
     drain_timeout_s: float = 60.0
     include_output_tokens: bool = False
@@ -53,15 +61,25 @@ class ConnectorOptions:
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(_KNOWN)}"
             )
         addr = extra.get("consumer_address")
-        if not isinstance(addr, str) or not addr:
+        addrs = [addr] if isinstance(addr, str) else addr
+        if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
             raise ValueError(
                 "HiddenStatesConnector needs kv_connector_extra_config.consumer_address, the "
-                f"reader's HOST:PORT (start `python -m kv_connector.reader`), e.g. {EXAMPLE}"
+                "reader's HOST:PORT or a list of them (start `python -m kv_connector.reader`), "
+                f"e.g. {EXAMPLE}"
             )
-        try:
-            parse_address(addr)
-        except ValueError as e:
-            raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
+        for a in addrs:
+            try:
+                parse_address(a)
+            except ValueError as e:
+                raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
+        if len(set(addrs)) != len(addrs):
+            raise ValueError("kv_connector_extra_config.consumer_address lists a reader twice")
+        sharding = extra.get("sharding", "request_hash")
+        if sharding not in SHARDING:
+            raise ValueError(
+                f"kv_connector_extra_config.sharding must be one of {SHARDING}, got {sharding!r}"
+            )
         pid = extra.get("producer_id")
         if pid is not None and (not isinstance(pid, str) or not 0 < len(pid) <= 128):
             raise ValueError("kv_connector_extra_config.producer_id must be a non-empty string")
@@ -76,9 +94,15 @@ class ConnectorOptions:
         if not isinstance(inc, bool):
             raise ValueError("kv_connector_extra_config.include_output_tokens must be true or false")
         return cls(
-            consumer_address=addr,
+            consumer_address=addrs[0],
+            consumer_addresses=tuple(addrs),
+            sharding=sharding,
             producer_id=pid,
             connect_timeout_s=seconds("connect_timeout_s", 60.0),
             drain_timeout_s=seconds("drain_timeout_s", 60.0),
             include_output_tokens=inc,
         )
+
+    @property
+    def readers(self) -> tuple[str, ...]:
+        return self.consumer_addresses or (self.consumer_address,)

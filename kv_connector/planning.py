@@ -9,6 +9,7 @@ wrote with, and records the cache block of every position from those slots.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +35,34 @@ class ShipOrder:
     request_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
+    reader: int = 0  # index of the reader this sample goes to (the same on every rank)
+
+
+class Router:
+    """Picks each sample's reader on the scheduler side, so every rank agrees.
+
+    "request_hash": crc32 of the request id modulo the readers (stable across restarts);
+    "round_robin": in the order ships are planned. A full reader only delays its own
+    samples and a gone one only fails its own: each reader has its own sender per rank.
+    """
+
+    def __init__(self, num_readers: int, policy: str = "request_hash") -> None:
+        if num_readers <= 0:
+            raise ValueError("at least one reader")
+        if policy not in ("request_hash", "round_robin"):
+            raise ValueError(f"unknown sharding policy {policy!r}")
+        self.num_readers = num_readers
+        self.policy = policy
+        self._next = 0
+
+    def route(self, request_id: str) -> int:
+        if self.num_readers == 1:
+            return 0
+        if self.policy == "request_hash":
+            return zlib.crc32(request_id.encode()) % self.num_readers
+        r = self._next
+        self._next = (r + 1) % self.num_readers
+        return r
 
 
 @dataclass
@@ -83,9 +112,27 @@ class ShipPlanner:
     sampled token never went through a forward pass, so it has no hidden state).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, router: Router | None = None) -> None:
         self._tracked: dict[str, _Tracked] = {}
         self._pending_ships: list[ShipOrder] = []
+        self.router = router or Router(1)
+        self._routes: dict[str, int] = {}
+
+    def reader_of(self, request_id: str) -> int:
+        """The reader a shipped (or shipping) request goes to."""
+        return self._routes.get(request_id, 0)
+
+    def _order(self, rid: str, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
+        reader = self.router.route(rid)
+        self._routes[rid] = reader
+        return ShipOrder(rid, tokens, blocks, reader)
+
+    def forget_route(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    def is_pending(self, request_id: str) -> bool:
+        """A ship of this request is planned for the next step (output-token requests)."""
+        return any(o.request_id == request_id for o in self._pending_ships)
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -140,7 +187,7 @@ class ShipPlanner:
         plan.slices.append(StepSlice(rid, start, n, tuple(t.block_ids)))
         if not t.include_output and start + n >= len(t.prompt):
             t.shipped = True
-            plan.ships.append(ShipOrder(rid, t.prompt, tuple(t.block_ids)))
+            plan.ships.append(self._order(rid, t.prompt, tuple(t.block_ids)))
 
     def finish(self, request_id: str, all_token_ids: Sequence[int], block_ids: Sequence[int]) -> bool:
         """The request finished; True if the connector holds its blocks (a ship was or
@@ -153,7 +200,7 @@ class ShipPlanner:
             tokens = tuple(all_token_ids[:-1]) if len(all_token_ids) > 1 else tuple(all_token_ids)
             if not t.prompt or not tokens or t.computed < len(tokens):
                 return False
-            self._pending_ships.append(ShipOrder(request_id, tokens, tuple(block_ids)))
+            self._pending_ships.append(self._order(request_id, tokens, tuple(block_ids)))
             return True
         return t.shipped
 

@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.options import ConnectorOptions
-from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.planning import NewRequest, Router, RunningRequest, ShipPlanner, StepPlan
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -54,7 +54,7 @@ class SchedulerSide:
         self.options = options
         self.group = hidden_state_group(kv_cache_config)
         self.producer_id = producer_id
-        self.planner = ShipPlanner()
+        self.planner = ShipPlanner(Router(len(options.readers), options.sharding))
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
@@ -85,12 +85,17 @@ class SchedulerSide:
         return self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        hold = self.planner.finish(request.request_id, list(request.all_token_ids), block_ids)
+        rid = request.request_id
+        hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         if not hold:
+            self.planner.forget_route(rid)
             return False, None
+        reader = self.planner.reader_of(rid)
+        if not self.planner.is_pending(rid):
+            self.planner.forget_route(rid)
         return True, {
             "hidden_states": {
-                "consumer_address": self.options.consumer_address,
+                "consumer_address": self.options.readers[reader],
                 "producer_id": self.producer_id,
                 "request_id": request.request_id,
             }

@@ -4,6 +4,7 @@ each step's slot mapping, and hands complete requests to the sender."""
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -34,13 +35,15 @@ class WorkerSide:
         self.producer_id = producer_id
         self.layer_ids = layer_ids
         self.layer_name = ""
-        self.sender: HiddenStatesSender | None = None
+        self.senders: list[HiddenStatesSender] = []
         self.recorder: BlockRecorder | None = None
         self._slots: torch.Tensor | None = None
         self._shipped: set[str] = set()
         self._failed: dict[str, str] = {}
         self._done: set[str] = set()
         self._finished_by_scheduler: set[str] = set()
+        # the last failures, for logs and tests (request id -> why); bounded
+        self.recent_failures: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
@@ -63,18 +66,21 @@ class WorkerSide:
         block_layout = BlockLayout(layout, block_size, len(self.layer_ids), hidden, _dtype_name(cache.dtype))
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.recorder = BlockRecorder(block_size)
-        self.sender = HiddenStatesSender(
-            SenderConfig(
-                consumer_address=self.options.consumer_address,
-                producer_id=self.producer_id,
-                rank=rank,
-                world_size=world,
-                connect_timeout_s=self.options.connect_timeout_s,
-            ),
-            cache,
-            block_layout,
-            self.layer_ids,
-        )
+        self.senders = [
+            HiddenStatesSender(
+                SenderConfig(
+                    consumer_address=address,
+                    producer_id=self.producer_id,
+                    rank=rank,
+                    world_size=world,
+                    connect_timeout_s=self.options.connect_timeout_s,
+                ),
+                cache,
+                block_layout,
+                self.layer_ids,
+            )
+            for address in self.options.readers
+        ]
         atexit.register(self.shutdown)
         log.info(
             "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
@@ -87,7 +93,7 @@ class WorkerSide:
             layout,
             block_layout.dtype,
             block_layout.block_bytes,
-            self.options.consumer_address,
+            ", ".join(self.options.readers),
         )
 
     def save_kv_layer(self, layer_name: str, attn_metadata: object) -> None:
@@ -97,7 +103,7 @@ class WorkerSide:
                 self._slots = slots
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
-        if plan is None or not plan or self.recorder is None or self.sender is None:
+        if plan is None or not plan or self.recorder is None or not self.senders:
             self._slots = None
             return
         for rid in plan.resets:
@@ -115,6 +121,7 @@ class WorkerSide:
             for rid, why in errors.items():
                 log.error("request %s: %s; its hidden states will not be shipped", rid, why)
                 self._failed.setdefault(rid, why)
+                self._note_failure(rid, why)
         self._slots = None
         for order in plan.ships:
             rid = order.request_id
@@ -125,11 +132,12 @@ class WorkerSide:
                 blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
                 if from_table:
                     log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
-                self.sender.ship(rid, order.token_ids, blocks)
+                self.senders[order.reader].ship(rid, order.token_ids, blocks)
                 self._shipped.add(rid)
             except (SlotMismatch, ValueError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
+                self._note_failure(rid, str(e))
                 self._done.add(rid)
             self.recorder.forget(rid)
 
@@ -137,25 +145,29 @@ class WorkerSide:
         """Called before this step reuses preempted requests' blocks: WRITEs still
         reading those blocks must land first, or the reader would get another request's
         states."""
-        if plan is None or not plan.preempted or self.sender is None:
+        if plan is None or not plan.preempted or not self.senders:
             return
         if self.recorder is not None:
             for rid in plan.preempted:
                 self.recorder.forget(rid)
         busy = [rid for rid in plan.preempted if rid in self._shipped]
-        if busy and not self.sender.wait_written(busy, self.options.drain_timeout_s):
+        deadline = time.monotonic() + self.options.drain_timeout_s
+        written = all(s.wait_written(busy, max(0.0, deadline - time.monotonic())) for s in self.senders)
+        if busy and not written:
             log.error(
                 "preempted requests %s still being written after %.0f s", busy, self.options.drain_timeout_s
             )
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        if self.sender is None:
+        if not self.senders:
             return None
         self._finished_by_scheduler |= finished_req_ids
-        self._done |= self.sender.take_finished()
-        for rid, why in self.sender.take_failed().items():
-            self._failed[rid] = why
-            self._done.add(rid)
+        for sender in self.senders:
+            self._done |= sender.take_finished()
+            for rid, why in sender.take_failed().items():
+                self._failed[rid] = why
+                self._note_failure(rid, why)
+                self._done.add(rid)
         ready = self._done & self._finished_by_scheduler
         if not ready:
             return None
@@ -166,17 +178,22 @@ class WorkerSide:
             self._failed.pop(rid, None)
         return ready
 
+    def _note_failure(self, rid: str, why: str) -> None:
+        self.recent_failures[rid] = why
+        while len(self.recent_failures) > 1000:
+            self.recent_failures.popitem(last=False)
+
     def shutdown(self) -> None:
-        sender, self.sender = self.sender, None
-        if sender is None:
-            return
+        senders, self.senders = self.senders, []
         deadline = time.monotonic() + self.options.drain_timeout_s
-        while sender.unwritten and time.monotonic() < deadline:
+        while any(s.unwritten for s in senders) and time.monotonic() < deadline:
             time.sleep(0.01)
-        if sender.unwritten:
-            log.error(
-                "shutting down with %d hidden-state samples not delivered to the reader after %.0f s",
-                sender.unwritten,
-                self.options.drain_timeout_s,
-            )
-        sender.close()
+        for s in senders:
+            if s.unwritten:
+                log.error(
+                    "shutting down with %d hidden-state samples not delivered to %s after %.0f s",
+                    s.unwritten,
+                    s.config.consumer_address,
+                    self.options.drain_timeout_s,
+                )
+            s.close()

@@ -103,14 +103,14 @@ def bench_ours(
     init_parallel(cfg)
     rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK)
     rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
-    assert rank.worker._worker.sender.connected.wait(30)
+    assert rank.worker._worker.senders[0].connected.wait(30)
     # warm-up request: connection set-up and first-touch out of the timing
     _drive(rank, 1, tokens, prefix="warmup")
     t0 = _drive(rank, n_req, tokens)
     t_end, nbytes, reader_stats = a.recv()
     nbytes -= tokens * len(LAYERS) * HIDDEN * 2  # the warm-up sample
     proc.join(30)
-    sender_stats = dict(rank.worker._worker.sender.stats)
+    sender_stats = dict(rank.worker._worker.senders[0].stats)
     rank.shutdown()
     return {
         "seconds": t_end - t0,

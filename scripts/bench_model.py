@@ -110,7 +110,9 @@ def run(
     return {"seconds": end - res["t0"], "tokens": float(tokens), "tokens_per_s": tokens / (end - res["t0"])}
 
 
-def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096) -> dict[str, Any]:
+def main(
+    n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, rounds: int = 2
+) -> dict[str, Any]:
     from scripts.make_tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-model-"))
@@ -118,12 +120,22 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096) -> d
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 1024) for _ in range(length)] for _ in range(n_prompts)]
     warmup = [[rng.randrange(1, 1024) for _ in range(length)] for _ in range(4)]
-    c = run(model, prompts, warmup, extract=False, batch_tokens=batch_tokens)
-    a = run(model, prompts, warmup, extract=True, batch_tokens=batch_tokens)
+    # Interleaved, best of `rounds` each: this host is shared and noisy, and the ratio is
+    # only worth something if both sides saw the same machine.
+    cs, as_ = [], []
+    for _ in range(rounds):
+        cs.append(run(model, prompts, warmup, extract=False, batch_tokens=batch_tokens))
+        as_.append(run(model, prompts, warmup, extract=True, batch_tokens=batch_tokens))
+    c = max(cs, key=lambda r: r["tokens_per_s"])
+    a = max(as_, key=lambda r: r["tokens_per_s"])
     return {
         "a_extract_connector_reader": a,
         "c_no_extraction": c,
         "a_over_c": a["tokens_per_s"] / c["tokens_per_s"],
+        "all_rounds_tokens_per_s": {
+            "a": [r["tokens_per_s"] for r in as_],
+            "c": [r["tokens_per_s"] for r in cs],
+        },
     }
 
 

@@ -30,11 +30,14 @@ def test_only_consumer_address_gives_the_documented_defaults() -> None:
     opts = ConnectorOptions.parse({"consumer_address": GOOD})
     assert opts == ConnectorOptions(
         consumer_address=GOOD,
+        consumer_addresses=(GOOD,),
+        sharding="request_hash",
         producer_id=None,
         connect_timeout_s=60.0,
         drain_timeout_s=60.0,
         include_output_tokens=False,
     )
+    assert opts.readers == (GOOD,)
 
 
 def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
@@ -76,7 +79,7 @@ def test_missing_consumer_address_is_named_with_an_example(extra: Any) -> None:
     assert '"consumer_address":"HOST:PORT"' in msg  # the example command line
 
 
-@pytest.mark.parametrize("value", ["", None, 5555, ["127.0.0.1:1"], b"127.0.0.1:1"])
+@pytest.mark.parametrize("value", ["", None, 5555, [], ["127.0.0.1:1", 5], b"127.0.0.1:1"])
 def test_empty_or_non_string_consumer_address_is_named(value: Any) -> None:
     assert "consumer_address" in parse_error({"consumer_address": value})
 
@@ -165,3 +168,22 @@ def test_bad_producer_id_is_named(value: Any) -> None:
 
 def test_explicit_null_producer_id_means_the_default() -> None:
     assert ConnectorOptions.parse({"consumer_address": GOOD, "producer_id": None}).producer_id is None
+
+
+def test_a_list_of_readers_shards_samples_over_them() -> None:
+    opts = ConnectorOptions.parse(
+        {"consumer_address": ["10.0.0.1:1", "10.0.0.2:1"], "sharding": "round_robin"}
+    )
+    assert opts.readers == ("10.0.0.1:1", "10.0.0.2:1") and opts.sharding == "round_robin"
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ({"consumer_address": ["10.0.0.1:1", "10.0.0.1:1"]}, "twice"),
+        ({"consumer_address": ["10.0.0.1:1", "nonsense"]}, "consumer_address"),
+        ({"consumer_address": GOOD, "sharding": "random"}, "sharding"),
+    ],
+)
+def test_bad_reader_lists_and_sharding_are_named(extra: dict[str, Any], fragment: str) -> None:
+    assert fragment in parse_error(extra)

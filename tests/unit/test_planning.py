@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kv_connector.planning import (
     BlockRecorder,
     NewRequest,
+    Router,
     RunningRequest,
     ShipOrder,
     ShipPlanner,
@@ -612,3 +613,25 @@ def test_preempted_tracked_requests_are_passed_to_the_workers() -> None:
     planner.plan([NewRequest("p", prompt_of(10), [1], 0)], [], {"p": 10})
     plan = planner.plan([], [], {}, preempted={"p", "untracked"})
     assert plan.preempted == ["p"] and bool(plan)
+
+
+def test_router_hash_is_stable_and_spreads_and_round_robin_cycles() -> None:
+    h = Router(3)
+    ids = [f"req-{i}" for i in range(300)]
+    first = [h.route(r) for r in ids]
+    assert first == [h.route(r) for r in ids]  # the same on every rank and every call
+    assert {first.count(k) for k in range(3)} and min(first.count(k) for k in range(3)) > 60
+    rr = Router(3, "round_robin")
+    assert [rr.route(r) for r in ids[:7]] == [0, 1, 2, 0, 1, 2, 0]
+    assert Router(1).route("x") == 0
+
+
+def test_ship_orders_carry_their_reader_and_finish_reports_it() -> None:
+    planner = ShipPlanner(Router(2, "round_robin"))
+    for rid in ("a", "b", "c"):
+        planner.add(rid)
+    plan = planner.plan(
+        [NewRequest(r, prompt_of(5), [1], 0) for r in ("a", "b", "c")], [], {"a": 5, "b": 5, "c": 5}
+    )
+    assert [(o.request_id, o.reader) for o in plan.ships] == [("a", 0), ("b", 1), ("c", 0)]
+    assert planner.reader_of("b") == 1

@@ -1,0 +1,195 @@
+"""Producers and readers on separate "nodes": network namespaces joined by veth pairs on
+one bridge, UCX over TCP, traffic only inside them. Producer ranks are real processes
+driving HiddenStatesConnector with real vLLM objects (scripts/harness_rank.py); readers
+are the real reader CLI. Every sample must arrive byte-exact, exactly once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kv_connector.layout import stripe
+from scripts.harness_rank import sample_states, sample_tokens
+from scripts.netns import Cluster, NetnsUnavailable, Node, check_available
+from scripts.vllm_harness import config_only_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.multinode, pytest.mark.slow]
+
+LAYERS = [1, 2, 3]
+HIDDEN = 512
+BLOCK = 128
+BLOCK_BYTES = BLOCK * len(LAYERS) * HIDDEN * 2  # bf16
+READER_PORT = 5555
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    try:
+        check_available()
+    except NetnsUnavailable as e:
+        pytest.skip(f"network namespaces unavailable: {e}")
+    with Cluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return config_only_model(tmp_path_factory.mktemp("m") / "cfg-llama", HIDDEN, num_layers=4)
+
+
+def start_reader(
+    cluster: Cluster, node: Node, out: Path, n: int, pool_mib: float = 64
+) -> subprocess.Popen[str]:
+    return cluster.run(
+        node,
+        [
+            sys.executable, "-m", "kv_connector.reader",
+            "--listen", f"0.0.0.0:{READER_PORT}", "--out", str(out),
+            "--max-samples", str(n), "--pool-mib", str(pool_mib), "--timeout", "240",
+        ],
+        env={"PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
+    )  # fmt: skip
+
+
+def start_ranks(
+    cluster: Cluster,
+    node: Node,
+    tmp: Path,
+    model: Path,
+    producer: str,
+    tp: int,
+    readers: list[str],
+    requests: list[dict[str, Any]],
+    **extra: Any,
+) -> list[subprocess.Popen[str]]:
+    port = 29000 + hash(producer) % 1000
+    procs = []
+    for rank in range(tp):
+        spec = dict(
+            model_dir=str(model), layer_ids=LAYERS, tp=tp, rank=rank,
+            init_method=f"tcp://127.0.0.1:{port}", readers=readers, producer_id=producer,
+            requests=requests, **extra,
+        )  # fmt: skip
+        f = tmp / f"{producer}-r{rank}.json"
+        f.write_text(json.dumps(spec))
+        procs.append(
+            cluster.run(
+                node,
+                [sys.executable, "-m", "scripts.harness_rank", str(f)],
+                env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+            )
+        )
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 400) -> list[dict[str, Any]]:
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+            raise AssertionError(f"process timed out:\n{stderr[-3000:]}") from None
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        assert p.returncode == 0 and lines, f"rc={p.returncode}\n{stderr[-4000:]}"
+        out.append(json.loads(lines[-1]))
+    return out
+
+
+def check_files(out: Path, requests: list[dict[str, Any]]) -> None:
+    files = sorted(f.name for f in out.iterdir() if f.suffix == ".safetensors")
+    assert files == sorted(f"{r['id']}.safetensors" for r in requests)
+    for r in requests:
+        with safe_open(str(out / f"{r['id']}.safetensors"), "pt") as f:
+            hs, tok = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+        want = sample_states(r["id"], r["tokens"], len(LAYERS), HIDDEN, torch.bfloat16)
+        assert tok.tolist() == sample_tokens(r["id"], r["tokens"])
+        assert hs.shape == want.shape and torch.equal(hs.view(torch.int16), want.view(torch.int16)), r["id"]
+
+
+def reqs(prefix: str, sizes: list[int]) -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}-{i}", "tokens": n} for i, n in enumerate(sizes)]
+
+
+# block counts 1, 1, 2, 4, 5, 13, 3, 16: several do not divide by 4
+SIZES = [1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, 5 * BLOCK, 13 * BLOCK - 7, 2 * BLOCK + 1, 16 * BLOCK]
+
+
+def test_tp4_producer_node_stripes_every_sample_over_its_four_ranks(
+    cluster: Cluster, model_dir: Path, tmp_path: Path
+) -> None:
+    a, b = cluster.add_node("A"), cluster.add_node("B")
+    requests = reqs("tp4", SIZES)
+    out = tmp_path / "out"
+    reader = start_reader(cluster, b, out, len(requests))
+    results = wait_all(
+        start_ranks(cluster, a, tmp_path, model_dir, "nodeA", 4, [f"{b.address}:{READER_PORT}"], requests)
+    )
+    assert reader.wait(timeout=120) == 0, reader.stderr.read() if reader.stderr else ""
+    check_files(out, requests)
+    # each rank carried exactly its stripe of every sample, over its own NIXL agent
+    for res in results:
+        want = sum(len(stripe(-(-r["tokens"] // BLOCK), res["rank"], 4)) for r in requests) * BLOCK_BYTES
+        assert res["bytes"] == want and sorted(res["finished"]) == sorted(r["id"] for r in requests)
+    total = sum(-(-r["tokens"] // BLOCK) for r in requests) * BLOCK_BYTES
+    assert sum(r["bytes"] for r in results) == total
+
+
+def test_two_producer_nodes_into_one_reader(cluster: Cluster, model_dir: Path, tmp_path: Path) -> None:
+    a1, a2, b = cluster.add_node("A1"), cluster.add_node("A2"), cluster.add_node("B")
+    r1, r2 = reqs("p1", SIZES[:5]), reqs("p2", SIZES[3:])
+    out = tmp_path / "out"
+    reader = start_reader(cluster, b, out, len(r1) + len(r2))
+    addr = [f"{b.address}:{READER_PORT}"]
+    procs = start_ranks(cluster, a1, tmp_path, model_dir, "nodeA1", 2, addr, r1)
+    procs += start_ranks(cluster, a2, tmp_path, model_dir, "nodeA2", 1, addr, r2)
+    wait_all(procs)
+    assert reader.wait(timeout=120) == 0, reader.stderr.read() if reader.stderr else ""
+    check_files(out, r1 + r2)
+
+
+def test_one_producer_shards_samples_over_two_readers_and_a_gone_one_stalls_nobody(
+    cluster: Cluster, model_dir: Path, tmp_path: Path
+) -> None:
+    a, b1, b2, b3 = (cluster.add_node(n) for n in ("A", "B1", "B2", "B3"))
+    requests = reqs("sh", SIZES + SIZES[:4])
+    readers = [f"{n.address}:{READER_PORT}" for n in (b1, b2)]
+    # round robin: 6 samples each, in the order their prompts complete
+    outs = [tmp_path / "o1", tmp_path / "o2"]
+    procs = [start_reader(cluster, n, o, len(requests) // 2) for n, o in zip((b1, b2), outs, strict=True)]
+    results = wait_all(
+        start_ranks(cluster, a, tmp_path, model_dir, "shard", 2, readers, requests, sharding="round_robin")
+    )
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read() if p.stderr else ""
+    where = results[0]["readers_of"]
+    assert where == results[1]["readers_of"]  # every rank sent each sample to the same reader
+    for reader, out in zip(readers, outs, strict=True):
+        check_files(out, [r for r in requests if where[r["id"]] == reader])
+
+    # B3 runs no reader: its share fails after the connect deadline, B1's share arrives
+    requests2 = reqs("gone", SIZES)
+    readers2 = [f"{b1.address}:{READER_PORT}", f"{b3.address}:{READER_PORT}"]
+    out = tmp_path / "o3"
+    live = [r for r in requests2 if zlib.crc32(r["id"].encode()) % 2 == 0]  # request_hash routes to B1
+    assert 0 < len(live) < len(requests2)
+    reader = start_reader(cluster, b1, out, len(live))
+    results = wait_all(
+        start_ranks(cluster, a, tmp_path, model_dir, "gone", 1, readers2, requests2, connect_timeout_s=3.0)
+    )
+    assert reader.wait(timeout=120) == 0
+    check_files(out, live)
+    dead = {r["id"] for r in requests2} - {r["id"] for r in live}
+    assert set(results[0]["failed"]) == dead
+    assert all("cannot reach the reader" in why for why in results[0]["failed"].values())
