@@ -68,7 +68,18 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     with set_current_vllm_config(cfg):
         hidden = cfg.model_config.get_hidden_size()
         dtype = cfg.model_config.dtype
-        prod = ProducerRank(cfg, HiddenStatesConnector, num_blocks=spec.get("num_blocks", 129), fill=fill)
+        prod = ProducerRank(
+            cfg,
+            HiddenStatesConnector,
+            num_blocks=spec.get("num_blocks", 129),
+            fill=fill if spec.get("fill", True) else None,
+        )
+    if not spec.get("fill", True):  # bandwidth runs: random states written once, not per step
+        prod.kv.copy_(
+            torch.randn(prod.kv.shape, generator=torch.Generator().manual_seed(rank)).to(prod.kv.dtype)
+        )
+    if tp > 1:  # start the clock together: a sample completes only when every rank's share landed
+        torch.distributed.barrier()
     pending = [(r["id"], r["tokens"]) for r in spec["requests"]]
     done: set[str] = set()
     params: dict[str, Any] = {}
@@ -100,6 +111,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         "readers_of": {rid: p["hidden_states"]["consumer_address"] for rid, p in params.items()},
         "per_reader": per_reader,
         "bytes": sum(p["bytes"] for p in per_reader),
+        "write_s": sum(p["write_s"] for p in per_reader),
         "elapsed_s": elapsed,
     }
 

@@ -27,11 +27,11 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 def run_and_collect(
-    reader: HiddenStatesReader, spec: dict[str, Any], n: int
+    reader: HiddenStatesReader, spec: dict[str, Any], n: int, env: dict[str, str] | None = None
 ) -> tuple[dict[str, Sample], dict[str, Any]]:
     import json
 
-    proc = start_producer(spec)
+    proc = start_producer(spec, env=env)
     got: dict[str, Sample] = {}
     try:
         for _ in range(n):
@@ -108,3 +108,27 @@ def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_re
         )
         got, result = run_and_collect(reader, spec, len(prompts))
     check_against_reference(got, result, prompts, llama_reference, with_output={2, 3})
+
+
+@pytest.mark.multinode
+def test_real_tensor_parallel_4_engine_matches_transformers(tmp_path: Path) -> None:
+    """vLLM's own TP=4 executor (four CPU worker processes, gloo), each rank shipping its
+    stripe of every sample; the reader completes a sample only when all four ranks'
+    shares landed. ~2 minutes on two cores."""
+    from scripts.make_tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny-llama-kv4", "llama", seed=1, num_key_value_heads=4)
+    lengths = [1, CPU_BLOCK, CPU_BLOCK + 1, 300, 700]
+    prompts = prompts_of(lengths, seed=13)
+    with HiddenStatesReader() as reader:
+        spec = dict(
+            model=str(model),
+            address=reader.address,
+            layer_ids=LAYER_IDS,
+            prompts=prompts,
+            tp=4,
+            inprocess=False,
+            max_num_batched_tokens=256,
+        )
+        got, result = run_and_collect(reader, spec, len(prompts), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    check_against_reference(got, result, prompts, Reference(model), with_output=set())
