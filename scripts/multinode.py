@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +150,8 @@ def main() -> None:
                     f"TP={tp} rank {r['rank']}: {r['bytes'] / 1e6:8.1f} MB ({r['share']:.0%} of the bytes), "
                     f"{r['GB_per_s']:.3f} GB/s"
                 )
-            print(
-                f"TP={tp} total: {res['total_bytes'] / 1e6:.1f} MB in {res['seconds']:.2f} s, {res['total_GB_per_s']:.3f} GB/s"
-            )
+            mb, secs, rate = res["total_bytes"] / 1e6, res["seconds"], res["total_GB_per_s"]
+            print(f"TP={tp} total: {mb:.1f} MB in {secs:.2f} s, {rate:.3f} GB/s")
     print(json.dumps({"scenarios": results}))
 
 
