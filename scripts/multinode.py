@@ -64,39 +64,24 @@ def scenario(
         rnodes = [c.add_node(f"R{i}") for i in range(readers)]
         pnodes = [[c.add_node(f"P{p}r{r}") for r in range(tp)] for p in range(producers)]
         per_reader = samples * producers // readers
-        rprocs = [
-            c.run(
-                n,
-                [
-                    sys.executable,
-                    "-m",
-                    "scripts.multinode",
-                    "--reader-node",
-                    f"0.0.0.0:{PORT}",
-                    "--samples",
-                    str(per_reader),
-                    "--pool-mib",
-                    str(pool_mib),
-                ],
-                env=env,
-            )  # fmt: skip
-            for n in rnodes
-        ]
+        reader_argv = [sys.executable, "-m", "scripts.multinode", "--reader-node", f"0.0.0.0:{PORT}"]
+        reader_argv += ["--samples", str(per_reader), "--pool-mib", str(pool_mib)]
+        rprocs = [c.run(n, reader_argv, env=env) for n in rnodes]
         for p in rprocs:
             assert p.stdout is not None
             p.stdout.readline()  # the reader is listening
         addrs = [f"{n.address}:{PORT}" for n in rnodes]
         rank_procs = []
-        for p, nodes in enumerate(pnodes):
-            requests = [{"id": f"p{p}-s{i}", "tokens": tokens} for i in range(samples)]
+        for pi, nodes in enumerate(pnodes):
+            requests = [{"id": f"p{pi}-s{i}", "tokens": tokens} for i in range(samples)]
             for r, node in enumerate(nodes):
                 spec = dict(
                     model_dir=str(model), layer_ids=LAYERS, tp=tp, rank=r,
-                    init_method=f"tcp://{nodes[0].address}:{29500 + p}", readers=addrs,
-                    sharding="round_robin", producer_id=f"producer{p}", requests=requests,
+                    init_method=f"tcp://{nodes[0].address}:{29500 + pi}", readers=addrs,
+                    sharding="round_robin", producer_id=f"producer{pi}", requests=requests,
                     num_blocks=4 * -(-tokens // 128) + 1, fill=False,
                 )  # fmt: skip
-                f = work / f"tp{tp}-p{p}-r{r}.json"
+                f = work / f"tp{tp}-p{pi}-r{r}.json"
                 f.write_text(json.dumps(spec))
                 rank_procs.append(
                     c.run(node, [sys.executable, "-m", "scripts.harness_rank", str(f)], env=env)
