@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,19 @@ PORT = 5555
 REPO = Path(__file__).resolve().parents[1]
 
 
-def reader_node(listen: str, n: int, pool_mib: float) -> None:
-    """Take ``n`` samples and print {"bytes": received}."""
+def reader_node(listen: str, n: int, pool_mib: float, hold_s: float = 0.0) -> None:
+    """Take ``n`` samples and print {"bytes", "ids", "first_take"}; with ``hold_s``, take
+    nothing for that long first (a trainer that is busy: its pool fills and stays full)."""
     from kv_connector.reader import HiddenStatesReader
 
     with HiddenStatesReader(listen=listen, pool_bytes=int(pool_mib * (1 << 20))) as reader:
         print(json.dumps({"address": reader.address}), flush=True)
-        nbytes = 0
+        time.sleep(hold_s)
+        nbytes, ids, first = 0, [], time.time()
         for s in reader.samples(n, timeout=600):
             nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
-        print(json.dumps({"bytes": nbytes}), flush=True)
+            ids.append(s.request_id)
+        print(json.dumps({"bytes": nbytes, "ids": ids, "first_take": first}), flush=True)
 
 
 def _json_line(proc: Any, timeout: float) -> dict[str, Any]:
@@ -116,10 +120,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per sample")
     ap.add_argument("--pool-mib", type=float, default=512)
     ap.add_argument("--reader-node", help=argparse.SUPPRESS)
+    ap.add_argument("--hold-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.reader_node:
-        reader_node(args.reader_node, args.samples, args.pool_mib)
+        reader_node(args.reader_node, args.samples, args.pool_mib, args.hold_s)
         return
     if args.samples * args.producers % args.readers:
         raise SystemExit("--samples x --producers must divide by --readers")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +194,30 @@ def test_one_producer_shards_samples_over_two_readers_and_a_gone_one_stalls_nobo
     dead = {r["id"] for r in requests2} - {r["id"] for r in live}
     assert set(results[0]["failed"]) == dead
     assert all("cannot reach the reader" in why for why in results[0]["failed"].values())
+
+
+def test_a_full_reader_delays_only_its_own_samples(cluster: Cluster, model_dir: Path, tmp_path: Path) -> None:
+    a, fast, slow = cluster.add_node("A"), cluster.add_node("F"), cluster.add_node("S")
+    requests = reqs("full", [BLOCK] * 8)
+    readers = [f"{fast.address}:{READER_PORT}", f"{slow.address}:{READER_PORT}"]
+    out = tmp_path / "fast"
+    fast_reader = start_reader(cluster, fast, out, 4)
+    # the slow reader's pool holds one sample and its trainer takes nothing for 40 s
+    slow_reader = cluster.run(
+        slow,
+        [sys.executable, "-m", "scripts.multinode", "--reader-node", f"0.0.0.0:{READER_PORT}",
+         "--samples", "4", "--pool-mib", str(BLOCK_BYTES / (1 << 20)), "--hold-s", "40"],
+        env={"PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
+    )  # fmt: skip
+    ranks = start_ranks(cluster, a, tmp_path, model_dir, "full", 1, readers, requests, sharding="round_robin")
+    assert fast_reader.wait(timeout=300) == 0
+    fast_done = time.time()
+    check_files(out, requests[0::2])
+    assert slow_reader.stdout is not None
+    slow_out, _ = slow_reader.communicate(timeout=300)
+    slow_res = json.loads(slow_out.splitlines()[-1])
+    # the fast reader had all its samples before the full one took its first
+    assert fast_done < slow_res["first_take"]
+    assert sorted(slow_res["ids"]) == sorted(r["id"] for r in requests[1::2])
+    (res,) = wait_all(ranks)
+    assert not res["failed"] and sorted(res["finished"]) == sorted(r["id"] for r in requests)
