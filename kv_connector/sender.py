@@ -63,6 +63,8 @@ class _Job:
     share: range
     xfer: Transfer | None = None
     t_write: float = 0.0
+    requested: bool = False  # a credit request went out on the current connection
+    t_wait: float = field(default_factory=time.monotonic)  # since when it waits for a reader
     granted: bool = False
     written: bool = False
     t_submit: float = field(default_factory=time.monotonic)
@@ -219,17 +221,30 @@ class HiddenStatesSender:
 
     # ---------------------------------------------------------- sender thread
     def _run(self) -> None:
-        try:
-            self._connect()
-        except Exception as e:
-            log.error(
-                "rank %d cannot reach the reader at %s: %s", self.config.rank, self.config.consumer_address, e
-            )
-            self._fail_all(f"cannot reach the reader at {self.config.consumer_address}: {e}")
-            while not self._closed:
-                time.sleep(0.05)
-                self._fail_all(f"cannot reach the reader at {self.config.consumer_address}: {e}")
-            return
+        """Sessions: connect (retrying), serve until the connection is lost, reset what
+        was not acknowledged, and connect again. A request fails only when it waited
+        ``connect_timeout_s`` without a reader, or the reader refused it."""
+        last_error = ""
+        while not self._closed:
+            try:
+                self._connect()
+            except SenderError as e:  # closed while connecting
+                last_error = str(e)
+                break
+            try:
+                self._serve()
+                return  # closed
+            except (ConnectionClosed, ProtocolError, OSError, TransportError) as e:
+                last_error = str(e)
+                self._on_lost(e)
+            except Exception as e:
+                log.exception("rank %d sender thread failed", self.config.rank)
+                self._fail_all(f"sender failed: {type(e).__name__}: {e}")
+                return
+        if last_error:
+            self._fail_all(f"sender closed: {last_error}")
+
+    def _serve(self) -> None:
         assert self._conn is not None
         sel = selectors.DefaultSelector()
         sel.register(self._conn.sock, selectors.EVENT_READ, "conn")
@@ -252,44 +267,87 @@ class HiddenStatesSender:
                 busy |= self._submit_new()
                 busy |= self._poll_writes()
                 idle = 0 if busy else idle + 1
-        except (ConnectionClosed, ProtocolError, OSError) as e:
-            if self.in_flight:
-                log.error(
-                    "rank %d lost the reader with %d requests in flight: %s",
-                    self.config.rank,
-                    self.in_flight,
-                    e,
-                )
-            else:
-                log.info("rank %d: the reader closed the connection (nothing in flight)", self.config.rank)
-            self._fail_all(f"lost the reader connection: {e}")
-        except Exception as e:
-            log.exception("rank %d sender thread failed", self.config.rank)
-            self._fail_all(f"sender failed: {type(e).__name__}: {e}")
         finally:
             sel.close()
 
+    def _on_lost(self, e: BaseException) -> None:
+        """The connection broke: let WRITEs in flight finish or fail, forget the reader,
+        and mark every unacknowledged request for resending after reconnecting."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            deadline = time.monotonic() + 5.0
+            while job.xfer is not None and time.monotonic() < deadline:
+                try:
+                    if self._transport.poll(job.xfer):
+                        job.xfer = None
+                except TransportError:
+                    job.xfer = None
+            job.xfer = None
+            job.requested = job.granted = job.written = False
+            job.t_wait = time.monotonic()
+        if self._reader_agent:
+            self._transport.remove_peer(self._reader_agent)
+            self._reader_agent = ""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.connected.clear()
+        if jobs:
+            log.warning(
+                "rank %d lost the reader at %s (%s); %d unacknowledged requests will be resent",
+                self.config.rank,
+                self.config.consumer_address,
+                e,
+                len(jobs),
+            )
+        else:
+            log.info(
+                "rank %d: the reader at %s closed the connection",
+                self.config.rank,
+                self.config.consumer_address,
+            )
+
     def _connect(self) -> None:
+        """Connect, retrying with backoff while not closed; requests that waited longer
+        than ``connect_timeout_s`` for a reader fail meanwhile."""
         cfg = self.config
-        deadline = time.monotonic() + cfg.connect_timeout_s
         delay = 0.1
         while True:
+            if self._closed:
+                raise SenderError("closed")
             try:
                 self._handshake()
                 self.connected.set()
                 return
-            except (OSError, TimeoutError, ConnectionClosed) as e:
-                if time.monotonic() + delay > deadline or self._closed:
-                    raise SenderError(f"gave up after {cfg.connect_timeout_s:.0f} s: {e}") from None
-                log.warning(
-                    "rank %d: reader at %s not reachable (%s); retrying in %.1f s",
-                    cfg.rank,
-                    cfg.consumer_address,
-                    e,
-                    delay,
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+            except (OSError, TimeoutError, ConnectionClosed, SenderError, ProtocolError, TransportError) as e:
+                why = str(e)
+            self._expire(why)
+            log.warning(
+                "rank %d: reader at %s not reachable (%s); retrying in %.1f s",
+                cfg.rank,
+                cfg.consumer_address,
+                why,
+                delay,
+            )
+            end = time.monotonic() + delay
+            while time.monotonic() < end and not self._closed:
+                time.sleep(min(0.05, delay))
+                self._expire(why)
+            delay = min(delay * 2, 2.0)
+
+    def _expire(self, why: str) -> None:
+        now = time.monotonic()
+        limit = self.config.connect_timeout_s
+        with self._lock:
+            late = [j for j in self._jobs.values() if now - j.t_wait > limit]
+            for j in late:
+                del self._jobs[j.request_id]
+        for j in late:
+            self._record_failure(
+                j.request_id,
+                f"cannot reach the reader at {self.config.consumer_address} for {limit:.0f} s: {why}",
+            )
 
     def _handshake(self) -> None:
         cfg = self.config
@@ -341,17 +399,20 @@ class HiddenStatesSender:
             raise
 
     def _submit_new(self) -> bool:
+        """Send a credit request for every job that has none on this connection (new
+        ones, and after a reconnect all that were not acknowledged), oldest first."""
         assert self._conn is not None
-        n = 0
         while True:
             try:
-                job = self._inbox.get_nowait()
+                self._inbox.get_nowait()
             except queue.Empty:
-                return n > 0
-            n += 1
-            if self._jobs.get(job.request_id) is not job:
-                continue  # failed (e.g. connection lost) before its credit request went out
+                break
+        with self._lock:
+            todo = [j for j in self._jobs.values() if not j.requested]
+        for job in todo:
+            job.requested = True
             self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
+        return bool(todo)
 
     def _handle(self, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Grant):
@@ -365,7 +426,8 @@ class HiddenStatesSender:
         elif isinstance(msg, protocol.Ack):
             job = self._jobs.get(msg.request_id)
             if job is None:
-                raise ProtocolError(f"ack for unknown request {msg.request_id}")
+                log.warning("ack for %s, which is not in flight; ignored", msg.request_id)
+                return
             with self._lock:
                 del self._jobs[msg.request_id]
                 self._finished.add(msg.request_id)

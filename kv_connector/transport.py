@@ -7,6 +7,7 @@ by the caller polling ``poll`` and ``notifications`` on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -176,10 +177,16 @@ class Transport:
     def poll(self, xfer: Transfer) -> bool:
         """True once the WRITE completed (its handle is then released); raises
         ``TransportError`` if it failed."""
-        state = self._agent.check_xfer_state(xfer.handle)
+        try:
+            state = self._agent.check_xfer_state(xfer.handle)
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer is gone
+            with contextlib.suppress(Exception):
+                self._agent.release_xfer_handle(xfer.handle)
+            raise TransportError(f"a WRITE of {xfer.nbytes} bytes to {xfer.peer} failed: {e}") from None
         if state == _PROC:
             return False
-        self._agent.release_xfer_handle(xfer.handle)
+        with contextlib.suppress(Exception):
+            self._agent.release_xfer_handle(xfer.handle)
         if state == _DONE:
             return True
         raise TransportError(f"a WRITE of {xfer.nbytes} bytes to {xfer.peer} failed")
@@ -187,7 +194,12 @@ class Transport:
     def notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as (peer name, message); also makes UCX progress."""
         out: list[tuple[str, bytes]] = []
-        for peer, msgs in self._agent.get_new_notifs().items():
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as e:  # a peer's disconnect surfaces here too
+            log.warning("NIXL notification poll failed: %s", e)
+            return out
+        for peer, msgs in notifs.items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
             out.extend((name, bytes(m)) for m in msgs)
         return out

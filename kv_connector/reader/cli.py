@@ -25,6 +25,35 @@ from kv_connector.reader.core import HiddenStatesReader, Sample
 log = logging.getLogger("kv_connector.reader")
 
 
+LEDGER = ".ledger"
+
+
+class Ledger:
+    """Append-only record of the samples durably written to a directory."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / LEDGER
+        self.seen: set[tuple[str, str]] = set()
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                pid, _, rid = line.partition("\t")
+                if rid:
+                    self.seen.add((pid, rid))
+        self._f = open(self.path, "a")  # noqa: SIM115 - kept open for the run
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self.seen
+
+    def add(self, producer_id: str, request_id: str) -> None:
+        self._f.write(f"{producer_id}\t{request_id}\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.seen.add((producer_id, request_id))
+
+    def close(self) -> None:
+        self._f.close()
+
+
 def write_sample(out_dir: Path, sample: Sample) -> Path:
     """Write one sample atomically; returns the final path."""
     final = out_dir / f"{sample.request_id}.safetensors"
@@ -98,8 +127,16 @@ def main(argv: list[str] | None = None) -> int:
             pass
     except OSError as e:
         return fail(f"cannot write to {out}: {e.strerror or e}")
+    for stale in out.glob(".*.tmp"):  # partial files of a run that was killed mid-write
+        stale.unlink(missing_ok=True)
+    ledger = Ledger(out)
     try:
-        reader = HiddenStatesReader(listen=args.listen, pool_bytes=int(args.pool_mib * (1 << 20)))
+        reader = HiddenStatesReader(
+            listen=args.listen,
+            pool_bytes=int(args.pool_mib * (1 << 20)),
+            ack="manual",
+            already_delivered=lambda pid, rid: (pid, rid) in ledger,
+        )
     except OSError as e:
         return fail(f"cannot listen on {args.listen}: {e.strerror or e}")
     except ValueError as e:
@@ -115,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         with reader:
             for sample in reader.samples(args.max_samples, args.timeout):
                 path = write_sample(out, sample)
+                ledger.add(sample.producer_id, sample.request_id)
+                reader.ack(sample)  # only now may the producer free the sample's blocks
                 n += 1
                 log.info("wrote %s (%d tokens)", path.name, sample.token_ids.numel())
     except TimeoutError as e:
@@ -123,5 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted after %d samples", n)
         return 130
+    finally:
+        ledger.close()
     log.info("done: %d samples in %s", n, out)
     return 0

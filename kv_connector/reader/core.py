@@ -4,6 +4,7 @@ its producer gets an ``Ack``) once the sample was copied out."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -15,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -52,6 +53,7 @@ class Sample(NamedTuple):
 
 
 HUGE_PAGE_MIN_BYTES = 2 << 20
+DELIVERED_MEMORY = 100_000  # request ids remembered for acking resends
 # Serving-thread polling while WRITEs are due (writers need our progress): SPIN_POLLS
 # polls without sleeping after each event, then one every POLL_S; IDLE_POLL_S otherwise.
 SPIN_POLLS = int(os.environ.get("KV_CONNECTOR_READER_SPIN_POLLS", "20"))
@@ -109,7 +111,7 @@ class _Pending:
     world_size: int
     promised: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> blocks
     written: set[int] = field(default_factory=set)  # ranks whose WRITEs landed
-    peers: list[_Peer] = field(default_factory=list)
+    peers: dict[int, _Peer] = field(default_factory=dict)  # rank -> its current connection
     pages: list[int] | None = None
     ppb: int = 1
     complete: bool = False
@@ -132,6 +134,11 @@ class HiddenStatesReader:
     first producer's block size.
     ``secret``: shared secret for the handshake; by default from ``KV_CONNECTOR_SECRET``
     or ``KV_CONNECTOR_SECRET_FILE`` (none: producers are not authenticated).
+    ``ack``: "on_take" acknowledges a sample to its producer (which then frees its
+    blocks) when ``get`` hands it out; "manual" waits for ``ack(sample)``, e.g. after the
+    sample was durably written.
+    ``already_delivered(producer_id, request_id)``: samples delivered before this reader
+    started (a ledger); a producer resending one gets its ``Ack`` without a transfer.
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``.
@@ -144,8 +151,14 @@ class HiddenStatesReader:
         page_bytes: int | None = None,
         secret: bytes | None = None,
         name: str | None = None,
+        ack: str = "on_take",
+        already_delivered: Callable[[str, str], bool] | None = None,
     ) -> None:
         host, port = parse_address(listen)
+        if ack not in ("on_take", "manual"):
+            raise ValueError(f"ack must be 'on_take' or 'manual', got {ack!r}")
+        self._ack_mode = ack
+        self._already_delivered = already_delivered
         if pool_bytes <= 0:
             raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
         if page_bytes is not None:
@@ -180,8 +193,17 @@ class HiddenStatesReader:
         self._ranks: dict[tuple[str, int], _Peer] = {}
         self._pending: dict[_Key, _Pending] = {}
         self._ready: queue.Queue[_Key | None] = queue.Queue()
+        # samples handed out (and acked or awaiting ``ack``): a producer that lost its
+        # connection resends what it saw no ack for; those get an Ack, not a second copy
+        self._delivered: collections.OrderedDict[_Key, list[_Peer]] = collections.OrderedDict()
         self._closed = False
-        self.stats: dict[str, float] = {"samples": 0, "bytes": 0, "refused": 0, "copy_s": 0.0}
+        self.stats: dict[str, float] = {
+            "samples": 0,
+            "bytes": 0,
+            "refused": 0,
+            "copy_s": 0.0,
+            "resends_acked": 0,
+        }
         self._thread = threading.Thread(target=self._run, name="hs-reader", daemon=True)
         self._thread.start()
         log.info(
@@ -267,11 +289,26 @@ class HiddenStatesReader:
             self._pool.release(key, p.pages)
             self.stats["samples"] += 1
             self.stats["bytes"] += hidden.numel() * hidden.element_size()
-            for peer in p.peers:
-                peer.requests.discard(m.request_id)
-                self._send(peer, protocol.Ack(request_id=m.request_id))
+            self._delivered[key] = list(p.peers.values())
+            while len(self._delivered) > DELIVERED_MEMORY:
+                self._delivered.popitem(last=False)
+            if self._ack_mode == "on_take":
+                self._ack_key(key)
             self._grant()
         return sample
+
+    def ack(self, sample: Sample) -> None:
+        """Tell the sample's producer it is safe here (``ack="manual"``): it frees the
+        sample's blocks, and will not resend it after a reconnect."""
+        with self._lock:
+            self._ack_key((sample.producer_id, sample.request_id))
+
+    def _ack_key(self, key: _Key) -> None:
+        for peer in self._delivered.get(key, []):
+            peer.requests.discard(key[1])
+            self._send(peer, protocol.Ack(request_id=key[1]))
+        if key in self._delivered:
+            self._delivered[key] = []  # acked: a resend of it is acked at once
 
     def _assemble(self, m: protocol.Manifest, pages: list[int], ppb: int) -> torch.Tensor:
         """Copy a sample out of its pages into [T, L, H] of its dtype.
@@ -452,6 +489,15 @@ class HiddenStatesReader:
         assert h is not None and self._pool is not None and self._page_bytes is not None
         m = req.manifest
         key = (h.producer_id, m.request_id)
+        if key in self._delivered or (self._already_delivered is not None and self._already_delivered(*key)):
+            # a resend of a sample already handed out: acknowledge, never deliver twice
+            waiting = self._delivered.get(key)
+            if waiting:  # handed out, its ack still awaited (manual mode): ack it then
+                waiting.append(peer)
+            else:
+                self._send(peer, protocol.Ack(request_id=m.request_id))
+            self.stats["resends_acked"] += 1
+            return
         p = self._pending.get(key)
         if p is None:
             p = _Pending(manifest=m, producer_id=h.producer_id, world_size=h.world_size)
@@ -467,15 +513,23 @@ class HiddenStatesReader:
                 return
             self._pending[key] = p
         elif p.manifest != m:
-            raise ProtocolError(f"rank {h.rank} sent a manifest of {m.request_id} that differs from rank 0's")
-        if h.rank in p.promised:
-            raise ProtocolError(f"rank {h.rank} asked twice for {m.request_id}")
+            raise ProtocolError(
+                f"rank {h.rank} sent a manifest of {m.request_id} that differs from the first"
+            )
         share = frozenset(req.blocks)
-        for r, other in p.promised.items():
-            if share & other:
-                raise ProtocolError(f"ranks {r} and {h.rank} both promise blocks of {m.request_id}")
-        p.promised[h.rank] = share
-        p.peers.append(peer)
+        old = p.peers.get(h.rank)
+        if h.rank in p.promised:
+            if old is not None and old.fd in self._peers and old is not peer:
+                raise ProtocolError(f"rank {h.rank} asked twice for {m.request_id}")
+            if p.promised[h.rank] != share:
+                raise ProtocolError(f"rank {h.rank} changed its share of {m.request_id}")
+            # the rank reconnected: it resends into the same pages
+        else:
+            for r, other in p.promised.items():
+                if share & other:
+                    raise ProtocolError(f"ranks {r} and {h.rank} both promise blocks of {m.request_id}")
+            p.promised[h.rank] = share
+        p.peers[h.rank] = peer
         peer.requests.add(m.request_id)
         if len(p.promised) == p.world_size:
             covered = set().union(*p.promised.values())
@@ -492,7 +546,7 @@ class HiddenStatesReader:
         for key, pages in self._pool.grantable():
             p = self._pending[key]  # type: ignore[index]
             p.pages = pages
-            for peer in p.peers:
+            for peer in p.peers.values():
                 self._send(
                     peer, protocol.Grant(request_id=p.manifest.request_id, pages=pages, pages_per_block=p.ppb)
                 )
@@ -536,12 +590,14 @@ class HiddenStatesReader:
         h = peer.hello
         if h is not None and self._ranks.get((h.producer_id, h.rank)) is peer:
             del self._ranks[(h.producer_id, h.rank)]
-            # Samples this rank had not finished cannot complete: discard them.
-            for key, p in list(self._pending.items()):
-                if key[0] == h.producer_id and not p.complete:
-                    self._discard(key, p)
             if not any(pid == h.producer_id for pid, _ in self._ranks):
+                # No rank of this producer is left: its incomplete samples can never
+                # complete (a reconnecting producer resends them from scratch).
                 self._world.pop(h.producer_id, None)
+                for key, p in list(self._pending.items()):
+                    if key[0] == h.producer_id and not p.complete:
+                        self._discard(key, p)
+            # Otherwise the rank may reconnect and resend its shares into the same pages.
         log.info("producer %s gone: %s", peer.label, why)
 
     def _discard(self, key: _Key, p: _Pending) -> None:
