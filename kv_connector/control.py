@@ -6,6 +6,7 @@ import contextlib
 import select
 import socket
 import struct
+import time
 
 from kv_connector import protocol
 from kv_connector.protocol import ProtocolError
@@ -71,14 +72,17 @@ class FramedConnection:
         return out
 
     def receive_one(self, timeout: float) -> protocol.Message:
-        """Block up to ``timeout`` seconds for exactly the next message (handshakes)."""
+        """Block up to ``timeout`` seconds in all for exactly the next message (handshakes):
+        a peer trickling bytes does not extend the deadline."""
+        deadline = time.monotonic() + timeout
         pending = self.receive_buffered()
         if pending is not None:
             return pending
         while True:
-            r, _, _ = select.select([self.sock], [], [], timeout)
+            left = deadline - time.monotonic()
+            r, _, _ = select.select([self.sock], [], [], max(0.0, left)) if left > 0 else ([], [], [])
             if not r:
-                raise TimeoutError("no message from the peer in time")
+                raise TimeoutError("no complete message from the peer in time")
             self._fill()
             pending = self.receive_buffered()
             if pending is not None:

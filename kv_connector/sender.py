@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # Sender-thread polling while a WRITE is in flight (UCX moves the bytes inside these
 # polls): SPIN_POLLS polls without sleeping after each event, then one every POLL_S.
 SPIN_POLLS = int(os.environ.get("KV_CONNECTOR_SENDER_SPIN_POLLS", "20"))
+HANDSHAKE_TIMEOUT_S = 10.0  # one connection attempt, all handshake messages included
 POLL_S = float(os.environ.get("KV_CONNECTOR_SENDER_POLL_S", "0.0002"))
 IDLE_POLL_S = 0.05
 
@@ -111,6 +112,7 @@ class HiddenStatesSender:
         self._page_bytes = 0
         self._reader_agent = ""
         self._conn: FramedConnection | None = None
+        self._handshake_conn: FramedConnection | None = None
 
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
@@ -208,6 +210,9 @@ class HiddenStatesSender:
             return
         self._closed = True
         self._wake()
+        hs = self._handshake_conn
+        if hs is not None:
+            hs.close()  # abort a handshake in progress
         self._thread.join(timeout=10)
         if self._conn is not None:
             self._conn.close()
@@ -285,7 +290,6 @@ class HiddenStatesSender:
                     job.xfer = None
             job.xfer = None
             job.requested = job.granted = job.written = False
-            job.t_wait = time.monotonic()
         if self._reader_agent:
             self._transport.remove_peer(self._reader_agent)
             self._reader_agent = ""
@@ -293,6 +297,7 @@ class HiddenStatesSender:
             self._conn.close()
             self._conn = None
         self.connected.clear()
+        self._expire(str(e))  # a reader that keeps breaking the protocol must not keep jobs forever
         if jobs:
             log.warning(
                 "rank %d lost the reader at %s (%s); %d unacknowledged requests will be resent",
@@ -346,12 +351,16 @@ class HiddenStatesSender:
         for j in late:
             self._record_failure(
                 j.request_id,
-                f"cannot reach the reader at {self.config.consumer_address} for {limit:.0f} s: {why}",
+                f"cannot reach the reader at {self.config.consumer_address} for {limit:.0f} s "
+                f"(last error: {why})",
             )
 
     def _handshake(self) -> None:
         cfg = self.config
-        conn = FramedConnection.connect(cfg.consumer_address)
+        budget = min(HANDSHAKE_TIMEOUT_S, max(cfg.connect_timeout_s, 1.0))
+        deadline = time.monotonic() + budget
+        conn = FramedConnection.connect(cfg.consumer_address, timeout=budget)
+        self._handshake_conn = conn
         try:
             nonce = auth.make_nonce()
             conn.send(
@@ -365,20 +374,22 @@ class HiddenStatesSender:
                     nonce=nonce,
                 )
             )
-            ch = conn.receive_one(10.0)
+            ch = conn.receive_one(max(0.0, deadline - time.monotonic()))
             if isinstance(ch, protocol.Refuse):
                 raise SenderError(f"reader refused: {ch.message}")
             if not isinstance(ch, protocol.Challenge):
                 raise SenderError(f"expected a challenge, got {type(ch).__name__}")
             if ch.auth_required and self._secret is None:
+                self._refuse(conn, "the producer has no shared secret (KV_CONNECTOR_SECRET)")
                 raise SenderError("the reader requires a shared secret; set KV_CONNECTOR_SECRET")
             if self._secret is not None:
                 want = auth.proof(self._secret, "reader", cfg.producer_id, cfg.rank, nonce, ch.nonce)
                 if not auth.verify(want, ch.digest):
+                    self._refuse(conn, "the reader's proof does not match the producer's shared secret")
                     raise SenderError("the reader failed authentication (wrong or no shared secret)")
             digest = auth.proof(self._secret, "producer", cfg.producer_id, cfg.rank, nonce, ch.nonce)
             conn.send(protocol.Auth(digest=digest, agent_metadata=self._transport.metadata))
-            w = conn.receive_one(10.0)
+            w = conn.receive_one(max(0.0, deadline - time.monotonic()))
             if isinstance(w, protocol.Refuse):
                 raise SenderError(f"reader refused: {w.message}")
             if not isinstance(w, protocol.Welcome):
@@ -397,6 +408,14 @@ class HiddenStatesSender:
         except BaseException:
             conn.close()
             raise
+        finally:
+            self._handshake_conn = None
+
+    @staticmethod
+    def _refuse(conn: FramedConnection, why: str) -> None:
+        """Tell the reader why this producer turns away (it logs it), then go."""
+        with contextlib.suppress(OSError):
+            conn.send(protocol.Refuse(code="auth", message=why))
 
     def _submit_new(self) -> bool:
         """Send a credit request for every job that has none on this connection (new
@@ -423,6 +442,7 @@ class HiddenStatesSender:
             job.t_write = time.monotonic()
             self.stats["grant_wait_s"] += job.t_write - job.t_submit
             self._write(job, msg)
+            self._reader_works()
         elif isinstance(msg, protocol.Ack):
             job = self._jobs.get(msg.request_id)
             if job is None:
@@ -431,6 +451,7 @@ class HiddenStatesSender:
             with self._lock:
                 del self._jobs[msg.request_id]
                 self._finished.add(msg.request_id)
+            self._reader_works()
             self.stats["requests"] += 1
             self.stats["ack_wait_s"] += time.monotonic() - job.t_write
         elif isinstance(msg, protocol.Refuse):
@@ -442,6 +463,14 @@ class HiddenStatesSender:
                 raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
+
+    def _reader_works(self) -> None:
+        """The reader answered correctly: no job is waiting for a working reader (one
+        held back by credits is waiting for the trainer, which is not a fault)."""
+        now = time.monotonic()
+        with self._lock:
+            for j in self._jobs.values():
+                j.t_wait = now
 
     def _write(self, job: _Job, grant: protocol.Grant) -> None:
         if not job.share:
@@ -489,6 +518,7 @@ class HiddenStatesSender:
                 now = time.monotonic()
                 self.stats["write_s"] += now - job.t_write
                 job.t_write = now
+                job.t_wait = now  # progress: its wait for a working reader starts again
                 self.stats["bytes"] += job.xfer.nbytes
                 job.xfer = None
                 job.written = True

@@ -32,7 +32,8 @@ from kv_connector.transport import Region, Transport, TransportError
 log = logging.getLogger(__name__)
 
 DEFAULT_POOL_BYTES = 256 << 20
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection not through its handshake by then is closed
+QUARANTINE_S = 5.0  # pages of a discarded sample wait this long: a late WRITE lands unseen
 
 
 class Sample(NamedTuple):
@@ -93,6 +94,7 @@ class _Peer:
     addr: str
     fd: int
     state: str = "hello"  # hello -> auth -> ready
+    t_accept: float = field(default_factory=time.monotonic)
     hello: protocol.Hello | None = None
     nonce: bytes = b""
     agent: str = ""
@@ -197,6 +199,8 @@ class HiddenStatesReader:
         # connection resends what it saw no ack for; those get an Ack, not a second copy
         self._delivered: collections.OrderedDict[_Key, list[_Peer]] = collections.OrderedDict()
         self._closed = False
+        self._accept_paused_until = 0.0
+        self._quarantine: list[tuple[float, _Key, list[int]]] = []
         self.stats: dict[str, float] = {
             "samples": 0,
             "bytes": 0,
@@ -358,19 +362,46 @@ class HiddenStatesReader:
             with self._lock:
                 if self._closed:
                     return
-                for k, _ in events:
-                    busy = True
-                    if k.data is None:
-                        self._accept()
-                    else:
-                        self._on_readable(k.data)
-                busy |= self._poll_notifs()
+                try:
+                    for k, _ in events:
+                        busy = True
+                        if k.data is None:
+                            self._accept()
+                        else:
+                            self._on_readable(k.data)
+                    busy |= self._poll_notifs()
+                    self._housekeeping()
+                except Exception:  # never let one bad event stop the reader
+                    log.exception("hidden-states reader: unexpected error while serving")
+                    time.sleep(0.01)
             idle = 0 if busy else idle + 1
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        for peer in list(self._peers.values()):
+            if peer.state != "ready" and now - peer.t_accept > HANDSHAKE_TIMEOUT_S:
+                log.warning("closing %s: no handshake within %.0f s", peer.label, HANDSHAKE_TIMEOUT_S)
+                self._drop(peer, "handshake timeout")
+        if self._quarantine and self._quarantine[0][0] <= now:
+            assert self._pool is not None
+            while self._quarantine and self._quarantine[0][0] <= now:
+                _, key, pages = self._quarantine.pop(0)
+                self._pool.release(key, pages)
+            self._grant()
 
     def _accept(self) -> None:
         try:
             sock, addr = self._lsock.accept()
         except BlockingIOError:
+            return
+        except OSError as e:  # e.g. EMFILE under a flood: pause accepting, keep serving
+            log.warning("cannot accept a control connection (%s); pausing accepts for 0.2 s", e)
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(self._lsock)
+            self._accept_paused_until = time.monotonic() + 0.2
             return
         peer = _Peer(FramedConnection(sock), format_address(addr[0], addr[1]), sock.fileno())
         self._peers[peer.fd] = peer
@@ -404,6 +435,9 @@ class HiddenStatesReader:
             if not isinstance(msg, protocol.Hello):
                 raise ProtocolError(f"expected hello, got {type(msg).__name__}")
             self._on_hello(peer, msg)
+        elif peer.state == "auth" and isinstance(msg, protocol.Refuse):
+            log.warning("producer %s refused the handshake (%s): %s", peer.label, msg.code, msg.message)
+            self._drop(peer, f"it refused the handshake: {msg.message}")
         elif peer.state == "auth":
             if not isinstance(msg, protocol.Auth):
                 raise ProtocolError(f"expected auth, got {type(msg).__name__}")
@@ -445,7 +479,16 @@ class HiddenStatesReader:
             want = auth.proof(self._secret, "producer", h.producer_id, h.rank, h.nonce, peer.nonce)
             if not auth.verify(want, a.digest):
                 raise ProtocolError("authentication failed: wrong shared secret")
-        if self._page_bytes is None:
+        try:
+            agent = self._transport.add_peer(a.agent_metadata)
+        except TransportError as e:
+            raise ProtocolError(str(e)) from None
+        if agent in self._by_agent:  # a replay of a connected producer's metadata
+            raise ProtocolError(f"agent {agent!r} is in use by a connected producer")
+        if agent != h.agent_name:
+            self._transport.remove_peer(agent)
+            raise ProtocolError(f"agent name {agent!r} does not match the hello's {h.agent_name!r}")
+        if self._page_bytes is None:  # only a producer that completed its handshake decides
             self._page_bytes = min(
                 _round_page(h.block_bytes), self._pool_tensor.numel() // PAGE_ALIGN * PAGE_ALIGN
             )
@@ -455,13 +498,6 @@ class HiddenStatesReader:
                 self._page_bytes,
                 self._pool.num_pages,
             )
-        try:
-            agent = self._transport.add_peer(a.agent_metadata)
-        except TransportError as e:
-            raise ProtocolError(str(e)) from None
-        if agent != h.agent_name or agent in self._by_agent:
-            self._transport.remove_peer(agent)
-            raise ProtocolError(f"agent name {agent!r} does not match hello or is in use")
         peer.agent = agent
         self._by_agent[agent] = peer
         self._world[h.producer_id] = h.world_size
@@ -606,5 +642,5 @@ class HiddenStatesReader:
         if p.pages is None:
             self._pool.cancel(key)
         else:
-            self._pool.release(key, p.pages)
+            self._quarantine.append((time.monotonic() + QUARANTINE_S, key, p.pages))
         log.warning("discarded incomplete sample %s of producer %s", key[1], key[0])

@@ -57,7 +57,8 @@ def test_cli_writes_each_sample_atomically_and_exits_after_max_samples(tmp_path:
         cli.communicate()
     assert res["rc"] == 0
     assert sorted(os.listdir(out)) == [".ledger", "a-1.safetensors", "b-2.safetensors", "c-3.safetensors"]
-    assert sorted(ln.split("\t")[1] for ln in (out / ".ledger").read_text().splitlines()) == ["a-1", "b-2", "c-3"]
+    ledger = (out / ".ledger").read_text().splitlines()
+    assert sorted(ln.split("\t")[1] for ln in ledger) == ["a-1", "b-2", "c-3"]
     cache = make_cache(layout, 16, 9)
     for s in samples:
         with safe_open(str(out / f"{s['request_id']}.safetensors"), "pt") as f:
