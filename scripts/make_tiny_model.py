@@ -1,4 +1,5 @@
-"""Build deterministic tiny random models (no hub): dense Llama / Qwen3 for now.
+"""Build deterministic tiny random models (no hub): dense Llama / Qwen3, and a hybrid
+Qwen3-Next (gated-delta-net linear attention + full attention, MoE).
 
 python -m scripts.make_tiny_model --family llama --out /tmp/tiny-llama
 """
@@ -17,6 +18,32 @@ TINY_DENSE: dict[str, Any] = dict(
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+# Hybrid: 8 layers, full attention at 3 and 7 (like the real model, three layers of
+# linear attention per full one). vLLM's CPU build runs gated-delta-net layers only in
+# bf16 with head dim 128 (ENVIRONMENT.md), so the linear heads are 128 wide.
+TINY_QWEN3_NEXT: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    full_attention_interval=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    decoder_sparse_step=1,
     vocab_size=1024,
     max_position_embeddings=4096,
     tie_word_embeddings=False,
@@ -44,15 +71,17 @@ def build_tiny_model(
     if marker.exists() and json.loads(marker.read_text()) == stamp:
         return out
 
-    params = {**TINY_DENSE, **overrides}
+    params = {**(TINY_QWEN3_NEXT if family == "qwen3_next" else TINY_DENSE), **overrides}
     if family == "llama":
         config: Any = transformers.LlamaConfig(**params)
     elif family == "qwen3":
         config = transformers.Qwen3Config(
             head_dim=params["hidden_size"] // params["num_attention_heads"], **params
         )
+    elif family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**params)
     else:
-        raise ValueError(f"unknown family {family!r}; expected llama or qwen3")
+        raise ValueError(f"unknown family {family!r}; expected llama, qwen3 or qwen3_next")
     config.torch_dtype = dtype
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
@@ -65,7 +94,7 @@ def build_tiny_model(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="llama", choices=["llama", "qwen3"])
+    ap.add_argument("--family", default="llama", choices=["llama", "qwen3", "qwen3_next"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")

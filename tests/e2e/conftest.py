@@ -85,3 +85,43 @@ def start_producer(spec: dict[str, Any], env: dict[str, str] | None = None) -> s
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny hybrid Qwen3-Next (bf16, linear-attention head dim 128: what vLLM's CPU
+    build runs), random weights."""
+    from scripts.make_tiny_model import build_tiny_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny-qwen3-next"
+    return build_tiny_model(out, "qwen3_next", seed=0, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_reference(tiny_qwen3_next: Path) -> Reference:
+    return Reference(tiny_qwen3_next)
+
+
+HYBRID_ENTRY_POINT = "hybrid.plugin:register"
+
+
+@pytest.fixture(scope="session")
+def hybrid_plugin_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment under which vLLM, in every process it starts, finds the hybrid plugin
+    the way it finds any plugin: a ``vllm.general_plugins`` entry point. Until the
+    installed package declares it, a dist-info directory on PYTHONPATH declares it."""
+    from importlib.metadata import entry_points
+
+    path = [str(REPO)]
+    if not any(ep.value == HYBRID_ENTRY_POINT for ep in entry_points(group="vllm.general_plugins")):
+        site = tmp_path_factory.mktemp("plugin-site")
+        info = site / "kv_hidden_states_hybrid_test-0.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: kv-hidden-states-hybrid-test\nVersion: 0.0\n"
+        )
+        (info / "entry_points.txt").write_text(
+            f"[vllm.general_plugins]\nhybrid_supplementary = {HYBRID_ENTRY_POINT}\n"
+        )
+        path.append(str(site))
+    return {"PYTHONPATH": os.pathsep.join(path), "HIDDEN_STATES_SUPPLEMENTARY": "1"}

@@ -1,0 +1,310 @@
+"""KV cache figures of a hybrid model with hidden-state extraction, computed by vLLM's
+own functions without weights: vLLM's own-group approach, the supplementary-tensor
+design (``plan_kv_cache_configs``, the code the plugin installs), and no extraction.
+
+A real ``VllmConfig`` is built by vLLM's ``EngineArgs`` from a config.json written for
+the shape (``HybridShape.standin_config``); the attention block size is aligned to the
+linear-attention state by vLLM's ``Platform._align_hybrid_block_size`` with the
+attention backend of the chosen platform; each layer's spec is built with vLLM's spec
+classes and state calculators the way the layer builds it, and the cache-only layer's
+spec comes from vLLM's own ``ExtractHiddenStatesModel``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+)
+
+from hybrid.shapes import HybridShape
+from hybrid.spec import SupplementedKVCacheConfig, attention_group_index, plan_kv_cache_configs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionBackend
+
+PLATFORMS = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the figures are computed for (besides the model's shape)."""
+
+    layer_ids: tuple[int, ...]
+    budget_bytes: int
+    max_model_len: int = 32768
+    platform: str = "cuda"
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if self.budget_bytes <= 0 or self.max_model_len <= 0:
+            raise ValueError("budget and max model length must be positive")
+
+
+@dataclass(frozen=True)
+class GroupFigures:
+    kind: str
+    layers: int
+    block_size: int
+    page_bytes: int
+    blocks_per_request: int
+
+
+@dataclass
+class Figures:
+    """One approach's figures. ``bytes_per_block`` counts every tensor (groups and
+    supplementary); ``hidden_state_bytes_per_block`` is what the hidden states cost per
+    attention block (vLLM's approach: the pool blocks its own group spends on one
+    attention block's tokens); ``token_capacity`` is vLLM's count of tokens of requests
+    ``max_model_len`` long that fit (``num_blocks / blocks per request * max_model_len``,
+    blocks per request summed over every group as its scheduler allocates them)."""
+
+    block_size: int = 0
+    num_blocks: int = 0
+    bytes_per_block: int = 0
+    hidden_state_bytes_per_block: int = 0
+    hidden_state_bytes_needed_per_block: int = 0
+    token_capacity: int = 0
+    max_concurrency: float = 0.0
+    blocks_per_request: int = 0
+    groups: list[GroupFigures] = field(default_factory=list)
+    supplementary: list[dict[str, Any]] = field(default_factory=list)
+    refused: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"max_concurrency": round(self.max_concurrency, 4)}
+
+
+@contextmanager
+def engine_config(shape: HybridShape, setup: Setup, extraction: bool = True) -> Iterator[VllmConfig]:
+    """vLLM's config for this shape (stand-in Qwen3-Next config.json in a temporary
+    directory that lives as long as the context), block size aligned for the platform."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with tempfile.TemporaryDirectory(prefix="hybrid-report-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(shape.standin_config()))
+        spec_config = (
+            {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": list(setup.layer_ids)}
+                },
+            }
+            if extraction
+            else None
+        )
+        args = EngineArgs(
+            model=tmp,
+            skip_tokenizer_init=True,
+            max_model_len=setup.max_model_len,
+            dtype=cast(Any, shape.dtype),
+            enable_prefix_caching=setup.prefix_caching,
+            mamba_ssm_cache_dtype=cast(Any, shape.mamba_ssm_dtype or "auto"),
+            speculative_config=spec_config,
+        )
+        vllm_config = args.create_engine_config()
+        align_block_size(vllm_config, setup.platform)
+        yield vllm_config
+
+
+def attention_backend(platform: str) -> tuple[type[AttentionBackend], int]:
+    """(attention backend class, block size before alignment) vLLM uses on a platform:
+    FlashAttention with the default 16-token block on CUDA, the CPU backend with the
+    CPU platform's 128-token block on CPU."""
+    if platform == "cuda":
+        from vllm.config.cache import CacheConfig
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend, CacheConfig.DEFAULT_BLOCK_SIZE
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend, 128
+
+
+def align_block_size(vllm_config: VllmConfig, platform: str) -> None:
+    """Set the attention block size (and the state page padding) the way vLLM's
+    platform does at engine start for a hybrid model."""
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+    backend, block_size = attention_backend(platform)
+    cache = vllm_config.cache_config
+    cache.block_size = block_size
+    cache.mamba_page_size_padded = None
+    with set_current_vllm_config(vllm_config):
+        Platform._align_hybrid_block_size(vllm_config, backend)
+        layouts = get_supported_kv_cache_layouts([backend, CacheOnlyAttentionBackend])
+    cache.kv_cache_layout = layouts[0].name
+
+
+def layer_specs(vllm_config: VllmConfig, shape: HybridShape, platform: str) -> dict[str, KVCacheSpec]:
+    """Every layer's spec as the model's layers report it (MambaBase and Attention
+    ``get_kv_cache_spec``), plus the cache-only layer when extraction is on."""
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    model_config = vllm_config.model_config
+    cache = vllm_config.cache_config
+    # an IsHybrid model class: its state shapes and dtypes, as its layers compute them
+    model_cls: Any = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)[0]
+    backend, _ = attention_backend(platform)
+    with set_current_vllm_config(vllm_config):
+        attention = customize_attention_spec(
+            backend,
+            FullAttentionSpec(
+                block_size=cache.block_size,
+                num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+                head_size=model_config.get_head_size(),
+                dtype=kv_cache_dtype_str_to_dtype(cache.cache_dtype, model_config),
+            ),
+        )
+    assert cache.mamba_block_size is not None
+    mamba = MambaSpec(
+        shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
+        dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
+        block_size=cache.mamba_block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=cache.mamba_cache_mode,
+        num_speculative_blocks=0 if cache.use_replayssm else vllm_config.num_speculative_tokens,
+    )
+    specs: dict[str, KVCacheSpec] = {}
+    for i, kind in enumerate(shape.layer_types):
+        if kind == "full_attention":
+            specs[f"model.layers.{i}.self_attn.attn"] = attention
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = mamba
+    if vllm_config.speculative_config is not None:
+        specs.update(cache_only_specs(vllm_config))
+    return specs
+
+
+def cache_only_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
+    """The spec of vLLM's own extract_hidden_states cache-only layer, built by vLLM."""
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.model_executor.models.extract_hidden_states import (
+        CacheOnlyAttentionLayer,
+        ExtractHiddenStatesModel,
+    )
+
+    with set_current_vllm_config(vllm_config):
+        model = ExtractHiddenStatesModel(vllm_config=vllm_config)
+    layers = [cast(CacheOnlyAttentionLayer, m) for m in model.cache_only_layers.values()]
+    return {str(layer.layer_name): layer.get_kv_cache_spec(vllm_config) for layer in layers}
+
+
+def figures(vllm_config: VllmConfig, config: KVCacheConfig, hidden_token_bytes: int) -> Figures:
+    """Read an approach's figures off the KV cache config vLLM (or the design) built."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    groups = config.kv_cache_groups
+    regular = [g for g in groups if not isinstance(_layer_spec(g.kv_cache_spec), HiddenStateCacheSpec)]
+    att = regular[attention_group_index(regular)]
+    fig = Figures(block_size=att.kv_cache_spec.block_size, num_blocks=config.num_blocks)
+    pool_bytes = kcu._pool_bytes_per_block(vllm_config, groups)
+    fig.bytes_per_block = pool_bytes
+    fig.hidden_state_bytes_needed_per_block = fig.block_size * hidden_token_bytes
+    for g in groups:
+        spec = g.kv_cache_spec
+        per_request = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+        layer_spec = _layer_spec(spec)
+        kind = (
+            "hidden_states"
+            if isinstance(layer_spec, HiddenStateCacheSpec)
+            else get_kv_cache_spec_kind(spec).value
+        )
+        fig.groups.append(
+            GroupFigures(kind, len(g.layer_names), spec.block_size, spec.page_size_bytes, per_request)
+        )
+        fig.blocks_per_request += per_request
+        if kind == "hidden_states":
+            # pool blocks of this group per attention block, each a whole pool block
+            fig.hidden_state_bytes_per_block = pool_bytes * fig.block_size // spec.block_size
+    if isinstance(config, SupplementedKVCacheConfig):
+        for name, spec in config.supplementary_specs.items():
+            fig.supplementary.append(
+                {
+                    "layer": name,
+                    "page_bytes": spec.page_size_bytes,
+                    "tensor_bytes": spec.page_size_bytes * config.num_blocks,
+                    "addressed_by_group": config.supplementary_group,
+                }
+            )
+        fig.bytes_per_block += config.supplementary_bytes_per_block
+        fig.hidden_state_bytes_per_block = config.supplementary_bytes_per_block
+    fig.token_capacity, fig.max_concurrency = kcu.get_kv_cache_capacity(vllm_config, config)
+    return fig
+
+
+def _layer_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    return spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
+def approach(
+    vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], budget: int, hidden_token_bytes: int, ours: bool
+) -> Figures:
+    """Figures of vLLM's approach (``ours=False``) or of the design, at ``budget``."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    try:
+        if ours:
+            (config,) = plan_kv_cache_configs(vllm_config, [dict(specs)], [budget])
+        else:
+            (config,) = get_kv_cache_configs(vllm_config, [dict(specs)], [budget])
+    except ValueError as e:
+        return Figures(refused=str(e).split(". Try")[0])
+    return figures(vllm_config, config, hidden_token_bytes)
+
+
+def compare(shape: HybridShape, setup: Setup) -> dict[str, Any]:
+    """``{"ours", "vllm", "no_extraction", "setup"}``: the report's JSON object."""
+    token_bytes = shape.hidden_state_token_bytes(len(setup.layer_ids))
+    with engine_config(shape, setup) as cfg:
+        specs = layer_specs(cfg, shape, setup.platform)
+        vllm = approach(cfg, specs, setup.budget_bytes, token_bytes, ours=False)
+        ours = approach(cfg, specs, setup.budget_bytes, token_bytes, ours=True)
+        info = {
+            "model": shape.architecture,
+            "layers": list(setup.layer_ids),
+            "num_layers": shape.num_layers,
+            "budget_bytes": setup.budget_bytes,
+            "max_model_len": setup.max_model_len,
+            "dtype": shape.dtype,
+            "platform": setup.platform,
+            "prefix_caching": setup.prefix_caching,
+            "mamba_cache_mode": cfg.cache_config.mamba_cache_mode,
+            "kv_cache_layout": cfg.cache_config.kv_cache_layout,
+            "hidden_state_bytes_per_token": token_bytes,
+        }
+    with engine_config(shape, setup, extraction=False) as cfg:
+        none = approach(
+            cfg, layer_specs(cfg, shape, setup.platform), setup.budget_bytes, token_bytes, ours=False
+        )
+    none.hidden_state_bytes_needed_per_block = 0
+    info["ours_over_vllm"] = (
+        round(ours.token_capacity / vllm.token_capacity, 3) if vllm.token_capacity else None
+    )
+    return {"ours": ours.to_json(), "vllm": vllm.to_json(), "no_extraction": none.to_json(), "setup": info}

@@ -1,0 +1,74 @@
+"""``python -m hybrid.report --config CONFIG.json --layers 2,24,45,47 --budget-gib 20``:
+the KV cache of a hybrid model with hidden-state extraction, vLLM's own-group approach
+next to the supplementary-tensor design, as one JSON object on stdout.
+
+Runs on CPU without weights; ``--config`` is a config.json file or a model directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hybrid.shapes import HybridShape, parse_layer_ids
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"no config.json at {p}")
+    data: dict[str, Any] = json.loads(p.read_text())
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hybrid.report", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="config.json or a model directory")
+    ap.add_argument("--layers", required=True, help="captured layer ids, e.g. 2,24,45,47")
+    ap.add_argument("--budget-gib", type=float, required=True, help="KV cache memory, GiB")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: the config's)")
+    ap.add_argument("--max-model-len", type=int, default=32768, help="request length (default 32768)")
+    ap.add_argument(
+        "--platform",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="whose attention block size (default cuda)",
+    )
+    ap.add_argument(
+        "--no-prefix-caching", action="store_true", help="mamba cache mode 'none' instead of 'align'"
+    )
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's log on stderr")
+    args = ap.parse_args(argv)
+
+    from hybrid.accounting import Setup, compare
+
+    try:
+        shape = HybridShape.from_config(load_config(args.config), dtype=args.dtype)
+        setup = Setup(
+            layer_ids=tuple(parse_layer_ids(args.layers, shape.num_layers)),
+            budget_bytes=int(args.budget_gib * (1 << 30)),
+            max_model_len=args.max_model_len,
+            platform=args.platform,
+            prefix_caching=not args.no_prefix_caching,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hybrid.report: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(compare(shape, setup)))
+    return 0
+
+
+if __name__ == "__main__":
+    # vLLM logs to stdout by default; stdout is the JSON object's alone. Set here, for
+    # this process only: main() called in-process must not change the environment that
+    # later vLLM processes inherit.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if "--verbose" not in sys.argv:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Worker side of the design: allocate each supplementary layer's tensor beside vLLM's
+KV cache, and point the extract_hidden_states drafter at the attention group.
+
+Both are wrappers around vLLM 0.32 functions, installed by ``hybrid.plugin``:
+``allocate_kv_cache`` (as the model runner imports it) returns the supplementary views
+too, so vLLM binds them to their layers and hands them to the KV connector's
+``register_kv_caches``; ``ExtractHiddenStatesProposer.validate_same_kv_cache_group``
+takes the config's ``supplementary_group`` for a layer that is in no group, so the
+drafter builds the cache-only layer's metadata (its slot mapping) from that group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+
+from hybrid.plugin import announce
+from hybrid.spec import SupplementedKVCacheConfig
+
+log = logging.getLogger("vllm.hybrid.runtime")
+
+ORIGINAL = "__hybrid_original__"
+
+
+def allocate_supplementary(
+    kv_cache_config: KVCacheConfig,
+    device: torch.device,
+    layout: Any,
+    kernel_block_sizes: list[int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """One zeroed tensor of ``num_blocks`` pages per supplementary layer, viewed as
+    ``[num_blocks, num_kv_heads, block_size, head_size]`` in the resolved KV cache
+    layout by vLLM's own ``create_kv_cache_views``; {} for a config without any."""
+    if not isinstance(kv_cache_config, SupplementedKVCacheConfig) or not kv_cache_config.supplementary_specs:
+        return {}
+    group = kv_cache_config.supplementary_group
+    assert group is not None
+    block_size = kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
+    if (
+        kernel_block_sizes is not None
+        and group < len(kernel_block_sizes)
+        and kernel_block_sizes[group] != block_size
+    ):
+        raise ValueError(
+            f"KV cache group {group} splits its {block_size}-token blocks into "
+            f"{kernel_block_sizes[group]}-token kernel blocks; the supplementary hidden-state tensor "
+            "follows the group's slot mapping and cannot be addressed by manager block then. Set "
+            "HIDDEN_STATES_SUPPLEMENTARY=0, or choose a block size the attention backend runs unsplit."
+        )
+    num_blocks = kv_cache_config.num_blocks
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in kv_cache_config.supplementary_specs.items():
+        if spec.block_size != block_size:
+            raise ValueError(f"{name}: supplementary block size {spec.block_size} != group's {block_size}")
+        layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, 1, layout)
+        tensor = KVCacheTensor(
+            size=spec.page_size_bytes * num_blocks,
+            layers=[name],
+            layer_stride=layer_stride,
+            block_stride=block_stride,
+        )
+        raw = torch.zeros(tensor.size, dtype=torch.int8, device=device)
+        (out[name],) = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
+    return out
+
+
+AllocateKVCache = Callable[..., dict[str, torch.Tensor]]
+
+
+def with_supplementary_tensors(allocate: AllocateKVCache) -> AllocateKVCache:
+    """Wrap vLLM's ``allocate_kv_cache(kv_cache_config, device, layout,
+    kernel_block_sizes=None)``: its tensors plus the supplementary ones."""
+
+    @functools.wraps(allocate)
+    def allocate_kv_cache(
+        kv_cache_config: KVCacheConfig,
+        device: torch.device,
+        layout: Any,
+        kernel_block_sizes: list[int] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        announce()
+        kv_caches = allocate(kv_cache_config, device, layout, kernel_block_sizes)
+        extra = allocate_supplementary(kv_cache_config, device, layout, kernel_block_sizes)
+        for name, view in extra.items():
+            log.info(
+                "supplementary hidden-state tensor %s: shape %s %s, %d bytes",
+                name,
+                tuple(view.shape),
+                view.dtype,
+                view.untyped_storage().nbytes(),
+            )
+        kv_caches.update(extra)
+        return kv_caches
+
+    setattr(allocate_kv_cache, ORIGINAL, allocate)
+    return allocate_kv_cache
+
+
+def with_supplementary_group(
+    validate: Callable[[Any, KVCacheConfig], None],
+) -> Callable[[Any, KVCacheConfig], None]:
+    """Wrap ``ExtractHiddenStatesProposer.validate_same_kv_cache_group``: a cache-only
+    layer that is a supplementary tensor takes the group that addresses it."""
+
+    @functools.wraps(validate)
+    def validate_same_kv_cache_group(self: Any, kv_cache_config: KVCacheConfig) -> None:
+        if isinstance(kv_cache_config, SupplementedKVCacheConfig) and set(self.attn_layer_names) <= set(
+            kv_cache_config.supplementary_specs
+        ):
+            assert kv_cache_config.supplementary_group is not None
+            self.kv_cache_gid = kv_cache_config.supplementary_group
+            return
+        validate(self, kv_cache_config)
+
+    setattr(validate_same_kv_cache_group, ORIGINAL, validate)
+    return validate_same_kv_cache_group

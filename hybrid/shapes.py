@@ -1,0 +1,197 @@
+"""The KV-cache shape of a hybrid model read from its config.json, and the block
+arithmetic of the supplementary-tensor design: pure logic, no vllm, torch or nixl.
+
+A hybrid model (Qwen3-Next, Qwen3.5) interleaves gated-delta-net linear-attention layers,
+whose cache is a fixed-size recurrent state per request, with full-attention layers,
+whose cache grows by one page per ``block_size`` tokens. ``HybridShape`` holds the fields
+of config.json that decide those caches' sizes; everything else (MoE, vocabulary, vision
+tower) is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FULL = "full_attention"
+LINEAR = "linear_attention"
+_LAYER_TYPES = (FULL, LINEAR)
+_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """What decides a hybrid model's cache sizes, as config.json states it.
+
+    ``layer_types[i]`` is ``"full_attention"`` or ``"linear_attention"``;
+    ``mamba_ssm_dtype`` is the recurrent state's dtype when the config pins it (Qwen3.5
+    does; vLLM then uses it for the state cache), else None (the model dtype).
+    """
+
+    architecture: str
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    max_position_embeddings: int
+    dtype: str
+    mamba_ssm_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.layer_types) - set(_LAYER_TYPES))
+        if bad:
+            raise ValueError(f"unknown layer types {bad}; expected {_LAYER_TYPES}")
+        if not self.layer_types:
+            raise ValueError("the model has no layers")
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        dtype_bytes(self.dtype)
+        if self.mamba_ssm_dtype is not None:
+            dtype_bytes(self.mamba_ssm_dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    def hidden_state_token_bytes(self, num_captured_layers: int) -> int:
+        """Bytes one token's captured states take: ``[num_captured_layers, hidden]``."""
+        return num_captured_layers * self.hidden_size * dtype_bytes(self.dtype)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], dtype: str | None = None) -> HybridShape:
+        """Read a Hugging Face config.json dict: top-level (Qwen3-Next) or with the
+        language model under ``text_config`` (Qwen3.5). ``dtype`` overrides the
+        config's own (``torch_dtype`` or ``dtype``)."""
+        archs = config.get("architectures") or ["?"]
+        text = config.get("text_config") or config
+        n = int(_need(text, "num_hidden_layers"))
+        types = text.get("layer_types")
+        if types is None:
+            interval = int(_need(text, "full_attention_interval"))
+            types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+        heads = int(_need(text, "num_attention_heads"))
+        hidden = int(_need(text, "hidden_size"))
+        own_dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        return cls(
+            architecture=str(archs[0]),
+            hidden_size=hidden,
+            layer_types=tuple(str(t) for t in types),
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads", heads)),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            linear_num_key_heads=int(_need(text, "linear_num_key_heads")),
+            linear_num_value_heads=int(_need(text, "linear_num_value_heads")),
+            linear_key_head_dim=int(_need(text, "linear_key_head_dim")),
+            linear_value_head_dim=int(_need(text, "linear_value_head_dim")),
+            linear_conv_kernel_dim=int(_need(text, "linear_conv_kernel_dim")),
+            max_position_embeddings=int(_need(text, "max_position_embeddings")),
+            dtype=str(dtype or own_dtype),
+            mamba_ssm_dtype=text.get("mamba_ssm_dtype"),
+        )
+
+    def standin_config(self) -> dict[str, Any]:
+        """A Qwen3-Next config.json with this cache shape, for building vLLM's config of a
+        model whose own vLLM module cannot be imported here (Qwen3.5 needs torchvision).
+
+        Qwen3.5's and Qwen3-Next's vLLM classes compute their gated-delta-net states
+        and attention pages with the same calls on these fields, so every cache spec is
+        the same; the MoE fields are the smallest valid ones (no weights are built)."""
+        n = self.num_layers
+        return {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": n,
+            "layer_types": list(self.layer_types),
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "intermediate_size": 4 * self.hidden_size,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 8,
+            "shared_expert_intermediate_size": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 1024,
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "torch_dtype": self.dtype,
+            "tie_word_embeddings": False,
+        }
+
+
+def _need(config: Mapping[str, Any], key: str) -> Any:
+    if key not in config or config[key] is None:
+        raise ValueError(f"config.json has no {key!r}: is this a hybrid (Qwen3-Next / Qwen3.5) model?")
+    return config[key]
+
+
+def parse_layer_ids(text: str, num_layers: int) -> list[int]:
+    """``"2,24,45,47"`` -> [2, 24, 45, 47]; ids are vLLM's aux layer ids, 0..num_layers."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("--layers names no layer")
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside 0..{num_layers} (the model has {num_layers} layers)")
+    return ids
+
+
+def exact_num_blocks(
+    budget_bytes: int, group_bytes_per_block: int, supplementary_pages: Sequence[int]
+) -> int:
+    """Blocks a budget holds when every block costs the groups' bytes plus one page of
+    every supplementary tensor: ``budget // (group bytes + sum of pages)``."""
+    if group_bytes_per_block <= 0:
+        raise ValueError(f"group bytes per block must be positive, got {group_bytes_per_block}")
+    if any(p <= 0 for p in supplementary_pages):
+        raise ValueError(f"supplementary pages must be positive, got {list(supplementary_pages)}")
+    return max(budget_bytes, 0) // (group_bytes_per_block + sum(supplementary_pages))

@@ -1,0 +1,160 @@
+"""The plugin's installation into vLLM 0.32 (patch points, idempotence, the switch, the
+version refusal) and the worker-side pieces it installs, on vLLM's real functions: the
+supplementary tensor next to vLLM's own allocation, and the drafter's group."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hybrid import plugin
+from hybrid.shapes import HybridShape
+from scripts.make_tiny_model import TINY_QWEN3_NEXT
+
+pytestmark = pytest.mark.slow
+
+
+def targets() -> dict[str, Any]:
+    import vllm.v1.engine.core as core
+    import vllm.v1.worker.gpu_model_runner as runner
+    from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+
+    return {
+        # the names as the engine core and the model runner look them up
+        "get_kv_cache_configs": vars(core)["get_kv_cache_configs"],
+        "allocate_kv_cache": vars(runner)["allocate_kv_cache"],
+        "validate_same_kv_cache_group": ExtractHiddenStatesProposer.validate_same_kv_cache_group,
+    }
+
+
+@pytest.fixture
+def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    plugin.unregister()
+    before = targets()
+    yield before
+    plugin.unregister()
+    assert targets() == before
+
+
+def test_register_wraps_every_patch_point_once(clean: dict[str, Any]) -> None:
+    plugin.register()
+    first = targets()
+    assert plugin.installed()
+    for name, fn in first.items():
+        assert getattr(fn, plugin.ORIGINAL) is clean[name], name
+    plugin.register()  # re-entrant: vLLM loads plugins again in every process
+    assert targets() == first
+    plugin.unregister()
+    assert targets() == clean and not plugin.installed()
+
+
+def test_switched_off_by_the_environment(clean: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugin.ENV, "0")
+    plugin.register()
+    assert targets() == clean
+
+
+def test_bad_switch_value_is_an_error(clean: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugin.ENV, "maybe")
+    with pytest.raises(ValueError, match=plugin.ENV):
+        plugin.register()
+
+
+def test_another_vllm_version_is_refused(
+    clean: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with caplog.at_level(logging.ERROR, logger="vllm.hybrid.plugin"):
+        plugin.register()
+    assert targets() == clean
+    assert "written for vLLM 0.32.0, found 0.33.0" in caplog.text
+    monkeypatch.setenv(plugin.ENV, "1")
+    with pytest.raises(plugin.UnsupportedVLLMError, match=r"0\.33\.0"):
+        plugin.register()
+    assert targets() == clean
+    monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
+    plugin.register()
+    assert plugin.installed()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[tuple[Any, Any]]:
+    """The e2e test's tiny Qwen3-Next, its KV cache planned by the design at 32 MiB."""
+    from hybrid.accounting import Setup, engine_config, layer_specs
+    from hybrid.spec import plan_kv_cache_configs
+
+    shape = HybridShape.from_config(
+        {**TINY_QWEN3_NEXT, "architectures": ["Qwen3NextForCausalLM"], "torch_dtype": "bfloat16"}
+    )
+    setup = Setup(
+        layer_ids=(1, 4, 8), budget_bytes=32 << 20, max_model_len=2048, platform="cpu", prefix_caching=False
+    )
+    with engine_config(shape, setup) as cfg:
+        (config,) = plan_kv_cache_configs(cfg, [layer_specs(cfg, shape, "cpu")], [setup.budget_bytes])
+        yield cfg, config
+
+
+def test_supplementary_tensor_is_allocated_beside_vllms(tiny: tuple[Any, Any]) -> None:
+    import torch
+    from vllm.model_executor.models.extract_hidden_states import basic_cache
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from hybrid.runtime import with_supplementary_tensors
+    from kv_connector.layout import layout_from_view
+
+    cfg, config = tiny
+    layout = cfg.cache_config.get_resolved_kv_cache_layout()
+    sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+    plain = allocate_kv_cache(config, torch.device("cpu"), layout, sizes)
+    caches = with_supplementary_tensors(allocate_kv_cache)(config, torch.device("cpu"), layout, sizes)
+    name = "cache_only_layers.8"
+    assert set(caches) == set(plain) | {name}
+    bs, n = config.kv_cache_groups[config.supplementary_group].kv_cache_spec.block_size, config.num_blocks
+    assert bs == 256 and config.supplementary_group == 3
+    hs = caches[name]
+    assert tuple(hs.shape) == (n, 3, bs, 128) and hs.dtype == torch.bfloat16
+    assert layout_from_view(hs.shape, hs.stride(), 3, 128) == ("LTH", bs)
+    assert hs.untyped_storage().nbytes() == n * bs * 3 * 128 * 2
+    # vLLM's own cache write at slot b * bs + o lands in block b, position o
+    slots = torch.tensor([2 * bs + 5, 7 * bs + bs - 1])
+    states = torch.randn(2, 3, 128).to(torch.bfloat16)
+    basic_cache(states, hs, slots)
+    assert torch.equal(hs[2, :, 5], states[0]) and torch.equal(hs[7, :, bs - 1], states[1])
+    assert int((hs != 0).sum()) == int((states != 0).sum())  # and nothing else
+
+
+def test_split_kernel_blocks_are_refused(tiny: tuple[Any, Any]) -> None:
+    import torch
+
+    from hybrid.runtime import allocate_supplementary
+
+    cfg, config = tiny
+    sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+    sizes[config.supplementary_group] //= 2
+    with pytest.raises(ValueError, match="kernel blocks"):
+        allocate_supplementary(
+            config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), sizes
+        )
+
+
+def test_drafter_takes_the_supplementary_group(tiny: tuple[Any, Any]) -> None:
+    from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+
+    from hybrid.runtime import with_supplementary_group
+
+    _, config = tiny
+    validate = with_supplementary_group(ExtractHiddenStatesProposer.validate_same_kv_cache_group)
+    drafter = SimpleNamespace(attn_layer_names=["cache_only_layers.8"], kv_cache_gid=-1)
+    validate(drafter, config)
+    assert drafter.kv_cache_gid == 3
+    # a layer that is neither supplementary nor in a group: vLLM's own check still refuses
+    stranger = SimpleNamespace(attn_layer_names=["cache_only_layers.9"], kv_cache_gid=-1)
+    with pytest.raises(ValueError, match="not in any KV cache group"):
+        validate(stranger, config)
