@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from kv_connector.reader import HiddenStatesReader, Sample
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -81,6 +83,36 @@ def start_producer(spec: dict[str, Any], env: dict[str, str] | None = None) -> s
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})},
     )
+
+
+def run_and_collect(
+    reader: HiddenStatesReader, spec: dict[str, Any], n: int, env: dict[str, str] | None = None
+) -> tuple[dict[str, Sample], dict[str, Any], str]:
+    """Start the producer, take n samples (each exactly once), wait for it, and check no
+    extra sample follows; returns (samples by request id, its JSON result, its log)."""
+    proc = start_producer(spec, env=env)
+    got: dict[str, Sample] = {}
+    try:
+        while len(got) < n:
+            try:
+                s = reader.get(timeout=5)
+            except TimeoutError:
+                if proc.poll() is not None:
+                    break
+                continue
+            assert s.request_id not in got, f"{s.request_id} delivered twice"
+            got[s.request_id] = s
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and len(got) == n, (proc.returncode, len(got), err[-5000:], out[-3000:])
+    result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+    with pytest.raises(TimeoutError):
+        extra = reader.get(timeout=1.0)
+        pytest.fail(f"unexpected extra sample {extra.request_id}")
+    return got, result, out + err
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

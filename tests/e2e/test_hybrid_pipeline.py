@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from tests.e2e.conftest import Reference, relative_error, start_producer
+from tests.e2e.conftest import Reference, relative_error, run_and_collect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,35 +37,6 @@ MAX_LEN = 2048
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
-
-
-def run(
-    reader: HiddenStatesReader, spec: dict[str, Any], env: dict[str, str], n: int
-) -> tuple[dict[str, Sample], dict[str, Any], str]:
-    """Start the producer, take n samples, wait for it; (samples, its result, its log)."""
-    proc = start_producer(spec, env=env)
-    got: dict[str, Sample] = {}
-    try:
-        while len(got) < n:
-            try:
-                s = reader.get(timeout=5)
-            except TimeoutError:
-                if proc.poll() is not None:
-                    break
-                continue
-            assert s.request_id not in got, f"{s.request_id} delivered twice"
-            got[s.request_id] = s
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0 and len(got) == n, (proc.returncode, len(got), err[-5000:], out[-3000:])
-    result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
-    with pytest.raises(TimeoutError):
-        extra = reader.get(timeout=1.0)
-        pytest.fail(f"unexpected extra sample {extra.request_id}")
-    return got, result, out + err
 
 
 def predicted_num_blocks(model: Path) -> int:
@@ -150,7 +121,7 @@ def test_inprocess_chunked_prefill_across_attention_blocks(
             enable_prefix_caching=False,
             inprocess=True,
         )
-        got, result, log = run(reader, spec, hybrid_plugin_env, len(prompts))
+        got, result, log = run_and_collect(reader, spec, len(prompts), env=hybrid_plugin_env)
     check_plugin_was_active(log, tiny_qwen3_next)
     worst = check_samples(got, result, prompts, qwen3_next_reference, with_output=set())
     print(f"worst relative error {worst:.3e}")
@@ -175,6 +146,6 @@ def test_multiprocess_engine_with_output_tokens(
             enable_prefix_caching=False,
             inprocess=False,
         )
-        got, result, log = run(reader, spec, hybrid_plugin_env, len(prompts))
+        got, result, log = run_and_collect(reader, spec, len(prompts), env=hybrid_plugin_env)
     check_plugin_was_active(log, tiny_qwen3_next)
     check_samples(got, result, prompts, qwen3_next_reference, with_output={2, 3})

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from tests.e2e.conftest import Reference, relative_error, start_producer
+from tests.e2e.conftest import Reference, relative_error, run_and_collect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -24,31 +24,6 @@ CPU_BLOCK = 128  # vLLM's CPU block size; the connector reads it from the tensor
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
-
-
-def run_and_collect(
-    reader: HiddenStatesReader, spec: dict[str, Any], n: int, env: dict[str, str] | None = None
-) -> tuple[dict[str, Sample], dict[str, Any]]:
-    import json
-
-    proc = start_producer(spec, env=env)
-    got: dict[str, Sample] = {}
-    try:
-        for _ in range(n):
-            s = reader.get(timeout=300)
-            assert s.request_id not in got, f"{s.request_id} delivered twice"
-            got[s.request_id] = s
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-5000:]
-    result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
-    with pytest.raises(TimeoutError):
-        extra = reader.get(timeout=1.0)
-        pytest.fail(f"unexpected extra sample {extra.request_id}")
-    return got, result
 
 
 def check_against_reference(
@@ -88,7 +63,7 @@ def test_inprocess_engine_chunked_prefill_mixed_batch(tiny_llama: Path, llama_re
             max_num_batched_tokens=256,  # chunked prefill: 700 and 1000 span several steps
             inprocess=True,
         )
-        got, result = run_and_collect(reader, spec, len(prompts))
+        got, result, _ = run_and_collect(reader, spec, len(prompts))
     worst = check_against_reference(got, result, prompts, llama_reference, with_output=set())
     print(f"worst relative error {worst:.2e}")
 
@@ -106,7 +81,7 @@ def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_re
             with_output=[2, 3],
             inprocess=False,
         )
-        got, result = run_and_collect(reader, spec, len(prompts))
+        got, result, _ = run_and_collect(reader, spec, len(prompts))
     check_against_reference(got, result, prompts, llama_reference, with_output={2, 3})
 
 
@@ -130,5 +105,7 @@ def test_real_tensor_parallel_4_engine_matches_transformers(tmp_path: Path) -> N
             inprocess=False,
             max_num_batched_tokens=256,
         )
-        got, result = run_and_collect(reader, spec, len(prompts), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        got, result, _ = run_and_collect(
+            reader, spec, len(prompts), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        )
     check_against_reference(got, result, prompts, Reference(model), with_output=set())
