@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,12 @@ def run_and_collect(
         extra = reader.get(timeout=1.0)
         pytest.fail(f"unexpected extra sample {extra.request_id}")
     return got, result, out + err
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    """Deterministic random prompts of the given lengths (token ids 1..1023)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

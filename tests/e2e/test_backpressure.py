@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from tests.e2e.conftest import Reference, relative_error, start_producer
-from tests.e2e.test_producer_pipeline import LAYER_IDS, prompts_of
+from tests.e2e.conftest import Reference, prompts_of, relative_error, start_producer
+from tests.e2e.test_producer_pipeline import LAYER_IDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -14,7 +14,6 @@ Triton kernel), with or without this design.
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from tests.e2e.conftest import Reference, relative_error, run_and_collect
+from tests.e2e.conftest import Reference, prompts_of, relative_error, run_and_collect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -32,11 +31,6 @@ HIDDEN = 128
 BLOCK = 256  # attention block vLLM's CPU platform picks for this model
 BUDGET = 64 << 20
 MAX_LEN = 2048
-
-
-def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
 
 
 def predicted_num_blocks(model: Path) -> int:

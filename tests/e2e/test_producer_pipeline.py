@@ -6,24 +6,18 @@ exactly once, without stepping the engine after generate() returned."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from tests.e2e.conftest import Reference, relative_error, run_and_collect
+from tests.e2e.conftest import Reference, prompts_of, relative_error, run_and_collect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LAYER_IDS = [1, 2, 4]
 CPU_BLOCK = 128  # vLLM's CPU block size; the connector reads it from the tensor
-
-
-def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
 
 
 def check_against_reference(
