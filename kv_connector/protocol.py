@@ -9,6 +9,8 @@ version all raise ``ProtocolError``; nothing from a peer is ever unpickled.
 
 Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
     1: first version (Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone).
+    2: ``WriteDone.checksum`` (crc32 of the rank's share, see ``kv_connector.integrity``)
+       and ``Rewrite`` (the reader asks a rank to write its share again).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -54,6 +56,7 @@ BlockIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]
 PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_PAGES)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
+Crc32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 
 
 class ProtocolError(ValueError):
@@ -167,12 +170,22 @@ class Refuse(_Msg, tag="refuse", frozen=True):
 
 class WriteDone(_Msg, tag="write_done", frozen=True):
     """Producer -> reader as a NIXL notification attached to a rank's WRITE: the blocks
-    that rank promised in its credit request have landed in their granted pages."""
+    that rank promised in its credit request have landed in their granted pages;
+    ``checksum`` is the crc32 of those blocks' sample bytes (None: not computed)."""
 
     request_id: RequestId
+    checksum: Crc32 | None = None
 
 
-Message = Hello | Challenge | Auth | Welcome | CreditRequest | Grant | Ack | Refuse | WriteDone
+class Rewrite(_Msg, tag="rewrite", frozen=True):
+    """Reader -> producer: the rank's share of a sample did not match its checksum;
+    write it again into the same pages."""
+
+    request_id: RequestId
+    reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+
+
+Message = Hello | Challenge | Auth | Welcome | CreditRequest | Grant | Ack | Refuse | WriteDone | Rewrite
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -4,7 +4,9 @@ reader acknowledged it (so its blocks may be freed)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -19,6 +21,7 @@ import torch
 
 from kv_connector import auth, protocol
 from kv_connector.control import ConnectionClosed, FramedConnection
+from kv_connector.integrity import block_checksum, valid_spans
 from kv_connector.layout import BlockLayout, piece_spans, stripe
 from kv_connector.protocol import ProtocolError
 from kv_connector.transport import Region, Transfer, Transport, TransportError
@@ -31,6 +34,8 @@ SPIN_POLLS = int(os.environ.get("KV_CONNECTOR_SENDER_SPIN_POLLS", "20"))
 HANDSHAKE_TIMEOUT_S = 10.0  # one connection attempt, all handshake messages included
 POLL_S = float(os.environ.get("KV_CONNECTOR_SENDER_POLL_S", "0.0002"))
 IDLE_POLL_S = 0.05
+WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted again this many times in all
+WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class SenderConfig:
     producer_id: shared by all ranks of one producer engine, unique among producers.
     rank / world_size: this rank and how many ranks share each sample's blocks.
     connect_timeout_s: how long to keep trying to reach the reader.
+    checksum: send the crc32 of each share with its WRITE, for the reader to check
+    (on a GPU cache this stages the share's bytes to host memory once).
     """
 
     consumer_address: str
@@ -48,6 +55,7 @@ class SenderConfig:
     rank: int = 0
     world_size: int = 1
     connect_timeout_s: float = 60.0
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -66,8 +74,11 @@ class _Job:
     t_write: float = 0.0
     requested: bool = False  # a credit request went out on the current connection
     t_wait: float = field(default_factory=time.monotonic)  # since when it waits for a reader
-    granted: bool = False
+    grant: protocol.Grant | None = None  # the pages on the current connection
     written: bool = False
+    checksum: concurrent.futures.Future[int] | None = None
+    attempts: int = 0  # WRITEs of this share that failed in NIXL, on this connection
+    retry_at: float = 0.0
     t_submit: float = field(default_factory=time.monotonic)
 
 
@@ -104,6 +115,16 @@ class HiddenStatesSender:
                 f"bytes; the layout says blocks of {layout.block_bytes}"
             )
         self.num_cache_blocks = cache.shape[0]
+        # the cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)
+        self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
+        )
+        self._raw_mv = None if self._raw.is_cuda else self._raw.numpy().data
+        self._hasher = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hs-crc-r{config.rank}")
+            if config.checksum
+            else None
+        )
         self._secret = secret if secret is not None else auth.load_secret()
         self.agent_name = f"{config.producer_id}-r{config.rank}-{os.getpid()}"
         self._transport = Transport(self.agent_name)
@@ -123,12 +144,17 @@ class HiddenStatesSender:
         os.set_blocking(self._wake_r, False)
         self._closed = False
         self.connected = threading.Event()
+        # None while connected, else why not (read by the worker's reports)
+        self.link_error: str | None = "not connected yet"
         self.stats: dict[str, float] = {
             "requests": 0,
             "bytes": 0,
             "grant_wait_s": 0.0,
             "write_s": 0.0,
             "ack_wait_s": 0.0,
+            "checksum_s": 0.0,
+            "rewrites": 0,
+            "write_retries": 0,
         }
         self._thread = threading.Thread(target=self._run, name=f"hs-sender-r{config.rank}", daemon=True)
         self._thread.start()
@@ -217,6 +243,8 @@ class HiddenStatesSender:
         if self._conn is not None:
             self._conn.close()
         self._transport.close()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -270,6 +298,7 @@ class HiddenStatesSender:
                         for msg in self._conn.receive():
                             self._handle(msg)
                 busy |= self._submit_new()
+                busy |= self._start_writes()
                 busy |= self._poll_writes()
                 idle = 0 if busy else idle + 1
         finally:
@@ -288,8 +317,9 @@ class HiddenStatesSender:
                         job.xfer = None
                 except TransportError:
                     job.xfer = None
-            job.xfer = None
-            job.requested = job.granted = job.written = False
+            job.xfer = job.grant = None
+            job.requested = job.written = False
+            job.attempts = 0
         if self._reader_agent:
             self._transport.remove_peer(self._reader_agent)
             self._reader_agent = ""
@@ -297,6 +327,7 @@ class HiddenStatesSender:
             self._conn.close()
             self._conn = None
         self.connected.clear()
+        self.link_error = f"lost the connection: {e}"
         self._expire(str(e))  # a reader that keeps breaking the protocol must not keep jobs forever
         if jobs:
             log.warning(
@@ -323,10 +354,12 @@ class HiddenStatesSender:
                 raise SenderError("closed")
             try:
                 self._handshake()
+                self.link_error = None
                 self.connected.set()
                 return
             except (OSError, TimeoutError, ConnectionClosed, SenderError, ProtocolError, TransportError) as e:
-                why = str(e)
+                why = str(e) or type(e).__name__
+            self.link_error = why
             self._expire(why)
             log.warning(
                 "rank %d: reader at %s not reachable (%s); retrying in %.1f s",
@@ -431,18 +464,60 @@ class HiddenStatesSender:
         for job in todo:
             job.requested = True
             self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
+            if self._hasher is not None and job.checksum is None and job.share:
+                # hashed while the reader grants pages; kept across resends
+                job.checksum = self._hasher.submit(self._share_checksum, job)
+                job.checksum.add_done_callback(lambda _: self._wake())
         return bool(todo)
+
+    def _share_checksum(self, job: _Job) -> int:
+        """crc32 of this rank's share of the sample's bytes, read from the cache."""
+        t0 = time.perf_counter()
+        m = job.manifest
+        spans_of = functools.partial(
+            valid_spans,
+            m.layout,
+            m.block_size,
+            m.num_layers,
+            m.hidden_size * protocol.dtype_size(m.dtype),
+            m.num_tokens,
+        )
+        if self._raw_mv is not None:
+            crc = block_checksum(
+                self._raw_mv, ((j, job.block_ids[j] * m.block_bytes) for j in job.share), spans_of
+            )
+        else:  # GPU cache: stage the share's blocks to host once
+            idx = torch.tensor([job.block_ids[j] for j in job.share], device=self._raw.device)
+            host = self._raw.view(-1, m.block_bytes).index_select(0, idx).cpu()
+            offsets = ((j, i * m.block_bytes) for i, j in enumerate(job.share))
+            crc = block_checksum(host.numpy().data, offsets, spans_of)
+        self.stats["checksum_s"] += time.perf_counter() - t0
+        return crc
 
     def _handle(self, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Grant):
             job = self._jobs.get(msg.request_id)
-            if job is None or job.granted:
+            if job is None or job.grant is not None:
                 raise ProtocolError(f"grant for {msg.request_id}, which is not waiting")
-            job.granted = True
-            job.t_write = time.monotonic()
-            self.stats["grant_wait_s"] += job.t_write - job.t_submit
-            self._write(job, msg)
+            self._check_grant(job, msg)
+            job.grant = msg
+            self.stats["grant_wait_s"] += time.monotonic() - job.t_submit
+            self._start_writes()
             self._reader_works()
+        elif isinstance(msg, protocol.Rewrite):
+            job = self._jobs.get(msg.request_id)
+            if job is None or job.grant is None or not job.share:
+                raise ProtocolError(f"rewrite of {msg.request_id}, which it was not granted")
+            if job.written:  # else its WRITE is still in flight or due: it will land anyway
+                log.warning(
+                    "rank %d: the reader asks to write %s again: %s",
+                    self.config.rank,
+                    msg.request_id,
+                    msg.reason,
+                )
+                job.written = False
+                self.stats["rewrites"] += 1
+            self._start_writes()
         elif isinstance(msg, protocol.Ack):
             job = self._jobs.get(msg.request_id)
             if job is None:
@@ -472,15 +547,43 @@ class HiddenStatesSender:
             for j in self._jobs.values():
                 j.t_wait = now
 
-    def _write(self, job: _Job, grant: protocol.Grant) -> None:
-        if not job.share:
-            job.written = True
-            return
+    def _check_grant(self, job: _Job, grant: protocol.Grant) -> None:
         m = job.manifest
-        pieces = piece_spans(m.block_bytes, self._page_bytes)
-        ppb = len(pieces)
+        ppb = len(piece_spans(m.block_bytes, self._page_bytes))
         if grant.pages_per_block != ppb or len(grant.pages) != m.num_blocks * ppb:
             raise ProtocolError(f"grant of {len(grant.pages)} pages does not fit {m.request_id}")
+        assert self._remote is not None
+        if max(grant.pages) * self._page_bytes + self._page_bytes > self._remote.nbytes:
+            raise ProtocolError(f"grant for {m.request_id} names pages outside the reader's pool")
+
+    def _start_writes(self) -> bool:
+        """Post the WRITE of every granted share whose checksum is ready (and whose
+        retry backoff, after a failed WRITE, is over)."""
+        now = time.monotonic()
+        with self._lock:
+            due = [
+                j
+                for j in self._jobs.values()
+                if j.grant is not None
+                and j.xfer is None
+                and not j.written
+                and (j.checksum is None or j.checksum.done())
+                and now >= j.retry_at
+            ]
+        for job in due:
+            if not job.share:
+                job.written = True
+                continue
+            job.t_write = time.monotonic()
+            self._write(job)
+        return bool(due)
+
+    def _write(self, job: _Job) -> None:
+        m = job.manifest
+        grant = job.grant
+        assert grant is not None
+        pieces = piece_spans(m.block_bytes, self._page_bytes)
+        ppb = len(pieces)
         js = np.fromiter(job.share, dtype=np.int64)
         blocks = np.asarray(job.block_ids, dtype=np.int64)[js]
         pages = np.asarray(grant.pages, dtype=np.int64).reshape(m.num_blocks, ppb)[js]
@@ -491,15 +594,52 @@ class HiddenStatesSender:
         spans[:, :, 1] = pages * self._page_bytes
         spans[:, :, 2] = lens[None, :]
         assert self._remote is not None
-        notif = protocol.encode(protocol.WriteDone(request_id=job.request_id))
+        try:
+            crc = job.checksum.result() if job.checksum is not None else None
+        except Exception as e:
+            log.exception("rank %d: cannot checksum %s", self.config.rank, job.request_id)
+            self._give_up(job, f"cannot checksum its blocks: {type(e).__name__}: {e}")
+            return
+        notif = protocol.encode(protocol.WriteDone(request_id=job.request_id, checksum=crc))
         try:
             job.xfer = self._transport.write(
                 self._reader_agent, self._local, self._remote, spans.reshape(-1, 3), notif
             )
         except TransportError as e:
-            with self._lock:
-                self._jobs.pop(job.request_id, None)
-            self._record_failure(job.request_id, str(e))
+            self._write_failed(job, e)
+
+    def _write_failed(self, job: _Job, e: TransportError) -> None:
+        """A WRITE failed inside NIXL: post it again after a backoff (a reader that is
+        gone shows up as a lost connection meanwhile, and everything is resent after
+        reconnecting); after ``WRITE_ATTEMPTS`` failures the request fails, and the
+        reader is told to drop the sample."""
+        job.xfer = None
+        job.attempts += 1
+        if job.attempts < WRITE_ATTEMPTS:
+            log.warning(
+                "rank %d: WRITE of %s failed in NIXL (%s); posting it again (attempt %d of %d)",
+                self.config.rank,
+                job.request_id,
+                e,
+                job.attempts + 1,
+                WRITE_ATTEMPTS,
+            )
+            job.retry_at = time.monotonic() + WRITE_RETRY_S * job.attempts
+            self.stats["write_retries"] += 1
+            return
+        self._give_up(job, f"its WRITE failed in NIXL {job.attempts} times (last: {e})")
+
+    def _give_up(self, job: _Job, why: str) -> None:
+        """Fail a granted request, and tell the reader to drop its sample (the other
+        ranks' shares included: it can never complete)."""
+        with self._lock:
+            self._jobs.pop(job.request_id, None)
+        self._record_failure(job.request_id, why)
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.send(
+                    protocol.Refuse(code="write_failed", message=why[:4000], request_id=job.request_id)
+                )
 
     def _poll_writes(self) -> bool:
         done_any = False
@@ -509,10 +649,7 @@ class HiddenStatesSender:
             try:
                 done = self._transport.poll(job.xfer)
             except TransportError as e:
-                job.xfer = None
-                with self._lock:
-                    self._jobs.pop(job.request_id, None)
-                self._record_failure(job.request_id, str(e))
+                self._write_failed(job, e)
                 continue
             if done:
                 now = time.monotonic()

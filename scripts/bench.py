@@ -31,6 +31,7 @@ def main() -> None:
         "a_over_c": round(model["a_over_c"], 3),
         "e_over_b": round(datapath["e_over_b"], 3),
         "d": round(datapath["d"], 3),
+        "checksum_throughput_ratio": round(datapath["checksum_throughput_ratio"], 3),
         "a_tokens_per_s": round(model["a_extract_connector_reader"]["tokens_per_s"]),
         "c_tokens_per_s": round(model["c_no_extraction"]["tokens_per_s"]),
         "e_tokens_per_s": round(datapath["e_ours"]["tokens_per_s"]),

@@ -80,7 +80,7 @@ def _drive(rank: Any, n_req: int, tokens: int, prefix: str = "q") -> float:
 
 
 def bench_ours(
-    model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int
+    model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int, checksum: str = "crc32"
 ) -> dict[str, float]:
     from kv_connector.connector import HiddenStatesConnector
     from scripts.vllm_harness import ProducerRank, engine_config, init_parallel
@@ -97,7 +97,7 @@ def bench_ours(
             "kv_connector": "HiddenStatesConnector",
             "kv_connector_module_path": "kv_connector.connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"consumer_address": address},
+            "kv_connector_extra_config": {"consumer_address": address, "checksum": checksum},
         },
     )
     init_parallel(cfg)
@@ -117,7 +117,9 @@ def bench_ours(
         "bytes": float(nbytes),
         "tokens": float(n_req * tokens),
         "reader_copy_out_s": reader_stats["copy_s"],
+        "reader_verify_s": reader_stats["verify_s"],
         "sender_write_s": sender_stats["write_s"],
+        "sender_checksum_s": sender_stats["checksum_s"],
     }
 
 
@@ -271,11 +273,12 @@ def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
     num_blocks = 4 * nb + 1
     pool = 4 * nb * BLOCK * len(LAYERS) * HIDDEN * 2
     e = isolated("bench_ours", model, n_req, tokens, num_blocks, pool)
+    e0 = isolated("bench_ours", model, n_req, tokens, num_blocks, pool, "none")
     b = isolated("bench_example", model, n_req, tokens, num_blocks)
     r = isolated("bench_raw", n_req, tokens, num_blocks, 4)
     shutil.rmtree(work, ignore_errors=True)
     out: dict[str, Any] = {}
-    for name, m in (("e_ours", e), ("b_example_shm", b), ("r_raw_nixl", r)):
+    for name, m in (("e_ours", e), ("e_ours_no_checksum", e0), ("b_example_shm", b), ("r_raw_nixl", r)):
         out[name] = {
             "tokens_per_s": m["tokens"] / m["seconds"],
             "GB_per_s": m["bytes"] / m["seconds"] / 1e9,
@@ -285,6 +288,10 @@ def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
     # the producer's WRITEs, which share this host's cores and memory bus
     out["e_ours"]["reader_copy_out_s"] = e["reader_copy_out_s"]
     out["e_ours"]["sender_write_s"] = e["sender_write_s"]
+    # the checksums' cost: the producer's crc32 (its own thread) and the reader's check
+    out["e_ours"]["sender_checksum_s"] = e["sender_checksum_s"]
+    out["e_ours"]["reader_verify_s"] = e["reader_verify_s"]
+    out["checksum_throughput_ratio"] = out["e_ours"]["tokens_per_s"] / out["e_ours_no_checksum"]["tokens_per_s"]
     out["e_over_b"] = out["e_ours"]["tokens_per_s"] / out["b_example_shm"]["tokens_per_s"]
     out["d"] = out["e_ours"]["GB_per_s"] / out["r_raw_nixl"]["GB_per_s"]
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
 import mmap
@@ -24,6 +25,7 @@ import torch
 
 from kv_connector import auth, protocol
 from kv_connector.control import ConnectionClosed, FramedConnection, format_address, parse_address
+from kv_connector.integrity import paged_checksum, valid_spans
 from kv_connector.layout import pages_per_block
 from kv_connector.pool import PagePool, PoolTooSmall
 from kv_connector.protocol import ProtocolError
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_POOL_BYTES = 256 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection not through its handshake by then is closed
 QUARANTINE_S = 5.0  # pages of a discarded sample wait this long: a late WRITE lands unseen
+MAX_REWRITES = 3  # a share that fails its checksum is written again at most this often
 
 
 class Sample(NamedTuple):
@@ -117,6 +120,8 @@ class _Pending:
     pages: list[int] | None = None
     ppb: int = 1
     complete: bool = False
+    checksums: dict[int, int | None] = field(default_factory=dict)  # rank -> crc32 of its share
+    rewrites: int = 0
 
     def is_complete(self) -> bool:
         if len(self.promised) < self.world_size or self.pages is None:
@@ -141,6 +146,9 @@ class HiddenStatesReader:
     sample was durably written.
     ``already_delivered(producer_id, request_id)``: samples delivered before this reader
     started (a ledger); a producer resending one gets its ``Ack`` without a transfer.
+    ``verify``: check each share against the crc32 its producer sent (on by default); a
+    mismatch is logged with the request id and the share is written again (at most
+    ``MAX_REWRITES`` times, then the sample is refused and its producer fails it).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``.
@@ -155,11 +163,13 @@ class HiddenStatesReader:
         name: str | None = None,
         ack: str = "on_take",
         already_delivered: Callable[[str, str], bool] | None = None,
+        verify: bool = True,
     ) -> None:
         host, port = parse_address(listen)
         if ack not in ("on_take", "manual"):
             raise ValueError(f"ack must be 'on_take' or 'manual', got {ack!r}")
         self._ack_mode = ack
+        self._verify = verify
         self._already_delivered = already_delivered
         if pool_bytes <= 0:
             raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
@@ -175,6 +185,7 @@ class HiddenStatesReader:
         self.address = format_address(real_host, real_port)
 
         self._pool_tensor = torch.zeros(pool_bytes, dtype=torch.uint8)
+        self._pool_mv = self._pool_tensor.numpy().data
         try:
             self._transport = Transport(self.reader_id)
             self._region: Region = self._transport.register(self._pool_tensor)
@@ -206,6 +217,8 @@ class HiddenStatesReader:
             "bytes": 0,
             "refused": 0,
             "copy_s": 0.0,
+            "verify_s": 0.0,
+            "checksum_mismatches": 0,
             "resends_acked": 0,
         }
         self._thread = threading.Thread(target=self._run, name="hs-reader", daemon=True)
@@ -222,16 +235,22 @@ class HiddenStatesReader:
     def get(self, timeout: float | None = None) -> Sample:
         """The next complete sample (copied out of the pool, its pages returned).
         Raises ``TimeoutError`` after ``timeout`` seconds, ``ReaderClosed`` once closed."""
-        if self._closed:
-            raise ReaderClosed("the reader is closed")
-        try:
-            key = self._ready.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no sample within {timeout} s") from None
-        if key is None:
-            self._ready.put(None)
-            raise ReaderClosed("the reader is closed")
-        return self._take(key)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:
+                raise ReaderClosed("the reader is closed")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                key = self._ready.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"no sample within {timeout} s") from None
+            if key is None:
+                self._ready.put(None)
+                raise ReaderClosed("the reader is closed")
+            sample = self._take(key)
+            if sample is not None:
+                return sample
+            # it failed its checksum (written again, or refused) or its producer dropped it
 
     def __iter__(self) -> Iterator[Sample]:
         while True:
@@ -272,11 +291,15 @@ class HiddenStatesReader:
             self._transport.close()
         log.info("hidden-states reader %s closed (%d samples)", self.reader_id, self.stats["samples"])
 
-    def _take(self, key: _Key) -> Sample:
+    def _take(self, key: _Key) -> Sample | None:
         with self._lock:
             p = self._pending.get(key)
-        assert p is not None and p.pages is not None
+        if p is None or not p.complete:  # discarded meanwhile
+            return None
+        assert p.pages is not None
         m = p.manifest
+        if self._verify and not self._verified(key, p):
+            return None
         t0 = time.perf_counter()
         hidden = self._assemble(m, p.pages, p.ppb)
         self.stats["copy_s"] += time.perf_counter() - t0
@@ -300,6 +323,73 @@ class HiddenStatesReader:
                 self._ack_key(key)
             self._grant()
         return sample
+
+    def _verified(self, key: _Key, p: _Pending) -> bool:
+        """Check each rank's share against its checksum; on a mismatch ask that rank to
+        write it again (or, past ``MAX_REWRITES``, refuse the sample) and return False."""
+        assert p.pages is not None and self._page_bytes is not None
+        m = p.manifest
+        t0 = time.perf_counter()
+        spans_of = functools.partial(
+            valid_spans,
+            m.layout,
+            m.block_size,
+            m.num_layers,
+            m.hidden_size * protocol.dtype_size(m.dtype),
+            m.num_tokens,
+        )
+        bad = [
+            (rank, crc)
+            for rank, crc in p.checksums.items()
+            if crc is not None
+            and p.promised.get(rank)
+            and crc
+            != paged_checksum(
+                self._pool_mv, p.pages, p.ppb, self._page_bytes, sorted(p.promised[rank]), spans_of
+            )
+        ]
+        self.stats["verify_s"] += time.perf_counter() - t0
+        if not bad:
+            return True
+        with self._lock:
+            self.stats["checksum_mismatches"] += len(bad)
+            p.rewrites += 1
+            ranks = ", ".join(str(r) for r, _ in bad)
+            if p.rewrites > MAX_REWRITES:
+                why = (
+                    f"request {m.request_id} of producer {key[0]} failed its checksum "
+                    f"{p.rewrites} times (rank {ranks}); refusing it"
+                )
+                log.error("%s", why)
+                if self._pending.get(key) is p:
+                    for peer in p.peers.values():
+                        self._send(
+                            peer, protocol.Refuse(code="checksum", message=why, request_id=m.request_id)
+                        )
+                    p.complete = False
+                    self._discard(key, p)
+                return False
+            log.error(
+                "request %s of producer %s: rank %s's share does not match its checksum; "
+                "asking for it again (%d of %d)",
+                m.request_id,
+                key[0],
+                ranks,
+                p.rewrites,
+                MAX_REWRITES,
+            )
+            p.complete = False
+            for rank, _ in bad:
+                p.written.discard(rank)
+                writer = p.peers.get(rank)
+                if writer is not None:
+                    self._send(
+                        writer,
+                        protocol.Rewrite(
+                            request_id=m.request_id, reason="the share does not match its checksum"
+                        ),
+                    )
+        return False
 
     def ack(self, sample: Sample) -> None:
         """Tell the sample's producer it is safe here (``ack="manual"``): it frees the
@@ -445,9 +535,33 @@ class HiddenStatesReader:
         elif isinstance(msg, protocol.CreditRequest):
             self._on_credit_request(peer, msg)
         elif isinstance(msg, protocol.Refuse):
-            log.warning("%s says: %s %s", peer.label, msg.code, msg.message)
+            self._on_producer_refuse(peer, msg)
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} from a producer")
+
+    def _on_producer_refuse(self, peer: _Peer, msg: protocol.Refuse) -> None:
+        """A producer gave up on one of its samples (e.g. its WRITE kept failing): drop
+        the sample, and tell its other ranks, whose shares can no longer complete it."""
+        h = peer.hello
+        assert h is not None
+        key = (h.producer_id, msg.request_id)
+        p = self._pending.get(key)
+        if not msg.request_id or p is None or h.rank not in p.promised:
+            log.warning("%s says: %s %s", peer.label, msg.code, msg.message)
+            return
+        log.error("producer %s gave up on %s (%s): %s", peer.label, msg.request_id, msg.code, msg.message)
+        for rank, other in p.peers.items():
+            if rank != h.rank:
+                self._send(
+                    other,
+                    protocol.Refuse(
+                        code=msg.code,
+                        message=f"rank {h.rank}: {msg.message}"[:4000],
+                        request_id=msg.request_id,
+                    ),
+                )
+        p.complete = False
+        self._discard(key, p)
 
     def _on_hello(self, peer: _Peer, h: protocol.Hello) -> None:
         known = self._world.get(h.producer_id)
@@ -609,6 +723,7 @@ class HiddenStatesReader:
                 if p is None or p.pages is None or peer.hello.rank not in p.promised:
                     raise ProtocolError(f"write_done for {msg.request_id}, which it was not granted")
                 p.written.add(peer.hello.rank)
+                p.checksums[peer.hello.rank] = msg.checksum
                 self._maybe_complete(key, p)
             except ProtocolError as e:
                 self.stats["refused"] += 1

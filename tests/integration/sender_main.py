@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kv_connector.layout import BlockLayout
-from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender import HiddenStatesSender, SenderConfig, _Job
 from tests.integration.common import make_cache, token_ids
 
 
@@ -26,8 +28,26 @@ def main() -> int:
         rank=spec.get("rank", 0),
         world_size=spec.get("world_size", 1),
         connect_timeout_s=spec.get("connect_timeout_s", 30.0),
+        checksum=spec.get("checksum", True),
     )
-    sender = HiddenStatesSender(cfg, cache, layout, spec.get("layer_ids", list(range(layout.num_layers))))
+    layer_ids = spec.get("layer_ids", list(range(layout.num_layers)))
+    corrupt = set(spec.get("corrupt_after_checksum", []))
+    sender_cls = HiddenStatesSender
+    if corrupt:
+
+        class CorruptingSender(HiddenStatesSender):
+            """Fault injection: the cache's memory changes after a share was checksummed,
+            so every WRITE of it carries bytes that disagree with its checksum."""
+
+            def _share_checksum(self, job: _Job) -> int:
+                crc = super()._share_checksum(job)
+                if job.request_id in corrupt:
+                    first = job.block_ids[job.share[0]]
+                    cache[first].view(-1).view(torch.uint8)[0] ^= 0xFF  # token 0 of the block, layer 0
+                return crc
+
+        sender_cls = CorruptingSender
+    sender = sender_cls(cfg, cache, layout, layer_ids)
     t0 = time.monotonic()
     for s in spec["samples"]:
         sender.ship(s["request_id"], token_ids(s["request_id"], s["num_tokens"]), s["block_ids"])

@@ -350,7 +350,9 @@ def real_messages(draw: st.DrawFn) -> protocol._Msg:
             nonce=draw(nonces),
         )
     if kind == "challenge":
-        return protocol.Challenge(version=1, nonce=draw(nonces), digest=draw(nonces), auth_required=False)
+        return protocol.Challenge(
+            version=protocol.PROTOCOL_VERSION, nonce=draw(nonces), digest=draw(nonces), auth_required=False
+        )
     if kind == "auth":
         return protocol.Auth(digest=draw(nonces), agent_metadata=draw(st.binary(max_size=200)))
     if kind == "welcome":
@@ -546,7 +548,7 @@ def hostile_credit_requests(draw: st.DrawFn) -> bytes:
     if what == "hello":
         return protocol.encode(
             protocol.Hello(
-                version=1,
+                version=protocol.PROTOCOL_VERSION,
                 producer_id=uid("again"),
                 rank=0,
                 world_size=1,
@@ -706,7 +708,7 @@ def test_a_connection_that_never_finishes_its_handshake_is_closed(
         try:
             hello = protocol.encode(
                 protocol.Hello(
-                    version=1,
+                    version=protocol.PROTOCOL_VERSION,
                     producer_id="idle",
                     rank=0,
                     world_size=1,
@@ -772,7 +774,7 @@ def test_a_connection_flood_does_not_kill_the_reader() -> None:
         try:
             conn.send(
                 protocol.Hello(
-                    version=1,
+                    version=protocol.PROTOCOL_VERSION,
                     producer_id="after-flood",
                     rank=0,
                     world_size=1,
@@ -957,7 +959,11 @@ def test_a_reader_answering_the_handshake_with_garbage_fails_the_request() -> No
 
 SPECIFIC_HANDSHAKES: dict[str, tuple[bytes | None, str, Callable[..., None]]] = {
     # name: (the sender's secret, a phrase its reason must hold, respond)
-    "wrong-version": (None, "protocol version", lambda f, c, h: c.send(challenge_for(h, version=2))),
+    "wrong-version": (
+        None,
+        "protocol version",
+        lambda f, c, h: c.send(challenge_for(h, version=protocol.PROTOCOL_VERSION + 1)),
+    ),
     "secret-required": (None, auth.SECRET_ENV, lambda f, c, h: c.send(challenge_for(h, b"theirs"))),
     "reader-without-the-secret": (
         b"ours",
@@ -1004,7 +1010,9 @@ SPECIFIC_WELCOMES: dict[str, tuple[str, Callable[..., protocol._Msg]]] = {
 
 
 def challenge_for_any() -> protocol.Challenge:
-    return protocol.Challenge(version=1, nonce=bytes(32), digest=bytes(32), auth_required=False)
+    return protocol.Challenge(
+        version=protocol.PROTOCOL_VERSION, nonce=bytes(32), digest=bytes(32), auth_required=False
+    )
 
 
 @pytest.mark.parametrize("name", list(SPECIFIC_WELCOMES))
@@ -1048,7 +1056,9 @@ def _grant(req: protocol.CreditRequest, pages: list[int], ppb: int = 1, rid: str
 
 
 SPECIFIC_GRANTS = [
-    pytest.param("pages-outside-the-pool", "WRITE", lambda r: _grant(r, [10_000, 10_001, 10_002])),
+    pytest.param(
+        "pages-outside-the-pool", "outside the reader's pool", lambda r: _grant(r, [10_000, 10_001, 10_002])
+    ),
     pytest.param(
         "refused-request",
         "too big",

@@ -32,9 +32,17 @@ def manifest(**kw: object) -> protocol.Manifest:
 
 MESSAGES = [
     protocol.Hello(
-        version=1, producer_id="p", rank=0, world_size=2, agent_name="a", block_bytes=64, nonce=b"n" * 32
+        version=protocol.PROTOCOL_VERSION,
+        producer_id="p",
+        rank=0,
+        world_size=2,
+        agent_name="a",
+        block_bytes=64,
+        nonce=b"n" * 32,
     ),
-    protocol.Challenge(version=1, nonce=b"r" * 32, digest=b"d" * 32, auth_required=True),
+    protocol.Challenge(
+        version=protocol.PROTOCOL_VERSION, nonce=b"r" * 32, digest=b"d" * 32, auth_required=True
+    ),
     protocol.Auth(digest=b"d" * 32, agent_metadata=b"\x00meta"),
     protocol.Welcome(
         reader_id="r",
@@ -52,6 +60,8 @@ MESSAGES = [
     protocol.Ack(request_id="req-1"),
     protocol.Refuse(code="x", message="no", request_id="req-1"),
     protocol.WriteDone(request_id="req-1"),
+    protocol.WriteDone(request_id="req-1", checksum=0xFFFFFFFF),
+    protocol.Rewrite(request_id="req-1", reason="checksum"),
 ]
 
 
@@ -67,7 +77,7 @@ def raw(d: dict[str, object]) -> bytes:
 def hello_dict(**kw: object) -> dict[str, object]:
     d: dict[str, object] = dict(
         type="hello",
-        version=1,
+        version=protocol.PROTOCOL_VERSION,
         producer_id="p",
         rank=0,
         world_size=1,
@@ -82,7 +92,8 @@ def hello_dict(**kw: object) -> dict[str, object]:
 @pytest.mark.parametrize(
     "payload, fragment",
     [
-        (hello_dict(version=2), "version 2"),
+        (hello_dict(version=1), "version 1"),
+        (hello_dict(version=protocol.PROTOCOL_VERSION + 1), f"version {protocol.PROTOCOL_VERSION + 1}"),
         (hello_dict(extra=1), "unknown field"),
         (hello_dict(rank="0"), "Expected `int`"),
         (hello_dict(rank=-1), ">= 0"),
@@ -142,3 +153,9 @@ def test_truncated_messages_raise_only_protocol_error(msg: protocol._Msg, data: 
     cut = data.draw(st.integers(0, len(enc) - 1))
     with pytest.raises(ProtocolError):
         protocol.decode(enc[:cut])
+
+
+@pytest.mark.parametrize("checksum", [-1, 1 << 32, "abc", 1.5])
+def test_write_done_checksum_out_of_range_is_refused(checksum: object) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode(raw({"type": "write_done", "request_id": "r", "checksum": checksum}))

@@ -1,0 +1,71 @@
+"""Per-sample checksums: which bytes of a sample's blocks count, and their crc32.
+
+Pure logic (no vllm, nixl or torch). Each rank checksums its share of a sample: the
+concatenation, in block order, of the bytes of each block that hold the sample's tokens.
+A block's other bytes (the tail of the last block, where vLLM goes on writing decode
+tokens while the WRITE runs) are not part of the sample and are not checksummed.
+
+The producer computes it from its cache (``block_checksum`` over contiguous blocks), the
+reader from its pool pages (``paged_checksum``, a block may span several pages); crc32
+chains, so both see the same number for the same bytes however they are split.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+
+# Buffers are anything zlib.crc32 accepts (bytes, memoryview, numpy arrays).
+Buffer = memoryview
+
+
+def valid_spans(
+    layout: str, block_size: int, num_layers: int, row_bytes: int, num_tokens: int, block_index: int
+) -> list[tuple[int, int]]:
+    """(offset, length) inside block ``block_index`` of the bytes holding the sample's
+    tokens; ``row_bytes`` is one token's one layer (hidden_size * itemsize)."""
+    first = block_index * block_size
+    k = min(block_size, num_tokens - first)
+    if k <= 0:
+        raise ValueError(f"block {block_index} holds none of the sample's {num_tokens} tokens")
+    if layout == "TLH" or k == block_size:
+        return [(0, k * num_layers * row_bytes)]
+    if layout != "LTH":
+        raise ValueError(f"unknown layout {layout!r}")
+    return [(layer * block_size * row_bytes, k * row_bytes) for layer in range(num_layers)]
+
+
+SpanFn = Callable[[int], list[tuple[int, int]]]
+
+
+def block_checksum(buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_of: SpanFn) -> int:
+    """crc32 of a share whose blocks are contiguous in ``buf``: ``block_offsets`` yields
+    (block index in the sample, byte offset of that block in ``buf``), in order."""
+    crc = 0
+    for j, base in block_offsets:
+        for off, n in spans_of(j):
+            crc = zlib.crc32(buf[base + off : base + off + n], crc)
+    return crc
+
+
+def paged_checksum(
+    pool: Buffer,
+    pages: Sequence[int],
+    pages_per_block: int,
+    page_bytes: int,
+    share: Iterable[int],
+    spans_of: SpanFn,
+) -> int:
+    """crc32 of a share as it landed in the pool: piece ``p`` of block ``j`` (bytes
+    ``p*page_bytes ..`` of the block) is in page ``pages[j*pages_per_block + p]``."""
+    crc = 0
+    for j in share:
+        for off, n in spans_of(j):
+            while n > 0:
+                piece, inner = divmod(off, page_bytes)
+                take = min(n, page_bytes - inner)
+                base = pages[j * pages_per_block + piece] * page_bytes + inner
+                crc = zlib.crc32(pool[base : base + take], crc)
+                off += take
+                n -= take
+    return crc

@@ -1,0 +1,186 @@
+"""Per-sample checksums with real sender processes and real NIXL: a share corrupted in
+the reader's pool is written again and arrives exact; a share whose source is corrupt
+fails clearly, by name, on both sides; a WRITE that NIXL refuses is retried, then fails
+clearly, and the reader drops the sample and keeps serving."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import pytest
+
+from kv_connector.reader import HiddenStatesReader, Sample
+from kv_connector.reader import core as reader_core
+from kv_connector.transport import Region
+from tests.integration.common import finish_sender, layout_dict, start_sender
+from tests.integration.test_reader_transfers import CPU_LAYOUT, GPU_LAYOUT, NUM_CACHE_BLOCKS, check, plan
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(cond: Any, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def flip_first_byte(reader: HiddenStatesReader, producer_id: str, request_id: str, block: int) -> None:
+    """Fault injection: flip token 0's first byte of a block as it lies in the pool."""
+    p = reader._pending[(producer_id, request_id)]
+    assert p.pages is not None
+    page = p.pages[block * p.ppb]
+    reader._pool_tensor[page * reader._page_bytes] ^= 0xFF  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
+    world_size: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    layout = GPU_LAYOUT if world_size == 2 else CPU_LAYOUT
+    samples = plan([40, 3, 70], seed=11, layout=layout)
+    victim = samples[0]["request_id"]
+    caplog.set_level(logging.ERROR, logger="kv_connector")
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        procs = [
+            start_sender(
+                dict(
+                    address=reader.address,
+                    producer_id="p",
+                    rank=r,
+                    world_size=world_size,
+                    layout=layout_dict(layout),
+                    num_cache_blocks=NUM_CACHE_BLOCKS,
+                    seed=11,
+                    samples=samples,
+                )
+            )
+            for r in range(world_size)
+        ]
+        # every sample complete in the pool, none taken: no ack yet, the producers wait
+        wait_for(lambda: reader._ready.qsize() == len(samples))
+        last_block = -(-40 // layout.block_size) - 1  # rank world_size-1's share
+        flip_first_byte(reader, "p", victim, last_block)
+        got: dict[str, Sample] = {}
+        for _ in samples:
+            s = reader.get(timeout=30)
+            assert s.request_id not in got
+            got[s.request_id] = s
+        results = [finish_sender(p) for p in procs]
+        assert reader.stats["checksum_mismatches"] == 1
+    for res in results:
+        assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
+    # only the rank whose share was hit wrote again
+    assert [r["stats"]["rewrites"] for r in results] == [0] * (world_size - 1) + [1]
+    check(got, samples, layout, seed=11)
+    assert any(victim in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
+
+
+def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layout = CPU_LAYOUT
+    samples = plan([20, 33, 5], seed=12, layout=layout)
+    victim = samples[1]["request_id"]
+    caplog.set_level(logging.ERROR, logger="kv_connector")
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        proc = start_sender(
+            dict(
+                address=reader.address,
+                layout=layout_dict(layout),
+                num_cache_blocks=NUM_CACHE_BLOCKS,
+                seed=12,
+                samples=samples,
+                corrupt_after_checksum=[victim],
+            )
+        )
+        # checksums are checked as samples are taken: keep taking until the sender is done
+        got: dict[str, Sample] = {}
+        end = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < end:
+            with contextlib.suppress(TimeoutError):
+                s = reader.get(timeout=0.2)
+                assert s.request_id not in got and s.request_id != victim
+                got[s.request_id] = s
+        res = finish_sender(proc)
+        with pytest.raises(TimeoutError):
+            reader.get(timeout=0.5)  # the corrupt sample is never handed out
+        assert reader.stats["checksum_mismatches"] == reader_core.MAX_REWRITES + 1
+        assert not reader._pending
+    assert sorted(res["finished"]) == sorted(s["request_id"] for s in samples if s["request_id"] != victim)
+    assert list(res["failed"]) == [victim]
+    assert "checksum" in res["failed"][victim] and victim in res["failed"][victim]
+    assert res["stats"]["rewrites"] == reader_core.MAX_REWRITES
+    check(got, [s for s in samples if s["request_id"] != victim], layout, seed=12)
+    assert any(victim in r.getMessage() and "refusing it" in r.getMessage() for r in caplog.records)
+
+
+def test_without_checksums_the_reader_still_delivers() -> None:
+    layout = CPU_LAYOUT
+    samples = plan([1, 17], seed=13, layout=layout)
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        proc = start_sender(
+            dict(
+                address=reader.address,
+                layout=layout_dict(layout),
+                num_cache_blocks=NUM_CACHE_BLOCKS,
+                seed=13,
+                samples=samples,
+                checksum=False,
+            )
+        )
+        got = {s.request_id: s for s in (reader.get(timeout=30) for _ in samples)}
+        res = finish_sender(proc)
+    assert res["rc"] == 0 and res["stats"]["checksum_s"] == 0
+    check(got, samples, layout, seed=13)
+
+
+def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layout = CPU_LAYOUT
+    samples = plan([20, 5], seed=14, layout=layout)
+    caplog.set_level(logging.ERROR, logger="kv_connector")
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        real = reader._region
+        # Fault injection: the Welcome points at memory the reader never registered, so
+        # NIXL itself refuses every WRITE (no descriptor of the remote agent covers it).
+        reader._region = Region(real.addr + (1 << 40), real.nbytes, real.mem_type, real.device_id)
+        proc = start_sender(
+            dict(
+                address=reader.address,
+                producer_id="broken",
+                layout=layout_dict(layout),
+                num_cache_blocks=NUM_CACHE_BLOCKS,
+                seed=14,
+                samples=samples,
+            )
+        )
+        res = finish_sender(proc, timeout=60)
+        wait_for(lambda: not reader._pending, timeout=10)  # it told the reader to drop them
+        reader._region = real
+        # the reader keeps serving an honest producer
+        good = start_sender(
+            dict(
+                address=reader.address,
+                producer_id="good",
+                layout=layout_dict(layout),
+                num_cache_blocks=NUM_CACHE_BLOCKS,
+                seed=14,
+                samples=samples,
+            )
+        )
+        got = {s.request_id: s for s in (reader.get(timeout=30) for _ in samples)}
+        good_res = finish_sender(good)
+    assert sorted(res["failed"]) == sorted(s["request_id"] for s in samples)
+    for why in res["failed"].values():
+        assert "WRITE failed in NIXL 3 times" in why
+    assert res["stats"]["write_retries"] == 2 * len(samples)
+    assert res["elapsed_s"] < 10
+    assert good_res["rc"] == 0
+    check(got, samples, layout, seed=14)
+    assert all(s.producer_id == "good" for s in got.values())
+    assert any("gave up on" in r.getMessage() for r in caplog.records)
