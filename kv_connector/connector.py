@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,36 @@ log = logging.getLogger(__name__)
 @dataclass
 class HiddenStatesConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class HiddenStatesWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step: link changes as (reader index, rank, error or None
+    when connected), and the requests delivered or failed since the last step."""
+
+    links: list[tuple[int, int, str | None]] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)
+    delivered: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, HiddenStatesWorkerMetadata)
+        return HiddenStatesWorkerMetadata(
+            links=self.links + other.links,
+            failures={**other.failures, **self.failures},
+            delivered=self.delivered | other.delivered,
+        )
+
+
+def use_vllm_logging() -> None:
+    """Send the connector's log lines (``kv_connector.*``) through vLLM's handlers, so
+    they look like, and go where, vLLM's own do (INFO included)."""
+    ours, theirs = logging.getLogger("kv_connector"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
 
 
 def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
@@ -75,6 +107,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        use_vllm_logging()
         self.options, layer_ids = check_config(vllm_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
@@ -82,7 +115,12 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.options, kv_cache_config, producer_id)
+            self._scheduler = SchedulerSide(
+                self.options,
+                kv_cache_config,
+                producer_id,
+                world_size=vllm_config.parallel_config.tensor_parallel_size,
+            )
         else:
             self._worker = WorkerSide(vllm_config, self.options, producer_id, layer_ids)
 
@@ -118,6 +156,13 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids), None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        links, failures, delivered = self._worker.take_report()
+        if not (links or failures or delivered):
+            return None
+        return HiddenStatesWorkerMetadata(links=links, failures=failures, delivered=delivered)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -126,7 +171,17 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        # None: not yet (no worker reaches the request's reader); vLLM asks again next step
+        assert self._scheduler is not None
+        if not self._scheduler.admit(request):
+            return None, False
         return 0, False
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, HiddenStatesWorkerMetadata):
+            self._scheduler.update(meta.links, meta.failures, meta.delivered)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

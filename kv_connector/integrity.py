@@ -41,6 +41,7 @@ SpanFn = Callable[[int], list[tuple[int, int]]]
 def block_checksum(buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_of: SpanFn) -> int:
     """crc32 of a share whose blocks are contiguous in ``buf``: ``block_offsets`` yields
     (block index in the sample, byte offset of that block in ``buf``), in order."""
+    buf = memoryview(buf).cast("B")  # byte offsets, whatever the buffer's shape
     crc = 0
     for j, base in block_offsets:
         for off, n in spans_of(j):
@@ -58,6 +59,7 @@ def paged_checksum(
 ) -> int:
     """crc32 of a share as it landed in the pool: piece ``p`` of block ``j`` (bytes
     ``p*page_bytes ..`` of the block) is in page ``pages[j*pages_per_block + p]``."""
+    pool = memoryview(pool).cast("B")
     crc = 0
     for j in share:
         for off, n in spans_of(j):

@@ -9,10 +9,10 @@ wrote with, and records the cache block of every position from those slots.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kv_connector.delivery import Router
 from kv_connector.layout import blocks_for_tokens
 
 
@@ -36,33 +36,6 @@ class ShipOrder:
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     reader: int = 0  # index of the reader this sample goes to (the same on every rank)
-
-
-class Router:
-    """Picks each sample's reader on the scheduler side, so every rank agrees.
-
-    "request_hash": crc32 of the request id modulo the readers (stable across restarts);
-    "round_robin": in the order ships are planned. A full reader only delays its own
-    samples and a gone one only fails its own: each reader has its own sender per rank.
-    """
-
-    def __init__(self, num_readers: int, policy: str = "request_hash") -> None:
-        if num_readers <= 0:
-            raise ValueError("at least one reader")
-        if policy not in ("request_hash", "round_robin"):
-            raise ValueError(f"unknown sharding policy {policy!r}")
-        self.num_readers = num_readers
-        self.policy = policy
-        self._next = 0
-
-    def route(self, request_id: str) -> int:
-        if self.num_readers == 1:
-            return 0
-        if self.policy == "request_hash":
-            return zlib.crc32(request_id.encode()) % self.num_readers
-        r = self._next
-        self._next = (r + 1) % self.num_readers
-        return r
 
 
 @dataclass
@@ -122,10 +95,21 @@ class ShipPlanner:
         """The reader a shipped (or shipping) request goes to."""
         return self._routes.get(request_id, 0)
 
+    def set_route(self, request_id: str, reader: int) -> None:
+        """The reader chosen when the request was admitted (see ``DeliveryBook``)."""
+        self._routes[request_id] = reader
+
     def _order(self, rid: str, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
-        reader = self.router.route(rid)
-        self._routes[rid] = reader
+        reader = self._routes.get(rid)
+        if reader is None:
+            reader = self._routes[rid] = self.router.route(rid)
         return ShipOrder(rid, tokens, blocks, reader)
+
+    def drop(self, request_id: str) -> None:
+        """Stop following a request: it runs, but nothing of it is shipped."""
+        self._tracked.pop(request_id, None)
+        self._pending_ships = [o for o in self._pending_ships if o.request_id != request_id]
+        self._routes.pop(request_id, None)
 
     def forget_route(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
@@ -139,6 +123,9 @@ class ShipPlanner:
 
     def add(self, request_id: str, include_output: bool = False) -> None:
         self._tracked[request_id] = _Tracked(prompt=(), include_output=include_output)
+
+    def is_tracked(self, request_id: str) -> bool:
+        return request_id in self._tracked
 
     def is_shipping(self, request_id: str) -> bool:
         t = self._tracked.get(request_id)
@@ -155,7 +142,9 @@ class ShipPlanner:
         self._pending_ships = []
         plan.preempted = [rid for rid in preempted if rid in self._tracked]
         for n in new:
-            t = self._tracked.setdefault(n.request_id, _Tracked(prompt=(), include_output=False))
+            t = self._tracked.get(n.request_id)
+            if t is None:  # not added, or dropped (it runs without shipping)
+                continue
             t.prompt = tuple(n.prompt_token_ids)
             t.block_ids = list(n.block_ids)
             t.computed = n.num_computed_tokens  # a prefix-cache hit is computed already

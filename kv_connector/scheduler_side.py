@@ -1,13 +1,16 @@
-"""Scheduler side of the connector: turns each step's SchedulerOutput into a ship plan and
-holds finished requests' blocks until every worker reported them sent."""
+"""Scheduler side of the connector: admits new requests once their reader is reachable,
+turns each step's SchedulerOutput into a ship plan, holds finished requests' blocks until
+every worker reported them sent, and tells each finished request where its sample stands."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kv_connector.delivery import DeliveryBook, Router
 from kv_connector.options import ConnectorOptions
-from kv_connector.planning import NewRequest, Router, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -49,17 +52,56 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None, layer_marker: str 
 
 class SchedulerSide:
     def __init__(
-        self, options: ConnectorOptions, kv_cache_config: KVCacheConfig | None, producer_id: str
+        self,
+        options: ConnectorOptions,
+        kv_cache_config: KVCacheConfig | None,
+        producer_id: str,
+        world_size: int = 1,
     ) -> None:
         self.options = options
         self.group = hidden_state_group(kv_cache_config)
         self.producer_id = producer_id
-        self.planner = ShipPlanner(Router(len(options.readers), options.sharding))
+        router = Router(len(options.readers), options.sharding)
+        self.planner = ShipPlanner(router)
+        self.book = DeliveryBook(options.readers, world_size, options.connect_timeout_s, router)
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
         include = bool(params.get("include_output_tokens", self.options.include_output_tokens))
         self.planner.add(request.request_id, include_output=include)
+        self.book.add(request.request_id)
+
+    def admit(self, request: Request) -> bool:
+        """May the request start now? Not while no worker can reach its reader (it waits
+        in vLLM's queue, holding no blocks), for at most ``connect_timeout_s``; then it
+        runs without shipping and its kv_transfer_params say why."""
+        rid = request.request_id
+        a = self.book.admit(rid)
+        if a.kind == "wait":
+            return False
+        if a.kind == "run":
+            self.planner.set_route(rid, a.reader)
+        elif self.planner.is_tracked(rid):
+            log.error("request %s: %s; it runs without shipping its hidden states", rid, a.why)
+            self.planner.drop(rid)
+        return True
+
+    def update(
+        self,
+        links: Iterable[tuple[int, int, str | None]],
+        failures: Mapping[str, str],
+        delivered: Iterable[str],
+    ) -> None:
+        """The workers' reports of one step."""
+        for reader, rank, error in links:
+            if 0 <= reader < len(self.options.readers):
+                address = self.options.readers[reader]
+                if error is None:
+                    log.info("rank %d reaches the reader at %s", rank, address)
+                else:
+                    log.warning("rank %d cannot reach the reader at %s: %s", rank, address, error)
+        for rid, why in self.book.update(links, failures, delivered):
+            log.error("request %s (already finished) lost its hidden states: %s", rid, why)
 
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
         g = self.group
@@ -85,18 +127,25 @@ class SchedulerSide:
         return self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks of a shipped request until the workers report it sent; the
+        kv_transfer_params say where its sample is and where it stands: "delivered",
+        "failed" with an "error", or "pending" (on its way)."""
         rid = request.request_id
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
+        outcome = self.book.outcome(rid)
+        self.book.finish(rid)
+        reader = self.planner.reader_of(rid)
         if not hold:
             self.planner.forget_route(rid)
-            return False, None
-        reader = self.planner.reader_of(rid)
-        if not self.planner.is_pending(rid):
+            if outcome["status"] != "failed":
+                return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
+        elif not self.planner.is_pending(rid):
             self.planner.forget_route(rid)
-        return True, {
+        return hold, {
             "hidden_states": {
                 "consumer_address": self.options.readers[reader],
                 "producer_id": self.producer_id,
-                "request_id": request.request_id,
+                "request_id": rid,
+                **outcome,
             }
         }

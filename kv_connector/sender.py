@@ -217,6 +217,12 @@ class HiddenStatesSender:
         with self._lock:
             return sum(not j.written for j in self._jobs.values())
 
+    def count_unwritten(self, request_ids: Sequence[str]) -> int:
+        """How many of ``request_ids`` still have a WRITE to make (in flight, waiting for
+        pages, or not started)."""
+        with self._lock:
+            return sum(1 for r in request_ids if r in self._jobs and not self._jobs[r].written)
+
     def wait_written(self, request_ids: Sequence[str], timeout: float) -> bool:
         """Block until none of ``request_ids`` has a WRITE pending (landed, failed or
         unknown); False if ``timeout`` seconds passed first."""
@@ -488,7 +494,7 @@ class HiddenStatesSender:
             )
         else:  # GPU cache: stage the share's blocks to host once
             idx = torch.tensor([job.block_ids[j] for j in job.share], device=self._raw.device)
-            host = self._raw.view(-1, m.block_bytes).index_select(0, idx).cpu()
+            host = self._raw.view(-1, m.block_bytes).index_select(0, idx).cpu().view(-1)
             offsets = ((j, i * m.block_bytes) for i, j in enumerate(job.share))
             crc = block_checksum(host.numpy().data, offsets, spans_of)
         self.stats["checksum_s"] += time.perf_counter() - t0

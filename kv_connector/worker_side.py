@@ -44,6 +44,11 @@ class WorkerSide:
         self._finished_by_scheduler: set[str] = set()
         # the last failures, for logs and tests (request id -> why); bounded
         self.recent_failures: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.rank = 0
+        # for the scheduler (see take_report): link states as last reported, and news
+        self._reported_links: dict[int, str | None] = {}
+        self._report_failures: dict[str, str] = {}
+        self._report_delivered: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
@@ -65,6 +70,7 @@ class WorkerSide:
         layout, block_size = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
         block_layout = BlockLayout(layout, block_size, len(self.layer_ids), hidden, _dtype_name(cache.dtype))
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.rank = rank
         self.recorder = BlockRecorder(block_size)
         self.senders = [
             HiddenStatesSender(
@@ -74,6 +80,7 @@ class WorkerSide:
                     rank=rank,
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
+                    checksum=self.options.checksum == "crc32",
                 ),
                 cache,
                 block_layout,
@@ -151,19 +158,30 @@ class WorkerSide:
             for rid in plan.preempted:
                 self.recorder.forget(rid)
         busy = [rid for rid in plan.preempted if rid in self._shipped]
-        deadline = time.monotonic() + self.options.drain_timeout_s
+        unwritten = sum(s.count_unwritten(busy) for s in self.senders)
+        t0 = time.monotonic()
+        deadline = t0 + self.options.drain_timeout_s
         written = all(s.wait_written(busy, max(0.0, deadline - time.monotonic())) for s in self.senders)
         if busy and not written:
             log.error(
                 "preempted requests %s still being written after %.0f s", busy, self.options.drain_timeout_s
             )
+        log.info(
+            "rank %d: %d tracked requests preempted, %d shipped ones not yet written; waited %.3f s for them",
+            self.rank,
+            len(plan.preempted),
+            unwritten,
+            time.monotonic() - t0,
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         if not self.senders:
             return None
         self._finished_by_scheduler |= finished_req_ids
         for sender in self.senders:
-            self._done |= sender.take_finished()
+            acked = sender.take_finished()
+            self._done |= acked
+            self._report_delivered |= acked
             for rid, why in sender.take_failed().items():
                 self._failed[rid] = why
                 self._note_failure(rid, why)
@@ -178,7 +196,22 @@ class WorkerSide:
             self._failed.pop(rid, None)
         return ready
 
+    def take_report(self) -> tuple[list[tuple[int, int, str | None]], dict[str, str], set[str]]:
+        """What the scheduler side should learn this step: changes of this rank's link
+        to each reader (None: connected), and requests failed or delivered since."""
+        links: list[tuple[int, int, str | None]] = []
+        for k, sender in enumerate(self.senders):
+            err = sender.link_error
+            last = self._reported_links.get(k, "")
+            if k not in self._reported_links or (last is None) != (err is None):
+                self._reported_links[k] = err
+                links.append((k, self.rank, err))
+        failures, self._report_failures = self._report_failures, {}
+        delivered, self._report_delivered = self._report_delivered, set()
+        return links, failures, delivered
+
     def _note_failure(self, rid: str, why: str) -> None:
+        self._report_failures[rid] = why
         self.recent_failures[rid] = why
         while len(self.recent_failures) > 1000:
             self.recent_failures.popitem(last=False)

@@ -291,7 +291,9 @@ def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
     # the checksums' cost: the producer's crc32 (its own thread) and the reader's check
     out["e_ours"]["sender_checksum_s"] = e["sender_checksum_s"]
     out["e_ours"]["reader_verify_s"] = e["reader_verify_s"]
-    out["checksum_throughput_ratio"] = out["e_ours"]["tokens_per_s"] / out["e_ours_no_checksum"]["tokens_per_s"]
+    out["checksum_throughput_ratio"] = (
+        out["e_ours"]["tokens_per_s"] / out["e_ours_no_checksum"]["tokens_per_s"]
+    )
     out["e_over_b"] = out["e_ours"]["tokens_per_s"] / out["b_example_shm"]["tokens_per_s"]
     out["d"] = out["e_ours"]["GB_per_s"] / out["r_raw_nixl"]["GB_per_s"]
     return out

@@ -200,6 +200,7 @@ class ProducerRank:
         requests whose prompt completed and free blocks the connector released."""
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionMetadata, basic_cache
         from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         out = SchedulerOutput.make_empty()
         out.finished_req_ids = self._finished_last_step
@@ -246,9 +247,11 @@ class ProducerRank:
             self.worker.save_kv_layer(self.layer_name, self.kv, CacheOnlyAttentionMetadata(slot_mapping))
         self.worker.wait_for_save()
         sent, _ = self.worker.get_finished(set(out.finished_req_ids))
+        report = KVConnectorOutput(kv_connector_worker_meta=self.worker.build_connector_worker_meta())
         self.worker.clear_connector_metadata()
         result = StepResult(finished_sending=set(sent or ()))
         self._finished_last_step = set()
+        self.scheduler.update_connector_output(report)  # as vLLM does after the step
         for rid, r in self.reqs.items():
             if not r.finished and r.computed >= r.num_tokens:
                 r.finished = True

@@ -73,6 +73,7 @@ def run_producer(
     result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
     result["rc"] = proc.returncode
     result["stderr"] = proc.stderr
+    result["log"] = proc.stdout + proc.stderr  # vLLM's log lines (and ours) go to stdout
     return result
 
 

@@ -55,6 +55,7 @@ def main() -> int:
         )
         for i, m in enumerate(spec.get("max_tokens", [1] * len(prompts)))
     ]
+    print("producer: generating", file=sys.stderr, flush=True)  # a marker for tests
     t0 = time.monotonic()
     outs = llm.generate(prompts, params)
     elapsed = time.monotonic() - t0
@@ -69,6 +70,14 @@ def main() -> int:
             for o in outs
         ],
     }
+    if spec.get("inprocess", True):
+        # the in-process engine's scheduler: every block back in the pool?
+        for _ in range(int(spec.get("drain_steps", 0))):
+            llm.llm_engine.step()
+            time.sleep(0.05)
+        sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+        result["kv_usage"] = sched.kv_cache_manager.usage
+        result["held_requests"] = sorted(sched.requests)
     print(json.dumps(result), flush=True)
     if spec.get("linger_s"):
         time.sleep(spec["linger_s"])

@@ -48,6 +48,8 @@ def main() -> int:
 
         sender_cls = CorruptingSender
     sender = sender_cls(cfg, cache, layout, layer_ids)
+    if spec.get("stage_checksum"):
+        sender._raw_mv = None  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
     for s in spec["samples"]:
         sender.ship(s["request_id"], token_ids(s["request_id"], s["num_tokens"]), s["block_ids"])

@@ -1067,6 +1067,11 @@ SPECIFIC_GRANTS = [
     pytest.param("garbage", "reader", lambda r: frame(b"\xc1garbage")),
     pytest.param("too-few-pages", "does not fit", lambda r: _grant(r, [0])),
     pytest.param("unknown-request", "not waiting", lambda r: _grant(r, [0, 1, 2], rid="other")),
+    pytest.param(
+        "rewrite-before-any-grant",
+        "not granted",
+        lambda r: frame(protocol.encode(protocol.Rewrite(request_id=r.manifest.request_id, reason="x"))),
+    ),
 ]
 
 

@@ -118,6 +118,29 @@ def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
     assert any(victim in r.getMessage() and "refusing it" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("layout", [CPU_LAYOUT, GPU_LAYOUT], ids=["LTH", "TLH"])
+def test_checksums_through_the_staging_path_match(layout: Any) -> None:
+    """The path a GPU cache takes (stage the share's blocks, then crc), run on CPU memory:
+    the reader must find every share matching."""
+    samples = plan([1, 16, 17, 45], seed=15, layout=layout)
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        proc = start_sender(
+            dict(
+                address=reader.address,
+                layout=layout_dict(layout),
+                num_cache_blocks=NUM_CACHE_BLOCKS,
+                seed=15,
+                samples=samples,
+                stage_checksum=True,
+            )
+        )
+        got = {s.request_id: s for s in (reader.get(timeout=30) for _ in samples)}
+        res = finish_sender(proc)
+        assert reader.stats["checksum_mismatches"] == 0
+    assert res["rc"] == 0 and res["stats"]["checksum_s"] > 0
+    check(got, samples, layout, seed=15)
+
+
 def test_without_checksums_the_reader_still_delivers() -> None:
     layout = CPU_LAYOUT
     samples = plan([1, 17], seed=13, layout=layout)

@@ -347,11 +347,15 @@ def test_new_blocks_extend_the_table_and_untracked_running_requests_are_ignored(
     assert p.ships[0].block_ids == (3, 4, 5)
 
 
-def test_a_new_request_that_was_not_added_is_shipped_as_prompt_only() -> None:
+def test_a_request_not_added_or_dropped_is_not_followed() -> None:
     planner = ShipPlanner()
     p = planner.plan([NewRequest("x", [1, 2], [8], 0)], [], {"x": 2})
-    assert p.ships == [ShipOrder("x", (1, 2), (8,))]
-    assert planner.finish("x", [1, 2, 3], [8]) is True
+    assert not p and planner.finish("x", [1, 2, 3], [8]) is False
+    planner.add("y", include_output=True)
+    planner.drop("y")  # e.g. its reader was unreachable past the deadline
+    p = planner.plan([NewRequest("y", [1, 2], [8], 0)], [], {"y": 2})
+    assert not p and planner.finish("y", [1, 2, 3], [8]) is False
+    assert not planner.plan([], [], {})
 
 
 def test_step_plan_is_truthy_only_with_work() -> None:

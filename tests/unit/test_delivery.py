@@ -1,0 +1,124 @@
+"""The scheduler's delivery book: admission while readers are unreachable, the deadline,
+routing around down readers, and each finished request's outcome."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_connector.delivery import DeliveryBook, Router
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[DeliveryBook, Clock]:
+    clock = Clock()
+    addrs = [f"10.0.0.{i}:7000" for i in range(readers)]
+    return DeliveryBook(addrs, world, 5.0, Router(readers, policy), clock=clock), clock
+
+
+def test_a_request_waits_for_its_reader_then_runs_once_every_rank_is_connected() -> None:
+    b, clock = book(world=2)
+    b.add("r")
+    assert b.admit("r").kind == "wait"  # nothing reported yet
+    b.update([(0, 0, None)], {}, [])
+    clock.t += 1
+    assert b.admit("r").kind == "wait"  # rank 1 not connected yet
+    b.update([(0, 1, None)], {}, [])
+    a = b.admit("r")
+    assert (a.kind, a.reader) == ("run", 0)
+    # admitted once: runs even if the link drops later (e.g. recomputed after preemption)
+    b.update([(0, 1, "lost the connection: reset")], {}, [])
+    assert b.admit("r").kind == "run"
+
+
+def test_a_request_that_waited_past_the_deadline_fails_with_the_last_error() -> None:
+    b, clock = book()
+    b.add("r")
+    b.update([(0, 0, "[Errno 111] Connection refused")], {}, [])
+    assert b.admit("r").kind == "wait"
+    clock.t += 4.9
+    assert b.admit("r").kind == "wait"
+    clock.t += 0.2
+    a = b.admit("r")
+    assert a.kind == "fail"
+    assert "10.0.0.0:7000" in a.why and "Connection refused" in a.why and "5 s" in a.why
+    assert b.outcome("r") == {"status": "failed", "error": a.why}
+    assert b.admit("r").kind == "fail"  # asked again (e.g. skipped a step): the same answer
+    b.finish("r")
+    assert len(b) == 0 and b.outcome("r") == {"status": "pending"}
+
+
+def test_outcomes_follow_the_workers_reports_and_late_failures_are_returned() -> None:
+    b, _ = book()
+    b.update([(0, 0, None)], {}, [])
+    for rid in ("ok", "bad", "slow"):
+        b.add(rid)
+        assert b.admit(rid).kind == "run"
+    late = b.update([], {"bad": "WRITE failed", "gone": "deadline"}, ["ok", "unknown"])
+    assert late == [("gone", "deadline")]
+    assert b.outcome("ok") == {"status": "delivered"}
+    assert b.outcome("bad") == {"status": "failed", "error": "WRITE failed"}
+    assert b.outcome("slow") == {"status": "pending"}
+    for rid in ("ok", "bad", "slow"):
+        b.finish(rid)
+    assert b.update([], {"slow": "deadline"}, []) == [("slow", "deadline")]
+    assert len(b) == 0
+
+
+def test_request_hash_waits_for_its_own_reader_and_round_robin_skips_down_readers() -> None:
+    b, clock = book(readers=2)
+    b.update([(0, 0, None), (1, 0, "refused")], {}, [])
+    ids = [f"req-{i}" for i in range(40)]
+    for rid in ids:
+        b.add(rid)
+    kinds = {rid: b.admit(rid) for rid in ids}
+    router = Router(2)
+    for rid, a in kinds.items():
+        if router.route(rid) == 0:
+            assert (a.kind, a.reader) == ("run", 0)
+        else:
+            assert a.kind == "wait"
+    clock.t += 6
+    failed = [rid for rid in ids if b.admit(rid).kind == "fail"]
+    assert failed and all(router.route(r) == 1 for r in failed)
+    assert "10.0.0.1:7000" in b.outcome(failed[0])["error"]
+
+    rr, clock = book(readers=3, policy="round_robin")
+    rr.update([(0, 0, None), (1, 0, "refused"), (2, 0, None)], {}, [])
+    got = []
+    for i in range(6):
+        rr.add(f"q{i}")
+        got.append(rr.admit(f"q{i}").reader)
+    assert got == [0, 2, 0, 2, 0, 2]
+    rr.update([(0, 0, "reset"), (2, 0, "reset")], {}, [])
+    rr.add("late")
+    assert rr.admit("late").kind == "wait"
+    clock.t += 6
+    a = rr.admit("late")
+    assert a.kind == "fail" and "any reader" in a.why
+
+
+def test_reports_for_unknown_readers_or_ranks_are_ignored() -> None:
+    b, _ = book(readers=1, world=1)
+    b.update([(5, 0, None), (0, 9, None)], {}, [])
+    b.add("r")
+    assert b.admit("r").kind == "wait"
+
+
+def test_a_request_not_added_is_admitted_but_leaves_no_state() -> None:
+    b, _ = book()
+    b.update([(0, 0, None)], {}, [])
+    assert b.admit("stranger").kind == "run"
+    assert b.update([], {"stranger": "x"}, []) == [("stranger", "x")]
+
+
+@pytest.mark.parametrize("world", [0, -1])
+def test_bad_world_size_is_refused(world: int) -> None:
+    with pytest.raises(ValueError):
+        DeliveryBook(["a:1"], world, 1.0)
