@@ -13,7 +13,7 @@ import queue
 import selectors
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +82,35 @@ class _Job:
     t_submit: float = field(default_factory=time.monotonic)
 
 
+class _Hasher:
+    """One thread computing checksums in submission order. Not a ThreadPoolExecutor:
+    those refuse work once the interpreter starts exiting, which is exactly when a
+    worker's shutdown drains its last samples."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], int], concurrent.futures.Future[int]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], int]) -> concurrent.futures.Future[int]:
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
 class SenderError(RuntimeError):
     """The sender cannot reach or work with the reader."""
 
@@ -120,11 +149,7 @@ class HiddenStatesSender:
             cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
         )
         self._raw_mv = None if self._raw.is_cuda else self._raw.numpy().data
-        self._hasher = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hs-crc-r{config.rank}")
-            if config.checksum
-            else None
-        )
+        self._hasher = _Hasher(f"hs-crc-r{config.rank}") if config.checksum else None
         self._secret = secret if secret is not None else auth.load_secret()
         self.agent_name = f"{config.producer_id}-r{config.rank}-{os.getpid()}"
         self._transport = Transport(self.agent_name)
@@ -250,7 +275,7 @@ class HiddenStatesSender:
             self._conn.close()
         self._transport.close()
         if self._hasher is not None:
-            self._hasher.shutdown(wait=False, cancel_futures=True)
+            self._hasher.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -472,7 +497,7 @@ class HiddenStatesSender:
             self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
             if self._hasher is not None and job.checksum is None and job.share:
                 # hashed while the reader grants pages; kept across resends
-                job.checksum = self._hasher.submit(self._share_checksum, job)
+                job.checksum = self._hasher.submit(functools.partial(self._share_checksum, job))
                 job.checksum.add_done_callback(lambda _: self._wake())
         return bool(todo)
 

@@ -37,6 +37,7 @@ DEFAULT_POOL_BYTES = 256 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection not through its handshake by then is closed
 QUARANTINE_S = 5.0  # pages of a discarded sample wait this long: a late WRITE lands unseen
 MAX_REWRITES = 3  # a share that fails its checksum is written again at most this often
+LAST_NOTIFICATION_GRACE_S = 0.2  # how long a departed producer's last WriteDone may lag
 
 
 class Sample(NamedTuple):
@@ -735,6 +736,8 @@ class HiddenStatesReader:
             self._sel.unregister(peer.conn.sock)
         peer.conn.close()
         self._peers.pop(peer.fd, None)
+        if peer.agent and self._by_agent.get(peer.agent) is peer:
+            self._await_last_notifications(peer)
         if peer.agent:
             self._by_agent.pop(peer.agent, None)
             self._transport.remove_peer(peer.agent)
@@ -750,6 +753,27 @@ class HiddenStatesReader:
                         self._discard(key, p)
             # Otherwise the rank may reconnect and resend its shares into the same pages.
         log.info("producer %s gone: %s", peer.label, why)
+
+    def _await_last_notifications(self, peer: _Peer) -> None:
+        """A producer that exits right after its last WRITE completed closes its control
+        connection while that WRITE's notification may still be on its way (another
+        channel): poll for it a little before deciding which samples are incomplete."""
+        h = peer.hello
+        assert h is not None
+
+        def awaited() -> bool:
+            return any(
+                key[0] == h.producer_id
+                and p.pages is not None
+                and p.promised.get(h.rank)
+                and h.rank not in p.written
+                for key, p in self._pending.items()
+            )
+
+        end = time.monotonic() + LAST_NOTIFICATION_GRACE_S
+        while awaited() and time.monotonic() < end:
+            if not self._poll_notifs():
+                time.sleep(0.001)
 
     def _discard(self, key: _Key, p: _Pending) -> None:
         assert self._pool is not None

@@ -4,6 +4,7 @@ acknowledgement and prints one JSON line with what finished and what failed."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import time
@@ -53,6 +54,20 @@ def main() -> int:
     t0 = time.monotonic()
     for s in spec["samples"]:
         sender.ship(s["request_id"], token_ids(s["request_id"], s["num_tokens"]), s["block_ids"])
+    if spec.get("exit_after_ship"):
+        # like a vLLM worker at interpreter exit: an atexit hook drains what is unwritten
+        def drain() -> None:
+            end = time.monotonic() + 60
+            while sender.unwritten and time.monotonic() < end:
+                time.sleep(0.01)
+            print(
+                json.dumps({"unwritten_at_exit": sender.unwritten, "failed": sender.take_failed()}),
+                flush=True,
+            )
+            sender.close()
+
+        atexit.register(drain)
+        return 0
     want = {s["request_id"] for s in spec["samples"]}
     finished: list[str] = []
     failed: dict[str, str] = {}

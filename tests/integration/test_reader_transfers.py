@@ -171,3 +171,26 @@ def test_a_sample_larger_than_the_pool_is_refused_clearly() -> None:
         res = finish_sender(proc)
     assert res["rc"] == 1
     assert "larger" in res["failed"][samples[0]["request_id"]]
+
+
+def test_a_producer_exiting_right_after_shipping_drains_everything_at_exit() -> None:
+    """Samples shipped just before the process exits: the drain runs in an atexit hook,
+    after Python stopped thread pools, and the last WRITEs' notifications race the
+    closing control connection. Nothing may be lost."""
+    layout = CPU_LAYOUT
+    samples = plan([3 * layout.block_size] * 16, seed=9, layout=layout)
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        proc = start_sender(
+            dict(
+                address=reader.address,
+                layout=layout_dict(layout),
+                num_cache_blocks=NUM_CACHE_BLOCKS,
+                seed=9,
+                samples=samples,
+                exit_after_ship=True,
+            )
+        )
+        res = finish_sender(proc)
+        assert res["rc"] == 0 and res["unwritten_at_exit"] == 0 and not res["failed"], res["stderr"][-3000:]
+        got = collect(reader, len(samples), timeout=10)
+    check(got, samples, layout, seed=9)
