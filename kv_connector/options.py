@@ -20,7 +20,7 @@ EXAMPLE = (
 )
 
 SHARDING = ("request_hash", "round_robin")
-CHECKSUMS = ("crc32", "none")
+CHECKSUMS = ("xxh3", "none")
 
 _KNOWN = {
     "consumer_address",
@@ -44,7 +44,7 @@ class ConnectorOptions:
     drain_timeout_s: at shutdown, how long to wait for samples still in flight.
     include_output_tokens: ship output tokens too, for every request (a request can
     also ask with ``kv_transfer_params={"include_output_tokens": true}``).
-    checksum: "crc32" (default): each rank sends the crc32 of its share with its WRITE
+    checksum: "xxh3" (default): each rank sends the XXH3-64 of its share with its WRITE
     and the reader checks it; "none" skips it (on a GPU cache computing it stages each
     share to host memory once).
     """
@@ -56,7 +56,7 @@ class ConnectorOptions:
     connect_timeout_s: float = 60.0
     drain_timeout_s: float = 60.0
     include_output_tokens: bool = False
-    checksum: str = "crc32"
+    checksum: str = "xxh3"
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -99,7 +99,7 @@ class ConnectorOptions:
         inc = extra.get("include_output_tokens", False)
         if not isinstance(inc, bool):
             raise ValueError("kv_connector_extra_config.include_output_tokens must be true or false")
-        checksum = extra.get("checksum", "crc32")
+        checksum = extra.get("checksum", "xxh3")
         if checksum not in CHECKSUMS:
             raise ValueError(
                 f"kv_connector_extra_config.checksum must be one of {CHECKSUMS}, got {checksum!r}"

@@ -9,7 +9,7 @@ version all raise ``ProtocolError``; nothing from a peer is ever unpickled.
 
 Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
     1: first version (Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone).
-    2: ``WriteDone.checksum`` (crc32 of the rank's share, see ``kv_connector.integrity``)
+    2: ``WriteDone.checksum`` (XXH3-64 of the rank's share, see ``kv_connector.integrity``)
        and ``Rewrite`` (the reader asks a rank to write its share again).
 """
 
@@ -56,7 +56,7 @@ BlockIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]
 PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_PAGES)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
-Crc32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+Checksum = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 
 
 class ProtocolError(ValueError):
@@ -171,10 +171,10 @@ class Refuse(_Msg, tag="refuse", frozen=True):
 class WriteDone(_Msg, tag="write_done", frozen=True):
     """Producer -> reader as a NIXL notification attached to a rank's WRITE: the blocks
     that rank promised in its credit request have landed in their granted pages;
-    ``checksum`` is the crc32 of those blocks' sample bytes (None: not computed)."""
+    ``checksum`` is the XXH3-64 of those blocks' sample bytes (None: not computed)."""
 
     request_id: RequestId
-    checksum: Crc32 | None = None
+    checksum: Checksum | None = None
 
 
 class Rewrite(_Msg, tag="rewrite", frozen=True):

@@ -46,7 +46,7 @@ class SenderConfig:
     producer_id: shared by all ranks of one producer engine, unique among producers.
     rank / world_size: this rank and how many ranks share each sample's blocks.
     connect_timeout_s: how long to keep trying to reach the reader.
-    checksum: send the crc32 of each share with its WRITE, for the reader to check
+    checksum: send the XXH3-64 of each share with its WRITE, for the reader to check
     (on a GPU cache this stages the share's bytes to host memory once).
     """
 
@@ -106,9 +106,13 @@ class _Hasher:
                 fut.set_result(fn())
             except Exception as e:
                 fut.set_exception(e)
+            # hold no reference to the sender between jobs: it must be collectable (and
+            # its NIXL agent destroyed) before the interpreter finalizes
+            del item, fn, fut
 
     def close(self) -> None:
         self._q.put(None)
+        self._thread.join(timeout=5)
 
 
 class SenderError(RuntimeError):
@@ -149,7 +153,7 @@ class HiddenStatesSender:
             cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
         )
         self._raw_mv = None if self._raw.is_cuda else self._raw.numpy().data
-        self._hasher = _Hasher(f"hs-crc-r{config.rank}") if config.checksum else None
+        self._hasher = _Hasher(f"hs-hash-r{config.rank}") if config.checksum else None
         self._secret = secret if secret is not None else auth.load_secret()
         self.agent_name = f"{config.producer_id}-r{config.rank}-{os.getpid()}"
         self._transport = Transport(self.agent_name)
@@ -502,7 +506,7 @@ class HiddenStatesSender:
         return bool(todo)
 
     def _share_checksum(self, job: _Job) -> int:
-        """crc32 of this rank's share of the sample's bytes, read from the cache."""
+        """XXH3-64 of this rank's share of the sample's bytes, read from the cache."""
         t0 = time.perf_counter()
         m = job.manifest
         spans_of = functools.partial(

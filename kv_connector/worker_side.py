@@ -80,7 +80,7 @@ class WorkerSide:
                     rank=rank,
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
-                    checksum=self.options.checksum == "crc32",
+                    checksum=self.options.checksum == "xxh3",
                 ),
                 cache,
                 block_layout,

@@ -80,7 +80,7 @@ def _drive(rank: Any, n_req: int, tokens: int, prefix: str = "q") -> float:
 
 
 def bench_ours(
-    model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int, checksum: str = "crc32"
+    model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int, checksum: str = "xxh3"
 ) -> dict[str, float]:
     from kv_connector.connector import HiddenStatesConnector
     from scripts.vllm_harness import ProducerRank, engine_config, init_parallel
@@ -288,7 +288,7 @@ def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
     # the producer's WRITEs, which share this host's cores and memory bus
     out["e_ours"]["reader_copy_out_s"] = e["reader_copy_out_s"]
     out["e_ours"]["sender_write_s"] = e["sender_write_s"]
-    # the checksums' cost: the producer's crc32 (its own thread) and the reader's check
+    # the checksums' cost: the producer's XXH3 (its own thread) and the reader's check
     out["e_ours"]["sender_checksum_s"] = e["sender_checksum_s"]
     out["e_ours"]["reader_verify_s"] = e["reader_verify_s"]
     out["checksum_throughput_ratio"] = (

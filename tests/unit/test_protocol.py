@@ -60,7 +60,7 @@ MESSAGES = [
     protocol.Ack(request_id="req-1"),
     protocol.Refuse(code="x", message="no", request_id="req-1"),
     protocol.WriteDone(request_id="req-1"),
-    protocol.WriteDone(request_id="req-1", checksum=0xFFFFFFFF),
+    protocol.WriteDone(request_id="req-1", checksum=(1 << 64) - 1),
     protocol.Rewrite(request_id="req-1", reason="checksum"),
 ]
 
@@ -155,7 +155,7 @@ def test_truncated_messages_raise_only_protocol_error(msg: protocol._Msg, data: 
         protocol.decode(enc[:cut])
 
 
-@pytest.mark.parametrize("checksum", [-1, 1 << 32, "abc", 1.5])
+@pytest.mark.parametrize("checksum", [-1, "abc", 1.5, [1]])
 def test_write_done_checksum_out_of_range_is_refused(checksum: object) -> None:
     with pytest.raises(ProtocolError):
         protocol.decode(raw({"type": "write_done", "request_id": "r", "checksum": checksum}))
