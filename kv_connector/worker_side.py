@@ -177,7 +177,14 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         if not self.senders:
             return None
-        self._finished_by_scheduler |= finished_req_ids
+        # only requests this worker shipped or failed wait for their finish here; the
+        # rest (never shipped: aborted, or failed at admission) must not pile up
+        followed = self._shipped | self._done
+        self._finished_by_scheduler |= finished_req_ids & followed
+        for rid in finished_req_ids - followed:
+            self._failed.pop(rid, None)
+            if self.recorder is not None:
+                self.recorder.forget(rid)
         for sender in self.senders:
             acked = sender.take_finished()
             self._done |= acked
