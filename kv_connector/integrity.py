@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
+from kv_connector.protocol import Manifest, dtype_size
+
 # Buffers are anything with the buffer protocol (bytes, memoryview, numpy arrays).
 Buffer = memoryview
 
@@ -38,6 +40,12 @@ def valid_spans(
 
 
 SpanFn = Callable[[int], list[tuple[int, int]]]
+
+
+def spans_of_sample(m: Manifest) -> SpanFn:
+    """``valid_spans`` of the sample a manifest describes, by block index."""
+    row_bytes = m.hidden_size * dtype_size(m.dtype)
+    return lambda j: valid_spans(m.layout, m.block_size, m.num_layers, row_bytes, m.num_tokens, j)
 
 
 def block_checksum(buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_of: SpanFn) -> int:

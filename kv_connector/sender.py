@@ -21,7 +21,7 @@ import torch
 
 from kv_connector import auth, protocol
 from kv_connector.control import ConnectionClosed, FramedConnection
-from kv_connector.integrity import block_checksum, valid_spans
+from kv_connector.integrity import block_checksum, spans_of_sample
 from kv_connector.layout import BlockLayout, piece_spans, stripe
 from kv_connector.protocol import ProtocolError
 from kv_connector.transport import Region, Transfer, Transport, TransportError
@@ -509,14 +509,7 @@ class HiddenStatesSender:
         """XXH3-64 of this rank's share of the sample's bytes, read from the cache."""
         t0 = time.perf_counter()
         m = job.manifest
-        spans_of = functools.partial(
-            valid_spans,
-            m.layout,
-            m.block_size,
-            m.num_layers,
-            m.hidden_size * protocol.dtype_size(m.dtype),
-            m.num_tokens,
-        )
+        spans_of = spans_of_sample(m)
         if self._raw_mv is not None:
             crc = block_checksum(
                 self._raw_mv, ((j, job.block_ids[j] * m.block_bytes) for j in job.share), spans_of

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import math
 import mmap
@@ -25,7 +24,7 @@ import torch
 
 from kv_connector import auth, protocol
 from kv_connector.control import ConnectionClosed, FramedConnection, format_address, parse_address
-from kv_connector.integrity import paged_checksum, valid_spans
+from kv_connector.integrity import paged_checksum, spans_of_sample
 from kv_connector.layout import pages_per_block
 from kv_connector.pool import PagePool, PoolTooSmall
 from kv_connector.protocol import ProtocolError
@@ -331,14 +330,7 @@ class HiddenStatesReader:
         assert p.pages is not None and self._page_bytes is not None
         m = p.manifest
         t0 = time.perf_counter()
-        spans_of = functools.partial(
-            valid_spans,
-            m.layout,
-            m.block_size,
-            m.num_layers,
-            m.hidden_size * protocol.dtype_size(m.dtype),
-            m.num_tokens,
-        )
+        spans_of = spans_of_sample(m)
         bad = [
             (rank, crc)
             for rank, crc in p.checksums.items()

@@ -15,8 +15,8 @@ import pytest
 from kv_connector.reader import HiddenStatesReader, Sample
 from kv_connector.reader import core as reader_core
 from kv_connector.transport import Region
-from tests.integration.common import finish_sender, layout_dict, start_sender
-from tests.integration.test_reader_transfers import CPU_LAYOUT, GPU_LAYOUT, NUM_CACHE_BLOCKS, check, plan
+from tests.integration.common import finish_sender
+from tests.integration.test_reader_transfers import CPU_LAYOUT, GPU_LAYOUT, check, collect, plan, ship
 
 pytestmark = pytest.mark.integration
 
@@ -46,29 +46,14 @@ def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
     caplog.set_level(logging.ERROR, logger="kv_connector")
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
         procs = [
-            start_sender(
-                dict(
-                    address=reader.address,
-                    producer_id="p",
-                    rank=r,
-                    world_size=world_size,
-                    layout=layout_dict(layout),
-                    num_cache_blocks=NUM_CACHE_BLOCKS,
-                    seed=11,
-                    samples=samples,
-                )
-            )
+            ship(reader, layout, 11, samples, producer_id="p", rank=r, world_size=world_size)
             for r in range(world_size)
         ]
         # every sample complete in the pool, none taken: no ack yet, the producers wait
         wait_for(lambda: reader._ready.qsize() == len(samples))
         last_block = -(-40 // layout.block_size) - 1  # rank world_size-1's share
         flip_first_byte(reader, "p", victim, last_block)
-        got: dict[str, Sample] = {}
-        for _ in samples:
-            s = reader.get(timeout=30)
-            assert s.request_id not in got
-            got[s.request_id] = s
+        got = collect(reader, len(samples), timeout=30)
         results = [finish_sender(p) for p in procs]
         assert reader.stats["checksum_mismatches"] == 1
     for res in results:
@@ -87,16 +72,7 @@ def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
     victim = samples[1]["request_id"]
     caplog.set_level(logging.ERROR, logger="kv_connector")
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=12,
-                samples=samples,
-                corrupt_after_checksum=[victim],
-            )
-        )
+        proc = ship(reader, layout, 12, samples, corrupt_after_checksum=[victim])
         # checksums are checked as samples are taken: keep taking until the sender is done
         got: dict[str, Sample] = {}
         end = time.monotonic() + 60
@@ -124,17 +100,8 @@ def test_checksums_through_the_staging_path_match(layout: Any) -> None:
     the reader must find every share matching."""
     samples = plan([1, 16, 17, 45], seed=15, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=15,
-                samples=samples,
-                stage_checksum=True,
-            )
-        )
-        got = {s.request_id: s for s in (reader.get(timeout=30) for _ in samples)}
+        proc = ship(reader, layout, 15, samples, stage_checksum=True)
+        got = collect(reader, len(samples), timeout=30)
         res = finish_sender(proc)
         assert reader.stats["checksum_mismatches"] == 0
     assert res["rc"] == 0 and res["stats"]["checksum_s"] > 0
@@ -145,17 +112,8 @@ def test_without_checksums_the_reader_still_delivers() -> None:
     layout = CPU_LAYOUT
     samples = plan([1, 17], seed=13, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=13,
-                samples=samples,
-                checksum=False,
-            )
-        )
-        got = {s.request_id: s for s in (reader.get(timeout=30) for _ in samples)}
+        proc = ship(reader, layout, 13, samples, checksum=False)
+        got = collect(reader, len(samples), timeout=30)
         res = finish_sender(proc)
     assert res["rc"] == 0 and res["stats"]["checksum_s"] == 0
     check(got, samples, layout, seed=13)
@@ -172,31 +130,13 @@ def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps
         # Fault injection: the Welcome points at memory the reader never registered, so
         # NIXL itself refuses every WRITE (no descriptor of the remote agent covers it).
         reader._region = Region(real.addr + (1 << 40), real.nbytes, real.mem_type, real.device_id)
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                producer_id="broken",
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=14,
-                samples=samples,
-            )
-        )
+        proc = ship(reader, layout, 14, samples, producer_id="broken")
         res = finish_sender(proc, timeout=60)
         wait_for(lambda: not reader._pending, timeout=10)  # it told the reader to drop them
         reader._region = real
         # the reader keeps serving an honest producer
-        good = start_sender(
-            dict(
-                address=reader.address,
-                producer_id="good",
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=14,
-                samples=samples,
-            )
-        )
-        got = {s.request_id: s for s in (reader.get(timeout=30) for _ in samples)}
+        good = ship(reader, layout, 14, samples, producer_id="good")
+        got = collect(reader, len(samples), timeout=30)
         good_res = finish_sender(good)
     assert sorted(res["failed"]) == sorted(s["request_id"] for s in samples)
     for why in res["failed"].values():

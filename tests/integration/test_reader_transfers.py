@@ -4,6 +4,7 @@ blocks, credits that throttle, pieces smaller than blocks, and ranks that share 
 from __future__ import annotations
 
 import random
+import subprocess
 from typing import Any
 
 import pytest
@@ -55,6 +56,22 @@ def check(
         assert same_bytes(got.hidden_states, expected_states(cache, layout, s["block_ids"], s["num_tokens"]))
 
 
+def ship(
+    reader: HiddenStatesReader, layout: BlockLayout, seed: int, samples: list[dict[str, Any]], **extra: Any
+) -> subprocess.Popen[str]:
+    """A sender process shipping ``samples`` from the deterministic cache of ``seed``."""
+    return start_sender(
+        dict(
+            address=reader.address,
+            layout=layout_dict(layout),
+            num_cache_blocks=NUM_CACHE_BLOCKS,
+            seed=seed,
+            samples=samples,
+            **extra,
+        )
+    )
+
+
 def collect(reader: HiddenStatesReader, n: int, timeout: float = 60) -> dict[str, Sample]:
     got: dict[str, Sample] = {}
     for _ in range(n):
@@ -69,15 +86,7 @@ def test_samples_of_every_boundary_size_arrive_byte_exact(layout: BlockLayout) -
     bs = layout.block_size
     samples = plan([1, bs, bs + 1, 7 * bs + 5, 2 * bs - 1], seed=1, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=1,
-                samples=samples,
-            )
-        )
+        proc = ship(reader, layout, 1, samples)
         got = collect(reader, len(samples))
         res = finish_sender(proc)
     assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
@@ -91,15 +100,7 @@ def test_more_samples_than_the_pool_holds_are_throttled_not_lost() -> None:
     samples = plan([rng.randint(1, 4 * layout.block_size) for _ in range(40)], seed=2, layout=layout)
     # Four blocks of room: at most a sample or two in flight at a time.
     with HiddenStatesReader(pool_bytes=4 * layout.block_bytes) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=2,
-                samples=samples,
-            )
-        )
+        proc = ship(reader, layout, 2, samples)
         got = collect(reader, len(samples))
         res = finish_sender(proc)
         assert reader.stats["samples"] == len(samples)
@@ -112,15 +113,7 @@ def test_blocks_larger_than_pages_travel_in_pieces() -> None:
     samples = plan([1, 33, 100], seed=3, layout=layout)
     page = layout.block_bytes // 3 + 100  # three pieces per block, the last one short
     with HiddenStatesReader(pool_bytes=40 * page, page_bytes=page) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=3,
-                samples=samples,
-            )
-        )
+        proc = ship(reader, layout, 3, samples)
         got = collect(reader, len(samples))
         res = finish_sender(proc)
     assert res["rc"] == 0, res["stderr"][-3000:]
@@ -159,15 +152,7 @@ def test_a_sample_larger_than_the_pool_is_refused_clearly() -> None:
     layout = CPU_LAYOUT
     samples = plan([5 * layout.block_size], seed=6, layout=layout)
     with HiddenStatesReader(pool_bytes=2 * layout.block_bytes) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=6,
-                samples=samples,
-            )
-        )
+        proc = ship(reader, layout, 6, samples)
         res = finish_sender(proc)
     assert res["rc"] == 1
     assert "larger" in res["failed"][samples[0]["request_id"]]
@@ -180,16 +165,7 @@ def test_a_producer_exiting_right_after_shipping_drains_everything_at_exit() -> 
     layout = CPU_LAYOUT
     samples = plan([3 * layout.block_size] * 16, seed=9, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = start_sender(
-            dict(
-                address=reader.address,
-                layout=layout_dict(layout),
-                num_cache_blocks=NUM_CACHE_BLOCKS,
-                seed=9,
-                samples=samples,
-                exit_after_ship=True,
-            )
-        )
+        proc = ship(reader, layout, 9, samples, exit_after_ship=True)
         res = finish_sender(proc)
         assert res["rc"] == 0 and res["unwritten_at_exit"] == 0 and not res["failed"], res["stderr"][-3000:]
         got = collect(reader, len(samples), timeout=10)
