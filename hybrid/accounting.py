@@ -13,6 +13,7 @@ spec comes from vLLM's own ``ExtractHiddenStatesModel``.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     get_kv_cache_spec_kind,
 )
 
+from hybrid.host import cpu_isa
 from hybrid.shapes import HybridShape
 from hybrid.spec import SupplementedKVCacheConfig, attention_group_index, plan_kv_cache_configs
 
@@ -39,23 +41,39 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionBackend
 
 PLATFORMS = ("cuda", "cpu")
+ALIGNMENT = {
+    "cuda": "FlashAttention, 16-token kernel blocks",
+    "cpu": "CPU attention, 128-token blocks, SSM state dtype of this host's CPU",
+}
 
 
 @dataclass(frozen=True)
 class Setup:
-    """What the figures are computed for (besides the model's shape)."""
+    """What the figures are computed for (besides the model's shape).
+
+    ``platform``: whose attention backend and block alignment: "cuda" (FlashAttention,
+    16-token kernel blocks; the figures do not depend on the host the report runs on)
+    or "cpu" (vLLM's CPU build on this host: its SSM state dtype, and with it the block
+    size, depend on the CPU's instruction set, see ``hybrid.host``).
+    ``block_size``: the target's attention block size when known (e.g. read off the
+    target's log); None: the one vLLM's alignment picks for the platform. A block too
+    small for the state is rounded up by vLLM's alignment, as vLLM does at start.
+    """
 
     layer_ids: tuple[int, ...]
     budget_bytes: int
     max_model_len: int = 32768
     platform: str = "cuda"
     prefix_caching: bool = True
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if self.budget_bytes <= 0 or self.max_model_len <= 0:
             raise ValueError("budget and max model length must be positive")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"block size must be positive, got {self.block_size}")
 
 
 @dataclass(frozen=True)
@@ -120,8 +138,22 @@ def engine_config(shape: HybridShape, setup: Setup, extraction: bool = True) -> 
             mamba_ssm_cache_dtype=cast(Any, shape.mamba_ssm_dtype or "auto"),
             speculative_config=spec_config,
         )
-        vllm_config = args.create_engine_config()
-        align_block_size(vllm_config, setup.platform)
+        env = dict(os.environ)
+        try:
+            vllm_config = args.create_engine_config()
+        finally:
+            # vLLM's CPU platform sets process-wide variables when it checks a config
+            # (LD_PRELOAD, VLLM_SSM_CONV_STATE_LAYOUT, ...): a report must not change the
+            # environment that later vLLM processes of the caller inherit
+            os.environ.clear()
+            os.environ.update(env)
+        if setup.platform == "cuda":
+            # vLLM applied the host's platform (the CPU build here), which on a CPU with
+            # AVX-512 BF16 turns the SSM state to float32 for its own kernels; a CUDA
+            # target keeps the dtype asked for. Figures for CUDA must not depend on
+            # where the report runs.
+            vllm_config.cache_config.mamba_ssm_cache_dtype = cast(Any, shape.mamba_ssm_dtype or "auto")
+        align_block_size(vllm_config, setup.platform, setup.block_size)
         yield vllm_config
 
 
@@ -139,17 +171,18 @@ def attention_backend(platform: str) -> tuple[type[AttentionBackend], int]:
     return CPUAttentionBackend, 128
 
 
-def align_block_size(vllm_config: VllmConfig, platform: str) -> None:
+def align_block_size(vllm_config: VllmConfig, platform: str, block_size: int | None = None) -> None:
     """Set the attention block size (and the state page padding) the way vLLM's
-    platform does at engine start for a hybrid model."""
+    platform does at engine start for a hybrid model, starting from ``block_size``
+    (the target's, when given) or the platform's default."""
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 
-    backend, block_size = attention_backend(platform)
+    backend, default_block = attention_backend(platform)
     cache = vllm_config.cache_config
-    cache.block_size = block_size
+    cache.block_size = block_size or default_block
     cache.mamba_page_size_padded = None
     with set_current_vllm_config(vllm_config):
         Platform._align_hybrid_block_size(vllm_config, backend)
@@ -294,6 +327,14 @@ def compare(shape: HybridShape, setup: Setup) -> dict[str, Any]:
             "max_model_len": setup.max_model_len,
             "dtype": shape.dtype,
             "platform": setup.platform,
+            "attention_block_size": cfg.cache_config.block_size,
+            "block_size_from": (
+                f"given ({setup.block_size})"
+                if setup.block_size
+                else f"vLLM's alignment for {setup.platform} ({ALIGNMENT[setup.platform]})"
+            ),
+            "ssm_state_dtype": str(cfg.cache_config.mamba_ssm_cache_dtype),
+            "host_cpu": cpu_isa(),
             "prefix_caching": setup.prefix_caching,
             "mamba_cache_mode": cfg.cache_config.mamba_cache_mode,
             "kv_cache_layout": cfg.cache_config.kv_cache_layout,

@@ -38,12 +38,20 @@ def main(argv: list[str] | None = None) -> int:
         "--platform",
         choices=["cuda", "cpu"],
         default="cuda",
-        help="whose attention block size (default cuda)",
+        help="whose attention backend and block alignment: cuda (default; the figures do not depend on "
+        "this host) or cpu (vLLM's CPU build on this host, whose CPU decides the SSM state dtype)",
+    )
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="the target's attention block size, e.g. from its log ('Setting attention block size to N "
+        "tokens'); default: what vLLM's alignment picks for --platform",
     )
     ap.add_argument(
         "--no-prefix-caching", action="store_true", help="mamba cache mode 'none' instead of 'align'"
     )
-    ap.add_argument("--verbose", action="store_true", help="keep vLLM's log on stderr")
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's log (INFO) on stderr")
     args = ap.parse_args(argv)
 
     from hybrid.accounting import Setup, compare
@@ -56,11 +64,19 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             platform=args.platform,
             prefix_caching=not args.no_prefix_caching,
+            block_size=args.block_size,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"hybrid.report: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(compare(shape, setup)))
+    result = compare(shape, setup)
+    s = result["setup"]
+    print(
+        f"hybrid.report: {s['platform']} target, attention block {s['attention_block_size']} tokens "
+        f"({s['block_size_from']}), SSM state {s['ssm_state_dtype']}; this host's CPU: {s['host_cpu']}",
+        file=sys.stderr,
+    )
+    print(json.dumps(result))
     return 0
 
 

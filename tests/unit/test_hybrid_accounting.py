@@ -3,7 +3,11 @@ Qwen3.5-9B, with vLLM 0.32's real spec classes, its own grouping, sizing and cap
 functions, and its own block-size alignment (no weights, no engine).
 
 Expected figures are derived here from the shapes by hand (comments show the
-arithmetic), so a change in vLLM's functions or in ours shows up as a difference.
+arithmetic), so a change in vLLM's functions or in ours shows up as a difference. The
+CUDA figures (FlashAttention, 16-token kernel blocks, the model's bf16 state) do not
+depend on the CPU the tests run on; the CPU platform's do (its SSM state is float32 on
+AVX-512 BF16), and their arithmetic takes the state dtype from the CPU, both kinds of
+which are checked (``tests.isa``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import pytest
 
 from hybrid.shapes import HybridShape
+from tests.isa import KINDS, as_if_cpu
 from tests.unit.test_hybrid_shapes import QWEN3_5_9B, QWEN3_NEXT_80B_A3B
 
 pytestmark = pytest.mark.slow
@@ -233,15 +238,51 @@ def test_workers_with_less_memory_shrink_every_tensor(
         assert c.kv_cache_tensors[0].size == c.num_blocks * 12 * 1_114_112
 
 
-def test_cpu_platform_aligns_to_its_own_block() -> None:
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_cpu_platform_aligns_to_its_own_block(kind: str) -> None:
     from hybrid.accounting import Setup, engine_config
 
     shape = HybridShape.from_config(QWEN3_NEXT_80B_A3B)
-    with engine_config(shape, Setup(layer_ids=(2,), budget_bytes=BUDGET, platform="cpu")) as cfg:
-        # the CPU platform starts from 128-token blocks: 128 * cdiv(1_114_112, 128 * 2048)
-        assert cfg.cache_config.block_size == 640
-        assert cfg.cache_config.mamba_page_size_padded == 640 * 2048
+    with (
+        as_if_cpu(kind),
+        engine_config(shape, Setup(layer_ids=(2,), budget_bytes=BUDGET, platform="cpu")) as cfg,
+    ):
+        # the SSM state: conv 4 x 8192 bf16, recurrent 32 x 128 x 128 in float32 where the
+        # CPU has AVX-512 BF16 (vLLM's accelerated GDN), else bf16
+        state = 4 * 8192 * 2 + 32 * 128 * 128 * (4 if KINDS[kind] else 2)
+        # the CPU platform starts from 128-token blocks: 128 * cdiv(state, 128 * 2048)
+        block = 128 * cdiv(state, 128 * 2048)
+        assert (state, block) == ((2_162_688, 1152) if KINDS[kind] else (1_114_112, 640))
+        assert cfg.cache_config.block_size == block
+        assert cfg.cache_config.mamba_page_size_padded == block * 2048
         assert cfg.cache_config.kv_cache_layout == "LBHNC"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_cuda_figures_do_not_depend_on_the_cpu_the_report_runs_on(kind: str, tmp_path: Path) -> None:
+    # vLLM's CPU platform turns the SSM state to float32 on AVX-512 BF16 when it checks
+    # the config; a CUDA target keeps bf16, so its figures are the same from any host
+    with as_if_cpu(kind):
+        r = report(QWEN3_NEXT_80B_A3B, tmp_path, "--layers", "2,24,45,47", "--budget-gib", "20")
+    assert r["setup"]["ssm_state_dtype"] == "auto"
+    assert (r["ours"]["block_size"], r["ours"]["num_blocks"]) == (544, 963)
+    assert r["setup"]["attention_block_size"] == 544 and "cuda" in r["setup"]["block_size_from"]
+
+
+def test_the_target_block_size_can_be_given(tmp_path: Path) -> None:
+    r = report(
+        QWEN3_NEXT_80B_A3B, tmp_path, "--layers", "2,24,45,47", "--budget-gib", "20", "--block-size", "1088"
+    )
+    ours = r["ours"]
+    assert r["setup"]["attention_block_size"] == ours["block_size"] == 1088
+    assert r["setup"]["block_size_from"] == "given (1088)"
+    groups = 12 * 1088 * 2048  # 12 layers' pages of 1088 tokens x 2048 bytes alias one pool block
+    hidden = 1088 * 4 * 2048 * 2
+    assert ours["bytes_per_block"] == groups + hidden
+    assert ours["num_blocks"] == BUDGET // (groups + hidden)
+    # a block too small for the state is raised to what the state needs, as vLLM does
+    r = report(QWEN3_NEXT_80B_A3B, tmp_path, "--layers", "2", "--budget-gib", "20", "--block-size", "16")
+    assert r["ours"]["block_size"] == 544
 
 
 def test_qwen3_next_without_prefix_caching(tmp_path: Path) -> None:
