@@ -18,6 +18,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     extra = {"consumer_address": spec["address"], **spec.get("extra", {})}
+    # what a test pins of vLLM's configuration; the rest is vLLM's choice for this host
+    pinned = {k: spec[k] for k in ("block_size", "mamba_ssm_cache_dtype") if spec.get(k) is not None}
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -29,6 +31,7 @@ def main() -> int:
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 128 << 20),
         tensor_parallel_size=spec.get("tp", 1),
         enforce_eager=True,
+        **pinned,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,

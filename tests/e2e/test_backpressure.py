@@ -13,7 +13,7 @@ import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.conftest import Reference, prompts_of, relative_error, start_producer
-from tests.e2e.test_producer_pipeline import LAYER_IDS
+from tests.e2e.test_producer_pipeline import BLOCK, LAYER_IDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def test_slow_trainer_throttles_the_producer_and_loses_nothing(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
-    block_bytes = 128 * len(LAYER_IDS) * 128 * 4  # CPU block of the tiny model, fp32
+    block_bytes = BLOCK * len(LAYER_IDS) * 128 * 4  # one block of the tiny model (hidden 128, fp32)
     prompts = prompts_of([300, 129, 50, 256, 1, 300, 200, 128, 77, 260, 300, 10], seed=21)
     # pool: 6 blocks, i.e. two 3-block samples; KV budget: ~32 blocks of the model's layers
     with HiddenStatesReader(pool_bytes=6 * block_bytes) as reader:
@@ -29,6 +29,7 @@ def test_slow_trainer_throttles_the_producer_and_loses_nothing(
             model=str(tiny_llama),
             address=reader.address,
             layer_ids=LAYER_IDS,
+            block_size=BLOCK,
             prompts=prompts,
             max_num_seqs=4,
             kv_cache_memory_bytes=8 << 20,

@@ -17,7 +17,8 @@ from tests.e2e.conftest import Reference, prompts_of, relative_error, run_and_co
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LAYER_IDS = [1, 2, 4]
-CPU_BLOCK = 128  # vLLM's CPU block size; the connector reads it from the tensor
+# pinned in every engine these tests build (vLLM's CPU default); the connector reads it from the tensor
+BLOCK = 128
 
 
 def check_against_reference(
@@ -45,13 +46,14 @@ def check_against_reference(
 
 
 def test_inprocess_engine_chunked_prefill_mixed_batch(tiny_llama: Path, llama_reference: Reference) -> None:
-    lengths = [1, CPU_BLOCK, CPU_BLOCK + 1, 2 * CPU_BLOCK, 700, 37, 1000, 5]
+    lengths = [1, BLOCK, BLOCK + 1, 2 * BLOCK, 700, 37, 1000, 5]
     prompts = prompts_of(lengths, seed=11)
     with HiddenStatesReader() as reader:
         spec = dict(
             model=str(tiny_llama),
             address=reader.address,
             layer_ids=LAYER_IDS,
+            block_size=BLOCK,
             prompts=prompts,
             max_tokens=[1, 1, 3, 1, 2, 5, 1, 4],
             max_num_batched_tokens=256,  # chunked prefill: 700 and 1000 span several steps
@@ -63,13 +65,14 @@ def test_inprocess_engine_chunked_prefill_mixed_batch(tiny_llama: Path, llama_re
 
 
 def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_reference: Reference) -> None:
-    lengths = [3, CPU_BLOCK, 300, 129]
+    lengths = [3, BLOCK, 300, 129]
     prompts = prompts_of(lengths, seed=12)
     with HiddenStatesReader() as reader:
         spec = dict(
             model=str(tiny_llama),
             address=reader.address,
             layer_ids=LAYER_IDS,
+            block_size=BLOCK,
             prompts=prompts,
             max_tokens=[2, 1, 4, 6],
             with_output=[2, 3],
@@ -87,13 +90,14 @@ def test_real_tensor_parallel_4_engine_matches_transformers(tmp_path: Path) -> N
     from scripts.make_tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny-llama-kv4", "llama", seed=1, num_key_value_heads=4)
-    lengths = [1, CPU_BLOCK, CPU_BLOCK + 1, 300, 700]
+    lengths = [1, BLOCK, BLOCK + 1, 300, 700]
     prompts = prompts_of(lengths, seed=13)
     with HiddenStatesReader() as reader:
         spec = dict(
             model=str(model),
             address=reader.address,
             layer_ids=LAYER_IDS,
+            block_size=BLOCK,
             prompts=prompts,
             tp=4,
             inprocess=False,
