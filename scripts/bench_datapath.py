@@ -83,7 +83,7 @@ def bench_ours(
     model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int, checksum: str = "xxh3"
 ) -> dict[str, float]:
     from kv_connector.connector import HiddenStatesConnector
-    from scripts.vllm_harness import ProducerRank, engine_config, init_parallel
+    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -100,7 +100,7 @@ def bench_ours(
             "kv_connector_extra_config": {"consumer_address": address, "checksum": checksum},
         },
     )
-    init_parallel(cfg)
+    _vllm_worker = start_worker(cfg)
     rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK)
     rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
     assert rank.worker._worker.senders[0].connected.wait(30)
@@ -165,7 +165,7 @@ def _cpu_example_connector() -> type:
 
 
 def bench_example(model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> dict[str, float]:
-    from scripts.vllm_harness import ProducerRank, engine_config, init_parallel
+    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
 
     out_dir = Path(tempfile.mkdtemp(prefix="hs-example-", dir="/dev/shm"))
     try:
@@ -179,7 +179,7 @@ def bench_example(model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> 
                 "kv_connector_extra_config": {"shared_storage_path": str(out_dir)},
             },
         )
-        init_parallel(cfg)
+        _vllm_worker = start_worker(cfg)
         rank = ProducerRank(cfg, cls, num_blocks=num_blocks, block_size=BLOCK)
         rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
         _drive(rank, 1, tokens, prefix="warmup")

@@ -38,7 +38,7 @@ def sample_tokens(request_id: str, num_tokens: int) -> list[int]:
 
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     from kv_connector.connector import HiddenStatesConnector
-    from scripts.vllm_harness import ProducerRank, engine_config, init_parallel
+    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
 
     extra: dict[str, Any] = {
         "consumer_address": spec["readers"],
@@ -54,7 +54,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     }
     tp, rank = spec.get("tp", 1), spec.get("rank", 0)
     cfg = engine_config(spec["model_dir"], spec["layer_ids"], ktc, dtype=spec.get("dtype", "bfloat16"), tp=tp)
-    init_parallel(cfg, rank, tp, spec.get("init_method"))
+    _vllm_worker = start_worker(cfg, rank, spec.get("init_method"))  # as vLLM's executor starts a rank
     cache: dict[str, torch.Tensor] = {}
     sizes = {r["id"]: r["tokens"] for r in spec["requests"]}
 

@@ -78,28 +78,41 @@ def engine_config(
     return args.create_engine_config()
 
 
-def init_parallel(
-    vllm_config: Any, rank: int = 0, world_size: int = 1, init_method: str | None = None
-) -> None:
-    """Set up vLLM's tensor-parallel groups (gloo) for one process of ``world_size``."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
+def file_store_init_method(directory: str | os.PathLike[str] | None = None) -> str:
+    """A rendezvous for the ranks of one producer, as vLLM's own executor makes it
+    (``get_file_store_init_method``): a file, so no port is picked and released."""
+    import tempfile
+    import uuid
+
+    base = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    return f"file://{base / f'vllm_dist_{uuid.uuid4().hex}'}"
+
+
+def start_worker(vllm_config: Any, rank: int = 0, init_method: str | None = None) -> Any:
+    """Start this process's rank the way vLLM's multiprocess executor starts a worker
+    (``WorkerProc.__init__``): the platform's worker class through vLLM's
+    ``WorkerWrapperBase``, then ``init_device()``, which prepares what the platform
+    needs (on CPU: ``VLLM_DIST_IDENT`` for the shared-memory communicator, the gloo
+    process group, the tensor-parallel groups). The model is not loaded. Returns the
+    wrapper (keep it alive while the rank runs)."""
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     if model_parallel_is_initialized():
-        return
-    if init_method is None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size, rank, init_method, rank, backend="gloo")
-        initialize_model_parallel(tensor_model_parallel_size=world_size)
+        raise RuntimeError("this process already runs a vLLM rank")
+    world = vllm_config.parallel_config.world_size
+    kwargs: list[dict[str, Any]] = [{} for _ in range(world)]
+    kwargs[rank] = {
+        "vllm_config": vllm_config,
+        "local_rank": rank,
+        "rank": rank,
+        "distributed_init_method": init_method or file_store_init_method(),
+        "is_driver_worker": rank == 0,
+    }
+    wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
+    wrapper.init_worker(kwargs)
+    wrapper.init_device()
+    return wrapper
 
 
 @dataclass

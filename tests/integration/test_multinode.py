@@ -21,7 +21,7 @@ from safetensors import safe_open
 from kv_connector.layout import stripe
 from scripts.harness_rank import sample_states, sample_tokens
 from scripts.netns import Cluster, NetnsUnavailable, Node, check_available
-from scripts.vllm_harness import config_only_model
+from scripts.vllm_harness import config_only_model, file_store_init_method
 
 pytestmark = [pytest.mark.integration, pytest.mark.multinode, pytest.mark.slow]
 
@@ -73,12 +73,12 @@ def start_ranks(
     requests: list[dict[str, Any]],
     **extra: Any,
 ) -> list[subprocess.Popen[str]]:
-    port = 29000 + hash(producer) % 1000
+    init_method = file_store_init_method(tmp)  # the ranks' rendezvous, as vLLM's executor makes it
     procs = []
     for rank in range(tp):
         spec = dict(
             model_dir=str(model), layer_ids=LAYERS, tp=tp, rank=rank,
-            init_method=f"tcp://127.0.0.1:{port}", readers=readers, producer_id=producer,
+            init_method=init_method, readers=readers, producer_id=producer,
             requests=requests, **extra,
         )  # fmt: skip
         f = tmp / f"{producer}-r{rank}.json"
