@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -92,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--listen", default="127.0.0.1:0", help="control address HOST:PORT (port 0: any free port)"
     )
+    ap.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="listen on this inherited file descriptor, a TCP socket already bound by a supervisor "
+        "(systemd socket activation, a test harness); --listen is then ignored",
+    )
     ap.add_argument("--out", required=True, help="directory for <request_id>.safetensors files")
     ap.add_argument("--max-samples", type=int, default=None, help="exit 0 after this many samples")
     ap.add_argument("--pool-mib", type=float, default=256.0, help="receive pool size in MiB (default 256)")
@@ -130,9 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     for stale in out.glob(".*.tmp"):  # partial files of a run that was killed mid-write
         stale.unlink(missing_ok=True)
     ledger = Ledger(out)
+    listen: str | socket.socket = args.listen
+    if args.listen_fd is not None:
+        try:
+            listen = socket.socket(fileno=args.listen_fd)
+        except OSError as e:
+            return fail(f"--listen-fd {args.listen_fd}: {e.strerror or e}")
     try:
         reader = HiddenStatesReader(
-            listen=args.listen,
+            listen=listen,
             pool_bytes=int(args.pool_mib * (1 << 20)),
             ack="manual",
             already_delivered=lambda pid, rid: (pid, rid) in ledger,

@@ -87,6 +87,21 @@ def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mem, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def listen_socket(listen: str | socket.socket) -> socket.socket:
+    """A non-blocking listening socket: bound to ``HOST:PORT`` here, or the caller's
+    socket (already bound: it keeps its port) put into the listening state."""
+    if isinstance(listen, socket.socket):
+        if listen.type != socket.SOCK_STREAM or listen.getsockname()[1] == 0:
+            raise ValueError("the reader's listening socket must be a bound TCP socket")
+        sock = listen
+        sock.listen()
+    else:
+        host, port = parse_address(listen)
+        sock = socket.create_server((host, port), reuse_port=False)
+    sock.setblocking(False)
+    return sock
+
+
 class ReaderClosed(Exception):
     """The reader was closed while waiting for a sample."""
 
@@ -135,7 +150,10 @@ _Key = tuple[str, str]
 class HiddenStatesReader:
     """Receives hidden states from producers over NIXL.
 
-    ``listen``: control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it).
+    ``listen``: control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it),
+    or a socket already bound to one (held by the caller, e.g. inherited from a
+    supervisor, so the port is never released between choosing and listening); the
+    reader listens on it and closes it with itself.
     ``pool_bytes``: receive pool size, registered with NIXL once.
     ``page_bytes``: pool page size (rounded up to a multiple of 64); by default the
     first producer's block size.
@@ -156,7 +174,7 @@ class HiddenStatesReader:
 
     def __init__(
         self,
-        listen: str = "127.0.0.1:0",
+        listen: str | socket.socket = "127.0.0.1:0",
         pool_bytes: int = DEFAULT_POOL_BYTES,
         page_bytes: int | None = None,
         secret: bytes | None = None,
@@ -165,7 +183,6 @@ class HiddenStatesReader:
         already_delivered: Callable[[str, str], bool] | None = None,
         verify: bool = True,
     ) -> None:
-        host, port = parse_address(listen)
         if ack not in ("on_take", "manual"):
             raise ValueError(f"ack must be 'on_take' or 'manual', got {ack!r}")
         self._ack_mode = ack
@@ -179,8 +196,7 @@ class HiddenStatesReader:
                 raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {pool_bytes}")
         self._secret = secret if secret is not None else auth.load_secret()
         self.reader_id = name or f"reader-{uuid.uuid4().hex[:12]}"
-        self._lsock = socket.create_server((host, port), reuse_port=False)
-        self._lsock.setblocking(False)
+        self._lsock = listen_socket(listen)
         real_host, real_port = self._lsock.getsockname()[:2]
         self.address = format_address(real_host, real_port)
 

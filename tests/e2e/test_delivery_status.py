@@ -6,7 +6,6 @@ the engine never hangs and every block comes back."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -14,32 +13,29 @@ import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.conftest import Reference, prompts_of, relative_error, run_producer, start_producer
-from tests.e2e.test_producer_pipeline import LAYER_IDS
+from tests.e2e.test_producer_pipeline import BLOCK, LAYER_IDS
+from tests.ports import address_of, held_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_without_a_reader_requests_fail_clearly_in_their_kv_transfer_params(tiny_llama: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    held = held_port()  # ours for the whole test, and nobody listens on it: refused
+    address = address_of(held)
     prompts = prompts_of([5, 40, 300], seed=31)
-    res = run_producer(
-        dict(
-            model=str(tiny_llama),
-            address=address,
-            layer_ids=LAYER_IDS,
-            prompts=prompts,
-            max_tokens=[1, 3, 2],
-            extra={"connect_timeout_s": 3},
-        ),
-        timeout=300,
-    )
+    with held:
+        res = run_producer(
+            dict(
+                model=str(tiny_llama),
+                address=address,
+                layer_ids=LAYER_IDS,
+                block_size=BLOCK,
+                prompts=prompts,
+                max_tokens=[1, 3, 2],
+                extra={"connect_timeout_s": 3},
+            ),
+            timeout=300,
+        )
     assert res["rc"] == 0, res["stderr"][-4000:]
     # they waited for the reader for the deadline, not forever
     assert 3.0 <= res["elapsed_s"] < 60, res["elapsed_s"]
@@ -56,12 +52,14 @@ def test_without_a_reader_requests_fail_clearly_in_their_kv_transfer_params(tiny
 def test_requests_wait_for_a_reader_that_starts_late_and_arrive_exact(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
-    port = free_port()
+    # the reader's port, held (refusing connections) until the reader takes the socket
+    held = held_port()
     prompts = prompts_of([7, 130, 260, 1], seed=32)
     spec = dict(
         model=str(tiny_llama),
-        address=f"127.0.0.1:{port}",
+        address=address_of(held),
         layer_ids=LAYER_IDS,
+        block_size=BLOCK,
         prompts=prompts,
         max_tokens=[1, 40, 2, 1],
         extra={"connect_timeout_s": 120},
@@ -77,7 +75,7 @@ def test_requests_wait_for_a_reader_that_starts_late_and_arrive_exact(
                 break
         time.sleep(3)  # its requests wait for the reader meanwhile
         assert proc.poll() is None, "".join(early)[-4000:]
-        with HiddenStatesReader(listen=f"127.0.0.1:{port}") as reader:
+        with HiddenStatesReader(listen=held) as reader:
             while len(got) < len(prompts):
                 s = reader.get(timeout=120)
                 assert s.request_id not in got
@@ -86,6 +84,7 @@ def test_requests_wait_for_a_reader_that_starts_late_and_arrive_exact(
             with pytest.raises(TimeoutError):
                 reader.get(timeout=1.0)
     finally:
+        held.close()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()

@@ -27,6 +27,7 @@ from tests.integration.common import (
     start_sender,
     token_ids,
 )
+from tests.ports import address_of, held_port
 
 pytestmark = pytest.mark.integration
 
@@ -34,18 +35,14 @@ LAYOUT = BlockLayout("LTH", 16, 2, 64, "float32")
 CACHE_BLOCKS = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_cli(port: int, out: Path, n: int, pool_blocks: int) -> subprocess.Popen[str]:
+def start_cli(held: socket.socket, out: Path, n: int, pool_blocks: int) -> subprocess.Popen[str]:
+    """The reader CLI on the test's held socket (``--listen-fd``): a restart listens on
+    the same port without it ever being released."""
     pool_mib = pool_blocks * LAYOUT.block_bytes / (1 << 20)
     return subprocess.Popen(
-        [sys.executable, "-m", "kv_connector.reader", "--listen", f"127.0.0.1:{port}", "--out", str(out),
+        [sys.executable, "-m", "kv_connector.reader", "--listen-fd", str(held.fileno()), "--out", str(out),
          "--max-samples", str(n), "--pool-mib", f"{pool_mib:.6f}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(held.fileno(),),
     )  # fmt: skip
 
 
@@ -80,12 +77,11 @@ def check_dir(out: Path, samples: list[dict[str, Any]], seed: int) -> None:
 
 
 def test_reader_killed_mid_stream_and_restarted_ends_with_every_sample_once(tmp_path: Path) -> None:
-    port, out, seed = free_port(), tmp_path / "out", 31
+    held, out, seed = held_port(), tmp_path / "out", 31
     samples = plan(40, seed)
-    cli = start_cli(port, out, len(samples), pool_blocks=3)
-    time.sleep(3)  # listening
+    cli = start_cli(held, out, len(samples), pool_blocks=3)
     sender = start_sender(
-        dict(address=f"127.0.0.1:{port}", layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS,
+        dict(address=address_of(held), layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS,
              seed=seed, samples=samples, connect_timeout_s=120, timeout_s=240)
     )  # fmt: skip
     try:
@@ -97,10 +93,11 @@ def test_reader_killed_mid_stream_and_restarted_ends_with_every_sample_once(tmp_
         written = len((out / ".ledger").read_text().splitlines())
         assert 8 <= written < len(samples)
         time.sleep(1.0)
-        cli = start_cli(port, out, len(samples) - written, pool_blocks=3)
+        cli = start_cli(held, out, len(samples) - written, pool_blocks=3)
         assert cli.wait(timeout=240) == 0, cli.stderr.read() if cli.stderr else ""
         res = finish_sender(sender, timeout=240)
     finally:
+        held.close()
         for p in (cli, sender):
             if p.poll() is None:
                 p.kill()
@@ -112,19 +109,20 @@ def test_reader_killed_mid_stream_and_restarted_ends_with_every_sample_once(tmp_
 
 
 def test_reader_started_after_the_producer_receives_everything(tmp_path: Path) -> None:
-    port, out, seed = free_port(), tmp_path / "out", 32
+    held, out, seed = held_port(), tmp_path / "out", 32
     samples = plan(6, seed)
     sender = start_sender(
-        dict(address=f"127.0.0.1:{port}", layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS,
+        dict(address=address_of(held), layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS,
              seed=seed, samples=samples, connect_timeout_s=60)
     )  # fmt: skip
     cli = None
     try:
         time.sleep(4)  # the producer is already retrying
-        cli = start_cli(port, out, len(samples), pool_blocks=16)
+        cli = start_cli(held, out, len(samples), pool_blocks=16)
         assert cli.wait(timeout=120) == 0
         res = finish_sender(sender)
     finally:
+        held.close()
         for p in (cli, sender):
             if p is not None and p.poll() is None:
                 p.kill()
@@ -137,18 +135,19 @@ def test_reader_started_after_the_producer_receives_everything(tmp_path: Path) -
 def test_no_reader_at_all_fails_each_request_clearly_after_the_deadline() -> None:
     samples = plan(3, 33)
     t0 = time.monotonic()
-    res = finish_sender(
-        start_sender(
-            dict(
-                address=f"127.0.0.1:{free_port()}",
-                layout=layout_dict(LAYOUT),
-                num_cache_blocks=CACHE_BLOCKS,
-                seed=33,
-                samples=samples,
-                connect_timeout_s=2.0,
+    with held_port() as held:  # ours, and refusing connections: no reader will ever be there
+        res = finish_sender(
+            start_sender(
+                dict(
+                    address=address_of(held),
+                    layout=layout_dict(LAYOUT),
+                    num_cache_blocks=CACHE_BLOCKS,
+                    seed=33,
+                    samples=samples,
+                    connect_timeout_s=2.0,
+                )
             )
         )
-    )
     assert res["rc"] == 1 and sorted(res["failed"]) == sorted(s["request_id"] for s in samples)
     assert all("cannot reach the reader" in why and "2 s" in why for why in res["failed"].values())
     assert time.monotonic() - t0 < 60
