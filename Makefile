@@ -17,6 +17,7 @@ demo: setup
 	$(BIN)/python -m scripts.demo
 
 test: setup
+	@$(BIN)/python -m scripts.env_report
 	$(BIN)/python -m pytest -q -rs tests
 
 test-fast: setup
@@ -27,6 +28,7 @@ lint: setup
 	$(BIN)/mypy
 
 bench: setup
+	@$(BIN)/python -m scripts.env_report
 	$(BIN)/python -m scripts.bench
 
 clean:
