@@ -10,6 +10,7 @@ Load it with
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kv_connector.options import EXAMPLE, ConnectorOptions
 from kv_connector.planning import StepPlan
+from kv_connector.report import WorkerReport
 from kv_connector.scheduler_side import SchedulerSide
+from kv_connector.stats import SenderStats
 from kv_connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -46,20 +49,13 @@ class HiddenStatesConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class HiddenStatesWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: link changes as (reader index, rank, error or None
-    when connected), and the requests delivered or failed since the last step."""
+    """Worker -> scheduler, one step (vLLM aggregates the ranks' with ``aggregate``)."""
 
-    links: list[tuple[int, int, str | None]] = field(default_factory=list)
-    failures: dict[str, str] = field(default_factory=dict)
-    delivered: set[str] = field(default_factory=set)
+    report: WorkerReport = field(default_factory=WorkerReport)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HiddenStatesWorkerMetadata)
-        return HiddenStatesWorkerMetadata(
-            links=self.links + other.links,
-            failures={**other.failures, **self.failures},
-            delivered=self.delivered | other.delivered,
-        )
+        return HiddenStatesWorkerMetadata(report=self.report.merged(other.report))
 
 
 def use_vllm_logging() -> None:
@@ -158,14 +154,29 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
-        links, failures, delivered = self._worker.take_report()
-        if not (links or failures or delivered):
-            return None
-        return HiddenStatesWorkerMetadata(links=links, failures=failures, delivered=delivered)
+        report = self._worker.take_report()
+        return HiddenStatesWorkerMetadata(report=report) if report else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # ----------------------------------------------------- for scripts and tests
+    def sender_stats(self) -> list[SenderStats]:
+        """This worker's counters, one snapshot per reader (worker role only)."""
+        assert self._worker is not None
+        return self._worker.stats()
+
+    def recent_failures(self) -> dict[str, str]:
+        """The last failures of this worker: request id -> why (worker role only)."""
+        assert self._worker is not None
+        return dict(self._worker.recent_failures)
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Block until this worker reaches every reader; False after ``timeout`` s."""
+        assert self._worker is not None
+        deadline = time.monotonic() + timeout
+        return all(s.connected.wait(max(0.0, deadline - time.monotonic())) for s in self._worker.senders)
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(
@@ -181,7 +192,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HiddenStatesWorkerMetadata):
-            self._scheduler.update(meta.links, meta.failures, meta.delivered)
+            self._scheduler.update(meta.report)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -40,10 +40,13 @@ def format_address(host: str, port: int) -> str:
 
 class FramedConnection:
     """One control connection. ``send`` blocks (with a timeout); ``receive`` returns the
-    complete messages already readable without blocking."""
+    complete messages already readable without blocking. A frame longer than
+    ``max_frame`` (which the handshake lowers while the peer has proven nothing) is a
+    ``ProtocolError`` before any of it is buffered beyond one read."""
 
     def __init__(self, sock: socket.socket, send_timeout: float = 30.0) -> None:
         self.sock = sock
+        self.max_frame = protocol.MAX_FRAME_BYTES
         sock.settimeout(send_timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -56,16 +59,13 @@ class FramedConnection:
         sock = socket.create_connection((host, port), timeout=timeout)
         return cls(sock)
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
     def send(self, msg: protocol._Msg) -> None:
         data = protocol.encode(msg)
         self.sock.sendall(_LEN.pack(len(data)) + data)
 
     def receive(self) -> list[protocol.Message]:
         """Read once and return the complete messages (call only when readable)."""
-        self._fill()
+        self.fill()
         out: list[protocol.Message] = []
         while (msg := self.receive_buffered()) is not None:
             out.append(msg)
@@ -83,12 +83,14 @@ class FramedConnection:
             r, _, _ = select.select([self.sock], [], [], max(0.0, left)) if left > 0 else ([], [], [])
             if not r:
                 raise TimeoutError("no complete message from the peer in time")
-            self._fill()
+            self.fill()
             pending = self.receive_buffered()
             if pending is not None:
                 return pending
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
+        """Read what is there (call only when readable); ``receive_buffered`` then parses
+        one frame at a time, each under the ``max_frame`` of the moment."""
         try:
             chunk = self.sock.recv(1 << 20)
         except OSError as e:
@@ -101,8 +103,8 @@ class FramedConnection:
         if len(self._buf) < _LEN.size:
             return None
         (n,) = _LEN.unpack_from(self._buf)
-        if n > protocol.MAX_FRAME_BYTES:
-            raise ProtocolError(f"frame of {n} bytes exceeds {protocol.MAX_FRAME_BYTES}")
+        if n > self.max_frame:
+            raise ProtocolError(f"frame of {n} bytes exceeds {self.max_frame}")
         if len(self._buf) < _LEN.size + n:
             return None
         frame = bytes(self._buf[_LEN.size : _LEN.size + n])

@@ -15,12 +15,23 @@ From that:
 
 from __future__ import annotations
 
+import enum
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kv_connector.options import Sharding
+from kv_connector.report import LinkChange
+from kv_connector.requests import RequestTable
+
 NOT_REPORTED = "no worker has reported a connection yet"
+
+
+class AdmissionKind(str, enum.Enum):
+    RUN = "run"  # start now, ship to ``reader``
+    WAIT = "wait"  # ask again next step (holding no blocks)
+    FAIL = "fail"  # run without shipping; ``why`` goes into its kv_transfer_params
 
 
 class Router:
@@ -32,13 +43,14 @@ class Router:
     reader has its own sender per rank.
     """
 
-    def __init__(self, num_readers: int, policy: str = "request_hash") -> None:
+    def __init__(self, num_readers: int, policy: Sharding | str = Sharding.REQUEST_HASH) -> None:
         if num_readers <= 0:
             raise ValueError("at least one reader")
-        if policy not in ("request_hash", "round_robin"):
-            raise ValueError(f"unknown sharding policy {policy!r}")
+        try:
+            self.policy = Sharding(policy)
+        except ValueError:
+            raise ValueError(f"unknown sharding policy {policy!r}") from None
         self.num_readers = num_readers
-        self.policy = policy
         self._next = 0
 
     def route(self, request_id: str) -> int:
@@ -50,7 +62,7 @@ class Router:
     def pick(self, request_id: str, up: Callable[[int], bool]) -> int | None:
         """The reader of a request among those ``up``; None if its reader (request_hash)
         or every reader (round_robin) is down."""
-        if self.policy == "request_hash" or self.num_readers == 1:
+        if self.policy is Sharding.REQUEST_HASH or self.num_readers == 1:
             r = zlib.crc32(request_id.encode()) % self.num_readers if self.num_readers > 1 else 0
             return r if up(r) else None
         for i in range(self.num_readers):
@@ -63,15 +75,16 @@ class Router:
 
 @dataclass(frozen=True)
 class Admission:
-    """``kind``: "run" (ship to ``reader``), "wait" (ask again next step) or "fail"
-    (run without shipping; ``why`` goes into its kv_transfer_params)."""
-
-    kind: str
+    kind: AdmissionKind
     reader: int = 0
     why: str = ""
 
 
 class DeliveryBook:
+    """Admission and outcomes. Its state of a request lives in the request's
+    ``RequestRecord`` (shared with the planner through ``table``); the links of every
+    (reader, rank) are its own."""
+
     def __init__(
         self,
         readers: Sequence[str],
@@ -79,6 +92,7 @@ class DeliveryBook:
         connect_timeout_s: float,
         router: Router | None = None,
         clock: Callable[[], float] = time.monotonic,
+        table: RequestTable | None = None,
     ) -> None:
         if world_size <= 0:
             raise ValueError("world size must be positive")
@@ -86,18 +100,14 @@ class DeliveryBook:
         self.world_size = world_size
         self.connect_timeout_s = connect_timeout_s
         self.router = router or Router(len(self.readers))
+        self.table = table if table is not None else RequestTable()
         self._clock = clock
         self._links: dict[tuple[int, int], str | None] = {}  # (reader, rank) -> None: connected
-        self._live: set[str] = set()
-        self._admitted: dict[str, int] = {}  # request id -> its reader
-        self._waiting_since: dict[str, float] = {}
-        self._failed: dict[str, str] = {}
-        self._delivered: set[str] = set()
 
     # ------------------------------------------------------------ worker reports
     def update(
         self,
-        links: Iterable[tuple[int, int, str | None]],
+        links: Iterable[LinkChange | tuple[int, int, str | None]],
         failures: Mapping[str, str],
         delivered: Iterable[str],
     ) -> list[tuple[str, str]]:
@@ -108,11 +118,15 @@ class DeliveryBook:
                 self._links[(reader, rank)] = error
         late = []
         for rid, why in failures.items():
-            if rid in self._live:
-                self._failed.setdefault(rid, why)
-            else:
+            rec = self.table.get(rid)
+            if rec is None:
                 late.append((rid, why))
-        self._delivered.update(rid for rid in delivered if rid in self._live)
+            elif rec.failed is None:
+                rec.failed = why
+        for rid in delivered:
+            rec = self.table.get(rid)
+            if rec is not None:
+                rec.delivered = True
         return late
 
     def is_up(self, reader: int) -> bool:
@@ -128,27 +142,31 @@ class DeliveryBook:
 
     # ---------------------------------------------------------- request life
     def add(self, request_id: str) -> None:
-        self._live.add(request_id)
+        self.table.ensure(request_id)
 
     def admit(self, request_id: str) -> Admission:
         """Called each step while a new request waits to start (and again if it is
         preempted and recomputed: an admitted request always runs)."""
-        if request_id in self._admitted:
-            return Admission("run", self._admitted[request_id])
-        if request_id in self._failed:
-            return Admission("fail", why=self._failed[request_id])
+        rec = self.table.get(request_id)
+        if rec is not None and rec.admitted and rec.reader is not None:
+            return Admission(AdmissionKind.RUN, rec.reader)
+        if rec is not None and rec.failed is not None:
+            return Admission(AdmissionKind.FAIL, why=rec.failed)
         now = self._clock()
-        since = self._waiting_since.setdefault(request_id, now)
+        since = now
+        if rec is not None:
+            if rec.waiting_since is None:
+                rec.waiting_since = now
+            since = rec.waiting_since
         reader = self.router.pick(request_id, self.is_up)
         if reader is not None:
-            self._waiting_since.pop(request_id, None)
-            if request_id in self._live:
-                self._admitted[request_id] = reader
-            return Admission("run", reader)
+            if rec is not None:
+                rec.waiting_since = None
+                rec.admitted, rec.reader = True, reader
+            return Admission(AdmissionKind.RUN, reader)
         if now - since < self.connect_timeout_s:
-            return Admission("wait")
-        self._waiting_since.pop(request_id, None)
-        if self.router.policy == "request_hash" or len(self.readers) == 1:
+            return Admission(AdmissionKind.WAIT)
+        if self.router.policy is Sharding.REQUEST_HASH or len(self.readers) == 1:
             r = self.router.route(request_id)
             why = (
                 f"cannot reach the reader at {self.readers[r]} for {self.connect_timeout_s:.0f} s "
@@ -159,31 +177,25 @@ class DeliveryBook:
                 f"cannot reach any reader ({', '.join(self.readers)}) for {self.connect_timeout_s:.0f} s "
                 f"(last error: {self.link_error(0)})"
             )
-        if request_id in self._live:
-            self._failed[request_id] = why
-        return Admission("fail", why=why)
-
-    def fail(self, request_id: str, why: str) -> None:
-        if request_id in self._live:
-            self._failed.setdefault(request_id, why)
+        if rec is not None:
+            rec.waiting_since = None
+            rec.failed = why
+        return Admission(AdmissionKind.FAIL, why=why)
 
     def outcome(self, request_id: str) -> dict[str, str]:
         """Where the request's sample stands now: {"status": "delivered"}, {"status":
         "failed", "error": why} or {"status": "pending"} (still on its way; a later
         failure is logged by the scheduler with the request id)."""
-        if request_id in self._failed:
-            return {"status": "failed", "error": self._failed[request_id]}
-        if request_id in self._delivered:
+        rec = self.table.get(request_id)
+        if rec is not None and rec.failed is not None:
+            return {"status": "failed", "error": rec.failed}
+        if rec is not None and rec.delivered:
             return {"status": "delivered"}
         return {"status": "pending"}
 
     def finish(self, request_id: str) -> None:
         """The request finished: forget it (later reports about it are "late")."""
-        self._live.discard(request_id)
-        self._admitted.pop(request_id, None)
-        self._waiting_since.pop(request_id, None)
-        self._failed.pop(request_id, None)
-        self._delivered.discard(request_id)
+        self.table.remove(request_id)
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self.table)

@@ -17,35 +17,17 @@ from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
-from kv_connector.protocol import Manifest, dtype_size
+from kv_connector.protocol import Manifest
 
 # Buffers are anything with the buffer protocol (bytes, memoryview, numpy arrays).
 Buffer = memoryview
-
-
-def valid_spans(
-    layout: str, block_size: int, num_layers: int, row_bytes: int, num_tokens: int, block_index: int
-) -> list[tuple[int, int]]:
-    """(offset, length) inside block ``block_index`` of the bytes holding the sample's
-    tokens; ``row_bytes`` is one token's one layer (hidden_size * itemsize)."""
-    first = block_index * block_size
-    k = min(block_size, num_tokens - first)
-    if k <= 0:
-        raise ValueError(f"block {block_index} holds none of the sample's {num_tokens} tokens")
-    if layout == "TLH" or k == block_size:
-        return [(0, k * num_layers * row_bytes)]
-    if layout != "LTH":
-        raise ValueError(f"unknown layout {layout!r}")
-    return [(layer * block_size * row_bytes, k * row_bytes) for layer in range(num_layers)]
-
-
 SpanFn = Callable[[int], list[tuple[int, int]]]
 
 
 def spans_of_sample(m: Manifest) -> SpanFn:
-    """``valid_spans`` of the sample a manifest describes, by block index."""
-    row_bytes = m.hidden_size * dtype_size(m.dtype)
-    return lambda j: valid_spans(m.layout, m.block_size, m.num_layers, row_bytes, m.num_tokens, j)
+    """The bytes of each block (by index) that hold the sample's tokens
+    (``BlockLayout.valid_spans``)."""
+    return m.valid_spans
 
 
 def block_checksum(buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_of: SpanFn) -> int:

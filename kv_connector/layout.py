@@ -1,41 +1,91 @@
-"""Block, slot and page arithmetic: pure functions, no torch, vllm or nixl.
+"""Block geometry: the one home of block, slot, span and page arithmetic. Pure logic (no
+torch, vllm or nixl).
 
 A producer's cache-only layer holds, per cache block, ``block_size`` tokens of
 ``num_layers`` captured hidden states of ``hidden_size`` elements, in one of two orders
-(see ``protocol.LAYOUTS``). A reader's receive pool is cut into pages of ``page_bytes``;
-a block that is larger than a page is written as consecutive pieces into several pages.
+(``Layout``). ``BlockLayout`` is that shape as a typed wire record: it travels nested in
+every manifest, so the reader rebuilds a sample from exactly what the producer's cache
+holds. A reader's receive pool is cut into pages of ``page_bytes``; a block larger than a
+page is written as consecutive pieces into several pages.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
-from kv_connector.protocol import LAYOUTS, dtype_size
+import msgspec
+
+# Order of the dimensions inside one cache block of the cache-only layer.
+# "LTH": [num_layers, block_size, hidden] (vLLM's CPU layout).
+# "TLH": [block_size, num_layers, hidden] (vLLM's GPU layout).
+Layout = Literal["LTH", "TLH"]
+DType = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+MAX_LAYERS = 1024
+MAX_BLOCK_SIZE = 1 << 16
+MAX_HIDDEN = 1 << 20
 
 
-@dataclass(frozen=True)
-class BlockLayout:
-    """Shape of one cache block of the cache-only layer."""
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks of ``block_size`` tokens hold ``num_tokens`` tokens."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    return -(-num_tokens // block_size)
 
-    layout: str
-    block_size: int
-    num_layers: int
-    hidden_size: int
-    dtype: str
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}") from None
+
+
+class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Shape of one cache block of the cache-only layer (also a wire record: it is
+    validated when decoded, and when built)."""
+
+    layout: Layout
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)]
+    num_layers: Annotated[int, msgspec.Meta(gt=0, le=MAX_LAYERS)]
+    hidden_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_HIDDEN)]
+    dtype: DType
 
     def __post_init__(self) -> None:
+        # msgspec checks the annotations when decoding; a layout built in Python is
+        # checked here (and a failure here is a ValidationError when decoding)
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; expected one of {LAYOUTS}")
-        for name in ("block_size", "num_layers", "hidden_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name, top in (
+            ("block_size", MAX_BLOCK_SIZE),
+            ("num_layers", MAX_LAYERS),
+            ("hidden_size", MAX_HIDDEN),
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= top:
+                raise ValueError(f"{name} must be an integer in 1..{top}, got {v!r}")
         dtype_size(self.dtype)
 
     @property
+    def item_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's one layer: ``hidden_size * itemsize``."""
+        return self.hidden_size * self.item_size
+
+    @property
     def token_bytes(self) -> int:
-        return self.num_layers * self.hidden_size * dtype_size(self.dtype)
+        return self.num_layers * self.row_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -47,10 +97,27 @@ class BlockLayout:
             return (self.num_layers, self.block_size, self.hidden_size)
         return (self.block_size, self.num_layers, self.hidden_size)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
+
+    def valid_spans(self, num_tokens: int, block_index: int) -> list[tuple[int, int]]:
+        """(offset, length) inside block ``block_index`` of a ``num_tokens``-token sample
+        of the bytes holding the sample's tokens: the whole block, except for the last
+        block, whose tail (where vLLM goes on writing decode tokens) is not the sample's."""
+        first = block_index * self.block_size
+        k = min(self.block_size, num_tokens - first)
+        if k <= 0:
+            raise ValueError(f"block {block_index} holds none of the sample's {num_tokens} tokens")
+        if self.layout == "TLH" or k == self.block_size:
+            return [(0, k * self.num_layers * self.row_bytes)]
+        return [
+            (layer * self.block_size * self.row_bytes, k * self.row_bytes) for layer in range(self.num_layers)
+        ]
+
 
 def layout_from_view(
     shape: Sequence[int], strides: Sequence[int], num_layers: int, hidden_size: int
-) -> tuple[str, int]:
+) -> tuple[Layout, int]:
     """(layout, block_size) of the cache-only layer's tensor, read from its view.
 
     vLLM's cache-only layer indexes its cache as [num_blocks, num_layers, block_size,
@@ -66,6 +133,7 @@ def layout_from_view(
             f"[num_blocks, ., ., hidden_size={hidden_size}] with unit stride in hidden"
         )
     H = hidden_size
+    layout: Layout
     if shape[1] == num_layers:
         bs = shape[2]
         if strides[1] == bs * H and strides[2] == H:

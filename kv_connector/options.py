@@ -6,6 +6,7 @@ at startup with that message.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,8 +20,21 @@ EXAMPLE = (
     '"kv_connector_extra_config":{"consumer_address":"HOST:PORT"}}\''
 )
 
-SHARDING = ("request_hash", "round_robin")
-CHECKSUMS = ("xxh3", "none")
+
+class Sharding(str, enum.Enum):
+    """How a request picks its reader among several."""
+
+    REQUEST_HASH = "request_hash"  # crc32 of the request id, stable across restarts
+    ROUND_ROBIN = "round_robin"  # in the order requests start, skipping unreachable readers
+
+
+class Checksum(str, enum.Enum):
+    XXH3 = "xxh3"  # each rank sends the XXH3-64 of its share; the reader checks it
+    NONE = "none"
+
+
+SHARDING = tuple(s.value for s in Sharding)
+CHECKSUMS = tuple(c.value for c in Checksum)
 
 _KNOWN = {
     "consumer_address",
@@ -52,11 +66,11 @@ class ConnectorOptions:
     consumer_address: str
     producer_id: str | None = None
     consumer_addresses: tuple[str, ...] = ()
-    sharding: str = "request_hash"
+    sharding: Sharding = Sharding.REQUEST_HASH
     connect_timeout_s: float = 60.0
     drain_timeout_s: float = 60.0
     include_output_tokens: bool = False
-    checksum: str = "xxh3"
+    checksum: Checksum = Checksum.XXH3
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -105,10 +119,10 @@ class ConnectorOptions:
                 f"kv_connector_extra_config.checksum must be one of {CHECKSUMS}, got {checksum!r}"
             )
         return cls(
-            checksum=checksum,
+            checksum=Checksum(checksum),
             consumer_address=addrs[0],
             consumer_addresses=tuple(addrs),
-            sharding=sharding,
+            sharding=Sharding(sharding),
             producer_id=pid,
             connect_timeout_s=seconds("connect_timeout_s", 60.0),
             drain_timeout_s=seconds("drain_timeout_s", 60.0),

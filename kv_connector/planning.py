@@ -13,7 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kv_connector.delivery import Router
-from kv_connector.layout import blocks_for_tokens
+from kv_connector.layout import blocks_for, blocks_for_tokens
+from kv_connector.requests import RequestRecord, RequestTable
 
 
 @dataclass(frozen=True)
@@ -51,15 +52,6 @@ class StepPlan:
         return bool(self.slices or self.ships or self.resets or self.preempted)
 
 
-@dataclass
-class _Tracked:
-    prompt: tuple[int, ...]
-    include_output: bool
-    block_ids: list[int] = field(default_factory=list)
-    computed: int = 0  # positions 0..computed-1 have states in the cache
-    shipped: bool = False
-
-
 @dataclass(frozen=True)
 class NewRequest:
     request_id: str
@@ -83,52 +75,51 @@ class ShipPlanner:
     (prompt tokens only). A request added with ``include_output=True`` is shipped when
     it finishes instead, with its prompt and all output tokens but the last (the last
     sampled token never went through a forward pass, so it has no hidden state).
+    The planner's state of a request lives in its ``RequestRecord`` (shared with the
+    delivery book through ``table``).
     """
 
-    def __init__(self, router: Router | None = None) -> None:
-        self._tracked: dict[str, _Tracked] = {}
+    def __init__(self, router: Router | None = None, table: RequestTable | None = None) -> None:
+        self.table = table if table is not None else RequestTable()
         self._pending_ships: list[ShipOrder] = []
         self.router = router or Router(1)
-        self._routes: dict[str, int] = {}
+
+    def _tracked(self, request_id: str) -> RequestRecord | None:
+        rec = self.table.get(request_id)
+        return rec if rec is not None and rec.tracked else None
 
     def reader_of(self, request_id: str) -> int:
         """The reader a shipped (or shipping) request goes to."""
-        return self._routes.get(request_id, 0)
+        rec = self.table.get(request_id)
+        return rec.reader if rec is not None and rec.reader is not None else 0
 
-    def set_route(self, request_id: str, reader: int) -> None:
-        """The reader chosen when the request was admitted (see ``DeliveryBook``)."""
-        self._routes[request_id] = reader
-
-    def _order(self, rid: str, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
-        reader = self._routes.get(rid)
-        if reader is None:
-            reader = self._routes[rid] = self.router.route(rid)
-        return ShipOrder(rid, tokens, blocks, reader)
+    def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
+        if rec.reader is None:
+            rec.reader = self.router.route(rec.request_id)
+        return ShipOrder(rec.request_id, tokens, blocks, rec.reader)
 
     def drop(self, request_id: str) -> None:
         """Stop following a request: it runs, but nothing of it is shipped."""
-        self._tracked.pop(request_id, None)
+        rec = self.table.get(request_id)
+        if rec is not None:
+            rec.tracked = False
+            rec.reader = None
         self._pending_ships = [o for o in self._pending_ships if o.request_id != request_id]
-        self._routes.pop(request_id, None)
-
-    def forget_route(self, request_id: str) -> None:
-        self._routes.pop(request_id, None)
-
-    def is_pending(self, request_id: str) -> bool:
-        """A ship of this request is planned for the next step (output-token requests)."""
-        return any(o.request_id == request_id for o in self._pending_ships)
 
     def __len__(self) -> int:
-        return len(self._tracked)
+        return sum(1 for rec in self.table if rec.tracked)
 
     def add(self, request_id: str, include_output: bool = False) -> None:
-        self._tracked[request_id] = _Tracked(prompt=(), include_output=include_output)
+        """Follow a new request (its planning state starts afresh)."""
+        rec = self.table.ensure(request_id)
+        rec.include_output, rec.tracked = include_output, True
+        rec.prompt, rec.block_ids, rec.computed, rec.shipped = (), [], 0, False
 
     def is_tracked(self, request_id: str) -> bool:
-        return request_id in self._tracked
+        return self._tracked(request_id) is not None
 
     def is_shipping(self, request_id: str) -> bool:
-        t = self._tracked.get(request_id)
+        t = self._tracked(request_id)
         return t is not None and t.shipped
 
     def plan(
@@ -140,20 +131,19 @@ class ShipPlanner:
     ) -> StepPlan:
         plan = StepPlan(ships=self._pending_ships)
         self._pending_ships = []
-        plan.preempted = [rid for rid in preempted if rid in self._tracked]
+        plan.preempted = [rid for rid in preempted if self._tracked(rid) is not None]
         for n in new:
-            t = self._tracked.get(n.request_id)
+            t = self._tracked(n.request_id)
             if t is None:  # not added, or dropped (it runs without shipping)
                 continue
             t.prompt = tuple(n.prompt_token_ids)
             t.block_ids = list(n.block_ids)
             t.computed = n.num_computed_tokens  # a prefix-cache hit is computed already
-            self._step(plan, n.request_id, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
+            self._step(plan, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
         for r in running:
-            tracked = self._tracked.get(r.request_id)
-            if tracked is None:
+            t = self._tracked(r.request_id)
+            if t is None:
                 continue
-            t = tracked
             if r.resumed:
                 # Preempted and rescheduled: the old blocks are gone, recompute from here.
                 t.block_ids = list(r.new_block_ids or [])
@@ -161,10 +151,10 @@ class ShipPlanner:
                 plan.resets.append(r.request_id)
             elif r.new_block_ids:
                 t.block_ids.extend(r.new_block_ids)
-            self._step(plan, r.request_id, t, r.num_computed_tokens, num_scheduled.get(r.request_id, 0))
+            self._step(plan, t, r.num_computed_tokens, num_scheduled.get(r.request_id, 0))
         return plan
 
-    def _step(self, plan: StepPlan, rid: str, t: _Tracked, start: int, n: int) -> None:
+    def _step(self, plan: StepPlan, t: RequestRecord, start: int, n: int) -> None:
         if n <= 0 or t.shipped:
             return
         t.computed = max(t.computed, start + n)
@@ -173,23 +163,26 @@ class ShipPlanner:
             n = min(n, limit - start)
             if n <= 0:
                 return
-        plan.slices.append(StepSlice(rid, start, n, tuple(t.block_ids)))
+        plan.slices.append(StepSlice(t.request_id, start, n, tuple(t.block_ids)))
         if not t.include_output and start + n >= len(t.prompt):
             t.shipped = True
-            plan.ships.append(self._order(rid, t.prompt, tuple(t.block_ids)))
+            plan.ships.append(self._order(t, t.prompt, tuple(t.block_ids)))
 
     def finish(self, request_id: str, all_token_ids: Sequence[int], block_ids: Sequence[int]) -> bool:
         """The request finished; True if the connector holds its blocks (a ship was or
         will be made), False if it never got far enough to ship anything (aborted before
-        its prompt, or for ``include_output`` its tokens, were all computed)."""
-        t = self._tracked.pop(request_id, None)
+        its prompt, or for ``include_output`` its tokens, were all computed). The record
+        stays until the caller removes it from the table."""
+        t = self._tracked(request_id)
         if t is None:
             return False
+        t.tracked = False
         if t.include_output and not t.shipped:
             tokens = tuple(all_token_ids[:-1]) if len(all_token_ids) > 1 else tuple(all_token_ids)
             if not t.prompt or not tokens or t.computed < len(tokens):
                 return False
-            self._pending_ships.append(self._order(request_id, tokens, tuple(block_ids)))
+            t.shipped = True
+            self._pending_ships.append(self._order(t, tokens, tuple(block_ids)))
             return True
         return t.shipped
 
@@ -253,7 +246,7 @@ class BlockRecorder:
         the block table rather than a recorded write (prefix-cache hits, computed by an
         earlier request)."""
         rec = self._blocks.get(request_id, {})
-        nb = -(-num_tokens // self.block_size)
+        nb = blocks_for(num_tokens, self.block_size)
         if nb > len(table):
             raise SlotMismatch(f"{num_tokens} tokens need {nb} blocks, the block table has {len(table)}")
         out, from_table = [], 0

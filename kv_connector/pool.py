@@ -25,6 +25,7 @@ class PagePool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._owner: dict[int, Hashable] = {}
         self._waiting: OrderedDict[Hashable, int] = OrderedDict()
+        self._quarantined: list[tuple[float, Hashable, list[int]]] = []
 
     @property
     def free_pages(self) -> int:
@@ -76,3 +77,18 @@ class PagePool:
         for p in pages:
             del self._owner[p]
             self._free.append(p)
+
+    def quarantine(self, key: Hashable, pages: list[int], until: float) -> None:
+        """``pages`` stay held by ``key`` until ``until``: a sample that can never be
+        handed out keeps its pages a while, so a late WRITE into them lands unseen."""
+        self._quarantined.append((until, key, pages))
+        self._quarantined.sort(key=lambda q: q[0])
+
+    def end_quarantines(self, now: float) -> bool:
+        """Return the pages whose quarantine ended; True if any did."""
+        ended = False
+        while self._quarantined and self._quarantined[0][0] <= now:
+            _, key, pages = self._quarantined.pop(0)
+            self.release(key, pages)
+            ended = True
+        return ended

@@ -4,47 +4,41 @@ Every message on the control connection is one msgpack-encoded Struct of the tag
 ``Message`` inside a length-prefixed frame (see ``kv_connector.control``). The same
 encoding carries the one data-plane message, ``WriteDone``, as a NIXL notification.
 
-Decoding is strict: unknown fields, wrong types, out-of-range values and a wrong protocol
-version all raise ``ProtocolError``; nothing from a peer is ever unpickled.
+Decoding is strict: unknown fields, wrong types, out-of-range values, inconsistent
+records (checked in each Struct's ``__post_init__``, which runs on decoding as on
+building) and a wrong protocol version all raise ``ProtocolError``; nothing from a peer
+is ever unpickled. Kinds are types: refusal codes, layouts and dtypes are ``Literal``s
+that decoding validates.
 
 Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
     1: first version (Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone).
     2: ``WriteDone.checksum`` (XXH3-64 of the rank's share, see ``kv_connector.integrity``)
        and ``Rewrite`` (the reader asks a rank to write its share again).
+    3: ``Manifest.geometry`` (a nested ``layout.BlockLayout``) replaces its loose
+       ``hidden_size``/``dtype``/``layout``/``block_size``/``block_bytes``; ``Refuse.code``
+       is one of ``RefuseCode``; a request id may not end in a newline.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
+
+PROTOCOL_VERSION = 3
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
-MAX_LAYERS = 1024
 MAX_RANKS = 1024
 MAX_BLOCKS = 1 << 22
 MAX_PAGES = 1 << 24
 MAX_METADATA_BYTES = 16 << 20
 
-DTYPE_SIZES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
-# Order of the dimensions inside one cache block of the cache-only layer.
-# "LTH": [num_layers, block_size, hidden] (vLLM's CPU layout).
-# "TLH": [block_size, num_layers, hidden] (vLLM's GPU layout).
-LAYOUTS = ("LTH", "TLH")
-
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:@+=\-]{1,256}$")]
+# \Z, not $: "$" also matches before a trailing newline
+RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:@+=\-]{1,256}\Z")]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
@@ -114,18 +108,27 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything the reader needs to rebuild one sample from its cache blocks.
 
     token ``t`` of the sample lives in block ``t // block_size`` at offset
-    ``t % block_size``; blocks are numbered in the request's block-table order.
+    ``t % block_size``; blocks are numbered in the request's block-table order;
+    ``geometry`` is one block's shape in the producer's cache.
     """
 
     request_id: RequestId
     token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
     layer_ids: Annotated[list[LayerId], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
-    hidden_size: Annotated[int, msgspec.Meta(gt=0, le=1 << 20)]
-    dtype: str
-    layout: str
-    block_size: Annotated[int, msgspec.Meta(gt=0, le=1 << 16)]
+    geometry: BlockLayout
     num_blocks: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCKS)]
-    block_bytes: PosInt
+
+    def __post_init__(self) -> None:
+        if len(self.layer_ids) != self.geometry.num_layers:
+            raise ValueError(
+                f"{len(self.layer_ids)} layer ids for blocks of {self.geometry.num_layers} layers"
+            )
+        need = blocks_for(len(self.token_ids), self.geometry.block_size)
+        if self.num_blocks != need:
+            raise ValueError(
+                f"{len(self.token_ids)} tokens in blocks of {self.geometry.block_size} need {need} "
+                f"blocks, manifest says {self.num_blocks}"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +138,26 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def num_layers(self) -> int:
         return len(self.layer_ids)
 
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.geometry.block_bytes
+
+    @property
+    def hidden_size(self) -> int:
+        return self.geometry.hidden_size
+
+    @property
+    def dtype(self) -> str:
+        return self.geometry.dtype
+
+    def valid_spans(self, block_index: int) -> list[tuple[int, int]]:
+        """The bytes of block ``block_index`` that hold this sample's tokens."""
+        return self.geometry.valid_spans(self.num_tokens, block_index)
+
 
 class CreditRequest(_Msg, tag="credit_request", frozen=True):
     """Producer -> reader: this rank will write ``blocks`` (indices into the manifest's
@@ -142,6 +165,13 @@ class CreditRequest(_Msg, tag="credit_request", frozen=True):
 
     manifest: Manifest
     blocks: Annotated[list[BlockIndex], msgspec.Meta(max_length=MAX_BLOCKS)]
+
+    def __post_init__(self) -> None:
+        for b in self.blocks:
+            if b >= self.manifest.num_blocks:
+                raise ValueError(f"block index {b} outside the sample's {self.manifest.num_blocks} blocks")
+        if len(set(self.blocks)) != len(self.blocks):
+            raise ValueError("duplicate block indices in a credit request")
 
 
 class Grant(_Msg, tag="grant", frozen=True):
@@ -159,11 +189,18 @@ class Ack(_Msg, tag="ack", frozen=True):
     request_id: RequestId
 
 
+# Why a peer refuses: "protocol" (a malformed or unexpected message), "auth" (the
+# handshake's proof), "pool_too_small" (a sample larger than the reader's pool),
+# "checksum" (a share kept failing its checksum), "write_failed" (a producer gave up on
+# a sample whose WRITE kept failing).
+RefuseCode = Literal["protocol", "auth", "pool_too_small", "checksum", "write_failed"]
+
+
 class Refuse(_Msg, tag="refuse", frozen=True):
     """Either way: a request or the connection is refused; ``request_id`` empty means the
     whole connection."""
 
-    code: Name
+    code: RefuseCode
     message: Annotated[str, msgspec.Meta(max_length=4096)]
     request_id: str = ""
 
@@ -206,39 +243,9 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"malformed message: {e}") from None
     except Exception as e:  # msgspec may raise e.g. RecursionError on hostile input
         raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None
-    if isinstance(msg, CreditRequest):
-        check_manifest(msg.manifest)
-        for b in msg.blocks:
-            if b >= msg.manifest.num_blocks:
-                raise ProtocolError(f"block index {b} outside the sample's {msg.manifest.num_blocks} blocks")
-        if len(set(msg.blocks)) != len(msg.blocks):
-            raise ProtocolError("duplicate block indices in a credit request")
     if isinstance(msg, (Hello, Challenge)) and msg.version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {msg.version} is not supported (this side speaks "
             f"{PROTOCOL_VERSION}); run the same kv_connector version on both ends"
         )
     return msg
-
-
-def dtype_size(dtype: str) -> int:
-    try:
-        return DTYPE_SIZES[dtype]
-    except KeyError:
-        raise ProtocolError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}") from None
-
-
-def check_manifest(m: Manifest) -> None:
-    """Cross-field checks msgspec cannot express; raise ``ProtocolError``."""
-    if m.layout not in LAYOUTS:
-        raise ProtocolError(f"unknown block layout {m.layout!r}; expected one of {LAYOUTS}")
-    item = dtype_size(m.dtype)
-    expected = m.block_size * m.num_layers * m.hidden_size * item
-    if m.block_bytes != expected:
-        raise ProtocolError(f"block_bytes {m.block_bytes} != block_size*layers*hidden*itemsize = {expected}")
-    need = math.ceil(m.num_tokens / m.block_size)
-    if m.num_blocks != need:
-        raise ProtocolError(
-            f"{m.num_tokens} tokens in blocks of {m.block_size} need {need} blocks, "
-            f"manifest says {m.num_blocks}"
-        )

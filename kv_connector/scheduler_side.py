@@ -5,12 +5,13 @@ every worker reported them sent, and tells each finished request where its sampl
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kv_connector.delivery import DeliveryBook, Router
+from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
 from kv_connector.options import ConnectorOptions
 from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.report import WorkerReport
+from kv_connector.requests import RequestTable
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -62,8 +63,12 @@ class SchedulerSide:
         self.group = hidden_state_group(kv_cache_config)
         self.producer_id = producer_id
         router = Router(len(options.readers), options.sharding)
-        self.planner = ShipPlanner(router)
-        self.book = DeliveryBook(options.readers, world_size, options.connect_timeout_s, router)
+        # one record per request, read and written by both the planner and the book
+        self.requests = RequestTable()
+        self.planner = ShipPlanner(router, self.requests)
+        self.book = DeliveryBook(
+            options.readers, world_size, options.connect_timeout_s, router, table=self.requests
+        )
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
@@ -77,30 +82,23 @@ class SchedulerSide:
         runs without shipping and its kv_transfer_params say why."""
         rid = request.request_id
         a = self.book.admit(rid)
-        if a.kind == "wait":
+        if a.kind is AdmissionKind.WAIT:
             return False
-        if a.kind == "run":
-            self.planner.set_route(rid, a.reader)
-        elif self.planner.is_tracked(rid):
+        if a.kind is AdmissionKind.FAIL and self.planner.is_tracked(rid):
             log.error("request %s: %s; it runs without shipping its hidden states", rid, a.why)
             self.planner.drop(rid)
         return True
 
-    def update(
-        self,
-        links: Iterable[tuple[int, int, str | None]],
-        failures: Mapping[str, str],
-        delivered: Iterable[str],
-    ) -> None:
+    def update(self, report: WorkerReport) -> None:
         """The workers' reports of one step."""
-        for reader, rank, error in links:
+        for reader, rank, error in report.links:
             if 0 <= reader < len(self.options.readers):
                 address = self.options.readers[reader]
                 if error is None:
                     log.info("rank %d reaches the reader at %s", rank, address)
                 else:
                     log.warning("rank %d cannot reach the reader at %s: %s", rank, address, error)
-        for rid, why in self.book.update(links, failures, delivered):
+        for rid, why in self.book.update(report.links, report.failures, report.delivered):
             log.error("request %s (already finished) lost its hidden states: %s", rid, why)
 
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
@@ -133,14 +131,10 @@ class SchedulerSide:
         rid = request.request_id
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         outcome = self.book.outcome(rid)
-        self.book.finish(rid)
         reader = self.planner.reader_of(rid)
-        if not hold:
-            self.planner.forget_route(rid)
-            if outcome["status"] != "failed":
-                return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
-        elif not self.planner.is_pending(rid):
-            self.planner.forget_route(rid)
+        self.book.finish(rid)  # its record goes: later reports about it are late
+        if not hold and outcome["status"] != "failed":
+            return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
         return hold, {
             "hidden_states": {
                 "consumer_address": self.options.readers[reader],

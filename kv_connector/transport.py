@@ -1,62 +1,24 @@
-"""NIXL transport: the one module that imports nixl.
-
-A ``Transport`` is one NIXL agent on the UCX backend, without NIXL's progress thread
-(it spins a whole core per agent; on small machines that starves vLLM). Progress is made
-by the caller polling ``poll`` and ``notifications`` on both sides.
-"""
+"""What the sender and the reader need of a transport, as a ``typing.Protocol``: one
+agent that registers memory once, knows its peers by their metadata, posts one-sided
+WRITEs with a notification, and is polled for progress. ``nixl_transport.NixlTransport``
+(NIXL over UCX) is the implementation, and the only module that imports nixl; the
+shells take any ``Transport`` as a parameter. Pure declarations."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Protocol
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
-log = logging.getLogger(__name__)
-
-_DONE, _PROC, _ERR = "DONE", "PROC", "ERR"
+MemType = Literal["DRAM", "VRAM"]
 
 
 class TransportError(RuntimeError):
-    """NIXL refused an operation or a transfer failed."""
-
-
-def _nixl() -> Any:
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise TransportError(
-            "NIXL is not installed: pip install nixl-cu12==1.5.1 (or nixl-cu13) and "
-            "pip install --no-deps nixl==1.5.1"
-        ) from e
-    _quiet_nixl_logger()
-    return nixl_agent, nixl_agent_config
-
-
-def _quiet_nixl_logger() -> None:
-    """NIXL's Python logger prints INFO lines to stdout; keep stdout for our programs'
-    output: its lines go to stderr, and below WARNING only when NIXL_LOG_LEVEL asks."""
-    nl = logging.getLogger("nixl")
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        nl.setLevel(logging.WARNING)
-    for h in nl.handlers:
-        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
-            h.setStream(sys.stderr)
-
-
-def mem_type_of(tensor: torch.Tensor) -> tuple[str, int]:
-    """("DRAM", 0) for host memory, ("VRAM", device index) for a GPU tensor."""
-    if tensor.device.type == "cpu":
-        return "DRAM", 0
-    if tensor.device.type == "cuda":
-        return "VRAM", tensor.device.index or 0
-    raise TransportError(f"cannot register memory on device {tensor.device}")
+    """The transport refused an operation or a transfer failed."""
 
 
 @dataclass(frozen=True)
@@ -65,75 +27,36 @@ class Region:
 
     addr: int
     nbytes: int
-    mem_type: str
+    mem_type: MemType
     device_id: int
 
 
-class Transfer:
-    """One posted WRITE; poll it with ``Transport.poll`` until it is done."""
+class Transfer(Protocol):
+    """A posted WRITE: how many bytes, to whom."""
 
-    __slots__ = ("handle", "nbytes", "peer")
-
-    def __init__(self, handle: Any, peer: str, nbytes: int) -> None:
-        self.handle = handle
-        self.peer = peer
-        self.nbytes = nbytes
+    nbytes: int
+    peer: str
 
 
-class Transport:
-    """One NIXL agent (UCX backend, no progress thread)."""
+class Transport(Protocol):
+    """One transfer agent."""
 
-    def __init__(self, name: str, ucx_params: dict[str, str] | None = None) -> None:
-        nixl_agent, nixl_agent_config = _nixl()
-        params = dict(ucx_params or {})
-        if "ucx_error_handling_mode" not in params and os.environ.get("KV_CONNECTOR_UCX_ERROR_HANDLING"):
-            params["ucx_error_handling_mode"] = os.environ["KV_CONNECTOR_UCX_ERROR_HANDLING"]
-        try:
-            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-            self._agent.create_backend("UCX", params)
-        except Exception as e:
-            raise TransportError(f"cannot create the NIXL agent {name!r} on UCX: {e}") from e
-        self.name = name
-        self._regs: list[Any] = []
-        self._peers: set[str] = set()
+    name: str
 
     @property
     def metadata(self) -> bytes:
-        """This agent's metadata (connection info and memory keys) for ``add_peer``."""
-        return bytes(self._agent.get_agent_metadata())
+        """This agent's metadata (connection info and memory keys) for a peer's ``add_peer``."""
+        ...
 
     def register(self, tensor: torch.Tensor) -> Region:
-        """Register a tensor's memory once (no copy). The tensor must be dense (any
-        permutation of a contiguous tensor), so its bytes are one range."""
-        span = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
-        if tensor.numel() == 0 or span != tensor.numel() or min(tensor.stride()) < 0:
-            raise TransportError("only a dense tensor's memory can be registered")
-        mem_type, dev = mem_type_of(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        try:
-            reg = self._agent.register_memory([(tensor.data_ptr(), nbytes, dev, "")], mem_type)
-        except Exception as e:
-            raise TransportError(f"cannot register {nbytes} bytes of {mem_type}: {e}") from e
-        self._regs.append(reg)
-        return Region(tensor.data_ptr(), nbytes, mem_type, dev)
+        """Register a dense tensor's memory once (no copy)."""
+        ...
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its name."""
-        try:
-            name = self._agent.add_remote_agent(metadata)
-        except Exception as e:
-            raise TransportError(f"cannot load a remote agent's metadata: {e}") from e
-        peer = name.decode() if isinstance(name, bytes) else str(name)
-        self._peers.add(peer)
-        return peer
+        ...
 
-    def remove_peer(self, peer: str) -> None:
-        if peer in self._peers:
-            self._peers.discard(peer)
-            try:
-                self._agent.remove_remote_agent(peer)
-            except Exception as e:
-                log.warning("removing NIXL peer %s failed: %s", peer, e)
+    def remove_peer(self, peer: str) -> None: ...
 
     def write(
         self,
@@ -143,73 +66,16 @@ class Transport:
         spans: Sequence[tuple[int, int, int]] | np.ndarray,
         notif: bytes,
     ) -> Transfer:
-        """Post one WRITE of ``spans`` = (local offset, remote offset, length) rows from
-        ``local`` into the peer's ``remote`` region, with ``notif`` delivered after the
-        data landed."""
-        arr = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
-        if arr.size == 0:
-            raise TransportError("a WRITE needs at least one span")
-        n = len(arr)
-        src = np.empty((n, 3), dtype=np.uint64)
-        dst = np.empty((n, 3), dtype=np.uint64)
-        src[:, 0] = local.addr + arr[:, 0]
-        src[:, 1] = arr[:, 2]
-        src[:, 2] = local.device_id
-        dst[:, 0] = remote.addr + arr[:, 1]
-        dst[:, 1] = arr[:, 2]
-        dst[:, 2] = remote.device_id
-        try:
-            handle = self._agent.initialize_xfer(
-                "WRITE",
-                self._agent.get_xfer_descs(src, local.mem_type),
-                self._agent.get_xfer_descs(dst, remote.mem_type),
-                peer,
-                notif,
-            )
-            state = self._agent.transfer(handle)
-        except Exception as e:
-            raise TransportError(f"cannot post a WRITE to {peer}: {e}") from e
-        if state == _ERR:
-            self._agent.release_xfer_handle(handle)
-            raise TransportError(f"NIXL refused a WRITE to {peer}")
-        return Transfer(handle, peer, int(arr[:, 2].sum()))
+        """Post one WRITE of (local offset, remote offset, length) rows, with ``notif``
+        delivered to the peer after the data landed."""
+        ...
 
     def poll(self, xfer: Transfer) -> bool:
-        """True once the WRITE completed (its handle is then released); raises
-        ``TransportError`` if it failed."""
-        try:
-            state = self._agent.check_xfer_state(xfer.handle)
-        except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer is gone
-            with contextlib.suppress(Exception):
-                self._agent.release_xfer_handle(xfer.handle)
-            raise TransportError(f"a WRITE of {xfer.nbytes} bytes to {xfer.peer} failed: {e}") from None
-        if state == _PROC:
-            return False
-        with contextlib.suppress(Exception):
-            self._agent.release_xfer_handle(xfer.handle)
-        if state == _DONE:
-            return True
-        raise TransportError(f"a WRITE of {xfer.nbytes} bytes to {xfer.peer} failed")
+        """True once the WRITE completed; raises ``TransportError`` if it failed."""
+        ...
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        """New notifications as (peer name, message); also makes UCX progress."""
-        out: list[tuple[str, bytes]] = []
-        try:
-            notifs = self._agent.get_new_notifs()
-        except Exception as e:  # a peer's disconnect surfaces here too
-            log.warning("NIXL notification poll failed: %s", e)
-            return out
-        for peer, msgs in notifs.items():
-            name = peer.decode() if isinstance(peer, bytes) else str(peer)
-            out.extend((name, bytes(m)) for m in msgs)
-        return out
+        """New notifications as (peer name, message); also makes progress."""
+        ...
 
-    def close(self) -> None:
-        for peer in list(self._peers):
-            self.remove_peer(peer)
-        for reg in self._regs:
-            try:
-                self._agent.deregister_memory(reg)
-            except Exception as e:
-                log.warning("deregistering NIXL memory failed: %s", e)
-        self._regs.clear()
+    def close(self) -> None: ...

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kv_connector.layout import BlockLayout, layout_from_view
-from kv_connector.options import ConnectorOptions
+from kv_connector.options import Checksum, ConnectorOptions
 from kv_connector.planning import BlockRecorder, SlotMismatch, StepPlan
+from kv_connector.report import LinkChange, WorkerReport
 from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.stats import SenderStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,7 +70,13 @@ class WorkerSide:
         cache = kv_caches[self.layer_name]
         hidden = self.vllm_config.model_config.get_hidden_size()
         layout, block_size = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
-        block_layout = BlockLayout(layout, block_size, len(self.layer_ids), hidden, _dtype_name(cache.dtype))
+        block_layout = BlockLayout(
+            layout,
+            block_size,
+            len(self.layer_ids),
+            hidden,
+            _dtype_name(cache.dtype),  # type: ignore[arg-type]
+        )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.rank = rank
         self.recorder = BlockRecorder(block_size)
@@ -80,7 +88,7 @@ class WorkerSide:
                     rank=rank,
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
-                    checksum=self.options.checksum == "xxh3",
+                    checksum=self.options.checksum is Checksum.XXH3,
                 ),
                 cache,
                 block_layout,
@@ -203,19 +211,23 @@ class WorkerSide:
             self._failed.pop(rid, None)
         return ready
 
-    def take_report(self) -> tuple[list[tuple[int, int, str | None]], dict[str, str], set[str]]:
+    def take_report(self) -> WorkerReport:
         """What the scheduler side should learn this step: changes of this rank's link
         to each reader (None: connected), and requests failed or delivered since."""
-        links: list[tuple[int, int, str | None]] = []
+        links: list[LinkChange] = []
         for k, sender in enumerate(self.senders):
             err = sender.link_error
             last = self._reported_links.get(k, "")
             if k not in self._reported_links or (last is None) != (err is None):
                 self._reported_links[k] = err
-                links.append((k, self.rank, err))
+                links.append(LinkChange(k, self.rank, err))
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
-        return links, failures, delivered
+        return WorkerReport(links, failures, delivered)
+
+    def stats(self) -> list[SenderStats]:
+        """A snapshot of each sender's counters, in the order of the readers."""
+        return [s.stats() for s in self.senders]
 
     def _note_failure(self, rid: str, why: str) -> None:
         self._report_failures[rid] = why

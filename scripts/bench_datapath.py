@@ -40,14 +40,14 @@ def _reader_proc(conn: Any, n: int, pool_bytes: int) -> None:
         for s in reader.samples(n, timeout=300):
             t_first = t_first or time.time()
             nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
-        conn.send((time.time(), nbytes, dict(reader.stats)))
+        conn.send((time.time(), nbytes, reader.stats().as_dict()))
 
 
 # ------------------------------------------------------------------ raw target process (r)
 def _raw_target_proc(conn: Any, pool_bytes: int, expected: int) -> None:
-    from kv_connector.transport import Transport
+    from kv_connector.nixl_transport import NixlTransport
 
-    t = Transport(f"raw-target-{os.getpid()}")
+    t = NixlTransport(f"raw-target-{os.getpid()}")
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
     region = t.register(pool)
     conn.send((t.metadata, region.addr, region.nbytes))
@@ -103,14 +103,14 @@ def bench_ours(
     _vllm_worker = start_worker(cfg)
     rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK)
     rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
-    assert rank.worker._worker.senders[0].connected.wait(30)
+    assert rank.worker.wait_connected(30)
     # warm-up request: connection set-up and first-touch out of the timing
     _drive(rank, 1, tokens, prefix="warmup")
     t0 = _drive(rank, n_req, tokens)
     t_end, nbytes, reader_stats = a.recv()
     nbytes -= tokens * len(LAYERS) * HIDDEN * 2  # the warm-up sample
     proc.join(30)
-    sender_stats = dict(rank.worker._worker.senders[0].stats)
+    sender_stats = rank.worker.sender_stats()[0].as_dict()
     rank.shutdown()
     return {
         "seconds": t_end - t0,
@@ -201,7 +201,7 @@ def bench_raw(n_req: int, tokens: int, num_blocks: int, in_flight: int) -> dict[
     into pages of another process's registered pool, ``in_flight`` requests at a time."""
     import numpy as np
 
-    from kv_connector.transport import Transport
+    from kv_connector.nixl_transport import NixlTransport
 
     block_bytes = BLOCK * len(LAYERS) * HIDDEN * 2
     nb = -(-tokens // BLOCK)
@@ -212,7 +212,7 @@ def bench_raw(n_req: int, tokens: int, num_blocks: int, in_flight: int) -> dict[
     proc = ctx.Process(target=_raw_target_proc, args=(b, pool_bytes, n_req + 1))
     proc.start()
     md, addr, size = a.recv()
-    t = Transport(f"raw-init-{os.getpid()}")
+    t = NixlTransport(f"raw-init-{os.getpid()}")
     local = t.register(cache)
     a.send(t.metadata)
     peer = t.add_peer(md)

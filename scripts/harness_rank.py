@@ -97,12 +97,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         if not admitted and not res.finished_sending:
             time.sleep(0.001)
     elapsed = time.monotonic() - t0
-    worker = prod.worker._worker
     per_reader = [
-        {"reader": s.config.consumer_address, "bytes": s.stats["bytes"], "write_s": s.stats["write_s"]}
-        for s in worker.senders
+        {"reader": reader, "bytes": st.bytes, "write_s": st.write_s}
+        for reader, st in zip(spec["readers"], prod.worker.sender_stats(), strict=True)
     ]
-    failures = dict(worker.recent_failures)
+    failures = prod.worker.recent_failures()
     prod.shutdown()
     return {
         "rank": rank,

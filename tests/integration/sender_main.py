@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kv_connector.layout import BlockLayout
-from kv_connector.sender import HiddenStatesSender, SenderConfig, _Job
+from kv_connector.send_ledger import Job
+from kv_connector.sender import HiddenStatesSender, SenderConfig
 from tests.integration.common import make_cache, token_ids
 
 
@@ -40,7 +41,7 @@ def main() -> int:
             """Fault injection: the cache's memory changes after a share was checksummed,
             so every WRITE of it carries bytes that disagree with its checksum."""
 
-            def _share_checksum(self, job: _Job) -> int:
+            def _share_checksum(self, job: Job) -> int:
                 crc = super()._share_checksum(job)
                 if job.request_id in corrupt:
                     first = job.block_ids[job.share[0]]
@@ -50,7 +51,7 @@ def main() -> int:
         sender_cls = CorruptingSender
     sender = sender_cls(cfg, cache, layout, layer_ids)
     if spec.get("stage_checksum"):
-        sender._raw_mv = None  # checksum through the GPU cache's staging path, on CPU memory
+        sender._stage_digest = True  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
     for s in spec["samples"]:
         sender.ship(s["request_id"], token_ids(s["request_id"], s["num_tokens"]), s["block_ids"])
@@ -77,7 +78,7 @@ def main() -> int:
         failed.update(sender.take_failed())
         time.sleep(0.002)
     elapsed = time.monotonic() - t0
-    stats = dict(sender.stats)
+    stats = sender.stats().as_dict()
     sender.close()
     print(
         json.dumps({"finished": finished, "failed": failed, "elapsed_s": elapsed, "stats": stats}), flush=True

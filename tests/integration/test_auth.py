@@ -29,10 +29,12 @@ import torch
 
 from kv_connector import auth, protocol
 from kv_connector.control import ConnectionClosed, FramedConnection, parse_address
+from kv_connector.handshake import ReaderHandshake
 from kv_connector.layout import BlockLayout
+from kv_connector.nixl_transport import NixlTransport as Transport
 from kv_connector.reader import HiddenStatesReader, Sample
+from kv_connector.reader.server import ReaderServer
 from kv_connector.sender import HiddenStatesSender, SenderConfig
-from kv_connector.transport import Transport
 from tests.integration.common import (
     REPO,
     expected_states,
@@ -318,10 +320,10 @@ def test_a_producer_without_the_secret_is_refused_and_the_reader_keeps_serving(
                 assert part in reason, reason
         assert_no_sample(reader)
         assert pool_untouched(reader), "a refused producer wrote into the receive pool"
-        assert reader.stats["samples"] == 0
+        assert reader.stats().samples == 0
         # The reader still serves a producer that has the secret.
         run_honest_producer(reader, secret, seed=13)
-        assert reader.stats["samples"] == 3
+        assert reader.stats().samples == 3
 
 
 @pytest.mark.parametrize("producer_secret", [None, b"wrong-secret"], ids=["no-secret", "wrong-secret"])
@@ -363,18 +365,18 @@ def test_a_producer_with_a_secret_refuses_a_reader_without_one(monkeypatch: pyte
     """The producer checks the reader's proof first: a reader without the secret never
     receives the producer's Auth (its proof and NIXL metadata)."""
     calls: dict[str, list[str]] = {"hello": [], "auth": []}
-    on_hello, on_auth = HiddenStatesReader._on_hello, HiddenStatesReader._on_auth
+    on_hello, on_auth = ReaderHandshake.on_hello, ReaderServer._on_auth
 
-    def spy_hello(self: HiddenStatesReader, peer: Any, h: protocol.Hello) -> None:
+    def spy_hello(self: ReaderHandshake, h: protocol.Hello, *rest: Any) -> protocol.Challenge:
         calls["hello"].append(h.producer_id)
-        on_hello(self, peer, h)
+        return on_hello(self, h, *rest)
 
-    def spy_auth(self: HiddenStatesReader, peer: Any, a: protocol.Auth) -> None:
-        calls["auth"].append(peer.label)
-        on_auth(self, peer, a)
+    def spy_auth(self: ReaderServer, conn: Any, a: protocol.Auth, now: float) -> None:
+        calls["auth"].append(conn.label)
+        on_auth(self, conn, a, now)
 
-    monkeypatch.setattr(HiddenStatesReader, "_on_hello", spy_hello)
-    monkeypatch.setattr(HiddenStatesReader, "_on_auth", spy_auth)
+    monkeypatch.setattr(ReaderHandshake, "on_hello", spy_hello)
+    monkeypatch.setattr(ReaderServer, "_on_auth", spy_auth)
     samples = plan("careful", [3, 33], seed=14)
     with HiddenStatesReader(pool_bytes=POOL_BYTES) as reader:
         proc = start_sender(
@@ -497,12 +499,8 @@ def test_messages_out_of_handshake_order_are_refused(
         request_id="early",
         token_ids=token_ids("early", 20),
         layer_ids=list(range(LAYOUT.num_layers)),
-        hidden_size=LAYOUT.hidden_size,
-        dtype=LAYOUT.dtype,
-        layout=LAYOUT.layout,
-        block_size=LAYOUT.block_size,
+        geometry=LAYOUT,
         num_blocks=2,
-        block_bytes=LAYOUT.block_bytes,
     )
     with HiddenStatesReader(pool_bytes=POOL_BYTES, secret=secret) as reader:
         peer = RawPeer(reader.address)
@@ -522,7 +520,7 @@ def test_messages_out_of_handshake_order_are_refused(
             assert isinstance(ch, protocol.Challenge) and ch.auth_required is with_secret
             send(then)
         peer.expect_refused(match)
-        assert reader.stats["refused"] == 1
+        assert reader.stats().refused == 1
         assert pool_untouched(reader)
         deliver_in_process(reader, secret, f"after-{first}-{then}")
 
@@ -565,10 +563,10 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
             if kind == "correct":
                 w = peer.recv()
                 assert isinstance(w, protocol.Welcome) and w.agent_name == reader.reader_id
-                assert reader.stats["refused"] == 0
+                assert reader.stats().refused == 0
             else:
                 peer.expect_refused("authentication failed")
-                assert reader.stats["refused"] == 1
+                assert reader.stats().refused == 1
             assert pool_untouched(reader)
             deliver_in_process(reader, secret, f"after-{kind}")
     finally:

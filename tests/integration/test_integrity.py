@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from kv_connector.reader import core as reader_core
+from kv_connector.reader.ledger import MAX_REWRITES
 from kv_connector.transport import Region
 from tests.integration.common import finish_sender
 from tests.integration.test_reader_transfers import CPU_LAYOUT, GPU_LAYOUT, check, collect, plan, ship
@@ -30,10 +30,10 @@ def wait_for(cond: Any, timeout: float = 30.0) -> None:
 
 def flip_first_byte(reader: HiddenStatesReader, producer_id: str, request_id: str, block: int) -> None:
     """Fault injection: flip token 0's first byte of a block as it lies in the pool."""
-    p = reader._pending[(producer_id, request_id)]
+    p = reader._ledger.samples[(producer_id, request_id)]
     assert p.pages is not None
     page = p.pages[block * p.ppb]
-    reader._pool_tensor[page * reader._page_bytes] ^= 0xFF  # type: ignore[operator]
+    reader._pool_tensor[page * reader._ledger.page_bytes] ^= 0xFF  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -55,7 +55,7 @@ def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
         flip_first_byte(reader, "p", victim, last_block)
         got = collect(reader, len(samples), timeout=30)
         results = [finish_sender(p) for p in procs]
-        assert reader.stats["checksum_mismatches"] == 1
+        assert reader.stats().checksum_mismatches == 1
     for res in results:
         assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
     # only the rank whose share was hit wrote again
@@ -84,12 +84,12 @@ def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
         res = finish_sender(proc)
         with pytest.raises(TimeoutError):
             reader.get(timeout=0.5)  # the corrupt sample is never handed out
-        assert reader.stats["checksum_mismatches"] == reader_core.MAX_REWRITES + 1
-        assert not reader._pending
+        assert reader.stats().checksum_mismatches == MAX_REWRITES + 1
+        assert not reader._ledger.samples
     assert sorted(res["finished"]) == sorted(s["request_id"] for s in samples if s["request_id"] != victim)
     assert list(res["failed"]) == [victim]
     assert "checksum" in res["failed"][victim] and victim in res["failed"][victim]
-    assert res["stats"]["rewrites"] == reader_core.MAX_REWRITES
+    assert res["stats"]["rewrites"] == MAX_REWRITES
     check(got, [s for s in samples if s["request_id"] != victim], layout, seed=12)
     assert any(victim in r.getMessage() and "refusing it" in r.getMessage() for r in caplog.records)
 
@@ -103,7 +103,7 @@ def test_checksums_through_the_staging_path_match(layout: Any) -> None:
         proc = ship(reader, layout, 15, samples, stage_checksum=True)
         got = collect(reader, len(samples), timeout=30)
         res = finish_sender(proc)
-        assert reader.stats["checksum_mismatches"] == 0
+        assert reader.stats().checksum_mismatches == 0
     assert res["rc"] == 0 and res["stats"]["checksum_s"] > 0
     check(got, samples, layout, seed=15)
 
@@ -126,14 +126,14 @@ def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps
     samples = plan([20, 5], seed=14, layout=layout)
     caplog.set_level(logging.ERROR, logger="kv_connector")
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        real = reader._region
+        real = reader._server._region
         # Fault injection: the Welcome points at memory the reader never registered, so
         # NIXL itself refuses every WRITE (no descriptor of the remote agent covers it).
-        reader._region = Region(real.addr + (1 << 40), real.nbytes, real.mem_type, real.device_id)
+        reader._server._region = Region(real.addr + (1 << 40), real.nbytes, real.mem_type, real.device_id)
         proc = ship(reader, layout, 14, samples, producer_id="broken")
         res = finish_sender(proc, timeout=60)
-        wait_for(lambda: not reader._pending, timeout=10)  # it told the reader to drop them
-        reader._region = real
+        wait_for(lambda: not reader._ledger.samples, timeout=10)  # it told the reader to drop them
+        reader._server._region = real
         # the reader keeps serving an honest producer
         good = ship(reader, layout, 14, samples, producer_id="good")
         got = collect(reader, len(samples), timeout=30)

@@ -15,6 +15,7 @@ import pytest
 
 from kv_connector.layout import BlockLayout
 from kv_connector.reader import HiddenStatesReader, Sample
+from kv_connector.reader.ledger import SampleState
 from kv_connector.sender import HiddenStatesSender, SenderConfig
 from tests.integration.common import (
     expected_states,
@@ -95,7 +96,11 @@ class Checker:
 def complete_keys(reader: HiddenStatesReader, producer_id: str) -> set[str]:
     """Samples of ``producer_id`` the reader holds complete, not yet taken (its own state)."""
     with reader._lock:
-        return {k[1] for k, p in reader._pending.items() if k[0] == producer_id and p.complete}
+        return {
+            k[1]
+            for k, p in reader._ledger.samples.items()
+            if k[0] == producer_id and p.state is SampleState.WRITTEN
+        }
 
 
 def assert_pool_idle(reader: HiddenStatesReader) -> None:
@@ -103,9 +108,9 @@ def assert_pool_idle(reader: HiddenStatesReader) -> None:
     deadline = time.monotonic() + 10
     while True:
         with reader._lock:
-            pool = reader._pool
+            pool = reader._ledger.pool
             assert pool is not None
-            state = (dict(reader._pending), pool.free_pages, pool.num_pages, pool.waiting)
+            state = (dict(reader._ledger.samples), pool.free_pages, pool.num_pages, pool.waiting)
         pending, free, total, waiting = state
         if not pending and free == total and waiting == 0:
             return
@@ -230,8 +235,8 @@ def test_a_sample_with_a_killed_ranks_share_unwritten_is_never_yielded() -> None
             while True:
                 with reader._lock:
                     state = {
-                        k[1]: (p.pages is not None, set(p.written), p.complete)
-                        for k, p in reader._pending.items()
+                        k[1]: (p.pages is not None, set(p.written), p.state is SampleState.WRITTEN)
+                        for k, p in reader._ledger.samples.items()
                         if k[0] == "tp"
                     }
                 if all(state.get(r) == (True, {0}, False) for r in partial):

@@ -103,7 +103,7 @@ def test_more_samples_than_the_pool_holds_are_throttled_not_lost() -> None:
         proc = ship(reader, layout, 2, samples)
         got = collect(reader, len(samples))
         res = finish_sender(proc)
-        assert reader.stats["samples"] == len(samples)
+        assert reader.stats().samples == len(samples)
     assert res["rc"] == 0 and sorted(res["finished"]) == sorted(s["request_id"] for s in samples)
     check(got, samples, layout, seed=2)
 

@@ -10,7 +10,15 @@ import pytest
 import torch
 import xxhash
 
-from kv_connector.integrity import block_checksum, paged_checksum, valid_spans
+from kv_connector.integrity import block_checksum, paged_checksum
+from kv_connector.layout import BlockLayout
+
+
+def valid_spans(
+    layout: str, bs: int, layers: int, row_bytes: int, num_tokens: int, j: int
+) -> list[tuple[int, int]]:
+    """The spans of block ``j`` of a float32 sample (``row_bytes`` = hidden * 4)."""
+    return BlockLayout(layout, bs, layers, row_bytes // 4, "float32").valid_spans(num_tokens, j)  # type: ignore[arg-type]
 
 
 def token_mask(layout: str, bs: int, layers: int, hidden: int, k: int) -> torch.Tensor:

@@ -11,7 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_connector import protocol
+from kv_connector.layout import BlockLayout
 from kv_connector.protocol import ProtocolError
+
+GEOMETRY = BlockLayout("LTH", 16, 3, 8, "float32")
 
 
 def manifest(**kw: object) -> protocol.Manifest:
@@ -19,12 +22,8 @@ def manifest(**kw: object) -> protocol.Manifest:
         request_id="req-1",
         token_ids=list(range(20)),
         layer_ids=[1, 2, 3],
-        hidden_size=8,
-        dtype="float32",
-        layout="LTH",
-        block_size=16,
+        geometry=GEOMETRY,
         num_blocks=2,
-        block_bytes=16 * 3 * 8 * 4,
     )
     base.update(kw)
     return protocol.Manifest(**base)  # type: ignore[arg-type]
@@ -58,7 +57,7 @@ MESSAGES = [
     protocol.CreditRequest(manifest=manifest(), blocks=[1]),
     protocol.Grant(request_id="req-1", pages=[3, 0], pages_per_block=1),
     protocol.Ack(request_id="req-1"),
-    protocol.Refuse(code="x", message="no", request_id="req-1"),
+    protocol.Refuse(code="checksum", message="no", request_id="req-1"),
     protocol.WriteDone(request_id="req-1"),
     protocol.WriteDone(request_id="req-1", checksum=(1 << 64) - 1),
     protocol.Rewrite(request_id="req-1", reason="checksum"),
@@ -109,19 +108,19 @@ def test_bad_hello_is_refused(payload: dict[str, object], fragment: str) -> None
         protocol.decode(raw(payload))
 
 
-def credit(m: dict[str, object], blocks: list[int]) -> bytes:
+def credit(m: dict[str, object], blocks: list[int], geometry: dict[str, object] | None = None) -> bytes:
     good = msgspec.to_builtins(manifest())
     good.update(m)
+    good["geometry"].update(geometry or {})
     return raw({"type": "credit_request", "manifest": good, "blocks": blocks})
 
 
 @pytest.mark.parametrize(
     "change, blocks, fragment",
     [
-        ({"block_bytes": 100}, [0], "block_bytes"),
         ({"num_blocks": 3}, [0], "need 2 blocks"),
-        ({"layout": "XYZ"}, [0], "layout"),
-        ({"dtype": "int7"}, [0], "dtype"),
+        ({"layer_ids": [1, 2]}, [0], "2 layer ids for blocks of 3 layers"),
+        ({"block_bytes": 100}, [0], "unknown field"),
         ({}, [2], "outside"),
         ({}, [0, 0], "duplicate"),
         ({"request_id": "../etc/passwd"}, [0], "matching regex"),
@@ -132,6 +131,40 @@ def credit(m: dict[str, object], blocks: list[int]) -> bytes:
 def test_bad_manifest_is_refused(change: dict[str, object], blocks: list[int], fragment: str) -> None:
     with pytest.raises(ProtocolError, match=fragment):
         protocol.decode(credit(change, blocks))
+
+
+@pytest.mark.parametrize(
+    "geometry, fragment",
+    [
+        ({"layout": "XYZ"}, "Invalid enum value 'XYZ'"),
+        ({"dtype": "int7"}, "Invalid enum value 'int7'"),
+        ({"block_size": 0}, ">= 1"),
+        ({"hidden_size": 1 << 21}, "<= 1048576"),
+        ({"num_layers": 2}, "3 layer ids for blocks of 2 layers"),
+    ],
+)
+def test_a_bad_geometry_is_refused_by_decoding(geometry: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        protocol.decode(credit({}, [0], geometry))
+
+
+def test_a_geometry_built_in_python_is_checked_too() -> None:
+    with pytest.raises(ValueError, match="layout"):
+        BlockLayout("XYZ", 16, 3, 8, "float32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        manifest(num_blocks=3)
+
+
+@pytest.mark.parametrize("code", ["x", "", "protocol "])
+def test_a_refusal_code_is_one_of_the_known_kinds(code: str) -> None:
+    with pytest.raises(ProtocolError, match="Invalid enum value"):
+        protocol.decode(raw({"type": "refuse", "code": code, "message": "m"}))
+
+
+@pytest.mark.parametrize("rid", ["ok" + chr(10), "a b", "a/b", "x" * 257, ""])
+def test_request_ids_outside_the_pattern_are_refused(rid: str) -> None:
+    with pytest.raises(ProtocolError, match=r"regex|length"):
+        protocol.decode(raw({"type": "ack", "request_id": rid}))
 
 
 def test_oversize_message_is_refused() -> None:

@@ -1,0 +1,63 @@
+"""Computing a share's digest on the producer: the bytes of a rank's share of a sample,
+read from the cache where they are, hashed on a thread of their own (``Hasher``) so
+that the WRITE path never waits on the GIL for it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from kv_connector.integrity import block_checksum, spans_of_sample
+from kv_connector.send_ledger import Job
+
+
+class Hasher:
+    """One thread computing digests in submission order. Not a ThreadPoolExecutor:
+    those refuse work once the interpreter starts exiting, which is exactly when a
+    worker's shutdown drains its last samples."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], int], concurrent.futures.Future[int]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], int]) -> concurrent.futures.Future[int]:
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+            # hold no reference to the sender between jobs: it must be collectable (and
+            # its NIXL agent destroyed) before the interpreter finalizes
+            del item, fn, fut
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+
+def share_checksum(raw: torch.Tensor, job: Job, stage: bool | None = None) -> int:
+    """XXH3-64 of ``job``'s share of its sample's bytes (``integrity``), read from the
+    cache's bytes ``raw`` (a flat uint8 view). A host cache is hashed in place; a device
+    cache's share is staged to host memory once (``stage`` forces either path)."""
+    m = job.manifest
+    spans_of = spans_of_sample(m)
+    if not (raw.device.type != "cpu" if stage is None else stage):
+        offsets = ((j, job.block_ids[j] * m.block_bytes) for j in job.share)
+        return block_checksum(raw.numpy().data, offsets, spans_of)
+    idx = torch.tensor([job.block_ids[j] for j in job.share], device=raw.device)
+    host = raw.view(-1, m.block_bytes).index_select(0, idx).cpu().view(-1)
+    staged = ((j, i * m.block_bytes) for i, j in enumerate(job.share))
+    return block_checksum(host.numpy().data, staged, spans_of)

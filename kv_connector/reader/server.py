@@ -1,0 +1,319 @@
+"""The reader's serving thread, a thin I/O shell around its ledger: it accepts control
+connections, runs the reader's side of each handshake (``handshake.ReaderHandshake``),
+reads producers' messages and NIXL notifications, feeds them to the ledger
+(``reader.ledger.ReaderLedger``), and performs what the ledger answers: messages to
+send, samples to queue for the user, lines to log. A peer that breaks the protocol is
+refused and dropped; nothing a peer sends can stop the thread."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kv_connector import protocol
+from kv_connector.control import ConnectionClosed, FramedConnection, format_address
+from kv_connector.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
+from kv_connector.poller import Poller
+from kv_connector.protocol import ProtocolError
+from kv_connector.reader.ledger import Action, Key, Log, ReaderLedger, Ready, Send
+from kv_connector.reader.producers import PeerId
+from kv_connector.transport import Region, Transport, TransportError
+
+log = logging.getLogger("kv_connector.reader.core")
+
+PAGE_ALIGN = 64  # pool pages are multiples of this, so any dtype can view them
+
+
+def round_page(n: int) -> int:
+    if n <= 0:
+        raise ValueError(f"page size must be positive, got {n}")
+    return -(-n // PAGE_ALIGN) * PAGE_ALIGN
+
+
+@dataclass
+class _Conn:
+    """One control connection."""
+
+    id: PeerId
+    conn: FramedConnection
+    addr: str
+    hs: ReaderHandshake
+    agent: str = ""
+
+    @property
+    def label(self) -> str:
+        h = self.hs.hello
+        return f"{h.producer_id}/rank{h.rank}@{self.addr}" if h else self.addr
+
+
+class ReaderServer:
+    """Serves the reader's connections and notifications on a thread of its own. Every
+    touch of the ledger happens under ``lock``, which the user's side shares."""
+
+    def __init__(
+        self,
+        lsock: socket.socket,
+        transport: Transport,
+        region: Region,
+        ledger: ReaderLedger,
+        lock: threading.RLock,
+        secret: bytes | None,
+        reader_id: str,
+        on_ready: Callable[[Key], None],
+    ) -> None:
+        self._lsock = lsock
+        self._transport = transport
+        self._region = region
+        self._ledger = ledger
+        self._lock = lock
+        self._secret = secret
+        self.reader_id = reader_id
+        self._on_ready = on_ready
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(lsock, selectors.EVENT_READ, None)
+        self._conns: dict[PeerId, _Conn] = {}
+        self._by_agent: dict[str, _Conn] = {}  # connected and departing producers' agents
+        self._departing: dict[PeerId, _Conn] = {}
+        self._next_id = 1
+        self._accept_paused_until = 0.0
+        self._closed = False
+        self._poller = Poller.from_env("KV_CONNECTOR_READER")
+        self.thread = threading.Thread(target=self._run, name="hs-reader", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        self.thread.join(timeout=10)
+        with self._lock:
+            for c in list(self._conns.values()):
+                c.conn.close()
+            self._conns.clear()
+            self._sel.close()
+            self._lsock.close()
+
+    # ------------------------------------------------------------- actions
+    def perform(self, actions: Iterable[Action]) -> None:
+        """Carry out what the ledger answered (call with the lock held)."""
+        for a in actions:
+            match a:
+                case Send(peer=peer, msg=msg):
+                    c = self._conns.get(peer)
+                    if c is not None:
+                        self._send(c, msg)
+                case Ready(key=key):
+                    self._on_ready(key)
+                case Log(level=level, text=text):
+                    getattr(log, level)("%s", text)
+
+    def _send(self, c: _Conn, msg: protocol.Message) -> None:
+        if c.conn.closed:
+            return
+        try:
+            c.conn.send(msg)
+        except OSError as e:
+            log.warning("cannot send to %s: %s", c.label, e)
+
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        while not self._closed:
+            with self._lock:
+                due = self._ledger.expecting_writes or self._ledger.departing
+            # writers need our progress to finish: poll tightly while WRITEs are due
+            try:
+                events = self._sel.select(self._poller.timeout(due))
+            except (OSError, ValueError):
+                if self._closed:
+                    return
+                raise
+            busy = False
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    for k, _ in events:
+                        busy = True
+                        if k.data is None:
+                            self._accept()
+                        else:
+                            self._on_readable(k.data)
+                    busy |= self._poll_notifs()
+                    self._housekeeping()
+                except Exception:  # never let one bad event stop the reader
+                    log.exception("hidden-states reader: unexpected error while serving")
+                    time.sleep(0.01)
+            self._poller.after(busy)
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        for c in list(self._conns.values()):
+            if c.hs.expired(now):
+                log.warning("closing %s: no handshake within %.0f s", c.label, HANDSHAKE_TIMEOUT_S)
+                self._drop(c, "handshake timeout")
+        self.perform(self._ledger.tick(now))
+        self._forget_departed()
+
+    def _accept(self) -> None:
+        try:
+            sock, addr = self._lsock.accept()
+        except BlockingIOError:
+            return
+        except OSError as e:  # e.g. EMFILE under a flood: pause accepting, keep serving
+            log.warning("cannot accept a control connection (%s); pausing accepts for 0.2 s", e)
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(self._lsock)
+            self._accept_paused_until = time.monotonic() + 0.2
+            return
+        c = _Conn(
+            self._next_id,
+            FramedConnection(sock),
+            format_address(addr[0], addr[1]),
+            ReaderHandshake(self._secret, time.monotonic()),
+        )
+        self._next_id += 1
+        c.conn.max_frame = c.hs.frame_limit
+        self._conns[c.id] = c
+        self._sel.register(sock, selectors.EVENT_READ, c)
+        log.debug("control connection from %s", c.addr)
+
+    def _on_readable(self, c: _Conn) -> None:
+        try:
+            c.conn.fill()
+            # one frame at a time: each is bounded by the limit of the phase it arrives in
+            while not c.conn.closed and (msg := c.conn.receive_buffered()) is not None:
+                self._handle(c, msg)
+                c.conn.max_frame = c.hs.frame_limit
+        except ConnectionClosed:
+            self._drop(c, "connection closed")
+        except ProtocolError as e:
+            self._ledger.stats.refused += 1
+            log.warning("refusing %s: %s", c.label, e)
+            self._send(c, protocol.Refuse(code="protocol", message=str(e)))
+            self._drop(c, f"protocol error: {e}")
+
+    def _handle(self, c: _Conn, msg: protocol.Message) -> None:
+        now = time.monotonic()
+        if c.hs.phase is Phase.HELLO:
+            h = msg if isinstance(msg, protocol.Hello) else None
+            known = self._ledger.world_of(h.producer_id) if h else None
+            taken = h is not None and self._ledger.rank_connected(h.producer_id, h.rank)
+            self._send(c, c.hs.on_hello(msg, known, taken))
+            return
+        if c.hs.phase is Phase.AUTH:
+            match msg:
+                case protocol.Refuse():
+                    log.warning("producer %s refused the handshake (%s): %s", c.label, msg.code, msg.message)
+                    self._drop(c, f"it refused the handshake: {msg.message}")
+                case protocol.Auth():
+                    self._on_auth(c, msg, now)
+                case _:
+                    raise ProtocolError(f"expected auth, got {type(msg).__name__}")
+            return
+        match msg:
+            case protocol.CreditRequest():
+                self.perform(self._ledger.credit_request(c.id, msg, now))
+            case protocol.Refuse():
+                self.perform(self._ledger.producer_refused(c.id, msg, now))
+            case _:
+                raise ProtocolError(f"unexpected {type(msg).__name__} from a producer")
+
+    def _on_auth(self, c: _Conn, a: protocol.Auth, now: float) -> None:
+        c.hs.on_auth(a)
+        h = c.hs.hello
+        assert h is not None
+        old = self._by_agent.get(h.agent_name)
+        if old is not None and old.id in self._conns:  # a replay of a connected producer's metadata
+            raise ProtocolError(f"agent {h.agent_name!r} is in use by a connected producer")
+        if old is not None:  # the same agent reconnecting while its departure's grace runs
+            self._transport.remove_peer(h.agent_name)
+            del self._by_agent[h.agent_name]
+        try:
+            agent = self._transport.add_peer(a.agent_metadata)
+        except TransportError as e:
+            raise ProtocolError(str(e)) from None
+        if agent in self._by_agent:  # another producer's metadata
+            raise ProtocolError(f"agent {agent!r} is in use by a connected producer")
+        if agent != h.agent_name:
+            self._transport.remove_peer(agent)
+            raise ProtocolError(f"agent name {agent!r} does not match the hello's {h.agent_name!r}")
+        if self._ledger.pool is None:  # only a producer that completed its handshake decides
+            page = min(round_page(h.block_bytes), self._region.nbytes // PAGE_ALIGN * PAGE_ALIGN)
+            self._ledger.set_pages(page, self._region.nbytes // page)
+            log.info(
+                "pool page size %d bytes (first producer's block), %d pages",
+                page,
+                self._region.nbytes // page,
+            )
+        self._ledger.peer_ready(c.id, h)
+        if old is not None:
+            self.perform(self._ledger.settle(old.id, now))
+            self._departing.pop(old.id, None)
+        c.agent = agent
+        self._by_agent[agent] = c
+        c.hs.welcome()
+        assert self._ledger.pool is not None and self._ledger.page_bytes is not None
+        self._send(
+            c,
+            protocol.Welcome(
+                reader_id=self.reader_id,
+                agent_name=self._transport.name,
+                agent_metadata=self._transport.metadata,
+                pool_addr=self._region.addr,
+                pool_bytes=self._region.nbytes,
+                page_bytes=self._ledger.page_bytes,
+                num_pages=self._ledger.pool.num_pages,
+                mem_type=self._region.mem_type,
+                device_id=self._region.device_id,
+            ),
+        )
+        log.info("producer %s connected (world size %d)", c.label, h.world_size)
+
+    def _poll_notifs(self) -> bool:
+        notifs = self._transport.notifications()
+        for agent, data in notifs:
+            c = self._by_agent.get(agent)
+            if c is None or c.hs.hello is None:
+                log.warning("notification from unknown agent %s ignored", agent)
+                continue
+            try:
+                msg = protocol.decode(data)
+                if not isinstance(msg, protocol.WriteDone):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} as a notification")
+                self.perform(self._ledger.write_done(c.id, msg))
+            except ProtocolError as e:
+                self._ledger.stats.refused += 1
+                log.warning("bad notification from %s: %s", c.label, e)
+        return bool(notifs)
+
+    def _drop(self, c: _Conn, why: str) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(c.conn.sock)
+        c.conn.close()
+        self._conns.pop(c.id, None)
+        if c.hs.phase is Phase.READY:
+            # its last notifications may still be on their way: the ledger judges its
+            # samples after a grace, during which its agent stays known
+            self._departing[c.id] = c
+            self.perform(self._ledger.peer_gone(c.id, time.monotonic()))
+            self._forget_departed()
+        elif c.agent:
+            self._transport.remove_peer(c.agent)
+        log.info("producer %s gone: %s", c.label, why)
+
+    def _forget_departed(self) -> None:
+        for pid, c in list(self._departing.items()):
+            if self._ledger.forgotten(pid):
+                del self._departing[pid]
+                if self._by_agent.get(c.agent) is c:
+                    del self._by_agent[c.agent]
+                    self._transport.remove_peer(c.agent)

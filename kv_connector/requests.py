@@ -1,0 +1,56 @@
+"""The scheduler side's one record per request: what the planner follows (prompt, block
+table, what was computed and shipped) and what the delivery book decides (its reader,
+admission, outcome) live in the same ``RequestRecord``, so they cannot drift apart. Pure
+logic. A record is made when vLLM adds the request and removed when it finishes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    include_output: bool = False
+    # --- planning (ShipPlanner)
+    tracked: bool = True  # its hidden states are to be shipped
+    prompt: tuple[int, ...] = ()
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0  # positions 0..computed-1 have states in the cache
+    shipped: bool = False
+    # --- delivery (DeliveryBook)
+    reader: int | None = None  # where its sample goes, the same on every rank
+    admitted: bool = False
+    waiting_since: float | None = None  # since when it waits for a reachable reader
+    failed: str | None = None
+    delivered: bool = False
+
+
+class RequestTable:
+    """The live requests' records, by request id."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, RequestRecord] = {}
+
+    def ensure(self, request_id: str) -> RequestRecord:
+        """The request's record, made if it has none."""
+        rec = self._records.get(request_id)
+        if rec is None:
+            rec = self._records[request_id] = RequestRecord(request_id)
+        return rec
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        return iter(list(self._records.values()))
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self._records.get(request_id)
+
+    def remove(self, request_id: str) -> RequestRecord | None:
+        return self._records.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)

@@ -1,0 +1,372 @@
+"""The sender's job ledger: every request one rank ships, from submission to the reader's
+``Ack`` or a named failure, as a state machine. Pure logic (no nixl, sockets, threads
+or clocks: times are passed in). The shell (``kv_connector.sender``) feeds it what
+happened and performs what it answers; every transition is a method, and a transition
+the state does not allow raises ``IllegalTransition`` (the shell's bug) or
+``ProtocolError`` (the reader's: a Grant, Rewrite or Refuse that does not fit).
+
+States of a job (``JobState``), on the current connection to the reader:
+
+    WAITING   -- request_sent ------> REQUESTED   (credit request sent)
+    REQUESTED -- grant -------------> GRANTED     (pages granted; WRITE due)
+    GRANTED   -- write_posted ------> WRITING     (at most one WRITE in flight)
+    GRANTED   -- (empty share) -----> WRITTEN     (this rank has no block of it)
+    WRITING   -- write_completed ---> WRITTEN     (or GRANTED, if a Rewrite came meanwhile)
+    WRITING   -- write_failed ------> GRANTED     (posted again after a backoff)
+    WRITTEN   -- rewrite -----------> GRANTED     (the reader's checksum failed)
+    WRITTEN   -- ack ---------------> finished    (reported once by take_finished)
+    REQUESTED -- ack ---------------> finished    (a resend of a sample the reader has)
+    WRITING   -- ack ---------------> finished once the WRITE completes
+    any       -- connection_lost ---> WAITING     (resent after reconnecting)
+    any       -- failure -----------> failed      (reported once by take_failed)
+
+Failures: the reader refused the request; its WRITE failed ``max_write_attempts``
+times; its digest could not be computed; it waited ``connect_timeout_s`` for a working
+reader (``expire``); the shell gave up on everything (``fail_all``).
+
+Invariants (tests name the one they prove):
+  S1  A job is in exactly one state; a finished or failed job leaves the ledger and is
+      reported exactly once, with its reason.
+  S2  No WRITE without a grant of the current connection: a WRITE is posted only from
+      GRANTED, and a lost connection drops every grant.
+  S3  A job is finished only by the reader's Ack, which the reader sends once it has
+      the sample (all shares landed, or delivered before); an Ack that overtakes the
+      completion of this rank's WRITE finishes the job when the WRITE completes, so the
+      transport's handle is always settled before the blocks may be freed.
+  S4  At most one WRITE of a job is in flight; a Rewrite that arrives while it is in
+      flight is kept and honoured when it completes.
+  S5  A job waits for a working reader at most ``connect_timeout_s``; every answer of
+      the reader (a grant, an ack) starts the wait of every job again, and a completed
+      WRITE its own job's.
+  S6  A share's WRITE carries its digest when checksums are on: it is not posted before
+      the digest is ready, and a digest that cannot be computed fails the job.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kv_connector.layout import piece_spans
+from kv_connector.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
+from kv_connector.stats import SenderStats
+
+MAX_WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted this many times in all
+WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)
+
+
+class IllegalTransition(RuntimeError):
+    """The shell asked for a transition the job's state does not allow."""
+
+
+class JobState(enum.Enum):
+    WAITING = "waiting"
+    REQUESTED = "requested"
+    GRANTED = "granted"
+    WRITING = "writing"
+    WRITTEN = "written"
+
+
+class DigestState(enum.Enum):
+    OFF = "off"  # checksums off, or an empty share: nothing to compute
+    NEEDED = "needed"  # not started
+    COMPUTING = "computing"
+    READY = "ready"
+
+
+@dataclass
+class Job:
+    """One request of this rank: ``share`` is the range of the sample's blocks it writes,
+    ``block_ids`` the cache blocks of all the sample's blocks in order."""
+
+    request_id: str
+    manifest: Manifest
+    block_ids: list[int]
+    share: range
+    t_submit: float
+    state: JobState = JobState.WAITING
+    grant: Grant | None = None
+    digest_state: DigestState = DigestState.OFF
+    digest: int | None = None
+    attempts: int = 0  # failed WRITEs on this connection
+    retry_at: float = 0.0
+    rewrite_due: bool = False
+    ack_due: bool = False
+    t_wait: float = 0.0  # since when it waits for a working reader
+    t_write: float = 0.0  # when its last WRITE was posted, or completed
+    xfer: object | None = field(default=None, repr=False)  # the shell's handle of the WRITE
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A job failed with ``why``. ``tell_reader``: its credit request went out on the
+    current connection, so the reader must drop its sample (``Refuse`` with code
+    ``write_failed``) and tell the producer's other ranks."""
+
+    request_id: str
+    why: str
+    tell_reader: bool
+
+
+class SendLedger:
+    def __init__(
+        self,
+        checksum: bool = True,
+        connect_timeout_s: float = 60.0,
+        max_write_attempts: int = MAX_WRITE_ATTEMPTS,
+        retry_backoff_s: float = WRITE_RETRY_S,
+    ) -> None:
+        if connect_timeout_s <= 0 or max_write_attempts <= 0 or retry_backoff_s < 0:
+            raise ValueError("connect_timeout_s and max_write_attempts must be positive")
+        self.checksum = checksum
+        self.connect_timeout_s = connect_timeout_s
+        self.max_write_attempts = max_write_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.stats = SenderStats()
+        self._jobs: dict[str, Job] = {}
+        self._finished: list[str] = []
+        self._failed: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def job(self, request_id: str) -> Job:
+        try:
+            return self._jobs[request_id]
+        except KeyError:
+            raise IllegalTransition(f"{request_id} is not in flight") from None
+
+    def state_of(self, request_id: str) -> JobState | None:
+        j = self._jobs.get(request_id)
+        return None if j is None else j.state
+
+    def jobs(self, *states: JobState) -> list[Job]:
+        return [j for j in self._jobs.values() if not states or j.state in states]
+
+    @property
+    def unwritten(self) -> int:
+        """Jobs whose blocks have not all landed in the reader yet."""
+        return sum(j.state is not JobState.WRITTEN for j in self._jobs.values())
+
+    def count_unwritten(self, request_ids: Iterable[str]) -> int:
+        return sum(1 for r in request_ids if r in self._jobs and self._jobs[r].state is not JobState.WRITTEN)
+
+    @property
+    def writing(self) -> bool:
+        return any(j.state is JobState.WRITING for j in self._jobs.values())
+
+    def take_finished(self) -> list[str]:
+        """Request ids the reader acknowledged since the last call (S1, S3)."""
+        out, self._finished = self._finished, []
+        return out
+
+    def take_failed(self) -> dict[str, str]:
+        """Request ids that failed since the last call, with the reason (S1)."""
+        out, self._failed = self._failed, {}
+        return out
+
+    # ------------------------------------------------------------ caller events
+    def submit(
+        self, request_id: str, manifest: Manifest, block_ids: list[int], share: range, now: float
+    ) -> Job:
+        if request_id in self._jobs:
+            raise ValueError(f"{request_id} is already being shipped")
+        job = Job(request_id, manifest, block_ids, share, t_submit=now, t_wait=now)
+        if self.checksum and share:
+            job.digest_state = DigestState.NEEDED
+        self._jobs[request_id] = job
+        return job
+
+    # ---------------------------------------------------------- shell events
+    def requests_due(self) -> list[Job]:
+        """WAITING jobs, oldest first: each gets a credit request now (WAITING ->
+        REQUESTED). A job's digest is computed once, whatever the connection."""
+        due = [j for j in self._jobs.values() if j.state is JobState.WAITING]
+        for j in due:
+            j.state = JobState.REQUESTED
+        return due
+
+    def digests_due(self) -> list[Job]:
+        """Jobs whose share's digest must be computed now (once per job, whatever the
+        connection): NEEDED -> COMPUTING."""
+        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED]
+        for j in due:
+            j.digest_state = DigestState.COMPUTING
+        return due
+
+    def digest_ready(self, request_id: str, value: int) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            return  # it failed meanwhile
+        if job.digest_state is not DigestState.COMPUTING:
+            raise IllegalTransition(f"{request_id}: a digest it was not waiting for")
+        job.digest, job.digest_state = value, DigestState.READY
+
+    def digest_failed(self, request_id: str, why: str) -> Failure | None:
+        """The share's digest could not be computed: the job fails (S6)."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return None
+        return self.fail(request_id, f"cannot checksum its blocks: {why}")
+
+    def writes_due(self, now: float) -> list[Job]:
+        """GRANTED jobs whose WRITE may be posted now: digest ready (S6), backoff over.
+        A job with an empty share has nothing to write: it is WRITTEN at once."""
+        due = []
+        for j in list(self._jobs.values()):
+            if j.state is not JobState.GRANTED or now < j.retry_at:
+                continue
+            if not j.share:
+                j.state = JobState.WRITTEN
+                continue
+            if j.digest_state in (DigestState.NEEDED, DigestState.COMPUTING):
+                continue
+            due.append(j)
+        return due
+
+    def write_posted(self, request_id: str, xfer: object, now: float) -> None:
+        job = self.job(request_id)
+        if job.state is not JobState.GRANTED:  # S2, S4
+            raise IllegalTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
+        job.state, job.xfer, job.t_write = JobState.WRITING, xfer, now
+
+    def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
+        job = self.job(request_id)
+        if job.state is not JobState.WRITING:
+            raise IllegalTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
+        self.stats.write_s += now - job.t_write
+        self.stats.bytes += nbytes
+        job.xfer, job.t_write, job.t_wait = None, now, now  # progress: the wait starts again (S5)
+        if job.ack_due:  # S3: the reader acknowledged before this completion was polled
+            self._finish(job, now)
+        elif job.rewrite_due:  # S4: a Rewrite came while this WRITE was in flight
+            job.rewrite_due = False
+            job.state = JobState.GRANTED
+            self.stats.rewrites += 1
+        else:
+            job.state = JobState.WRITTEN
+
+    def write_failed(self, request_id: str, error: str, now: float) -> Failure | None:
+        """A WRITE failed inside the transport: posted again after a backoff, or, after
+        ``max_write_attempts`` failures, the job fails (answer: tell the reader)."""
+        job = self.job(request_id)
+        if job.state is not JobState.WRITING:
+            raise IllegalTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
+        job.xfer = None
+        if job.ack_due:  # the reader has the sample: nothing is lost
+            self._finish(job, now)
+            return None
+        job.attempts += 1
+        if job.attempts < self.max_write_attempts:
+            job.state = JobState.GRANTED
+            job.retry_at = now + self.retry_backoff_s * job.attempts
+            self.stats.write_retries += 1
+            return None
+        return self.fail(request_id, f"its WRITE failed in NIXL {job.attempts} times (last: {error})")
+
+    # -------------------------------------------------------- reader messages
+    def on_grant(self, grant: Grant, page_bytes: int, pool_bytes: int, now: float) -> None:
+        """Pages for a REQUESTED job; a grant that does not fit the request or names
+        pages outside the reader's pool is the reader's protocol error."""
+        job = self._jobs.get(grant.request_id)
+        if job is None or job.state is not JobState.REQUESTED:
+            raise ProtocolError(f"grant for {grant.request_id}, which is not waiting")
+        m = job.manifest
+        ppb = len(piece_spans(m.block_bytes, page_bytes))
+        if grant.pages_per_block != ppb or len(grant.pages) != m.num_blocks * ppb:
+            raise ProtocolError(f"grant of {len(grant.pages)} pages does not fit {m.request_id}")
+        if (max(grant.pages) + 1) * page_bytes > pool_bytes:
+            raise ProtocolError(f"grant for {m.request_id} names pages outside the reader's pool")
+        job.grant, job.state = grant, JobState.GRANTED
+        self.stats.grant_wait_s += now - job.t_submit
+        self.reader_works(now)
+
+    def on_rewrite(self, msg: Rewrite) -> bool:
+        """The reader's checksum of this rank's share failed: write it again into the same
+        pages. True if a WRITE will follow because of it (False: one is due anyway)."""
+        job = self._jobs.get(msg.request_id)
+        if job is None or job.grant is None or not job.share:
+            raise ProtocolError(f"rewrite of {msg.request_id}, which it was not granted")
+        if job.state is JobState.WRITTEN:
+            job.state = JobState.GRANTED
+            self.stats.rewrites += 1
+            return True
+        if job.state is JobState.WRITING:
+            job.rewrite_due = True  # S4
+            return True
+        return False  # GRANTED: its WRITE is due anyway
+
+    def on_ack(self, request_id: str, now: float) -> bool:
+        """The reader has the sample: the job is finished (S3), or, while its WRITE is in
+        flight, once that completes. False (ignored) for a job not in flight."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        if job.state is JobState.WRITING:
+            job.ack_due = True
+        else:
+            self._finish(job, now)
+        self.reader_works(now)
+        return True
+
+    def _finish(self, job: Job, now: float) -> None:
+        del self._jobs[job.request_id]
+        self._finished.append(job.request_id)
+        self.stats.requests += 1
+        self.stats.ack_wait_s += now - job.t_write
+
+    def on_refuse(self, msg: Refuse) -> Failure:
+        """The reader refused one request (it fails, by name), or the whole connection
+        (a ProtocolError: the connection is lost, everything is resent after reconnecting)."""
+        if msg.request_id and msg.request_id in self._jobs:
+            failure = self.fail(msg.request_id, f"reader refused ({msg.code}): {msg.message}")
+            assert failure is not None
+            return Failure(failure.request_id, failure.why, tell_reader=False)  # it knows
+        raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
+
+    # ------------------------------------------------------------- connection
+    def writes_in_flight(self) -> list[Job]:
+        return [j for j in self._jobs.values() if j.state is JobState.WRITING]
+
+    def connection_lost(self, now: float) -> int:
+        """Every job goes back to WAITING, its grant gone (S2); the shell has settled the
+        WRITEs in flight first. Returns how many jobs will be resent."""
+        for j in [j for j in self._jobs.values() if j.ack_due]:
+            self._finish(j, now)
+        for j in self._jobs.values():
+            j.state, j.grant, j.xfer = JobState.WAITING, None, None
+            j.attempts, j.rewrite_due, j.retry_at = 0, False, 0.0
+        return len(self._jobs)
+
+    def reader_works(self, now: float) -> None:
+        """The reader answered correctly: no job is waiting for a working reader (one held
+        back by credits is waiting for the trainer, which is not a fault) (S5)."""
+        for j in self._jobs.values():
+            j.t_wait = now
+
+    def expire(self, now: float, why: str, address: str) -> list[Failure]:
+        """Fail the jobs that waited ``connect_timeout_s`` for a working reader (S5)."""
+        limit = self.connect_timeout_s
+        late = [j.request_id for j in self._jobs.values() if now - j.t_wait > limit]
+        out = []
+        for rid in late:
+            f = self.fail(rid, f"cannot reach the reader at {address} for {limit:.0f} s (last error: {why})")
+            assert f is not None
+            out.append(f)
+        return out
+
+    def fail(self, request_id: str, why: str) -> Failure | None:
+        """The job fails with ``why`` (S1); None if it is not in flight."""
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return None
+        self._failed[request_id] = why
+        return Failure(request_id, why, tell_reader=job.state is not JobState.WAITING)
+
+    def fail_all(self, why: str) -> list[Failure]:
+        return [f for rid in list(self._jobs) if (f := self.fail(rid, why)) is not None]

@@ -1,0 +1,321 @@
+"""The sender's thread: one session after another with the reader (connect with
+backoff, handshake, serve until the connection is lost, settle), feeding what the reader
+says to the job ledger and doing what the ledger says: credit requests, WRITEs (through
+the ``ShareWriter``), digests (through the ``Hasher``), failures told to the reader."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import os
+import selectors
+import threading
+import time
+from collections.abc import Callable
+
+from kv_connector import handshake, protocol
+from kv_connector.control import ConnectionClosed, FramedConnection
+from kv_connector.digests import Hasher
+from kv_connector.poller import Poller
+from kv_connector.protocol import ProtocolError
+from kv_connector.send_ledger import Failure, Job, SendLedger
+from kv_connector.share_writer import ShareWriter
+from kv_connector.transport import Region, Transport, TransportError
+
+log = logging.getLogger("kv_connector.sender")
+
+
+class SenderError(RuntimeError):
+    """The sender cannot reach or work with the reader."""
+
+
+class SenderLoop:
+    """The thread of one ``HiddenStatesSender``; every touch of the ledger is under
+    ``lock``, which ``ship`` shares."""
+
+    def __init__(
+        self,
+        address: str,
+        me: handshake.ProducerIdentity,
+        connect_timeout_s: float,
+        secret: bytes | None,
+        transport: Transport,
+        ledger: SendLedger,
+        lock: threading.Lock,
+        writer: ShareWriter,
+        digest: Callable[[Job], int] | None,
+    ) -> None:
+        self.address = address
+        self.me = me
+        self.rank = me.rank
+        self.connect_timeout_s = connect_timeout_s
+        self._secret = secret
+        self._transport = transport
+        self._ledger = ledger
+        self._lock = lock
+        self._writer = writer
+        self._digest = digest
+        self._hasher = Hasher(f"hs-hash-r{me.rank}") if digest is not None else None
+        self._conn: FramedConnection | None = None
+        self._handshake_conn: FramedConnection | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.closed = False
+        self._poller = Poller.from_env("KV_CONNECTOR_SENDER")
+        self.connected = threading.Event()
+        # None while connected, else why not (read by the worker's reports)
+        self.link_error: str | None = "not connected yet"
+        self.thread = threading.Thread(target=self._run, name=f"hs-sender-r{me.rank}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.wake()
+        hs = self._handshake_conn
+        if hs is not None:
+            hs.close()  # abort a handshake in progress
+        self.thread.join(timeout=10)
+        if self._conn is not None:
+            self._conn.close()
+        if self._hasher is not None:
+            self._hasher.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---------------------------------------------------------- sender thread
+    def _run(self) -> None:
+        """Sessions: connect (retrying), serve until the connection is lost, reset what
+        was not acknowledged, and connect again. A request fails only when it waited
+        ``connect_timeout_s`` without a reader, or the reader refused it."""
+        last_error = ""
+        while not self.closed:
+            try:
+                self._connect()
+            except SenderError as e:  # closed while connecting
+                last_error = str(e)
+                break
+            try:
+                self._serve()
+                return  # closed
+            except (ConnectionClosed, ProtocolError, OSError, TransportError) as e:
+                last_error = str(e)
+                self._on_lost(e)
+            except Exception as e:
+                log.exception("rank %d sender thread failed", self.rank)
+                self.link_error = f"the sender thread failed: {type(e).__name__}: {e}"
+                self.connected.clear()
+                self._fail_all(f"sender failed: {type(e).__name__}: {e}")
+                return
+        if last_error:
+            self._fail_all(f"sender closed: {last_error}")
+
+    def _serve(self) -> None:
+        assert self._conn is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._conn.sock, selectors.EVENT_READ, "conn")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        try:
+            while not self.closed:
+                with self._lock:
+                    writing = self._ledger.writing
+                busy = False
+                for key, _ in sel.select(self._poller.timeout(writing)):
+                    busy = True
+                    if key.data == "wake":
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                    else:
+                        for msg in self._conn.receive():
+                            self._handle(msg)
+                busy |= self._send_requests()
+                busy |= self._writer.start_due()
+                busy |= self._writer.poll()
+                self._poller.after(busy)
+        finally:
+            sel.close()
+
+    def _on_lost(self, e: BaseException) -> None:
+        """The connection broke: let WRITEs in flight settle, forget the reader, and mark
+        every unacknowledged request for resending after reconnecting."""
+        self._writer.settle()
+        with self._lock:
+            resend = self._ledger.connection_lost(time.monotonic())
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.connected.clear()
+        self.link_error = f"lost the connection: {e}"
+        self._expire(str(e))  # a reader that keeps breaking the protocol must not keep jobs forever
+        where = self.address
+        if resend:
+            log.warning(
+                "rank %d lost the reader at %s (%s); %d unacknowledged requests will be resent",
+                self.rank,
+                where,
+                e,
+                resend,
+            )
+        else:
+            log.info("rank %d: the reader at %s closed the connection", self.rank, where)
+
+    def _connect(self) -> None:
+        """Connect, retrying with backoff while not closed; requests that waited longer
+        than ``connect_timeout_s`` for a reader fail meanwhile."""
+        delay = 0.1
+        first = self.link_error == "not connected yet"
+        while True:
+            if self.closed:
+                raise SenderError("closed")
+            try:
+                self._handshake()
+                self.link_error = None
+                if not first:
+                    with self._lock:
+                        self._ledger.stats.reconnects += 1
+                self.connected.set()
+                return
+            except (
+                OSError,
+                TimeoutError,
+                ConnectionClosed,
+                handshake.HandshakeError,
+                ProtocolError,
+                TransportError,
+            ) as e:
+                why = str(e) or type(e).__name__
+            self.link_error = why
+            self._expire(why)
+            log.warning(
+                "rank %d: reader at %s not reachable (%s); retrying in %.1f s",
+                self.rank,
+                self.address,
+                why,
+                delay,
+            )
+            end = time.monotonic() + delay
+            while time.monotonic() < end and not self.closed:
+                time.sleep(min(0.05, delay))
+                self._expire(why)
+            delay = min(delay * 2, 2.0)
+
+    def _expire(self, why: str) -> None:
+        with self._lock:
+            late = self._ledger.expire(time.monotonic(), why, self.address)
+        for f in late:
+            log.error("request %s failed: %s", f.request_id, f.why)
+
+    def _handshake(self) -> None:
+        budget = min(handshake.HANDSHAKE_TIMEOUT_S, max(self.connect_timeout_s, 1.0))
+        conn = FramedConnection.connect(self.address, timeout=budget)
+        self._handshake_conn = conn
+        try:
+            w = handshake.as_producer(conn, self.me, self._secret, self._transport.metadata, budget)
+            peer = self._transport.add_peer(w.agent_metadata)
+            self._writer.connect(
+                peer, Region(w.pool_addr, w.pool_bytes, w.mem_type, w.device_id), w.page_bytes
+            )
+            self._conn = conn
+            log.info(
+                "rank %d connected to reader %s at %s (pages of %d bytes)",
+                self.rank,
+                w.reader_id,
+                self.address,
+                w.page_bytes,
+            )
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            self._handshake_conn = None
+
+    # ------------------------------------------------------------- messages
+    def _handle(self, msg: protocol.Message) -> None:
+        now = time.monotonic()
+        match msg:
+            case protocol.Grant():
+                with self._lock:
+                    self._ledger.on_grant(msg, self._writer.page_bytes, self._writer.pool_bytes, now)
+                self._writer.start_due()
+            case protocol.Rewrite():
+                with self._lock:
+                    again = self._ledger.on_rewrite(msg)
+                if again:
+                    log.warning(
+                        "rank %d: the reader asks to write %s again: %s",
+                        self.rank,
+                        msg.request_id,
+                        msg.reason,
+                    )
+                self._writer.start_due()
+            case protocol.Ack():
+                with self._lock:
+                    known = self._ledger.on_ack(msg.request_id, now)
+                if not known:
+                    log.warning("ack for %s, which is not in flight; ignored", msg.request_id)
+            case protocol.Refuse():
+                with self._lock:
+                    refused = self._ledger.on_refuse(msg)
+                log.error("request %s failed: %s", refused.request_id, refused.why)
+            case _:
+                raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
+
+    def _send_requests(self) -> bool:
+        """A credit request for every job that has none on this connection (new ones,
+        and after a reconnect all that were not acknowledged), oldest first; its digest
+        is computed meanwhile, once."""
+        assert self._conn is not None
+        with self._lock:
+            due = self._ledger.requests_due()
+            to_hash = self._ledger.digests_due() if self._hasher is not None else []
+        for job in due:
+            self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
+        for job in to_hash:  # hashed while the reader grants pages
+            assert self._hasher is not None
+            assert self._digest is not None
+            fut = self._hasher.submit(functools.partial(self._digest, job))
+            fut.add_done_callback(functools.partial(self._digest_done, job.request_id))
+        return bool(due)
+
+    def _digest_done(self, request_id: str, fut: concurrent.futures.Future[int]) -> None:
+        """On the hashing thread: hand the digest (or why not) to the ledger."""
+        failure: Failure | None = None
+        try:
+            value = fut.result()
+        except Exception as e:
+            with self._lock:
+                failure = self._ledger.digest_failed(request_id, f"{type(e).__name__}: {e}")
+        else:
+            with self._lock:
+                self._ledger.digest_ready(request_id, value)
+        if failure is not None:
+            log.error("request %s failed: %s", failure.request_id, failure.why)
+            self.tell_reader(failure)
+        self.wake()
+
+    def tell_reader(self, failure: Failure) -> None:
+        """A granted request failed: the reader drops its sample (the other ranks' shares
+        included: it can never complete)."""
+        conn = self._conn
+        if conn is not None and failure.tell_reader:
+            with contextlib.suppress(OSError):
+                conn.send(
+                    protocol.Refuse(
+                        code="write_failed", message=failure.why[:4000], request_id=failure.request_id
+                    )
+                )
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            failures = self._ledger.fail_all(why)
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, why)

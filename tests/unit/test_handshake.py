@@ -1,0 +1,246 @@
+"""Both ends of the handshake: the reader's side as a state machine (every transition,
+every illegal one, the frame limit of each phase, the deadline), and the producer's side
+over an in-process socket pair against a scripted reader (checks the reader's proof
+before it sends its own metadata; clear reasons for every refusal)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kv_connector import auth, handshake, protocol
+from kv_connector.control import FramedConnection
+from kv_connector.handshake import FRAME_LIMITS, HandshakeError, Phase, ProducerIdentity, ReaderHandshake
+from kv_connector.protocol import ProtocolError
+
+ME = ProducerIdentity("prod", 1, 2, "prod-r1", 4096)
+
+
+def hello(nonce: bytes = b"p" * 32, **kw: object) -> protocol.Hello:
+    fields: dict[str, object] = dict(
+        version=protocol.PROTOCOL_VERSION,
+        producer_id=ME.producer_id,
+        rank=ME.rank,
+        world_size=ME.world_size,
+        agent_name=ME.agent_name,
+        block_bytes=ME.block_bytes,
+        nonce=nonce,
+    )
+    fields.update(kw)
+    return protocol.Hello(**fields)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ reader's side
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+def test_the_reader_goes_hello_auth_ready(secret: bytes | None) -> None:
+    hs = ReaderHandshake(secret, t_accept=0.0)
+    assert hs.phase is Phase.HELLO and hs.frame_limit == FRAME_LIMITS[Phase.HELLO]
+    ch = hs.on_hello(hello(), known_world=None, rank_taken=False)
+    assert hs.phase is Phase.AUTH and hs.frame_limit == FRAME_LIMITS[Phase.AUTH]
+    assert ch.auth_required == (secret is not None) and ch.nonce == hs.nonce
+    assert auth.verify(auth.proof(secret, "reader", "prod", 1, b"p" * 32, hs.nonce), ch.digest)
+    proof = auth.proof(secret, "producer", "prod", 1, b"p" * 32, hs.nonce)
+    hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"md"))
+    hs.welcome()
+    assert hs.phase is Phase.READY and hs.frame_limit == protocol.MAX_FRAME_BYTES
+    assert not hs.expired(1e9)
+
+
+def test_a_wrong_proof_is_refused() -> None:
+    hs = ReaderHandshake(b"ours", t_accept=0.0)
+    hs.on_hello(hello(), None, False)
+    bad = auth.proof(b"theirs", "producer", "prod", 1, b"p" * 32, hs.nonce)
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        hs.on_auth(protocol.Auth(digest=bad, agent_metadata=b"md"))
+    reflected = auth.proof(b"ours", "reader", "prod", 1, b"p" * 32, hs.nonce)  # its own proof back
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        hs.on_auth(protocol.Auth(digest=reflected, agent_metadata=b"md"))
+
+
+@pytest.mark.parametrize(
+    "msg, known, taken, match",
+    [
+        (protocol.Auth(digest=bytes(32), agent_metadata=b""), None, False, "expected hello, got Auth"),
+        (hello(), 4, False, "world size 4 before, now 2"),
+        (hello(rank=2), None, False, "outside world size"),
+        (hello(), None, True, "already connected"),
+    ],
+)
+def test_a_bad_hello_is_refused(msg: protocol.Message, known: int | None, taken: bool, match: str) -> None:
+    hs = ReaderHandshake(None, t_accept=0.0)
+    with pytest.raises(ProtocolError, match=match):
+        hs.on_hello(msg, known, taken)
+    assert hs.phase is Phase.HELLO
+
+
+def test_transitions_outside_their_phase_are_refused() -> None:
+    hs = ReaderHandshake(None, t_accept=0.0)
+    with pytest.raises(ProtocolError, match="an auth in phase hello"):
+        hs.on_auth(protocol.Auth(digest=bytes(32), agent_metadata=b""))
+    with pytest.raises(ProtocolError, match="a welcome in phase hello"):
+        hs.welcome()
+    hs.on_hello(hello(), None, False)
+    with pytest.raises(ProtocolError, match="a hello in phase auth"):
+        hs.on_hello(hello(), None, False)
+    hs.welcome()
+    with pytest.raises(ProtocolError, match="an auth in phase ready"):
+        hs.on_auth(protocol.Auth(digest=bytes(32), agent_metadata=b""))
+
+
+def test_a_handshake_not_done_in_time_has_expired(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handshake, "HANDSHAKE_TIMEOUT_S", 2.0)
+    hs = ReaderHandshake(None, t_accept=10.0)
+    assert not hs.expired(11.9) and hs.expired(12.1)
+    hs.on_hello(hello(), None, False)
+    assert hs.expired(12.1)
+
+
+def test_before_proving_anything_a_peer_may_send_no_more_than_a_hello() -> None:
+    assert len(protocol.encode(hello())) < FRAME_LIMITS[Phase.HELLO] < FRAME_LIMITS[Phase.AUTH]
+    a, b = socket.socketpair()
+    try:
+        conn = FramedConnection(a)
+        conn.max_frame = FRAME_LIMITS[Phase.HELLO]
+        b.sendall((FRAME_LIMITS[Phase.HELLO] + 1).to_bytes(4, "big"))
+        conn.fill()
+        with pytest.raises(ProtocolError, match="exceeds"):
+            conn.receive_buffered()
+    finally:
+        a.close()
+        b.close()
+
+
+# ------------------------------------------------------------ producer's side
+Script = Callable[[FramedConnection, protocol.Hello], None]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[FramedConnection, FramedConnection]]:
+    a, b = socket.socketpair()
+    ca, cb = FramedConnection(a, send_timeout=5), FramedConnection(b, send_timeout=5)
+    yield ca, cb
+    ca.close()
+    cb.close()
+
+
+def run_producer(
+    pair: tuple[FramedConnection, FramedConnection], script: Script, secret: bytes | None
+) -> tuple[protocol.Welcome | Exception, list[str]]:
+    producer, reader = pair
+    seen: list[str] = []
+
+    def serve() -> None:
+        try:
+            h = reader.receive_one(5)
+            seen.append(type(h).__name__)
+            assert isinstance(h, protocol.Hello)
+            script(reader, h)
+        except Exception as e:
+            seen.append(f"error: {e}")
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        result: protocol.Welcome | Exception = handshake.as_producer(producer, ME, secret, b"producer-md", 5)
+    except (HandshakeError, ProtocolError, TimeoutError, OSError) as e:
+        result = e
+    t.join(5)
+    return result, seen
+
+
+def welcome() -> protocol.Welcome:
+    return protocol.Welcome(
+        reader_id="r", agent_name="ra", agent_metadata=b"reader-md", pool_addr=0, pool_bytes=4096,
+        page_bytes=4096, num_pages=1, mem_type="DRAM", device_id=0,
+    )  # fmt: skip
+
+
+def honest(secret: bytes | None) -> Script:
+    def script(conn: FramedConnection, h: protocol.Hello) -> None:
+        hs = ReaderHandshake(secret, 0.0)
+        conn.send(hs.on_hello(h, None, False))
+        a = conn.receive_one(5)
+        assert isinstance(a, protocol.Auth) and a.agent_metadata == b"producer-md"
+        hs.on_auth(a)
+        hs.welcome()
+        conn.send(welcome())
+
+    return script
+
+
+@pytest.mark.parametrize("secret", [None, b"shared"])
+def test_the_producer_completes_the_handshake_with_an_honest_reader(
+    pair: tuple[FramedConnection, FramedConnection], secret: bytes | None
+) -> None:
+    result, seen = run_producer(pair, honest(secret), secret)
+    assert result == welcome() and seen == ["Hello"]
+    assert pair[0].max_frame == protocol.MAX_FRAME_BYTES
+
+
+def challenge(h: protocol.Hello, secret: bytes | None, **kw: object) -> protocol.Challenge:
+    fields: dict[str, object] = dict(
+        version=protocol.PROTOCOL_VERSION,
+        nonce=b"r" * 32,
+        digest=auth.proof(secret, "reader", h.producer_id, h.rank, h.nonce, b"r" * 32),
+        auth_required=secret is not None,
+    )
+    fields.update(kw)
+    return protocol.Challenge(**fields)  # type: ignore[arg-type]
+
+
+CASES: dict[str, tuple[bytes | None, Script, str]] = {
+    "refused": (None, lambda c, h: c.send(protocol.Refuse(code="protocol", message="go away")), "go away"),
+    "welcome-first": (None, lambda c, h: c.send(welcome()), "expected a challenge"),
+    "secret-required": (None, lambda c, h: c.send(challenge(h, b"theirs")), "KV_CONNECTOR_SECRET"),
+    "reader-without-secret": (
+        b"ours",
+        lambda c, h: c.send(challenge(h, None)),
+        "reader failed authentication",
+    ),
+    "reader-other-secret": (
+        b"ours",
+        lambda c, h: c.send(challenge(h, b"theirs")),
+        "reader failed authentication",
+    ),
+    "wrong-version": (
+        None,
+        lambda c, h: c.send(challenge(h, None, version=protocol.PROTOCOL_VERSION + 1)),
+        "protocol version",
+    ),
+    "huge-challenge": (
+        None,
+        lambda c, h: c.sock.sendall((handshake.CHALLENGE_LIMIT + 1).to_bytes(4, "big")),
+        "exceeds",
+    ),
+    "silent": (None, lambda c, h: None, "no complete message"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_producer_refuses_a_bad_reader_before_sending_its_metadata(
+    pair: tuple[FramedConnection, FramedConnection], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret, script, phrase = CASES[name]
+    if name == "silent":
+        pair[0].sock.settimeout(5)
+        result, seen = None, []
+        producer, _ = pair
+        with pytest.raises(TimeoutError, match=phrase):
+            handshake.as_producer(producer, ME, secret, b"producer-md", 0.3)
+        return
+    result, seen = run_producer(pair, script, secret)
+    assert isinstance(result, Exception) and phrase in str(result), result
+    assert "Auth" not in seen  # its proof and its metadata never left
+
+
+def test_the_producer_reads_a_refusal_after_its_auth(pair: tuple[FramedConnection, FramedConnection]) -> None:
+    def script(conn: FramedConnection, h: protocol.Hello) -> None:
+        conn.send(challenge(h, None))
+        assert isinstance(conn.receive_one(5), protocol.Auth)
+        conn.send(protocol.Refuse(code="protocol", message="agent name does not match"))
+
+    result, _ = run_producer(pair, script, None)
+    assert isinstance(result, HandshakeError) and "agent name does not match" in str(result)

@@ -1,0 +1,496 @@
+"""The reader's sample ledger as a state machine: every transition, every illegal one,
+and the invariants R1-R7 of ``kv_connector.reader.ledger`` (each test names the one it
+proves). Hostile credit requests from an authenticated producer are modelled here too:
+what reaches the ledger has passed the wire protocol's decoder, so the ledger decides
+the rest. Pure: no transport, no sockets, no threads; times are passed in."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_connector import protocol
+from kv_connector.layout import BlockLayout, stripe
+from kv_connector.protocol import ProtocolError
+from kv_connector.reader.ledger import (
+    AckMode,
+    IllegalTransition,
+    Log,
+    ReaderLedger,
+    Ready,
+    SampleState,
+    Send,
+)
+
+LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
+PAGE = LAYOUT.block_bytes
+
+
+def hello(pid: str = "p", rank: int = 0, world: int = 1) -> protocol.Hello:
+    return protocol.Hello(
+        version=protocol.PROTOCOL_VERSION,
+        producer_id=pid,
+        rank=rank,
+        world_size=world,
+        agent_name=f"{pid}-{rank}",
+        block_bytes=PAGE,
+        nonce=bytes(32),
+    )
+
+
+def manifest(rid: str, n: int = 40, bs: int = LAYOUT.block_size) -> protocol.Manifest:
+    g = msgspec.structs.replace(LAYOUT, block_size=bs)
+    return protocol.Manifest(
+        request_id=rid, token_ids=list(range(n)), layer_ids=[1, 2], geometry=g, num_blocks=g.blocks_for(n)
+    )
+
+
+def credit(rid: str, n: int = 40, rank: int = 0, world: int = 1) -> protocol.CreditRequest:
+    m = manifest(rid, n)
+    return protocol.CreditRequest(manifest=m, blocks=list(stripe(m.num_blocks, rank, world)))
+
+
+def ledger(pages: int = 8, **kw: object) -> ReaderLedger:
+    led = ReaderLedger(**kw)  # type: ignore[arg-type]
+    led.set_pages(PAGE, pages)
+    return led
+
+
+def sends(actions: list[object], kind: type) -> list[tuple[int, protocol.Message]]:
+    return [(a.peer, a.msg) for a in actions if isinstance(a, Send) and isinstance(a.msg, kind)]
+
+
+def readies(actions: list[object]) -> list[tuple[str, str]]:
+    return [a.key for a in actions if isinstance(a, Ready)]
+
+
+def connected(led: ReaderLedger, *peers: tuple[int, protocol.Hello]) -> None:
+    for peer, h in peers:
+        led.peer_ready(peer, h)
+
+
+def written(led: ReaderLedger, rid: str = "a", n: int = 40) -> tuple[str, str]:
+    """One producer (peer 1) whose sample ``rid`` is WRITTEN."""
+    connected(led, (1, hello()))
+    led.credit_request(1, credit(rid, n), 0.0)
+    assert readies(led.write_done(1, protocol.WriteDone(request_id=rid, checksum=5))) == [("p", rid)]
+    return ("p", rid)
+
+
+# ------------------------------------------------------------- the happy path
+def test_a_sample_goes_promised_granted_written_taken_verified_released() -> None:
+    led = ledger(pages=8)
+    connected(led, (1, hello()))
+    actions = led.credit_request(1, credit("a"), 0.0)
+    ((peer, g),) = sends(actions, protocol.Grant)
+    assert peer == 1 and isinstance(g, protocol.Grant) and len(g.pages) == 3 and g.pages_per_block == 1
+    assert led.state_of(("p", "a")) is SampleState.GRANTED and led.expecting_writes
+    assert readies(led.write_done(1, protocol.WriteDone(request_id="a", checksum=9))) == [("p", "a")]
+    assert led.state_of(("p", "a")) is SampleState.WRITTEN
+    rec = led.take(("p", "a"))
+    assert rec is not None and rec.state is SampleState.TAKEN and rec.checksums == {0: 9}
+    assert led.verified(("p", "a"), [], 1.0) == []
+    assert led.state_of(("p", "a")) is SampleState.VERIFIED
+    acks = sends(led.handed_out(("p", "a"), 123), protocol.Ack)
+    assert acks == [(1, protocol.Ack(request_id="a"))]
+    assert led.state_of(("p", "a")) is None and ("p", "a") in led.delivered
+    assert led.pool is not None and led.pool.free_pages == 8
+    assert (led.stats.samples, led.stats.bytes) == (1, 123)
+
+
+def test_r7_samples_wait_for_pages_in_arrival_order() -> None:
+    led = ledger(pages=4)
+    connected(led, (1, hello()))
+    assert sends(led.credit_request(1, credit("big", 60), 0.0), protocol.Grant)  # 4 pages
+    assert led.state_of(("p", "big")) is SampleState.GRANTED
+    assert not sends(led.credit_request(1, credit("next", 40), 0.0), protocol.Grant)
+    assert led.state_of(("p", "next")) is SampleState.PROMISED
+    assert not sends(led.credit_request(1, credit("small", 1), 0.0), protocol.Grant)  # FIFO: behind next
+    led.write_done(1, protocol.WriteDone(request_id="big"))
+    led.take(("p", "big"))
+    led.verified(("p", "big"), [], 1.0)
+    granted = [m.request_id for _, m in sends(led.handed_out(("p", "big"), 1), protocol.Grant)]
+    assert granted == ["next", "small"]
+
+
+def test_r1_a_page_belongs_to_one_sample_at_a_time() -> None:
+    led = ledger(pages=8)
+    connected(led, (1, hello()))
+    pages: list[int] = []
+    for rid in ("a", "b"):
+        ((_, g),) = sends(led.credit_request(1, credit(rid), 0.0), protocol.Grant)
+        assert isinstance(g, protocol.Grant)
+        pages += g.pages
+    assert len(pages) == len(set(pages)) == 6
+
+
+def test_a_sample_larger_than_the_pool_is_refused_by_name() -> None:
+    led = ledger(pages=2)
+    connected(led, (1, hello()))
+    actions = led.credit_request(1, credit("huge", 100), 0.0)
+    ((_, r),) = sends(actions, protocol.Refuse)
+    assert isinstance(r, protocol.Refuse) and r.code == "pool_too_small" and r.request_id == "huge"
+    assert "make the reader's pool larger" in r.message and led.state_of(("p", "huge")) is None
+    assert led.stats.refused == 1
+
+
+# ----------------------------------------------------------- tensor parallel
+def test_r2_a_sample_is_written_only_when_every_rank_registered_and_landed() -> None:
+    led = ledger()
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, credit("a", rank=0, world=2), 0.0)
+    assert led.write_done(1, protocol.WriteDone(request_id="a")) == []  # rank 1 not registered
+    grant = sends(led.credit_request(2, credit("a", rank=1, world=2), 0.0), protocol.Grant)
+    assert [p for p, _ in grant] == [2]  # the late rank gets the same pages
+    assert led.state_of(("p", "a")) is SampleState.GRANTED
+    assert readies(led.write_done(2, protocol.WriteDone(request_id="a"))) == [("p", "a")]
+
+
+def test_r2_a_rank_with_an_empty_share_counts_as_landed() -> None:
+    led = ledger()
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(2, credit("one", 5, rank=1, world=2), 0.0)  # rank 1: no block
+    led.credit_request(1, credit("one", 5, rank=0, world=2), 0.0)
+    assert readies(led.write_done(1, protocol.WriteDone(request_id="one"))) == [("p", "one")]
+
+
+@pytest.mark.parametrize(
+    "second, match",
+    [
+        ([0, 1], "both promise blocks"),
+        ([], "leave blocks unwritten"),
+    ],
+)
+def test_r2_shares_must_tile_the_blocks_exactly(second: list[int], match: str) -> None:
+    led = ledger()
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, protocol.CreditRequest(manifest=manifest("a"), blocks=[0, 1]), 0.0)
+    with pytest.raises(ProtocolError, match=match):
+        led.credit_request(2, protocol.CreditRequest(manifest=manifest("a"), blocks=second), 0.0)
+
+
+def test_ranks_must_send_the_same_manifest_and_keep_their_share() -> None:
+    led = ledger()
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, protocol.CreditRequest(manifest=manifest("a"), blocks=[0, 1]), 0.0)
+    with pytest.raises(ProtocolError, match="differs from the first"):
+        led.credit_request(2, protocol.CreditRequest(manifest=manifest("a", 33), blocks=[2]), 0.0)
+    with pytest.raises(ProtocolError, match="changed its share"):
+        led.credit_request(1, protocol.CreditRequest(manifest=manifest("a"), blocks=[0]), 0.0)
+
+
+def test_a_rank_that_reconnects_resends_into_the_same_pages() -> None:
+    led = ledger()
+    connected(led, (1, hello()))
+    ((_, g1),) = sends(led.credit_request(1, credit("a"), 0.0), protocol.Grant)
+    led.peer_gone(1, 1.0)
+    connected(led, (7, hello()))  # within the grace: the producer is back
+    ((peer, g2),) = sends(led.credit_request(7, credit("a"), 1.1), protocol.Grant)
+    assert peer == 7 and g1 == g2
+    assert readies(led.write_done(7, protocol.WriteDone(request_id="a"))) == [("p", "a")]
+
+
+# ------------------------------------------------------------------ peers
+def test_a_rank_connects_once_and_keeps_its_world_size() -> None:
+    led = ledger()
+    connected(led, (1, hello(rank=0, world=2)))
+    assert led.rank_connected("p", 0) and led.world_of("p") == 2
+    with pytest.raises(ProtocolError, match="already connected"):
+        led.peer_ready(2, hello(rank=0, world=2))
+    with pytest.raises(ProtocolError, match="world size 2 before, now 3"):
+        led.peer_ready(3, hello(rank=1, world=3))
+
+
+def test_messages_from_a_peer_that_is_not_a_connected_producer_are_illegal() -> None:
+    led = ledger()
+    with pytest.raises(IllegalTransition):
+        led.credit_request(9, credit("a"), 0.0)
+    with pytest.raises(IllegalTransition):
+        led.write_done(9, protocol.WriteDone(request_id="a"))
+
+
+def test_r6_a_gone_producers_incomplete_samples_wait_for_its_last_notifications() -> None:
+    led = ledger(pages=8)
+    connected(led, (1, hello()))
+    led.credit_request(1, credit("landing"), 0.0)  # granted, its WriteDone still on its way
+    led.credit_request(1, credit("lost"), 0.0)
+    assert led.peer_gone(1, 10.0) == []  # grace: notifications may still come
+    assert led.departing and not led.forgotten(1)
+    assert readies(led.write_done(1, protocol.WriteDone(request_id="landing"))) == [("p", "landing")]
+    logs = [a for a in led.tick(10.3) if isinstance(a, Log)]
+    assert any("discarded incomplete sample lost" in a.text for a in logs)
+    assert led.forgotten(1) and led.state_of(("p", "lost")) is None
+    assert led.state_of(("p", "landing")) is SampleState.WRITTEN  # complete: kept
+    assert led.pool is not None and led.pool.free_pages == 2  # lost's pages are quarantined (R3)
+    led.tick(10.3 + led.quarantine_s)
+    assert led.pool.free_pages == 5
+
+
+def test_r6_a_departure_with_nothing_awaited_is_settled_at_once() -> None:
+    led = ledger()
+    connected(led, (1, hello()))
+    led.peer_gone(1, 1.0)
+    assert led.forgotten(1) and not led.departing and "p" not in led.producers
+
+
+def test_r6_samples_survive_while_another_rank_of_the_producer_is_connected() -> None:
+    led = ledger()
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, credit("a", rank=0, world=2), 0.0)
+    led.peer_gone(1, 0.0)
+    led.tick(5.0)
+    assert led.state_of(("p", "a")) is SampleState.GRANTED  # kept: rank 0 may come back
+
+
+def test_settling_a_departure_early_keeps_the_reconnected_producers_samples() -> None:
+    led = ledger()
+    connected(led, (1, hello()))
+    led.credit_request(1, credit("a"), 0.0)
+    led.peer_gone(1, 1.0)
+    connected(led, (2, hello()))
+    assert [a for a in led.settle(1, 1.05) if isinstance(a, Log)] == []
+    assert led.forgotten(1) and led.state_of(("p", "a")) is SampleState.GRANTED
+
+
+def test_a_sample_whose_pages_never_came_is_cancelled_not_quarantined() -> None:
+    led = ledger(pages=3)
+    connected(led, (1, hello()))
+    led.credit_request(1, credit("a"), 0.0)
+    led.credit_request(1, credit("b"), 0.0)  # waits for pages
+    led.peer_gone(1, 0.0)
+    led.tick(1.0)
+    assert led.pool is not None and led.pool.waiting == 0
+
+
+# ------------------------------------------------------------ refusals
+def test_a_producer_giving_up_drops_the_sample_and_tells_its_other_ranks() -> None:
+    led = ledger()
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, credit("a", rank=0, world=2), 0.0)
+    led.credit_request(2, credit("a", rank=1, world=2), 0.0)
+    actions = led.producer_refused(
+        2, protocol.Refuse(code="write_failed", message="NIXL", request_id="a"), 1.0
+    )
+    ((peer, r),) = sends(actions, protocol.Refuse)
+    assert peer == 1 and isinstance(r, protocol.Refuse) and r.message == "rank 1: NIXL"
+    assert led.state_of(("p", "a")) is None
+
+
+def test_a_refusal_of_a_sample_it_never_promised_is_only_logged() -> None:
+    led = ledger()
+    connected(led, (1, hello()))
+    actions = led.producer_refused(1, protocol.Refuse(code="protocol", message="hm", request_id="x"), 0.0)
+    assert all(isinstance(a, Log) for a in actions) and actions
+
+
+def test_a_refusal_racing_the_hand_out_does_not_take_the_sample_away() -> None:
+    led = ledger()
+    key = written(led)
+    led.take(key)
+    actions = led.producer_refused(1, protocol.Refuse(code="write_failed", message="x", request_id="a"), 0.0)
+    assert not sends(actions, protocol.Refuse) and led.state_of(key) is SampleState.TAKEN
+    led.verified(key, [], 0.0)
+    led.handed_out(key, 1)
+
+
+# --------------------------------------------------------------- checksums
+def test_r5_a_mismatching_share_is_written_again() -> None:
+    led = ledger()
+    key = written(led)
+    led.take(key)
+    actions = led.verified(key, [0], 1.0)
+    ((peer, rw),) = sends(actions, protocol.Rewrite)
+    assert peer == 1 and isinstance(rw, protocol.Rewrite) and rw.request_id == "a"
+    assert led.state_of(key) is SampleState.GRANTED and led.stats.checksum_mismatches == 1
+    assert readies(led.write_done(1, protocol.WriteDone(request_id="a", checksum=5))) == [key]
+
+
+def test_r5_past_max_rewrites_the_sample_is_refused_and_never_handed_out() -> None:
+    led = ledger(max_rewrites=2)
+    key = written(led)
+    for _ in range(2):
+        led.take(key)
+        assert sends(led.verified(key, [0], 1.0), protocol.Rewrite)
+        led.write_done(1, protocol.WriteDone(request_id="a", checksum=5))
+    led.take(key)
+    actions = led.verified(key, [0], 1.0)
+    ((_, r),) = sends(actions, protocol.Refuse)
+    assert isinstance(r, protocol.Refuse) and r.code == "checksum" and "3 times" in r.message
+    assert led.state_of(key) is None and led.take(key) is None
+
+
+def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
+    led = ledger()
+    key = written(led)
+    led.peer_gone(1, 0.0)
+    led.take(key)
+    led.verified(key, [0], 0.0)
+    assert led.state_of(key) is None
+
+
+# -------------------------------------------------------------------- acks
+def test_r4_a_resend_of_a_delivered_sample_is_acked_not_delivered_again() -> None:
+    led = ledger()
+    key = written(led)
+    led.take(key)
+    led.verified(key, [], 0.0)
+    led.handed_out(key, 1)
+    assert sends(led.credit_request(1, credit("a"), 1.0), protocol.Ack) == [(1, protocol.Ack(request_id="a"))]
+    assert led.state_of(key) is None and led.stats.resends_acked == 1
+
+
+def test_r4_in_manual_mode_the_producer_is_acked_when_the_user_acks() -> None:
+    led = ledger(ack_mode=AckMode.MANUAL)
+    key = written(led)
+    led.take(key)
+    led.verified(key, [], 0.0)
+    assert not sends(led.handed_out(key, 1), protocol.Ack)
+    # a resend before the ack waits for it too
+    assert led.credit_request(1, credit("a"), 1.0) == []
+    assert [p for p, _ in sends(led.ack(key), protocol.Ack)] == [1, 1]
+    assert led.ack(key) == []  # acked once
+    assert sends(led.credit_request(1, credit("a"), 2.0), protocol.Ack)  # later resends: at once
+
+
+def test_r4_samples_delivered_before_the_reader_started_are_acked() -> None:
+    led = ledger(already_delivered=lambda pid, rid: (pid, rid) == ("p", "old"))
+    connected(led, (1, hello()))
+    assert sends(led.credit_request(1, credit("old"), 0.0), protocol.Ack)
+    assert sends(led.credit_request(1, credit("new"), 0.0), protocol.Grant)
+
+
+def test_the_delivered_memory_is_bounded() -> None:
+    led = ledger(delivered_memory=2)
+    connected(led, (1, hello()))
+    for rid in "abc":
+        led.credit_request(1, credit(rid), 0.0)
+        led.write_done(1, protocol.WriteDone(request_id=rid))
+        led.take(("p", rid))
+        led.verified(("p", rid), [], 0.0)
+        led.handed_out(("p", rid), 1)
+    assert list(led.delivered) == [("p", "b"), ("p", "c")]
+
+
+# ------------------------------------------------------- illegal transitions
+@pytest.mark.parametrize("state", ["promised", "granted", "written", "taken", "verified", "released"])
+def test_user_transitions_outside_their_state_are_illegal(state: str) -> None:
+    led = ledger(pages=3)
+    connected(led, (1, hello()))
+    if state == "promised":
+        led.credit_request(1, credit("blocker"), 0.0)
+    led.credit_request(1, credit("a"), 0.0)
+    key = ("p", "a")
+    if state not in ("promised", "granted"):
+        led.write_done(1, protocol.WriteDone(request_id="a"))
+    if state in ("taken", "verified", "released"):
+        led.take(key)
+    if state in ("verified", "released"):
+        led.verified(key, [], 0.0)
+    if state == "released":
+        led.handed_out(key, 1)
+    assert led.state_of(key) is (None if state == "released" else SampleState(state))
+    if state != "written":
+        assert led.take(key) is None  # not ready (or gone): get() skips it
+    if state != "taken":
+        with pytest.raises(IllegalTransition):
+            led.verified(key, [], 0.0)
+    if state != "verified":
+        with pytest.raises(IllegalTransition):
+            led.handed_out(key, 1)
+
+
+def test_a_write_done_for_a_sample_not_granted_is_the_producers_protocol_error() -> None:
+    led = ledger(pages=3)
+    connected(led, (1, hello()), (2, hello("q")))
+    led.credit_request(1, credit("blocker"), 0.0)
+    led.credit_request(1, credit("waiting"), 0.0)
+    for rid in ("never", "waiting"):
+        with pytest.raises(ProtocolError, match="not granted"):
+            led.write_done(1, protocol.WriteDone(request_id=rid))
+    with pytest.raises(ProtocolError, match="not granted"):
+        led.write_done(2, protocol.WriteDone(request_id="blocker"))  # another producer's
+
+
+def test_the_page_size_is_decided_once() -> None:
+    led = ledger()
+    with pytest.raises(IllegalTransition):
+        led.set_pages(PAGE, 3)
+
+
+# ------------------------------------ hostile credit requests (from the wire)
+@st.composite
+def hostile_credit_requests(draw: st.DrawFn) -> tuple[bytes, protocol.CreditRequest | None]:
+    """Credit requests with out-of-range or inconsistent fields, as bytes; and the
+    request the decoder lets through (None when it refuses them)."""
+    rid = draw(st.from_regex(r"[A-Za-z0-9_.:@+=\-]{1,24}", fullmatch=True))
+    n = draw(st.sampled_from([1, 15, 16, 17, 200, 767, 768, 769, 1 << 17]))
+    bs = draw(st.sampled_from([1, LAYOUT.block_size, 1 << 16]))
+    m = msgspec.to_builtins(manifest(rid, n, bs))
+    nb = m["num_blocks"]
+    blocks = list(range(nb))
+    what = draw(
+        st.sampled_from(
+            ["valid", "block_beyond", "duplicate_block", "missing_block", "num_blocks", "dtype", "layout",
+             "hidden_size", "token_id", "layer_id", "layer_count"]
+        )
+    )  # fmt: skip
+    if what == "block_beyond":
+        blocks.append(nb + draw(st.integers(0, 1 << 20)))
+    elif what == "duplicate_block":
+        blocks.append(draw(st.sampled_from(blocks)))
+    elif what == "missing_block":
+        blocks.remove(draw(st.sampled_from(blocks)))
+    elif what == "num_blocks":
+        m["num_blocks"] = nb + draw(st.sampled_from([-1, 1, 1 << 21])) or 1
+    elif what == "dtype":
+        m["geometry"]["dtype"] = draw(st.sampled_from(["float64", "int8", "", "torch.float32"]))
+    elif what == "layout":
+        m["geometry"]["layout"] = draw(st.sampled_from(["HTL", "lth", ""]))
+    elif what == "hidden_size":
+        m["geometry"]["hidden_size"] = draw(st.sampled_from([0, -1, (1 << 20) + 1, 1 << 20]))
+    elif what == "token_id":
+        m["token_ids"][-1] = draw(st.sampled_from([-1, 1 << 40, 2**64 - 1]))
+    elif what == "layer_id":
+        m["layer_ids"][-1] = draw(st.sampled_from([-2, 1 << 16]))
+    elif what == "layer_count":
+        m["layer_ids"] = [1]
+    data = msgspec.msgpack.encode({"type": "credit_request", "manifest": m, "blocks": blocks})
+    try:
+        msg = protocol.decode(data)
+    except ProtocolError:
+        return data, None
+    assert isinstance(msg, protocol.CreditRequest)
+    return data, msg
+
+
+@settings(max_examples=400, deadline=None)
+@given(hostile_credit_requests())
+def test_hostile_credit_requests_are_refused_or_granted_and_nothing_leaks(
+    case: tuple[bytes, protocol.CreditRequest | None],
+) -> None:
+    _, req = case
+    if req is None:
+        return  # the decoder refused it: the reader refuses the connection
+    led = ledger(pages=48)
+    connected(led, (1, hello()))
+    m = req.manifest
+    try:
+        actions = led.credit_request(1, req, 0.0)
+    except ProtocolError as e:
+        assert set(req.blocks) != set(range(m.num_blocks)), e  # only an untiled share is refused
+        assert led.state_of(("p", m.request_id)) in (SampleState.PROMISED, SampleState.GRANTED)
+        led.peer_gone(1, 0.0)  # the shell drops the peer: its sample goes
+        led.tick(1.0 + led.quarantine_s)
+        assert led.pool is not None and led.pool.free_pages == 48 and led.pool.waiting == 0
+        return
+    ppb = -(-m.block_bytes // PAGE)
+    need = m.num_blocks * ppb
+    if need > 48:
+        ((_, r),) = sends(actions, protocol.Refuse)
+        assert isinstance(r, protocol.Refuse) and r.code == "pool_too_small"
+    else:
+        ((_, g),) = sends(actions, protocol.Grant)
+        assert isinstance(g, protocol.Grant) and len(g.pages) == need == len(set(g.pages))
+        assert all(0 <= p < 48 for p in g.pages) and g.pages_per_block == ppb

@@ -1,0 +1,434 @@
+"""The sender's job ledger as a state machine: every transition, every illegal one, and
+the invariants S1-S6 of ``kv_connector.send_ledger`` (each test names the one it proves).
+Pure: no transport, no sockets, no threads; times are passed in."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_connector import protocol
+from kv_connector.layout import BlockLayout, stripe
+from kv_connector.protocol import ProtocolError
+from kv_connector.send_ledger import DigestState, IllegalTransition, JobState, SendLedger
+
+LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
+PAGE = LAYOUT.block_bytes
+POOL = 64 * PAGE
+
+
+def manifest(rid: str, n: int = 40) -> protocol.Manifest:
+    return protocol.Manifest(
+        request_id=rid,
+        token_ids=list(range(n)),
+        layer_ids=[1, 2],
+        geometry=LAYOUT,
+        num_blocks=LAYOUT.blocks_for(n),
+    )
+
+
+def ledger(checksum: bool = False, **kw: float) -> SendLedger:
+    return SendLedger(checksum=checksum, connect_timeout_s=kw.get("timeout", 10.0), retry_backoff_s=0.2)
+
+
+def submit(led: SendLedger, rid: str, n: int = 40, rank: int = 0, world: int = 1, t: float = 0.0) -> None:
+    m = manifest(rid, n)
+    led.submit(rid, m, list(range(10, 10 + m.num_blocks)), stripe(m.num_blocks, rank, world), t)
+
+
+def grant(rid: str, n_pages: int = 3, first: int = 0) -> protocol.Grant:
+    return protocol.Grant(request_id=rid, pages=list(range(first, first + n_pages)), pages_per_block=1)
+
+
+def to_granted(led: SendLedger, rid: str, t: float = 1.0, pages: int = 3) -> None:
+    led.requests_due()
+    assert led.state_of(rid) is JobState.REQUESTED
+    led.on_grant(grant(rid, pages), PAGE, POOL, t)
+
+
+def to_writing(led: SendLedger, rid: str, t: float = 1.0) -> None:
+    to_granted(led, rid, t)
+    (job,) = led.writes_due(t)
+    led.write_posted(rid, object(), t)
+    assert led.state_of(rid) is JobState.WRITING and job.request_id == rid
+
+
+# ------------------------------------------------------------- the happy path
+def test_a_job_goes_waiting_requested_granted_writing_written_finished() -> None:
+    led = ledger()
+    submit(led, "a")
+    assert led.state_of("a") is JobState.WAITING
+    assert [j.request_id for j in led.requests_due()] == ["a"]
+    assert led.state_of("a") is JobState.REQUESTED and led.requests_due() == []
+    led.on_grant(grant("a"), PAGE, POOL, 1.0)
+    assert led.state_of("a") is JobState.GRANTED
+    (job,) = led.writes_due(1.0)
+    led.write_posted("a", "xfer", 1.0)
+    assert led.state_of("a") is JobState.WRITING and led.writing and job.xfer == "xfer"
+    assert led.writes_due(1.0) == []  # S4: one WRITE in flight
+    led.write_completed("a", 3 * PAGE, 1.5)
+    assert led.state_of("a") is JobState.WRITTEN and led.unwritten == 0
+    assert led.on_ack("a", 2.0)
+    assert "a" not in led and led.take_finished() == ["a"] and led.take_finished() == []
+    st_ = led.stats
+    assert (st_.requests, st_.bytes, st_.write_s, st_.grant_wait_s) == (1, 3 * PAGE, 0.5, 1.0)
+
+
+def test_s1_a_finished_or_failed_job_is_reported_once_with_its_reason() -> None:
+    led = ledger()
+    for rid in "abc":
+        submit(led, rid)
+    led.requests_due()
+    led.on_refuse(protocol.Refuse(code="pool_too_small", message="too big", request_id="b"))
+    assert led.take_failed() == {"b": "reader refused (pool_too_small): too big"}
+    assert led.take_failed() == {}
+    assert [f.request_id for f in led.fail_all("closing")] == ["a", "c"]
+    assert led.take_failed() == {"a": "closing", "c": "closing"} and len(led) == 0
+
+
+def test_submitting_a_request_twice_is_refused() -> None:
+    led = ledger()
+    submit(led, "a")
+    with pytest.raises(ValueError, match="already being shipped"):
+        submit(led, "a")
+
+
+# ------------------------------------------------------------------- grants
+def test_s2_no_write_without_a_grant_of_the_current_connection() -> None:
+    led = ledger()
+    submit(led, "a")
+    assert led.writes_due(0.0) == []
+    with pytest.raises(IllegalTransition, match="waiting"):
+        led.write_posted("a", object(), 0.0)
+    led.requests_due()
+    with pytest.raises(IllegalTransition):
+        led.write_posted("a", object(), 0.0)
+    led.on_grant(grant("a"), PAGE, POOL, 1.0)
+    assert led.connection_lost(2.0) == 1
+    job = led.job("a")
+    assert (job.state, job.grant) == (JobState.WAITING, None)
+    assert led.writes_due(3.0) == []
+    with pytest.raises(IllegalTransition):
+        led.write_posted("a", object(), 3.0)
+
+
+@pytest.mark.parametrize(
+    "g, match",
+    [
+        (grant("other"), "not waiting"),
+        (grant("a", 2), "does not fit"),
+        (protocol.Grant(request_id="a", pages=[0, 1, 2, 3, 4, 5], pages_per_block=2), "does not fit"),
+        (grant("a", 3, first=62), "outside the reader's pool"),
+    ],
+)
+def test_a_grant_that_does_not_fit_is_the_readers_protocol_error(g: protocol.Grant, match: str) -> None:
+    led = ledger()
+    submit(led, "a")
+    led.requests_due()
+    with pytest.raises(ProtocolError, match=match):
+        led.on_grant(g, PAGE, POOL, 1.0)
+    assert led.state_of("a") is JobState.REQUESTED
+
+
+@pytest.mark.parametrize("state", ["waiting", "granted", "writing", "written"])
+def test_a_grant_in_any_state_but_requested_is_refused(state: str) -> None:
+    led = ledger()
+    submit(led, "a")
+    if state != "waiting":
+        to_granted(led, "a")
+    if state in ("writing", "written"):
+        led.writes_due(1.0)
+        led.write_posted("a", object(), 1.0)
+    if state == "written":
+        led.write_completed("a", PAGE, 1.0)
+    with pytest.raises(ProtocolError, match="not waiting"):
+        led.on_grant(grant("a"), PAGE, POOL, 1.0)
+
+
+def test_pages_smaller_than_a_block_are_granted_per_piece() -> None:
+    led = ledger()
+    submit(led, "a")
+    led.requests_due()
+    page = PAGE // 2 + 64  # two pieces per block
+    led.on_grant(protocol.Grant(request_id="a", pages=list(range(6)), pages_per_block=2), page, POOL, 1.0)
+    assert led.state_of("a") is JobState.GRANTED
+
+
+# ------------------------------------------------------------- write failures
+def test_a_failed_write_is_posted_again_after_a_backoff_then_the_job_fails() -> None:
+    led = ledger()
+    submit(led, "a")
+    to_writing(led, "a", 1.0)
+    assert led.write_failed("a", "NIXL_ERR_REMOTE", 1.0) is None
+    assert led.state_of("a") is JobState.GRANTED
+    assert led.writes_due(1.1) == []  # backoff 0.2 s
+    assert [j.request_id for j in led.writes_due(1.2)] == ["a"]
+    led.write_posted("a", object(), 1.2)
+    assert led.write_failed("a", "NIXL_ERR_REMOTE", 1.2) is None
+    assert led.writes_due(1.5) == [] and len(led.writes_due(1.6)) == 1  # backoff 0.4 s
+    led.write_posted("a", object(), 1.6)
+    failure = led.write_failed("a", "NIXL_ERR_NOT_FOUND", 1.6)
+    assert failure is not None and failure.tell_reader
+    assert failure.why == "its WRITE failed in NIXL 3 times (last: NIXL_ERR_NOT_FOUND)"
+    assert led.take_failed() == {"a": failure.why} and led.stats.write_retries == 2
+
+
+@pytest.mark.parametrize("state", ["waiting", "requested", "granted", "written"])
+def test_write_completion_or_failure_outside_writing_is_illegal(state: str) -> None:
+    led = ledger()
+    submit(led, "a")
+    if state == "requested":
+        led.requests_due()
+    if state == "granted":
+        to_granted(led, "a")
+    if state == "written":
+        to_writing(led, "a")
+        led.write_completed("a", PAGE, 1.0)
+    with pytest.raises(IllegalTransition):
+        led.write_completed("a", PAGE, 2.0)
+    with pytest.raises(IllegalTransition):
+        led.write_failed("a", "x", 2.0)
+    with pytest.raises(IllegalTransition, match="not in flight"):
+        led.write_completed("nobody", PAGE, 2.0)
+
+
+# ---------------------------------------------------------------- rewrites
+def test_a_rewrite_of_a_written_share_makes_it_due_again() -> None:
+    led = ledger()
+    submit(led, "a")
+    to_writing(led, "a")
+    led.write_completed("a", PAGE, 1.0)
+    assert led.on_rewrite(protocol.Rewrite(request_id="a"))
+    assert led.state_of("a") is JobState.GRANTED and len(led.writes_due(2.0)) == 1
+    assert led.stats.rewrites == 1
+
+
+def test_s4_a_rewrite_while_the_write_is_in_flight_is_honoured_when_it_completes() -> None:
+    led = ledger()
+    submit(led, "a")
+    to_writing(led, "a")
+    assert led.on_rewrite(protocol.Rewrite(request_id="a"))
+    assert led.state_of("a") is JobState.WRITING  # still one WRITE in flight
+    led.write_completed("a", PAGE, 1.5)
+    assert led.state_of("a") is JobState.GRANTED and len(led.writes_due(2.0)) == 1
+
+
+def test_a_rewrite_of_a_granted_share_changes_nothing() -> None:
+    led = ledger()
+    submit(led, "a")
+    to_granted(led, "a")
+    assert not led.on_rewrite(protocol.Rewrite(request_id="a"))
+    assert led.state_of("a") is JobState.GRANTED
+
+
+@pytest.mark.parametrize("state", ["unknown", "waiting", "requested", "empty-share"])
+def test_a_rewrite_of_a_share_never_granted_is_the_readers_protocol_error(state: str) -> None:
+    led = ledger()
+    if state == "empty-share":
+        submit(led, "a", n=5, rank=1, world=2)  # one block: rank 1 has none of it
+        to_granted(led, "a", pages=1)
+    elif state != "unknown":
+        submit(led, "a")
+        if state == "requested":
+            led.requests_due()
+    with pytest.raises(ProtocolError, match="not granted"):
+        led.on_rewrite(protocol.Rewrite(request_id="a"))
+
+
+# --------------------------------------------------------------------- acks
+def test_s3_an_ack_that_overtakes_the_writes_completion_finishes_the_job_when_it_completes() -> None:
+    led = ledger()
+    submit(led, "a")
+    to_writing(led, "a")
+    assert led.on_ack("a", 1.2)  # the reader has it: its notification came before our poll
+    assert "a" in led and led.take_finished() == []
+    led.write_completed("a", PAGE, 1.3)
+    assert led.take_finished() == ["a"] and "a" not in led
+
+
+def test_s3_an_ack_for_a_resend_the_reader_already_has_finishes_a_requested_job() -> None:
+    led = ledger()
+    submit(led, "a")
+    led.requests_due()
+    assert led.on_ack("a", 1.0)
+    assert led.take_finished() == ["a"]
+
+
+def test_an_ack_for_a_job_not_in_flight_is_ignored() -> None:
+    led = ledger()
+    assert not led.on_ack("ghost", 1.0)
+    assert led.take_finished() == []
+
+
+def test_a_connection_lost_after_an_early_ack_finishes_the_job_instead_of_resending_it() -> None:
+    led = ledger()
+    submit(led, "a")
+    submit(led, "b")
+    to_writing(led, "a")
+    led.on_ack("a", 1.0)
+    assert led.connection_lost(2.0) == 1  # only b is resent
+    assert led.take_finished() == ["a"] and led.state_of("b") is JobState.WAITING
+
+
+# ----------------------------------------------------------------- refusals
+def test_a_refusal_of_the_whole_connection_is_a_protocol_error() -> None:
+    led = ledger()
+    submit(led, "a")
+    with pytest.raises(ProtocolError, match="refused the connection"):
+        led.on_refuse(protocol.Refuse(code="protocol", message="bad"))
+    with pytest.raises(ProtocolError, match="refused the connection"):
+        led.on_refuse(protocol.Refuse(code="checksum", message="?", request_id="not-ours"))
+    assert "a" in led
+
+
+def test_a_refused_request_fails_without_telling_the_reader_again() -> None:
+    led = ledger()
+    submit(led, "a")
+    led.requests_due()
+    f = led.on_refuse(protocol.Refuse(code="checksum", message="failed 4 times", request_id="a"))
+    assert not f.tell_reader and f.why == "reader refused (checksum): failed 4 times"
+
+
+# ---------------------------------------------------------------- deadlines
+def test_s5_a_job_waits_for_a_working_reader_at_most_connect_timeout() -> None:
+    led = ledger(timeout=10.0)
+    submit(led, "a", t=0.0)
+    submit(led, "b", t=5.0)
+    assert led.expire(9.0, "refused", "h:1") == []
+    (f,) = led.expire(10.5, "[Errno 111] Connection refused", "h:1")
+    assert f.request_id == "a" and not f.tell_reader
+    assert f.why == "cannot reach the reader at h:1 for 10 s (last error: [Errno 111] Connection refused)"
+    assert "b" in led
+
+
+def test_s5_every_answer_of_the_reader_starts_the_wait_again() -> None:
+    led = ledger(timeout=10.0)
+    submit(led, "a", t=0.0)
+    submit(led, "b", t=0.0)
+    to_writing(led, "a", 8.0)  # the grant of a is an answer: b waits again too
+    assert led.expire(15.0, "x", "h:1") == []
+    led.write_completed("a", PAGE, 17.0)  # a's own progress
+    assert {f.request_id for f in led.expire(18.5, "x", "h:1")} == {"b"}
+    assert led.expire(26.0, "x", "h:1") == []
+    assert {f.request_id for f in led.expire(27.5, "x", "h:1")} == {"a"}
+
+
+def test_a_job_that_expires_after_its_credit_request_tells_the_reader() -> None:
+    led = ledger(timeout=1.0)
+    submit(led, "a", t=0.0)
+    led.requests_due()
+    (f,) = led.expire(2.0, "silent", "h:1")
+    assert f.tell_reader  # the reader holds its credit request
+
+
+# ------------------------------------------------------------------ digests
+def test_s6_a_write_waits_for_its_digest_and_carries_it() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    assert led.job("a").digest_state is DigestState.NEEDED
+    led.requests_due()
+    (job,) = led.digests_due()
+    assert job.digest_state is DigestState.COMPUTING and led.digests_due() == []
+    led.on_grant(grant("a"), PAGE, POOL, 1.0)
+    assert led.writes_due(1.0) == []
+    led.digest_ready("a", 1234)
+    (due,) = led.writes_due(1.0)
+    assert due.digest == 1234
+
+
+def test_s6_a_digest_that_cannot_be_computed_fails_the_job() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    led.requests_due()
+    led.digests_due()
+    f = led.digest_failed("a", "RuntimeError: CUDA error")
+    assert f is not None and f.tell_reader and "cannot checksum its blocks" in f.why
+    assert led.digest_failed("a", "again") is None  # already gone
+
+
+def test_a_digest_nobody_asked_for_is_illegal() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    with pytest.raises(IllegalTransition):
+        led.digest_ready("a", 1)  # not started
+    led.digest_ready("gone", 1)  # a job that failed meanwhile: ignored
+
+
+def test_a_digest_is_computed_once_across_reconnects() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    led.requests_due()
+    led.digests_due()
+    led.digest_ready("a", 7)
+    led.connection_lost(1.0)
+    led.requests_due()
+    assert led.digests_due() == [] and led.job("a").digest == 7
+
+
+def test_an_empty_share_is_written_at_once_and_needs_no_digest() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a", n=5, rank=1, world=2)
+    assert led.job("a").digest_state is DigestState.OFF
+    to_granted(led, "a", pages=1)
+    assert led.writes_due(1.0) == [] and led.state_of("a") is JobState.WRITTEN
+
+
+# ------------------------------------------------------------------ queries
+def test_unwritten_counts_what_has_not_landed() -> None:
+    led = ledger()
+    for rid in "abc":
+        submit(led, rid)
+    to_writing(led, "a")
+    led.write_completed("a", PAGE, 1.0)
+    assert led.unwritten == 2 and led.count_unwritten(["a", "b", "zz"]) == 1
+
+
+# ------------------------------------------------- random event sequences (S1)
+EVENTS = ["request", "grant", "post", "complete", "fail_write", "rewrite", "ack", "lose", "expire"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(EVENTS), st.sampled_from("abc")), max_size=60))
+def test_s1_any_sequence_of_events_keeps_every_job_accounted_for_exactly_once(
+    events: list[tuple[str, str]],
+) -> None:
+    led = ledger(timeout=5.0)
+    for rid in "abc":
+        submit(led, rid)
+    t = 0.0
+    finished: list[str] = []
+    failed: dict[str, str] = {}
+    for ev, rid in events:
+        t += 1.0
+        try:
+            if ev == "request":
+                led.requests_due()
+            elif ev == "grant":
+                led.on_grant(grant(rid), PAGE, POOL, t)
+            elif ev == "post":
+                if any(j.request_id == rid for j in led.writes_due(t)):
+                    led.write_posted(rid, object(), t)
+            elif ev == "complete":
+                led.write_completed(rid, PAGE, t)
+            elif ev == "fail_write":
+                led.write_failed(rid, "x", t)
+            elif ev == "rewrite":
+                led.on_rewrite(protocol.Rewrite(request_id=rid))
+            elif ev == "ack":
+                led.on_ack(rid, t)
+            elif ev == "lose":
+                led.connection_lost(t)
+            else:
+                led.expire(t, "x", "h:1")
+        except (ProtocolError, IllegalTransition):
+            pass
+        finished += led.take_finished()
+        failed.update(led.take_failed())
+        # S4: at most one WRITE per job, and only from a grant (S2)
+        for j in led.jobs(JobState.WRITING):
+            assert j.grant is not None
+    live = {j.request_id for j in led.jobs()}
+    assert len(finished) == len(set(finished))
+    assert set(finished).isdisjoint(failed) and live.isdisjoint(finished) and live.isdisjoint(failed)
+    assert live | set(finished) | set(failed) == set("abc")
