@@ -117,6 +117,46 @@ def run_and_collect(
     return got, result, out + err
 
 
+def check_samples(
+    got: dict[str, Sample],
+    result: dict[str, Any],
+    prompts: list[list[int]],
+    ref: Reference,
+    layer_ids: list[int],
+    with_output: set[int],
+    dtype: torch.dtype = torch.float32,
+    tolerance: float = 1e-4,
+    token_tolerance: float | None = None,
+    hidden_size: int = 128,
+) -> float:
+    """Every request's sample, against the transformers reference: its tokens (the
+    prompt, plus all output tokens but the last for ``with_output``), its layers, shape
+    and dtype, no all-zero token, and a relative error below ``tolerance`` for the whole
+    sample (and below ``token_tolerance`` for each token, where given: a zero or foreign
+    row is off by ~1 or more); its kv_transfer_params name it. Returns the worst error."""
+    worst = 0.0
+    assert {o["request_id"] for o in result["outputs"]} == set(got)
+    for i, (o, prompt) in enumerate(zip(result["outputs"], prompts, strict=True)):
+        s = got[o["request_id"]]
+        tokens = prompt + o["output_token_ids"][:-1] if i in with_output else prompt
+        assert s.token_ids.tolist() == tokens
+        assert s.layer_ids == tuple(layer_ids)
+        assert s.hidden_states.shape == (len(tokens), len(layer_ids), hidden_size)
+        assert s.hidden_states.dtype == dtype
+        assert bool((s.hidden_states.float().abs().sum(dim=(1, 2)) > 0).all()), (i, "all-zero token states")
+        want = ref.states(tokens, layer_ids)
+        if token_tolerance is not None:
+            got_f = s.hidden_states.float()
+            per_token = (got_f - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))
+            assert float(per_token.max()) < token_tolerance, (i, len(tokens), int(per_token.argmax()))
+        err = relative_error(s.hidden_states, want)
+        assert err < tolerance, (i, len(tokens), err)
+        worst = max(worst, err)
+        params = o["kv_transfer_params"]["hidden_states"]
+        assert params["consumer_address"] and params["request_id"] == s.request_id
+    return worst
+
+
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     """Deterministic random prompts of the given lengths (token ids 1..1023)."""
     rng = random.Random(seed)
