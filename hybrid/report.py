@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybrid.accounting import Setup, compare
 
+    if not args.verbose:  # vLLM configured its logger on import: quiet it now
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+
     try:
         shape = HybridShape.from_config(load_config(args.config), dtype=args.dtype)
         setup = Setup(
@@ -85,6 +89,4 @@ if __name__ == "__main__":
     # this process only: main() called in-process must not change the environment that
     # later vLLM processes inherit.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if "--verbose" not in sys.argv:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     sys.exit(main())
