@@ -7,13 +7,14 @@ A block's other bytes (the tail of the last block, where vLLM goes on writing de
 tokens while the WRITE runs) are not part of the sample and are not checksummed.
 
 The producer computes it from its cache (``block_checksum`` over contiguous blocks), the
-reader from its pool pages (``paged_checksum``, a block may span several pages); the
-hash is streamed, so both see the same number for the same bytes however they are split.
+reader from the sample's run in its pool (``sample_checksum``, where an LTH block's
+layers lie apart); the hash is streamed, so both see the same number for the same bytes
+however they are split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import xxhash
 
@@ -41,25 +42,15 @@ def block_checksum(buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_
     return h.intdigest()
 
 
-def paged_checksum(
-    pool: Buffer,
-    pages: Sequence[int],
-    pages_per_block: int,
-    page_bytes: int,
-    share: Iterable[int],
-    spans_of: SpanFn,
-) -> int:
-    """XXH3-64 of a share as it landed in the pool: piece ``p`` of block ``j`` (bytes
-    ``p*page_bytes ..`` of the block) is in page ``pages[j*pages_per_block + p]``."""
+def sample_checksum(pool: Buffer, base: int, m: Manifest, share: Iterable[int]) -> int:
+    """XXH3-64 of a share as it landed in the reader's pool, the sample's run starting at
+    byte ``base`` and arranged as ``BlockLayout.arranged_spans`` says: the same bytes in
+    the same order as the producer hashed them from its cache."""
     pool = memoryview(pool).cast("B")
+    g, nb = m.geometry, m.num_blocks
     h = xxhash.xxh3_64()
     for j in share:
-        for off, n in spans_of(j):
-            while n > 0:
-                piece, inner = divmod(off, page_bytes)
-                take = min(n, page_bytes - inner)
-                base = pages[j * pages_per_block + piece] * page_bytes + inner
-                h.update(pool[base : base + take])
-                off += take
-                n -= take
+        for off, n in m.valid_spans(j):
+            for dst, k in g.arranged(nb, j, off, n):
+                h.update(pool[base + dst : base + dst + k])
     return h.intdigest()

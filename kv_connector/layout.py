@@ -5,13 +5,16 @@ A producer's cache-only layer holds, per cache block, ``block_size`` tokens of
 ``num_layers`` captured hidden states of ``hidden_size`` elements, in one of two orders
 (``Layout``). ``BlockLayout`` is that shape as a typed wire record: it travels nested in
 every manifest, so the reader rebuilds a sample from exactly what the producer's cache
-holds. A reader's receive pool is cut into pages of ``page_bytes``; a block larger than a
-page is written as consecutive pieces into several pages.
+holds.
+
+A reader's receive pool is cut into pages; each sample gets one contiguous run of pages
+and its blocks are arranged in it so that the whole sample is one tensor view
+(``arranged_spans``): TLH blocks one after the other, a plain [T, L, H] tensor; LTH
+blocks layer by layer, [L, T, H] in memory, a strided [T, L, H] view.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Annotated, Literal, get_args
 
@@ -100,6 +103,33 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
+    def sample_bytes(self, num_blocks: int) -> int:
+        """Bytes a sample of ``num_blocks`` blocks takes in the reader's pool."""
+        return num_blocks * self.block_bytes
+
+    def arranged_spans(self, num_blocks: int, j: int) -> list[tuple[int, int, int]]:
+        """(offset in the cache block, offset in the sample's run, length) of each piece of
+        block ``j`` of a ``num_blocks``-block sample as the reader's pool holds it: TLH
+        blocks one after the other (the run is [num_blocks * block_size, L, H]); LTH
+        layer-major, layer l of block j at row (l * num_blocks + j) * block_size (the run
+        is [L, num_blocks * block_size, H]), so either is one [T, L, H] view."""
+        if not 0 <= j < num_blocks:
+            raise ValueError(f"block {j} outside the sample's {num_blocks} blocks")
+        if self.layout == "TLH":
+            return [(0, j * self.block_bytes, self.block_bytes)]
+        seg = self.block_size * self.row_bytes
+        return [(layer * seg, (layer * num_blocks + j) * seg, seg) for layer in range(self.num_layers)]
+
+    def arranged(self, num_blocks: int, j: int, off: int, n: int) -> list[tuple[int, int]]:
+        """Where bytes ``off .. off + n`` of block ``j`` lie in the sample's run:
+        (offset in the run, length) pieces, split where the arrangement splits the block."""
+        out = []
+        for src, dst, length in self.arranged_spans(num_blocks, j):
+            lo, hi = max(off, src), min(off + n, src + length)
+            if lo < hi:
+                out.append((dst + lo - src, hi - lo))
+        return out
+
     def valid_spans(self, num_tokens: int, block_index: int) -> list[tuple[int, int]]:
         """(offset, length) inside block ``block_index`` of a ``num_tokens``-token sample
         of the bytes holding the sample's tokens: the whole block, except for the last
@@ -156,13 +186,9 @@ def layout_from_view(
     return layout, bs
 
 
-def pages_per_block(block_bytes: int, page_bytes: int) -> int:
-    return math.ceil(block_bytes / page_bytes)
-
-
-def piece_spans(block_bytes: int, page_bytes: int) -> list[tuple[int, int]]:
-    """(offset, length) of each page-sized piece of one block."""
-    return [(off, min(page_bytes, block_bytes - off)) for off in range(0, block_bytes, page_bytes)]
+def pages_for(nbytes: int, page_bytes: int) -> int:
+    """Pages of ``page_bytes`` that hold ``nbytes``."""
+    return -(-nbytes // page_bytes)
 
 
 def stripe(num_blocks: int, rank: int, world_size: int) -> range:

@@ -1,12 +1,18 @@
 """The reader's receive pool accounting: pages, credits and a FIFO of waiting requests.
 
 Pure logic. A credit is a granted page; a producer writes only into pages granted to it,
-and a page returns to the pool only once its sample was copied out. Requests are served
-in arrival order, so a large sample is not starved by a stream of small ones.
+and a page returns to the pool only once its sample is done with (released by the user,
+or a quarantine after it was discarded). Each sample gets one contiguous run of pages,
+so it can be handed out as a view of the pool without a copy. Requests are served in
+arrival order (a large sample is not starved by a stream of small ones); runs are taken
+next-fit from where the last one ended, so a pool whose samples come back in about the
+order they went out behaves as a ring and does not fragment. A run that does not fit
+waits, even with as many pages free in pieces: nothing is lost, the producer waits.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -16,69 +22,99 @@ class PoolTooSmall(ValueError):
 
 
 class PagePool:
-    """``num_pages`` pages; ``request`` queues a need, ``grantable`` hands out pages."""
+    """``num_pages`` pages; ``request`` queues a need, ``grantable`` hands out runs."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._owner: dict[int, Hashable] = {}
+        self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted (start, length)
+        self._cursor = 0
+        self._owner: dict[Hashable, range] = {}
+        self._used = 0
         self._waiting: OrderedDict[Hashable, int] = OrderedDict()
-        self._quarantined: list[tuple[float, Hashable, list[int]]] = []
+        self._quarantined: list[tuple[float, Hashable, range]] = []
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self.num_pages - self._used
 
     @property
     def used_pages(self) -> int:
-        return len(self._owner)
+        return self._used
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def largest_run(self) -> int:
+        return max((n for _, n in self._free), default=0)
+
     def request(self, key: Hashable, n: int) -> None:
-        """Queue a need for ``n`` pages under ``key`` (refused if it can never fit)."""
+        """Queue a need for ``n`` contiguous pages under ``key`` (refused if it can never fit)."""
         if n <= 0:
             raise ValueError(f"a request needs at least one page, got {n}")
         if n > self.num_pages:
             raise PoolTooSmall(
                 f"sample needs {n} pages, the pool holds {self.num_pages}; make the reader's pool larger"
             )
-        if key in self._waiting:
-            raise ValueError(f"{key!r} is already waiting for pages")
+        if key in self._waiting or key in self._owner:
+            raise ValueError(f"{key!r} is already waiting for or holding pages")
         self._waiting[key] = n
 
     def cancel(self, key: Hashable) -> bool:
         """Drop a waiting request; True if it was waiting."""
         return self._waiting.pop(key, None) is not None
 
-    def grantable(self) -> list[tuple[Hashable, list[int]]]:
-        """Grant pages to waiting requests in arrival order while the head fits."""
+    def grantable(self) -> list[tuple[Hashable, range]]:
+        """Grant runs to waiting requests in arrival order while the head fits."""
         out = []
         while self._waiting:
             key, n = next(iter(self._waiting.items()))
-            if n > len(self._free):
+            run = self._take(n)
+            if run is None:
                 break
             del self._waiting[key]
-            pages = [self._free.pop() for _ in range(n)]
-            for p in pages:
-                self._owner[p] = key
-            out.append((key, pages))
+            self._owner[key] = run
+            out.append((key, run))
         return out
 
-    def release(self, key: Hashable, pages: list[int]) -> None:
-        """Return ``pages`` held by ``key`` to the pool."""
-        for p in pages:
-            if self._owner.get(p) != key:
-                raise ValueError(f"page {p} is not held by {key!r}")
-        for p in pages:
-            del self._owner[p]
-            self._free.append(p)
+    def _take(self, n: int) -> range | None:
+        """Next fit: the first free run that holds ``n`` pages at or after the cursor,
+        else from the start."""
+        order = sorted(
+            range(len(self._free)), key=lambda i: (self._free[i][0] < self._cursor, self._free[i][0])
+        )
+        for i in order:
+            start, length = self._free[i]
+            if length >= n:
+                if length == n:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + n, length - n)
+                self._used += n
+                self._cursor = (start + n) % self.num_pages
+                return range(start, start + n)
+        return None
 
-    def quarantine(self, key: Hashable, pages: list[int], until: float) -> None:
+    def release(self, key: Hashable, pages: range) -> None:
+        """Return the run ``pages`` held by ``key`` to the pool."""
+        if self._owner.get(key) != pages:
+            raise ValueError(f"pages {pages} are not held by {key!r}")
+        del self._owner[key]
+        self._used -= len(pages)
+        i = bisect.bisect(self._free, (pages.start, 0))
+        start, length = pages.start, len(pages)
+        if i < len(self._free) and self._free[i][0] == start + length:  # merge the next run
+            length += self._free[i][1]
+            del self._free[i]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:  # and the previous
+            start, length = self._free[i - 1][0], self._free[i - 1][1] + length
+            del self._free[i - 1]
+            i -= 1
+        self._free.insert(i, (start, length))
+
+    def quarantine(self, key: Hashable, pages: range, until: float) -> None:
         """``pages`` stay held by ``key`` until ``until``: a sample that can never be
         handed out keeps its pages a while, so a late WRITE into them lands unseen."""
         self._quarantined.append((until, key, pages))

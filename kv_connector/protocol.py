@@ -17,6 +17,10 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
     3: ``Manifest.geometry`` (a nested ``layout.BlockLayout``) replaces its loose
        ``hidden_size``/``dtype``/``layout``/``block_size``/``block_bytes``; ``Refuse.code``
        is one of ``RefuseCode``; a request id may not end in a newline.
+    4: ``Grant`` names one contiguous run of pages (``first_page``, ``num_pages``) holding
+       the sample arranged as ``layout.BlockLayout.arranged_spans`` says;
+       ``WriteDone.digest_follows`` and ``ShareDigest``: a WRITE no longer waits for its
+       digest, which follows on the control connection.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import msgspec
 
 from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -175,12 +179,17 @@ class CreditRequest(_Msg, tag="credit_request", frozen=True):
 
 
 class Grant(_Msg, tag="grant", frozen=True):
-    """Reader -> producer: pool pages for a sample, ``pages_per_block`` pages per block,
-    block ``j`` piece ``k`` goes to ``pages[j * pages_per_block + k]``."""
+    """Reader -> producer: the run of pool pages ``first_page .. first_page + num_pages``
+    for a sample; its blocks go where ``layout.BlockLayout.arranged_spans`` puts them in
+    the run (which starts at ``first_page * page_bytes``)."""
 
     request_id: RequestId
-    pages: Annotated[list[PageIndex], msgspec.Meta(min_length=1, max_length=MAX_PAGES)]
-    pages_per_block: PosInt
+    first_page: PageIndex
+    num_pages: Annotated[int, msgspec.Meta(gt=0, le=MAX_PAGES)]
+
+    @property
+    def pages(self) -> range:
+        return range(self.first_page, self.first_page + self.num_pages)
 
 
 class Ack(_Msg, tag="ack", frozen=True):
@@ -208,10 +217,25 @@ class Refuse(_Msg, tag="refuse", frozen=True):
 class WriteDone(_Msg, tag="write_done", frozen=True):
     """Producer -> reader as a NIXL notification attached to a rank's WRITE: the blocks
     that rank promised in its credit request have landed in their granted pages;
-    ``checksum`` is the XXH3-64 of those blocks' sample bytes (None: not computed)."""
+    ``checksum`` is the XXH3-64 of those blocks' sample bytes; None with
+    ``digest_follows``: it comes in a ``ShareDigest`` once computed; None without: none
+    (checksums off)."""
 
     request_id: RequestId
     checksum: Checksum | None = None
+    digest_follows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.digest_follows and self.checksum is not None:
+            raise ValueError("a WriteDone with a checksum has no digest to follow")
+
+
+class ShareDigest(_Msg, tag="share_digest", frozen=True):
+    """Producer -> reader: the checksum of this rank's share of a sample, for a WRITE
+    that was posted before the digest was ready (its WriteDone said it follows)."""
+
+    request_id: RequestId
+    checksum: Checksum
 
 
 class Rewrite(_Msg, tag="rewrite", frozen=True):
@@ -222,7 +246,19 @@ class Rewrite(_Msg, tag="rewrite", frozen=True):
     reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
 
 
-Message = Hello | Challenge | Auth | Welcome | CreditRequest | Grant | Ack | Refuse | WriteDone | Rewrite
+Message = (
+    Hello
+    | Challenge
+    | Auth
+    | Welcome
+    | CreditRequest
+    | Grant
+    | Ack
+    | Refuse
+    | WriteDone
+    | Rewrite
+    | ShareDigest
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

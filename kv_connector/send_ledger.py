@@ -9,7 +9,8 @@ States of a job (``JobState``), on the current connection to the reader:
 
     WAITING   -- request_sent ------> REQUESTED   (credit request sent)
     REQUESTED -- grant -------------> GRANTED     (pages granted; WRITE due)
-    GRANTED   -- write_posted ------> WRITING     (at most one WRITE in flight)
+    GRANTED   -- write_posted ------> WRITING     (at most one WRITE in flight; its digest
+                                                   rides with it, or follows)
     GRANTED   -- (empty share) -----> WRITTEN     (this rank has no block of it)
     WRITING   -- write_completed ---> WRITTEN     (or GRANTED, if a Rewrite came meanwhile)
     WRITING   -- write_failed ------> GRANTED     (posted again after a backoff)
@@ -38,8 +39,10 @@ Invariants (tests name the one they prove):
   S5  A job waits for a working reader at most ``connect_timeout_s``; every answer of
       the reader (a grant, an ack) starts the wait of every job again, and a completed
       WRITE its own job's.
-  S6  A share's WRITE carries its digest when checksums are on: it is not posted before
-      the digest is ready, and a digest that cannot be computed fails the job.
+  S6  With checksums on, every WRITE's notification carries the share's digest or says
+      it follows; a digest that follows is sent on the connection its WRITE went out on,
+      once, as soon as it is computed (a WRITE never waits for it); a digest that cannot
+      be computed fails the job.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kv_connector.layout import piece_spans
+from kv_connector import protocol
+from kv_connector.layout import pages_for
 from kv_connector.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
 from kv_connector.stats import SenderStats
 
@@ -93,6 +97,7 @@ class Job:
     retry_at: float = 0.0
     rewrite_due: bool = False
     ack_due: bool = False
+    digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
     t_wait: float = 0.0  # since when it waits for a working reader
     t_write: float = 0.0  # when its last WRITE was posted, or completed
     xfer: object | None = field(default=None, repr=False)  # the shell's handle of the WRITE
@@ -207,6 +212,14 @@ class SendLedger:
             raise IllegalTransition(f"{request_id}: a digest it was not waiting for")
         job.digest, job.digest_state = value, DigestState.READY
 
+    def digests_owed(self) -> list[Job]:
+        """Jobs whose WRITE went out saying the digest follows, now that it is ready: the
+        shell sends each a ``ShareDigest`` (S6)."""
+        due = [j for j in self._jobs.values() if j.digest_owed and j.digest_state is DigestState.READY]
+        for j in due:
+            j.digest_owed = False
+        return due
+
     def digest_failed(self, request_id: str, why: str) -> Failure | None:
         """The share's digest could not be computed: the job fails (S6)."""
         job = self._jobs.get(request_id)
@@ -215,8 +228,9 @@ class SendLedger:
         return self.fail(request_id, f"cannot checksum its blocks: {why}")
 
     def writes_due(self, now: float) -> list[Job]:
-        """GRANTED jobs whose WRITE may be posted now: digest ready (S6), backoff over.
-        A job with an empty share has nothing to write: it is WRITTEN at once."""
+        """GRANTED jobs whose WRITE may be posted now (backoff over); it does not wait for
+        its digest (S6). A job with an empty share has nothing to write: it is WRITTEN at
+        once."""
         due = []
         for j in list(self._jobs.values()):
             if j.state is not JobState.GRANTED or now < j.retry_at:
@@ -224,16 +238,23 @@ class SendLedger:
             if not j.share:
                 j.state = JobState.WRITTEN
                 continue
-            if j.digest_state in (DigestState.NEEDED, DigestState.COMPUTING):
-                continue
             due.append(j)
         return due
 
-    def write_posted(self, request_id: str, xfer: object, now: float) -> None:
+    def notification(self, request_id: str) -> protocol.WriteDone:
+        """What the next WRITE of the job announces: its digest, or that it follows."""
+        job = self.job(request_id)
+        if job.digest_state is DigestState.READY:
+            return protocol.WriteDone(request_id=request_id, checksum=job.digest)
+        follows = job.digest_state in (DigestState.NEEDED, DigestState.COMPUTING)
+        return protocol.WriteDone(request_id=request_id, digest_follows=follows)
+
+    def write_posted(self, request_id: str, xfer: object, now: float, notif: protocol.WriteDone) -> None:
         job = self.job(request_id)
         if job.state is not JobState.GRANTED:  # S2, S4
             raise IllegalTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
         job.state, job.xfer, job.t_write = JobState.WRITING, xfer, now
+        job.digest_owed = notif.digest_follows
 
     def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
         job = self.job(request_id)
@@ -277,10 +298,9 @@ class SendLedger:
         if job is None or job.state is not JobState.REQUESTED:
             raise ProtocolError(f"grant for {grant.request_id}, which is not waiting")
         m = job.manifest
-        ppb = len(piece_spans(m.block_bytes, page_bytes))
-        if grant.pages_per_block != ppb or len(grant.pages) != m.num_blocks * ppb:
-            raise ProtocolError(f"grant of {len(grant.pages)} pages does not fit {m.request_id}")
-        if (max(grant.pages) + 1) * page_bytes > pool_bytes:
+        if grant.num_pages != pages_for(m.geometry.sample_bytes(m.num_blocks), page_bytes):
+            raise ProtocolError(f"grant of {grant.num_pages} pages does not fit {m.request_id}")
+        if (grant.first_page + grant.num_pages) * page_bytes > pool_bytes:
             raise ProtocolError(f"grant for {m.request_id} names pages outside the reader's pool")
         job.grant, job.state = grant, JobState.GRANTED
         self.stats.grant_wait_s += now - job.t_submit
@@ -340,7 +360,7 @@ class SendLedger:
             self._finish(j, now)
         for j in self._jobs.values():
             j.state, j.grant, j.xfer = JobState.WAITING, None, None
-            j.attempts, j.rewrite_due, j.retry_at = 0, False, 0.0
+            j.attempts, j.rewrite_due, j.retry_at, j.digest_owed = 0, False, 0.0, False
         return len(self._jobs)
 
     def reader_works(self, now: float) -> None:

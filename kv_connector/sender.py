@@ -100,7 +100,7 @@ class HiddenStatesSender:
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
         self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
         self._loop: SenderLoop
-        writer = ShareWriter(
+        self._writer = writer = ShareWriter(
             transport, local, self._ledger, self._lock, config.rank, lambda f: self._loop.tell_reader(f)
         )
         me = handshake.ProducerIdentity(
@@ -201,6 +201,7 @@ class HiddenStatesSender:
         if self._loop.closed:
             return
         self._loop.close()
+        self._writer.close()
         self._transport.close()
 
     def _share_checksum(self, job: Job) -> int:

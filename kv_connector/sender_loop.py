@@ -18,7 +18,7 @@ from collections.abc import Callable
 from kv_connector import handshake, protocol
 from kv_connector.control import ConnectionClosed, FramedConnection
 from kv_connector.digests import Hasher
-from kv_connector.poller import Poller
+from kv_connector.poller import IDLE_POLL_S
 from kv_connector.protocol import ProtocolError
 from kv_connector.send_ledger import Failure, Job, SendLedger
 from kv_connector.share_writer import ShareWriter
@@ -63,7 +63,6 @@ class SenderLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.closed = False
-        self._poller = Poller.from_env("KV_CONNECTOR_SENDER")
         self.connected = threading.Event()
         # None while connected, else why not (read by the worker's reports)
         self.link_error: str | None = "not connected yet"
@@ -126,21 +125,17 @@ class SenderLoop:
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         try:
             while not self.closed:
-                with self._lock:
-                    writing = self._ledger.writing
-                busy = False
-                for key, _ in sel.select(self._poller.timeout(writing)):
-                    busy = True
+                # WRITEs are the writer thread's: this one only waits for the reader's
+                # messages and for work (a ship, a digest) to send
+                for key, _ in sel.select(IDLE_POLL_S):
                     if key.data == "wake":
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
                     else:
                         for msg in self._conn.receive():
                             self._handle(msg)
-                busy |= self._send_requests()
-                busy |= self._writer.start_due()
-                busy |= self._writer.poll()
-                self._poller.after(busy)
+                self._send_requests()
+                self._send_digests()
         finally:
             sel.close()
 
@@ -245,7 +240,7 @@ class SenderLoop:
             case protocol.Grant():
                 with self._lock:
                     self._ledger.on_grant(msg, self._writer.page_bytes, self._writer.pool_bytes, now)
-                self._writer.start_due()
+                self._writer.wake()
             case protocol.Rewrite():
                 with self._lock:
                     again = self._ledger.on_rewrite(msg)
@@ -256,7 +251,7 @@ class SenderLoop:
                         msg.request_id,
                         msg.reason,
                     )
-                self._writer.start_due()
+                self._writer.wake()
             case protocol.Ack():
                 with self._lock:
                     known = self._ledger.on_ack(msg.request_id, now)
@@ -285,6 +280,16 @@ class SenderLoop:
             fut = self._hasher.submit(functools.partial(self._digest, job))
             fut.add_done_callback(functools.partial(self._digest_done, job.request_id))
         return bool(due)
+
+    def _send_digests(self) -> bool:
+        """A ``ShareDigest`` for every WRITE that went out before its digest was ready."""
+        assert self._conn is not None
+        with self._lock:
+            owed = self._ledger.digests_owed()
+        for job in owed:
+            assert job.digest is not None
+            self._conn.send(protocol.ShareDigest(request_id=job.request_id, checksum=job.digest))
+        return bool(owed)
 
     def _digest_done(self, request_id: str, fut: concurrent.futures.Future[int]) -> None:
         """On the hashing thread: hand the digest (or why not) to the ledger."""

@@ -1,6 +1,9 @@
-"""The sender's WRITE path: posts the WRITEs its job ledger says are due into the pages
-the reader granted, polls them, and hands completions and failures back to the ledger.
-One per sender; it works on the current connection's reader (``connect``)."""
+"""The sender's WRITE path, on a thread of its own: posts the WRITEs its job ledger says
+are due into the run of pages the reader granted, polls them, and hands completions and
+failures back to the ledger. A WRITE is posted synchronously by the transport (UCX moves
+the bytes inside the call on some links), so this thread is not the one that serves the
+reader's messages: grants, acks and digests keep flowing meanwhile. One per sender; it
+works on the current connection's reader (``connect`` ... ``settle``)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kv_connector import protocol
-from kv_connector.layout import piece_spans
+from kv_connector.poller import Poller
 from kv_connector.send_ledger import Failure, Job, SendLedger
 from kv_connector.transport import Region, Transport, TransportError
 
@@ -40,10 +43,42 @@ class ShareWriter:
         self._peer = ""
         self._remote: Region | None = None
         self.page_bytes = 0
+        self._io = threading.Lock()  # held for each round, and by connect / settle
+        self._wake = threading.Event()
+        self._closed = False
+        self._poller = Poller.from_env("KV_CONNECTOR_SENDER")
+        self._thread = threading.Thread(target=self._run, name=f"hs-writer-r{rank}", daemon=True)
+        self._thread.start()
 
     def connect(self, peer: str, remote: Region, page_bytes: int) -> None:
         """WRITE to ``peer``'s ``remote`` pool, cut in pages of ``page_bytes``."""
-        self._peer, self._remote, self.page_bytes = peer, remote, page_bytes
+        with self._io:
+            self._peer, self._remote, self.page_bytes = peer, remote, page_bytes
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._closed:
+            with self._lock:
+                writing = self._ledger.writing
+            self._wake.wait(self._poller.timeout(writing))
+            self._wake.clear()
+            busy = False
+            with self._io:
+                if self._peer and not self._closed:
+                    try:
+                        busy = self.start_due() | self.poll()
+                    except Exception:  # never let one bad WRITE stop the thread
+                        log.exception("rank %d: unexpected error in the WRITE path", self._rank)
+                        time.sleep(0.01)
+            self._poller.after(busy)
 
     @property
     def pool_bytes(self) -> int:
@@ -59,36 +94,36 @@ class ShareWriter:
         return bool(due)
 
     def spans(self, job: Job) -> np.ndarray:
-        """(cache offset, pool offset, length) of every piece of the job's share."""
+        """(cache offset, pool offset, length) of every piece of the job's share: each
+        block where ``BlockLayout.arranged_spans`` puts it in the granted run."""
         m, grant = job.manifest, job.grant
         assert grant is not None
-        pieces = piece_spans(m.block_bytes, self.page_bytes)
-        ppb = len(pieces)
-        js = np.fromiter(job.share, dtype=np.int64)
-        blocks = np.asarray(job.block_ids, dtype=np.int64)[js]
-        pages = np.asarray(grant.pages, dtype=np.int64).reshape(m.num_blocks, ppb)[js]
-        offs = np.array([o for o, _ in pieces], dtype=np.int64)
-        lens = np.array([n for _, n in pieces], dtype=np.int64)
-        spans = np.empty((len(js), ppb, 3), dtype=np.int64)
-        spans[:, :, 0] = blocks[:, None] * m.block_bytes + offs[None, :]
-        spans[:, :, 1] = pages * self.page_bytes
-        spans[:, :, 2] = lens[None, :]
-        return spans.reshape(-1, 3)
+        g, nb = m.geometry, m.num_blocks
+        base = grant.first_page * self.page_bytes
+        rows = [
+            (job.block_ids[j] * g.block_bytes + src, base + dst, n)
+            for j in job.share
+            for src, dst, n in g.arranged_spans(nb, j)
+        ]
+        return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
     def _post(self, job: Job) -> None:
         assert self._remote is not None
-        notif = protocol.encode(protocol.WriteDone(request_id=job.request_id, checksum=job.digest))
+        with self._lock:
+            notif = self._ledger.notification(job.request_id)
         now = time.monotonic()
         try:
-            xfer = self._transport.write(self._peer, self._local, self._remote, self.spans(job), notif)
+            xfer = self._transport.write(
+                self._peer, self._local, self._remote, self.spans(job), protocol.encode(notif)
+            )
         except TransportError as e:
             with self._lock:
-                self._ledger.write_posted(job.request_id, None, now)
+                self._ledger.write_posted(job.request_id, None, now, notif)
                 failure = self._ledger.write_failed(job.request_id, str(e), now)
             self._failed(job.request_id, e, failure)
             return
         with self._lock:
-            self._ledger.write_posted(job.request_id, xfer, now)
+            self._ledger.write_posted(job.request_id, xfer, now, notif)
 
     def poll(self) -> bool:
         """Poll every WRITE in flight once; True if any completed."""
@@ -117,21 +152,22 @@ class ShareWriter:
         return done_any
 
     def settle(self) -> None:
-        """The connection is lost: let the WRITEs in flight finish or fail (up to
-        ``SETTLE_S`` each) before the ledger forgets them; then forget the reader."""
-        with self._lock:
-            writing = [j.xfer for j in self._ledger.writes_in_flight()]
-        for xfer in writing:
-            deadline = time.monotonic() + SETTLE_S
-            while xfer is not None and time.monotonic() < deadline:
-                try:
-                    if self._transport.poll(xfer):  # type: ignore[arg-type]
+        """The connection is lost: stop posting, let the WRITEs in flight finish or fail
+        (up to ``SETTLE_S`` each) before the ledger forgets them; then forget the reader."""
+        with self._io:
+            with self._lock:
+                writing = [j.xfer for j in self._ledger.writes_in_flight()]
+            for xfer in writing:
+                deadline = time.monotonic() + SETTLE_S
+                while xfer is not None and time.monotonic() < deadline:
+                    try:
+                        if self._transport.poll(xfer):  # type: ignore[arg-type]
+                            break
+                    except TransportError:
                         break
-                except TransportError:
-                    break
-        if self._peer:
-            self._transport.remove_peer(self._peer)
-        self._peer, self._remote = "", None
+            if self._peer:
+                self._transport.remove_peer(self._peer)
+            self._peer, self._remote = "", None
 
     def _failed(self, rid: str, e: TransportError, failure: Failure | None) -> None:
         if failure is None:

@@ -52,9 +52,11 @@ def main() -> None:
         nonlocal nbytes
         for s in reader.samples(len(prompts), timeout=600):
             if not received:
-                received.append(s)  # keep one for the check below
+                received.append(s)  # keep one for the check below (its lease holds a few pages)
             else:
-                received.append(Sample(s.request_id, s.token_ids, s.hidden_states[:0], s.layer_ids))
+                # keep only what the summary needs; the sample itself (a view of the pool on
+                # lease) goes, and its pages with it
+                received.append(Sample(s.request_id, s.token_ids, s.hidden_states.new_empty(0), s.layer_ids))
             nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
             t_last[0] = time.monotonic()
         done.set()

@@ -9,7 +9,6 @@ always whole.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -18,10 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from kv_connector.control import parse_address
-from kv_connector.reader.core import HiddenStatesReader, Sample
+from kv_connector.reader.core import HiddenStatesReader
+from kv_connector.reader.files import write_atomically
+from kv_connector.reader.lease import Sample
 
 log = logging.getLogger("kv_connector.reader")
 
@@ -56,33 +55,16 @@ class Ledger:
 
 
 def write_sample(out_dir: Path, sample: Sample) -> Path:
-    """Write one sample atomically; returns the final path."""
-    final = out_dir / f"{sample.request_id}.safetensors"
-    fd, tmp = tempfile.mkstemp(prefix=f".{sample.request_id}.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        save_file(
-            {"hidden_states": sample.hidden_states, "token_ids": sample.token_ids},
-            tmp,
-            metadata={
-                "request_id": sample.request_id,
-                "producer_id": sample.producer_id,
-                "layer_ids": ",".join(str(i) for i in sample.layer_ids),
-            },
-        )
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return final
+    """Write one sample atomically, from its view of the pool; returns the final path."""
+    return write_atomically(
+        out_dir / f"{sample.request_id}.safetensors",
+        {"hidden_states": sample.hidden_states, "token_ids": sample.token_ids},
+        {
+            "request_id": sample.request_id,
+            "producer_id": sample.producer_id,
+            "layer_ids": ",".join(str(i) for i in sample.layer_ids),
+        },
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -165,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with reader:
             for sample in reader.samples(args.max_samples, args.timeout):
-                path = write_sample(out, sample)
-                ledger.add(sample.producer_id, sample.request_id)
-                reader.ack(sample)  # only now may the producer free the sample's blocks
+                with sample:  # its pages return once the file is written
+                    path = write_sample(out, sample)
+                    ledger.add(sample.producer_id, sample.request_id)
+                    reader.ack(sample)  # only now may the producer free the sample's blocks
                 n += 1
                 log.info("wrote %s (%d tokens)", path.name, sample.token_ids.numel())
     except TimeoutError as e:

@@ -1,31 +1,27 @@
 """HiddenStatesReader: the consumer side's user API. It owns the receive pool (registered
-with the transport once), the ledger of samples (``reader.ledger``) and the serving
-thread (``reader.server``); ``get`` takes the next complete sample, checks each share
-against its checksum, copies it out of the pool and hands it out, after which its pages
-return to the pool and its producer gets its ``Ack``."""
+with the transport once), the ledger of samples (``reader.ledger``), the serving thread
+(``reader.server``) and the checking thread (``reader.checker``). ``get`` hands out the
+next complete, checked sample as a view of the pool on lease (``reader.lease``): no copy,
+no pass over its bytes; its producer gets its ``Ack``, and its pages return to the pool
+when the lease ends."""
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import logging
-import math
-import mmap
 import queue
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
 
 import torch
 
 from kv_connector import auth
 from kv_connector.control import format_address, parse_address
-from kv_connector.integrity import paged_checksum, spans_of_sample
-from kv_connector.protocol import Manifest
-from kv_connector.reader.ledger import AckMode, Key, ReaderLedger
-from kv_connector.reader.ledger import Sample as _Record
+from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
+from kv_connector.reader.ledger import AckMode, Key, ReaderLedger, SampleState
 from kv_connector.reader.server import ReaderServer, round_page
 from kv_connector.stats import ReaderStats
 from kv_connector.transport import Transport
@@ -33,39 +29,8 @@ from kv_connector.transport import Transport
 log = logging.getLogger(__name__)
 
 DEFAULT_POOL_BYTES = 256 << 20
-HUGE_PAGE_MIN_BYTES = 2 << 20
-
-
-class Sample(NamedTuple):
-    """One request's captured hidden states.
-
-    request_id: the producer's request id.
-    token_ids: [num_tokens] int64.
-    hidden_states: [num_tokens, num_captured_layers, hidden_size], the producer's dtype.
-    layer_ids: the captured layer ids, in the order of ``hidden_states``' second dim.
-    producer_id: which producer sent it.
-    """
-
-    request_id: str
-    token_ids: torch.Tensor
-    hidden_states: torch.Tensor
-    layer_ids: tuple[int, ...]
-    producer_id: str = ""
-
-
-def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor; large ones on anonymous memory advised to use
-    transparent huge pages, which cuts the first-touch page-fault cost of a fresh
-    sample (measured here: a 64 MiB copy-out at 1.0 GB/s on 4 KiB pages, 3.9 on huge
-    pages). The tensor keeps its memory alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE_MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            mem.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mem, dtype=torch.uint8).view(dtype).view(shape)
+DEFAULT_MAX_LEASES = 64
+COPY_BUFFERS_MIN_BYTES = 64 << 20  # copy buffers kept for reuse: the pool's size, or this
 
 
 def listen_socket(listen: str | socket.socket) -> socket.socket:
@@ -87,6 +52,10 @@ class ReaderClosed(Exception):
     """The reader was closed while waiting for a sample."""
 
 
+class LeaseLimitError(RuntimeError):
+    """The user holds ``max_leases`` samples on lease and asks for another."""
+
+
 class HiddenStatesReader:
     """Receives hidden states from producers over NIXL.
 
@@ -104,14 +73,20 @@ class HiddenStatesReader:
     sample was durably written.
     ``already_delivered(producer_id, request_id)``: samples delivered before this reader
     started (a ledger); a producer resending one gets its ``Ack`` without a transfer.
-    ``verify``: check each share against the checksum (XXH3-64) its producer sent (on by
-    default); a mismatch is logged with the request id and the share is written again
-    (at most ``reader.ledger.MAX_REWRITES`` times, then the sample is refused and its
-    producer fails it).
+    ``verify``: check each share against the checksum (XXH3-64) its producer sent, as it
+    lands, on the reader's checking thread (on by default); a mismatch is logged with the
+    request id and the share is written again (at most ``reader.ledger.MAX_REWRITES``
+    times, then the sample is refused and its producer fails it).
+    ``copy``: hand samples out as copies (into reused buffers) instead of views of the
+    pool on lease; their pages return at once. For users who keep samples for long.
+    ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
+    ``LeaseLimitError`` beyond it, naming them).
     ``transport``: the agent to receive with (a ``NixlTransport`` by default).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
-    ``close``.
+    ``close``. The iterator lets go of each sample when you ask for the next one: if you
+    kept no reference to it or its tensors, its pages return to the pool then; if you
+    did, they return when the last of those is gone (or when you call ``release``).
     """
 
     def __init__(
@@ -125,12 +100,17 @@ class HiddenStatesReader:
         already_delivered: Callable[[str, str], bool] | None = None,
         verify: bool = True,
         transport: Transport | None = None,
+        copy: bool = False,
+        max_leases: int = DEFAULT_MAX_LEASES,
     ) -> None:
         try:
             ack_mode = AckMode(ack)
         except ValueError:
             raise ValueError(f"ack must be 'on_take' or 'manual', got {ack!r}") from None
-        self._verify = verify
+        if max_leases <= 0:
+            raise ValueError(f"max_leases must be positive, got {max_leases}")
+        self.max_leases = max_leases
+        self._copy = copy
         if pool_bytes <= 0:
             raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
         if page_bytes is not None:
@@ -139,14 +119,15 @@ class HiddenStatesReader:
                 raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {pool_bytes}")
         secret = secret if secret is not None else auth.load_secret()
         self.reader_id = name or f"reader-{uuid.uuid4().hex[:12]}"
-        self._ledger = ReaderLedger(ack_mode, already_delivered)
+        self._ledger = ReaderLedger(ack_mode, already_delivered, verify=verify)
         if page_bytes is not None:
             self._ledger.set_pages(page_bytes, pool_bytes // page_bytes)
         lsock = listen_socket(listen)
         real_host, real_port = lsock.getsockname()[:2]
         self.address = format_address(real_host, real_port)
         self._pool_tensor = torch.zeros(pool_bytes, dtype=torch.uint8)
-        self._pool_mv = self._pool_tensor.numpy().data
+        self._pool_np = self._pool_tensor.numpy()
+        self._copies = CopyBuffers(max_bytes=max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
         try:
             if transport is None:
                 from kv_connector.nixl_transport import NixlTransport
@@ -161,8 +142,9 @@ class HiddenStatesReader:
         self._ready: queue.Queue[Key | None] = queue.Queue()
         self._closed = False
         self._server = ReaderServer(
-            lsock, transport, region, self._ledger, self._lock, secret, self.reader_id, self._ready.put
-        )
+            lsock, transport, region, self._ledger, self._lock, secret, self.reader_id, self._ready.put,
+            self._pool_np.data,
+        )  # fmt: skip
         self._server.start()
         log.info(
             "hidden-states reader %s listening on %s, pool %.1f MiB%s",
@@ -173,13 +155,18 @@ class HiddenStatesReader:
         )
 
     # ---------------------------------------------------------------- user side
-    def get(self, timeout: float | None = None) -> Sample:
-        """The next complete sample (copied out of the pool, its pages returned).
-        Raises ``TimeoutError`` after ``timeout`` seconds, ``ReaderClosed`` once closed."""
+    def get(self, timeout: float | None = None, copy: bool | None = None) -> Sample:
+        """The next complete, checked sample: on lease (a view of the pool), or copied out
+        with ``copy`` (default: the reader's ``copy``). Raises ``TimeoutError`` after
+        ``timeout`` seconds, ``ReaderClosed`` once closed, ``LeaseLimitError`` when the
+        user holds ``max_leases`` samples on lease."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        copy = self._copy if copy is None else copy
         while True:
             if self._closed:
                 raise ReaderClosed("the reader is closed")
+            if not copy:
+                self._check_lease_limit()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 key = self._ready.get(timeout=left)
@@ -188,10 +175,10 @@ class HiddenStatesReader:
             if key is None:
                 self._ready.put(None)
                 raise ReaderClosed("the reader is closed")
-            sample = self._take(key)
+            sample = self._hand_out(key, copy)
             if sample is not None:
                 return sample
-            # it failed its checksum (written again, or refused) or its producer dropped it
+            # discarded since it was queued
 
     def __iter__(self) -> Iterator[Sample]:
         while True:
@@ -239,77 +226,54 @@ class HiddenStatesReader:
         log.info("hidden-states reader %s closed (%d samples)", self.reader_id, self._ledger.stats.samples)
 
     # ------------------------------------------------------------- hand-out
-    def _take(self, key: Key) -> Sample | None:
+    def _check_lease_limit(self) -> None:
         with self._lock:
-            rec = self._ledger.take(key)
-            if rec is None:  # discarded or being written again since it was queued
+            self._server.take_releases()
+            held = self._ledger.leases()
+        if len(held) < self.max_leases:
+            return
+        gc.collect()  # leases whose tensors are only in reference cycles
+        with self._lock:
+            self._server.take_releases()
+            held = self._ledger.leases()
+        if len(held) >= self.max_leases:
+            names = ", ".join(s.key[1] for s in held[:8])
+            raise LeaseLimitError(
+                f"you hold {len(held)} samples on lease (max_leases={self.max_leases}: {names}, ...): "
+                "release them (sample.release(), a with block, or drop their tensors), read with "
+                "copy=True, or raise max_leases"
+            )
+
+    def _hand_out(self, key: Key, copy: bool) -> Sample | None:
+        with self._lock:
+            rec = self._ledger.samples.get(key)
+            if rec is None or rec.state is not SampleState.VERIFIED:
                 return None
-            page_bytes = self._ledger.page_bytes
-        assert page_bytes is not None and rec.pages is not None
-        bad = self._bad_shares(rec, page_bytes) if self._verify else []
-        with self._lock:
-            self._server.perform(self._ledger.verified(key, bad, time.monotonic()))
-        if bad:
-            return None
-        m = rec.manifest
-        t0 = time.perf_counter()
-        hidden = self._assemble(m, rec.pages, rec.ppb, page_bytes)
-        copy_s = time.perf_counter() - t0
-        sample = Sample(
+            m = rec.manifest
+            nbytes = m.num_tokens * m.geometry.token_bytes
+            got = self._ledger.hand_out(key, nbytes, time.monotonic())
+            assert got is not None and rec.pages is not None and self._ledger.page_bytes is not None
+            self._server.perform(got[1])
+            base = rec.pages.start * self._ledger.page_bytes
+        lease = Lease(key, self._server.release)
+        if copy:
+            t0 = time.perf_counter()
+            run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
+            view = sample_view(run, m)
+            hidden = self._copies.take(nbytes).view(view.dtype).view(view.shape)
+            hidden.copy_(view)
+            del run, view
+            lease.release()  # copied: its pages go back now
+            lease = None  # type: ignore[assignment]
+            with self._lock:
+                self._ledger.stats.copy_s += time.perf_counter() - t0
+        else:
+            hidden = leased_view(self._pool_np, base, m, lease)
+        return Sample(
             request_id=m.request_id,
             token_ids=torch.tensor(m.token_ids, dtype=torch.int64),
             hidden_states=hidden,
             layer_ids=tuple(m.layer_ids),
             producer_id=key[0],
+            lease=lease,
         )
-        with self._lock:
-            self._ledger.stats.copy_s += copy_s
-            self._server.perform(self._ledger.handed_out(key, hidden.numel() * hidden.element_size()))
-        return sample
-
-    def _bad_shares(self, rec: _Record, page_bytes: int) -> list[int]:
-        """The ranks whose share, as it landed in the pool, does not match its checksum."""
-        assert rec.pages is not None
-        t0 = time.perf_counter()
-        spans_of = spans_of_sample(rec.manifest)
-        bad = [
-            rank
-            for rank, crc in sorted(rec.checksums.items())
-            if crc is not None
-            and rec.promised.get(rank)
-            and crc
-            != paged_checksum(self._pool_mv, rec.pages, rec.ppb, page_bytes, rec.share(rank), spans_of)
-        ]
-        with self._lock:
-            self._ledger.stats.verify_s += time.perf_counter() - t0
-        return bad
-
-    def _assemble(self, m: Manifest, pages: list[int], ppb: int, page_bytes: int) -> torch.Tensor:
-        """Copy a sample out of its pages into [T, L, H] of its dtype.
-
-        One gather over a strided view of the pool does the page lookup and the layout
-        change together: one pass over the bytes and one GIL release per sample (a loop
-        of per-block copies stalls on the serving thread's GIL turns).
-        """
-        pb = page_bytes
-        g = m.geometry
-        dtype = getattr(torch, g.dtype)
-        item = g.item_size
-        L, H, bs, nb = g.num_layers, g.hidden_size, g.block_size, m.num_blocks
-        block_shape = g.block_shape()
-        inner = (block_shape[1] * H, H, 1)
-        num_pages = self._pool_tensor.numel() // pb
-        pool = self._pool_tensor[: num_pages * pb]
-        idx = torch.tensor(pages, dtype=torch.int64)
-        if ppb == 1:
-            src, stride = pool.view(dtype), pb // item
-            n_src = num_pages
-        else:  # a block spans several pages: stage its pieces side by side first
-            staged = pool.view(num_pages, pb).index_select(0, idx).view(-1)
-            src, stride = staged.view(dtype), ppb * pb // item
-            n_src, idx = nb, torch.arange(nb)
-        blocks = src.as_strided((n_src, *block_shape), (stride, *inner))
-        tokens_major = blocks.permute(0, 2, 1, 3) if g.layout == "LTH" else blocks
-        out = empty_tensor((nb * bs, L, H), dtype)
-        torch.index_select(tokens_major, 0, idx, out=out.view(nb, bs, L, H))
-        return out[: m.num_tokens]

@@ -7,7 +7,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from kv_connector.reader.core import HiddenStatesReader, Sample
+from kv_connector.reader.core import HiddenStatesReader
+from kv_connector.reader.lease import Sample
 
 
 class HiddenStatesDataset(IterableDataset[Sample]):

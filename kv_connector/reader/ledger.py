@@ -1,35 +1,42 @@
-"""The reader's sample ledger: every sample from its first credit request to its hand-out
-(or its refusal or discard), the receive pool's pages, the connected producers, and the
-samples already delivered. Pure logic (no nixl, sockets, threads or clocks: times are
-passed in). The reader's shells (``server.py`` for the connections, ``core.py`` for the
-user) feed it what happened and perform the actions it answers (``Send``, ``Ready``).
-A peer's message that does not fit raises ``ProtocolError`` (the shell refuses that
-peer, and only it); a transition the state does not allow raises ``IllegalTransition``.
+"""The reader's sample ledger: every sample from its first credit request to the release
+of its lease (or its refusal or discard), the receive pool's pages, the connected
+producers (``producers.py``) and the samples already delivered. Pure logic (no nixl,
+sockets, threads or clocks: times are passed in). The reader's shells (``server.py``
+for connections and checks, ``core.py`` for the user) feed it what happened and perform
+the actions it answers (``Send``, ``Verify``, ``Ready``, ``Log``). A peer's message that
+does not fit raises ``ProtocolError`` (the shell refuses that peer, and only it); a
+transition the state does not allow raises ``IllegalTransition``.
 
 States of a sample (``SampleState``), keyed by (producer id, request id):
 
-    (credit request) ----------------> PROMISED   waits in the pool's FIFO for pages
-    PROMISED   -- pages free --------> GRANTED    every rank's peer gets the Grant
-    GRANTED    -- last share landed -> WRITTEN    every rank registered, every WRITE landed
-    WRITTEN    -- take --------------> TAKEN      the user's get() verifies it
-    TAKEN      -- shares match ------> VERIFIED
-    TAKEN      -- a share mismatches > GRANTED    that rank writes it again (Rewrite)
-    TAKEN      -- too many rewrites -> refused    never handed out; its producer is told
-    VERIFIED   -- handed_out --------> released   pages back, producer acked (or, with
-                                                  manual acks, when the user acks)
+    (credit request) ----------------> PROMISED    waits in the pool's FIFO for a run of pages
+    PROMISED   -- pages free --------> GRANTED     every rank's peer gets the Grant
+    GRANTED    -- last share landed -> WRITTEN     every rank registered, every WRITE landed
+    WRITTEN    -- last share checked > VERIFIED    queued for the user (Ready)
+    GRANTED/WRITTEN -- a share fails > GRANTED     that rank writes it again (Rewrite)
+    GRANTED/WRITTEN -- too many -----> refused     never handed out; its producer is told
+    VERIFIED   -- hand_out ----------> HANDED_OUT  on lease to the user: a view of its pages;
+                                                   the producer is acked (or, in manual
+                                                   mode, when the user acks)
+    HANDED_OUT -- release -----------> released    its pages return to the pool
     PROMISED/GRANTED/WRITTEN -- producer gone or gave up --> discarded (pages quarantined)
 
-A released sample is remembered (``delivered``): a producer that resends it after a
+Each rank's share is checked as soon as it has landed and its digest is known (``Verify``,
+carried out on the reader's checking thread), so a hand-out costs nothing per byte. A
+share's landings are numbered: a check of an older landing is ignored.
+
+A handed-out sample is remembered (``delivered``): a producer that resends it after a
 reconnect gets an Ack, never a second copy.
 
 Invariants (tests name the one they prove):
-  R1  No credit, no write: a producer may write a sample only into the pages granted
-      to it; a page belongs to at most one sample at a time.
-  R2  A sample is ready at most once per completion, and only when every rank of its
-      producer registered its share, the shares tile the sample's blocks exactly, and
-      every non-empty share's WRITE landed.
-  R3  A sample's pages return to the pool only once it was copied out, or, for a sample
-      that can never complete, after a quarantine, so a late WRITE lands unseen.
+  R1  No credit, no write: a producer may write a sample only into the run of pages
+      granted to it; a page belongs to at most one sample at a time.
+  R2  A sample is handed out only when every rank of its producer registered its share,
+      the shares tile the sample's blocks exactly, every non-empty share's WRITE landed
+      and, where it carries a digest, matched it; at most once.
+  R3  A sample's pages return to the pool only when its lease is released (the user
+      released it, or no tensor of it is left), or, for a sample that can never
+      complete, after a quarantine, so a late WRITE lands unseen; never while on lease.
   R4  A producer is acked for a sample only once the sample is the consumer's (handed
       out, or acknowledged by the user in manual mode); a resend of a delivered sample
       is acked, never delivered twice.
@@ -49,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_connector import protocol
-from kv_connector.layout import pages_per_block
+from kv_connector.layout import pages_for
 from kv_connector.pool import PagePool, PoolTooSmall
 from kv_connector.protocol import ProtocolError
 from kv_connector.reader.producers import PeerId, Producers
@@ -71,8 +78,8 @@ class SampleState(enum.Enum):
     PROMISED = "promised"
     GRANTED = "granted"
     WRITTEN = "written"
-    TAKEN = "taken"
     VERIFIED = "verified"
+    HANDED_OUT = "handed_out"
 
 
 class AckMode(enum.Enum):
@@ -87,8 +94,18 @@ class Send:
 
 
 @dataclass(frozen=True)
+class Verify:
+    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``)."""
+
+    key: Key
+    rank: int
+    landing: int
+    digest: int
+
+
+@dataclass(frozen=True)
 class Ready:
-    """A sample is complete: queue it for the user."""
+    """A sample is complete and checked: queue it for the user."""
 
     key: Key
 
@@ -101,7 +118,22 @@ class Log:
     text: str
 
 
-Action = Send | Ready | Log
+Action = Send | Verify | Ready | Log
+
+
+@dataclass
+class Share:
+    """One rank's share of a sample, on the reader."""
+
+    blocks: frozenset[int]
+    peer: PeerId
+    landing: int = 0  # how many times its WRITE landed (a Rewrite lands again)
+    landed: bool = False
+    digest: int | None = None
+    digest_due: bool = False  # it landed saying its digest follows
+    early_digest: int | None = None  # a ShareDigest that came before its WriteDone
+    checked: bool = False
+    checking: int | None = None  # the landing being checked
 
 
 @dataclass
@@ -109,22 +141,25 @@ class Sample:
     key: Key
     manifest: protocol.Manifest
     world_size: int
+    num_pages: int
     state: SampleState = SampleState.PROMISED
-    promised: dict[int, frozenset[int]] = field(default_factory=dict)  # rank -> its blocks
-    written: set[int] = field(default_factory=set)  # ranks whose WRITE landed
-    checksums: dict[int, int | None] = field(default_factory=dict)  # rank -> digest of its share
-    peers: dict[int, PeerId] = field(default_factory=dict)  # rank -> its current connection
-    pages: list[int] | None = None
-    ppb: int = 1
+    shares: dict[int, Share] = field(default_factory=dict)  # rank -> its share
+    pages: range | None = None
     rewrites: int = 0
+    t_handed_out: float = 0.0
 
-    def shares_landed(self) -> bool:
-        if len(self.promised) < self.world_size or self.pages is None:
-            return False
-        return all(r in self.written or not b for r, b in self.promised.items())
+    @property
+    def peers(self) -> dict[int, PeerId]:
+        return {r: s.peer for r, s in self.shares.items()}
 
-    def share(self, rank: int) -> list[int]:
-        return sorted(self.promised.get(rank, ()))
+    def all_registered(self) -> bool:
+        return len(self.shares) == self.world_size and self.pages is not None
+
+    def all_landed(self) -> bool:
+        return self.all_registered() and all(s.landed or not s.blocks for s in self.shares.values())
+
+    def all_checked(self) -> bool:
+        return self.all_landed() and all(s.checked or not s.blocks for s in self.shares.values())
 
 
 class ReaderLedger:
@@ -136,6 +171,7 @@ class ReaderLedger:
         quarantine_s: float = QUARANTINE_S,
         grace_s: float = LAST_NOTIFICATION_GRACE_S,
         delivered_memory: int = DELIVERED_MEMORY,
+        verify: bool = True,
     ) -> None:
         self.ack_mode = ack_mode
         self._already_delivered = already_delivered
@@ -143,12 +179,13 @@ class ReaderLedger:
         self.quarantine_s = quarantine_s
         self.grace_s = grace_s
         self.delivered_memory = delivered_memory
+        self.verify = verify
         self.stats = ReaderStats()
         self.pool: PagePool | None = None
         self.page_bytes: int | None = None
         self.samples: dict[Key, Sample] = {}
         self.producers = Producers()
-        # released samples -> the peers still owed an Ack ([] once acked)
+        # handed-out samples -> the peers still owed an Ack ([] once acked)
         self.delivered: collections.OrderedDict[Key, list[PeerId]] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ pool
@@ -182,6 +219,11 @@ class ReaderLedger:
     def departing(self) -> bool:
         return self.producers.departing
 
+    def leases(self) -> list[Sample]:
+        """The samples on lease to the user, oldest first."""
+        out = [s for s in self.samples.values() if s.state is SampleState.HANDED_OUT]
+        return sorted(out, key=lambda s: s.t_handed_out)
+
     # ------------------------------------------------------------------ peers
     def peer_ready(self, peer: PeerId, hello: protocol.Hello) -> None:
         """A producer rank finished its handshake on connection ``peer``."""
@@ -196,9 +238,10 @@ class ReaderLedger:
             return []
         pid, rank = ident
         awaited = any(
-            key[0] == pid and s.pages is not None and s.promised.get(rank) and rank not in s.written
+            key[0] == pid and s.pages is not None and rank in s.shares and s.shares[rank].blocks
+            and not s.shares[rank].landed
             for key, s in self.samples.items()
-        )
+        )  # fmt: skip
         self.producers.gone(peer, now + (self.grace_s if awaited else 0.0))
         return self._departed(now)
 
@@ -239,9 +282,11 @@ class ReaderLedger:
         assert self.pool is not None and self.page_bytes is not None
         s = self.samples.get(key)
         if s is None:
-            s = Sample(key, m, prod.world_size, ppb=pages_per_block(m.block_bytes, self.page_bytes))
+            s = Sample(
+                key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
+            )
             try:
-                self.pool.request(key, m.num_blocks * s.ppb)
+                self.pool.request(key, s.num_pages)
             except PoolTooSmall as e:
                 self.stats.refused += 1
                 return [
@@ -253,41 +298,65 @@ class ReaderLedger:
             self.samples[key] = s
         elif s.manifest != m:
             raise ProtocolError(f"rank {rank} sent a manifest of {m.request_id} that differs from the first")
-        share = frozenset(req.blocks)
-        if rank in s.promised:
-            old = s.peers.get(rank)
-            if old is not None and old != peer and self.producers.current(pid, rank) == old:
+        blocks = frozenset(req.blocks)
+        share = s.shares.get(rank)
+        if share is not None:
+            if share.peer != peer and self.producers.current(pid, rank) == share.peer:
                 raise ProtocolError(f"rank {rank} asked twice for {m.request_id}")
-            if s.promised[rank] != share:
+            if share.blocks != blocks:
                 raise ProtocolError(f"rank {rank} changed its share of {m.request_id}")
-            # the rank reconnected: it resends into the same pages
+            share.peer = peer  # the rank reconnected: it resends into the same pages
         else:
-            for r, other in s.promised.items():
-                if share & other:
+            for r, other in s.shares.items():
+                if blocks & other.blocks:
                     raise ProtocolError(f"ranks {r} and {rank} both promise blocks of {m.request_id}")
-            s.promised[rank] = share
-        s.peers[rank] = peer
-        if len(s.promised) == s.world_size:
-            covered = set().union(*s.promised.values())
+            s.shares[rank] = Share(blocks, peer)
+        if len(s.shares) == s.world_size:
+            covered = set().union(*(sh.blocks for sh in s.shares.values()))
             if len(covered) != m.num_blocks:
                 raise ProtocolError(f"the ranks' shares of {m.request_id} leave blocks unwritten")
         actions: list[Action] = []
         if s.pages is not None:
             actions.append(Send(peer, self._grant_msg(s)))
-            actions += self._maybe_written(s)
-        return actions + self._grant()
+            actions += self._advance(s)
+        return actions + self._grant(now)
 
     def write_done(self, peer: PeerId, msg: protocol.WriteDone) -> list[Action]:
         """A rank's WRITE of its share landed (its notification arrived)."""
-        pid, rank = self._ident(peer)
-        s = self.samples.get((pid, msg.request_id))
-        if s is None or s.pages is None or rank not in s.promised:
-            raise ProtocolError(f"write_done for {msg.request_id}, which it was not granted")
+        s, share = self._share_of(peer, msg.request_id, "write_done")
         # a reconnected rank may land its share again into the same pages, also once the
         # sample is complete: the same bytes, the same digest
-        s.written.add(rank)
-        s.checksums[rank] = msg.checksum
-        return self._maybe_written(s)
+        if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):
+            return []
+        share.landing += 1
+        share.landed, share.checked, share.checking = True, False, None
+        share.digest, share.digest_due = msg.checksum, msg.digest_follows
+        if msg.digest_follows and share.early_digest is not None:
+            share.digest, share.digest_due, share.early_digest = share.early_digest, False, None
+        return self._advance(s)
+
+    def share_digest(self, peer: PeerId, msg: protocol.ShareDigest) -> list[Action]:
+        """The digest of a rank's share, sent after its WRITE was posted."""
+        s, share = self._share_of(peer, msg.request_id, "share_digest")
+        if share.landed and share.digest_due:
+            share.digest, share.digest_due = msg.checksum, False
+            return self._advance(s)
+        share.early_digest = msg.checksum  # its WriteDone is still on its way
+        return []
+
+    def share_checked(self, key: Key, rank: int, landing: int, ok: bool, now: float) -> list[Action]:
+        """The result of a ``Verify``: a share that matches is checked; one that does not
+        is written again or, past ``max_rewrites``, its sample is refused (R5). A result
+        for an older landing, or a sample gone meanwhile, is ignored."""
+        s = self.samples.get(key)
+        share = s.shares.get(rank) if s is not None else None
+        if s is None or share is None or share.landing != landing or share.checking != landing:
+            return []
+        share.checking = None
+        if ok:
+            share.checked = True
+            return self._advance(s)
+        return self._mismatch(s, rank, now)
 
     def producer_refused(self, peer: PeerId, msg: protocol.Refuse, now: float) -> list[Action]:
         """A producer gave up on one of its samples (e.g. its WRITE kept failing): drop the
@@ -295,9 +364,9 @@ class ReaderLedger:
         pid, rank = self._ident(peer)
         s = self.samples.get((pid, msg.request_id)) if msg.request_id else None
         label = f"{pid}/rank{rank}"
-        if s is None or rank not in s.promised:
+        if s is None or rank not in s.shares:
             return [Log("warning", f"{label} says: {msg.code} {msg.message}")]
-        if s.state in (SampleState.TAKEN, SampleState.VERIFIED):  # complete, being handed out
+        if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):  # complete and checked
             return [
                 Log("warning", f"{label} gave up on {msg.request_id}, which it had delivered: {msg.message}")
             ]
@@ -306,92 +375,38 @@ class ReaderLedger:
         ]
         for r, other in s.peers.items():
             if r != rank:
-                actions.append(
-                    Send(
-                        other,
-                        protocol.Refuse(
-                            code=msg.code,
-                            message=f"rank {rank}: {msg.message}"[:4000],
-                            request_id=msg.request_id,
-                        ),
-                    )
+                refuse = protocol.Refuse(
+                    code=msg.code, message=f"rank {rank}: {msg.message}"[:4000], request_id=msg.request_id
                 )
+                actions.append(Send(other, refuse))
         return actions + self._discard(s, now, f"{label} gave up on it")
 
     # ------------------------------------------------------------- the user
-    def take(self, key: Key) -> Sample | None:
-        """The user's get() takes a ready sample: WRITTEN -> TAKEN. None when it was
-        discarded or rewritten since it was queued."""
+    def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[Sample, list[Action]] | None:
+        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
+        as delivered and its producer acked now (on take) or when the user acks (manual)
+        (R4). None when it is not ready (discarded, or written again since it was queued)."""
         s = self.samples.get(key)
-        if s is None or s.state is not SampleState.WRITTEN:
+        if s is None or s.state is not SampleState.VERIFIED:
             return None
-        s.state = SampleState.TAKEN
-        return s
-
-    def verified(self, key: Key, bad_ranks: list[int], now: float) -> list[Action]:
-        """TAKEN -> VERIFIED when ``bad_ranks`` is empty; else the ranks whose share did
-        not match their checksum write it again, or, past ``max_rewrites``, the sample is
-        refused (R5)."""
-        s = self._sample(key, SampleState.TAKEN)
-        if not bad_ranks:
-            s.state = SampleState.VERIFIED
-            return []
-        m = s.manifest
-        self.stats.checksum_mismatches += len(bad_ranks)
-        s.rewrites += 1
-        ranks = ", ".join(str(r) for r in bad_ranks)
-        if s.rewrites > self.max_rewrites:
-            why = (
-                f"request {m.request_id} of producer {key[0]} failed its checksum "
-                f"{s.rewrites} times (rank {ranks}); refusing it"
-            )
-            self.stats.refused += 1
-            actions: list[Action] = [Log("error", why)]
-            actions += [
-                Send(peer, protocol.Refuse(code="checksum", message=why, request_id=m.request_id))
-                for peer in s.peers.values()
-            ]
-            return actions + self._discard(s, now, "refused")
-        if key[0] not in self.producers:  # nobody left to write it again
-            gone = Log("error", f"request {m.request_id}: a share failed its checksum")
-            return [gone, *self._discard(s, now, "its producer is gone")]
-        s.state = SampleState.GRANTED
-        actions = [
-            Log(
-                "error",
-                f"request {m.request_id} of producer {key[0]}: rank {ranks}'s share does not match its "
-                f"checksum; asking for it again ({s.rewrites} of {self.max_rewrites})",
-            )
-        ]
-        for rank in bad_ranks:
-            s.written.discard(rank)
-            writer = s.peers.get(rank)
-            if writer is not None:
-                actions.append(
-                    Send(
-                        writer,
-                        protocol.Rewrite(
-                            request_id=m.request_id, reason="the share does not match its checksum"
-                        ),
-                    )
-                )
-        return actions
-
-    def handed_out(self, key: Key, nbytes: int) -> list[Action]:
-        """VERIFIED -> released: the sample was copied out. Its pages return to the pool
-        (R3), it is remembered as delivered, and its producer is acked now (on take) or
-        when the user acks (manual) (R4)."""
-        s = self._sample(key, SampleState.VERIFIED)
-        del self.samples[key]
-        assert self.pool is not None and s.pages is not None
-        self.pool.release(key, s.pages)
+        s.state, s.t_handed_out = SampleState.HANDED_OUT, now
         self.stats.samples += 1
         self.stats.bytes += nbytes
         self.delivered[key] = list(s.peers.values())
         while len(self.delivered) > self.delivered_memory:
             self.delivered.popitem(last=False)
-        actions: list[Action] = self.ack(key) if self.ack_mode is AckMode.ON_TAKE else []
-        return actions + self._grant()
+        return s, (self.ack(key) if self.ack_mode is AckMode.ON_TAKE else [])
+
+    def release(self, key: Key, now: float) -> list[Action]:
+        """HANDED_OUT -> released: the lease ended; its pages return to the pool (R3).
+        Releasing a sample that is not on lease (released already) does nothing."""
+        s = self.samples.get(key)
+        if s is None or s.state is not SampleState.HANDED_OUT:
+            return []
+        del self.samples[key]
+        assert self.pool is not None and s.pages is not None
+        self.pool.release(key, s.pages)
+        return self._grant(now)
 
     def ack(self, key: Key) -> list[Action]:
         """The user acknowledges a delivered sample: its producer's ranks get their Ack."""
@@ -407,7 +422,7 @@ class ReaderLedger:
         are settled."""
         actions = self._departed(now)
         if self.pool is not None and self.pool.end_quarantines(now):
-            actions += self._grant()
+            actions += self._grant(now)
         return actions
 
     # -------------------------------------------------------------- helpers
@@ -417,35 +432,86 @@ class ReaderLedger:
             raise IllegalTransition(f"peer {peer} is not a connected producer")
         return ident
 
-    def _sample(self, key: Key, state: SampleState) -> Sample:
-        s = self.samples.get(key)
-        if s is None or s.state is not state:
-            raise IllegalTransition(f"sample {key} is {s.state.value if s else 'unknown'}, not {state.value}")
-        return s
+    def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[Sample, Share]:
+        pid, rank = self._ident(peer)
+        s = self.samples.get((pid, request_id))
+        share = s.shares.get(rank) if s is not None else None
+        if s is None or s.pages is None or share is None:
+            raise ProtocolError(f"{what} for {request_id}, which it was not granted")
+        return s, share
 
     def _grant_msg(self, s: Sample) -> protocol.Grant:
         assert s.pages is not None
-        return protocol.Grant(request_id=s.manifest.request_id, pages=s.pages, pages_per_block=s.ppb)
+        return protocol.Grant(
+            request_id=s.manifest.request_id, first_page=s.pages.start, num_pages=len(s.pages)
+        )
 
-    def _grant(self) -> list[Action]:
-        """Pages to waiting samples in arrival order while the head fits (R1, R7)."""
+    def _grant(self, now: float) -> list[Action]:
+        """Runs of pages to waiting samples in arrival order while the head fits (R1, R7)."""
         if self.pool is None:
             return []
         actions: list[Action] = []
         for key, pages in self.pool.grantable():
             s = self.samples[key]  # type: ignore[index]
-            s.pages = pages
-            s.state = SampleState.GRANTED
+            s.pages, s.state = pages, SampleState.GRANTED
             grant = self._grant_msg(s)
             actions += [Send(peer, grant) for peer in s.peers.values()]
-            actions += self._maybe_written(s)
+            actions += self._advance(s)
         return actions
 
-    def _maybe_written(self, s: Sample) -> list[Action]:
-        if s.state is SampleState.GRANTED and s.shares_landed():
+    def _advance(self, s: Sample) -> list[Action]:
+        """Check every share that landed with its digest known; move the sample on."""
+        if s.state not in (SampleState.GRANTED, SampleState.WRITTEN):
+            return []
+        actions: list[Action] = []
+        for rank, share in s.shares.items():
+            if not share.landed or share.checked or share.checking is not None:
+                continue
+            if not self.verify or (share.digest is None and not share.digest_due):
+                share.checked = True  # nothing to check it against
+            elif share.digest is not None:
+                share.checking = share.landing
+                actions.append(Verify(s.key, rank, share.landing, share.digest))
+        if s.all_checked():
+            s.state = SampleState.VERIFIED
+            actions.append(Ready(s.key))
+        elif s.all_landed():
             s.state = SampleState.WRITTEN
-            return [Ready(s.key)]
-        return []
+        return actions
+
+    def _mismatch(self, s: Sample, rank: int, now: float) -> list[Action]:
+        m, key = s.manifest, s.key
+        self.stats.checksum_mismatches += 1
+        s.rewrites += 1
+        if s.rewrites > self.max_rewrites:
+            why = (
+                f"request {m.request_id} of producer {key[0]} failed its checksum "
+                f"{s.rewrites} times (rank {rank}); refusing it"
+            )
+            self.stats.refused += 1
+            actions: list[Action] = [Log("error", why)]
+            actions += [
+                Send(peer, protocol.Refuse(code="checksum", message=why, request_id=m.request_id))
+                for peer in s.peers.values()
+            ]
+            return actions + self._discard(s, now, "refused")
+        if key[0] not in self.producers:  # nobody left to write it again
+            gone = Log("error", f"request {m.request_id}: a share failed its checksum")
+            return [gone, *self._discard(s, now, "its producer is gone")]
+        share = s.shares[rank]
+        share.landed = share.checked = False
+        s.state = SampleState.GRANTED
+        return [
+            Log(
+                "error",
+                f"request {m.request_id} of producer {key[0]}: rank {rank}'s share does not match its "
+                f"checksum; asking for it again ({s.rewrites} of {self.max_rewrites})",
+            ),
+            Send(
+                share.peer,
+                protocol.Rewrite(request_id=m.request_id, reason="the share does not match its checksum"),
+            ),
+        ]
 
     def _discard(self, s: Sample, now: float, why: str) -> list[Action]:
         assert self.pool is not None

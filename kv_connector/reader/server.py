@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import queue
 import selectors
 import socket
 import threading
@@ -21,13 +23,15 @@ from kv_connector.control import ConnectionClosed, FramedConnection, format_addr
 from kv_connector.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
 from kv_connector.poller import Poller
 from kv_connector.protocol import ProtocolError
-from kv_connector.reader.ledger import Action, Key, Log, ReaderLedger, Ready, Send
+from kv_connector.reader.checker import ShareChecker
+from kv_connector.reader.ledger import Action, Key, Log, ReaderLedger, Ready, Send, Verify
 from kv_connector.reader.producers import PeerId
 from kv_connector.transport import Region, Transport, TransportError
 
 log = logging.getLogger("kv_connector.reader.core")
 
 PAGE_ALIGN = 64  # pool pages are multiples of this, so any dtype can view them
+LEASE_LOG_S = 10.0  # at most one line per this while producers wait on held leases
 
 
 def round_page(n: int) -> int:
@@ -66,6 +70,7 @@ class ReaderServer:
         secret: bytes | None,
         reader_id: str,
         on_ready: Callable[[Key], None],
+        pool: memoryview,
     ) -> None:
         self._lsock = lsock
         self._transport = transport
@@ -77,6 +82,13 @@ class ReaderServer:
         self._on_ready = on_ready
         self._sel = selectors.DefaultSelector()
         self._sel.register(lsock, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._wake_lock = threading.Lock()
+        self._released: queue.SimpleQueue[Key] = queue.SimpleQueue()
+        self._checker = ShareChecker(pool, ledger, lock, self.perform)
+        self._last_lease_log = 0.0
         self._conns: dict[PeerId, _Conn] = {}
         self._by_agent: dict[str, _Conn] = {}  # connected and departing producers' agents
         self._departing: dict[PeerId, _Conn] = {}
@@ -89,15 +101,30 @@ class ReaderServer:
     def start(self) -> None:
         self.thread.start()
 
+    def release(self, key: Key) -> None:
+        """A lease ended (any thread, a garbage collector's included): the serving thread
+        returns its pages."""
+        self._released.put(key)
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"r")
+
     def close(self) -> None:
         self._closed = True
+        self.release(("", ""))  # wake the thread
         self.thread.join(timeout=10)
+        self._checker.close()
+        with self._wake_lock:  # a lease may end after the reader closed: nothing to wake then
+            os.close(self._wake_w)
+            self._wake_w = -1
         with self._lock:
             for c in list(self._conns.values()):
                 c.conn.close()
             self._conns.clear()
             self._sel.close()
             self._lsock.close()
+            os.close(self._wake_r)
 
     # ------------------------------------------------------------- actions
     def perform(self, actions: Iterable[Action]) -> None:
@@ -110,6 +137,8 @@ class ReaderServer:
                         self._send(c, msg)
                 case Ready(key=key):
                     self._on_ready(key)
+                case Verify():
+                    self._checker.submit(a)
                 case Log(level=level, text=text):
                     getattr(log, level)("%s", text)
 
@@ -142,8 +171,12 @@ class ReaderServer:
                         busy = True
                         if k.data is None:
                             self._accept()
+                        elif k.data == "wake":
+                            with contextlib.suppress(BlockingIOError):
+                                os.read(self._wake_r, 4096)
                         else:
                             self._on_readable(k.data)
+                    self.take_releases()
                     busy |= self._poll_notifs()
                     self._housekeeping()
                 except Exception:  # never let one bad event stop the reader
@@ -151,8 +184,19 @@ class ReaderServer:
                     time.sleep(0.01)
             self._poller.after(busy)
 
+    def take_releases(self) -> None:
+        """Return the pages of the leases that ended (call with the lock held)."""
+        now = time.monotonic()
+        while True:
+            try:
+                key = self._released.get_nowait()
+            except queue.Empty:
+                return
+            self.perform(self._ledger.release(key, now))
+
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        self._log_held_leases(now)
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             self._sel.register(self._lsock, selectors.EVENT_READ, None)
@@ -162,6 +206,24 @@ class ReaderServer:
                 self._drop(c, "handshake timeout")
         self.perform(self._ledger.tick(now))
         self._forget_departed()
+
+    def _log_held_leases(self, now: float) -> None:
+        """Producers wait for pages while the user holds samples: say who holds them."""
+        pool = self._ledger.pool
+        if pool is None or not pool.waiting or now - self._last_lease_log < LEASE_LOG_S:
+            return
+        leases = self._ledger.leases()
+        if not leases:
+            return
+        self._last_lease_log = now
+        oldest = ", ".join(f"{s.key[1]} ({now - s.t_handed_out:.0f} s)" for s in leases[:5])
+        log.warning(
+            "%d samples wait for pool pages held by %d samples on lease to the user (oldest: %s): "
+            "release them (sample.release(), a with block, or drop their tensors) or read with copy=True",
+            pool.waiting,
+            len(leases),
+            oldest,
+        )
 
     def _accept(self) -> None:
         try:
@@ -222,6 +284,8 @@ class ReaderServer:
         match msg:
             case protocol.CreditRequest():
                 self.perform(self._ledger.credit_request(c.id, msg, now))
+            case protocol.ShareDigest():
+                self.perform(self._ledger.share_digest(c.id, msg))
             case protocol.Refuse():
                 self.perform(self._ledger.producer_refused(c.id, msg, now))
             case _:

@@ -97,7 +97,7 @@ def run_and_collect(
     try:
         while len(got) < n:
             try:
-                s = reader.get(timeout=5)
+                s = reader.get(timeout=5, copy=True)  # kept for the checks: a copy
             except TimeoutError:
                 if proc.poll() is not None:
                     break

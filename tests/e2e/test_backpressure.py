@@ -39,7 +39,7 @@ def test_slow_trainer_throttles_the_producer_and_loses_nothing(
         got: dict[str, Sample] = {}
         try:
             for _ in prompts:
-                s = reader.get(timeout=300)
+                s = reader.get(timeout=300, copy=True)
                 assert s.request_id not in got
                 got[s.request_id] = s
                 time.sleep(0.5)  # the trainer is slow

@@ -77,7 +77,7 @@ def test_requests_wait_for_a_reader_that_starts_late_and_arrive_exact(
         assert proc.poll() is None, "".join(early)[-4000:]
         with HiddenStatesReader(listen=held) as reader:
             while len(got) < len(prompts):
-                s = reader.get(timeout=120)
+                s = reader.get(timeout=120, copy=True)
                 assert s.request_id not in got
                 got[s.request_id] = s
             out, err = proc.communicate(timeout=300)

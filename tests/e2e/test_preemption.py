@@ -43,7 +43,7 @@ def test_requests_preempted_while_their_writes_wait_arrive_exact(
         try:
             while len(got) < len(prompts):
                 try:
-                    s = reader.get(timeout=5)
+                    s = reader.get(timeout=5, copy=True)
                 except TimeoutError:
                     assert proc.poll() is None, proc.communicate()[1][-4000:]
                     continue

@@ -68,7 +68,7 @@ def test_openai_server_delivers_prompt_states(
 
         got: dict[str, Sample] = {}
         for _ in prompts:
-            s = reader.get(timeout=SAMPLE_TIMEOUT_S)
+            s = reader.get(timeout=SAMPLE_TIMEOUT_S, copy=True)
             assert s.request_id not in got, f"{s.request_id} delivered twice"
             got[s.request_id] = s
         with pytest.raises(TimeoutError):

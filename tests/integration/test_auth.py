@@ -115,7 +115,7 @@ def start_logged_sender(spec: dict[str, Any], env: dict[str, str]) -> subprocess
 def collect(reader: HiddenStatesReader, n: int, timeout: float = 60) -> dict[str, Sample]:
     got: dict[str, Sample] = {}
     for _ in range(n):
-        s = reader.get(timeout=timeout)
+        s = reader.get(timeout=timeout, copy=True)
         assert s.request_id not in got, f"{s.request_id} delivered twice"
         got[s.request_id] = s
     return got
@@ -149,7 +149,7 @@ def run_honest_producer(reader: HiddenStatesReader, secret: str | None, seed: in
 
 def assert_no_sample(reader: HiddenStatesReader, wait: float = 0.5) -> None:
     with pytest.raises(TimeoutError):
-        s = reader.get(timeout=wait)
+        s = reader.get(timeout=wait, copy=True)
         pytest.fail(f"unexpected sample {s.request_id} from {s.producer_id}")
 
 
@@ -232,7 +232,7 @@ def deliver_in_process(reader: HiddenStatesReader, secret: bytes | None, tag: st
     try:
         blocks, n = [9, 2, 30], 2 * LAYOUT.block_size + 1
         sender.ship(f"{tag}-r", token_ids(f"{tag}-r", n), blocks)
-        got = reader.get(timeout=20)
+        got = reader.get(timeout=20, copy=True)
         assert got.request_id == f"{tag}-r"
         assert same_bytes(got.hidden_states, expected_states(cache, LAYOUT, blocks, n))
         deadline = time.monotonic() + 10

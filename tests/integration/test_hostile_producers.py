@@ -174,7 +174,7 @@ def hostile_credit_requests(draw: st.DrawFn) -> bytes:
         )
         blocks = list(range(m["num_blocks"]))
     if what == "grant":
-        return protocol.encode(protocol.Grant(request_id=rid, pages=[0, 1], pages_per_block=1))
+        return protocol.encode(protocol.Grant(request_id=rid, first_page=0, num_pages=2))
     if what == "ack":
         return protocol.encode(protocol.Ack(request_id=rid))
     if what == "hello":
@@ -239,7 +239,7 @@ def test_a_second_hello_for_a_connected_rank_is_refused(reader: HiddenStatesRead
         # The victim's own connection was never disturbed: it still ships.
         rid = uid("victim-sample")
         victim.ship(rid, token_ids(rid, 40), [4, 8, 15])
-        got = reader.get(timeout=20)
+        got = reader.get(timeout=20, copy=True)
         assert got.request_id == rid and got.producer_id == victim_id
         assert same_bytes(got.hidden_states, expected_states(CACHE, LAYOUT, [4, 8, 15], 40))
         assert not victim.take_failed()
@@ -279,7 +279,7 @@ def test_replaying_a_connected_producers_agent_metadata_is_refused(reader: Hidde
             conn.close()
         rid = uid("after-replay")
         victim.ship(rid, token_ids(rid, 33), [1, 2, 3])
-        got = reader.get(timeout=20)
+        got = reader.get(timeout=20, copy=True)
         assert same_bytes(got.hidden_states, expected_states(CACHE, LAYOUT, [1, 2, 3], 33))
     finally:
         victim.close()
@@ -319,7 +319,7 @@ def test_a_refused_handshake_does_not_choose_the_page_size() -> None:
                 assert not failed, f"the honest producer's 3-block sample was refused: {failed}"
                 assert time.monotonic() < deadline, "the honest producer's sample never arrived"
                 with contextlib.suppress(TimeoutError):
-                    got = reader.get(timeout=0.1)
+                    got = reader.get(timeout=0.1, copy=True)
             assert same_bytes(got.hidden_states, expected_states(CACHE, LAYOUT, [3, 4, 5], 40))
         finally:
             sender.close()

@@ -160,15 +160,13 @@ def _grant_stage(make: Callable[[protocol.CreditRequest], bytes]) -> Callable[..
     return respond
 
 
-def _grant(req: protocol.CreditRequest, pages: list[int], ppb: int = 1, rid: str | None = None) -> bytes:
-    g = protocol.Grant(request_id=rid or req.manifest.request_id, pages=pages, pages_per_block=ppb)
+def _grant(req: protocol.CreditRequest, first: int, n: int, rid: str | None = None) -> bytes:
+    g = protocol.Grant(request_id=rid or req.manifest.request_id, first_page=first, num_pages=n)
     return frame(protocol.encode(g))
 
 
 SPECIFIC_GRANTS = [
-    pytest.param(
-        "pages-outside-the-pool", "outside the reader's pool", lambda r: _grant(r, [10_000, 10_001, 10_002])
-    ),
+    pytest.param("pages-outside-the-pool", "outside the reader's pool", lambda r: _grant(r, 10_000, 3)),
     pytest.param(
         "refused-request",
         "too big",

@@ -1,7 +1,8 @@
 """Per-sample checksums with real sender processes and real NIXL: a share corrupted in
-the reader's pool is written again and arrives exact; a share whose source is corrupt
-fails clearly, by name, on both sides; a WRITE that NIXL refuses is retried, then fails
-clearly, and the reader drops the sample and keeps serving."""
+the reader's pool after it landed, before its check, is written again and arrives
+exact; a share whose source is corrupt fails clearly, by name, on both sides; a WRITE
+that NIXL refuses is retried, then fails clearly, and the reader drops the sample and
+keeps serving."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from kv_connector.reader import HiddenStatesReader, Sample
+from kv_connector import protocol
+from kv_connector.layout import stripe
+from kv_connector.reader import HiddenStatesReader, Sample, checker
 from kv_connector.reader.ledger import MAX_REWRITES
 from kv_connector.transport import Region
 from tests.integration.common import finish_sender
@@ -28,38 +31,49 @@ def wait_for(cond: Any, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def flip_first_byte(reader: HiddenStatesReader, producer_id: str, request_id: str, block: int) -> None:
-    """Fault injection: flip token 0's first byte of a block as it lies in the pool."""
-    p = reader._ledger.samples[(producer_id, request_id)]
-    assert p.pages is not None
-    page = p.pages[block * p.ppb]
-    reader._pool_tensor[page * reader._ledger.page_bytes] ^= 0xFF  # type: ignore[operator]
+def corrupt_before_the_check(
+    monkeypatch: pytest.MonkeyPatch, reader: HiddenStatesReader, victim: str
+) -> list[int]:
+    """Fault injection: the first time the reader's checking thread checks a share of
+    ``victim``, flip the first byte of that share's last block in the pool first (as it
+    landed, before its check). Returns the ranks hit."""
+    real = checker.sample_checksum
+    hit: list[int] = []
+
+    def corrupting(pool: memoryview, base: int, m: protocol.Manifest, blocks: list[int]) -> int:
+        if m.request_id == victim and not hit:
+            (dst, _), *_ = m.geometry.arranged(m.num_blocks, blocks[-1], 0, 1)
+            reader._pool_tensor[base + dst] ^= 0xFF
+            hit.append(blocks[-1])
+        return real(pool, base, m, blocks)
+
+    monkeypatch.setattr(checker, "sample_checksum", corrupting)
+    return hit
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
-    world_size: int, caplog: pytest.LogCaptureFixture
+    world_size: int, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layout = GPU_LAYOUT if world_size == 2 else CPU_LAYOUT
     samples = plan([40, 3, 70], seed=11, layout=layout)
     victim = samples[0]["request_id"]
     caplog.set_level(logging.ERROR, logger="kv_connector")
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        hit = corrupt_before_the_check(monkeypatch, reader, victim)
         procs = [
             ship(reader, layout, 11, samples, producer_id="p", rank=r, world_size=world_size)
             for r in range(world_size)
         ]
-        # every sample complete in the pool, none taken: no ack yet, the producers wait
-        wait_for(lambda: reader._ready.qsize() == len(samples))
-        last_block = -(-40 // layout.block_size) - 1  # rank world_size-1's share
-        flip_first_byte(reader, "p", victim, last_block)
         got = collect(reader, len(samples), timeout=30)
         results = [finish_sender(p) for p in procs]
-        assert reader.stats().checksum_mismatches == 1
+        assert reader.stats().checksum_mismatches == 1 and len(hit) == 1
     for res in results:
         assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
     # only the rank whose share was hit wrote again
-    assert [r["stats"]["rewrites"] for r in results] == [0] * (world_size - 1) + [1]
+    blocks = -(-40 // layout.block_size)
+    rank_hit = next(r for r in range(world_size) if hit[0] in stripe(blocks, r, world_size))
+    assert [r["stats"]["rewrites"] for r in results] == [int(r == rank_hit) for r in range(world_size)]
     check(got, samples, layout, seed=11)
     assert any(victim in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
 
@@ -78,7 +92,7 @@ def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
         end = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < end:
             with contextlib.suppress(TimeoutError):
-                s = reader.get(timeout=0.2)
+                s = reader.get(timeout=0.2, copy=True)
                 assert s.request_id not in got and s.request_id != victim
                 got[s.request_id] = s
         res = finish_sender(proc)

@@ -99,7 +99,7 @@ def complete_keys(reader: HiddenStatesReader, producer_id: str) -> set[str]:
         return {
             k[1]
             for k, p in reader._ledger.samples.items()
-            if k[0] == producer_id and p.state is SampleState.WRITTEN
+            if k[0] == producer_id and p.state is SampleState.VERIFIED
         }
 
 
@@ -235,7 +235,11 @@ def test_a_sample_with_a_killed_ranks_share_unwritten_is_never_yielded() -> None
             while True:
                 with reader._lock:
                     state = {
-                        k[1]: (p.pages is not None, set(p.written), p.state is SampleState.WRITTEN)
+                        k[1]: (
+                            p.pages is not None,
+                            {r for r, sh in p.shares.items() if sh.landed},
+                            p.state is SampleState.VERIFIED,
+                        )
                         for k, p in reader._ledger.samples.items()
                         if k[0] == "tp"
                     }

@@ -75,7 +75,7 @@ def ship(
 def collect(reader: HiddenStatesReader, n: int, timeout: float = 60) -> dict[str, Sample]:
     got: dict[str, Sample] = {}
     for _ in range(n):
-        s = reader.get(timeout=timeout)
+        s = reader.get(timeout=timeout, copy=True)  # kept for the checks: a copy
         assert s.request_id not in got, f"{s.request_id} delivered twice"
         got[s.request_id] = s
     return got

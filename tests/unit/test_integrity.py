@@ -3,14 +3,12 @@ reference built token by token from the block's own tensor shape."""
 
 from __future__ import annotations
 
-import functools
-import random
-
 import pytest
 import torch
 import xxhash
 
-from kv_connector.integrity import block_checksum, paged_checksum
+from kv_connector import protocol
+from kv_connector.integrity import block_checksum, sample_checksum, spans_of_sample
 from kv_connector.layout import BlockLayout
 
 
@@ -52,49 +50,46 @@ def test_a_block_past_the_sample_is_an_error() -> None:
 
 
 @pytest.mark.parametrize("layout", ["LTH", "TLH"])
-@pytest.mark.parametrize("page_bytes", [None, 640, 1000, 4096])
-def test_paged_and_cache_checksums_agree_with_the_reference(layout: str, page_bytes: int | None) -> None:
+@pytest.mark.parametrize("base", [0, 640, 4096])
+def test_cache_and_pool_checksums_agree_with_the_reference(layout: str, base: int) -> None:
     bs, layers, hidden, num_tokens = 16, 3, 8, 45
-    block_bytes = bs * layers * hidden * 4
-    page_bytes = page_bytes or block_bytes
-    rng = random.Random(0)
-    g = torch.Generator().manual_seed(0)
-    cache = torch.randint(0, 256, (10 * block_bytes,), dtype=torch.uint8, generator=g)
+    g = BlockLayout(layout, bs, layers, hidden, "float32")  # type: ignore[arg-type]
+    block_bytes = g.block_bytes
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randint(0, 256, (10 * block_bytes,), dtype=torch.uint8, generator=gen)
     block_ids = [7, 2, 5]
-    share = [0, 1, 2]
-    spans_of = functools.partial(valid_spans, layout, bs, layers, hidden * 4, num_tokens)
+    m = protocol.Manifest(
+        request_id="r", token_ids=list(range(num_tokens)), layer_ids=[0, 1, 2], geometry=g, num_blocks=3
+    )
+    spans_of = spans_of_sample(m)
 
     # reference: the sample's bytes, gathered token by token through the tensor shape
     ref = b""
-    for j in share:
+    for j in range(3):
         blk = cache[block_ids[j] * block_bytes : (block_ids[j] + 1) * block_bytes]
         k = min(bs, num_tokens - j * bs)
         ref += blk[token_mask(layout, bs, layers, hidden, k)].numpy().tobytes()
     want = xxhash.xxh3_64_intdigest(ref)
 
-    mv = cache.numpy().data
-    got = block_checksum(mv, ((j, block_ids[j] * block_bytes) for j in share), spans_of)
+    got = block_checksum(cache.numpy().data, ((j, block_ids[j] * block_bytes) for j in range(3)), spans_of)
     assert got == want
 
-    # the same blocks scattered over pool pages, a block over several pages
-    ppb = -(-block_bytes // page_bytes)
-    pages = rng.sample(range(64), len(share) * ppb)
-    pool = torch.zeros(64 * page_bytes, dtype=torch.uint8)
-    for j in share:
-        blk = cache[block_ids[j] * block_bytes : (block_ids[j] + 1) * block_bytes]
-        for p in range(ppb):
-            piece = blk[p * page_bytes : (p + 1) * page_bytes]
-            base = pages[j * ppb + p] * page_bytes
-            pool[base : base + len(piece)] = piece
-    assert paged_checksum(pool.numpy().data, pages, ppb, page_bytes, share, spans_of) == want
+    # the same blocks as they land in the reader's pool: a run at ``base``, arranged
+    pool = torch.zeros(base + 4 * block_bytes, dtype=torch.uint8)
+    for j in range(3):
+        for src, dst, n in g.arranged_spans(3, j):
+            at = block_ids[j] * block_bytes + src
+            pool[base + dst : base + dst + n] = cache[at : at + n]
+    assert sample_checksum(pool.numpy().data, base, m, range(3)) == want
+    # shares hash separately, and differ
+    assert sample_checksum(pool.numpy().data, base, m, [0, 1]) != want
 
     # one flipped byte inside the sample changes it; one in the last block's tail does not
-    j, (off, _) = 2, spans_of(2)[-1]
-    base = pages[j * ppb + off // page_bytes] * page_bytes + off % page_bytes
-    pool[base] ^= 1
-    assert paged_checksum(pool.numpy().data, pages, ppb, page_bytes, share, spans_of) != want
-    pool[base] ^= 1
+    (d, _), *_ = g.arranged(3, 2, *spans_of(2)[-1])
+    pool[base + d] ^= 1
+    assert sample_checksum(pool.numpy().data, base, m, range(3)) != want
+    pool[base + d] ^= 1
     tail = next(i for i in range(block_bytes) if not token_mask(layout, bs, layers, hidden, 13)[i])
-    base = pages[j * ppb + tail // page_bytes] * page_bytes + tail % page_bytes
-    pool[base] ^= 1
-    assert paged_checksum(pool.numpy().data, pages, ppb, page_bytes, share, spans_of) == want
+    ((d, _),) = g.arranged(3, 2, tail, 1)
+    pool[base + d] ^= 1
+    assert sample_checksum(pool.numpy().data, base, m, range(3)) == want

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -12,8 +11,7 @@ from kv_connector.layout import (
     BlockLayout,
     blocks_for_tokens,
     layout_from_view,
-    pages_per_block,
-    piece_spans,
+    pages_for,
     stripe,
 )
 
@@ -32,13 +30,46 @@ def test_stripe_rejects_bad_rank() -> None:
         stripe(4, 4, 4)
 
 
-@given(st.integers(1, 1 << 20), st.integers(64, 1 << 16))
-def test_pieces_tile_a_block(block: int, page: int) -> None:
-    spans = piece_spans(block, page)
-    assert len(spans) == pages_per_block(block, page)
-    assert spans[0][0] == 0 and all(n <= page for _, n in spans)
-    assert sum(n for _, n in spans) == block
-    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(spans))
+@given(st.integers(1, 1 << 30), st.integers(64, 1 << 20))
+def test_pages_for_covers_the_bytes(nbytes: int, page: int) -> None:
+    n = pages_for(nbytes, page)
+    assert (n - 1) * page < nbytes <= n * page
+
+
+@pytest.mark.parametrize("layout", ["LTH", "TLH"])
+@pytest.mark.parametrize("nb", [1, 2, 5])
+def test_arranged_spans_put_every_block_where_the_sample_view_reads_it(layout: str, nb: int) -> None:
+    """Blocks of a cache, arranged into a run as the reader's pool holds them, read back
+    through the run's [T, L, H] view token by token (an independent reference: the
+    cache's own tensor indexing)."""
+    g = BlockLayout(layout, 4, 3, 2, "float32")  # type: ignore[arg-type]
+    cache = torch.arange(7 * g.block_bytes // 4, dtype=torch.float32).view(7, *g.block_shape())
+    block_ids = [5, 0, 6, 2, 3][:nb]
+    raw_cache = cache.view(-1).view(torch.uint8)
+    run = torch.zeros(g.sample_bytes(nb), dtype=torch.uint8)
+    seen = torch.zeros_like(run, dtype=torch.bool)
+    for j in range(nb):
+        for src, dst, n in g.arranged_spans(nb, j):
+            assert not seen[dst : dst + n].any()
+            seen[dst : dst + n] = True
+            base = block_ids[j] * g.block_bytes + src
+            run[dst : dst + n] = raw_cache[base : base + n]
+    assert bool(seen.all())  # the run is tiled exactly
+    typed = run.view(torch.float32)
+    rows = nb * g.block_size
+    view = typed.view(rows, 3, 2) if layout == "TLH" else typed.view(3, rows, 2).permute(1, 0, 2)
+    for t in range(rows):
+        b, off = block_ids[t // 4], t % 4
+        want = cache[b, :, off] if layout == "LTH" else cache[b, off]
+        assert torch.equal(view[t], want), t
+    # a span of block bytes maps to the same bytes of the run
+    for j in range(nb):
+        for off, n in g.valid_spans(rows - 1, j):
+            pieces = g.arranged(nb, j, off, n)
+            assert sum(k for _, k in pieces) == n
+            got = torch.cat([run[d : d + k] for d, k in pieces])
+            base = block_ids[j] * g.block_bytes + off
+            assert torch.equal(got, raw_cache[base : base + n])
 
 
 def test_block_layout_bytes_and_shape() -> None:

@@ -55,11 +55,13 @@ MESSAGES = [
         device_id=0,
     ),
     protocol.CreditRequest(manifest=manifest(), blocks=[1]),
-    protocol.Grant(request_id="req-1", pages=[3, 0], pages_per_block=1),
+    protocol.Grant(request_id="req-1", first_page=3, num_pages=2),
     protocol.Ack(request_id="req-1"),
     protocol.Refuse(code="checksum", message="no", request_id="req-1"),
     protocol.WriteDone(request_id="req-1"),
     protocol.WriteDone(request_id="req-1", checksum=(1 << 64) - 1),
+    protocol.WriteDone(request_id="req-1", digest_follows=True),
+    protocol.ShareDigest(request_id="req-1", checksum=5),
     protocol.Rewrite(request_id="req-1", reason="checksum"),
 ]
 
@@ -192,3 +194,14 @@ def test_truncated_messages_raise_only_protocol_error(msg: protocol._Msg, data: 
 def test_write_done_checksum_out_of_range_is_refused(checksum: object) -> None:
     with pytest.raises(ProtocolError):
         protocol.decode(raw({"type": "write_done", "request_id": "r", "checksum": checksum}))
+
+
+def test_a_write_done_with_a_checksum_has_no_digest_to_follow() -> None:
+    with pytest.raises(ProtocolError, match="no digest to follow"):
+        protocol.decode(raw({"type": "write_done", "request_id": "r", "checksum": 1, "digest_follows": True}))
+
+
+@pytest.mark.parametrize("first, n", [(-1, 1), (0, 0), (protocol.MAX_PAGES, 1)])
+def test_a_grant_outside_the_page_range_is_refused(first: int, n: int) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode(raw({"type": "grant", "request_id": "r", "first_page": first, "num_pages": n}))

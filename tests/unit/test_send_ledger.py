@@ -38,7 +38,7 @@ def submit(led: SendLedger, rid: str, n: int = 40, rank: int = 0, world: int = 1
 
 
 def grant(rid: str, n_pages: int = 3, first: int = 0) -> protocol.Grant:
-    return protocol.Grant(request_id=rid, pages=list(range(first, first + n_pages)), pages_per_block=1)
+    return protocol.Grant(request_id=rid, first_page=first, num_pages=n_pages)
 
 
 def to_granted(led: SendLedger, rid: str, t: float = 1.0, pages: int = 3) -> None:
@@ -50,8 +50,14 @@ def to_granted(led: SendLedger, rid: str, t: float = 1.0, pages: int = 3) -> Non
 def to_writing(led: SendLedger, rid: str, t: float = 1.0) -> None:
     to_granted(led, rid, t)
     (job,) = led.writes_due(t)
-    led.write_posted(rid, object(), t)
+    post(led, rid, t)
     assert led.state_of(rid) is JobState.WRITING and job.request_id == rid
+
+
+def post(led: SendLedger, rid: str, t: float, xfer: object = None) -> protocol.WriteDone:
+    notif = led.notification(rid)
+    led.write_posted(rid, xfer if xfer is not None else object(), t, notif)
+    return notif
 
 
 # ------------------------------------------------------------- the happy path
@@ -64,7 +70,7 @@ def test_a_job_goes_waiting_requested_granted_writing_written_finished() -> None
     led.on_grant(grant("a"), PAGE, POOL, 1.0)
     assert led.state_of("a") is JobState.GRANTED
     (job,) = led.writes_due(1.0)
-    led.write_posted("a", "xfer", 1.0)
+    post(led, "a", 1.0, "xfer")
     assert led.state_of("a") is JobState.WRITING and led.writing and job.xfer == "xfer"
     assert led.writes_due(1.0) == []  # S4: one WRITE in flight
     led.write_completed("a", 3 * PAGE, 1.5)
@@ -100,17 +106,17 @@ def test_s2_no_write_without_a_grant_of_the_current_connection() -> None:
     submit(led, "a")
     assert led.writes_due(0.0) == []
     with pytest.raises(IllegalTransition, match="waiting"):
-        led.write_posted("a", object(), 0.0)
+        post(led, "a", 0.0)
     led.requests_due()
     with pytest.raises(IllegalTransition):
-        led.write_posted("a", object(), 0.0)
+        post(led, "a", 0.0)
     led.on_grant(grant("a"), PAGE, POOL, 1.0)
     assert led.connection_lost(2.0) == 1
     job = led.job("a")
     assert (job.state, job.grant) == (JobState.WAITING, None)
     assert led.writes_due(3.0) == []
     with pytest.raises(IllegalTransition):
-        led.write_posted("a", object(), 3.0)
+        post(led, "a", 3.0)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +124,7 @@ def test_s2_no_write_without_a_grant_of_the_current_connection() -> None:
     [
         (grant("other"), "not waiting"),
         (grant("a", 2), "does not fit"),
-        (protocol.Grant(request_id="a", pages=[0, 1, 2, 3, 4, 5], pages_per_block=2), "does not fit"),
+        (grant("a", 4), "does not fit"),
         (grant("a", 3, first=62), "outside the reader's pool"),
     ],
 )
@@ -139,19 +145,20 @@ def test_a_grant_in_any_state_but_requested_is_refused(state: str) -> None:
         to_granted(led, "a")
     if state in ("writing", "written"):
         led.writes_due(1.0)
-        led.write_posted("a", object(), 1.0)
+        post(led, "a", 1.0)
     if state == "written":
         led.write_completed("a", PAGE, 1.0)
     with pytest.raises(ProtocolError, match="not waiting"):
         led.on_grant(grant("a"), PAGE, POOL, 1.0)
 
 
-def test_pages_smaller_than_a_block_are_granted_per_piece() -> None:
+def test_pages_smaller_than_a_block_make_a_longer_run() -> None:
     led = ledger()
     submit(led, "a")
     led.requests_due()
-    page = PAGE // 2 + 64  # two pieces per block
-    led.on_grant(protocol.Grant(request_id="a", pages=list(range(6)), pages_per_block=2), page, POOL, 1.0)
+    page = PAGE // 2 + 64  # 3 blocks of 2 pages each, less a bit
+    g = protocol.Grant(request_id="a", first_page=0, num_pages=-(-3 * PAGE // page))
+    led.on_grant(g, page, POOL, 1.0)
     assert led.state_of("a") is JobState.GRANTED
 
 
@@ -164,10 +171,10 @@ def test_a_failed_write_is_posted_again_after_a_backoff_then_the_job_fails() -> 
     assert led.state_of("a") is JobState.GRANTED
     assert led.writes_due(1.1) == []  # backoff 0.2 s
     assert [j.request_id for j in led.writes_due(1.2)] == ["a"]
-    led.write_posted("a", object(), 1.2)
+    post(led, "a", 1.2)
     assert led.write_failed("a", "NIXL_ERR_REMOTE", 1.2) is None
     assert led.writes_due(1.5) == [] and len(led.writes_due(1.6)) == 1  # backoff 0.4 s
-    led.write_posted("a", object(), 1.6)
+    post(led, "a", 1.6)
     failure = led.write_failed("a", "NIXL_ERR_NOT_FOUND", 1.6)
     assert failure is not None and failure.tell_reader
     assert failure.why == "its WRITE failed in NIXL 3 times (last: NIXL_ERR_NOT_FOUND)"
@@ -323,7 +330,7 @@ def test_a_job_that_expires_after_its_credit_request_tells_the_reader() -> None:
 
 
 # ------------------------------------------------------------------ digests
-def test_s6_a_write_waits_for_its_digest_and_carries_it() -> None:
+def test_s6_a_write_never_waits_for_its_digest_which_follows_once() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
     assert led.job("a").digest_state is DigestState.NEEDED
@@ -331,10 +338,41 @@ def test_s6_a_write_waits_for_its_digest_and_carries_it() -> None:
     (job,) = led.digests_due()
     assert job.digest_state is DigestState.COMPUTING and led.digests_due() == []
     led.on_grant(grant("a"), PAGE, POOL, 1.0)
-    assert led.writes_due(1.0) == []
+    assert len(led.writes_due(1.0)) == 1  # not held back by the digest
+    notif = post(led, "a", 1.0)
+    assert notif == protocol.WriteDone(request_id="a", digest_follows=True)
+    assert led.digests_owed() == []  # not computed yet
     led.digest_ready("a", 1234)
-    (due,) = led.writes_due(1.0)
-    assert due.digest == 1234
+    assert [j.digest for j in led.digests_owed()] == [1234]
+    assert led.digests_owed() == []  # sent once
+
+
+def test_s6_a_digest_ready_before_the_write_rides_with_it() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    led.requests_due()
+    led.digests_due()
+    led.digest_ready("a", 77)
+    led.on_grant(grant("a"), PAGE, POOL, 1.0)
+    assert post(led, "a", 1.0) == protocol.WriteDone(request_id="a", checksum=77)
+    assert led.digests_owed() == []
+
+
+def test_s6_a_digest_owed_on_a_lost_connection_is_not_sent_on_the_next() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    to_writing(led, "a")
+    led.digests_due()
+    led.connection_lost(2.0)
+    led.digest_ready("a", 9)
+    assert led.digests_owed() == []  # the resend's WRITE will carry it
+
+
+def test_without_checksums_a_write_announces_no_digest() -> None:
+    led = ledger(checksum=False)
+    submit(led, "a")
+    to_granted(led, "a")
+    assert post(led, "a", 1.0) == protocol.WriteDone(request_id="a")
 
 
 def test_s6_a_digest_that_cannot_be_computed_fails_the_job() -> None:
@@ -408,7 +446,7 @@ def test_s1_any_sequence_of_events_keeps_every_job_accounted_for_exactly_once(
                 led.on_grant(grant(rid), PAGE, POOL, t)
             elif ev == "post":
                 if any(j.request_id == rid for j in led.writes_due(t)):
-                    led.write_posted(rid, object(), t)
+                    post(led, rid, t)
             elif ev == "complete":
                 led.write_completed(rid, PAGE, t)
             elif ev == "fail_write":

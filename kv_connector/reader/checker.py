@@ -1,0 +1,63 @@
+"""The reader's checking thread: each rank's share of a sample is checked against its
+digest as soon as it has landed (``Verify`` actions of the ledger), here, off the
+serving thread and off the user's (XXH3 releases the GIL while it hashes), so that
+handing a sample out costs nothing per byte. Results go back to the ledger."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from kv_connector.integrity import sample_checksum
+from kv_connector.reader.ledger import Action, ReaderLedger, Verify
+
+log = logging.getLogger("kv_connector.reader.core")
+
+
+class ShareChecker:
+    def __init__(
+        self,
+        pool: memoryview,
+        ledger: ReaderLedger,
+        lock: threading.RLock,
+        perform: Callable[[Iterable[Action]], None],
+    ) -> None:
+        self._pool = pool
+        self._ledger = ledger
+        self._lock = lock
+        self._perform = perform
+        self._q: queue.SimpleQueue[Verify | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="hs-reader-check", daemon=True)
+        self._thread.start()
+
+    def submit(self, v: Verify) -> None:
+        self._q.put(v)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (v := self._q.get()) is not None:
+            try:
+                self._check(v)
+            except Exception:  # a check that cannot run must not stop the others
+                log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
+
+    def _check(self, v: Verify) -> None:
+        with self._lock:
+            s = self._ledger.samples.get(v.key)
+            share = s.shares.get(v.rank) if s is not None else None
+            if s is None or share is None or s.pages is None or share.checking != v.landing:
+                return  # gone, or landed again since: a newer check is queued
+            page_bytes = self._ledger.page_bytes
+            assert page_bytes is not None
+            base, manifest, blocks = s.pages.start * page_bytes, s.manifest, sorted(share.blocks)
+        t0 = time.perf_counter()
+        ok = sample_checksum(self._pool, base, manifest, blocks) == v.digest
+        with self._lock:
+            self._ledger.stats.verify_s += time.perf_counter() - t0
+            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic()))

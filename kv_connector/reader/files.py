@@ -1,0 +1,100 @@
+"""Writing a sample to a safetensors file straight from its view of the reader's pool.
+
+The format (a little-endian u64 header length, a JSON header naming each tensor's dtype,
+shape and byte range, then the bytes) is written here rather than with
+``safetensors.torch.save_file``, which wants contiguous tensors: a sample in the CPU
+block layout is a strided view, and copying it whole first would cost a pass and a
+sample-sized buffer. A contiguous tensor is written as it lies; a strided one is
+gathered a bounded chunk of rows at a time through one reused buffer. The file is
+written under a temporary name, fsynced and renamed, so a file under its final name is
+always whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
+CHUNK_BYTES = 4 << 20  # a strided tensor is gathered this much at a time
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        return
+    row_bytes = _nbytes(t[0]) if t.dim() else _nbytes(t)
+    rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    buf = torch.empty((min(rows, t.shape[0]), *t.shape[1:]), dtype=t.dtype)
+    for i in range(0, t.shape[0], rows):
+        part = t[i : i + rows]
+        out = buf[: part.shape[0]]
+        out.copy_(part)
+        f.write(out.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (any strides) and ``metadata`` to ``path`` in the safetensors format."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"cannot write a {t.dtype} tensor to safetensors")
+        n = _nbytes(t)
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            _write_tensor(f, t)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomically(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Write under a temporary name in the same directory, fsync, rename, fsync the
+    directory; returns ``final``."""
+    out_dir = final.parent
+    fd, tmp = tempfile.mkstemp(prefix=".hs.", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        write_safetensors(Path(tmp), tensors, metadata)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return final

@@ -1,0 +1,180 @@
+"""What a user holds: a ``Sample`` whose tensors are views of the reader's pool, on lease.
+
+A sample's pages stay the sample's while the user may read them, and return to the pool
+(as credits for producers) when the lease ends: ``sample.release()``, the end of a
+``with`` block, or, for a user who never thinks about it, when the last tensor viewing
+the pages is garbage collected. Nothing is copied to hand a sample out.
+
+The view: the reader's pool holds a sample as ``layout.BlockLayout.arranged_spans`` says,
+so ``hidden_states`` is one [T, L, H] view: a plain (contiguous) tensor where the
+producer's cache blocks are token-major (vLLM's GPU layout, "TLH"), and a strided one,
+[L, T, H] in memory, where they are layer-major (vLLM's CPU layout, "LTH").
+
+``CopyBuffers`` serve the copying mode: a sample copied out of the pool (its pages back
+at once) into a buffer that is reused once its tensor is collected, faulted in once when
+it is made, never fresh zeroed memory per sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kv_connector.protocol import Manifest
+
+Key = tuple[str, str]
+HUGE_PAGE_MIN_BYTES = 2 << 20
+MIN_BUFFER = 64 << 10  # copy buffers come in powers of two from this size
+
+
+class Lease:
+    """A sample's hold on its pool pages; it ends once (``release``)."""
+
+    __slots__ = ("__weakref__", "_done", "_lock", "_release", "key")
+
+    def __init__(self, key: Key, release: Callable[[Key], None]) -> None:
+        self.key = key
+        self._release = release
+        self._done = False
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return not self._done
+
+    def release(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._release(self.key)
+
+
+class Sample:
+    """One request's captured hidden states.
+
+    request_id: the producer's request id.
+    token_ids: [num_tokens] int64.
+    hidden_states: [num_tokens, num_captured_layers, hidden_size], the producer's dtype; a
+        view of the reader's pool while on lease (contiguous for the GPU block layout,
+        strided for the CPU one), or a copy in copying mode.
+    layer_ids: the captured layer ids, in the order of ``hidden_states``' second dim.
+    producer_id: which producer sent it.
+
+    ``release()`` (or leaving a ``with`` block) ends the lease: the pages return to the
+    pool, and the tensors must not be read afterwards. Without it the lease ends when
+    the last tensor viewing the pages is collected.
+    """
+
+    __slots__ = ("_lease", "hidden_states", "layer_ids", "producer_id", "request_id", "token_ids")
+
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        layer_ids: tuple[int, ...],
+        producer_id: str = "",
+        lease: Lease | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.hidden_states = hidden_states
+        self.layer_ids = layer_ids
+        self.producer_id = producer_id
+        self._lease = lease
+
+    @property
+    def leased(self) -> bool:
+        """Its tensors are views of the reader's pool, and the lease has not ended."""
+        return self._lease is not None and self._lease.held
+
+    def release(self) -> None:
+        """End the lease now: its pages go back to the producers. Do not read its tensors
+        afterwards (copy what you keep). A copy, or a sample released already: nothing."""
+        if self._lease is not None:
+            self._lease.release()
+
+    def __enter__(self) -> Sample:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        shape = tuple(self.hidden_states.shape)
+        state = "leased" if self.leased else "released" if self._lease is not None else "copy"
+        return f"Sample({self.request_id!r}, producer {self.producer_id!r}, hidden_states {shape}, {state})"
+
+
+def sample_view(raw: torch.Tensor, m: Manifest) -> torch.Tensor:
+    """[T, L, H] of the sample's dtype over ``raw``, the uint8 bytes of its run."""
+    g, nb = m.geometry, m.num_blocks
+    rows = nb * g.block_size
+    typed = raw[: g.sample_bytes(nb)].view(getattr(torch, g.dtype))
+    if g.layout == "TLH":
+        return typed.view(rows, g.num_layers, g.hidden_size)[: m.num_tokens]
+    return typed.view(g.num_layers, rows, g.hidden_size)[:, : m.num_tokens].permute(1, 0, 2)
+
+
+def leased_view(pool: np.ndarray, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+    """The sample's [T, L, H] view of the pool; the lease ends when no tensor sharing
+    this view's memory is left."""
+    arr = pool[base : base + m.geometry.sample_bytes(m.num_blocks)]  # a new array object
+    raw = torch.from_numpy(arr)  # its storage keeps ``arr`` alive, and every view the storage
+    weakref.finalize(arr, lease.release)
+    return sample_view(raw, m)
+
+
+def _anonymous(nbytes: int) -> np.ndarray:
+    """Memory for a copy buffer, advised to use transparent huge pages, faulted in now."""
+    if nbytes < HUGE_PAGE_MIN_BYTES:
+        buf = np.empty(nbytes, dtype=np.uint8)
+    else:
+        mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                mem.madvise(mmap.MADV_HUGEPAGE)
+        buf = np.frombuffer(mem, dtype=np.uint8)
+    buf.fill(0)  # fault it in once, here, not per sample
+    return buf
+
+
+class CopyBuffers:
+    """Reused output buffers for the copying mode, at most ``max_bytes`` kept."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers made (a measure of reuse)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of uint8 in a reused buffer; back to the pool when its last view is
+        collected."""
+        size = max(MIN_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            buf = free.pop() if free else None
+            if buf is None:
+                self.allocated += 1
+            else:
+                self._kept -= size
+        if buf is None:
+            buf = _anonymous(size)
+        arr = buf[:nbytes]
+        weakref.finalize(arr, self._give_back, buf)
+        return torch.from_numpy(arr)
+
+    def _give_back(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self._kept + buf.nbytes <= self.max_bytes:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._kept += buf.nbytes
