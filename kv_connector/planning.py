@@ -19,14 +19,19 @@ from kv_connector.requests import RequestRecord, RequestTable
 
 @dataclass(frozen=True)
 class StepSlice:
-    """Positions ``start .. start + num_tokens - 1`` of a request computed in this step;
-    ``block_ids`` is the request's block table (the hidden-state blocks), used only to
-    find the rows of this slice in the step's slot mapping and to cross-check them."""
+    """Positions ``start .. start + num_tokens - 1`` of a request computed in this step.
+
+    ``block_ids`` is the request's block table (the hidden-state blocks) from index
+    ``blocks_from`` on: only what the workers do not have yet (all of it the first time,
+    the blocks added since otherwise), so a step's plan stays as small as what changed.
+    The worker uses the table only to find the rows of this slice in the step's slot
+    mapping and to cross-check them."""
 
     request_id: str
     start: int
     num_tokens: int
     block_ids: tuple[int, ...]
+    blocks_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ class ShipPlanner:
         """Follow a new request (its planning state starts afresh)."""
         rec = self.table.ensure(request_id)
         rec.include_output, rec.tracked = include_output, True
-        rec.prompt, rec.block_ids, rec.computed, rec.shipped = (), [], 0, False
+        rec.prompt, rec.block_ids, rec.computed, rec.shipped, rec.sent_blocks = (), [], 0, False, 0
 
     def is_tracked(self, request_id: str) -> bool:
         return self._tracked(request_id) is not None
@@ -138,6 +143,7 @@ class ShipPlanner:
                 continue
             t.prompt = tuple(n.prompt_token_ids)
             t.block_ids = list(n.block_ids)
+            t.sent_blocks = 0
             t.computed = n.num_computed_tokens  # a prefix-cache hit is computed already
             self._step(plan, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
         for r in running:
@@ -147,6 +153,7 @@ class ShipPlanner:
             if r.resumed:
                 # Preempted and rescheduled: the old blocks are gone, recompute from here.
                 t.block_ids = list(r.new_block_ids or [])
+                t.sent_blocks = 0  # the workers forget its table (reset)
                 t.computed = r.num_computed_tokens
                 plan.resets.append(r.request_id)
             elif r.new_block_ids:
@@ -163,7 +170,10 @@ class ShipPlanner:
             n = min(n, limit - start)
             if n <= 0:
                 return
-        plan.slices.append(StepSlice(t.request_id, start, n, tuple(t.block_ids)))
+        plan.slices.append(
+            StepSlice(t.request_id, start, n, tuple(t.block_ids[t.sent_blocks :]), t.sent_blocks)
+        )
+        t.sent_blocks = len(t.block_ids)
         if not t.include_output and start + n >= len(t.prompt):
             t.shipped = True
             plan.ships.append(self._order(t, t.prompt, tuple(t.block_ids)))
@@ -201,9 +211,22 @@ class BlockRecorder:
             raise ValueError(f"block size must be positive, got {block_size}")
         self.block_size = block_size
         self._blocks: dict[str, dict[int, int]] = {}
+        self._tables: dict[str, list[int]] = {}  # what the plans sent of each block table
 
     def forget(self, request_id: str) -> None:
         self._blocks.pop(request_id, None)
+        self._tables.pop(request_id, None)
+
+    def table(self, sl: StepSlice) -> list[int]:
+        """The request's block table with this slice's part of it applied."""
+        table = self._tables.setdefault(sl.request_id, [])
+        if sl.blocks_from > len(table):
+            raise SlotMismatch(
+                f"{sl.request_id}: block table from {sl.blocks_from}, the worker has {len(table)}"
+            )
+        del table[sl.blocks_from :]
+        table.extend(sl.block_ids)
+        return table
 
     def record(self, slots: Sequence[int], slices: Sequence[StepSlice]) -> dict[str, str]:
         """Find each slice's rows in ``slots`` (the step's slot mapping) and record the
@@ -214,11 +237,16 @@ class BlockRecorder:
         row_of: dict[int, int] = {s: i for i, s in enumerate(slots) if s >= 0}
         errors: dict[str, str] = {}
         for sl in slices:
+            try:
+                table = self.table(sl)
+            except SlotMismatch as e:
+                errors[sl.request_id] = str(e)
+                continue
             j0 = sl.start // bs
-            if j0 >= len(sl.block_ids):
+            if j0 >= len(table):
                 errors[sl.request_id] = f"position {sl.start} has no block in the block table"
                 continue
-            row = row_of.get(sl.block_ids[j0] * bs + sl.start % bs)
+            row = row_of.get(table[j0] * bs + sl.start % bs)
             if row is None or row + sl.num_tokens > len(slots):
                 errors[sl.request_id] = (
                     f"positions {sl.start}..{sl.start + sl.num_tokens - 1} were not written where "
@@ -232,10 +260,10 @@ class BlockRecorder:
                 continue
             rec = self._blocks.setdefault(sl.request_id, {})
             for j, b in pairs:
-                if j >= len(sl.block_ids) or sl.block_ids[j] != b:
+                if j >= len(table) or table[j] != b:
                     errors[sl.request_id] = (
                         f"block {j} was written to cache block {b}, the block table says "
-                        f"{sl.block_ids[j] if j < len(sl.block_ids) else None}"
+                        f"{table[j] if j < len(table) else None}"
                     )
                     break
                 rec[j] = b

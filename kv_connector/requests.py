@@ -17,6 +17,7 @@ class RequestRecord:
     tracked: bool = True  # its hidden states are to be shipped
     prompt: tuple[int, ...] = ()
     block_ids: list[int] = field(default_factory=list)
+    sent_blocks: int = 0  # how much of block_ids the workers have (sent in earlier plans)
     computed: int = 0  # positions 0..computed-1 have states in the cache
     shipped: bool = False
     # --- delivery (DeliveryBook)

@@ -111,9 +111,10 @@ def test_chunked_prefill_gives_one_slice_per_step_and_ships_only_in_the_last() -
     p3 = planner.plan([], [running("r", 60, grow3)], {"r": 40})
     full = tuple(table + grow2 + grow3)
 
+    # each plan carries only the blocks the workers do not have yet
     assert p1.slices == [StepSlice("r", 0, 30, tuple(table))] and p1.ships == []
-    assert p2.slices == [StepSlice("r", 30, 30, tuple(table + grow2))] and p2.ships == []
-    assert p3.slices == [StepSlice("r", 60, 40, full)]
+    assert p2.slices == [StepSlice("r", 30, 30, tuple(grow2), 2)] and p2.ships == []
+    assert p3.slices == [StepSlice("r", 60, 40, tuple(grow3), 4)]
     assert p3.ships == [ShipOrder("r", tuple(prompt), full)]
     assert not planner.plan([], [running("r", 100)], {"r": 1})
 
@@ -125,7 +126,7 @@ def test_a_running_request_not_scheduled_in_a_step_adds_nothing() -> None:
     assert not planner.plan([], [running("r", 16)], {})
     assert not planner.plan([], [running("r", 16)], {"r": 0})
     done = planner.plan([], [running("r", 16)], {"r": 24})
-    assert done.slices == [StepSlice("r", 16, 24, (1, 2, 3))]
+    assert done.slices == [StepSlice("r", 16, 24, (), 3)]  # the workers have the table
     assert [s.request_id for s in done.ships] == ["r"]
 
 
@@ -159,7 +160,7 @@ def test_any_chunking_ships_the_prompt_once_and_its_slices_tile_it(
     prompt = prompt_of(length, seed=length)
     planner.add("r")
     table: list[int] = []
-    computed, plans, expected = 0, [], []
+    computed, plans, expected, sent = 0, [], [], 0
     for i, n in enumerate(chunks):
         if i and idle[i]:
             plans.append(planner.plan([], [], {}))  # scheduled nothing for it this step
@@ -170,7 +171,8 @@ def test_any_chunking_ships_the_prompt_once_and_its_slices_tile_it(
             plans.append(planner.plan([NewRequest("r", prompt, list(table), 0)], [], {"r": n}))
         else:
             plans.append(planner.plan([], [running("r", computed, grow or None)], {"r": n}))
-        expected.append([StepSlice("r", computed, n, tuple(table))])
+        expected.append([StepSlice("r", computed, n, tuple(table[sent:]), sent)])
+        sent = len(table)
         computed += n
     for _ in range(decode_steps):
         grow = pool.take(nblocks(computed + 1) - len(table))
@@ -219,8 +221,8 @@ def test_several_requests_completing_in_one_step_all_ship_in_it() -> None:
     assert plan.slices == [
         StepSlice("a", 0, 5, (1,)),
         StepSlice("b", 0, 16, (2,)),
-        StepSlice("c", 20, 20, (10, 11, 12)),
-        StepSlice("d", 20, 20, (20, 21, 22)),
+        StepSlice("c", 20, 20, (12,), 2),
+        StepSlice("d", 20, 20, (22,), 2),
     ]
     assert plan.ships == [
         ShipOrder("a", tuple(prompts["a"]), (1,)),
@@ -240,8 +242,8 @@ def test_include_output_request_ships_at_finish_with_all_tokens_but_the_last_in_
     # Decode steps are recorded too: their positions are shipped.
     p2 = planner.plan([], [running("o", 20)], {"o": 1})
     p3 = planner.plan([], [running("o", 21)], {"o": 1})
-    assert p2.slices == [StepSlice("o", 20, 1, (7, 3))]
-    assert p3.slices == [StepSlice("o", 21, 1, (7, 3))]
+    assert p2.slices == [StepSlice("o", 20, 1, (), 2)]  # a decode step sends no table
+    assert p3.slices == [StepSlice("o", 21, 1, (), 2)]
     assert p2.ships == p3.ships == []
 
     outputs = [101, 102, 103]  # sampled in steps 1, 2, 3; 103 never went through a forward pass
@@ -341,9 +343,9 @@ def test_new_blocks_extend_the_table_and_untracked_running_requests_are_ignored(
     planner.add("r")
     planner.plan([NewRequest("r", prompt_of(50), [3], 0)], [], {"r": 16})
     p = planner.plan([], [running("ghost", 0, [1]), running("r", 16, [4, 5])], {"ghost": 5, "r": 16})
-    assert p.slices == [StepSlice("r", 16, 16, (3, 4, 5))]
+    assert p.slices == [StepSlice("r", 16, 16, (4, 5), 1)]
     p = planner.plan([], [running("r", 32, [])], {"r": 18})
-    assert p.slices == [StepSlice("r", 32, 18, (3, 4, 5))]
+    assert p.slices == [StepSlice("r", 32, 18, (), 3)]
     assert p.ships[0].block_ids == (3, 4, 5)
 
 
@@ -639,3 +641,21 @@ def test_ship_orders_carry_their_reader_and_finish_reports_it() -> None:
     )
     assert [(o.request_id, o.reader) for o in plan.ships] == [("a", 0), ("b", 1), ("c", 0)]
     assert planner.reader_of("b") == 1
+
+
+def test_a_decode_step_plan_does_not_grow_with_the_block_table() -> None:
+    """256 requests with long tables, decoding with output tokens: after the first plan,
+    a step's plan carries one slice per request and only the blocks added since."""
+    planner, bs = ShipPlanner(), BS
+    tables = {f"r{i}": list(range(i * 300, i * 300 + 256)) for i in range(256)}
+    for rid in tables:
+        planner.add(rid, include_output=True)
+    planner.plan(
+        [NewRequest(rid, prompt_of(256 * bs), t, 0) for rid, t in tables.items()],
+        [],
+        dict.fromkeys(tables, 256 * bs),
+    )
+    step = planner.plan([], [running(rid, 256 * bs) for rid in tables], dict.fromkeys(tables, 1))
+    assert len(step.slices) == 256 and all(sl.block_ids == () for sl in step.slices)
+    grow = planner.plan([], [running("r0", 256 * bs + 1, [9999])], {"r0": 1})
+    assert grow.slices == [StepSlice("r0", 256 * bs + 1, 1, (9999,), 256)]
