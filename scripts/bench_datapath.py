@@ -31,16 +31,20 @@ BLOCK = 128  # vLLM's CPU block size
 
 # ------------------------------------------------------------------ reader process (e)
 def _reader_proc(conn: Any, n: int, pool_bytes: int) -> None:
+    """A trainer that takes every sample on lease and lets it go at the next one (what
+    ``for sample in reader`` does with a sample the loop body does not keep)."""
+    import resource
+
     from kv_connector.reader import HiddenStatesReader
 
     with HiddenStatesReader(pool_bytes=pool_bytes) as reader:
         conn.send(reader.address)
         nbytes = 0
-        t_first = None
         for s in reader.samples(n, timeout=300):
-            t_first = t_first or time.time()
             nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
-        conn.send((time.time(), nbytes, reader.stats().as_dict()))
+        stats = reader.stats().as_dict()
+        stats["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        conn.send((time.time(), nbytes, stats))
 
 
 # ------------------------------------------------------------------ raw target process (r)
@@ -117,6 +121,7 @@ def bench_ours(
         "bytes": float(nbytes),
         "tokens": float(n_req * tokens),
         "reader_copy_out_s": reader_stats["copy_s"],
+        "reader_rss_mib": reader_stats["rss_mib"],
         "reader_verify_s": reader_stats["verify_s"],
         "sender_write_s": sender_stats["write_s"],
         "sender_checksum_s": sender_stats["checksum_s"],
@@ -264,7 +269,7 @@ def isolated(fn_name: str, *args: Any) -> dict[str, float]:
     return res
 
 
-def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
+def main(n_req: int = 48, tokens: int = 2048, rounds: int = 2) -> dict[str, Any]:
     from scripts.vllm_harness import config_only_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-"))
@@ -272,11 +277,16 @@ def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
     nb = -(-tokens // BLOCK)
     num_blocks = 4 * nb + 1
     pool = 4 * nb * BLOCK * len(LAYERS) * HIDDEN * 2
-    e = isolated("bench_ours", model, n_req, tokens, num_blocks, pool)
-    e0 = isolated("bench_ours", model, n_req, tokens, num_blocks, pool, "none")
+    # Interleaved, best of `rounds` each: this host is shared and noisy, and a ratio is
+    # only worth something if both sides saw the same machine.
+    runs: dict[str, list[dict[str, float]]] = {"e": [], "e0": [], "r": []}
+    for _ in range(rounds):
+        runs["r"].append(isolated("bench_raw", n_req, tokens, num_blocks, 4))
+        runs["e"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool))
+        runs["e0"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool, "none"))
     b = isolated("bench_example", model, n_req, tokens, num_blocks)
-    r = isolated("bench_raw", n_req, tokens, num_blocks, 4)
     shutil.rmtree(work, ignore_errors=True)
+    e, e0, r = (max(runs[k], key=lambda m: m["bytes"] / m["seconds"]) for k in ("e", "e0", "r"))
     out: dict[str, Any] = {}
     for name, m in (("e_ours", e), ("e_ours_no_checksum", e0), ("b_example_shm", b), ("r_raw_nixl", r)):
         out[name] = {
@@ -284,13 +294,19 @@ def main(n_req: int = 24, tokens: int = 2048) -> dict[str, Any]:
             "GB_per_s": m["bytes"] / m["seconds"] / 1e9,
             "seconds": m["seconds"],
         }
-    # where our time goes (both include the warm-up sample): the reader's copy-out and
-    # the producer's WRITEs, which share this host's cores and memory bus
+    out["all_rounds_GB_per_s"] = {
+        k: [round(m["bytes"] / m["seconds"] / 1e9, 3) for m in v] for k, v in runs.items()
+    }
+    # where our time goes (both include the warm-up sample): the reader's copy-out (none:
+    # samples are handed out on lease) and the producer's WRITEs
     out["e_ours"]["reader_copy_out_s"] = e["reader_copy_out_s"]
     out["e_ours"]["sender_write_s"] = e["sender_write_s"]
     # the checksums' cost: the producer's XXH3 (its own thread) and the reader's check
     out["e_ours"]["sender_checksum_s"] = e["sender_checksum_s"]
     out["e_ours"]["reader_verify_s"] = e["reader_verify_s"]
+    # the reader's resident memory: its pool, plus what it needs besides
+    out["e_ours"]["reader_rss_mib"] = e["reader_rss_mib"]
+    out["e_ours"]["reader_pool_mib"] = pool / (1 << 20)
     out["checksum_throughput_ratio"] = (
         out["e_ours"]["tokens_per_s"] / out["e_ours_no_checksum"]["tokens_per_s"]
     )

@@ -1,8 +1,10 @@
 """What the connector costs the producer, on a tiny model, prefill only:
 
-  a: vLLM with extract_hidden_states + HiddenStatesConnector + a reader in another
-     process taking every sample (timed until the last sample is taken);
-  c: the same vLLM without extraction and without a connector.
+  a:  vLLM with extract_hidden_states + HiddenStatesConnector + a reader in another
+      process taking every sample (timed until the last sample is taken);
+  a0: vLLM with extract_hidden_states and no connector (what extraction costs vLLM
+      itself: a/a0 is the connector's own overhead);
+  c:  the same vLLM without extraction and without a connector.
 
 Each runs in a fresh process with the in-process engine; a warm-up batch runs first.
 """
@@ -35,6 +37,7 @@ def _producer(spec: dict[str, Any]) -> None:
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
         }
+    if spec["connector"]:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "HiddenStatesConnector",
             "kv_connector_module_path": "kv_connector.connector",
@@ -62,11 +65,17 @@ def _producer(spec: dict[str, Any]) -> None:
 
 
 def run(
-    model: Path, prompts: list[list[int]], warmup: list[list[int]], extract: bool, batch_tokens: int
+    model: Path,
+    prompts: list[list[int]],
+    warmup: list[list[int]],
+    extract: bool,
+    batch_tokens: int,
+    connector: bool | None = None,
 ) -> dict[str, float]:
     from kv_connector.reader import HiddenStatesReader
 
-    reader = HiddenStatesReader(pool_bytes=256 << 20) if extract else None
+    connector = extract if connector is None else connector
+    reader = HiddenStatesReader(pool_bytes=256 << 20) if connector else None
     times: list[float] = []
     n_expected = len(prompts) + len(warmup)
 
@@ -83,6 +92,7 @@ def run(
         "prompts": prompts,
         "warmup": warmup,
         "extract": extract,
+        "connector": connector,
         "batch_tokens": batch_tokens,
         "address": reader.address if reader else "",
     }
@@ -122,18 +132,23 @@ def main(
     warmup = [[rng.randrange(1, 1024) for _ in range(length)] for _ in range(4)]
     # Interleaved, best of `rounds` each: this host is shared and noisy, and the ratio is
     # only worth something if both sides saw the same machine.
-    cs, as_ = [], []
+    cs, a0s, as_ = [], [], []
     for _ in range(rounds):
         cs.append(run(model, prompts, warmup, extract=False, batch_tokens=batch_tokens))
+        a0s.append(run(model, prompts, warmup, extract=True, batch_tokens=batch_tokens, connector=False))
         as_.append(run(model, prompts, warmup, extract=True, batch_tokens=batch_tokens))
     c = max(cs, key=lambda r: r["tokens_per_s"])
+    a0 = max(a0s, key=lambda r: r["tokens_per_s"])
     a = max(as_, key=lambda r: r["tokens_per_s"])
     return {
         "a_extract_connector_reader": a,
+        "a0_extract_no_connector": a0,
         "c_no_extraction": c,
         "a_over_c": a["tokens_per_s"] / c["tokens_per_s"],
+        "a_over_a0": a["tokens_per_s"] / a0["tokens_per_s"],
         "all_rounds_tokens_per_s": {
             "a": [r["tokens_per_s"] for r in as_],
+            "a0": [r["tokens_per_s"] for r in a0s],
             "c": [r["tokens_per_s"] for r in cs],
         },
     }

@@ -142,6 +142,7 @@ class ProducerRank:
         num_blocks: int,
         block_size: int = 128,
         fill: Callable[[str, int, int], torch.Tensor] | None = None,
+        zero: bool = True,
     ) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -167,7 +168,9 @@ class ProducerRank:
             with set_current_vllm_config(vllm_config):
                 CacheOnlyAttentionLayer(self.num_layers, self.hidden, prefix=self.layer_name)
         self.layer = static[self.layer_name]
-        self.kv = torch.zeros(num_blocks, self.num_layers, block_size, self.hidden, dtype=self.dtype)
+        shape = (num_blocks, self.num_layers, block_size, self.hidden)
+        # zero=False: memory the test never reads stays untouched (a large cache costs nothing)
+        self.kv = torch.zeros(shape, dtype=self.dtype) if zero else torch.empty(shape, dtype=self.dtype)
         self.layer.kv_cache = self.kv
         spec = HiddenStateCacheSpec(
             block_size=block_size, num_kv_heads=self.num_layers, head_size=self.hidden, dtype=self.dtype

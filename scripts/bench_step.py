@@ -1,0 +1,127 @@
+"""The connector's own cost per engine step, at 256 requests decoding with
+``include_output_tokens`` (so every step has a slice of every request), at a short and a
+long context: the scheduler side building the step's metadata, the worker side's hooks
+(bind, the cache-only layer's slot mapping, wait_for_save, get_finished, the report),
+and the metadata's size as vLLM ships it to the workers (pickled).
+
+Real vLLM objects (``SchedulerOutput``, ``CacheOnlyAttentionMetadata``) and the real
+connector, no model compute. The requests start with their context computed (as after a
+prefix-cache hit), so the first step carries their whole block tables once; the
+measured steps are the decode steps after it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import time
+from typing import Any
+
+import torch
+
+LAYERS = [1]
+HIDDEN = 128
+BLOCK = 128
+
+
+def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]:
+    import tempfile
+    from pathlib import Path
+
+    from vllm import SamplingParams
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionMetadata
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kv_connector.connector import HiddenStatesConnector
+    from scripts.vllm_harness import ProducerRank, config_only_model, engine_config, start_worker
+
+    model = config_only_model(Path(tempfile.mkdtemp()) / "m", HIDDEN, num_layers=2)
+    blocks_per_req = -(-(context + steps + 1) // BLOCK)
+    num_blocks = n_req * blocks_per_req + 1
+    ktc = {
+        "kv_connector": "HiddenStatesConnector",
+        "kv_connector_module_path": "kv_connector.connector",
+        "kv_role": "kv_producer",
+        # nothing listens there: the connector is measured, not the transfer
+        "kv_connector_extra_config": {"consumer_address": "127.0.0.1:9", "include_output_tokens": True},
+    }
+    cfg = engine_config(model, LAYERS, ktc, max_model_len=context + steps + 8)
+    _worker = start_worker(cfg)
+    rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK, zero=False)
+    sched, worker = rank.scheduler, rank.worker
+    tables = {
+        f"r{i}": list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)) for i in range(n_req)
+    }
+    for rid in tables:
+        req = Request(rid, [1] * context, SamplingParams(max_tokens=steps + 2), None)
+        sched.on_new_request(req)
+
+    def step(first: bool, pos: int) -> tuple[float, int]:
+        out = SchedulerOutput.make_empty()
+        cached = CachedRequestData.make_empty()
+        for rid, table in tables.items():
+            if first:
+                out.scheduled_new_reqs.append(
+                    NewRequestData(
+                        req_id=rid, prompt_token_ids=[1] * context, mm_features=[],
+                        sampling_params=SamplingParams(max_tokens=steps + 2), pooling_params=None,
+                        block_ids=(list(table),), num_computed_tokens=pos, lora_request=None,
+                    )
+                )  # fmt: skip
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(None)
+                cached.num_computed_tokens.append(pos)
+                cached.num_output_tokens.append(pos - context)
+            out.num_scheduled_tokens[rid] = 1
+        out.scheduled_cached_reqs = cached
+        out.total_num_scheduled_tokens = n_req
+        slots = torch.tensor([t[pos // BLOCK] * BLOCK + pos % BLOCK for t in tables.values()])
+        t0 = time.perf_counter()
+        meta = sched.build_connector_meta(out)
+        size = len(pickle.dumps(meta))
+        worker.bind_connector_metadata(meta)
+        worker.save_kv_layer(rank.layer_name, rank.kv, CacheOnlyAttentionMetadata(slots))
+        worker.wait_for_save()
+        worker.get_finished(set())
+        report = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+        return time.perf_counter() - t0, size
+
+    step(True, context)
+    times, sizes = [], []
+    for k in range(steps):
+        dt, size = step(False, context + 1 + k)
+        times.append(dt)
+        sizes.append(size)
+    rank.shutdown()
+    return {"step_ms": statistics.median(times) * 1e3, "metadata_bytes": statistics.median(sizes)}
+
+
+def main() -> dict[str, Any]:
+    import multiprocessing as mp
+
+    out: dict[str, Any] = {}
+    for context in (2048, 32768):
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_run, args=(b, context))
+        p.start()
+        out[f"ctx_{context}"] = a.recv()
+        p.join(60)
+    return out
+
+
+def _run(conn: Any, context: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    conn.send(measure(context))
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(main(), indent=1))
