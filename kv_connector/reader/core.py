@@ -84,9 +84,10 @@ class HiddenStatesReader:
     ``transport``: the agent to receive with (a ``NixlTransport`` by default).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
-    ``close``. The iterator lets go of each sample when you ask for the next one: if you
-    kept no reference to it or its tensors, its pages return to the pool then; if you
-    did, they return when the last of those is gone (or when you call ``release``).
+    ``close``. The iterator ends each sample's lease when you ask for the next one
+    (reading its ``hidden_states`` then raises ``SampleReleased``), unless you called its
+    ``keep()`` or hold its tensor or a view of it; those return their pages when you call
+    ``release`` or when the last of them is collected.
     """
 
     def __init__(
@@ -181,21 +182,25 @@ class HiddenStatesReader:
             # discarded since it was queued
 
     def __iter__(self) -> Iterator[Sample]:
-        while True:
-            try:
-                yield self.get()
-            except ReaderClosed:
-                return
+        return self.samples()
 
     def samples(self, max_samples: int | None = None, timeout: float | None = None) -> Iterator[Sample]:
-        """Yield up to ``max_samples`` samples, each within ``timeout`` seconds."""
+        """Yield up to ``max_samples`` samples, each within ``timeout`` seconds. When you
+        ask for the next one, the previous one's lease ends (a pool that holds one sample
+        serves a plain ``for`` loop), unless you called its ``keep()`` or hold its tensor
+        or a view of it: those stay leased until released or collected."""
         n = 0
+        prev: Sample | None = None
         while max_samples is None or n < max_samples:
+            if prev is not None:
+                prev.let_go()
+                prev = None
             try:
-                yield self.get(timeout)
+                prev = self.get(timeout)
             except ReaderClosed:
                 return
             n += 1
+            yield prev
 
     def ack(self, sample: Sample) -> None:
         """Tell the sample's producer it is safe here (``ack="manual"``): it frees the
