@@ -144,6 +144,11 @@ class DeliveryBook:
     def add(self, request_id: str) -> None:
         self.table.ensure(request_id)
 
+    def refuse(self, request_id: str, why: str) -> None:
+        """The request cannot be shipped at all (e.g. its id): it fails at admission,
+        alone, and its kv_transfer_params say why."""
+        self.table.ensure(request_id).failed = why
+
     def admit(self, request_id: str) -> Admission:
         """Called each step while a new request waits to start (and again if it is
         preempted and recomputed: an admitted request always runs)."""

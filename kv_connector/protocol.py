@@ -25,24 +25,29 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
 
 from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 6
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
 MAX_RANKS = 1024
 MAX_BLOCKS = 1 << 22
 MAX_PAGES = 1 << 24
-MAX_METADATA_BYTES = 16 << 20
+MAX_METADATA_BYTES = 64 << 10  # NIXL's agent metadata is about 1 KiB
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# names that end up in logs, ledgers and file names: a safe character set (\Z, not $:
+# "$" also matches before a trailing newline)
+SafeName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z")]
 # \Z, not $: "$" also matches before a trailing newline
-RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:@+=\-]{1,256}\Z")]
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,256}\Z"
+RequestId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
@@ -66,15 +71,18 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
 
 
 class Hello(_Msg, tag="hello", frozen=True):
-    """Producer -> reader, first message on a connection."""
+    """Producer -> reader, first message on a connection. ``cache_mem``: where the
+    producer's cache lives (a reader requires checksums from host-memory caches by
+    default: hashing them costs little)."""
 
     version: int
-    producer_id: Name
+    producer_id: SafeName
     rank: Rank
     world_size: WorldSize
-    agent_name: Name
+    agent_name: SafeName
     block_bytes: PosInt
     nonce: Nonce
+    cache_mem: Literal["DRAM", "VRAM"] = "DRAM"
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
@@ -88,17 +96,18 @@ class Challenge(_Msg, tag="challenge", frozen=True):
 
 
 class Auth(_Msg, tag="auth", frozen=True):
-    """Producer -> reader: the producer's proof of the secret and its NIXL metadata."""
+    """Producer -> reader: the producer's proof of the secret, bound to its NIXL metadata."""
 
     digest: Digest
     agent_metadata: Metadata
 
 
 class Welcome(_Msg, tag="welcome", frozen=True):
-    """Reader -> producer after a successful handshake: where the receive pool lives."""
+    """Reader -> producer after a successful handshake: where the receive pool lives, and
+    the reader's proof bound to all of it (``welcome_binding``)."""
 
-    reader_id: Name
-    agent_name: Name
+    reader_id: SafeName
+    agent_name: SafeName
     agent_metadata: Metadata
     pool_addr: NonNegInt
     pool_bytes: PosInt
@@ -106,6 +115,21 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     num_pages: PosInt
     mem_type: Literal["DRAM", "VRAM"]
     device_id: NonNegInt
+    proof: Digest
+
+    def __post_init__(self) -> None:
+        if self.pool_addr + self.pool_bytes > 1 << 64:
+            raise ValueError("the pool does not fit in a 64-bit address space")
+        if self.page_bytes > self.pool_bytes or self.num_pages * self.page_bytes > self.pool_bytes:
+            raise ValueError("the pool's pages do not fit in the pool")
+
+    def binding(self) -> bytes:
+        """What the reader's proof covers: every field but the proof."""
+        fields = [
+            self.reader_id, self.agent_name, self.agent_metadata, self.pool_addr, self.pool_bytes,
+            self.page_bytes, self.num_pages, self.mem_type, self.device_id,
+        ]  # fmt: skip
+        return msgspec.msgpack.encode(fields)
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -202,7 +226,20 @@ class Ack(_Msg, tag="ack", frozen=True):
 # handshake's proof), "pool_too_small" (a sample larger than the reader's pool),
 # "checksum" (a share kept failing its checksum), "write_failed" (a producer gave up on
 # a sample whose WRITE kept failing).
-RefuseCode = Literal["protocol", "auth", "pool_too_small", "checksum", "write_failed"]
+# "timeout" (a sample not complete in time), "limit" (a peer over its bounds),
+# "preempted" (a request preempted before its WRITE could finish), "unchecked" (a share
+# without the checksum the reader requires).
+RefuseCode = Literal[
+    "protocol",
+    "auth",
+    "pool_too_small",
+    "checksum",
+    "write_failed",
+    "timeout",
+    "limit",
+    "preempted",
+    "unchecked",
+]
 
 
 class Refuse(_Msg, tag="refuse", frozen=True):
@@ -211,7 +248,7 @@ class Refuse(_Msg, tag="refuse", frozen=True):
 
     code: RefuseCode
     message: Annotated[str, msgspec.Meta(max_length=4096)]
-    request_id: str = ""
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_.:@+=\-]{1,256})?\Z")] = ""
 
 
 class WriteDone(_Msg, tag="write_done", frozen=True):
@@ -285,3 +322,17 @@ def decode(data: bytes) -> Message:
             f"{PROTOCOL_VERSION}); run the same kv_connector version on both ends"
         )
     return msg
+
+
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def request_id_problem(request_id: str) -> str | None:
+    """Why ``request_id`` cannot travel as a sample's id (None: it can)."""
+    if _REQUEST_ID.match(request_id):
+        return None
+    shown = request_id if len(request_id) <= 64 else request_id[:64] + "..."
+    return (
+        f"request id {shown!r} ({len(request_id)} characters) cannot name a sample: it must be 1 to 256 "
+        "characters of A-Z a-z 0-9 _ . : @ + = -"
+    )

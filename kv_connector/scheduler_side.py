@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
 from kv_connector.options import ConnectorOptions
 from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.protocol import request_id_problem
 from kv_connector.report import WorkerReport
 from kv_connector.requests import RequestTable
 
@@ -73,8 +74,12 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
         include = bool(params.get("include_output_tokens", self.options.include_output_tokens))
-        self.planner.add(request.request_id, include_output=include)
-        self.book.add(request.request_id)
+        rid = request.request_id
+        self.planner.add(rid, include_output=include)
+        self.book.add(rid)
+        problem = request_id_problem(rid)
+        if problem is not None:  # refused alone, at admission: never its connection
+            self.book.refuse(rid, problem)
 
     def admit(self, request: Request) -> bool:
         """May the request start now? Not while no worker can reach its reader (it waits
