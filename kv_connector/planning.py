@@ -93,10 +93,11 @@ class ShipPlanner:
         rec = self.table.get(request_id)
         return rec if rec is not None and rec.tracked else None
 
-    def reader_of(self, request_id: str) -> int:
-        """The reader a shipped (or shipping) request goes to."""
+    def reader_of(self, request_id: str) -> int | None:
+        """The reader a shipped (or shipping) request goes to; None if it was never routed
+        (it failed admission, or finished before shipping)."""
         rec = self.table.get(request_id)
-        return rec.reader if rec is not None and rec.reader is not None else 0
+        return rec.reader if rec is not None else None
 
     def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
         if rec.reader is None:

@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
-from kv_connector.options import ConnectorOptions
+from kv_connector.options import ConnectorOptions, Sharding
 from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
 from kv_connector.protocol import request_id_problem
 from kv_connector.report import WorkerReport
@@ -137,12 +137,17 @@ class SchedulerSide:
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         outcome = self.book.outcome(rid)
         reader = self.planner.reader_of(rid)
+        if reader is None and (
+            len(self.options.readers) == 1 or self.options.sharding is Sharding.REQUEST_HASH
+        ):
+            reader = self.book.router.route(rid)  # the reader it was bound for
         self.book.finish(rid)  # its record goes: later reports about it are late
         if not hold and outcome["status"] != "failed":
             return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
         return hold, {
             "hidden_states": {
-                "consumer_address": self.options.readers[reader],
+                # None: round robin had not picked a reader for it when it failed
+                "consumer_address": None if reader is None else self.options.readers[reader],
                 "producer_id": self.producer_id,
                 "request_id": rid,
                 **outcome,

@@ -272,12 +272,28 @@ class SendLedger:
         follows = job.digest_state in (DigestState.NEEDED, DigestState.COMPUTING)
         return protocol.WriteDone(request_id=request_id, digest_follows=follows)
 
-    def write_posted(self, request_id: str, xfer: object, now: float, notif: protocol.WriteDone) -> None:
+    def write_posting(self, request_id: str, now: float, notif: protocol.WriteDone) -> None:
+        """GRANTED -> WRITING before the transport is called: the WRITE may land, and the
+        reader ack it, before the call returns (S3: an Ack then waits for its completion)."""
         job = self.job(request_id)
         if job.state is not JobState.GRANTED:  # S2, S4
             raise IllegalTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
-        job.state, job.xfer, job.t_write = JobState.WRITING, xfer, now
+        job.state, job.xfer, job.t_write = JobState.WRITING, None, now
         job.digest_owed = notif.digest_follows
+
+    def write_started(self, request_id: str, xfer: object) -> bool:
+        """The transport's handle of the WRITE being posted. False if the job failed
+        meanwhile: the shell polls the handle to its end itself."""
+        job = self._jobs.get(request_id)
+        if job is None or job.state is not JobState.WRITING or job.xfer is not None:
+            return False
+        job.xfer = xfer
+        return True
+
+    def write_posted(self, request_id: str, xfer: object, now: float, notif: protocol.WriteDone) -> None:
+        """``write_posting`` and ``write_started`` at once."""
+        self.write_posting(request_id, now, notif)
+        self.write_started(request_id, xfer)
 
     def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
         job = self.job(request_id)

@@ -16,7 +16,7 @@ import numpy as np
 
 from kv_connector import protocol
 from kv_connector.poller import Poller
-from kv_connector.send_ledger import Failure, Job, SendLedger
+from kv_connector.send_ledger import Failure, Job, JobState, SendLedger
 from kv_connector.transport import Region, Transport, TransportError
 
 log = logging.getLogger("kv_connector.sender")
@@ -117,30 +117,33 @@ class ShareWriter:
 
     def _post(self, job: Job) -> None:
         assert self._remote is not None
-        with self._lock:
-            notif = self._ledger.notification(job.request_id)
+        rid = job.request_id
         now = time.monotonic()
+        with self._lock:
+            notif = self._ledger.notification(rid)
+            self._ledger.write_posting(rid, now, notif)  # WRITING before it may land (S3)
         try:
             xfer = self._transport.write(
                 self._peer, self._local, self._remote, self.spans(job), protocol.encode(notif)
             )
         except Exception as e:
             if not isinstance(e, TransportError):  # a bug: fail this job, not the thread
-                log.exception("rank %d: cannot post the WRITE of %s", self._rank, job.request_id)
+                log.exception("rank %d: cannot post the WRITE of %s", self._rank, rid)
                 with self._lock:
-                    failure = self._ledger.fail(
-                        job.request_id, f"cannot post its WRITE: {type(e).__name__}: {e}"
-                    )
+                    failure = self._ledger.fail(rid, f"cannot post its WRITE: {type(e).__name__}: {e}")
                 if failure is not None:
                     self._tell_reader(failure)
                 return
             with self._lock:
-                self._ledger.write_posted(job.request_id, None, now, notif)
-                failure = self._ledger.write_failed(job.request_id, str(e), now)
-            self._failed(job.request_id, e, failure)
+                writing = self._ledger.state_of(rid) is JobState.WRITING
+                failure = self._ledger.write_failed(rid, str(e), now) if writing else None
+            if writing:
+                self._failed(rid, e, failure)
             return
         with self._lock:
-            self._ledger.write_posted(job.request_id, xfer, now, notif)
+            followed = self._ledger.write_started(rid, xfer)
+        if not followed:  # the job failed while its WRITE was being posted
+            self.adopt(xfer)
 
     def poll(self) -> bool:
         """Poll every WRITE in flight once; True if any completed."""

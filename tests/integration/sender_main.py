@@ -10,8 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kv_connector.layout import BlockLayout
@@ -39,15 +37,14 @@ def main() -> int:
     if corrupt:
 
         class CorruptingSender(HiddenStatesSender):
-            """Fault injection: the cache's memory changes after a share was checksummed,
-            so every WRITE of it carries bytes that disagree with its checksum."""
+            """Fault injection: the share's digest disagrees with its bytes (as if the
+            cache changed after it was hashed), whenever the WRITE goes out: every check
+            of it fails. (Changing the cache after hashing raced the WRITE, which no
+            longer waits for its digest.)"""
 
             def _share_checksum(self, job: Job) -> int:
                 crc = super()._share_checksum(job)
-                if job.request_id in corrupt:
-                    first = job.block_ids[job.share[0]]
-                    cache[first].view(-1).view(torch.uint8)[0] ^= 0xFF  # token 0 of the block, layer 0
-                return crc
+                return crc ^ 1 if job.request_id in corrupt else crc
 
         sender_cls = CorruptingSender
     sender = sender_cls(cfg, cache, layout, layer_ids)

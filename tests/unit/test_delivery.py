@@ -142,3 +142,25 @@ def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_link
     assert not hold and params is not None
     assert params["hidden_states"]["status"] == "failed"
     assert "cannot name a sample" in params["hidden_states"]["error"]
+
+
+@pytest.mark.parametrize("sharding", ["request_hash", "round_robin"])
+def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: str) -> None:
+    from types import SimpleNamespace
+
+    from kv_connector.options import ConnectorOptions
+    from kv_connector.scheduler_side import SchedulerSide
+
+    addrs = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]
+    side = SchedulerSide(ConnectorOptions.parse({"consumer_address": addrs, "sharding": sharding}), None, "p")
+    for rid in ("bad id 1", "bad id 2", "bad id 3", "bad id 4"):
+        r = SimpleNamespace(request_id=rid, kv_transfer_params=None, all_token_ids=[1])
+        side.on_new_request(r)  # type: ignore[arg-type]
+        side.admit(r)  # type: ignore[arg-type]
+        _, params = side.request_finished(r, [])  # type: ignore[arg-type]
+        assert params is not None
+        got = params["hidden_states"]["consumer_address"]
+        if sharding == "request_hash":
+            assert got == addrs[Router(3).route(rid)]  # not always the first reader
+        else:
+            assert got is None

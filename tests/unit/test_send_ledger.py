@@ -584,3 +584,29 @@ def test_s1_any_sequence_of_events_keeps_every_job_accounted_for_exactly_once(
     assert len(finished) == len(set(finished))
     assert set(finished).isdisjoint(failed) and live.isdisjoint(finished) and live.isdisjoint(failed)
     assert live | set(finished) | set(failed) == set("abc")
+
+
+def test_s3_an_ack_that_overtakes_the_posting_of_its_write_waits_for_its_completion() -> None:
+    """UCX may move the bytes inside the posting call: the reader's Ack can arrive before
+    the transport returns the handle. The job is WRITING from before the call, so the Ack
+    waits for the completion and the handle is always settled."""
+    led = ledger()
+    submit(led, "a")
+    to_granted(led, "a")
+    led.writes_due(1.0)
+    led.write_posting("a", 1.0, led.notification("a"))
+    assert led.on_ack("a", 1.1) and "a" in led and led.take_finished() == []
+    handle = object()
+    assert led.write_started("a", handle) and led.job("a").xfer is handle
+    led.write_completed("a", PAGE, 1.2)
+    assert led.take_finished() == ["a"]
+
+
+def test_a_job_that_failed_while_its_write_was_posted_leaves_the_handle_to_the_shell() -> None:
+    led = ledger()
+    submit(led, "a")
+    to_granted(led, "a")
+    led.write_posting("a", 1.0, led.notification("a"))
+    (f,) = led.freeze(["a"])  # preempted meanwhile
+    assert f.xfer is None  # the handle does not exist yet
+    assert not led.write_started("a", object())  # the shell polls it to its end itself
