@@ -21,7 +21,7 @@ from kv_connector.layout import BlockLayout, stripe
 from kv_connector.send_ledger import Job, SendLedger
 from kv_connector.sender_loop import SenderLoop
 from kv_connector.share_writer import ShareWriter
-from kv_connector.stats import SenderStats
+from kv_connector.stats import SenderMetrics, SenderStats
 from kv_connector.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,14 @@ class HiddenStatesSender:
         """A snapshot of this sender's counters."""
         with self._lock:
             return self._ledger.stats.snapshot()
+
+    def take_metrics(self) -> SenderMetrics:
+        """For the metrics, at once: a snapshot of the counters, each WRITE's latency and
+        each grant's wait since the last call, and the requests in flight."""
+        with self._lock:
+            return SenderMetrics(
+                self._ledger.stats.snapshot(), self._ledger.take_observations(), len(self._ledger)
+            )
 
     @property
     def in_flight(self) -> int:
