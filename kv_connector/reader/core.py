@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,8 +24,11 @@ from kv_connector.control import format_address, parse_address
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.ledger import AckMode, Key, ReaderLedger, SampleState
 from kv_connector.reader.server import ReaderServer, round_page
-from kv_connector.stats import ReaderStats
+from kv_connector.stats import PoolState, ReaderStats
 from kv_connector.transport import Transport
+
+if TYPE_CHECKING:
+    from kv_connector.metrics_server import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,10 @@ class HiddenStatesReader:
     ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
     ``LeaseLimitError`` beyond it, naming them).
     ``transport``: the agent to receive with (a ``NixlTransport`` by default).
+    ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT``
+    (port 0 picks one) or on a TCP socket already bound; ``metrics_address`` then names
+    the address really served, and ``metrics`` the server (``reader.metrics`` names the
+    series).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``. The iterator lets go of each sample when you ask for the next one: if you
@@ -102,6 +110,7 @@ class HiddenStatesReader:
         transport: Transport | None = None,
         copy: bool = False,
         max_leases: int = DEFAULT_MAX_LEASES,
+        metrics_address: str | socket.socket | None = None,
     ) -> None:
         try:
             ack_mode = AckMode(ack)
@@ -146,12 +155,22 @@ class HiddenStatesReader:
             self._pool_np.data,
         )  # fmt: skip
         self._server.start()
+        self.metrics: MetricsServer | None = None
+        self.metrics_address: str | None = None
+        if metrics_address is not None:
+            try:
+                self.metrics = serve_metrics(self, metrics_address)
+            except BaseException:
+                self.close()
+                raise
+            self.metrics_address = self.metrics.address
         log.info(
-            "hidden-states reader %s listening on %s, pool %.1f MiB%s",
+            "hidden-states reader %s listening on %s, pool %.1f MiB%s%s",
             self.reader_id,
             self.address,
             pool_bytes / (1 << 20),
             ", handshake authenticated" if secret else "",
+            f", metrics on {self.metrics.url}" if self.metrics else "",
         )
 
     # ---------------------------------------------------------------- user side
@@ -208,6 +227,17 @@ class HiddenStatesReader:
         with self._lock:
             return self._ledger.stats.snapshot()
 
+    def pool_state(self) -> PoolState:
+        """The receive pool's pages now: free, granted (samples on their way), leased (to
+        the user), quarantined; and the samples waiting for pages."""
+        with self._lock:
+            return self._ledger.pool_state()
+
+    def producers_connected(self) -> dict[str, int]:
+        """Producer id -> ranks connected now."""
+        with self._lock:
+            return self._ledger.producers_connected()
+
     def __enter__(self) -> HiddenStatesReader:
         return self
 
@@ -220,6 +250,9 @@ class HiddenStatesReader:
             return
         self._closed = True
         self._ready.put(None)
+        if getattr(self, "metrics", None) is not None:
+            assert self.metrics is not None
+            self.metrics.close()
         self._server.close()
         with self._lock:
             self._transport.close()
@@ -277,3 +310,11 @@ class HiddenStatesReader:
             producer_id=key[0],
             lease=lease,
         )
+
+
+def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:
+    """A Prometheus endpoint for ``reader`` (prometheus_client is imported only here)."""
+    from kv_connector.metrics_server import MetricsServer
+    from kv_connector.reader.metrics import ReaderCollector
+
+    return MetricsServer(listen, [ReaderCollector(reader)])
