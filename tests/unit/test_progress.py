@@ -1,0 +1,49 @@
+"""The reader's progress line and the summary of a run (``kv_connector.reader.progress``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_connector.reader.progress import Progress, Reading, duration, pool_use, si
+from kv_connector.stats import FileStats, PoolState, ReaderStats
+
+
+def reading(t: float, samples: int, free: int = 10, waiting: int = 0, producers: int = 1) -> Reading:
+    pool = PoolState(64, 10, free, 10 - free, 0, 0, waiting)
+    return Reading(
+        t, samples, tokens=samples * 1000, bytes=samples * 2_000_000, pool=pool, producers=producers
+    )
+
+
+def test_the_progress_line_shows_rates_over_its_window() -> None:
+    p = Progress(window_s=5.0)
+    assert p.line() == "waiting for producers"
+    p.add(reading(0.0, 0))
+    assert p.line() == "0 samples | 0 tok/s | 0.00 GB/s | pool 0% | 1 producer"
+    p.add(reading(1.0, 100, free=6, waiting=2, producers=2))
+    assert p.line() == "100 samples | 100.0k tok/s | 0.20 GB/s | pool 40% (2 waiting) | 2 producers"
+    for t in range(2, 12):
+        p.add(reading(float(t), 100 + 10 * (t - 1)))  # slower: 10 samples/s
+    assert p.rates() == pytest.approx((10.0, 10_000.0, 20_000_000.0))  # the window forgot the burst
+    assert p.peak_pool_use == pytest.approx(0.4)
+
+
+def test_the_summary_says_the_whole_run() -> None:
+    p = Progress()
+    p.add(reading(0.0, 0))
+    p.add(reading(10.0, 50, free=2))
+    st = ReaderStats(samples=50, tokens=50_000, bytes=100_000_000, checksum_mismatches=1, dropped=1)
+    files = FileStats(files=50, bytes=101_000_000)
+    files.fsync.observe(0.25)
+    text = p.summary(st, files)
+    assert text == (
+        "received 50 samples, 50,000 tokens, 0.100 GB in 10.0 s (5.0k tok/s, 0.01 GB/s); "
+        "pool at most 80% used; 1 checksum failures, 0 samples refused, 1 dropped; "
+        "50 files written (0.101 GB), fsync 0.2 s in all"
+    )
+
+
+def test_numbers_for_people() -> None:
+    assert (si(999), si(1234), si(2_500_000), si(3e9)) == ("999", "1.2k", "2.5M", "3.0G")
+    assert (duration(5.04), duration(75), duration(3725)) == ("5.0 s", "1m15s", "1h02m05s")
+    assert pool_use(PoolState()) is None and pool_use(PoolState(64, 4, 1)) == 0.75
