@@ -65,9 +65,12 @@ def wait_for_values(
 
 def excerpt(text: str, prefix: str) -> str:
     """The lines of the exposition about the series starting with ``prefix`` (no
-    comments, no empty histogram buckets), for logs and reports."""
+    comments, creation times or empty histogram buckets), for logs and reports."""
     out = []
     for line in text.splitlines():
-        if line.startswith(prefix) and not (line.endswith(" 0.0") and "_bucket" in line):
+        name = line.split("{")[0].split(" ")[0]
+        if not line.startswith(prefix) or name.endswith("_created"):
+            continue
+        if not (name.endswith("_bucket") and line.endswith(" 0.0")):
             out.append(line)
     return "\n".join(out)
