@@ -51,7 +51,8 @@ class _ClearLine(logging.Filter):
 
 class ProgressPrinter:
     """Prints ``Progress.line()`` of ``read()`` every ``interval_s``: live on a terminal
-    (``tty``; by default whether ``stream`` is one), as log lines otherwise."""
+    (``tty``; by default whether ``stream`` is one), otherwise through ``emit`` (a log
+    line by default)."""
 
     def __init__(
         self,
@@ -59,8 +60,10 @@ class ProgressPrinter:
         stream: TextIO | None = None,
         tty: bool | None = None,
         interval_s: float | None = None,
+        emit: Callable[[str], None] | None = None,
     ) -> None:
         self._read = read
+        self._emit = emit if emit is not None else lambda line: log.info("%s", line)
         self.stream = stream if stream is not None else sys.stderr
         self.live = self.stream.isatty() if tty is None else tty
         self.interval_s = interval_s or (LIVE_INTERVAL_S if self.live else LOG_INTERVAL_S)
@@ -94,7 +97,7 @@ class ProgressPrinter:
         line = self.progress.line()
         if not self.live:
             if self.progress.last is not None and self.progress.last.samples:
-                log.info("%s", line)
+                self._emit(line)
             return
         with self._lock:
             self.stream.write(f"\r{line}\x1b[K")

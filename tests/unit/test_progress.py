@@ -47,3 +47,45 @@ def test_numbers_for_people() -> None:
     assert (si(999), si(1234), si(2_500_000), si(3e9)) == ("999", "1.2k", "2.5M", "3.0G")
     assert (duration(5.04), duration(75), duration(3725)) == ("5.0 s", "1m15s", "1h02m05s")
     assert pool_use(PoolState()) is None and pool_use(PoolState(64, 4, 1)) == 0.75
+
+
+def test_the_live_line_is_cleared_for_a_log_record_and_stays_at_the_end() -> None:
+    import io
+    import logging
+
+    from kv_connector.reader.console import ProgressPrinter
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    readings = iter([reading(0.0, 0), reading(1.0, 10)])  # at start, at close
+    try:
+        printer = ProgressPrinter(lambda: next(readings), stream=out, tty=True, interval_s=3600).start()
+        logging.getLogger("kv_connector.test").warning("something happened")
+        printer.close()
+        logging.getLogger("kv_connector.test").warning("after")  # the filter is gone
+    finally:
+        root.removeHandler(handler)
+    first = "0 samples | 0 tok/s | 0.00 GB/s | pool 0% | 1 producer"
+    last = "10 samples | 10.0k tok/s | 0.02 GB/s | pool 0% | 1 producer"
+    assert out.getvalue() == f"\r{first}\x1b[K\r\x1b[Ksomething happened\n\r{last}\x1b[K\nafter\n"
+
+
+def test_off_a_terminal_progress_goes_out_as_plain_lines() -> None:
+    import io
+
+    from kv_connector.reader.console import ProgressPrinter
+
+    lines: list[str] = []
+    readings = iter([reading(0.0, 0), reading(1.0, 10), reading(2.0, 20)])
+    printer = ProgressPrinter(
+        lambda: next(readings), stream=io.StringIO(), interval_s=3600, emit=lines.append
+    )
+    assert not printer.live
+    printer.start()  # no line before the first sample
+    printer.tick()
+    printer.close()  # a last reading, for the summary; no line
+    assert lines == ["10 samples | 10.0k tok/s | 0.02 GB/s | pool 0% | 1 producer"]
+    assert printer.progress.last is not None and printer.progress.last.samples == 20
