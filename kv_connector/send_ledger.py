@@ -55,7 +55,7 @@ from kv_connector import protocol
 from kv_connector.layout import pages_for
 from kv_connector.observe import Observations
 from kv_connector.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
-from kv_connector.stats import SenderObservations, SenderStats
+from kv_connector.stats import SenderMetrics, SenderObservations, SenderStats
 
 MAX_WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted this many times in all
 WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)
@@ -178,6 +178,22 @@ class SendLedger:
         """Request ids that failed since the last call, with the reason (S1)."""
         out, self._failed = self._failed, {}
         return out
+
+    def metrics_mark(self) -> tuple[int, ...]:
+        """A fingerprint of what ``take_metrics`` reports: while it stays as it was right
+        after the last take, there is nothing new (cheap enough to read every engine
+        step; the shell reads it without its lock: ints read as they are)."""
+        st = self.stats
+        return (
+            st.requests, st.bytes, st.writes, st.rewrites, st.write_retries, st.reconnects, len(self._jobs),
+            len(self._write_latency) + len(self._credit_wait),
+        )  # fmt: skip
+
+    def take_metrics(self) -> SenderMetrics:
+        """For the metrics, at once: a snapshot of the counters, the observations since the
+        last take, the jobs in flight, and the fingerprint right after."""
+        stats, obs = self.stats.snapshot(), self.take_observations()
+        return SenderMetrics(stats, obs, len(self._jobs), self.metrics_mark())
 
     def take_observations(self) -> SenderObservations:
         """Each WRITE's latency and each grant's wait since the last call (at most

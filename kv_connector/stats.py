@@ -51,11 +51,13 @@ class SenderObservations(NamedTuple):
 
 class SenderMetrics(NamedTuple):
     """What a sender's metrics read of it at once: its counters, its observations since
-    the last read, and its requests in flight."""
+    the last read, its requests in flight, and the fingerprint of all that right after
+    (``HiddenStatesSender.metrics_mark``)."""
 
     stats: SenderStats
     observations: SenderObservations
     in_flight: int
+    mark: tuple[int, ...] = ()
 
 
 @dataclass

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, TypedDict, TypeVar
+from typing import Any, NamedTuple, Protocol, TypedDict, TypeVar
 
 from kv_connector.observe import quantile
 from kv_connector.stats import SenderMetrics, SenderStats
@@ -236,6 +236,11 @@ class StepStats:
             self._sent_levels[kind] = int(value)
             self._data["levels"].setdefault(kind.value, {})[self.source] = int(value)
 
+    @property
+    def pending(self) -> bool:
+        """Something was recorded since the last take."""
+        return not is_empty(self._data)  # type: ignore[arg-type]
+
     def take(self) -> StepData | None:
         """What was recorded since the last take (None: nothing), and start afresh."""
         if is_empty(self._data):  # type: ignore[arg-type]
@@ -260,6 +265,14 @@ class LevelBook:
         return out
 
 
+class MetricsSource(Protocol):
+    """What a worker's metrics read of a sender (``HiddenStatesSender``)."""
+
+    def metrics_mark(self) -> tuple[int, ...]: ...
+
+    def take_metrics(self) -> SenderMetrics: ...
+
+
 class WorkerStats:
     """One worker rank's step data: its senders' counters and observations (every rank)
     and the samples (rank 0 only)."""
@@ -268,10 +281,16 @@ class WorkerStats:
         self.rank = rank
         self._step = StepStats(f"rank{rank}")
         self._marks: dict[int, SenderStats] = {}
+        self._fingerprints: list[tuple[int, ...]] = []
 
     @property
     def counts_samples(self) -> bool:
         return self.rank == 0
+
+    @property
+    def pending(self) -> bool:
+        """Samples shipped or failed since the last take."""
+        return self._step.pending
 
     def shipped(self) -> None:
         if self.counts_samples:
@@ -281,11 +300,22 @@ class WorkerStats:
         if self.counts_samples:
             self._step.fail(classify_failure(why))
 
+    def take_from(self, senders: Sequence[MetricsSource]) -> StepData | None:
+        """This step's data from the senders themselves: nothing is taken (no lock, no
+        snapshot) while their fingerprints stay as they were right after the last take
+        and no sample was shipped or failed meanwhile, so an idle step costs a few reads."""
+        if [s.metrics_mark() for s in senders] == self._fingerprints and not self.pending:
+            return None
+        taken = [s.take_metrics() for s in senders]
+        self._fingerprints = [t.mark for t in taken]
+        return self.take(taken)
+
     def take(self, senders: Sequence[SenderMetrics]) -> StepData | None:
         """This step's data, from each sender's metrics (counters, observations since the
         last step, samples in flight), in the order of the readers."""
         in_flight = 0
-        for k, (cur, obs, busy) in enumerate(senders):
+        for k, m in enumerate(senders):
+            cur, obs, busy = m.stats, m.observations, m.in_flight
             prev = self._marks.get(k) or SenderStats()
             self._marks[k] = cur
             step = self._step
@@ -313,6 +343,7 @@ class SchedulerStats:
         self._waiting: set[str] = set()
         self._held: dict[str, int] = {}
         self._held_blocks = 0
+        self._levels: tuple[int, int, int] | None = None
 
     def waiting(self, request_id: str, waits: bool) -> None:
         """The request waits in vLLM's queue for its reader (or no longer does)."""
@@ -337,6 +368,10 @@ class SchedulerStats:
             self._held_blocks -= self._held.pop(rid, 0)
 
     def take(self, readers_reachable: int) -> StepData | None:
+        levels = (readers_reachable, len(self._waiting), self._held_blocks)
+        if levels == self._levels and not self._step.pending:
+            return None  # nothing new since the last step
+        self._levels = levels
         self._step.level(Level.READERS_REACHABLE, readers_reachable)
         self._step.level(Level.REQUESTS_WAITING, len(self._waiting))
         self._step.level(Level.KV_BLOCKS_HELD, self._held_blocks)

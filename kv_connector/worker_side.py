@@ -236,7 +236,7 @@ class WorkerSide:
     def step_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``): the senders' counters and observations
         since the last step, and, on rank 0, the samples shipped, delivered and failed."""
-        return self.metrics.take([s.take_metrics() for s in self.senders])
+        return self.metrics.take_from(self.senders)
 
     def _note_failure(self, rid: str, why: str) -> None:
         self.metrics.failed(why)

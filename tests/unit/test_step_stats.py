@@ -121,6 +121,39 @@ def test_rank_0_counts_samples_every_rank_counts_its_own_bytes() -> None:
     assert WorkerStats(0).take([]) is None
 
 
+def test_an_idle_step_takes_nothing_and_every_change_is_reported_once() -> None:
+    led = SendLedger(checksum=False)
+    w = WorkerStats(0)
+    d = w.take_from([led])
+    assert d is not None and d["levels"] == {"samples_in_flight": {"rank0": 0}}  # the first level
+    assert w.take_from([led]) is None  # nothing happened since
+    submit(led, "a", t=0.0)
+    submit(led, "b", t=0.0)
+    w.shipped()
+    w.shipped()
+    d = w.take_from([led])
+    assert (
+        d is not None and d["counts"] == {"shipped": 2} and d["levels"]["samples_in_flight"] == {"rank0": 2}
+    )
+    assert w.take_from([led]) is None
+    led.requests_due()
+    led.on_grant(grant("a"), PAGE, POOL, 0.5)  # only an observation changes
+    d = w.take_from([led])
+    assert d is not None and d["observed"] == {"credit_wait_s": [0.5]}
+    # the same fingerprint as before that take drained "a"'s wait: the mark kept is the
+    # one right after the take, so "b"'s wait is seen
+    led.on_grant(grant("b", first=3), PAGE, POOL, 0.25)
+    d = w.take_from([led])
+    assert d is not None and d["observed"] == {"credit_wait_s": [0.25]}
+    assert len(led.writes_due(1.0)) == 2
+    post(led, "a", 1.0)
+    led.write_completed("a", 3 * PAGE, 1.5)
+    led.on_ack("a", 2.0)
+    d = w.take_from([led])
+    assert d is not None and d["counts"] == {"delivered": 1, "bytes_written": 3 * PAGE, "writes": 1}
+    assert w.take_from([led]) is None
+
+
 def test_a_step_with_nothing_new_is_none() -> None:
     s = StepStats("rank0")
     assert s.take() is None
