@@ -72,6 +72,7 @@ class SchedulerSide:
             options.readers, world_size, options.connect_timeout_s, router, table=self.requests
         )
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
+        self._readers_up = 0  # readers every rank reaches, recounted when a link changes
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
@@ -105,6 +106,8 @@ class SchedulerSide:
                     log.warning("rank %d cannot reach the reader at %s: %s", rank, address, error)
         for rid, why in self.book.update(report.links, report.failures, report.delivered):
             log.error("request %s (already finished) lost its hidden states: %s", rid, why)
+        if report.links:
+            self._readers_up = sum(self.book.is_up(r) for r in range(len(self.options.readers)))
 
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
         g = self.group
@@ -159,4 +162,4 @@ class SchedulerSide:
     def step_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``): admission failures since the last step,
         and the levels of the book when they changed."""
-        return self.metrics.take(sum(self.book.is_up(r) for r in range(len(self.options.readers))))
+        return self.metrics.take(self._readers_up)

@@ -215,37 +215,37 @@ class StepStats:
         self.source = source
         self._data = empty()
         self._sent_levels: dict[Level, int] = {}
+        self.pending = False  # something was recorded since the last take
 
     def count(self, kind: Count, n: int = 1) -> None:
         if n:
             c = self._data["counts"]
             c[kind.value] = c.get(kind.value, 0) + int(n)
+            self.pending = True
 
     def fail(self, reason: FailureReason, n: int = 1) -> None:
         f = self._data["failed"]
         f[reason.value] = f.get(reason.value, 0) + n
+        self.pending = True
 
     def observe(self, kind: Observed, values: Iterable[float]) -> None:
         values = [float(v) for v in values]
         if values:
             self._data["observed"].setdefault(kind.value, []).extend(values)
+            self.pending = True
 
     def level(self, kind: Level, value: int) -> None:
         """A level, sent when it differs from the last one sent."""
         if self._sent_levels.get(kind) != value:
             self._sent_levels[kind] = int(value)
             self._data["levels"].setdefault(kind.value, {})[self.source] = int(value)
-
-    @property
-    def pending(self) -> bool:
-        """Something was recorded since the last take."""
-        return not is_empty(self._data)  # type: ignore[arg-type]
+            self.pending = True
 
     def take(self) -> StepData | None:
         """What was recorded since the last take (None: nothing), and start afresh."""
-        if is_empty(self._data):  # type: ignore[arg-type]
+        if not self.pending:
             return None
-        out, self._data = self._data, empty()
+        out, self._data, self.pending = self._data, empty(), False
         return out
 
 
