@@ -81,7 +81,10 @@ class ReaderStats:
     samples out of the pool; verify_s: checking shares against their checksums;
     checksum_mismatches: shares that failed; resends_acked: resends of samples already
     delivered, acknowledged without a copy; handout_latency: from a sample's first
-    credit request to its hand-out (pages, transfer, check, and the user's ``get``).
+    credit request to its hand-out (pages, transfer, check, and the user's ``get``);
+    first_request_t / last_handout_t: when the first credit request came and the last
+    sample was handed out (``time.monotonic()``; 0.0: not yet), the run's active window;
+    peak_pages_used: the most pool pages ever held at once.
     """
 
     samples: int = 0
@@ -95,6 +98,9 @@ class ReaderStats:
     refused_pool_too_small: int = 0
     refused_checksum: int = 0
     dropped: int = 0
+    first_request_t: float = 0.0
+    last_handout_t: float = 0.0
+    peak_pages_used: int = 0
     by_producer: dict[str, ProducerTotals] = field(default_factory=dict)
     handout_latency: Histogram = field(default_factory=lambda: Histogram(WAIT_BUCKETS_S))
 

@@ -308,6 +308,8 @@ class ReaderLedger:
                 key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
             )
             s.t_requested = now
+            if not self.stats.first_request_t:
+                self.stats.first_request_t = now
             try:
                 self.pool.request(key, s.num_pages)
             except PoolTooSmall as e:
@@ -424,6 +426,7 @@ class ReaderLedger:
         mine.tokens += s.manifest.num_tokens
         mine.bytes += nbytes
         self.stats.handout_latency.observe(now - s.t_requested)
+        self.stats.last_handout_t = now
         self.delivered[key] = list(s.peers.values())
         while len(self.delivered) > self.delivered_memory:
             self.delivered.popitem(last=False)
@@ -489,6 +492,7 @@ class ReaderLedger:
             grant = self._grant_msg(s)
             actions += [Send(peer, grant) for peer in s.peers.values()]
             actions += self._advance(s)
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.pool.used_pages)
         return actions
 
     def _advance(self, s: Sample) -> list[Action]:

@@ -100,10 +100,15 @@ class Progress:
             parts.append(f"{r.files:,} files")
         return " | ".join(parts)
 
+    def peak_use(self, stats: ReaderStats) -> float:
+        """The most of the pool ever in use: the reader's own peak, or the readings'."""
+        pages = self.last.pool.num_pages if self.last is not None else 0
+        return max(self.peak_pool_use, stats.peak_pages_used / pages if pages else 0.0)
+
     def summary(self, stats: ReaderStats, files: FileStats | None = None) -> str:
-        """The run in one paragraph: totals, average rates, peak pool use, trouble."""
-        first, last = self.first, self.last
-        elapsed = (last.t - first.t) if first is not None and last is not None else 0.0
+        """The run in one paragraph: totals, average rates (over the reader's active
+        window: its first credit request to its last hand-out), peak pool use, trouble."""
+        elapsed = max(0.0, stats.last_handout_t - stats.first_request_t) if stats.last_handout_t else 0.0
 
         def per_s(n: float) -> float:
             return n / elapsed if elapsed > 0 else 0.0
@@ -111,7 +116,7 @@ class Progress:
         text = (
             f"received {stats.samples:,} samples, {stats.tokens:,} tokens, {stats.bytes / 1e9:.3f} GB "
             f"in {duration(elapsed)} ({si(per_s(stats.tokens))} tok/s, {per_s(stats.bytes) / 1e9:.2f} GB/s); "
-            f"pool at most {100 * self.peak_pool_use:.0f}% used; "
+            f"pool at most {100 * self.peak_use(stats):.0f}% used; "
             f"{stats.checksum_mismatches} checksum failures, "
             f"{stats.refused_pool_too_small + stats.refused_checksum} samples refused, "
             f"{stats.dropped} dropped"

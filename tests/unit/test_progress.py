@@ -31,16 +31,19 @@ def test_the_progress_line_shows_rates_over_its_window() -> None:
 def test_the_summary_says_the_whole_run() -> None:
     p = Progress()
     p.add(reading(0.0, 0))
-    p.add(reading(10.0, 50, free=2))
+    p.add(reading(30.0, 50, free=2))  # the reader waited 20 s for its first producer
     st = ReaderStats(samples=50, tokens=50_000, bytes=100_000_000, checksum_mismatches=1, dropped=1)
+    st.first_request_t, st.last_handout_t = 120.0, 130.0  # the reader's own clock
+    st.peak_pages_used = 9  # between two readings the pool was fuller: 9 of 10 pages
     files = FileStats(files=50, bytes=101_000_000)
     files.fsync.observe(0.25)
     text = p.summary(st, files)
     assert text == (
         "received 50 samples, 50,000 tokens, 0.100 GB in 10.0 s (5.0k tok/s, 0.01 GB/s); "
-        "pool at most 80% used; 1 checksum failures, 0 samples refused, 1 dropped; "
+        "pool at most 90% used; 1 checksum failures, 0 samples refused, 1 dropped; "
         "50 files written (0.101 GB), fsync 0.2 s in all"
     )
+    assert "0 samples, 0 tokens, 0.000 GB in 0.0 s (0 tok/s" in Progress().summary(ReaderStats())
 
 
 def test_numbers_for_people() -> None:

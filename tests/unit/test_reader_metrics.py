@@ -56,6 +56,7 @@ def test_the_pool_state_counts_pages_by_what_holds_them() -> None:
     land(led, 1, "ready")
     hand_out(led, ("p", "leased"))
     assert led.pool_state() == PoolState(PAGE, 10, free=1, granted=6, leased=3, quarantined=0, waiting=1)
+    assert led.stats.peak_pages_used == 9
     led.peer_gone(1, 0.0)
     led.tick(1.0)  # grace over: the producer's incomplete sample is discarded (quarantined)
     s = led.pool_state()
@@ -79,6 +80,7 @@ def test_hand_outs_are_counted_by_producer_with_their_latency() -> None:
         "q": (1, 5, 5 * 64),
     }
     assert st.handout_latency.count == 3 and st.handout_latency.total == pytest.approx(1.5)
+    assert (st.first_request_t, st.last_handout_t) == (1.0, 1.5)
     led.stats.by_producer["p"].samples += 1
     assert st.by_producer["p"].samples == 2  # a snapshot does not move
 
