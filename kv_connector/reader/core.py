@@ -250,8 +250,7 @@ class HiddenStatesReader:
             return
         self._closed = True
         self._ready.put(None)
-        if getattr(self, "metrics", None) is not None:
-            assert self.metrics is not None
+        if self.metrics is not None:
             self.metrics.close()
         self._server.close()
         with self._lock:
