@@ -151,3 +151,55 @@ def test_the_servers_and_the_readers_metrics_count_what_was_shipped(tiny_llama: 
         )
         (tmp_path / "scrape.txt").write_text(report)
         print(report)
+
+
+def test_tensor_parallel_ranks_are_merged_each_sample_counted_once(tiny_llama: Path, tmp_path: Path) -> None:
+    """TP=2 (vLLM's own executor, two worker processes): the ranks' stats are merged by
+    vLLM each step. Each sample counts once, its bytes are the two stripes' sum, every
+    non-empty stripe is one WRITE, and every rank waited for its own grant."""
+    rng = random.Random(17)
+    prompts = [[rng.randrange(1, 1024) for _ in range(n)] for n in (1, BLOCK, BLOCK + 1, 300, 700)]
+    got: list[str] = []
+    with (
+        HiddenStatesReader() as reader,
+        ApiServer(
+            tiny_llama,
+            {"consumer_address": reader.address},
+            LAYER_IDS,
+            tmp_path,
+            args=["--block-size", str(BLOCK), "--tensor-parallel-size", "2"],
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        ) as server,
+        ThreadPoolExecutor(len(prompts)) as pool,
+    ):
+        futures = [
+            pool.submit(
+                server.http.post_json,
+                "/v1/completions",
+                {"model": str(tiny_llama), "prompt": p, "max_tokens": 1, "temperature": 0},
+            )
+            for p in prompts
+        ]
+        while len(got) < len(prompts):
+            got.append(reader.get(timeout=300, copy=True).request_id)
+        for f in futures:
+            assert f.result()["kv_transfer_params"]["hidden_states"]["status"] != "failed"
+        labels = {"model_name": str(tiny_llama), "engine": "0"}
+        blocks = [-(-len(p) // BLOCK) for p in prompts]
+        writes = sum(min(nb, 2) for nb in blocks)  # rank 1's stripe of a 1-block sample is empty
+        text, _ = wait_for_values(
+            server.http,
+            [
+                (P + "samples_shipped_total", labels, len(prompts)),
+                (P + "samples_delivered_total", labels, len(prompts)),
+                (P + "written_bytes_total", labels, sum(blocks) * BLOCK_BYTES),
+                (P + "writes_total", labels, writes),
+                (P + "write_latency_seconds_count", labels, writes),
+                (P + "credit_wait_seconds_count", labels, 2 * len(prompts)),
+                (P + "samples_in_flight", labels, 0),
+                (P + "kv_blocks_held", labels, 0),
+                (P + "readers_reachable", labels, 1),
+            ],
+            timeout=120,
+        )
+        print(excerpt(text, P))
