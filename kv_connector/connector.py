@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kv_connector.connector_metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
 from kv_connector.options import EXAMPLE, ConnectorOptions
 from kv_connector.planning import StepPlan
 from kv_connector.report import WorkerReport
@@ -32,6 +33,12 @@ from kv_connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -161,6 +168,26 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
 
+    # -------------------------------------------------------------- metrics (both roles)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        data = side.step_stats() if side is not None else None
+        return HiddenStatesConnectorStats(data=dict(data)) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return HiddenStatesPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ----------------------------------------------------- for scripts and tests
     def sender_stats(self) -> list[SenderStats]:
         """This worker's counters, one snapshot per reader (worker role only)."""
@@ -193,6 +220,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HiddenStatesWorkerMetadata):
             self._scheduler.update(meta.report)
+        self._scheduler.sent(connector_output.finished_sending or ())
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -47,6 +47,10 @@ class PagePool:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def quarantined_pages(self) -> int:
+        return sum(len(pages) for _, _, pages in self._quarantined)
+
     def largest_run(self) -> int:
         return max((n for _, n in self._free), default=0)
 

@@ -5,6 +5,7 @@ every worker reported them sent, and tells each finished request where its sampl
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
@@ -13,6 +14,7 @@ from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepP
 from kv_connector.protocol import request_id_problem
 from kv_connector.report import WorkerReport
 from kv_connector.requests import RequestTable
+from kv_connector.step_stats import SchedulerStats, StepData
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -70,6 +72,8 @@ class SchedulerSide:
         self.book = DeliveryBook(
             options.readers, world_size, options.connect_timeout_s, router, table=self.requests
         )
+        self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
+        self._readers_up = 0  # readers every rank reaches, recounted when a link changes
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
@@ -87,11 +91,13 @@ class SchedulerSide:
         runs without shipping and its kv_transfer_params say why."""
         rid = request.request_id
         a = self.book.admit(rid)
+        self.metrics.waiting(rid, a.kind is AdmissionKind.WAIT)
         if a.kind is AdmissionKind.WAIT:
             return False
         if a.kind is AdmissionKind.FAIL and self.planner.is_tracked(rid):
             log.error("request %s: %s; it runs without shipping its hidden states", rid, a.why)
             self.planner.drop(rid)
+            self.metrics.admission_failed(a.why)
         return True
 
     def update(self, report: WorkerReport) -> None:
@@ -105,6 +111,8 @@ class SchedulerSide:
                     log.warning("rank %d cannot reach the reader at %s: %s", rank, address, error)
         for rid, why in self.book.update(report.links, report.failures, report.delivered):
             log.error("request %s (already finished) lost its hidden states: %s", rid, why)
+        if report.links:
+            self._readers_up = sum(self.book.is_up(r) for r in range(len(self.options.readers)))
 
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
         g = self.group
@@ -135,6 +143,9 @@ class SchedulerSide:
         "failed" with an "error", or "pending" (on its way)."""
         rid = request.request_id
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
+        self.metrics.waiting(rid, False)
+        if hold:
+            self.metrics.holding(rid, len(block_ids))
         outcome = self.book.outcome(rid)
         reader = self.planner.reader_of(rid)
         if reader is None and (
@@ -153,3 +164,12 @@ class SchedulerSide:
                 **outcome,
             }
         }
+
+    def sent(self, request_ids: Iterable[str]) -> None:
+        """vLLM frees these requests' blocks now (every worker reported them sent)."""
+        self.metrics.sent(request_ids)
+
+    def step_stats(self) -> StepData | None:
+        """This step's metrics (``step_stats``): admission failures since the last step,
+        and the levels of the book when they changed."""
+        return self.metrics.take(self._readers_up)

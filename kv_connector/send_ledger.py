@@ -59,8 +59,9 @@ from dataclasses import dataclass, field
 
 from kv_connector import protocol
 from kv_connector.layout import pages_for
+from kv_connector.observe import Observations
 from kv_connector.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
-from kv_connector.stats import SenderStats
+from kv_connector.stats import SenderMetrics, SenderObservations, SenderStats
 
 MAX_WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted this many times in all
 WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)
@@ -152,6 +153,9 @@ class SendLedger:
         self.max_write_attempts = max_write_attempts
         self.retry_backoff_s = retry_backoff_s
         self.stats = SenderStats()
+        # raw values for the metrics' histograms, bounded until someone takes them
+        self._write_latency = Observations()
+        self._credit_wait = Observations()
         self._jobs: dict[str, Job] = {}
         self._finished: list[str] = []
         self._failed: dict[str, str] = {}
@@ -197,6 +201,27 @@ class SendLedger:
         """Request ids that failed since the last call, with the reason (S1)."""
         out, self._failed = self._failed, {}
         return out
+
+    def metrics_mark(self) -> tuple[int, ...]:
+        """A fingerprint of what ``take_metrics`` reports: while it stays as it was right
+        after the last take, there is nothing new (cheap enough to read every engine
+        step; the shell reads it without its lock: ints read as they are)."""
+        st = self.stats
+        return (
+            st.requests, st.bytes, st.writes, st.rewrites, st.write_retries, st.reconnects, len(self._jobs),
+            len(self._write_latency) + len(self._credit_wait),
+        )  # fmt: skip
+
+    def take_metrics(self) -> SenderMetrics:
+        """For the metrics, at once: a snapshot of the counters, the observations since the
+        last take, the jobs in flight, and the fingerprint right after."""
+        stats, obs = self.stats.snapshot(), self.take_observations()
+        return SenderMetrics(stats, obs, len(self._jobs), self.metrics_mark())
+
+    def take_observations(self) -> SenderObservations:
+        """Each WRITE's latency and each grant's wait since the last call (at most
+        ``observe.OBSERVATIONS_LIMIT`` of each are kept between calls)."""
+        return SenderObservations(self._write_latency.drain(), self._credit_wait.drain())
 
     # ------------------------------------------------------------ caller events
     def submit(
@@ -301,6 +326,8 @@ class SendLedger:
             raise IllegalTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
         self.stats.write_s += now - job.t_write
         self.stats.bytes += nbytes
+        self.stats.writes += 1
+        self._write_latency.add(now - job.t_write)
         job.xfer, job.t_write, job.t_wait = None, now, now  # progress: the wait starts again (S5)
         if job.ack_due:  # S3: the reader acknowledged before this completion was polled
             self._finish(job, now)
@@ -348,6 +375,7 @@ class SendLedger:
             raise ProtocolError(f"grant for {m.request_id} names pages outside the reader's pool")
         job.grant, job.state, job.t_granted = grant, JobState.GRANTED, now
         self.stats.grant_wait_s += now - job.t_submit
+        self._credit_wait.add(now - job.t_submit)
         self.reader_works(now)
 
     def on_rewrite(self, msg: Rewrite) -> bool:

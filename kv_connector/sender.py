@@ -21,7 +21,7 @@ from kv_connector.layout import BlockLayout, stripe
 from kv_connector.send_ledger import Job, SendLedger
 from kv_connector.sender_loop import SenderError, SenderLoop
 from kv_connector.share_writer import ShareWriter
-from kv_connector.stats import SenderStats
+from kv_connector.stats import SenderMetrics, SenderStats
 from kv_connector.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,16 @@ class HiddenStatesSender:
         """A snapshot of this sender's counters."""
         with self._lock:
             return self._ledger.stats.snapshot()
+
+    def metrics_mark(self) -> tuple[int, ...]:
+        """A fingerprint of what ``take_metrics`` reports (read without the lock: an idle
+        engine step costs a few attribute reads)."""
+        return self._ledger.metrics_mark()
+
+    def take_metrics(self) -> SenderMetrics:
+        """For the metrics: counters, observations since the last call, requests in flight."""
+        with self._lock:
+            return self._ledger.take_metrics()
 
     @property
     def in_flight(self) -> int:

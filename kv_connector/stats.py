@@ -5,8 +5,10 @@ which return snapshots). Pure logic."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kv_connector.observe import OPERATION_BUCKETS_S, WAIT_BUCKETS_S, Histogram
 
 
 @dataclass
@@ -18,7 +20,7 @@ class SenderStats:
     ack_wait_s: from the last completed WRITE to the Ack; checksum_s: hashing shares;
     rewrites: shares written again after the reader's checksum failed; write_retries:
     WRITEs posted again after failing in NIXL; reconnects: connections made after a
-    lost one.
+    lost one; writes: completed WRITEs.
     """
 
     requests: int = 0
@@ -30,6 +32,7 @@ class SenderStats:
     rewrites: int = 0
     write_retries: int = 0
     reconnects: int = 0
+    writes: int = 0
 
     def snapshot(self) -> SenderStats:
         return dataclasses.replace(self)
@@ -38,14 +41,52 @@ class SenderStats:
         return dataclasses.asdict(self)
 
 
+class SenderObservations(NamedTuple):
+    """One sender's raw observations since they were last taken (seconds): each
+    completed WRITE's latency, each grant's wait since the sample's submission."""
+
+    write_latency_s: list[float]
+    credit_wait_s: list[float]
+
+
+class SenderMetrics(NamedTuple):
+    """What a sender's metrics read of it at once: its counters, its observations since
+    the last read, its requests in flight, and the fingerprint of all that right after
+    (``HiddenStatesSender.metrics_mark``)."""
+
+    stats: SenderStats
+    observations: SenderObservations
+    in_flight: int
+    mark: tuple[int, ...] = ()
+
+
+@dataclass
+class ProducerTotals:
+    """What a reader handed out of one producer's samples."""
+
+    samples: int = 0
+    tokens: int = 0
+    bytes: int = 0
+
+
 @dataclass
 class ReaderStats:
     """The reader, since it started.
 
-    samples / bytes: handed out; refused: connections and samples refused (protocol
-    errors, pool too small, checksum); copy_s: copying samples out of the pool; verify_s:
-    checking shares against their checksums; checksum_mismatches: shares that failed;
-    resends_acked: resends of samples already delivered, acknowledged without a copy.
+    samples / tokens / bytes: handed out (bytes: of ``hidden_states``), in all and
+    ``by_producer``; refused: connections and samples refused (protocol errors, pool too
+    small, checksum, ...), of which samples ``refused_pool_too_small``,
+    ``refused_checksum``, ``refused_limit`` (over ``max_sample_tokens``),
+    ``refused_unchecked`` (a required checksum missing) and ``refused_timeout`` (not
+    complete by its deadline); dropped: samples discarded before they were handed out
+    (refused after their rewrites, or their producer gone or gave up); copy_s: copying
+    samples out of the pool; verify_s: checking shares against their checksums;
+    checksum_mismatches: shares that failed; resends_acked: resends of samples already
+    delivered, acknowledged without a copy; handout_latency: from a sample's first
+    credit request to its hand-out (pages, transfer, check, and the user's ``get``);
+    first_request_t / last_handout_t: when the first credit request came and the last
+    sample was handed out (``time.monotonic()``; 0.0: not yet), the run's active window;
+    peak_pages_used: the most pool pages ever held at once.
     """
 
     samples: int = 0
@@ -55,9 +96,67 @@ class ReaderStats:
     verify_s: float = 0.0
     checksum_mismatches: int = 0
     resends_acked: int = 0
+    tokens: int = 0
+    refused_pool_too_small: int = 0
+    refused_checksum: int = 0
+    refused_limit: int = 0
+    refused_unchecked: int = 0
+    refused_timeout: int = 0
+    dropped: int = 0
+    first_request_t: float = 0.0
+    last_handout_t: float = 0.0
+    peak_pages_used: int = 0
+    by_producer: dict[str, ProducerTotals] = field(default_factory=dict)
+    handout_latency: Histogram = field(default_factory=lambda: Histogram(WAIT_BUCKETS_S))
+
+    @property
+    def samples_refused(self) -> int:
+        """Samples refused (never handed out), whatever the reason."""
+        return (
+            self.refused_pool_too_small
+            + self.refused_checksum
+            + self.refused_limit
+            + self.refused_unchecked
+            + self.refused_timeout
+        )
 
     def snapshot(self) -> ReaderStats:
-        return dataclasses.replace(self)
+        return dataclasses.replace(
+            self,
+            by_producer={k: dataclasses.replace(v) for k, v in self.by_producer.items()},
+            handout_latency=self.handout_latency.snapshot(),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """The reader's receive pool now, in pages of ``page_bytes`` (0 before the first
+    producer decided the page size): ``free`` + ``granted`` + ``leased`` +
+    ``quarantined`` = ``num_pages``. granted: held by samples on their way (granted,
+    written, checked and waiting for ``get``); leased: held by samples on lease to the
+    user; quarantined: of discarded samples, for a few seconds; waiting: samples that
+    wait for a run of pages (their producers wait)."""
+
+    page_bytes: int = 0
+    num_pages: int = 0
+    free: int = 0
+    granted: int = 0
+    leased: int = 0
+    quarantined: int = 0
+    waiting: int = 0
+
+
+@dataclass
+class FileStats:
+    """The reader CLI's files: written (whole, renamed into place) and their bytes; the
+    fsyncs of files and of their directory."""
+
+    files: int = 0
+    bytes: int = 0
+    fsync: Histogram = field(default_factory=lambda: Histogram(OPERATION_BUCKETS_S))
+
+    def snapshot(self) -> FileStats:
+        return FileStats(self.files, self.bytes, self.fsync.snapshot())

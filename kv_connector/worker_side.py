@@ -18,6 +18,7 @@ from kv_connector.report import LinkChange, WorkerReport
 from kv_connector.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender_loop import SenderError
 from kv_connector.stats import SenderStats
+from kv_connector.step_stats import StepData, WorkerStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +53,7 @@ class WorkerSide:
         self._reported_links: dict[int, str | None] = {}
         self._report_failures: dict[str, str] = {}
         self._report_delivered: set[str] = set()
+        self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
@@ -80,6 +82,7 @@ class WorkerSide:
         )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.rank = rank
+        self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
         self.senders = [
             HiddenStatesSender(
@@ -151,6 +154,7 @@ class WorkerSide:
                     log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
                 self.senders[order.reader].ship(rid, order.token_ids, blocks)
                 self._shipped.add(rid)
+                self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
@@ -233,7 +237,13 @@ class WorkerSide:
         """A snapshot of each sender's counters, in the order of the readers."""
         return [s.stats() for s in self.senders]
 
+    def step_stats(self) -> StepData | None:
+        """This step's metrics (``step_stats``): the senders' counters and observations
+        since the last step, and, on rank 0, the samples shipped, delivered and failed."""
+        return self.metrics.take_from(self.senders)
+
     def _note_failure(self, rid: str, why: str) -> None:
+        self.metrics.failed(why)
         self._report_failures[rid] = why
         self.recent_failures[rid] = why
         while len(self.recent_failures) > 1000:

@@ -7,8 +7,10 @@ side by side in one run. The last line printed is one JSON object.
   e/b   the data path's ceiling (our connector's worker side driven with real vLLM
         objects, no model compute, GPU-sized states, into a reader that takes every
         sample on lease) over vLLM's ExampleHiddenStatesConnector into /dev/shm;
-  d     e's bytes/s (checksums on) over a raw NIXL WRITE of the same blocks;
+  d     e's bytes/s (checksums on, metrics on) over a raw NIXL WRITE of the same blocks;
   checksum_throughput_ratio  e with checksums over e without;
+  metrics_throughput_ratio   e with metrics on (the connector's stats every step on both
+        roles, the reader's endpoint scraped every second) over e with them off;
   step_ms / metadata_bytes   the connector's cost per engine step at 256 decoding
         requests with output tokens, at 2k and 32k context;
   reader_rss_mib  the reader's resident memory during e (its pool, plus the rest).
@@ -40,6 +42,7 @@ def main() -> None:
         "e_over_b": round(datapath["e_over_b"], 3),
         "d": round(datapath["d"], 3),
         "checksum_throughput_ratio": round(datapath["checksum_throughput_ratio"], 3),
+        "metrics_throughput_ratio": round(datapath["metrics_throughput_ratio"], 3),
         "a_tokens_per_s": round(model["a_extract_connector_reader"]["tokens_per_s"]),
         "c_tokens_per_s": round(model["c_no_extraction"]["tokens_per_s"]),
         "e_tokens_per_s": round(datapath["e_ours"]["tokens_per_s"]),

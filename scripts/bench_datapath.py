@@ -8,7 +8,10 @@
   r: a raw NIXL WRITE of the same blocks from the same registered cache into another
      process's registered memory on the same link (no protocol, no copy-out).
 
-Prints e/b and d = e's bytes/s over r's.
+Prints e/b and d = e's bytes/s over r's. e runs with metrics on (the connector's
+stats taken every step on both roles as vLLM does, the reader serving its metrics and
+scraped every second); e without metrics gives the side-by-side figure
+``metrics_throughput_ratio``.
 """
 
 from __future__ import annotations
@@ -30,19 +33,39 @@ BLOCK = 128  # vLLM's CPU block size
 
 
 # ------------------------------------------------------------------ reader process (e)
-def _reader_proc(conn: Any, n: int, pool_bytes: int) -> None:
+def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True) -> None:
     """A trainer that takes every sample on lease and lets it go at the next one (what
-    ``for sample in reader`` does with a sample the loop body does not keep)."""
+    ``for sample in reader`` does with a sample the loop body does not keep); with
+    ``metrics``, the reader serves its metrics and a scraper reads them every second
+    (Prometheus' default is every 15 s)."""
     import resource
+    import threading
 
+    from kv_connector.httpclient import Server
     from kv_connector.reader import HiddenStatesReader
 
-    with HiddenStatesReader(pool_bytes=pool_bytes) as reader:
+    with HiddenStatesReader(
+        pool_bytes=pool_bytes, metrics_address="127.0.0.1:0" if metrics else None
+    ) as reader:
         conn.send(reader.address)
+        stop = threading.Event()
+        scrapes = [0]
+
+        def scrape() -> None:
+            http = Server(f"http://{reader.metrics_address}")
+            while not stop.wait(1.0):
+                http.get_text("/metrics")
+                scrapes[0] += 1
+
+        scraper = threading.Thread(target=scrape, daemon=True)
+        if metrics:
+            scraper.start()
         nbytes = 0
         for s in reader.samples(n, timeout=300):
             nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
+        stop.set()
         stats = reader.stats().as_dict()
+        stats["scrapes"] = scrapes[0]
         stats["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         conn.send((time.time(), nbytes, stats))
 
@@ -84,14 +107,20 @@ def _drive(rank: Any, n_req: int, tokens: int, prefix: str = "q") -> float:
 
 
 def bench_ours(
-    model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int, checksum: str = "xxh3"
+    model_dir: Path,
+    n_req: int,
+    tokens: int,
+    num_blocks: int,
+    pool_bytes: int,
+    checksum: str = "xxh3",
+    metrics: bool = True,
 ) -> dict[str, float]:
     from kv_connector.connector import HiddenStatesConnector
     from scripts.vllm_harness import ProducerRank, engine_config, start_worker
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    proc = ctx.Process(target=_reader_proc, args=(b, n_req + 1, pool_bytes))
+    proc = ctx.Process(target=_reader_proc, args=(b, n_req + 1, pool_bytes, metrics))
     proc.start()
     address = a.recv()
     cfg = engine_config(
@@ -105,7 +134,7 @@ def bench_ours(
         },
     )
     _vllm_worker = start_worker(cfg)
-    rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK)
+    rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK, metrics=metrics)
     rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
     assert rank.worker.wait_connected(30)
     # warm-up request: connection set-up and first-touch out of the timing
@@ -125,6 +154,8 @@ def bench_ours(
         "reader_verify_s": reader_stats["verify_s"],
         "sender_write_s": sender_stats["write_s"],
         "sender_checksum_s": sender_stats["checksum_s"],
+        "steps_with_stats": float(rank.steps_with_stats),
+        "reader_scrapes": float(reader_stats["scrapes"]),
     }
 
 
@@ -279,16 +310,24 @@ def main(n_req: int = 48, tokens: int = 2048, rounds: int = 2) -> dict[str, Any]
     pool = 4 * nb * BLOCK * len(LAYERS) * HIDDEN * 2
     # Interleaved, best of `rounds` each: this host is shared and noisy, and a ratio is
     # only worth something if both sides saw the same machine.
-    runs: dict[str, list[dict[str, float]]] = {"e": [], "e0": [], "r": []}
+    runs: dict[str, list[dict[str, float]]] = {"e": [], "e0": [], "em": [], "r": []}
     for _ in range(rounds):
         runs["r"].append(isolated("bench_raw", n_req, tokens, num_blocks, 4))
         runs["e"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool))
         runs["e0"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool, "none"))
+        runs["em"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool, "xxh3", False))
     b = isolated("bench_example", model, n_req, tokens, num_blocks)
     shutil.rmtree(work, ignore_errors=True)
-    e, e0, r = (max(runs[k], key=lambda m: m["bytes"] / m["seconds"]) for k in ("e", "e0", "r"))
+    e, e0, em, r = (max(runs[k], key=lambda m: m["bytes"] / m["seconds"]) for k in ("e", "e0", "em", "r"))
     out: dict[str, Any] = {}
-    for name, m in (("e_ours", e), ("e_ours_no_checksum", e0), ("b_example_shm", b), ("r_raw_nixl", r)):
+    named = (
+        ("e_ours", e),
+        ("e_ours_no_checksum", e0),
+        ("e_ours_no_metrics", em),
+        ("b_example_shm", b),
+        ("r_raw_nixl", r),
+    )
+    for name, m in named:
         out[name] = {
             "tokens_per_s": m["tokens"] / m["seconds"],
             "GB_per_s": m["bytes"] / m["seconds"] / 1e9,
@@ -310,6 +349,10 @@ def main(n_req: int = 48, tokens: int = 2048, rounds: int = 2) -> dict[str, Any]
     out["checksum_throughput_ratio"] = (
         out["e_ours"]["tokens_per_s"] / out["e_ours_no_checksum"]["tokens_per_s"]
     )
+    # metrics on (e) over off: the connector's stats every step, the reader scraped every second
+    out["e_ours"]["steps_with_stats"] = e["steps_with_stats"]
+    out["e_ours"]["reader_scrapes"] = e["reader_scrapes"]
+    out["metrics_throughput_ratio"] = out["e_ours"]["tokens_per_s"] / out["e_ours_no_metrics"]["tokens_per_s"]
     out["e_over_b"] = out["e_ours"]["tokens_per_s"] / out["b_example_shm"]["tokens_per_s"]
     out["d"] = out["e_ours"]["GB_per_s"] / out["r_raw_nixl"]["GB_per_s"]
     return out

@@ -1,8 +1,9 @@
 """The connector's own cost per engine step, at 256 requests decoding with
 ``include_output_tokens`` (so every step has a slice of every request), at a short and a
 long context: the scheduler side building the step's metadata, the worker side's hooks
-(bind, the cache-only layer's slot mapping, wait_for_save, get_finished, the report),
-and the metadata's size as vLLM ships it to the workers (pickled).
+(bind, the cache-only layer's slot mapping, wait_for_save, get_finished, the metrics'
+step stats on both roles, the report), and the metadata's size as vLLM ships it to the
+workers (pickled).
 
 Real vLLM objects (``SchedulerOutput``, ``CacheOnlyAttentionMetadata``) and the real
 connector, no model compute. The requests start with their context computed (as after a
@@ -59,6 +60,8 @@ def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]
         req = Request(rid, [1] * context, SamplingParams(max_tokens=steps + 2), None)
         sched.on_new_request(req)
 
+    stats_s: list[float] = []
+
     def step(first: bool, pos: int) -> tuple[float, int]:
         out = SchedulerOutput.make_empty()
         cached = CachedRequestData.make_empty()
@@ -87,9 +90,15 @@ def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]
         worker.save_kv_layer(rank.layer_name, rank.kv, CacheOnlyAttentionMetadata(slots))
         worker.wait_for_save()
         worker.get_finished(set())
+        t1 = time.perf_counter()
+        worker.get_kv_connector_stats()  # vLLM takes both roles' stats every step
+        dt = time.perf_counter() - t1
         report = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+        t1 = time.perf_counter()
+        sched.get_kv_connector_stats()
+        stats_s.append(dt + time.perf_counter() - t1)
         return time.perf_counter() - t0, size
 
     step(True, context)
@@ -99,7 +108,11 @@ def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]
         times.append(dt)
         sizes.append(size)
     rank.shutdown()
-    return {"step_ms": statistics.median(times) * 1e3, "metadata_bytes": statistics.median(sizes)}
+    return {
+        "step_ms": statistics.median(times) * 1e3,
+        "metadata_bytes": statistics.median(sizes),
+        "stats_us": statistics.median(stats_s[1:]) * 1e6,  # both roles' stats, in step_ms
+    }
 
 
 def main() -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The main job on a tiny local model: a reader, a producer vLLM with extract_hidden_states
 and HiddenStatesConnector, a few hundred prompts, and one sample checked against
-transformers.
+transformers. The reader's progress line runs meanwhile (as in the reader CLI) and its
+Prometheus endpoint is scraped at the end.
 
     python -m scripts.demo [--prompts 300] [--out DIR]
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +32,9 @@ def main() -> None:
 
     import torch
 
+    from kv_connector.httpclient import Server
     from kv_connector.reader import HiddenStatesReader, Sample
+    from kv_connector.reader.console import ProgressPrinter, reading_of
     from scripts.make_tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(args.out) / "tiny-llama", "llama", seed=0)
@@ -41,8 +45,15 @@ def main() -> None:
     ]
     total_tokens = sum(map(len, prompts))
 
-    reader = HiddenStatesReader(pool_bytes=64 << 20)
-    print(f"reader listening on {reader.address}")
+    reader = HiddenStatesReader(pool_bytes=64 << 20, metrics_address="127.0.0.1:0")
+    assert reader.metrics is not None
+    print(f"reader listening on {reader.address}, metrics on {reader.metrics.url}")
+    progress = ProgressPrinter(
+        lambda: reading_of(reader),
+        stream=sys.stdout,
+        interval_s=None,
+        emit=lambda line: print(line, flush=True),
+    ).start()
     received: list[Sample] = []
     nbytes = 0
     done = threading.Event()
@@ -93,6 +104,13 @@ def main() -> None:
     t_gen = time.monotonic() - t0
     if not done.wait(timeout=600):
         raise SystemExit(f"only {len(received)} of {len(prompts)} samples arrived")
+    progress.close()
+    print(progress.progress.summary(reader.stats()))
+    scraped = Server(f"http://{reader.metrics_address}").get_text("/metrics")
+    print(f"scrape of {reader.metrics.url} (excerpt):")
+    for line in scraped.splitlines():
+        if line.startswith("hidden_states_reader_") and "_bucket" not in line and "_created" not in line:
+            print("  " + line)
     elapsed = t_last[0] - t0
     ids = {o.kv_transfer_params["hidden_states"]["request_id"] for o in outs if o.kv_transfer_params}
     got = {s.request_id for s in received}

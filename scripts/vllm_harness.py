@@ -143,6 +143,7 @@ class ProducerRank:
         block_size: int = 128,
         fill: Callable[[str, int, int], torch.Tensor] | None = None,
         zero: bool = True,
+        metrics: bool = True,
     ) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -194,6 +195,9 @@ class ProducerRank:
         self.reqs: dict[str, _Req] = {}
         self._finished_last_step: set[str] = set()
         self.fill = fill
+        # take the connector's stats every step on both roles, as vLLM does (its metrics on)
+        self.metrics = metrics
+        self.steps_with_stats = 0
 
     def can_admit(self, num_tokens: int) -> bool:
         return len(self.free) >= -(-num_tokens // self.block_size)
@@ -263,11 +267,18 @@ class ProducerRank:
             self.worker.save_kv_layer(self.layer_name, self.kv, CacheOnlyAttentionMetadata(slot_mapping))
         self.worker.wait_for_save()
         sent, _ = self.worker.get_finished(set(out.finished_req_ids))
-        report = KVConnectorOutput(kv_connector_worker_meta=self.worker.build_connector_worker_meta())
+        stats = self.worker.get_kv_connector_stats() if self.metrics else None
+        report = KVConnectorOutput(
+            finished_sending=set(sent or ()) or None,
+            kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+        )
         self.worker.clear_connector_metadata()
         result = StepResult(finished_sending=set(sent or ()))
         self._finished_last_step = set()
         self.scheduler.update_connector_output(report)  # as vLLM does after the step
+        if self.metrics:
+            sched_stats = self.scheduler.get_kv_connector_stats()
+            self.steps_with_stats += stats is not None or sched_stats is not None
         for rid, r in self.reqs.items():
             if not r.finished and r.computed >= r.num_tokens:
                 r.finished = True

@@ -15,9 +15,12 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kv_connector.control import parse_address
+from kv_connector.metrics_server import MetricsAddressError
+from kv_connector.reader.console import RunMonitor
 from kv_connector.reader.core import HiddenStatesReader
 from kv_connector.reader.files import write_atomically
 from kv_connector.reader.lease import Sample
@@ -55,7 +58,7 @@ class Ledger:
         self._f.close()
 
 
-def write_sample(out_dir: Path, sample: Sample) -> Path:
+def write_sample(out_dir: Path, sample: Sample, fsync: Callable[[int], None] = os.fsync) -> Path:
     """Write one sample atomically, from its view of the pool; returns the final path."""
     return write_atomically(
         out_dir / f"{sample.request_id}.safetensors",
@@ -65,6 +68,7 @@ def write_sample(out_dir: Path, sample: Sample) -> Path:
             "producer_id": sample.producer_id,
             "layer_ids": ",".join(str(i) for i in sample.layer_ids),
         },
+        fsync,
     )
 
 
@@ -109,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
         help="allow a non-loopback --listen without a shared secret (KV_CONNECTOR_SECRET[_FILE]); "
         "anyone who reaches the port can then write into the reader's memory",
     )
+    ap.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port); "
+        "the address really served is printed as the second line",
+    )
     ap.add_argument("--log-level", default="INFO")
     return ap
 
@@ -125,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         parse_address(args.listen)
+        if args.metrics is not None:
+            parse_address(args.metrics)
     except ValueError as e:
         return fail(str(e))
     if args.max_samples is not None and args.max_samples <= 0:
@@ -158,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             require_checksum=args.require_checksum,
             sample_timeout_s=args.sample_timeout,
             insecure=args.insecure,
+            metrics_address=args.metrics,
         )
+    except MetricsAddressError as e:
+        return fail(str(e.strerror))
     except OSError as e:
         return fail(f"cannot listen on {args.listen}: {e.strerror or e}")
     except ValueError as e:
@@ -169,16 +185,25 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     print(reader.address, flush=True)
+    if reader.metrics_address is not None:
+        print(reader.metrics_address, flush=True)
+    monitor = RunMonitor(reader)  # the progress line, file metrics, the summary at exit
     n = 0
     try:
         with reader:
             for sample in reader.samples(args.max_samples, args.timeout):
                 with sample:  # its pages return once the file is written
-                    path = write_sample(out, sample)
+                    path = write_sample(out, sample, monitor.files.fsync)
                     ledger.add(sample.producer_id, sample.request_id)
                     reader.ack(sample)  # only now may the producer free the sample's blocks
+                monitor.files.written(path)
                 n += 1
-                log.info("wrote %s (%d tokens)", path.name, sample.token_ids.numel())
+                log.log(
+                    logging.DEBUG if monitor.live else logging.INFO,
+                    "wrote %s (%d tokens)",
+                    path.name,
+                    sample.token_ids.numel(),
+                )
     except TimeoutError as e:
         print(f"error: {e}; wrote {n} samples", file=sys.stderr)
         return 1
@@ -187,5 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         ledger.close()
+        monitor.close()
     log.info("done: %d samples in %s", n, out)
     return 0

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,8 +32,11 @@ from kv_connector.reader.ledger import (
     SampleState,
 )
 from kv_connector.reader.server import ReaderServer, round_page
-from kv_connector.stats import ReaderStats
+from kv_connector.stats import PoolState, ReaderStats
 from kv_connector.transport import Transport
+
+if TYPE_CHECKING:
+    from kv_connector.metrics_server import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +118,10 @@ class HiddenStatesReader:
     dropped, its pages return to the pool and its producer is told (default 300).
     ``insecure``: allow listening on a non-loopback address without a shared secret (by
     default that is refused: anyone who reaches the port could write into the pool).
+    ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT``
+    (port 0 picks one) or on a TCP socket already bound; ``metrics_address`` then names
+    the address really served, and ``metrics`` the server (``reader.metrics`` names the
+    series).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``. The iterator ends each sample's lease when you ask for the next one
@@ -138,6 +146,7 @@ class HiddenStatesReader:
         require_checksum: RequireChecksum | str = RequireChecksum.AUTO,
         sample_timeout_s: float = SAMPLE_TIMEOUT_S,
         insecure: bool = False,
+        metrics_address: str | socket.socket | None = None,
     ) -> None:
         try:
             ack_mode = AckMode(ack)
@@ -205,12 +214,22 @@ class HiddenStatesReader:
             self._pool_np.data,
         )  # fmt: skip
         self._server.start()
+        self.metrics: MetricsServer | None = None
+        self.metrics_address: str | None = None
+        if metrics_address is not None:
+            try:
+                self.metrics = serve_metrics(self, metrics_address)
+            except BaseException:
+                self.close()
+                raise
+            self.metrics_address = self.metrics.address
         log.info(
-            "hidden-states reader %s listening on %s, pool %.1f MiB%s",
+            "hidden-states reader %s listening on %s, pool %.1f MiB%s%s",
             self.reader_id,
             self.address,
             pool_bytes / (1 << 20),
             ", handshake authenticated" if secret else "",
+            f", metrics on {self.metrics.url}" if self.metrics else "",
         )
 
     # ---------------------------------------------------------------- user side
@@ -271,6 +290,17 @@ class HiddenStatesReader:
         with self._lock:
             return self._ledger.stats.snapshot()
 
+    def pool_state(self) -> PoolState:
+        """The receive pool's pages now: free, granted (samples on their way), leased (to
+        the user), quarantined; and the samples waiting for pages."""
+        with self._lock:
+            return self._ledger.pool_state()
+
+    def producers_connected(self) -> dict[str, int]:
+        """Producer id -> ranks connected now."""
+        with self._lock:
+            return self._ledger.producers_connected()
+
     def __enter__(self) -> HiddenStatesReader:
         return self
 
@@ -283,6 +313,8 @@ class HiddenStatesReader:
             return
         self._closed = True
         self._ready.put(None)
+        if self.metrics is not None:
+            self.metrics.close()
         self._server.close()
         with self._lock:
             self._transport.close()
@@ -340,3 +372,11 @@ class HiddenStatesReader:
             producer_id=key[0],
             lease=lease,
         )
+
+
+def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:
+    """A Prometheus endpoint for ``reader`` (prometheus_client is imported only here)."""
+    from kv_connector.metrics_server import MetricsServer
+    from kv_connector.reader.metrics import ReaderCollector
+
+    return MetricsServer(listen, [ReaderCollector(reader)])

@@ -70,7 +70,7 @@ from kv_connector.layout import pages_for
 from kv_connector.pool import PagePool, PoolTooSmall
 from kv_connector.protocol import ProtocolError
 from kv_connector.reader.producers import PeerId, Producers
-from kv_connector.stats import ReaderStats
+from kv_connector.stats import PoolState, ProducerTotals, ReaderStats
 
 Key = tuple[str, str]  # (producer id, request id)
 
@@ -168,6 +168,7 @@ class Sample:
     rewrites: int = 0
     t_granted: float = 0.0
     t_handed_out: float = 0.0
+    t_requested: float = 0.0  # its first credit request
 
     @property
     def peers(self) -> dict[int, PeerId]:
@@ -255,6 +256,27 @@ class ReaderLedger:
         out = [s for s in self.samples.values() if s.state is SampleState.HANDED_OUT]
         return sorted(out, key=lambda s: s.t_handed_out)
 
+    def pool_state(self) -> PoolState:
+        """The pool's pages by what holds them (for metrics and progress lines)."""
+        if self.pool is None or self.page_bytes is None:
+            return PoolState()
+        granted = leased = 0
+        for s in self.samples.values():
+            if s.pages is None:
+                continue
+            if s.state is SampleState.HANDED_OUT:
+                leased += len(s.pages)
+            else:
+                granted += len(s.pages)
+        p = self.pool
+        return PoolState(
+            self.page_bytes, p.num_pages, p.free_pages, granted, leased, p.quarantined_pages, p.waiting
+        )
+
+    def producers_connected(self) -> dict[str, int]:
+        """Producer id -> how many of its ranks are connected."""
+        return {pid: len(p.ranks) for pid, p in self.producers.by_id.items() if p.ranks}
+
     # ------------------------------------------------------------------ peers
     def peer_ready(self, peer: PeerId, hello: protocol.Hello) -> None:
         """A producer rank finished its handshake on connection ``peer``."""
@@ -314,6 +336,7 @@ class ReaderLedger:
         s = self.samples.get(key)
         if s is None and m.num_tokens > self.max_sample_tokens:
             self.stats.refused += 1
+            self.stats.refused_limit += 1
             limit = self.max_sample_tokens
             why = f"request {m.request_id} has {m.num_tokens} tokens, over this reader's limit of {limit}"
             return [
@@ -329,10 +352,14 @@ class ReaderLedger:
             s = Sample(
                 key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
             )
+            s.t_requested = now
+            if not self.stats.first_request_t:
+                self.stats.first_request_t = now
             try:
                 self.pool.request(key, s.num_pages)
             except PoolTooSmall as e:
                 self.stats.refused += 1
+                self.stats.refused_pool_too_small += 1
                 return [
                     Send(
                         peer, protocol.Refuse(code="pool_too_small", message=str(e), request_id=m.request_id)
@@ -385,6 +412,7 @@ class ReaderLedger:
                 "see --require-checksum)"
             )
             self.stats.refused += 1
+            self.stats.refused_unchecked += 1
             refusals: list[Action] = [
                 Send(p, protocol.Refuse(code="unchecked", message=why, request_id=msg.request_id))
                 for p in s.peers.values()
@@ -455,6 +483,15 @@ class ReaderLedger:
         self._settle_pending(s)
         self.stats.samples += 1
         self.stats.bytes += nbytes
+        self.stats.tokens += s.manifest.num_tokens
+        mine = self.stats.by_producer.get(key[0])
+        if mine is None:
+            mine = self.stats.by_producer[key[0]] = ProducerTotals()
+        mine.samples += 1
+        mine.tokens += s.manifest.num_tokens
+        mine.bytes += nbytes
+        self.stats.handout_latency.observe(now - s.t_requested)
+        self.stats.last_handout_t = now
         self.delivered[key] = list(s.peers.values())
         while len(self.delivered) > self.delivered_memory:
             self.delivered.popitem(last=False)
@@ -509,6 +546,7 @@ class ReaderLedger:
                 f"{self.sample_timeout_s:.0f} s after its pages were granted (ranks {missing} missing)"
             )
             self.stats.refused += 1
+            self.stats.refused_timeout += 1
             actions.append(Log("error", why))
             actions += [
                 Send(p, protocol.Refuse(code="timeout", message=why, request_id=s.key[1]))
@@ -566,6 +604,7 @@ class ReaderLedger:
             grant = self._grant_msg(s)
             actions += [Send(peer, grant) for peer in s.peers.values()]
             actions += self._advance(s)
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.pool.used_pages)
         return actions
 
     def _advance(self, s: Sample) -> list[Action]:
@@ -598,6 +637,7 @@ class ReaderLedger:
                 f"{s.rewrites} times (rank {rank}); refusing it"
             )
             self.stats.refused += 1
+            self.stats.refused_checksum += 1
             actions: list[Action] = [Log("error", why)]
             actions += [
                 Send(peer, protocol.Refuse(code="checksum", message=why, request_id=m.request_id))
@@ -625,6 +665,7 @@ class ReaderLedger:
     def _discard(self, s: Sample, now: float, why: str) -> list[Action]:
         assert self.pool is not None
         del self.samples[s.key]
+        self.stats.dropped += 1
         if s.state is not SampleState.HANDED_OUT:
             self._settle_pending(s)
         if s.pages is None:

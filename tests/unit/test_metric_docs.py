@@ -1,0 +1,22 @@
+"""Every metric the producer and the reader serve is documented in docs/usage.md, with
+its labels' values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kv_connector.reader import metrics as reader_metrics
+from kv_connector.step_stats import COUNTERS, FAILED, GAUGES, HISTOGRAMS, FailureReason
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_metric_is_documented() -> None:
+    usage = (REPO / "docs" / "usage.md").read_text()
+    names = [m.name for m in (*COUNTERS.values(), FAILED, *HISTOGRAMS.values(), *GAUGES.values())]
+    names += [m.name for m in reader_metrics.ALL]
+    assert [n for n in names if n not in usage] == []
+    quoted = set(usage.split("`"))
+    assert {r.value for r in FailureReason} <= quoted
+    assert {r.value for r in reader_metrics.RefusalReason} <= quoted
+    assert {s.value for s in reader_metrics.PageState} <= quoted

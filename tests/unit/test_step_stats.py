@@ -1,0 +1,235 @@
+"""The producer's per-step metrics (``kv_connector.step_stats``): failure texts to reasons
+(the real texts, from the real ledgers), one step's data from a worker rank and from the
+scheduler side, their merge over ranks, the API server's levels, and the form vLLM ships
+them in (msgpack)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kv_connector import protocol
+from kv_connector.delivery import DeliveryBook, Router
+from kv_connector.planning import BlockRecorder, StepSlice
+from kv_connector.send_ledger import SendLedger
+from kv_connector.stats import SenderMetrics, SenderObservations, SenderStats
+from kv_connector.step_stats import (
+    Count,
+    FailureReason,
+    Level,
+    LevelBook,
+    Observed,
+    SchedulerStats,
+    StepStats,
+    WorkerStats,
+    classify_failure,
+    empty,
+    is_empty,
+    merge,
+    summary,
+)
+from tests.unit.test_send_ledger import PAGE, POOL, grant, post, submit, to_writing
+
+
+def refused(code: protocol.RefuseCode) -> str:
+    led = SendLedger(checksum=False)
+    submit(led, "a")
+    led.requests_due()
+    return led.on_refuse(protocol.Refuse(code=code, message="no", request_id="a")).why
+
+
+def test_every_failure_text_has_its_reason() -> None:
+    led = SendLedger(checksum=False, connect_timeout_s=5.0, retry_backoff_s=0.0)
+    submit(led, "late", t=0.0)
+    (expired,) = led.expire(6.0, "[Errno 111] Connection refused", "10.0.0.1:7000")
+    submit(led, "w", t=10.0)
+    to_writing(led, "w", 10.0)
+    for _ in range(2):
+        assert led.write_failed("w", "NIXL_ERR_REMOTE", 10.0) is None
+        assert len(led.writes_due(10.0)) == 1
+        post(led, "w", 10.0)
+    write_failed = led.write_failed("w", "NIXL_ERR_REMOTE", 10.0)
+    assert write_failed is not None
+    hashing = SendLedger(checksum=True)
+    submit(hashing, "d")
+    digest = hashing.digest_failed("d", "MemoryError")
+    assert digest is not None
+    submit(led, "c")
+    (closed,) = led.fail_all("sender closed: reset by peer")
+    book = DeliveryBook(["10.0.0.1:7000"], 1, 5.0, Router(1), clock=lambda: 0.0)
+    book.add("r")
+    book.update([(0, 0, "[Errno 111] Connection refused")], {}, [])
+    book.admit("r")
+    book.connect_timeout_s = 0.0
+    admission = book.admit("r").why
+    slots = BlockRecorder(16).record([5], [StepSlice("s", 0, 1, (2,))])["s"]
+    timing = SendLedger(checksum=False)
+    submit(timing, "t")
+    timing.requests_due()
+    timing.on_grant(grant("t"), PAGE, POOL, 1.0)
+    (deadline,) = timing.expire_granted(400.0, 300.0)
+    submit(timing, "p")
+    (preempted,) = timing.freeze(["p"])
+    bad_id = protocol.request_id_problem("a b")
+    assert bad_id is not None
+
+    cases = [
+        (expired.why, FailureReason.UNREACHABLE),
+        (admission, FailureReason.UNREACHABLE),
+        (refused("checksum"), FailureReason.CHECKSUM),
+        (refused("pool_too_small"), FailureReason.REFUSED),
+        (refused("protocol"), FailureReason.REFUSED),
+        (refused("write_failed"), FailureReason.WRITE_FAILED),  # another rank's WRITEs failed
+        (write_failed.why, FailureReason.WRITE_FAILED),
+        (digest.why, FailureReason.OTHER),
+        (closed.why, FailureReason.OTHER),
+        (slots, FailureReason.OTHER),
+        (deadline.why, FailureReason.TIMEOUT),
+        (refused("timeout"), FailureReason.TIMEOUT),
+        (preempted.why, FailureReason.PREEMPTED),
+        (refused("preempted"), FailureReason.PREEMPTED),
+        (refused("unchecked"), FailureReason.REFUSED),
+        (refused("limit"), FailureReason.REFUSED),
+        (bad_id, FailureReason.REQUEST_ID),
+    ]
+    assert [(why, classify_failure(why)) for why, _ in cases] == cases
+
+
+def test_the_sender_ledger_observes_each_completed_write_and_each_grant() -> None:
+    led = SendLedger(checksum=False)
+    submit(led, "a", t=1.0)
+    led.requests_due()
+    led.on_grant(grant("a"), PAGE, POOL, 1.25)  # 0.25 s after submission
+    assert len(led.writes_due(1.25)) == 1
+    post(led, "a", 2.0)
+    led.write_completed("a", 3 * PAGE, 2.5)  # 0.5 s in flight
+    assert led.take_observations() == SenderObservations([0.5], [0.25])
+    assert led.take_observations() == SenderObservations([], [])
+    assert (led.stats.writes, led.stats.bytes) == (1, 3 * PAGE)
+
+
+def metrics(requests: int = 0, nbytes: int = 0, writes: int = 0, in_flight: int = 0) -> SenderMetrics:
+    stats = SenderStats(requests=requests, bytes=nbytes, writes=writes, rewrites=writes // 2)
+    return SenderMetrics(stats, SenderObservations([0.001] * writes, [0.01]), in_flight)
+
+
+def test_rank_0_counts_samples_every_rank_counts_its_own_bytes() -> None:
+    r0, r1 = WorkerStats(0), WorkerStats(1)
+    for w in (r0, r1):
+        w.shipped()
+        w.shipped()
+        w.failed("cannot reach the reader at x:1 for 60 s (last error: refused)")
+    d0 = r0.take([metrics(requests=1, nbytes=100, writes=2, in_flight=1)])
+    d1 = r1.take([metrics(requests=1, nbytes=40, writes=2, in_flight=2)])
+    assert d0 is not None and d1 is not None
+    assert d0["counts"] == {"shipped": 2, "delivered": 1, "bytes_written": 100, "writes": 2, "rewrites": 1}
+    assert d1["counts"] == {"bytes_written": 40, "writes": 2, "rewrites": 1}  # no samples on rank 1
+    assert d0["failed"] == {"unreachable": 1} and d1["failed"] == {}
+    both = merge(d0, d1)
+    assert both["counts"]["bytes_written"] == 140 and both["counts"]["shipped"] == 2
+    assert both["observed"]["write_latency_s"] == [0.001] * 4
+    assert both["levels"] == {"samples_in_flight": {"rank0": 1, "rank1": 2}}
+    assert d0["counts"]["bytes_written"] == 100  # merge changed neither input
+    # the next step reports what changed since: the counters' deltas
+    d0 = r0.take([metrics(requests=3, nbytes=250, writes=2, in_flight=1)])
+    assert d0 is not None and d0["counts"] == {"delivered": 2, "bytes_written": 150}
+    assert "samples_in_flight" not in d0["levels"]  # unchanged levels are not sent again
+    assert r0.take([metrics(requests=3, nbytes=250, writes=2, in_flight=1)]) is not None  # observations
+    assert WorkerStats(0).take([]) is None
+
+
+def test_an_idle_step_takes_nothing_and_every_change_is_reported_once() -> None:
+    led = SendLedger(checksum=False)
+    w = WorkerStats(0)
+    d = w.take_from([led])
+    assert d is not None and d["levels"] == {"samples_in_flight": {"rank0": 0}}  # the first level
+    assert w.take_from([led]) is None  # nothing happened since
+    submit(led, "a", t=0.0)
+    submit(led, "b", t=0.0)
+    w.shipped()
+    w.shipped()
+    d = w.take_from([led])
+    assert (
+        d is not None and d["counts"] == {"shipped": 2} and d["levels"]["samples_in_flight"] == {"rank0": 2}
+    )
+    assert w.take_from([led]) is None
+    led.requests_due()
+    led.on_grant(grant("a"), PAGE, POOL, 0.5)  # only an observation changes
+    d = w.take_from([led])
+    assert d is not None and d["observed"] == {"credit_wait_s": [0.5]}
+    # the same fingerprint as before that take drained "a"'s wait: the mark kept is the
+    # one right after the take, so "b"'s wait is seen
+    led.on_grant(grant("b", first=3), PAGE, POOL, 0.25)
+    d = w.take_from([led])
+    assert d is not None and d["observed"] == {"credit_wait_s": [0.25]}
+    assert len(led.writes_due(1.0)) == 2
+    post(led, "a", 1.0)
+    led.write_completed("a", 3 * PAGE, 1.5)
+    led.on_ack("a", 2.0)
+    d = w.take_from([led])
+    assert d is not None and d["counts"] == {"delivered": 1, "bytes_written": 3 * PAGE, "writes": 1}
+    assert w.take_from([led]) is None
+
+
+def test_a_step_with_nothing_new_is_none() -> None:
+    s = StepStats("rank0")
+    assert s.take() is None
+    s.level(Level.SAMPLES_IN_FLIGHT, 0)
+    want = {"counts": {}, "failed": {}, "observed": {}, "levels": {"samples_in_flight": {"rank0": 0}}}
+    assert s.take() == want
+    s.level(Level.SAMPLES_IN_FLIGHT, 0)
+    s.count(Count.SHIPPED, 0)
+    s.observe(Observed.WRITE_LATENCY, [])
+    assert s.take() is None and is_empty(empty())
+
+
+def test_the_scheduler_reports_its_book_and_admission_failures() -> None:
+    s = SchedulerStats()
+    s.waiting("a", True)
+    s.waiting("b", True)
+    s.waiting("a", True)  # asked again next step
+    d = s.take(readers_reachable=0)
+    assert d is not None and d["levels"] == {
+        "readers_reachable": {"scheduler": 0},
+        "requests_waiting_for_reader": {"scheduler": 2},
+        "kv_blocks_held": {"scheduler": 0},
+    }
+    s.waiting("a", False)
+    s.admission_failed("cannot reach the reader at x:1 for 5 s (last error: refused)")
+    s.waiting("b", False)
+    s.holding("c", 3)
+    s.holding("c", 3)  # request_finished once per request; counted once anyway
+    s.holding("d", 2)
+    d = s.take(readers_reachable=1)
+    assert d is not None and d["failed"] == {"unreachable": 1}
+    assert d["levels"]["kv_blocks_held"] == {"scheduler": 5}
+    s.sent(["c", "unknown"])
+    d = s.take(readers_reachable=1)
+    assert d is not None and d["levels"] == {"kv_blocks_held": {"scheduler": 2}}
+    assert s.take(readers_reachable=1) is None
+
+
+def test_the_api_server_keeps_the_last_level_of_each_source() -> None:
+    book = LevelBook()
+    got = book.update({"samples_in_flight": {"rank0": 3, "rank1": 5}, "kv_blocks_held": {"scheduler": 7}})
+    assert got == {Level.SAMPLES_IN_FLIGHT: 5, Level.KV_BLOCKS_HELD: 7}  # the slowest rank
+    assert book.update({"samples_in_flight": {"rank1": 1}}) == {Level.SAMPLES_IN_FLIGHT: 3}
+    assert book.update({"some_newer_level": {"x": 1}}) == {}
+
+
+def test_step_data_crosses_msgpack_unchanged() -> None:
+    w = WorkerStats(0)
+    w.shipped()
+    w.failed("reader refused (checksum): bad")
+    d = w.take([metrics(requests=1, nbytes=10, writes=1, in_flight=0)])
+    assert d is not None
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(d)) == d
+
+
+def test_the_log_line_summarises_a_step() -> None:
+    d = merge(
+        {"counts": {"shipped": 3, "delivered": 2, "bytes_written": 5_000_000}, "failed": {"refused": 1}},
+        {"observed": {"write_latency_s": [0.001, 0.003], "credit_wait_s": [0.5]}},
+    )
+    s = summary(d)
+    assert (s["samples shipped"], s["delivered"], s["failed"], s["MB written"]) == (3, 2, 1, 5.0)
+    assert s["WRITE ms avg"] == 2.0 and s["credit wait ms avg"] == 500.0
