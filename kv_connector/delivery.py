@@ -144,6 +144,11 @@ class DeliveryBook:
     def add(self, request_id: str) -> None:
         self.table.ensure(request_id)
 
+    def refuse(self, request_id: str, why: str) -> None:
+        """A new request that must not ship (e.g. bad ``kv_transfer_params``): ``admit``
+        fails it, so it runs without shipping and reports ``why``."""
+        self.table.ensure(request_id).failed = why
+
     def admit(self, request_id: str) -> Admission:
         """Called each step while a new request waits to start (and again if it is
         preempted and recomputed: an admitted request always runs)."""

@@ -31,7 +31,7 @@ import msgspec
 
 from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -39,6 +39,9 @@ MAX_RANKS = 1024
 MAX_BLOCKS = 1 << 22
 MAX_PAGES = 1 << 24
 MAX_METADATA_BYTES = 16 << 20
+MAX_SAMPLE_ID_CHARS = 128
+MAX_SAMPLE_METADATA_BYTES = 4096
+SAMPLE_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 # \Z, not $: "$" also matches before a trailing newline
@@ -55,6 +58,8 @@ PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_PAGES)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
 Checksum = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+SampleId = Annotated[str, msgspec.Meta(pattern=SAMPLE_ID_PATTERN)]
+SampleMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_SAMPLE_METADATA_BYTES)]
 
 
 class ProtocolError(ValueError):
@@ -113,7 +118,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     token ``t`` of the sample lives in block ``t // block_size`` at offset
     ``t % block_size``; blocks are numbered in the request's block-table order;
-    ``geometry`` is one block's shape in the producer's cache.
+    ``geometry`` is one block's shape in the producer's cache. ``sample_id``: the user's
+    name for the sample (None: none given); ``metadata``: the JSON encoding of the user's
+    metadata object (empty: none given).
     """
 
     request_id: RequestId
@@ -121,8 +128,17 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer_ids: Annotated[list[LayerId], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
     geometry: BlockLayout
     num_blocks: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCKS)]
+    sample_id: SampleId | None = None
+    metadata: SampleMetadata = b""
 
     def __post_init__(self) -> None:
+        if self.metadata:
+            try:
+                obj = msgspec.json.decode(self.metadata)
+            except Exception as e:  # msgspec's errors, or RecursionError on deep nesting
+                raise ValueError(f"sample metadata is not JSON: {type(e).__name__}") from None
+            if not isinstance(obj, dict):
+                raise ValueError("sample metadata is not a JSON object")
         if len(self.layer_ids) != self.geometry.num_layers:
             raise ValueError(
                 f"{len(self.layer_ids)} layer ids for blocks of {self.geometry.num_layers} layers"
@@ -201,8 +217,9 @@ class Ack(_Msg, tag="ack", frozen=True):
 # Why a peer refuses: "protocol" (a malformed or unexpected message), "auth" (the
 # handshake's proof), "pool_too_small" (a sample larger than the reader's pool),
 # "checksum" (a share kept failing its checksum), "write_failed" (a producer gave up on
-# a sample whose WRITE kept failing).
-RefuseCode = Literal["protocol", "auth", "pool_too_small", "checksum", "write_failed"]
+# a sample whose WRITE kept failing), "rejected" (the consumer will not take a sample:
+# its states are non-finite or all zero for a token, or its file cannot be written).
+RefuseCode = Literal["protocol", "auth", "pool_too_small", "checksum", "write_failed", "rejected"]
 
 
 class Refuse(_Msg, tag="refuse", frozen=True):

@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
+from kv_connector.identity import NO_IDENTITY, IdentityError, identity_of
 from kv_connector.options import ConnectorOptions
 from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
 from kv_connector.report import WorkerReport
@@ -71,10 +72,18 @@ class SchedulerSide:
         )
 
     def on_new_request(self, request: Request) -> None:
+        """Follow a new request; a bad ``sample_id`` or ``metadata`` in its
+        kv_transfer_params fails it alone (it runs without shipping, and says why)."""
         params = request.kv_transfer_params or {}
         include = bool(params.get("include_output_tokens", self.options.include_output_tokens))
-        self.planner.add(request.request_id, include_output=include)
+        try:
+            identity, bad = identity_of(params), ""
+        except IdentityError as e:
+            identity, bad = NO_IDENTITY, f"invalid kv_transfer_params: {e}"
+        self.planner.add(request.request_id, include_output=include, identity=identity)
         self.book.add(request.request_id)
+        if bad:
+            self.book.refuse(request.request_id, bad)
 
     def admit(self, request: Request) -> bool:
         """May the request start now? Not while no worker can reach its reader (it waits
@@ -126,9 +135,12 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a shipped request until the workers report it sent; the
-        kv_transfer_params say where its sample is and where it stands: "delivered",
+        kv_transfer_params name its sample (request id, and sample id: the request's own
+        when it gave none), say where it is and where it stands: "delivered",
         "failed" with an "error", or "pending" (on its way)."""
         rid = request.request_id
+        rec = self.requests.get(rid)
+        sample_id = (rec.identity.sample_id if rec is not None else None) or rid
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         outcome = self.book.outcome(rid)
         reader = self.planner.reader_of(rid)
@@ -140,6 +152,7 @@ class SchedulerSide:
                 "consumer_address": self.options.readers[reader],
                 "producer_id": self.producer_id,
                 "request_id": rid,
+                "sample_id": sample_id,
                 **outcome,
             }
         }

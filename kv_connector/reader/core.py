@@ -20,6 +20,7 @@ import torch
 
 from kv_connector import auth
 from kv_connector.control import format_address, parse_address
+from kv_connector.identity import decode_metadata
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.ledger import AckMode, Key, ReaderLedger, SampleState
 from kv_connector.reader.server import ReaderServer, round_page
@@ -276,4 +277,6 @@ class HiddenStatesReader:
             layer_ids=tuple(m.layer_ids),
             producer_id=key[0],
             lease=lease,
+            sample_id=m.sample_id,
+            metadata=decode_metadata(m.metadata),
         )

@@ -54,7 +54,13 @@ def main() -> int:
         sender._stage_digest = True  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
     for s in spec["samples"]:
-        sender.ship(s["request_id"], token_ids(s["request_id"], s["num_tokens"]), s["block_ids"])
+        sender.ship(
+            s["request_id"],
+            token_ids(s["request_id"], s["num_tokens"]),
+            s["block_ids"],
+            sample_id=s.get("sample_id"),
+            metadata=s.get("metadata"),
+        )
     if spec.get("exit_after_ship"):
         # like a vLLM worker at interpreter exit: an atexit hook drains what is unwritten
         def drain() -> None:
