@@ -45,7 +45,8 @@ class ReaderStats:
     samples / bytes: handed out; refused: connections and samples refused (protocol
     errors, pool too small, checksum); copy_s: copying samples out of the pool; verify_s:
     checking shares against their checksums; checksum_mismatches: shares that failed;
-    resends_acked: resends of samples already delivered, acknowledged without a copy.
+    resends_acked: resends of samples already delivered, acknowledged without a copy;
+    values_check_s: checking samples' states for NaN/Inf and all-zero tokens (``check_values``).
     """
 
     samples: int = 0
@@ -55,6 +56,7 @@ class ReaderStats:
     verify_s: float = 0.0
     checksum_mismatches: int = 0
     resends_acked: int = 0
+    values_check_s: float = 0.0
 
     def snapshot(self) -> ReaderStats:
         return dataclasses.replace(self)

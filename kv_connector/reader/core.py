@@ -24,6 +24,7 @@ from kv_connector.identity import decode_metadata
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.ledger import AckMode, Key, ReaderLedger, SampleState
 from kv_connector.reader.server import ReaderServer, round_page
+from kv_connector.reader.values import find_bad_values
 from kv_connector.stats import ReaderStats
 from kv_connector.transport import Transport
 
@@ -83,6 +84,10 @@ class HiddenStatesReader:
     ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
     ``LeaseLimitError`` beyond it, naming them).
     ``transport``: the agent to receive with (a ``NixlTransport`` by default).
+    ``check_values``: before handing a sample out, check its states for NaN/Inf and for
+    tokens that are zero in every layer (``reader.values``; a pass over the sample on the
+    user's thread); a bad sample is logged by name and refused to its producer
+    (``reject``), never handed out.
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``. The iterator lets go of each sample when you ask for the next one: if you
@@ -103,6 +108,7 @@ class HiddenStatesReader:
         transport: Transport | None = None,
         copy: bool = False,
         max_leases: int = DEFAULT_MAX_LEASES,
+        check_values: bool = False,
     ) -> None:
         try:
             ack_mode = AckMode(ack)
@@ -112,6 +118,7 @@ class HiddenStatesReader:
             raise ValueError(f"max_leases must be positive, got {max_leases}")
         self.max_leases = max_leases
         self._copy = copy
+        self._check_values = check_values
         if pool_bytes <= 0:
             raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
         if page_bytes is not None:
@@ -204,6 +211,15 @@ class HiddenStatesReader:
         with self._lock:
             self._server.perform(self._ledger.ack((sample.producer_id, sample.request_id)))
 
+    def reject(self, sample: Sample, why: str) -> None:
+        """Refuse a handed-out sample not acknowledged yet (``ack="manual"``), e.g. one
+        whose file cannot be written: its producer fails the request with ``why`` instead
+        of freeing it as delivered. Release its lease as usual."""
+        with self._lock:
+            self._server.perform(
+                self._ledger.reject((sample.producer_id, sample.request_id), why, time.monotonic())
+            )
+
     def stats(self) -> ReaderStats:
         """A snapshot of this reader's counters."""
         with self._lock:
@@ -245,7 +261,31 @@ class HiddenStatesReader:
                 "copy=True, or raise max_leases"
             )
 
+    def _bad_values(self, key: Key) -> bool:
+        """Check a VERIFIED sample's states where they lie (nothing writes a verified
+        sample's pages, so outside the lock); a bad one is rejected. True if it was."""
+        with self._lock:
+            rec = self._ledger.samples.get(key)
+            if rec is None or rec.state is not SampleState.VERIFIED:
+                return False
+            assert rec.pages is not None and self._ledger.page_bytes is not None
+            m, base = rec.manifest, rec.pages.start * self._ledger.page_bytes
+        t0 = time.perf_counter()
+        run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
+        problem = find_bad_values(sample_view(run, m), m.layer_ids)
+        del run
+        with self._lock:
+            self._ledger.stats.values_check_s += time.perf_counter() - t0
+            if problem is None:
+                return False
+            name = m.request_id if m.sample_id is None else f"{m.request_id} (sample {m.sample_id})"
+            log.error("hidden-states reader: %s of producer %s has bad states: %s", name, key[0], problem)
+            self._server.perform(self._ledger.reject(key, f"bad hidden states: {problem}", time.monotonic()))
+            return True
+
     def _hand_out(self, key: Key, copy: bool) -> Sample | None:
+        if self._check_values and self._bad_values(key):
+            return None
         with self._lock:
             rec = self._ledger.samples.get(key)
             if rec is None or rec.state is not SampleState.VERIFIED:
