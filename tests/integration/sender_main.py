@@ -23,7 +23,14 @@ from tests.integration.common import make_cache, token_ids
 def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = BlockLayout(**spec["layout"])
-    cache = make_cache(layout, spec["num_cache_blocks"], spec["seed"])
+    cache = make_cache(layout, spec["num_cache_blocks"], spec["seed"], spec.get("finite", False))
+    for s in spec["samples"]:  # fault injection: states that are not
+        poison = s.get("poison")
+        first = cache[s["block_ids"][0]]
+        if poison == "nan":  # one value of token 0, layer 0
+            first.view(-1)[0] = float("nan")
+        elif poison == "zero":  # token 0 in every layer
+            (first[:, 0] if layout.layout == "LTH" else first[0]).zero_()
     cfg = SenderConfig(
         consumer_address=spec["address"],
         producer_id=spec.get("producer_id", "producer"),
