@@ -8,10 +8,11 @@ captured layers are zero; one zero layer alone (an embedding row of zeros, layer
 not an error.
 
 Pure: torch only. The check reads the sample where it lies (a strided view of the pool
-too), a bounded chunk of tokens at a time, with one max and one min reduction per chunk:
-NaN propagates through both, +Inf shows in the max and -Inf in the min, and a token is
-all zero exactly when its max and min are both 0. Only a chunk found bad is looked at
-again to name the layers.
+too), a bounded chunk of tokens at a time, with one pass: the sum of each token's row in
+each layer (hidden is the contiguous dim in either block layout, so this runs at memory
+speed). NaN and Inf propagate into their row's sum, and an all-zero token has only zero
+sums; only the few tokens whose sums say so are then looked at exactly (a sum that
+overflowed or cancelled to zero is not reported), to name their layers.
 """
 
 from __future__ import annotations
@@ -37,26 +38,30 @@ def find_bad_values(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> st
     if t_total == 0 or hidden == 0:
         return None
     step = max(1, CHUNK_ELEMENTS // (n_layers * hidden))
+    # float16 and float8 sums overflow early: sum those in float32
+    wide = None if hidden_states.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
     non_finite: list[tuple[int, list[int]]] = []  # (token, layer ids)
     zero: list[int] = []
     n_non_finite = n_zero = 0
     for t0 in range(0, t_total, step):
         chunk = hidden_states[t0 : t0 + step]
-        hi = chunk.amax(dim=(1, 2))
-        lo = chunk.amin(dim=(1, 2))
-        finite = torch.isfinite(hi) & torch.isfinite(lo)
-        is_zero = (hi == 0) & (lo == 0)
-        if bool(finite.all()) and not bool(is_zero.any()):
+        sums = chunk.sum(dim=2) if wide is None else chunk.to(wide).sum(dim=2)  # [t, L]
+        suspect = ~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)
+        if not bool(suspect.any()):
             continue
-        for t in torch.nonzero(~finite).flatten().tolist():
-            n_non_finite += 1
-            if len(non_finite) < MAX_NAMED:
-                row = torch.isfinite(chunk[t]).all(dim=1)
-                non_finite.append((t0 + t, [layer_ids[k] for k in torch.nonzero(~row).flatten().tolist()]))
-        for t in torch.nonzero(is_zero).flatten().tolist():
-            n_zero += 1
-            if len(zero) < MAX_NAMED:
-                zero.append(t0 + t)
+        for t in torch.nonzero(suspect).flatten().tolist():
+            row = chunk[t] if wide is None else chunk[t].to(wide)  # [L, H]
+            finite = torch.isfinite(row).all(dim=1)
+            if not bool(finite.all()):
+                n_non_finite += 1
+                if len(non_finite) < MAX_NAMED:
+                    non_finite.append(
+                        (t0 + t, [layer_ids[k] for k in torch.nonzero(~finite).flatten().tolist()])
+                    )
+            elif not bool(row.any()):
+                n_zero += 1
+                if len(zero) < MAX_NAMED:
+                    zero.append(t0 + t)
     if not n_non_finite and not n_zero:
         return None
     parts = []

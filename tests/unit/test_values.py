@@ -69,3 +69,15 @@ def test_a_shape_that_does_not_match_the_layer_ids_is_an_error() -> None:
     with pytest.raises(ValueError, match="3 layer ids"):
         find_bad_values(torch.zeros(4, 2, 8), LAYER_IDS)
     assert find_bad_values(torch.zeros(0, 3, 8), LAYER_IDS) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sums_that_overflow_or_cancel_are_not_reported(dtype: torch.dtype) -> None:
+    """The screen sums each token's rows; a finite row whose sum overflows, or a non-zero
+    row whose sum is exactly zero, is checked exactly and passes."""
+    hs = states("LTH", dtype)
+    big = torch.finfo(dtype).max / 4
+    hs[3, 1] = big  # every element finite, their sum is not
+    hs[4] = 0
+    hs[4, :, 0], hs[4, :, 1] = 1.0, -1.0  # sums of 0 in every layer, values that are not
+    assert find_bad_values(hs, LAYER_IDS) is None
