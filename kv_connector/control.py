@@ -1,4 +1,5 @@
-"""Control connections: length-prefixed msgpack frames over TCP, and address parsing."""
+"""Control connections: length-prefixed msgpack frames over TCP (tagged with the
+session's MAC once the handshake set one), and address parsing."""
 
 from __future__ import annotations
 
@@ -6,16 +7,22 @@ import contextlib
 import select
 import socket
 import struct
+import threading
 import time
 
-from kv_connector import protocol
+from kv_connector import auth, protocol
 from kv_connector.protocol import ProtocolError
 
 _LEN = struct.Struct(">I")
+MAX_OUT_BYTES = 4 << 20  # what ``send_nowait`` may hold for a peer that does not read
 
 
 class ConnectionClosed(Exception):
     """The peer closed the control connection."""
+
+
+class OutputFull(Exception):
+    """A peer stopped reading: more than ``max_out`` bytes wait to be sent to it."""
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -47,6 +54,12 @@ class FramedConnection:
     def __init__(self, sock: socket.socket, send_timeout: float = 30.0) -> None:
         self.sock = sock
         self.max_frame = protocol.MAX_FRAME_BYTES
+        self.mac: auth.SessionMac | None = None  # set after an authenticated handshake
+        self.max_out = MAX_OUT_BYTES
+        self._out = bytearray()
+        # frames are sealed with a sequence number: sealing and sending are one step, so
+        # threads that share a connection cannot reorder them
+        self._send_lock = threading.Lock()
         sock.settimeout(send_timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -59,9 +72,55 @@ class FramedConnection:
         sock = socket.create_connection((host, port), timeout=timeout)
         return cls(sock)
 
-    def send(self, msg: protocol._Msg) -> None:
+    def _frame(self, msg: protocol._Msg) -> bytes:
         data = protocol.encode(msg)
-        self.sock.sendall(_LEN.pack(len(data)) + data)
+        if self.mac is not None:
+            data = self.mac.seal(data)
+        return _LEN.pack(len(data)) + data
+
+    def send(self, msg: protocol._Msg) -> None:
+        """Send one message, blocking (up to the socket's timeout); thread-safe."""
+        with self._send_lock:
+            self.flush_blocking()
+            self.sock.sendall(self._frame(msg))
+
+    def send_nowait(self, msg: protocol._Msg) -> None:
+        """Queue one message and send what the socket takes now, never blocking; raise
+        ``OutputFull`` when more than ``max_out`` bytes are left waiting (the peer does
+        not read), ``ConnectionClosed`` when the peer is gone."""
+        with self._send_lock:
+            self._out += self._frame(msg)
+        self.flush()
+        if len(self._out) > self.max_out:
+            raise OutputFull(f"{len(self._out)} bytes wait for a peer that does not read")
+
+    @property
+    def pending_out(self) -> int:
+        return len(self._out)
+
+    def never_block(self) -> None:
+        """Put the socket in non-blocking mode (a serving loop's connections): with a
+        timeout set, Python waits for a full socket to drain before even trying a send,
+        whatever the flags say."""
+        self.sock.setblocking(False)
+
+    def flush(self) -> bool:
+        """Send what the socket takes now (without blocking once ``never_block`` was
+        called); True when nothing waits."""
+        while self._out:
+            try:
+                n = self.sock.send(self._out, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as e:
+                raise ConnectionClosed(str(e)) from None
+            del self._out[:n]
+        return True
+
+    def flush_blocking(self) -> None:
+        if self._out:
+            self.sock.sendall(self._out)
+            self._out.clear()
 
     def receive(self) -> list[protocol.Message]:
         """Read once and return the complete messages (call only when readable)."""
@@ -93,6 +152,8 @@ class FramedConnection:
         one frame at a time, each under the ``max_frame`` of the moment."""
         try:
             chunk = self.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return  # nothing to read after all
         except OSError as e:
             raise ConnectionClosed(str(e)) from None
         if not chunk:
@@ -109,6 +170,13 @@ class FramedConnection:
             return None
         frame = bytes(self._buf[_LEN.size : _LEN.size + n])
         del self._buf[: _LEN.size + n]
+        if self.mac is not None:
+            opened = self.mac.open(frame)
+            if opened is None:
+                raise ProtocolError(
+                    "a control message failed its integrity check (forged, replayed or reordered)"
+                )
+            frame = opened
         return protocol.decode(frame)
 
     def close(self) -> None:

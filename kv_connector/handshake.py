@@ -26,6 +26,9 @@ import contextlib
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
 
 from kv_connector import auth, protocol
 from kv_connector.control import FramedConnection
@@ -63,6 +66,7 @@ class ProducerIdentity:
     world_size: int
     agent_name: str
     block_bytes: int
+    cache_mem: Literal["DRAM", "VRAM"] = "DRAM"  # where the cache lives (the reader's checksum policy)
 
 
 def as_producer(
@@ -87,6 +91,7 @@ def as_producer(
             agent_name=me.agent_name,
             block_bytes=me.block_bytes,
             nonce=nonce,
+            cache_mem=me.cache_mem,
         )
     )
     ch = conn.receive_one(max(0.0, deadline - time.monotonic()))
@@ -102,7 +107,9 @@ def as_producer(
         if not auth.verify(want, ch.digest):
             _refuse(conn, "the reader's proof does not match the producer's shared secret")
             raise HandshakeError("the reader failed authentication (wrong or no shared secret)")
-    digest = auth.proof(secret, "producer", me.producer_id, me.rank, nonce, ch.nonce)
+    digest = auth.proof(
+        secret, "producer", me.producer_id, me.rank, nonce, ch.nonce, binding=auth.digest_of(metadata)
+    )
     conn.max_frame = WELCOME_LIMIT
     conn.send(protocol.Auth(digest=digest, agent_metadata=metadata))
     w = conn.receive_one(max(0.0, deadline - time.monotonic()))
@@ -110,8 +117,36 @@ def as_producer(
         raise HandshakeError(f"reader refused: {w.message}")
     if not isinstance(w, protocol.Welcome):
         raise HandshakeError(f"expected welcome, got {type(w).__name__}")
+    if secret is not None:
+        want = welcome_proof(secret, me.producer_id, me.rank, nonce, ch.nonce, w)
+        if not auth.verify(want, w.proof):
+            _refuse(conn, "the reader's Welcome does not carry its proof (altered on the way?)")
+            raise HandshakeError("the reader's Welcome failed authentication (altered on the way?)")
+        conn.mac = auth.SessionMac(
+            auth.session_key(secret, me.producer_id, me.rank, nonce, ch.nonce), "to_reader"
+        )
     conn.max_frame = protocol.MAX_FRAME_BYTES
     return w
+
+
+def welcome_proof(
+    secret: bytes | None,
+    producer_id: str,
+    rank: int,
+    producer_nonce: bytes,
+    reader_nonce: bytes,
+    w: protocol.Welcome,
+) -> bytes:
+    """The reader's proof bound to every field of its Welcome."""
+    return auth.proof(
+        secret,
+        "welcome",
+        producer_id,
+        rank,
+        producer_nonce,
+        reader_nonce,
+        binding=auth.digest_of(w.binding()),
+    )
 
 
 def _refuse(conn: FramedConnection, why: str) -> None:
@@ -165,18 +200,34 @@ class ReaderHandshake:
         )
 
     def on_auth(self, msg: protocol.Auth) -> None:
-        """Check the producer's proof (with a secret); the caller then loads its metadata
-        and, if that works, calls ``welcome``."""
+        """Check the producer's proof, bound to the metadata it sends (with a secret); the
+        caller then loads its metadata and, if that works, calls ``welcome``."""
         if self.phase is not Phase.AUTH or self.hello is None:
             raise ProtocolError(f"an auth in phase {self.phase.value}")
         if self.secret is not None:
             h = self.hello
-            want = auth.proof(self.secret, "producer", h.producer_id, h.rank, h.nonce, self.nonce)
+            binding = auth.digest_of(msg.agent_metadata)
+            want = auth.proof(self.secret, "producer", h.producer_id, h.rank, h.nonce, self.nonce, binding)
             if not auth.verify(want, msg.digest):
-                raise ProtocolError("authentication failed: wrong shared secret")
+                raise ProtocolError(
+                    "authentication failed: wrong shared secret (or metadata altered on the way)"
+                )
 
-    def welcome(self) -> None:
-        """AUTH -> READY."""
-        if self.phase is not Phase.AUTH:
+    def welcome(self, unsealed: protocol.Welcome) -> protocol.Welcome:
+        """AUTH -> READY: ``unsealed`` with the reader's proof bound to it; from now on the
+        connection's frames carry the session's tags (``session``)."""
+        if self.phase is not Phase.AUTH or self.hello is None:
             raise ProtocolError(f"a welcome in phase {self.phase.value}")
         self.phase = Phase.READY
+        h = self.hello
+        proof = welcome_proof(self.secret, h.producer_id, h.rank, h.nonce, self.nonce, unsealed)
+        return msgspec.structs.replace(unsealed, proof=proof)
+
+    def session(self) -> auth.SessionMac | None:
+        """The reader's side of the session's tags (None without a secret)."""
+        if self.secret is None or self.hello is None:
+            return None
+        h = self.hello
+        return auth.SessionMac(
+            auth.session_key(self.secret, h.producer_id, h.rank, h.nonce, self.nonce), "to_producer"
+        )

@@ -61,20 +61,30 @@ class Server:
             return _UnixConnection(self._unix, timeout)
         return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 300.0) -> tuple[int, bytes]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float = 300.0,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes]:
         """(status, body bytes); raises OSError when the server cannot be reached."""
         conn = self._connection(timeout)
         try:
             data = None if body is None else json.dumps(body).encode()
-            headers = {"Content-Type": "application/json"} if data is not None else {}
+            kind = {"Content-Type": "application/json"} if data is not None else {}
+            headers = {**kind, **(headers or {})}
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
             conn.close()
 
-    def post_json(self, path: str, body: Any, timeout: float = 300.0) -> dict[str, Any]:
-        status, data = self.request("POST", path, body, timeout)
+    def post_json(
+        self, path: str, body: Any, timeout: float = 300.0, headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        status, data = self.request("POST", path, body, timeout, headers)
         if not 200 <= status < 300:
             raise HTTPError(status, data.decode(errors="replace"))
         result: dict[str, Any] = json.loads(data)

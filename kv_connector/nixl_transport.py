@@ -82,6 +82,7 @@ class NixlTransport:
         except Exception as e:
             raise TransportError(f"cannot create the NIXL agent {name!r} on UCX: {e}") from e
         self.name = name
+        self.failed_polls = 0
         self._regs: list[Any] = []
         self._peers: set[str] = set()
 
@@ -186,7 +187,10 @@ class NixlTransport:
         try:
             notifs = self._agent.get_new_notifs()
         except Exception as e:  # a peer's disconnect surfaces here too
-            log.warning("NIXL notification poll failed: %s", e)
+            # what that poll had gathered is lost with it; the samples it announced end at
+            # their deadline (the reader refuses them, their producers fail them by name)
+            self.failed_polls += 1
+            log.error("NIXL notification poll failed (%d so far): %s", self.failed_polls, e)
             return out
         for peer, msgs in notifs.items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)

@@ -44,6 +44,8 @@ _KNOWN = {
     "drain_timeout_s",
     "include_output_tokens",
     "checksum",
+    "sample_timeout_s",
+    "preempt_timeout_s",
 }
 
 
@@ -61,6 +63,10 @@ class ConnectorOptions:
     checksum: "xxh3" (default): each rank sends the XXH3-64 of its share with its WRITE
     and the reader checks it; "none" skips it (on a GPU cache computing it stages each
     share to host memory once).
+    sample_timeout_s: a sample granted pages at the reader and not acknowledged this long
+    after fails, and the reader drops it (default 300).
+    preempt_timeout_s: how long a preempted request's share may hold the engine step to be
+    written (it may wait for the reader's credits) before its sample fails (default 5).
     """
 
     consumer_address: str
@@ -71,6 +77,8 @@ class ConnectorOptions:
     drain_timeout_s: float = 60.0
     include_output_tokens: bool = False
     checksum: Checksum = Checksum.XXH3
+    sample_timeout_s: float = 300.0
+    preempt_timeout_s: float = 5.0
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -127,6 +135,8 @@ class ConnectorOptions:
             connect_timeout_s=seconds("connect_timeout_s", 60.0),
             drain_timeout_s=seconds("drain_timeout_s", 60.0),
             include_output_tokens=inc,
+            sample_timeout_s=seconds("sample_timeout_s", 300.0),
+            preempt_timeout_s=seconds("preempt_timeout_s", 5.0),
         )
 
     @property

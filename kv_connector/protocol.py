@@ -21,31 +21,40 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
        the sample arranged as ``layout.BlockLayout.arranged_spans`` says;
        ``WriteDone.digest_follows`` and ``ShareDigest``: a WRITE no longer waits for its
        digest, which follows on the control connection.
+    7: ``Manifest.sample_id`` and ``Manifest.metadata`` (the user's name for a sample and a
+       small JSON object, see ``kv_connector.identity``), covered by each share's checksum
+       with the rest of the manifest; ``Refuse.code`` "rejected" (the consumer will not take
+       a sample: non-finite or all-zero states, or a file it cannot write).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
 
 from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 7
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
 MAX_RANKS = 1024
 MAX_BLOCKS = 1 << 22
 MAX_PAGES = 1 << 24
-MAX_METADATA_BYTES = 16 << 20
+MAX_METADATA_BYTES = 64 << 10  # NIXL's agent metadata is about 1 KiB
 MAX_SAMPLE_ID_CHARS = 128
 MAX_SAMPLE_METADATA_BYTES = 4096
 SAMPLE_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# names that end up in logs, ledgers and file names: a safe character set (\Z, not $:
+# "$" also matches before a trailing newline)
+SafeName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z")]
 # \Z, not $: "$" also matches before a trailing newline
-RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:@+=\-]{1,256}\Z")]
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,256}\Z"
+RequestId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
@@ -71,15 +80,18 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
 
 
 class Hello(_Msg, tag="hello", frozen=True):
-    """Producer -> reader, first message on a connection."""
+    """Producer -> reader, first message on a connection. ``cache_mem``: where the
+    producer's cache lives (a reader requires checksums from host-memory caches by
+    default: hashing them costs little)."""
 
     version: int
-    producer_id: Name
+    producer_id: SafeName
     rank: Rank
     world_size: WorldSize
-    agent_name: Name
+    agent_name: SafeName
     block_bytes: PosInt
     nonce: Nonce
+    cache_mem: Literal["DRAM", "VRAM"] = "DRAM"
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
@@ -93,17 +105,18 @@ class Challenge(_Msg, tag="challenge", frozen=True):
 
 
 class Auth(_Msg, tag="auth", frozen=True):
-    """Producer -> reader: the producer's proof of the secret and its NIXL metadata."""
+    """Producer -> reader: the producer's proof of the secret, bound to its NIXL metadata."""
 
     digest: Digest
     agent_metadata: Metadata
 
 
 class Welcome(_Msg, tag="welcome", frozen=True):
-    """Reader -> producer after a successful handshake: where the receive pool lives."""
+    """Reader -> producer after a successful handshake: where the receive pool lives, and
+    the reader's proof bound to all of it (``welcome_binding``)."""
 
-    reader_id: Name
-    agent_name: Name
+    reader_id: SafeName
+    agent_name: SafeName
     agent_metadata: Metadata
     pool_addr: NonNegInt
     pool_bytes: PosInt
@@ -111,6 +124,21 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     num_pages: PosInt
     mem_type: Literal["DRAM", "VRAM"]
     device_id: NonNegInt
+    proof: Digest
+
+    def __post_init__(self) -> None:
+        if self.pool_addr + self.pool_bytes > 1 << 64:
+            raise ValueError("the pool does not fit in a 64-bit address space")
+        if self.page_bytes > self.pool_bytes or self.num_pages * self.page_bytes > self.pool_bytes:
+            raise ValueError("the pool's pages do not fit in the pool")
+
+    def binding(self) -> bytes:
+        """What the reader's proof covers: every field but the proof."""
+        fields = [
+            self.reader_id, self.agent_name, self.agent_metadata, self.pool_addr, self.pool_bytes,
+            self.page_bytes, self.num_pages, self.mem_type, self.device_id,
+        ]  # fmt: skip
+        return msgspec.msgpack.encode(fields)
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -217,9 +245,23 @@ class Ack(_Msg, tag="ack", frozen=True):
 # Why a peer refuses: "protocol" (a malformed or unexpected message), "auth" (the
 # handshake's proof), "pool_too_small" (a sample larger than the reader's pool),
 # "checksum" (a share kept failing its checksum), "write_failed" (a producer gave up on
-# a sample whose WRITE kept failing), "rejected" (the consumer will not take a sample:
-# its states are non-finite or all zero for a token, or its file cannot be written).
-RefuseCode = Literal["protocol", "auth", "pool_too_small", "checksum", "write_failed", "rejected"]
+# a sample whose WRITE kept failing).
+# "timeout" (a sample not complete in time), "limit" (a peer over its bounds),
+# "preempted" (a request preempted before its WRITE could finish), "unchecked" (a share
+# without the checksum the reader requires), "rejected" (the consumer will not take a
+# sample: its states are non-finite or all zero for a token, or its file cannot be written).
+RefuseCode = Literal[
+    "protocol",
+    "auth",
+    "pool_too_small",
+    "checksum",
+    "write_failed",
+    "timeout",
+    "limit",
+    "preempted",
+    "unchecked",
+    "rejected",
+]
 
 
 class Refuse(_Msg, tag="refuse", frozen=True):
@@ -228,7 +270,7 @@ class Refuse(_Msg, tag="refuse", frozen=True):
 
     code: RefuseCode
     message: Annotated[str, msgspec.Meta(max_length=4096)]
-    request_id: str = ""
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_.:@+=\-]{1,256})?\Z")] = ""
 
 
 class WriteDone(_Msg, tag="write_done", frozen=True):
@@ -302,3 +344,17 @@ def decode(data: bytes) -> Message:
             f"{PROTOCOL_VERSION}); run the same kv_connector version on both ends"
         )
     return msg
+
+
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def request_id_problem(request_id: str) -> str | None:
+    """Why ``request_id`` cannot travel as a sample's id (None: it can)."""
+    if _REQUEST_ID.match(request_id):
+        return None
+    shown = request_id if len(request_id) <= 64 else request_id[:64] + "..."
+    return (
+        f"request id {shown!r} ({len(request_id)} characters) cannot name a sample: it must be 1 to 256 "
+        "characters of A-Z a-z 0-9 _ . : @ + = -"
+    )

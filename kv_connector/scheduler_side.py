@@ -11,6 +11,7 @@ from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
 from kv_connector.identity import NO_IDENTITY, IdentityError, identity_of
 from kv_connector.options import ConnectorOptions
 from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.protocol import request_id_problem
 from kv_connector.report import WorkerReport
 from kv_connector.requests import RequestTable
 
@@ -72,18 +73,21 @@ class SchedulerSide:
         )
 
     def on_new_request(self, request: Request) -> None:
-        """Follow a new request; a bad ``sample_id`` or ``metadata`` in its
-        kv_transfer_params fails it alone (it runs without shipping, and says why)."""
+        """Follow a new request; a request id that cannot travel, or a bad ``sample_id``
+        or ``metadata`` in its kv_transfer_params, fails it alone (it runs without
+        shipping, and says why)."""
         params = request.kv_transfer_params or {}
         include = bool(params.get("include_output_tokens", self.options.include_output_tokens))
+        rid = request.request_id
         try:
-            identity, bad = identity_of(params), ""
+            identity, bad = identity_of(params), None
         except IdentityError as e:
             identity, bad = NO_IDENTITY, f"invalid kv_transfer_params: {e}"
-        self.planner.add(request.request_id, include_output=include, identity=identity)
-        self.book.add(request.request_id)
-        if bad:
-            self.book.refuse(request.request_id, bad)
+        self.planner.add(rid, include_output=include, identity=identity)
+        self.book.add(rid)
+        problem = request_id_problem(rid) or bad
+        if problem is not None:  # refused alone, at admission: never its connection
+            self.book.refuse(rid, problem)
 
     def admit(self, request: Request) -> bool:
         """May the request start now? Not while no worker can reach its reader (it waits

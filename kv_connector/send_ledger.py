@@ -43,6 +43,12 @@ Invariants (tests name the one they prove):
       it follows; a digest that follows is sent on the connection its WRITE went out on,
       once, as soon as it is computed (a WRITE never waits for it); a digest that cannot
       be computed fails the job.
+  S7  A job granted pages and not acknowledged within the sample deadline fails, and
+      the reader is told: a sample that cannot complete holds nobody's pages for long.
+  S8  Once a preempted request's blocks are reused, no WRITE and no hash reads them: the
+      shell waits (boundedly) for its share to be safely written, then ``freeze``s it;
+      a job not safely written by then fails (the reader is told), and a Rewrite or a
+      resend of a frozen job fails it too.
 """
 
 from __future__ import annotations
@@ -60,8 +66,19 @@ MAX_WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted this many times i
 WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)
 
 
+_PREEMPTED = "preempted before its share was safely written: its blocks are reused by another request"
+
+
 class IllegalTransition(RuntimeError):
     """The shell asked for a transition the job's state does not allow."""
+
+
+class FrozenJob(Exception):
+    """A Rewrite of a preempted job's share: its blocks hold another request's states now."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
 
 
 class JobState(enum.Enum):
@@ -97,6 +114,8 @@ class Job:
     retry_at: float = 0.0
     rewrite_due: bool = False
     ack_due: bool = False
+    frozen: bool = False  # preempted: its blocks are being reused; no WRITE may read them again
+    t_granted: float = 0.0
     digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
     t_wait: float = 0.0  # since when it waits for a working reader
     t_write: float = 0.0  # when its last WRITE was posted, or completed
@@ -106,12 +125,16 @@ class Job:
 @dataclass(frozen=True)
 class Failure:
     """A job failed with ``why``. ``tell_reader``: its credit request went out on the
-    current connection, so the reader must drop its sample (``Refuse`` with code
-    ``write_failed``) and tell the producer's other ranks."""
+    current connection, so the reader must drop its sample (``Refuse`` with ``code``)
+    and tell the producer's other ranks."""
 
     request_id: str
     why: str
     tell_reader: bool
+    code: protocol.RefuseCode = "write_failed"
+    # the handle of a WRITE still in flight when the job failed: the shell polls it to
+    # its end (the transport releases it then), nobody else does
+    xfer: object | None = field(default=None, compare=False, repr=False)
 
 
 class SendLedger:
@@ -272,6 +295,11 @@ class SendLedger:
         else:
             job.state = JobState.WRITTEN
 
+    @staticmethod
+    def _digest_safe(job: Job) -> bool:
+        """Was the share's digest (if any) taken from the blocks as they were written?"""
+        return job.digest_state in (DigestState.OFF, DigestState.READY)
+
     def write_failed(self, request_id: str, error: str, now: float) -> Failure | None:
         """A WRITE failed inside the transport: posted again after a backoff, or, after
         ``max_write_attempts`` failures, the job fails (answer: tell the reader)."""
@@ -302,7 +330,7 @@ class SendLedger:
             raise ProtocolError(f"grant of {grant.num_pages} pages does not fit {m.request_id}")
         if (grant.first_page + grant.num_pages) * page_bytes > pool_bytes:
             raise ProtocolError(f"grant for {m.request_id} names pages outside the reader's pool")
-        job.grant, job.state = grant, JobState.GRANTED
+        job.grant, job.state, job.t_granted = grant, JobState.GRANTED, now
         self.stats.grant_wait_s += now - job.t_submit
         self.reader_works(now)
 
@@ -312,6 +340,8 @@ class SendLedger:
         job = self._jobs.get(msg.request_id)
         if job is None or job.grant is None or not job.share:
             raise ProtocolError(f"rewrite of {msg.request_id}, which it was not granted")
+        if job.frozen:  # its blocks hold another request's states now (S8): never rewrite
+            raise FrozenJob(msg.request_id)
         if job.state is JobState.WRITTEN:
             job.state = JobState.GRANTED
             self.stats.rewrites += 1
@@ -353,15 +383,19 @@ class SendLedger:
     def writes_in_flight(self) -> list[Job]:
         return [j for j in self._jobs.values() if j.state is JobState.WRITING]
 
-    def connection_lost(self, now: float) -> int:
+    def connection_lost(self, now: float) -> tuple[int, list[Failure]]:
         """Every job goes back to WAITING, its grant gone (S2); the shell has settled the
-        WRITEs in flight first. Returns how many jobs will be resent."""
+        WRITEs in flight first. A preempted job cannot be written again (S8): it fails.
+        Returns how many jobs will be resent, and the failures."""
         for j in [j for j in self._jobs.values() if j.ack_due]:
             self._finish(j, now)
         for j in self._jobs.values():
             j.state, j.grant, j.xfer = JobState.WAITING, None, None
             j.attempts, j.rewrite_due, j.retry_at, j.digest_owed = 0, False, 0.0, False
-        return len(self._jobs)
+        frozen = [rid for rid, j in self._jobs.items() if j.frozen]
+        why = _PREEMPTED + " (the connection was lost before the reader had it)"
+        failures = [f for rid in frozen if (f := self.fail(rid, why, code="preempted")) is not None]
+        return len(self._jobs), failures
 
     def reader_works(self, now: float) -> None:
         """The reader answered correctly: no job is waiting for a working reader (one held
@@ -380,13 +414,50 @@ class SendLedger:
             out.append(f)
         return out
 
-    def fail(self, request_id: str, why: str) -> Failure | None:
+    def fail(self, request_id: str, why: str, code: protocol.RefuseCode = "write_failed") -> Failure | None:
         """The job fails with ``why`` (S1); None if it is not in flight."""
         job = self._jobs.pop(request_id, None)
         if job is None:
             return None
         self._failed[request_id] = why
-        return Failure(request_id, why, tell_reader=job.state is not JobState.WAITING)
+        xfer = job.xfer if job.state is JobState.WRITING else None
+        return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer)
+
+    def expire_granted(self, now: float, timeout: float) -> list[Failure]:
+        """Fail the jobs granted ``timeout`` seconds ago and not acknowledged since: the
+        reader holds their pages for a sample that cannot complete (S7)."""
+        late = [
+            j.request_id
+            for j in self._jobs.values()
+            if j.grant is not None and j.state is not JobState.WRITING and now - j.t_granted > timeout
+        ]
+        why = f"not acknowledged {timeout:.0f} s after its pages were granted"
+        return [f for rid in late if (f := self.fail(rid, why, code="timeout")) is not None]
+
+    def unsafe(self, request_ids: Iterable[str]) -> list[str]:
+        """Of ``request_ids``, the jobs whose share is not safely in the reader's pages yet:
+        not written, or written but its digest not taken (or a Rewrite due)."""
+        return [rid for rid in request_ids if rid in self._jobs and not self._safe(self._jobs[rid])]
+
+    def _safe(self, job: Job) -> bool:
+        return job.state is JobState.WRITTEN and self._digest_safe(job) and not job.rewrite_due
+
+    def freeze(self, request_ids: Iterable[str]) -> list[Failure]:
+        """The requests were preempted and their blocks are reused from now on (S8): a job
+        whose share is safely written lives on (the reader acks it), but nothing reads its
+        blocks again (a Rewrite, or a resend after a lost connection, fails it); every
+        other job fails now, a WRITE in flight with its handle for the shell to settle."""
+        failures = []
+        for rid in request_ids:
+            job = self._jobs.get(rid)
+            if job is None:
+                continue
+            job.frozen = True
+            if not self._safe(job):
+                f = self.fail(rid, _PREEMPTED, code="preempted")
+                if f is not None:
+                    failures.append(f)
+        return failures
 
     def fail_all(self, why: str) -> list[Failure]:
         return [f for rid in list(self._jobs) if (f := self.fail(rid, why)) is not None]

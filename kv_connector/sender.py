@@ -21,7 +21,7 @@ from kv_connector.digests import share_checksum
 from kv_connector.identity import make_identity
 from kv_connector.layout import BlockLayout, stripe
 from kv_connector.send_ledger import Job, SendLedger
-from kv_connector.sender_loop import SenderLoop
+from kv_connector.sender_loop import SenderError, SenderLoop
 from kv_connector.share_writer import ShareWriter
 from kv_connector.stats import SenderStats
 from kv_connector.transport import Transport
@@ -39,6 +39,8 @@ class SenderConfig:
     connect_timeout_s: how long to keep trying to reach the reader.
     checksum: send the XXH3-64 of each share with its WRITE, for the reader to check
     (on a GPU cache this stages the share's bytes to host memory once).
+    sample_timeout_s: a sample granted pages and not acknowledged this long after fails
+    (and the reader is told), whatever the connection does.
     """
 
     consumer_address: str
@@ -47,12 +49,13 @@ class SenderConfig:
     world_size: int = 1
     connect_timeout_s: float = 60.0
     checksum: bool = True
+    sample_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        if self.connect_timeout_s <= 0:
-            raise ValueError("connect_timeout_s must be positive")
+        if self.connect_timeout_s <= 0 or self.sample_timeout_s <= 0:
+            raise ValueError("connect_timeout_s and sample_timeout_s must be positive")
 
 
 class HiddenStatesSender:
@@ -74,6 +77,7 @@ class HiddenStatesSender:
         secret: bytes | None = None,
         transport: Transport | None = None,
     ) -> None:
+        secret = secret if secret is not None else auth.load_secret()  # before any thread or agent
         self.config = config
         self.layout = layout
         self.layer_ids = list(layer_ids)
@@ -106,18 +110,24 @@ class HiddenStatesSender:
             transport, local, self._ledger, self._lock, config.rank, lambda f: self._loop.tell_reader(f)
         )
         me = handshake.ProducerIdentity(
-            config.producer_id, config.rank, config.world_size, transport.name, layout.block_bytes
+            config.producer_id,
+            config.rank,
+            config.world_size,
+            transport.name,
+            layout.block_bytes,
+            "VRAM" if cache.is_cuda else "DRAM",
         )
         self._loop = SenderLoop(
             config.consumer_address,
             me,
             config.connect_timeout_s,
-            secret if secret is not None else auth.load_secret(),
+            secret,
             transport,
             self._ledger,
             self._lock,
             writer,
             self._share_checksum if config.checksum else None,
+            config.sample_timeout_s,
         )
         self._loop.start()
 
@@ -143,7 +153,14 @@ class HiddenStatesSender:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
         ``sample_id`` and ``metadata`` the user's name and JSON object for the sample
-        (``kv_connector.identity``; a bad one raises ``ValueError``)."""
+        (``kv_connector.identity``). A request that cannot travel (its id, its identity,
+        its blocks) raises ``ValueError``; a sender whose thread died raises
+        ``SenderError``: either way nothing was queued."""
+        if self._loop.dead is not None or self._loop.closed:
+            raise SenderError(self._loop.dead or "the sender is closed")
+        problem = protocol.request_id_problem(request_id)
+        if problem is not None:
+            raise ValueError(problem)
         ident = make_identity(sample_id, metadata)
         n_blocks = self.layout.blocks_for(len(token_ids))
         if len(block_ids) < n_blocks:
@@ -167,6 +184,32 @@ class HiddenStatesSender:
         with self._lock:
             self._ledger.submit(request_id, manifest, blocks, share, time.monotonic())
         self._loop.wake()
+
+    def count_unsafe(self, request_ids: Sequence[str]) -> int:
+        """How many of ``request_ids`` are not safely written yet (see ``preempt``)."""
+        with self._lock:
+            return len(self._ledger.unsafe(request_ids))
+
+    def preempt(self, request_ids: Sequence[str], timeout: float) -> list[str]:
+        """The requests were preempted and their blocks are about to be reused: wait up to
+        ``timeout`` seconds for their shares to be safely written (landed, and hashed
+        where checksums are on), then freeze them: the ones that are not fail, and the
+        reader is told (S8). Returns the request ids that failed."""
+        deadline = time.monotonic() + timeout
+        self._loop.wake()
+        self._writer.wake()
+        while True:
+            with self._lock:
+                waiting = self._ledger.unsafe(request_ids)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0005)
+        with self._lock:
+            failures = self._ledger.freeze(request_ids)
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, f.why)
+            self._loop.tell_reader(f)
+        return [f.request_id for f in failures]
 
     def take_finished(self) -> set[str]:
         """Request ids the reader acknowledged since the last call."""

@@ -20,7 +20,7 @@ from kv_connector.control import ConnectionClosed, FramedConnection
 from kv_connector.digests import Hasher
 from kv_connector.poller import IDLE_POLL_S
 from kv_connector.protocol import ProtocolError
-from kv_connector.send_ledger import Failure, Job, SendLedger
+from kv_connector.send_ledger import Failure, FrozenJob, Job, SendLedger
 from kv_connector.share_writer import ShareWriter
 from kv_connector.transport import Region, Transport, TransportError
 
@@ -46,6 +46,7 @@ class SenderLoop:
         lock: threading.Lock,
         writer: ShareWriter,
         digest: Callable[[Job], int] | None,
+        sample_timeout_s: float = 300.0,
     ) -> None:
         self.address = address
         self.me = me
@@ -57,12 +58,16 @@ class SenderLoop:
         self._lock = lock
         self._writer = writer
         self._digest = digest
+        self.sample_timeout_s = sample_timeout_s
+        self._next_deadline_check = 0.0
         self._hasher = Hasher(f"hs-hash-r{me.rank}") if digest is not None else None
         self._conn: FramedConnection | None = None
         self._handshake_conn: FramedConnection | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.closed = False
+        # why the thread died, if it did: it never ships again (``ship`` fails fast)
+        self.dead: str | None = None
         self.connected = threading.Event()
         # None while connected, else why not (read by the worker's reports)
         self.link_error: str | None = "not connected yet"
@@ -93,9 +98,24 @@ class SenderLoop:
 
     # ---------------------------------------------------------- sender thread
     def _run(self) -> None:
-        """Sessions: connect (retrying), serve until the connection is lost, reset what
-        was not acknowledged, and connect again. A request fails only when it waited
-        ``connect_timeout_s`` without a reader, or the reader refused it."""
+        """The thread: sessions until closed. A bug (any exception not a peer's fault)
+        ends it visibly: the link error names it, ``connected`` is clear, ``ship`` fails
+        fast and what it held failed; the scheduler stops admitting requests to it after
+        ``connect_timeout_s``, as for a reader it cannot reach."""
+        try:
+            self._sessions()
+        except Exception as e:
+            log.exception("rank %d sender thread failed; this rank ships nothing more", self.rank)
+            why = f"the sender thread failed: {type(e).__name__}: {e}"
+            self.dead = self.link_error = why
+            self.connected.clear()
+            self._fail_all(why)
+
+    def _sessions(self) -> None:
+        """Connect (retrying), serve until the connection is lost, reset what was not
+        acknowledged, and connect again. A request fails only when it waited
+        ``connect_timeout_s`` without a reader, the reader refused it, or its deadline
+        (``sample_timeout_s`` after its grant) passed."""
         last_error = ""
         while not self.closed:
             try:
@@ -109,12 +129,6 @@ class SenderLoop:
             except (ConnectionClosed, ProtocolError, OSError, TransportError) as e:
                 last_error = str(e)
                 self._on_lost(e)
-            except Exception as e:
-                log.exception("rank %d sender thread failed", self.rank)
-                self.link_error = f"the sender thread failed: {type(e).__name__}: {e}"
-                self.connected.clear()
-                self._fail_all(f"sender failed: {type(e).__name__}: {e}")
-                return
         if last_error:
             self._fail_all(f"sender closed: {last_error}")
 
@@ -136,6 +150,7 @@ class SenderLoop:
                             self._handle(msg)
                 self._send_requests()
                 self._send_digests()
+                self._check_deadlines()
         finally:
             sel.close()
 
@@ -144,7 +159,9 @@ class SenderLoop:
         every unacknowledged request for resending after reconnecting."""
         self._writer.settle()
         with self._lock:
-            resend = self._ledger.connection_lost(time.monotonic())
+            resend, failures = self._ledger.connection_lost(time.monotonic())
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, f.why)
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -242,8 +259,20 @@ class SenderLoop:
                     self._ledger.on_grant(msg, self._writer.page_bytes, self._writer.pool_bytes, now)
                 self._writer.wake()
             case protocol.Rewrite():
-                with self._lock:
-                    again = self._ledger.on_rewrite(msg)
+                try:
+                    with self._lock:
+                        again = self._ledger.on_rewrite(msg)
+                except FrozenJob:
+                    with self._lock:
+                        failure = self._ledger.fail(
+                            msg.request_id,
+                            "the reader asks to write it again, but it was preempted: its blocks are reused",
+                            code="preempted",
+                        )
+                    if failure is not None:
+                        log.error("request %s failed: %s", failure.request_id, failure.why)
+                        self.tell_reader(failure)
+                    return
                 if again:
                     log.warning(
                         "rank %d: the reader asks to write %s again: %s",
@@ -307,15 +336,30 @@ class SenderLoop:
             self.tell_reader(failure)
         self.wake()
 
+    def _check_deadlines(self) -> None:
+        """Twice a second: fail the jobs granted more than ``sample_timeout_s`` ago and
+        still not acknowledged (S7), and tell the reader."""
+        now = time.monotonic()
+        if now < self._next_deadline_check:
+            return
+        self._next_deadline_check = now + 0.5
+        with self._lock:
+            late = self._ledger.expire_granted(now, self.sample_timeout_s)
+        for f in late:
+            log.error("request %s failed: %s", f.request_id, f.why)
+            self.tell_reader(f)
+
     def tell_reader(self, failure: Failure) -> None:
         """A granted request failed: the reader drops its sample (the other ranks' shares
-        included: it can never complete)."""
+        included: it can never complete). A WRITE still in flight is polled to its end."""
+        if failure.xfer is not None:
+            self._writer.adopt(failure.xfer)
         conn = self._conn
         if conn is not None and failure.tell_reader:
             with contextlib.suppress(OSError):
                 conn.send(
                     protocol.Refuse(
-                        code="write_failed", message=failure.why[:4000], request_id=failure.request_id
+                        code=failure.code, message=failure.why[:4000], request_id=failure.request_id
                     )
                 )
 

@@ -42,6 +42,7 @@ class ShareWriter:
         self._tell_reader = tell_reader
         self._peer = ""
         self._remote: Region | None = None
+        self._orphans: list[object] = []  # WRITEs of failed jobs, polled to their end
         self.page_bytes = 0
         self._io = threading.Lock()  # held for each round, and by connect / settle
         self._wake = threading.Event()
@@ -59,6 +60,13 @@ class ShareWriter:
     def wake(self) -> None:
         self._wake.set()
 
+    def adopt(self, xfer: object) -> None:
+        """A failed job's WRITE still in flight: poll it to its end (its handle is
+        released then), whatever the ledger does."""
+        with self._lock:
+            self._orphans.append(xfer)
+        self.wake()
+
     def close(self) -> None:
         self._closed = True
         self._wake.set()
@@ -67,7 +75,7 @@ class ShareWriter:
     def _run(self) -> None:
         while not self._closed:
             with self._lock:
-                writing = self._ledger.writing
+                writing = self._ledger.writing or bool(self._orphans)
             self._wake.wait(self._poller.timeout(writing))
             self._wake.clear()
             busy = False
@@ -116,7 +124,16 @@ class ShareWriter:
             xfer = self._transport.write(
                 self._peer, self._local, self._remote, self.spans(job), protocol.encode(notif)
             )
-        except TransportError as e:
+        except Exception as e:
+            if not isinstance(e, TransportError):  # a bug: fail this job, not the thread
+                log.exception("rank %d: cannot post the WRITE of %s", self._rank, job.request_id)
+                with self._lock:
+                    failure = self._ledger.fail(
+                        job.request_id, f"cannot post its WRITE: {type(e).__name__}: {e}"
+                    )
+                if failure is not None:
+                    self._tell_reader(failure)
+                return
             with self._lock:
                 self._ledger.write_posted(job.request_id, None, now, notif)
                 failure = self._ledger.write_failed(job.request_id, str(e), now)
@@ -129,6 +146,8 @@ class ShareWriter:
         """Poll every WRITE in flight once; True if any completed."""
         with self._lock:
             writing = [(j.request_id, j.xfer) for j in self._ledger.writes_in_flight()]
+            orphans, self._orphans = self._orphans, []
+        self._settle_orphans(orphans, 0.0)
         done_any = False
         for rid, xfer in writing:
             if xfer is None:
@@ -157,6 +176,8 @@ class ShareWriter:
         with self._io:
             with self._lock:
                 writing = [j.xfer for j in self._ledger.writes_in_flight()]
+                orphans, self._orphans = self._orphans, []
+            self._settle_orphans(orphans, SETTLE_S)
             for xfer in writing:
                 deadline = time.monotonic() + SETTLE_S
                 while xfer is not None and time.monotonic() < deadline:
@@ -168,6 +189,25 @@ class ShareWriter:
             if self._peer:
                 self._transport.remove_peer(self._peer)
             self._peer, self._remote = "", None
+
+    def _settle_orphans(self, orphans: list[object], wait_s: float) -> None:
+        """Poll WRITEs nobody else follows until they end or ``wait_s`` passes; the ones
+        left are kept for the next round (or dropped, when the connection is gone)."""
+        deadline = time.monotonic() + wait_s
+        while orphans:
+            left = []
+            for xfer in orphans:
+                try:
+                    if not self._transport.poll(xfer):  # type: ignore[arg-type]
+                        left.append(xfer)
+                except TransportError:
+                    pass  # ended (failed); the transport released it
+            orphans = left
+            if time.monotonic() >= deadline:
+                break
+        if orphans and wait_s == 0.0:
+            with self._lock:
+                self._orphans.extend(orphans)
 
     def _failed(self, rid: str, e: TransportError, failure: Failure | None) -> None:
         if failure is None:

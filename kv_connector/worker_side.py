@@ -16,6 +16,7 @@ from kv_connector.options import Checksum, ConnectorOptions
 from kv_connector.planning import BlockRecorder, SlotMismatch, StepPlan
 from kv_connector.report import LinkChange, WorkerReport
 from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender_loop import SenderError
 from kv_connector.stats import SenderStats
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class WorkerSide:
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
                     checksum=self.options.checksum is Checksum.XXH3,
+                    sample_timeout_s=self.options.sample_timeout_s,
                 ),
                 cache,
                 block_layout,
@@ -152,7 +154,7 @@ class WorkerSide:
                     rid, order.token_ids, blocks, sample_id=ident.sample_id, metadata=ident.metadata
                 )
                 self._shipped.add(rid)
-            except (SlotMismatch, ValueError) as e:
+            except (SlotMismatch, ValueError, SenderError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
                 self._note_failure(rid, str(e))
@@ -160,29 +162,31 @@ class WorkerSide:
             self.recorder.forget(rid)
 
     def handle_preemptions(self, plan: StepPlan | None) -> None:
-        """Called before this step reuses preempted requests' blocks: WRITEs still
-        reading those blocks must land first, or the reader would get another request's
-        states."""
+        """Called before this step reuses preempted requests' blocks: a shipped request's
+        share gets up to ``preempt_timeout_s`` to be safely written (granted, landed,
+        hashed); one that is not by then fails (the reader drops it). Nothing is ever
+        shipped from reused blocks, and a full or hung reader holds the step no longer."""
         if plan is None or not plan.preempted or not self.senders:
             return
         if self.recorder is not None:
             for rid in plan.preempted:
                 self.recorder.forget(rid)
         busy = [rid for rid in plan.preempted if rid in self._shipped]
-        unwritten = sum(s.count_unwritten(busy) for s in self.senders)
+        if not busy:
+            return
         t0 = time.monotonic()
-        deadline = t0 + self.options.drain_timeout_s
-        written = all(s.wait_written(busy, max(0.0, deadline - time.monotonic())) for s in self.senders)
-        if busy and not written:
-            log.error(
-                "preempted requests %s still being written after %.0f s", busy, self.options.drain_timeout_s
-            )
+        unsafe = sum(s.count_unsafe(busy) for s in self.senders)
+        failed = []
+        for s in self.senders:
+            failed += s.preempt(busy, max(0.0, t0 + self.options.preempt_timeout_s - time.monotonic()))
         log.info(
-            "rank %d: %d tracked requests preempted, %d shipped ones not yet written; waited %.3f s for them",
+            "rank %d: %d tracked requests preempted, %d shipped ones not yet written; waited %.3f s, "
+            "%d failed (not written within preempt_timeout_s)",
             self.rank,
             len(plan.preempted),
-            unwritten,
+            unsafe,
             time.monotonic() - t0,
+            len(failed),
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:

@@ -52,7 +52,7 @@ def main() -> None:
         nonlocal nbytes
         for s in reader.samples(len(prompts), timeout=600):
             if not received:
-                received.append(s)  # keep one for the check below (its lease holds a few pages)
+                received.append(s.keep())  # keep one for the check below (its lease holds a few pages)
             else:
                 # keep only what the summary needs; the sample itself (a view of the pool on
                 # lease) goes, and its pages with it

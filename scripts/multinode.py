@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -59,6 +60,8 @@ def scenario(
 ) -> dict[str, Any]:
     model = config_only_model(work / "wide-llama", HIDDEN, num_layers=4)
     env = {
+        # the readers listen on 0.0.0.0 in their namespaces: with a secret, as in production
+        "KV_CONNECTOR_SECRET": secrets.token_hex(16),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "NIXL_LOG_LEVEL": "WARN",

@@ -3,6 +3,13 @@
 
 from kv_connector.reader.core import HiddenStatesReader, LeaseLimitError, ReaderClosed
 from kv_connector.reader.dataset import HiddenStatesDataset
-from kv_connector.reader.lease import Sample
+from kv_connector.reader.lease import Sample, SampleReleased
 
-__all__ = ["HiddenStatesDataset", "HiddenStatesReader", "LeaseLimitError", "ReaderClosed", "Sample"]
+__all__ = [
+    "HiddenStatesDataset",
+    "HiddenStatesReader",
+    "LeaseLimitError",
+    "ReaderClosed",
+    "Sample",
+    "SampleReleased",
+]

@@ -36,6 +36,7 @@ from kv_connector.reader.core import HiddenStatesReader
 from kv_connector.reader.files import write_atomically
 from kv_connector.reader.journal import Journal, JournalLocked
 from kv_connector.reader.lease import Sample
+from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, RequireChecksum
 from kv_connector.reader.naming import UNNAMED, FileLayout, sample_path
 from kv_connector.reader.values import find_bad_values
 
@@ -185,6 +186,26 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--timeout", type=float, default=None, help="exit 1 if no sample arrives for this many seconds"
     )
+    ap.add_argument(
+        "--require-checksum",
+        choices=[c.value for c in RequireChecksum],
+        default=RequireChecksum.AUTO.value,
+        help="refuse shares that come without a checksum: from producers whose cache is in host "
+        "memory (auto, the default), from all (always), or from none (never)",
+    )
+    ap.add_argument(
+        "--sample-timeout",
+        type=float,
+        default=SAMPLE_TIMEOUT_S,
+        help=f"drop a sample not complete this many seconds after its pages were granted "
+        f"(default {SAMPLE_TIMEOUT_S:.0f})",
+    )
+    ap.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --listen without a shared secret (KV_CONNECTOR_SECRET[_FILE]); "
+        "anyone who reaches the port can then write into the reader's memory",
+    )
     ap.add_argument("--log-level", default="INFO")
     return ap
 
@@ -207,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--max-samples must be positive")
     if args.pool_mib <= 0:
         return fail("--pool-mib must be positive")
+    if not args.sample_timeout > 0:
+        return fail("--sample-timeout must be positive")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -241,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             pool_bytes=int(args.pool_mib * (1 << 20)),
             ack="manual",
             already_delivered=lambda pid, rid: (pid, rid) in journal,
+            require_checksum=args.require_checksum,
+            sample_timeout_s=args.sample_timeout,
+            insecure=args.insecure,
         )
     except OSError as e:
         journal.close()

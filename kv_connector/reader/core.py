@@ -8,6 +8,7 @@ when the lease ends."""
 from __future__ import annotations
 
 import gc
+import ipaddress
 import logging
 import queue
 import socket
@@ -22,7 +23,14 @@ from kv_connector import auth
 from kv_connector.control import format_address, parse_address
 from kv_connector.identity import decode_metadata
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
-from kv_connector.reader.ledger import AckMode, Key, ReaderLedger, SampleState
+from kv_connector.reader.ledger import (
+    SAMPLE_TIMEOUT_S,
+    AckMode,
+    Key,
+    ReaderLedger,
+    RequireChecksum,
+    SampleState,
+)
 from kv_connector.reader.server import ReaderServer, round_page
 from kv_connector.reader.values import find_bad_values
 from kv_connector.stats import ReaderStats
@@ -48,6 +56,23 @@ def listen_socket(listen: str | socket.socket) -> socket.socket:
         sock = socket.create_server((host, port), reuse_port=False)
     sock.setblocking(False)
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach ``host`` (a bound address)."""
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _refuse_open_listen(host: str, address: str) -> None:
+    if not is_loopback(host) and host != "localhost":
+        raise ValueError(
+            f"listening on {address} without a shared secret would let anyone who reaches it write "
+            "into this reader's memory: set KV_CONNECTOR_SECRET or KV_CONNECTOR_SECRET_FILE (the "
+            "producers need the same), or pass insecure=True (--insecure) on a trusted network"
+        )
 
 
 class ReaderClosed(Exception):
@@ -84,15 +109,23 @@ class HiddenStatesReader:
     ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
     ``LeaseLimitError`` beyond it, naming them).
     ``transport``: the agent to receive with (a ``NixlTransport`` by default).
+    ``require_checksum``: "auto" (default) refuses shares without a checksum from
+    producers whose cache is in host memory (hashing it costs them little), "always"
+    from every producer, "never" accepts them.
+    ``sample_timeout_s``: a sample granted pages and not complete this long after is
+    dropped, its pages return to the pool and its producer is told (default 300).
+    ``insecure``: allow listening on a non-loopback address without a shared secret (by
+    default that is refused: anyone who reaches the port could write into the pool).
     ``check_values``: before handing a sample out, check its states for NaN/Inf and for
     tokens that are zero in every layer (``reader.values``; a pass over the sample on the
-    user's thread); a bad sample is logged by name and refused to its producer
-    (``reject``), never handed out.
+    user's thread, in the ``get`` that reaches it); a bad sample is logged by name and
+    refused to its producer (``reject``), never handed out.
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
-    ``close``. The iterator lets go of each sample when you ask for the next one: if you
-    kept no reference to it or its tensors, its pages return to the pool then; if you
-    did, they return when the last of those is gone (or when you call ``release``).
+    ``close``. The iterator ends each sample's lease when you ask for the next one
+    (reading its ``hidden_states`` then raises ``SampleReleased``), unless you called its
+    ``keep()`` or hold its tensor or a view of it; those return their pages when you call
+    ``release`` or when the last of them is collected.
     """
 
     def __init__(
@@ -108,12 +141,22 @@ class HiddenStatesReader:
         transport: Transport | None = None,
         copy: bool = False,
         max_leases: int = DEFAULT_MAX_LEASES,
+        require_checksum: RequireChecksum | str = RequireChecksum.AUTO,
+        sample_timeout_s: float = SAMPLE_TIMEOUT_S,
+        insecure: bool = False,
         check_values: bool = False,
     ) -> None:
         try:
             ack_mode = AckMode(ack)
         except ValueError:
             raise ValueError(f"ack must be 'on_take' or 'manual', got {ack!r}") from None
+        try:
+            require = RequireChecksum(require_checksum)
+        except ValueError:
+            choices = ", ".join(repr(c.value) for c in RequireChecksum)
+            raise ValueError(f"require_checksum must be one of {choices}, got {require_checksum!r}") from None
+        if not sample_timeout_s > 0:
+            raise ValueError(f"sample_timeout_s must be positive, got {sample_timeout_s}")
         if max_leases <= 0:
             raise ValueError(f"max_leases must be positive, got {max_leases}")
         self.max_leases = max_leases
@@ -127,12 +170,28 @@ class HiddenStatesReader:
                 raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {pool_bytes}")
         secret = secret if secret is not None else auth.load_secret()
         self.reader_id = name or f"reader-{uuid.uuid4().hex[:12]}"
-        self._ledger = ReaderLedger(ack_mode, already_delivered, verify=verify)
+        self._ledger = ReaderLedger(
+            ack_mode,
+            already_delivered,
+            verify=verify,
+            require_checksum=require,
+            sample_timeout_s=sample_timeout_s,
+        )
         if page_bytes is not None:
             self._ledger.set_pages(page_bytes, pool_bytes // page_bytes)
+        if not secret and not insecure and isinstance(listen, str):
+            _refuse_open_listen(parse_address(listen)[0], listen)  # before binding anything
         lsock = listen_socket(listen)
         real_host, real_port = lsock.getsockname()[:2]
         self.address = format_address(real_host, real_port)
+        if not secret and not insecure:
+            try:
+                _refuse_open_listen(real_host, self.address)
+            except ValueError:
+                lsock.close()
+                raise
+        if not secret:
+            log.warning("no shared secret: producers are not authenticated (listening on %s)", self.address)
         self._pool_tensor = torch.zeros(pool_bytes, dtype=torch.uint8)
         self._pool_np = self._pool_tensor.numpy()
         self._copies = CopyBuffers(max_bytes=max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
@@ -189,21 +248,25 @@ class HiddenStatesReader:
             # discarded since it was queued
 
     def __iter__(self) -> Iterator[Sample]:
-        while True:
-            try:
-                yield self.get()
-            except ReaderClosed:
-                return
+        return self.samples()
 
     def samples(self, max_samples: int | None = None, timeout: float | None = None) -> Iterator[Sample]:
-        """Yield up to ``max_samples`` samples, each within ``timeout`` seconds."""
+        """Yield up to ``max_samples`` samples, each within ``timeout`` seconds. When you
+        ask for the next one, the previous one's lease ends (a pool that holds one sample
+        serves a plain ``for`` loop), unless you called its ``keep()`` or hold its tensor
+        or a view of it: those stay leased until released or collected."""
         n = 0
+        prev: Sample | None = None
         while max_samples is None or n < max_samples:
+            if prev is not None:
+                prev.let_go()
+                prev = None
             try:
-                yield self.get(timeout)
+                prev = self.get(timeout)
             except ReaderClosed:
                 return
             n += 1
+            yield prev
 
     def ack(self, sample: Sample) -> None:
         """Tell the sample's producer it is safe here (``ack="manual"``): it frees the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -57,6 +58,10 @@ class Lease:
         self._release(self.key)
 
 
+class SampleReleased(RuntimeError):
+    """A released sample's tensors were asked for."""
+
+
 class Sample:
     """One request's captured hidden states.
 
@@ -72,13 +77,17 @@ class Sample:
     metadata: the request's ``kv_transfer_params["metadata"]`` object ({} when none).
 
     ``release()`` (or leaving a ``with`` block) ends the lease: the pages return to the
-    pool, and the tensors must not be read afterwards. Without it the lease ends when
-    the last tensor viewing the pages is collected.
+    pool, and the tensors must not be read afterwards (``hidden_states`` then raises
+    ``SampleReleased``). Without it the lease ends when the last tensor viewing the
+    pages is collected, or, for a sample from the iterator, when the next one is asked
+    for, unless you called ``keep()`` or hold its tensor or a view of it.
     """
 
     __slots__ = (
+        "_hidden",
+        "_kept",
         "_lease",
-        "hidden_states",
+        "_views",
         "layer_ids",
         "metadata",
         "producer_id",
@@ -100,12 +109,34 @@ class Sample:
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
-        self.hidden_states = hidden_states
+        self._hidden = hidden_states
         self.layer_ids = layer_ids
         self.producer_id = producer_id
         self.sample_id = sample_id or request_id
         self.metadata = metadata if metadata is not None else {}
         self._lease = lease
+        self._kept = False
+        # how many tensors share the pool's memory now: more later means the user made views
+        self._views = _views_of(hidden_states) if lease is not None else 0
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        """[num_tokens, num_layers, hidden_size]; ``SampleReleased`` once the lease ended
+        (its pages may hold another sample by now)."""
+        if self._lease is not None and not self._lease.held:
+            raise SampleReleased(
+                f"sample {self.request_id} was released (by release(), a with block, or the "
+                "iterator when you asked for the next sample): its pages hold other data now. "
+                "Call sample.keep() before asking for the next one, keep its tensor, or read "
+                "with copy=True"
+            )
+        return self._hidden
+
+    def keep(self) -> Sample:
+        """Keep this sample on lease when the iterator moves on (until ``release`` or until
+        it is collected). Returns the sample."""
+        self._kept = True
+        return self
 
     @property
     def leased(self) -> bool:
@@ -118,6 +149,19 @@ class Sample:
         if self._lease is not None:
             self._lease.release()
 
+    def let_go(self) -> bool:
+        """The iterator moves on: end the lease unless the user kept the sample
+        (``keep``), its tensor, or a view of its memory. A released sample's
+        ``hidden_states`` raises, so nothing reads reused pages through it. True if the
+        lease ended."""
+        if not self.leased or self._kept:
+            return False
+        # the tensor is referenced by this sample's slot and getrefcount's argument
+        if sys.getrefcount(self._hidden) > 2 or _views_of(self._hidden) > self._views:
+            return False
+        self.release()
+        return True
+
     def __enter__(self) -> Sample:
         return self
 
@@ -125,12 +169,17 @@ class Sample:
         self.release()
 
     def __repr__(self) -> str:
-        shape = tuple(self.hidden_states.shape)
+        shape = tuple(self._hidden.shape)
         state = "leased" if self.leased else "released" if self._lease is not None else "copy"
         name = self.request_id
         if self.sample_id != self.request_id:
             name = f"{self.sample_id} ({self.request_id})"
         return f"Sample({name!r}, producer {self.producer_id!r}, hidden_states {shape}, {state})"
+
+
+def _views_of(t: torch.Tensor) -> int:
+    """Tensors sharing ``t``'s memory (torch's use count of its storage)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
 def sample_view(raw: torch.Tensor, m: Manifest) -> torch.Tensor:

@@ -18,6 +18,7 @@ States of a sample (``SampleState``), keyed by (producer id, request id):
     VERIFIED   -- hand_out ----------> HANDED_OUT  on lease to the user: a view of its pages;
                                                    the producer is acked (or, in manual
                                                    mode, when the user acks)
+    GRANTED/WRITTEN -- deadline -----> refused     not complete sample_timeout_s after its grant
     HANDED_OUT -- release -----------> released    its pages return to the pool
     VERIFIED   -- reject ------------> refused     the consumer will not take it (its values);
                                                    pages quarantined, its producer told
@@ -50,7 +51,16 @@ Invariants (tests name the one they prove):
       their way), its incomplete samples are discarded; a rank that reconnects resends
       into the same pages.
   R7  Samples are granted in arrival order (FIFO): a large sample is not starved.
-  R8  A sample the consumer rejects (``reject``: non-finite or all-zero states, a file it
+  R8  A granted sample not complete and checked within ``sample_timeout_s`` of its grant
+      is refused to every rank and discarded: nobody holds pages for a sample that
+      cannot complete (a rank that failed it, a lost notification). The wait for pages
+      never counts (that is back-pressure, not a fault).
+  R9  What one producer rank can make the ledger hold is bounded: samples promised and
+      not handed out (``max_pending_per_rank``: over it, that peer is dropped), tokens
+      per sample (``max_sample_tokens``: over it, that sample alone is refused).
+  R10 A share that comes without a checksum where one is required (``require_checksum``:
+      by default from producers whose cache is in host memory) refuses its sample.
+  R11 A sample the consumer rejects (``reject``: non-finite or all-zero states, a file it
       cannot write) is refused to every rank of its producer with the reason and never
       acked; one already acked cannot be rejected.
 """
@@ -72,6 +82,10 @@ from kv_connector.stats import ReaderStats
 Key = tuple[str, str]  # (producer id, request id)
 
 MAX_REWRITES = 3
+SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (never back-pressure:
+# the wait for pages does not count)
+MAX_PENDING_PER_RANK = 4096  # samples one producer rank may have promised and not seen handed out
+MAX_SAMPLE_TOKENS = 1 << 20
 QUARANTINE_S = 5.0  # pages of a discarded sample wait this long: a late WRITE lands unseen
 LAST_NOTIFICATION_GRACE_S = 0.2  # how long a departed producer's last WriteDone may lag
 DELIVERED_MEMORY = 100_000  # samples remembered for acking resends
@@ -87,6 +101,12 @@ class SampleState(enum.Enum):
     WRITTEN = "written"
     VERIFIED = "verified"
     HANDED_OUT = "handed_out"
+
+
+class RequireChecksum(enum.Enum):
+    AUTO = "auto"  # from producers whose cache is in host memory (hashing it costs little)
+    ALWAYS = "always"
+    NEVER = "never"
 
 
 class AckMode(enum.Enum):
@@ -153,6 +173,7 @@ class Sample:
     shares: dict[int, Share] = field(default_factory=dict)  # rank -> its share
     pages: range | None = None
     rewrites: int = 0
+    t_granted: float = 0.0
     t_handed_out: float = 0.0
 
     @property
@@ -179,6 +200,10 @@ class ReaderLedger:
         grace_s: float = LAST_NOTIFICATION_GRACE_S,
         delivered_memory: int = DELIVERED_MEMORY,
         verify: bool = True,
+        require_checksum: RequireChecksum = RequireChecksum.AUTO,
+        sample_timeout_s: float = SAMPLE_TIMEOUT_S,
+        max_pending_per_rank: int = MAX_PENDING_PER_RANK,
+        max_sample_tokens: int = MAX_SAMPLE_TOKENS,
     ) -> None:
         self.ack_mode = ack_mode
         self._already_delivered = already_delivered
@@ -187,11 +212,17 @@ class ReaderLedger:
         self.grace_s = grace_s
         self.delivered_memory = delivered_memory
         self.verify = verify
+        self.require_checksum = require_checksum
+        self.sample_timeout_s = sample_timeout_s
+        self.max_pending_per_rank = max_pending_per_rank
+        self.max_sample_tokens = max_sample_tokens
         self.stats = ReaderStats()
         self.pool: PagePool | None = None
         self.page_bytes: int | None = None
         self.samples: dict[Key, Sample] = {}
         self.producers = Producers()
+        # (producer, rank) -> its samples not handed out yet (the bound max_pending_per_rank)
+        self._pending: collections.Counter[tuple[str, int]] = collections.Counter()
         # handed-out samples -> the peers still owed an Ack ([] once acked)
         self.delivered: collections.OrderedDict[Key, list[PeerId]] = collections.OrderedDict()
 
@@ -288,6 +319,19 @@ class ReaderLedger:
             return [Send(peer, protocol.Ack(request_id=m.request_id))]
         assert self.pool is not None and self.page_bytes is not None
         s = self.samples.get(key)
+        if s is None and m.num_tokens > self.max_sample_tokens:
+            self.stats.refused += 1
+            limit = self.max_sample_tokens
+            why = f"request {m.request_id} has {m.num_tokens} tokens, over this reader's limit of {limit}"
+            return [
+                Send(peer, protocol.Refuse(code="limit", message=why, request_id=m.request_id)),
+                Log("error", why),
+            ]
+        if s is None and self._pending_of(pid, rank) >= self.max_pending_per_rank:
+            raise ProtocolError(
+                f"{pid}/rank{rank} has {self.max_pending_per_rank} samples promised and not handed out: "
+                "over its bound"
+            )
         if s is None:
             s = Sample(
                 key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
@@ -318,6 +362,7 @@ class ReaderLedger:
                 if blocks & other.blocks:
                     raise ProtocolError(f"ranks {r} and {rank} both promise blocks of {m.request_id}")
             s.shares[rank] = Share(blocks, peer)
+            self._pending[(pid, rank)] += 1
         if len(s.shares) == s.world_size:
             covered = set().union(*(sh.blocks for sh in s.shares.values()))
             if len(covered) != m.num_blocks:
@@ -328,13 +373,30 @@ class ReaderLedger:
             actions += self._advance(s)
         return actions + self._grant(now)
 
-    def write_done(self, peer: PeerId, msg: protocol.WriteDone) -> list[Action]:
+    def write_done(self, peer: PeerId, msg: protocol.WriteDone, now: float = 0.0) -> list[Action]:
         """A rank's WRITE of its share landed (its notification arrived)."""
         s, share = self._share_of(peer, msg.request_id, "write_done")
         # a reconnected rank may land its share again into the same pages, also once the
         # sample is complete: the same bytes, the same digest
         if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):
             return []
+        if (
+            msg.checksum is None
+            and not msg.digest_follows
+            and share.blocks
+            and self._requires_checksum(s.key[0])
+        ):
+            why = (
+                f"rank {self._ident(peer)[1]} of {s.key[0]} wrote its share of {msg.request_id} without the "
+                "checksum this reader requires (the producer's checksum option is none; "
+                "see --require-checksum)"
+            )
+            self.stats.refused += 1
+            refusals: list[Action] = [
+                Send(p, protocol.Refuse(code="unchecked", message=why, request_id=msg.request_id))
+                for p in s.peers.values()
+            ]
+            return [Log("error", why), *refusals, *self._discard(s, now, "unchecked")]
         share.landing += 1
         share.landed, share.checked, share.checking = True, False, None
         share.digest, share.digest_due = msg.checksum, msg.digest_follows
@@ -397,6 +459,7 @@ class ReaderLedger:
         if s is None or s.state is not SampleState.VERIFIED:
             return None
         s.state, s.t_handed_out = SampleState.HANDED_OUT, now
+        self._settle_pending(s)
         self.stats.samples += 1
         self.stats.bytes += nbytes
         self.delivered[key] = list(s.peers.values())
@@ -424,7 +487,7 @@ class ReaderLedger:
         return [Send(peer, protocol.Ack(request_id=key[1])) for peer in waiting]
 
     def reject(self, key: Key, why: str, now: float) -> list[Action]:
-        """The consumer will not take a sample (R8): VERIFIED (checked before hand-out) ->
+        """The consumer will not take a sample (R11): VERIFIED (checked before hand-out) ->
         refused, its pages quarantined; HANDED_OUT and not acked yet (manual mode): its
         producer's ranks are refused instead of acked, and a resend is delivered again.
         Its producer fails the request with ``reader refused (rejected): why``."""
@@ -451,13 +514,59 @@ class ReaderLedger:
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> list[Action]:
         """Quarantines that ended give their pages back; departures whose grace ended
-        are settled."""
+        are settled; granted samples past their deadline are refused."""
         actions = self._departed(now)
+        actions += self._expire(now)
         if self.pool is not None and self.pool.end_quarantines(now):
             actions += self._grant(now)
         return actions
 
     # -------------------------------------------------------------- helpers
+    def _expire(self, now: float) -> list[Action]:
+        """A granted sample that is not complete and checked within ``sample_timeout_s``
+        of its grant can wait for nothing but a producer that failed it (a rank that could
+        not reach this reader, a lost notification): refuse it to every rank, free its
+        pages (after the quarantine). The wait for pages never counts."""
+        late = [
+            s
+            for s in self.samples.values()
+            if s.state in (SampleState.GRANTED, SampleState.WRITTEN)
+            and now - s.t_granted > self.sample_timeout_s
+        ]
+        actions: list[Action] = []
+        for s in late:
+            missing = sorted(r for r in range(s.world_size) if r not in s.shares or not s.shares[r].landed)
+            why = (
+                f"request {s.key[1]} of producer {s.key[0]} was not complete "
+                f"{self.sample_timeout_s:.0f} s after its pages were granted (ranks {missing} missing)"
+            )
+            self.stats.refused += 1
+            actions.append(Log("error", why))
+            actions += [
+                Send(p, protocol.Refuse(code="timeout", message=why, request_id=s.key[1]))
+                for p in s.peers.values()
+            ]
+            actions += self._discard(s, now, "timeout")
+        return actions
+
+    def _requires_checksum(self, producer_id: str) -> bool:
+        if not self.verify or self.require_checksum is RequireChecksum.NEVER:
+            return False
+        if self.require_checksum is RequireChecksum.ALWAYS:
+            return True
+        prod = self.producers.by_id.get(producer_id)
+        return prod is None or prod.host_cache
+
+    def _pending_of(self, producer_id: str, rank: int) -> int:
+        return self._pending[(producer_id, rank)]
+
+    def _settle_pending(self, s: Sample) -> None:
+        for rank in s.shares:
+            k = (s.key[0], rank)
+            self._pending[k] -= 1
+            if self._pending[k] <= 0:
+                del self._pending[k]
+
     def _ident(self, peer: PeerId) -> tuple[str, int]:
         ident = self.producers.identity(peer)
         if ident is None:
@@ -485,7 +594,7 @@ class ReaderLedger:
         actions: list[Action] = []
         for key, pages in self.pool.grantable():
             s = self.samples[key]  # type: ignore[index]
-            s.pages, s.state = pages, SampleState.GRANTED
+            s.pages, s.state, s.t_granted = pages, SampleState.GRANTED, now
             grant = self._grant_msg(s)
             actions += [Send(peer, grant) for peer in s.peers.values()]
             actions += self._advance(s)
@@ -548,6 +657,8 @@ class ReaderLedger:
     def _discard(self, s: Sample, now: float, why: str) -> list[Action]:
         assert self.pool is not None
         del self.samples[s.key]
+        if s.state is not SampleState.HANDED_OUT:
+            self._settle_pending(s)
         if s.pages is None:
             self.pool.cancel(s.key)
         else:

@@ -14,10 +14,12 @@ PeerId = int
 
 @dataclass
 class Producer:
-    """A connected producer: its world size and the connection of each of its ranks."""
+    """A connected producer: its world size, the connection of each of its ranks, and
+    whether its cache is in host memory (it then hashes cheaply: checksums required)."""
 
     world_size: int
     ranks: dict[int, PeerId] = field(default_factory=dict)
+    host_cache: bool = True
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Producers:
                 f"now {hello.world_size}"
             )
         prod.ranks[hello.rank] = peer
+        prod.host_cache = hello.cache_mem == "DRAM"
         self._peer_rank[peer] = (hello.producer_id, hello.rank)
         return prod
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import queue
+import resource
 import selectors
 import socket
 import threading
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kv_connector import protocol
-from kv_connector.control import ConnectionClosed, FramedConnection, format_address
+from kv_connector.control import ConnectionClosed, FramedConnection, OutputFull, format_address
 from kv_connector.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
 from kv_connector.poller import Poller
 from kv_connector.protocol import ProtocolError
@@ -32,6 +33,8 @@ log = logging.getLogger("kv_connector.reader.core")
 
 PAGE_ALIGN = 64  # pool pages are multiples of this, so any dtype can view them
 LEASE_LOG_S = 10.0  # at most one line per this while producers wait on held leases
+MAX_CONNECTIONS = 1024  # or half the file descriptors the process may open, if fewer
+MAX_UNPROVEN_PER_HOST = 32  # connections of one host still in their handshake
 
 
 def round_page(n: int) -> int:
@@ -49,6 +52,7 @@ class _Conn:
     addr: str
     hs: ReaderHandshake
     agent: str = ""
+    host: str = ""
 
     @property
     def label(self) -> str:
@@ -95,6 +99,14 @@ class ReaderServer:
         self._next_id = 1
         self._accept_paused_until = 0.0
         self._closed = False
+        self._writing: set[PeerId] = set()
+        # bounds on what connections may hold: all of them, and those of one host that
+        # have proven nothing yet (the handshake timeout closes stalled ones)
+        soft_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = max(8, min(MAX_CONNECTIONS, soft_fds // 2))
+        self.max_unproven_per_host = MAX_UNPROVEN_PER_HOST
+        self._refused_accepts = 0
+        self._last_refuse_log = 0.0
         self._poller = Poller.from_env("KV_CONNECTOR_READER")
         self.thread = threading.Thread(target=self._run, name="hs-reader", daemon=True)
 
@@ -143,12 +155,38 @@ class ReaderServer:
                     getattr(log, level)("%s", text)
 
     def _send(self, c: _Conn, msg: protocol.Message) -> None:
+        """Queue a message without ever blocking the serving thread: a peer that stops
+        reading holds only its own bounded buffer, then is dropped."""
         if c.conn.closed:
             return
         try:
-            c.conn.send(msg)
-        except OSError as e:
-            log.warning("cannot send to %s: %s", c.label, e)
+            c.conn.send_nowait(msg)
+        except OutputFull as e:
+            log.warning("dropping %s: %s", c.label, e)
+            self._drop(c, "it stopped reading")
+            return
+        except ConnectionClosed:
+            return  # its reading side will report it
+        if c.conn.pending_out:
+            self._writing.add(c.id)
+
+    def _flush_writers(self) -> None:
+        """Send what waits for peers whose sockets take it now; watch the others."""
+        for pid in list(self._writing):
+            c = self._conns.get(pid)
+            if c is None or c.conn.closed:
+                self._writing.discard(pid)
+                continue
+            try:
+                done = c.conn.flush()
+            except ConnectionClosed:
+                self._writing.discard(pid)
+                continue
+            events = selectors.EVENT_READ | (0 if done else selectors.EVENT_WRITE)
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.modify(c.conn.sock, events, c)
+            if done:
+                self._writing.discard(pid)
 
     # ------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -167,18 +205,19 @@ class ReaderServer:
                 if self._closed:
                     return
                 try:
-                    for k, _ in events:
+                    for k, mask in events:
                         busy = True
                         if k.data is None:
                             self._accept()
                         elif k.data == "wake":
                             with contextlib.suppress(BlockingIOError):
                                 os.read(self._wake_r, 4096)
-                        else:
+                        elif mask & selectors.EVENT_READ:
                             self._on_readable(k.data)
                     self.take_releases()
                     busy |= self._poll_notifs()
                     self._housekeeping()
+                    self._flush_writers()
                 except Exception:  # never let one bad event stop the reader
                     log.exception("hidden-states reader: unexpected error while serving")
                     time.sleep(0.01)
@@ -236,13 +275,30 @@ class ReaderServer:
                 self._sel.unregister(self._lsock)
             self._accept_paused_until = time.monotonic() + 0.2
             return
+        host = addr[0]
+        unproven = sum(1 for x in self._conns.values() if x.host == host and x.hs.phase is not Phase.READY)
+        if len(self._conns) >= self.max_connections or unproven >= self.max_unproven_per_host:
+            # over the bounds: this connection goes at once, the others are served
+            why = (
+                "too many connections"
+                if len(self._conns) >= self.max_connections
+                else "too many from " + host
+            )
+            self._refused_accepts += 1
+            if time.monotonic() - self._last_refuse_log > 10.0:
+                self._last_refuse_log = time.monotonic()
+                log.warning("closing new control connections (%s; %d so far)", why, self._refused_accepts)
+            sock.close()
+            return
         c = _Conn(
             self._next_id,
             FramedConnection(sock),
             format_address(addr[0], addr[1]),
             ReaderHandshake(self._secret, time.monotonic()),
+            host=host,
         )
         self._next_id += 1
+        c.conn.never_block()  # nothing a peer does may block the serving thread
         c.conn.max_frame = c.hs.frame_limit
         self._conns[c.id] = c
         self._sel.register(sock, selectors.EVENT_READ, c)
@@ -324,10 +380,8 @@ class ReaderServer:
             self._departing.pop(old.id, None)
         c.agent = agent
         self._by_agent[agent] = c
-        c.hs.welcome()
         assert self._ledger.pool is not None and self._ledger.page_bytes is not None
-        self._send(
-            c,
+        welcome = c.hs.welcome(
             protocol.Welcome(
                 reader_id=self.reader_id,
                 agent_name=self._transport.name,
@@ -338,8 +392,11 @@ class ReaderServer:
                 num_pages=self._ledger.pool.num_pages,
                 mem_type=self._region.mem_type,
                 device_id=self._region.device_id,
-            ),
+                proof=bytes(32),
+            )
         )
+        self._send(c, welcome)
+        c.conn.mac = c.hs.session()  # every later frame, both ways, carries the session's tag
         log.info("producer %s connected (world size %d)", c.label, h.world_size)
 
     def _poll_notifs(self) -> bool:
@@ -353,7 +410,7 @@ class ReaderServer:
                 msg = protocol.decode(data)
                 if not isinstance(msg, protocol.WriteDone):
                     raise ProtocolError(f"unexpected {type(msg).__name__} as a notification")
-                self.perform(self._ledger.write_done(c.id, msg))
+                self.perform(self._ledger.write_done(c.id, msg, time.monotonic()))
             except ProtocolError as e:
                 self._ledger.stats.refused += 1
                 log.warning("bad notification from %s: %s", c.label, e)

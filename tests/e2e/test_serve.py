@@ -58,10 +58,23 @@ def test_openai_server_delivers_prompt_states(
                 },
             )
 
-        # The first one alone, then the rest concurrently so the server batches them.
+        def hostile(kind: str) -> dict[str, Any]:
+            """A user picks a request id that cannot name a sample (vLLM builds its own
+            from the header or the body's request_id): refused alone, at admission."""
+            body = {"model": str(tiny_llama), "prompt": prompts[3], "max_tokens": 1, "temperature": 0}
+            if kind == "header":
+                return server.http.post_json("/v1/completions", body, headers={"X-Request-Id": "a b/c"})
+            if kind == "newline":
+                return server.http.post_json("/v1/completions", {**body, "request_id": "line\n"})
+            return server.http.post_json("/v1/completions", {**body, "request_id": "x" * 256})
+
+        # The first one alone, then the rest concurrently (with the hostile ones) so the
+        # server batches them.
         responses = [complete(0)]
-        with ThreadPoolExecutor(len(prompts) - 1) as pool:
+        with ThreadPoolExecutor(len(prompts) + 2) as pool:
+            bad = [pool.submit(hostile, k) for k in ("header", "newline", "long")]
             responses += list(pool.map(complete, range(1, len(prompts))))
+            refused = [f.result() for f in bad]
         print("first response:", json.dumps(responses[0]))
         for r in responses[1:]:
             print("kv_transfer_params:", json.dumps(r.get("kv_transfer_params")))
@@ -76,6 +89,14 @@ def test_openai_server_delivers_prompt_states(
             pytest.fail(f"unexpected extra sample {extra.request_id}")
         assert server.alive(), f"server died:\n{tail(server.log)}"
         address = reader.address
+        assert reader.stats().refused == 0  # the reader never saw them
+
+    for r in refused:
+        params = r["kv_transfer_params"]["hidden_states"]
+        assert params["status"] == "failed" and "cannot name a sample" in params["error"], params
+        assert r["usage"]["completion_tokens"] == 1  # the request itself ran
+    log = server.log.read_text(errors="replace")
+    assert "lost the reader" not in log and "will be resent" not in log  # no connection was refused
 
     by_len = {len(s.token_ids): s for s in got.values()}
     assert sorted(by_len) == sorted(lengths)

@@ -61,14 +61,25 @@ def layout_dict(layout: BlockLayout) -> dict[str, Any]:
     )
 
 
-def start_sender(spec: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def child_env(overrides: dict[str, str | None] | None = None) -> dict[str, str]:
+    """This process's environment with ``overrides`` (None: the variable is unset)."""
+    env = dict(os.environ)
+    for k, v in (overrides or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def start_sender(spec: dict[str, Any], env: dict[str, str | None] | None = None) -> subprocess.Popen[str]:
     """Run tests/integration/sender_main.py with ``spec`` in a new process."""
     return subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "integration" / "sender_main.py"), json.dumps(spec)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **(env or {})},
+        env=child_env(env),
     )
 
 

@@ -341,6 +341,7 @@ def real_messages(draw: st.DrawFn) -> protocol._Msg:
             num_pages=1,
             mem_type="DRAM",
             device_id=0,
+            proof=draw(nonces),
         )
     if kind == "credit_request":
         n = draw(st.integers(1, 6 * LAYOUT.block_size))
@@ -451,6 +452,7 @@ def welcome_for(agent: Transport, region: Any, **kw: Any) -> protocol.Welcome:
         num_pages=4,
         mem_type="DRAM",
         device_id=0,
+        proof=bytes(32),  # unchecked without a secret
     )
     fields.update(kw)
     return protocol.Welcome(**fields)

@@ -37,6 +37,7 @@ from kv_connector.reader.server import ReaderServer
 from kv_connector.sender import HiddenStatesSender, SenderConfig
 from tests.integration.common import (
     REPO,
+    child_env,
     expected_states,
     finish_sender,
     layout_dict,
@@ -52,7 +53,7 @@ LAYOUT = BlockLayout("LTH", 16, 3, 64, "float32")
 NUM_CACHE_BLOCKS = 32
 POOL_BYTES = 32 * LAYOUT.block_bytes
 # A subprocess inherits our environment; an empty value means "no secret" to auth.load_secret.
-NO_SECRET_ENV = {auth.SECRET_ENV: "", auth.SECRET_FILE_ENV: ""}
+NO_SECRET_ENV: dict[str, str | None] = {auth.SECRET_ENV: None, auth.SECRET_FILE_ENV: None}
 SENDER_MAIN = REPO / "tests" / "integration" / "sender_main.py"
 # sender_main.py configures no logging (only WARNING and above would reach stderr through
 # logging.lastResort); this wrapper runs it with every record at DEBUG on stderr, so that
@@ -102,13 +103,13 @@ def sender_spec(
     )
 
 
-def start_logged_sender(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
+def start_logged_sender(spec: dict[str, Any], env: dict[str, str | None]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", LOGGED_SENDER, str(SENDER_MAIN), json.dumps(spec)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **env},
+        env=child_env(env),
     )
 
 
@@ -259,7 +260,7 @@ def test_matching_secret_delivers_byte_exact(
     env = (
         {auth.SECRET_ENV: secret, auth.SECRET_FILE_ENV: ""}
         if sender_source == "env"
-        else {auth.SECRET_ENV: "", auth.SECRET_FILE_ENV: str(path)}
+        else {auth.SECRET_ENV: None, auth.SECRET_FILE_ENV: str(path)}
     )
     samples = plan("match", [1, 17, 3 * LAYOUT.block_size, 7 * LAYOUT.block_size + 5], seed=11)
     reader_secret = secret.encode() if reader_source == "arg" else None
@@ -424,6 +425,51 @@ def test_the_reader_binds_loopback_by_default() -> None:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "192.0.2.7:0"])
+def test_a_reader_open_to_the_network_without_a_secret_refuses_to_start(
+    listen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"without a shared secret.*KV_CONNECTOR_SECRET.*insecure"):
+        HiddenStatesReader(listen=listen, pool_bytes=1 << 20)
+    # the CLI says the same and exits 2 (before it listens)
+    res = subprocess.run(
+        [sys.executable, "-m", "kv_connector.reader", "--listen", listen, "--out", "/nonexistent-never-made"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(NO_SECRET_ENV),
+    )
+    assert res.returncode == 2 and "--insecure" in res.stderr, res.stderr[-2000:]
+
+
+def test_a_socket_handed_in_is_judged_by_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    with HiddenStatesReader(listen=held, pool_bytes=1 << 20) as reader:  # loopback: no secret needed
+        assert reader.address.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_an_empty_secret_is_an_error_not_no_secret(
+    where: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    if where == "env":
+        monkeypatch.setenv(auth.SECRET_ENV, "")
+    else:
+        (tmp_path / "s").write_text("\n")
+        monkeypatch.setenv(auth.SECRET_FILE_ENV, str(tmp_path / "s"))
+    with pytest.raises(ValueError, match="empty"):
+        HiddenStatesReader(pool_bytes=1 << 20)
+    with pytest.raises(ValueError, match="empty"):
+        HiddenStatesSender(SenderConfig("127.0.0.1:9", "p"), make_cache(LAYOUT, 2, 0), LAYOUT, [0, 1, 2])
+
+
 def test_the_secret_never_reaches_a_log(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     caplog.set_level(logging.DEBUG)
     secret, wrong = new_secret(), new_secret()
@@ -456,7 +502,9 @@ def test_the_secret_never_reaches_a_log(caplog: pytest.LogCaptureFixture, tmp_pa
             nonce = peer.hello("logged-raw")
             ch = peer.recv()
             assert isinstance(ch, protocol.Challenge)
-            digest = auth.proof(wrong.encode(), "producer", "logged-raw", 0, nonce, ch.nonce)
+            digest = auth.proof(
+                wrong.encode(), "producer", "logged-raw", 0, nonce, ch.nonce, auth.digest_of(b"")
+            )
             peer.send(protocol.Auth(digest=digest, agent_metadata=b""))
             refusal = peer.expect_refused("authentication failed")
             outputs.append(refusal.message)
@@ -525,7 +573,10 @@ def test_messages_out_of_handshake_order_are_refused(
         deliver_in_process(reader, secret, f"after-{first}-{then}")
 
 
-@pytest.mark.parametrize("kind", ["correct", "wrong-secret", "reflected", "other-rank", "replayed", "zeros"])
+@pytest.mark.parametrize(
+    "kind",
+    ["correct", "wrong-secret", "reflected", "other-rank", "replayed", "zeros", "unbound", "other-metadata"],
+)
 def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list[RawPeer]) -> None:
     secret = b"proof-secret"
     transport = Transport(f"proof-{kind}-{os.getpid()}")
@@ -534,6 +585,7 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
             pid = f"proof-{kind}"
             agent = transport.name
             nonce = auth.make_nonce()
+            bind = auth.digest_of(transport.metadata)  # the proof covers the metadata it brings
             world = 2 if kind == "other-rank" else 1
             captured = b""
             if kind == "replayed":
@@ -543,7 +595,7 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
                 old.send(hello_msg(pid, agent, nonce, world))
                 old_ch = old.recv()
                 assert isinstance(old_ch, protocol.Challenge)
-                captured = auth.proof(secret, "producer", pid, 0, nonce, old_ch.nonce)
+                captured = auth.proof(secret, "producer", pid, 0, nonce, old_ch.nonce, bind)
                 old.close()
             peer = RawPeer(reader.address)
             raw_peers.append(peer)
@@ -552,12 +604,19 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
             assert isinstance(ch, protocol.Challenge) and ch.auth_required
             assert auth.verify(auth.proof(secret, "reader", pid, 0, nonce, ch.nonce), ch.digest)
             digest = {
-                "correct": lambda: auth.proof(secret, "producer", pid, 0, nonce, ch.nonce),
-                "wrong-secret": lambda: auth.proof(b"proof-secreT", "producer", pid, 0, nonce, ch.nonce),
+                "correct": lambda: auth.proof(secret, "producer", pid, 0, nonce, ch.nonce, bind),
+                "wrong-secret": lambda: auth.proof(
+                    b"proof-secreT", "producer", pid, 0, nonce, ch.nonce, bind
+                ),
                 "reflected": lambda: ch.digest,
-                "other-rank": lambda: auth.proof(secret, "producer", pid, 1, nonce, ch.nonce),
+                "other-rank": lambda: auth.proof(secret, "producer", pid, 1, nonce, ch.nonce, bind),
                 "replayed": lambda: captured,
                 "zeros": lambda: bytes(32),
+                # the proof of protocol v5 and before covered no metadata: a relay could swap it
+                "unbound": lambda: auth.proof(secret, "producer", pid, 0, nonce, ch.nonce),
+                "other-metadata": lambda: auth.proof(
+                    secret, "producer", pid, 0, nonce, ch.nonce, auth.digest_of(b"the relay's metadata")
+                ),
             }[kind]()
             peer.send(protocol.Auth(digest=digest, agent_metadata=transport.metadata))
             if kind == "correct":

@@ -122,15 +122,34 @@ def test_checksums_through_the_staging_path_match(layout: Any) -> None:
     check(got, samples, layout, seed=15)
 
 
-def test_without_checksums_the_reader_still_delivers() -> None:
+def test_without_checksums_a_reader_that_requires_none_still_delivers() -> None:
     layout = CPU_LAYOUT
     samples = plan([1, 17], seed=13, layout=layout)
-    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes, require_checksum="never") as reader:
         proc = ship(reader, layout, 13, samples, checksum=False)
         got = collect(reader, len(samples), timeout=30)
         res = finish_sender(proc)
     assert res["rc"] == 0 and res["stats"]["checksum_s"] == 0
     check(got, samples, layout, seed=13)
+
+
+def test_by_default_a_host_cache_without_checksums_is_refused_clearly() -> None:
+    """The producer's cache is in host memory (hashing it costs little), so the reader
+    requires its checksums: each request fails naming the option, nothing is handed out,
+    and a producer with checksums is served next."""
+    layout = CPU_LAYOUT
+    samples = plan([1, 17], seed=15, layout=layout)
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        proc = ship(reader, layout, 15, samples, checksum=False, producer_id="unchecked")
+        res = finish_sender(proc, timeout=60)
+        with pytest.raises(TimeoutError):
+            reader.get(timeout=1.0)
+        assert res["rc"] == 1 and set(res["failed"]) == {s["request_id"] for s in samples}
+        assert all("unchecked" in why and "require-checksum" in why for why in res["failed"].values())
+        proc = ship(reader, layout, 16, plan([9], seed=16, layout=layout), producer_id="checked")
+        got = collect(reader, 1, timeout=30)
+        assert finish_sender(proc)["rc"] == 0
+    check(got, plan([9], seed=16, layout=layout), layout, seed=16)
 
 
 def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps_serving(

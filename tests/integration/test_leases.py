@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kv_connector.reader import HiddenStatesReader, LeaseLimitError, Sample
+from kv_connector.reader import HiddenStatesReader, LeaseLimitError, Sample, SampleReleased
 from tests.integration.common import expected_states, finish_sender, make_cache, same_bytes
 from tests.integration.test_reader_transfers import (
     CPU_LAYOUT,
@@ -163,4 +163,62 @@ def test_the_copying_mode_keeps_samples_beyond_the_pool_in_reused_buffers() -> N
             got[s.request_id] = s
         check(got, [x for x in samples if x["request_id"] in got], LAYOUT, 46)
         assert reader._copies.allocated == 6
+        assert finish_sender(proc)["rc"] == 0
+
+
+def test_a_plain_for_loop_over_a_pool_of_one_sample_gets_every_sample() -> None:
+    """The loop variable holds the previous sample when the next is asked for: the
+    iterator ends its lease then (it holds nothing else), or a pool of one sample would
+    wait forever. What the loop keeps (a list of samples, a tensor, a view) stays leased
+    and unchanged."""
+    n = 4 * LAYOUT.block_size
+    samples = plan([n] * 4, seed=47, layout=LAYOUT)
+    with HiddenStatesReader(pool_bytes=8 * LAYOUT.block_bytes) as reader:  # two samples' room
+        proc = ship(reader, LAYOUT, 47, samples)
+        kept: list[Sample] = []
+        seen = []
+        for i, s in enumerate(reader.samples(len(samples), timeout=30)):
+            seen.append(s.request_id)
+            assert s.leased
+            if i == 0:
+                kept.append(s.keep())  # kept: must stay leased and unchanged
+                first_copy = s.hidden_states.clone()
+            elif i == 1:
+                second = s  # not kept: released when the loop asks for the next one
+        assert len(seen) == len(samples)
+        assert kept[0].leased and same_bytes(kept[0].hidden_states, first_copy)
+        assert not second.leased
+        with pytest.raises(SampleReleased, match="keep"):
+            second.hidden_states  # noqa: B018  (its pages hold other data now)
+        kept[0].release()
+        assert finish_sender(proc)["rc"] == 0
+
+    # one sample's room: only a loop that lets go of each sample gets through
+    samples = plan([n] * 3, seed=48, layout=LAYOUT)
+    with HiddenStatesReader(pool_bytes=4 * LAYOUT.block_bytes) as reader:
+        proc = ship(reader, LAYOUT, 48, samples)
+        got = {}
+        for s in reader.samples(len(samples), timeout=30):
+            got[s.request_id] = s.hidden_states.clone()
+        assert len(got) == len(samples)
+        for spec in samples:
+            assert same_bytes(got[spec["request_id"]], expected(spec, 48))  # type: ignore[index]
+        assert finish_sender(proc)["rc"] == 0
+
+
+@pytest.mark.parametrize("keep", ["keep()", "tensor", "view"])
+def test_the_iterator_never_ends_a_lease_the_loop_still_uses(keep: str) -> None:
+    n = 4 * LAYOUT.block_size
+    samples = plan([n] * 2, seed=49, layout=LAYOUT)
+    with HiddenStatesReader(pool_bytes=8 * LAYOUT.block_bytes) as reader:
+        proc = ship(reader, LAYOUT, 49, samples)
+        it = reader.samples(len(samples), timeout=30)
+        s = next(it)
+        held: object = {"keep()": s.keep(), "tensor": s.hidden_states, "view": s.hidden_states[1:3]}[keep]
+        before = s.hidden_states.clone()
+        nxt = next(it)
+        assert s.leased and same_bytes(s.hidden_states, before)
+        assert held is not None
+        nxt.release()
+        s.release()
         assert finish_sender(proc)["rc"] == 0

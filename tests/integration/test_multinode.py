@@ -6,6 +6,7 @@ are the real reader CLI. Every sample must arrive byte-exact, exactly once."""
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -30,6 +31,8 @@ HIDDEN = 512
 BLOCK = 128
 BLOCK_BYTES = BLOCK * len(LAYERS) * HIDDEN * 2  # bf16
 READER_PORT = 5555
+# the reader listens on 0.0.0.0 inside its namespace: it refuses to without a secret
+SECRET = {"KV_CONNECTOR_SECRET": secrets.token_hex(16)}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -58,7 +61,7 @@ def start_reader(
             "--listen", f"0.0.0.0:{READER_PORT}", "--out", str(out),
             "--max-samples", str(n), "--pool-mib", str(pool_mib), "--timeout", "240",
         ],
-        env={"PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
+        env={**SECRET, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
     )  # fmt: skip
 
 
@@ -87,7 +90,12 @@ def start_ranks(
             cluster.run(
                 node,
                 [sys.executable, "-m", "scripts.harness_rank", str(f)],
-                env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                env={
+                    **SECRET,
+                    "PYTHONPATH": str(REPO),
+                    "OMP_NUM_THREADS": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                },
             )
         )
     return procs
@@ -208,7 +216,7 @@ def test_a_full_reader_delays_only_its_own_samples(cluster: Cluster, model_dir: 
         slow,
         [sys.executable, "-m", "scripts.multinode", "--reader-node", f"0.0.0.0:{READER_PORT}",
          "--samples", "4", "--pool-mib", str(BLOCK_BYTES / (1 << 20)), "--hold-s", "40"],
-        env={"PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
+        env={**SECRET, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
     )  # fmt: skip
     ranks = start_ranks(cluster, a, tmp_path, model_dir, "full", 1, readers, requests, sharding="round_robin")
     assert fast_reader.wait(timeout=300) == 0

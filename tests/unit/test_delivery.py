@@ -122,3 +122,23 @@ def test_a_request_not_added_is_admitted_but_leaves_no_state() -> None:
 def test_bad_world_size_is_refused(world: int) -> None:
     with pytest.raises(ValueError):
         DeliveryBook(["a:1"], world, 1.0)
+
+
+def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_links() -> None:
+    from types import SimpleNamespace
+
+    from kv_connector.options import ConnectorOptions
+    from kv_connector.scheduler_side import SchedulerSide
+
+    side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"}), None, "p")
+    side.update(SimpleNamespace(links=[(0, 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
+    bad = SimpleNamespace(request_id="a b/c", kv_transfer_params=None, all_token_ids=[1, 2, 3])
+    good = SimpleNamespace(request_id="cmpl-1-0-ab12", kv_transfer_params=None, all_token_ids=[1, 2, 3])
+    for r in (bad, good):
+        side.on_new_request(r)  # type: ignore[arg-type]
+        assert side.admit(r)  # type: ignore[arg-type]  # both run; only one ships
+    assert not side.planner.is_tracked("a b/c") and side.planner.is_tracked("cmpl-1-0-ab12")
+    hold, params = side.request_finished(bad, [1, 2])  # type: ignore[arg-type]
+    assert not hold and params is not None
+    assert params["hidden_states"]["status"] == "failed"
+    assert "cannot name a sample" in params["hidden_states"]["error"]

@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 
 from kv_connector import auth, handshake, protocol
@@ -33,6 +34,13 @@ def hello(nonce: bytes = b"p" * 32, **kw: object) -> protocol.Hello:
     return protocol.Hello(**fields)  # type: ignore[arg-type]
 
 
+def welcome() -> protocol.Welcome:
+    return protocol.Welcome(
+        reader_id="r", agent_name="ra", agent_metadata=b"reader-md", pool_addr=0, pool_bytes=4096,
+        page_bytes=4096, num_pages=1, mem_type="DRAM", device_id=0, proof=bytes(32),
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------ reader's side
 @pytest.mark.parametrize("secret", [None, b"s3cret"])
 def test_the_reader_goes_hello_auth_ready(secret: bytes | None) -> None:
@@ -42,19 +50,37 @@ def test_the_reader_goes_hello_auth_ready(secret: bytes | None) -> None:
     assert hs.phase is Phase.AUTH and hs.frame_limit == FRAME_LIMITS[Phase.AUTH]
     assert ch.auth_required == (secret is not None) and ch.nonce == hs.nonce
     assert auth.verify(auth.proof(secret, "reader", "prod", 1, b"p" * 32, hs.nonce), ch.digest)
-    proof = auth.proof(secret, "producer", "prod", 1, b"p" * 32, hs.nonce)
+    proof = auth.proof(secret, "producer", "prod", 1, b"p" * 32, hs.nonce, auth.digest_of(b"md"))
     hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"md"))
-    hs.welcome()
+    sealed = hs.welcome(welcome())
     assert hs.phase is Phase.READY and hs.frame_limit == protocol.MAX_FRAME_BYTES
     assert not hs.expired(1e9)
+    # the Welcome carries the reader's proof over every one of its fields
+    want = handshake.welcome_proof(secret, "prod", 1, b"p" * 32, hs.nonce, sealed)
+    assert sealed.proof == want and sealed.binding() == welcome().binding()
+    assert (hs.session() is None) == (secret is None)
+
+
+def test_the_producers_proof_binds_its_metadata() -> None:
+    """A relay that swaps in its own NIXL metadata (to get keys to the producer's cache,
+    or to make the reader load its agent) breaks the proof."""
+    hs = ReaderHandshake(b"ours", t_accept=0.0)
+    hs.on_hello(hello(), None, False)
+    proof = auth.proof(b"ours", "producer", "prod", 1, b"p" * 32, hs.nonce, auth.digest_of(b"md"))
+    with pytest.raises(ProtocolError, match="metadata altered"):
+        hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"relay-md"))
+    hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"md"))  # the real one passes
 
 
 def test_a_wrong_proof_is_refused() -> None:
     hs = ReaderHandshake(b"ours", t_accept=0.0)
     hs.on_hello(hello(), None, False)
-    bad = auth.proof(b"theirs", "producer", "prod", 1, b"p" * 32, hs.nonce)
+    bad = auth.proof(b"theirs", "producer", "prod", 1, b"p" * 32, hs.nonce, auth.digest_of(b"md"))
     with pytest.raises(ProtocolError, match="authentication failed"):
         hs.on_auth(protocol.Auth(digest=bad, agent_metadata=b"md"))
+    unbound = auth.proof(b"ours", "producer", "prod", 1, b"p" * 32, hs.nonce)  # the v1 proof
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        hs.on_auth(protocol.Auth(digest=unbound, agent_metadata=b"md"))
     reflected = auth.proof(b"ours", "reader", "prod", 1, b"p" * 32, hs.nonce)  # its own proof back
     with pytest.raises(ProtocolError, match="authentication failed"):
         hs.on_auth(protocol.Auth(digest=reflected, agent_metadata=b"md"))
@@ -81,11 +107,13 @@ def test_transitions_outside_their_phase_are_refused() -> None:
     with pytest.raises(ProtocolError, match="an auth in phase hello"):
         hs.on_auth(protocol.Auth(digest=bytes(32), agent_metadata=b""))
     with pytest.raises(ProtocolError, match="a welcome in phase hello"):
-        hs.welcome()
+        hs.welcome(welcome())
     hs.on_hello(hello(), None, False)
     with pytest.raises(ProtocolError, match="a hello in phase auth"):
         hs.on_hello(hello(), None, False)
-    hs.welcome()
+    hs.welcome(welcome())
+    with pytest.raises(ProtocolError, match="a welcome in phase ready"):
+        hs.welcome(welcome())
     with pytest.raises(ProtocolError, match="an auth in phase ready"):
         hs.on_auth(protocol.Auth(digest=bytes(32), agent_metadata=b""))
 
@@ -151,22 +179,19 @@ def run_producer(
     return result, seen
 
 
-def welcome() -> protocol.Welcome:
-    return protocol.Welcome(
-        reader_id="r", agent_name="ra", agent_metadata=b"reader-md", pool_addr=0, pool_bytes=4096,
-        page_bytes=4096, num_pages=1, mem_type="DRAM", device_id=0,
-    )  # fmt: skip
+def honest(secret: bytes | None, alter: dict[str, object] | None = None) -> Script:
+    """A reader that follows the protocol; ``alter``: fields a relay changes in its
+    Welcome after the reader sealed it."""
 
-
-def honest(secret: bytes | None) -> Script:
     def script(conn: FramedConnection, h: protocol.Hello) -> None:
         hs = ReaderHandshake(secret, 0.0)
         conn.send(hs.on_hello(h, None, False))
         a = conn.receive_one(5)
         assert isinstance(a, protocol.Auth) and a.agent_metadata == b"producer-md"
         hs.on_auth(a)
-        hs.welcome()
-        conn.send(welcome())
+        sealed = hs.welcome(welcome())
+        conn.send(msgspec.structs.replace(sealed, **(alter or {})))
+        conn.mac = hs.session()
 
     return script
 
@@ -176,8 +201,41 @@ def test_the_producer_completes_the_handshake_with_an_honest_reader(
     pair: tuple[FramedConnection, FramedConnection], secret: bytes | None
 ) -> None:
     result, seen = run_producer(pair, honest(secret), secret)
-    assert result == welcome() and seen == ["Hello"]
+    assert isinstance(result, protocol.Welcome) and result.binding() == welcome().binding()
+    assert seen == ["Hello"]
     assert pair[0].max_frame == protocol.MAX_FRAME_BYTES
+    assert (pair[0].mac is None) == (secret is None)
+
+
+@pytest.mark.parametrize(
+    "alter", [{"pool_addr": 1 << 30}, {"agent_metadata": b"relay-md"}, {"page_bytes": 2048}]
+)
+def test_the_producer_refuses_a_welcome_altered_on_the_way(
+    pair: tuple[FramedConnection, FramedConnection], alter: dict[str, object]
+) -> None:
+    result, _ = run_producer(pair, honest(b"shared", alter), b"shared")
+    assert isinstance(result, HandshakeError) and "Welcome failed authentication" in str(result)
+
+
+def test_after_the_handshake_every_message_is_tagged_in_order(
+    pair: tuple[FramedConnection, FramedConnection],
+) -> None:
+    """Forged, replayed or reordered control messages (an Ack for a sample not sent, a
+    Rewrite...) are refused once a secret set up the session."""
+    producer, reader = pair
+    result, _ = run_producer(pair, honest(b"shared"), b"shared")
+    assert isinstance(result, protocol.Welcome) and producer.mac is not None and reader.mac is not None
+    producer.send(protocol.Ack(request_id="a"))
+    producer.send(protocol.Ack(request_id="b"))
+    assert reader.receive_one(5) == protocol.Ack(request_id="a")
+    assert reader.receive_one(5) == protocol.Ack(request_id="b")
+    reader.send(protocol.Ack(request_id="from-reader"))
+    assert producer.receive_one(5) == protocol.Ack(request_id="from-reader")
+    # a frame injected without the session key (a replay of the first one, here)
+    replay = protocol.encode(protocol.Ack(request_id="a"))
+    producer.sock.sendall(len(replay).to_bytes(4, "big") + replay)
+    with pytest.raises(ProtocolError, match="integrity"):
+        reader.receive_one(5)
 
 
 def challenge(h: protocol.Hello, secret: bytes | None, **kw: object) -> protocol.Challenge:

@@ -53,6 +53,7 @@ MESSAGES = [
         num_pages=4,
         mem_type="DRAM",
         device_id=0,
+        proof=b"p" * 32,
     ),
     protocol.CreditRequest(manifest=manifest(), blocks=[1]),
     protocol.CreditRequest(manifest=manifest(sample_id="17", metadata=b'{"row":17,"src":"x"}'), blocks=[0]),
@@ -102,7 +103,12 @@ def hello_dict(**kw: object) -> dict[str, object]:
         (hello_dict(rank=-1), ">= 0"),
         (hello_dict(world_size=0), ">= 1"),
         (hello_dict(nonce=b"short"), "length"),
-        (hello_dict(producer_id="x" * 300), "length"),
+        (hello_dict(producer_id="x" * 300), "matching regex"),
+        (hello_dict(producer_id="a\tb"), "matching regex"),
+        (hello_dict(producer_id="victim\nreq-1"), "matching regex"),
+        (hello_dict(producer_id="p\n"), "matching regex"),
+        (hello_dict(agent_name="../a"), "matching regex"),
+        (hello_dict(cache_mem="SSD"), "Invalid"),
         (hello_dict(type="nope"), "Invalid value 'nope'"),
         ({"version": 1}, "missing required field `type`"),
     ],
@@ -217,3 +223,49 @@ def test_a_write_done_with_a_checksum_has_no_digest_to_follow() -> None:
 def test_a_grant_outside_the_page_range_is_refused(first: int, n: int) -> None:
     with pytest.raises(ProtocolError):
         protocol.decode(raw({"type": "grant", "request_id": "r", "first_page": first, "num_pages": n}))
+
+
+def welcome_dict(**kw: object) -> dict[str, object]:
+    d: dict[str, object] = {"type": "welcome", **msgspec.structs.asdict(MESSAGES[3])}
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"pool_addr": (1 << 64) - 1}, "64-bit"),  # a valid uint64 that overflowed the transport
+        ({"num_pages": 5}, "do not fit"),
+        ({"page_bytes": 8192}, "do not fit"),
+        ({"proof": b"short"}, "length"),
+        ({"proof": None}, "Expected `bytes`"),
+    ],
+)
+def test_a_welcome_that_does_not_add_up_is_refused_before_anyone_uses_it(
+    fields: dict[str, object], fragment: str
+) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        protocol.decode(raw(welcome_dict(**fields)))
+
+
+@pytest.mark.parametrize(
+    "rid",
+    ["has space", "a/b", "x" * 257, "trailing-newline\n", "", "tab\there", "ünïcode"],
+)
+def test_request_ids_that_cannot_name_a_sample_are_named_and_refused_on_the_wire(rid: str) -> None:
+    why = protocol.request_id_problem(rid)
+    assert why is not None and "cannot name a sample" in why
+    with pytest.raises(ProtocolError):
+        protocol.decode(raw({"type": "ack", "request_id": rid}))
+
+
+@pytest.mark.parametrize("rid", ["cmpl-1a2b-0", "x" * 256, "a.b:c@d+e=f_g-h"])
+def test_request_ids_that_can_travel_pass(rid: str) -> None:
+    assert protocol.request_id_problem(rid) is None
+    assert protocol.decode(raw({"type": "ack", "request_id": rid})) == protocol.Ack(request_id=rid)
+
+
+def test_the_new_refuse_codes_travel() -> None:
+    for code in ("timeout", "limit", "preempted", "unchecked"):
+        msg = protocol.Refuse(code=code, message="m", request_id="r")  # type: ignore[arg-type]
+        assert protocol.decode(protocol.encode(msg)) == msg

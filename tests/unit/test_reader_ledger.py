@@ -20,6 +20,7 @@ from kv_connector.reader.ledger import (
     Log,
     ReaderLedger,
     Ready,
+    RequireChecksum,
     SampleState,
     Send,
     Verify,
@@ -29,8 +30,9 @@ LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
 PAGE = LAYOUT.block_bytes
 
 
-def hello(pid: str = "p", rank: int = 0, world: int = 1) -> protocol.Hello:
+def hello(pid: str = "p", rank: int = 0, world: int = 1, mem: str = "DRAM") -> protocol.Hello:
     return protocol.Hello(
+        cache_mem=mem,  # type: ignore[arg-type]
         version=protocol.PROTOCOL_VERSION,
         producer_id=pid,
         rank=rank,
@@ -179,8 +181,8 @@ def test_a_digest_that_follows_its_write_is_checked_when_it_comes_in_either_orde
     assert v.digest == 4
 
 
-def test_a_share_without_a_digest_is_not_checked() -> None:
-    led = ledger()
+def test_a_share_without_a_digest_is_not_checked_when_none_is_required() -> None:
+    led = ledger(require_checksum=RequireChecksum.NEVER)
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
     actions = led.write_done(1, protocol.WriteDone(request_id="a"))
@@ -417,8 +419,8 @@ def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
     assert led.state_of(("p", "a")) is None
 
 
-# ----------------------------------------------------------- rejections (R8)
-def test_r8_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank() -> None:
+# ---------------------------------------------------------- rejections (R11)
+def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank() -> None:
     led = ledger(pages=8)
     connected(led, (1, hello(world=2)), (2, hello(rank=1, world=2)))
     led.credit_request(1, credit("a", rank=0, world=2), 0.0)
@@ -440,7 +442,7 @@ def test_r8_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank(
     assert led.pool.free_pages == 8
 
 
-def test_r8_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> None:
+def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> None:
     led = ledger(ack_mode=AckMode.MANUAL)
     key = verified(led)
     hand_out(led, key)
@@ -452,7 +454,7 @@ def test_r8_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> N
     assert led.state_of(key) is None
 
 
-def test_r8_an_acked_sample_cannot_be_rejected() -> None:
+def test_r11_an_acked_sample_cannot_be_rejected() -> None:
     led = ledger()  # acked on take
     key = verified(led)
     hand_out(led, key)
@@ -632,3 +634,95 @@ def test_hostile_credit_requests_are_refused_or_granted_and_nothing_leaks(
     else:
         ((_, g),) = sends(actions, protocol.Grant)
         assert isinstance(g, protocol.Grant) and g.num_pages == need and g.first_page + need <= 48
+
+
+# ------------------------------------------------------- required checksums (R10)
+@pytest.mark.parametrize(
+    "require, mem, refused",
+    [
+        (RequireChecksum.AUTO, "DRAM", True),  # hashing a host cache costs its producer little
+        (RequireChecksum.AUTO, "VRAM", False),
+        (RequireChecksum.ALWAYS, "VRAM", True),
+        (RequireChecksum.NEVER, "DRAM", False),
+    ],
+)
+def test_r10_a_share_without_a_checksum_is_refused_where_one_is_required(
+    require: RequireChecksum, mem: str, refused: bool
+) -> None:
+    led = ledger(require_checksum=require)
+    connected(led, (1, hello(mem=mem)))
+    led.credit_request(1, credit("a"), 0.0)
+    actions = led.write_done(1, protocol.WriteDone(request_id="a"), 1.0)
+    if refused:
+        ((peer, msg),) = sends(actions, protocol.Refuse)
+        assert peer == 1 and msg.code == "unchecked" and msg.request_id == "a"
+        assert led.state_of(("p", "a")) is None and readies(actions) == []
+    else:
+        assert readies(actions) == [("p", "a")]
+
+
+def test_r10_a_digest_that_follows_is_not_a_missing_one() -> None:
+    led = ledger(require_checksum=RequireChecksum.ALWAYS)
+    connected(led, (1, hello()))
+    led.credit_request(1, credit("a"), 0.0)
+    actions = led.write_done(1, protocol.WriteDone(request_id="a", digest_follows=True), 1.0)
+    assert sends(actions, protocol.Refuse) == [] and led.state_of(("p", "a")) is SampleState.WRITTEN
+
+
+# --------------------------------------------------------------- deadline (R8)
+def test_r8_a_granted_sample_missing_a_rank_is_refused_to_every_rank_at_its_deadline() -> None:
+    """TP=2, rank 1 never reaches this reader: rank 0's share landed, the sample can
+    never complete. At the deadline both ranks hear of it and the pages come back."""
+    led = ledger(pages=4, sample_timeout_s=10.0, quarantine_s=1.0)
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, credit("a", rank=0, world=2), 0.0)
+    led.credit_request(2, credit("a", rank=1, world=2), 0.5)
+    land(led, 1, "a")
+    assert led.tick(9.9) == []  # granted at the first rank's request, at 0: not yet
+    actions = led.tick(10.1)
+    refused = sends(actions, protocol.Refuse)
+    assert sorted(p for p, _ in refused) == [1, 2] and all(m.code == "timeout" for _, m in refused)
+    assert "ranks [1] missing" in refused[0][1].message
+    assert led.state_of(("p", "a")) is None
+    led.tick(12.0)  # the quarantine ends: all pages free again
+    led.credit_request(1, credit("b", n=60, rank=0, world=2), 12.0)
+    assert sends(led.credit_request(2, credit("b", n=60, rank=1, world=2), 12.0), protocol.Grant)
+
+
+def test_r8_the_wait_for_pages_never_counts() -> None:
+    led = ledger(pages=3, sample_timeout_s=10.0)
+    connected(led, (1, hello()))
+    led.credit_request(1, credit("a"), 0.0)  # takes all 3 pages
+    led.credit_request(1, credit("b"), 0.0)  # waits for them
+    land(led, 1, "a")
+    led.tick(100.0)
+    assert led.state_of(("p", "b")) is SampleState.PROMISED
+    hand_out(led, ("p", "a"), now=100.0)
+    led.release(("p", "a"), 100.0)  # b is granted now: its clock starts
+    assert led.state_of(("p", "b")) is SampleState.GRANTED
+    assert sends(led.tick(105.0), protocol.Refuse) == []
+    assert [m.code for _, m in sends(led.tick(111.0), protocol.Refuse)] == ["timeout"]
+
+
+# ---------------------------------------------------------------- bounds (R9)
+def test_r9_a_sample_over_the_token_limit_is_refused_alone() -> None:
+    led = ledger(max_sample_tokens=100)
+    connected(led, (1, hello()))
+    actions = led.credit_request(1, credit("huge", n=101), 0.0)
+    ((_, msg),) = sends(actions, protocol.Refuse)
+    assert msg.code == "limit" and msg.request_id == "huge" and "101 tokens" in msg.message
+    assert sends(led.credit_request(1, credit("fine", n=100), 0.0), protocol.Grant)
+
+
+def test_r9_a_rank_over_its_pending_bound_is_dropped_and_frees_its_count_as_it_goes() -> None:
+    led = ledger(pages=2, max_pending_per_rank=3)
+    connected(led, (1, hello()), (2, hello(pid="q")))
+    for rid in "abc":
+        led.credit_request(1, credit(rid, n=16), 0.0)
+    with pytest.raises(ProtocolError, match="over its bound"):
+        led.credit_request(1, credit("d", n=16), 0.0)
+    led.credit_request(2, credit("x", n=16), 0.0)  # another producer has its own bound
+    land(led, 1, "a")
+    hand_out(led, ("p", "a"))  # handed out: no longer pending
+    led.credit_request(1, credit("d", n=16), 0.0)
+    assert led.state_of(("p", "d")) is SampleState.PROMISED

@@ -1,5 +1,5 @@
 """The sender's job ledger as a state machine: every transition, every illegal one, and
-the invariants S1-S6 of ``kv_connector.send_ledger`` (each test names the one it proves).
+the invariants S1-S8 of ``kv_connector.send_ledger`` (each test names the one it proves).
 Pure: no transport, no sockets, no threads; times are passed in."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kv_connector import protocol
 from kv_connector.layout import BlockLayout, stripe
 from kv_connector.protocol import ProtocolError
-from kv_connector.send_ledger import DigestState, IllegalTransition, JobState, SendLedger
+from kv_connector.send_ledger import DigestState, FrozenJob, IllegalTransition, JobState, SendLedger
 
 LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
 PAGE = LAYOUT.block_bytes
@@ -111,7 +111,7 @@ def test_s2_no_write_without_a_grant_of_the_current_connection() -> None:
     with pytest.raises(IllegalTransition):
         post(led, "a", 0.0)
     led.on_grant(grant("a"), PAGE, POOL, 1.0)
-    assert led.connection_lost(2.0) == 1
+    assert led.connection_lost(2.0) == (1, [])
     job = led.job("a")
     assert (job.state, job.grant) == (JobState.WAITING, None)
     assert led.writes_due(3.0) == []
@@ -274,7 +274,7 @@ def test_a_connection_lost_after_an_early_ack_finishes_the_job_instead_of_resend
     submit(led, "b")
     to_writing(led, "a")
     led.on_ack("a", 1.0)
-    assert led.connection_lost(2.0) == 1  # only b is resent
+    assert led.connection_lost(2.0) == (1, [])  # only b is resent
     assert led.take_finished() == ["a"] and led.state_of("b") is JobState.WAITING
 
 
@@ -412,6 +412,101 @@ def test_an_empty_share_is_written_at_once_and_needs_no_digest() -> None:
     assert led.writes_due(1.0) == [] and led.state_of("a") is JobState.WRITTEN
 
 
+# ------------------------------------------------------------- deadline (S7)
+def test_s7_a_granted_job_not_acknowledged_in_time_fails_and_the_reader_is_told() -> None:
+    led = ledger()
+    submit(led, "a")
+    submit(led, "b")
+    to_granted(led, "a", t=1.0)
+    led.on_grant(grant("b"), PAGE, POOL, 5.0)
+    assert led.expire_granted(5.0, 10.0) == []
+    (f,) = led.expire_granted(11.5, 10.0)  # a: granted at 1, b only at 5
+    assert f.request_id == "a" and f.tell_reader and f.code == "timeout"
+    assert "a" in led.take_failed() and "b" in led
+
+
+def test_s7_the_deadline_waits_for_a_write_in_flight_and_ignores_jobs_not_granted() -> None:
+    led = ledger()
+    submit(led, "a")
+    submit(led, "b")  # never granted: its wait is connect_timeout_s's business (S5)
+    to_writing(led, "a", t=1.0)
+    led.job("b").state = JobState.REQUESTED
+    assert led.expire_granted(100.0, 10.0) == []  # a's WRITE still holds a transport handle
+    led.write_completed("a", PAGE, 100.0)
+    assert [f.request_id for f in led.expire_granted(100.0, 10.0)] == ["a"]
+
+
+# ----------------------------------------------------------- preemption (S8)
+def test_s8_jobs_not_safely_written_are_the_ones_a_preemption_waits_for() -> None:
+    led = ledger(checksum=True)
+    for rid in "abcd":
+        submit(led, rid)
+    led.digests_due()
+    for rid in "bcd":
+        led.digest_ready(rid, 7)
+    to_writing(led, "b")
+    led.write_completed("b", PAGE, 1.5)  # b: written, hashed: safe
+    for k, rid in enumerate("acd"):
+        led.on_grant(grant(rid, first=3 * (k + 1)), PAGE, POOL, 1.5)
+    post(led, "c", 1.5)  # c: WRITE in flight; d: granted, not posted
+    assert led.unsafe(["a", "b", "c", "d", "nobody"]) == ["a", "c", "d"]
+
+
+def test_s8_freezing_fails_what_is_not_safely_written_and_tells_the_reader() -> None:
+    led = ledger()
+    submit(led, "b")
+    submit(led, "c")
+    to_granted(led, "b")  # granted, WRITE not posted
+    handle = object()
+    led.on_grant(grant("c", first=3), PAGE, POOL, 1.0)
+    post(led, "c", 1.0, handle)  # c's WRITE in flight
+    submit(led, "a")  # WAITING: its credit request has not gone out
+    failures = led.freeze(["a", "b", "c", "unknown"])
+    by_id = {f.request_id: f for f in failures}
+    assert set(by_id) == {"a", "b", "c"} and all(f.code == "preempted" for f in failures)
+    assert by_id["b"].tell_reader and not by_id["a"].tell_reader  # a's request never went out
+    assert by_id["c"].xfer is handle and by_id["b"].xfer is None  # the shell settles c's WRITE
+    assert len(led) == 0 and set(led.take_failed()) == {"a", "b", "c"}
+
+
+def test_s8_a_frozen_job_that_was_written_lives_but_is_never_written_again() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    led.digests_due()
+    led.digest_ready("a", 7)
+    to_writing(led, "a")
+    led.write_completed("a", PAGE, 2.0)
+    assert led.freeze(["a"]) == []
+    with pytest.raises(FrozenJob):  # a Rewrite would read the reused blocks
+        led.on_rewrite(protocol.Rewrite(request_id="a"))
+    led.on_ack("a", 3.0)
+    assert led.take_finished() == ["a"]
+
+
+def test_s8_a_written_job_whose_digest_was_not_taken_is_not_safe() -> None:
+    led = ledger(checksum=True)
+    submit(led, "a")
+    led.digests_due()  # COMPUTING: the hash would read the reused blocks
+    to_writing(led, "a")
+    led.write_completed("a", PAGE, 2.0)
+    (f,) = led.freeze(["a"])
+    assert f.code == "preempted" and f.tell_reader
+    led.digest_ready("a", 7)  # the late digest is dropped
+    assert "a" not in led
+
+
+def test_s8_a_frozen_job_is_not_resent_after_the_connection_is_lost() -> None:
+    led = ledger()
+    submit(led, "a")
+    submit(led, "b")
+    to_writing(led, "a")
+    led.write_completed("a", PAGE, 1.5)
+    assert led.freeze(["a"]) == []
+    resend, failures = led.connection_lost(2.0)
+    assert resend == 1 and [f.request_id for f in failures] == ["a"]
+    assert not failures[0].tell_reader  # there is no reader to tell on this connection
+
+
 # ------------------------------------------------------------------ queries
 def test_unwritten_counts_what_has_not_landed() -> None:
     led = ledger()
@@ -423,7 +518,19 @@ def test_unwritten_counts_what_has_not_landed() -> None:
 
 
 # ------------------------------------------------- random event sequences (S1)
-EVENTS = ["request", "grant", "post", "complete", "fail_write", "rewrite", "ack", "lose", "expire"]
+EVENTS = [
+    "request",
+    "grant",
+    "post",
+    "complete",
+    "fail_write",
+    "rewrite",
+    "ack",
+    "lose",
+    "expire",
+    "deadline",
+    "preempt",
+]
 
 
 @settings(max_examples=300, deadline=None)
@@ -452,7 +559,14 @@ def test_s1_any_sequence_of_events_keeps_every_job_accounted_for_exactly_once(
             elif ev == "fail_write":
                 led.write_failed(rid, "x", t)
             elif ev == "rewrite":
-                led.on_rewrite(protocol.Rewrite(request_id=rid))
+                try:
+                    led.on_rewrite(protocol.Rewrite(request_id=rid))
+                except FrozenJob:
+                    led.fail(rid, "preempted", code="preempted")
+            elif ev == "deadline":
+                led.expire_granted(t, 3.0)
+            elif ev == "preempt":
+                led.freeze([rid])
             elif ev == "ack":
                 led.on_ack(rid, t)
             elif ev == "lose":
