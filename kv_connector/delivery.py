@@ -145,8 +145,9 @@ class DeliveryBook:
         self.table.ensure(request_id)
 
     def refuse(self, request_id: str, why: str) -> None:
-        """The request cannot be shipped at all (e.g. its id): it fails at admission,
-        alone, and its kv_transfer_params say why."""
+        """The request cannot be shipped at all (e.g. its id, or a bad sample id or metadata
+        in its kv_transfer_params): it fails at admission, alone, and its kv_transfer_params
+        say why."""
         self.table.ensure(request_id).failed = why
 
     def admit(self, request_id: str) -> Admission:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kv_connector.integrity import block_checksum, spans_of_sample
+from kv_connector.integrity import block_checksum, manifest_bytes, spans_of_sample
 from kv_connector.send_ledger import Job
 
 
@@ -49,15 +49,15 @@ class Hasher:
 
 
 def share_checksum(raw: torch.Tensor, job: Job, stage: bool | None = None) -> int:
-    """XXH3-64 of ``job``'s share of its sample's bytes (``integrity``), read from the
+    """XXH3-64 of ``job``'s manifest and share of its sample's bytes (``integrity``), read from the
     cache's bytes ``raw`` (a flat uint8 view). A host cache is hashed in place; a device
     cache's share is staged to host memory once (``stage`` forces either path)."""
     m = job.manifest
-    spans_of = spans_of_sample(m)
+    spans_of, head = spans_of_sample(m), manifest_bytes(m)
     if not (raw.device.type != "cpu" if stage is None else stage):
         offsets = ((j, job.block_ids[j] * m.block_bytes) for j in job.share)
-        return block_checksum(raw.numpy().data, offsets, spans_of)
+        return block_checksum(raw.numpy().data, offsets, spans_of, head)
     idx = torch.tensor([job.block_ids[j] for j in job.share], device=raw.device)
     host = raw.view(-1, m.block_bytes).index_select(0, idx).cpu().view(-1)
     staged = ((j, i * m.block_bytes) for i, j in enumerate(job.share))
-    return block_checksum(host.numpy().data, staged, spans_of)
+    return block_checksum(host.numpy().data, staged, spans_of, head)

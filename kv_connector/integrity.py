@@ -6,6 +6,11 @@ concatenation, in block order, of the bytes of each block that hold the sample's
 A block's other bytes (the tail of the last block, where vLLM goes on writing decode
 tokens while the WRITE runs) are not part of the sample and are not checksummed.
 
+The hash starts with the manifest's msgpack encoding (``manifest_bytes``: request and
+sample ids, metadata, token ids, layer ids, block geometry), so a share matches only the
+manifest its producer hashed it with; the encoding of equal Structs is the same bytes on
+both sides.
+
 The producer computes it from its cache (``block_checksum`` over contiguous blocks), the
 reader from the sample's run in its pool (``sample_checksum``, where an LTH block's
 layers lie apart); the hash is streamed, so both see the same number for the same bytes
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import msgspec
 import xxhash
 
 from kv_connector.protocol import Manifest
@@ -24,6 +30,13 @@ from kv_connector.protocol import Manifest
 Buffer = memoryview
 SpanFn = Callable[[int], list[tuple[int, int]]]
 
+_encoder = msgspec.msgpack.Encoder()
+
+
+def manifest_bytes(m: Manifest) -> bytes:
+    """The manifest's msgpack encoding, which every share's checksum starts with."""
+    return _encoder.encode(m)
+
 
 def spans_of_sample(m: Manifest) -> SpanFn:
     """The bytes of each block (by index) that hold the sample's tokens
@@ -31,11 +44,14 @@ def spans_of_sample(m: Manifest) -> SpanFn:
     return m.valid_spans
 
 
-def block_checksum(buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_of: SpanFn) -> int:
-    """XXH3-64 of a share whose blocks are contiguous in ``buf``: ``block_offsets`` yields
-    (block index in the sample, byte offset of that block in ``buf``), in order."""
+def block_checksum(
+    buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_of: SpanFn, prefix: bytes = b""
+) -> int:
+    """XXH3-64 of ``prefix`` (the manifest's bytes) and a share whose blocks are contiguous
+    in ``buf``: ``block_offsets`` yields (block index in the sample, byte offset of that
+    block in ``buf``), in order."""
     buf = memoryview(buf).cast("B")  # byte offsets, whatever the buffer's shape
-    h = xxhash.xxh3_64()
+    h = xxhash.xxh3_64(prefix)
     for j, base in block_offsets:
         for off, n in spans_of(j):
             h.update(buf[base + off : base + off + n])
@@ -43,12 +59,12 @@ def block_checksum(buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_
 
 
 def sample_checksum(pool: Buffer, base: int, m: Manifest, share: Iterable[int]) -> int:
-    """XXH3-64 of a share as it landed in the reader's pool, the sample's run starting at
-    byte ``base`` and arranged as ``BlockLayout.arranged_spans`` says: the same bytes in
-    the same order as the producer hashed them from its cache."""
+    """XXH3-64 of the manifest's bytes and a share as it landed in the reader's pool, the
+    sample's run starting at byte ``base`` and arranged as ``BlockLayout.arranged_spans``
+    says: the same bytes in the same order as the producer hashed them from its cache."""
     pool = memoryview(pool).cast("B")
     g, nb = m.geometry, m.num_blocks
-    h = xxhash.xxh3_64()
+    h = xxhash.xxh3_64(manifest_bytes(m))
     for j in share:
         for off, n in m.valid_spans(j):
             for dst, k in g.arranged(nb, j, off, n):

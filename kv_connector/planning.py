@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kv_connector.delivery import Router
+from kv_connector.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.layout import blocks_for, blocks_for_tokens
 from kv_connector.requests import RequestRecord, RequestTable
 
@@ -36,12 +37,14 @@ class StepSlice:
 
 @dataclass(frozen=True)
 class ShipOrder:
-    """Ship the states of ``token_ids`` (positions 0..len-1) of a request now."""
+    """Ship the states of ``token_ids`` (positions 0..len-1) of a request now, under the
+    ``identity`` its request gave (checked on the scheduler side)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     reader: int = 0  # index of the reader this sample goes to (the same on every rank)
+    identity: SampleIdentity = NO_IDENTITY
 
 
 @dataclass
@@ -102,7 +105,7 @@ class ShipPlanner:
     def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
         if rec.reader is None:
             rec.reader = self.router.route(rec.request_id)
-        return ShipOrder(rec.request_id, tokens, blocks, rec.reader)
+        return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity)
 
     def drop(self, request_id: str) -> None:
         """Stop following a request: it runs, but nothing of it is shipped."""
@@ -115,10 +118,12 @@ class ShipPlanner:
     def __len__(self) -> int:
         return sum(1 for rec in self.table if rec.tracked)
 
-    def add(self, request_id: str, include_output: bool = False) -> None:
+    def add(
+        self, request_id: str, include_output: bool = False, identity: SampleIdentity = NO_IDENTITY
+    ) -> None:
         """Follow a new request (its planning state starts afresh)."""
         rec = self.table.ensure(request_id)
-        rec.include_output, rec.tracked = include_output, True
+        rec.include_output, rec.tracked, rec.identity = include_output, True, identity
         rec.prompt, rec.block_ids, rec.computed, rec.shipped, rec.sent_blocks = (), [], 0, False, 0
 
     def is_tracked(self, request_id: str) -> bool:

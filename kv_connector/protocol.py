@@ -21,6 +21,16 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
        the sample arranged as ``layout.BlockLayout.arranged_spans`` says;
        ``WriteDone.digest_follows`` and ``ShareDigest``: a WRITE no longer waits for its
        digest, which follows on the control connection.
+    5: (skipped: taken by a branch merged as 7.)
+    6: ``Auth``'s proof covers the producer's NIXL metadata; ``Welcome.proof`` covers every
+       field of the Welcome; after the handshake every message carries a session tag
+       (``auth.SessionMac``) when there is a secret; ``Hello.cache_mem``; names are
+       ``SafeName``s; ``Refuse.code`` "timeout", "limit", "preempted", "unchecked"; a
+       Welcome's pool must fit in 64 bits.
+    7: ``Manifest.sample_id`` and ``Manifest.metadata`` (the user's name for a sample and a
+       small JSON object, see ``kv_connector.identity``), covered by each share's checksum
+       with the rest of the manifest; ``Refuse.code`` "rejected" (the consumer will not take
+       a sample: non-finite or all-zero states, or a file it cannot write).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import msgspec
 
 from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -40,6 +50,9 @@ MAX_RANKS = 1024
 MAX_BLOCKS = 1 << 22
 MAX_PAGES = 1 << 24
 MAX_METADATA_BYTES = 64 << 10  # NIXL's agent metadata is about 1 KiB
+MAX_SAMPLE_ID_CHARS = 128
+MAX_SAMPLE_METADATA_BYTES = 4096
+SAMPLE_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 # names that end up in logs, ledgers and file names: a safe character set (\Z, not $:
@@ -60,6 +73,8 @@ PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_PAGES)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
 Checksum = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+SampleId = Annotated[str, msgspec.Meta(pattern=SAMPLE_ID_PATTERN)]
+SampleMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_SAMPLE_METADATA_BYTES)]
 
 
 class ProtocolError(ValueError):
@@ -137,7 +152,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     token ``t`` of the sample lives in block ``t // block_size`` at offset
     ``t % block_size``; blocks are numbered in the request's block-table order;
-    ``geometry`` is one block's shape in the producer's cache.
+    ``geometry`` is one block's shape in the producer's cache. ``sample_id``: the user's
+    name for the sample (None: none given); ``metadata``: the JSON encoding of the user's
+    metadata object (empty: none given).
     """
 
     request_id: RequestId
@@ -145,8 +162,17 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer_ids: Annotated[list[LayerId], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
     geometry: BlockLayout
     num_blocks: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCKS)]
+    sample_id: SampleId | None = None
+    metadata: SampleMetadata = b""
 
     def __post_init__(self) -> None:
+        if self.metadata:
+            try:
+                obj = msgspec.json.decode(self.metadata)
+            except Exception as e:  # msgspec's errors, or RecursionError on deep nesting
+                raise ValueError(f"sample metadata is not JSON: {type(e).__name__}") from None
+            if not isinstance(obj, dict):
+                raise ValueError("sample metadata is not a JSON object")
         if len(self.layer_ids) != self.geometry.num_layers:
             raise ValueError(
                 f"{len(self.layer_ids)} layer ids for blocks of {self.geometry.num_layers} layers"
@@ -228,7 +254,8 @@ class Ack(_Msg, tag="ack", frozen=True):
 # a sample whose WRITE kept failing).
 # "timeout" (a sample not complete in time), "limit" (a peer over its bounds),
 # "preempted" (a request preempted before its WRITE could finish), "unchecked" (a share
-# without the checksum the reader requires).
+# without the checksum the reader requires), "rejected" (the consumer will not take a
+# sample: its states are non-finite or all zero for a token, or its file cannot be written).
 RefuseCode = Literal[
     "protocol",
     "auth",
@@ -239,6 +266,7 @@ RefuseCode = Literal[
     "limit",
     "preempted",
     "unchecked",
+    "rejected",
 ]
 
 

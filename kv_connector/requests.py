@@ -8,11 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kv_connector.identity import NO_IDENTITY, SampleIdentity
+
 
 @dataclass
 class RequestRecord:
     request_id: str
     include_output: bool = False
+    identity: SampleIdentity = NO_IDENTITY  # the user's sample id and metadata
     # --- planning (ShipPlanner)
     tracked: bool = True  # its hidden states are to be shipped
     prompt: tuple[int, ...] = ()

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
+from kv_connector.identity import NO_IDENTITY, IdentityError, identity_of
 from kv_connector.options import ConnectorOptions, Sharding
 from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
 from kv_connector.protocol import request_id_problem
@@ -76,12 +77,19 @@ class SchedulerSide:
         self._readers_up = 0  # readers every rank reaches, recounted when a link changes
 
     def on_new_request(self, request: Request) -> None:
+        """Follow a new request; a request id that cannot travel, or a bad ``sample_id``
+        or ``metadata`` in its kv_transfer_params, fails it alone (it runs without
+        shipping, and says why)."""
         params = request.kv_transfer_params or {}
         include = bool(params.get("include_output_tokens", self.options.include_output_tokens))
         rid = request.request_id
-        self.planner.add(rid, include_output=include)
+        try:
+            identity, bad = identity_of(params), None
+        except IdentityError as e:
+            identity, bad = NO_IDENTITY, f"invalid kv_transfer_params: {e}"
+        self.planner.add(rid, include_output=include, identity=identity)
         self.book.add(rid)
-        problem = request_id_problem(rid)
+        problem = request_id_problem(rid) or bad
         if problem is not None:  # refused alone, at admission: never its connection
             self.book.refuse(rid, problem)
 
@@ -139,9 +147,12 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a shipped request until the workers report it sent; the
-        kv_transfer_params say where its sample is and where it stands: "delivered",
+        kv_transfer_params name its sample (request id, and sample id: the request's own
+        when it gave none), say where it is and where it stands: "delivered",
         "failed" with an "error", or "pending" (on its way)."""
         rid = request.request_id
+        rec = self.requests.get(rid)
+        sample_id = (rec.identity.sample_id if rec is not None else None) or rid
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         self.metrics.waiting(rid, False)
         if hold:
@@ -161,6 +172,7 @@ class SchedulerSide:
                 "consumer_address": None if reader is None else self.options.readers[reader],
                 "producer_id": self.producer_id,
                 "request_id": rid,
+                "sample_id": sample_id,
                 **outcome,
             }
         }

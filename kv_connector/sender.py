@@ -10,13 +10,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kv_connector import auth, handshake, protocol
 from kv_connector.digests import share_checksum
+from kv_connector.identity import make_identity
 from kv_connector.layout import BlockLayout, stripe
 from kv_connector.send_ledger import Job, SendLedger
 from kv_connector.sender_loop import SenderError, SenderLoop
@@ -140,16 +142,26 @@ class HiddenStatesSender:
         return self._loop.link_error
 
     # ------------------------------------------------------------- caller side
-    def ship(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+    def ship(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        sample_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
-        holding them in block-table order (block j holds tokens j*block_size...). A
-        request that cannot travel (its id, its blocks) raises ``ValueError``; a sender
-        whose thread died raises ``SenderError``: either way nothing was queued."""
+        holding them in block-table order (block j holds tokens j*block_size...);
+        ``sample_id`` and ``metadata`` the user's name and JSON object for the sample
+        (``kv_connector.identity``). A request that cannot travel (its id, its identity,
+        its blocks) raises ``ValueError``; a sender whose thread died raises
+        ``SenderError``: either way nothing was queued."""
         if self._loop.dead is not None or self._loop.closed:
             raise SenderError(self._loop.dead or "the sender is closed")
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
             raise ValueError(problem)
+        ident = make_identity(sample_id, metadata)
         n_blocks = self.layout.blocks_for(len(token_ids))
         if len(block_ids) < n_blocks:
             raise ValueError(
@@ -165,6 +177,8 @@ class HiddenStatesSender:
             layer_ids=self.layer_ids,
             geometry=self.layout,
             num_blocks=n_blocks,
+            sample_id=ident.sample_id,
+            metadata=ident.metadata_json,
         )
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
         with self._lock:

@@ -86,7 +86,8 @@ class ReaderStats:
     credit request to its hand-out (pages, transfer, check, and the user's ``get``);
     first_request_t / last_handout_t: when the first credit request came and the last
     sample was handed out (``time.monotonic()``; 0.0: not yet), the run's active window;
-    peak_pages_used: the most pool pages ever held at once.
+    peak_pages_used: the most pool pages ever held at once; values_check_s: checking
+    samples' states for NaN/Inf and all-zero tokens (``check_values``).
     """
 
     samples: int = 0
@@ -103,6 +104,7 @@ class ReaderStats:
     refused_unchecked: int = 0
     refused_timeout: int = 0
     dropped: int = 0
+    values_check_s: float = 0.0
     first_request_t: float = 0.0
     last_handout_t: float = 0.0
     peak_pages_used: int = 0

@@ -152,7 +152,10 @@ class WorkerSide:
                 blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
                 if from_table:
                     log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
-                self.senders[order.reader].ship(rid, order.token_ids, blocks)
+                ident = order.identity
+                self.senders[order.reader].ship(
+                    rid, order.token_ids, blocks, sample_id=ident.sample_id, metadata=ident.metadata
+                )
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:

@@ -14,6 +14,8 @@ side by side in one run. The last line printed is one JSON object.
   step_ms / metadata_bytes   the connector's cost per engine step at 256 decoding
         requests with output tokens, at 2k and 32k context;
   reader_rss_mib  the reader's resident memory during e (its pool, plus the rest).
+  values_check_GB_per_s  the reader's optional NaN/Inf/all-zero check on one thread, over
+        a sample of e's shape as the reader hands it out.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> None:
         "metadata_bytes": {k: int(v["metadata_bytes"]) for k, v in steps.items()},
         "reader_rss_mib": round(datapath["e_ours"]["reader_rss_mib"]),
         "reader_pool_mib": round(datapath["e_ours"]["reader_pool_mib"]),
+        "values_check_GB_per_s": round(datapath["values_check"]["GB_per_s"], 2),
         "host": describe(),
         "seconds": round(time.time() - t0, 1),
     }

@@ -12,6 +12,9 @@ Prints e/b and d = e's bytes/s over r's. e runs with metrics on (the connector's
 stats taken every step on both roles as vLLM does, the reader serving its metrics and
 scraped every second); e without metrics gives the side-by-side figure
 ``metrics_throughput_ratio``.
+Also what the reader's optional values check (``reader.values``: NaN/Inf, all-zero
+tokens) costs per sample of the same shape, beside the XXH3 checksum's pass over the
+same bytes.
 """
 
 from __future__ import annotations
@@ -282,6 +285,41 @@ def bench_raw(n_req: int, tokens: int, num_blocks: int, in_flight: int) -> dict[
     return {"seconds": t_end - t0, "bytes": float(n_req * nb * block_bytes), "tokens": float(n_req * tokens)}
 
 
+def bench_values_check(tokens: int, rounds: int = 5) -> dict[str, float]:
+    """The values check on one thread over a sample as the reader hands it out: a strided
+    [T, L, H] view of layer-major pages (vLLM's CPU block layout, as in e), and a plain
+    tensor (the GPU layout); XXH3 over the same bytes for scale. Best of ``rounds``."""
+    import xxhash
+
+    from kv_connector.reader.values import find_bad_values
+
+    torch.set_num_threads(1)
+    nbytes = tokens * len(LAYERS) * HIDDEN * 2
+    lth = torch.randn(len(LAYERS), tokens, HIDDEN).to(torch.bfloat16).permute(1, 0, 2)
+    tlh = torch.randn(tokens, len(LAYERS), HIDDEN).to(torch.bfloat16)
+
+    def best(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    cpu = best(lambda: find_bad_values(lth, LAYERS))
+    gpu = best(lambda: find_bad_values(tlh, LAYERS))
+    raw = tlh.view(-1).view(torch.uint8).numpy()
+    xxh = best(lambda: xxhash.xxh3_64_intdigest(raw.data))
+    return {
+        "sample_mib": nbytes / (1 << 20),
+        "ms_per_sample_cpu_layout": cpu * 1e3,
+        "ms_per_sample_gpu_layout": gpu * 1e3,
+        "GB_per_s": nbytes / cpu / 1e9,
+        "xxh3_GB_per_s": nbytes / xxh / 1e9,
+    }
+
+
 def _run(fn_name: str, conn: Any, *args: Any) -> None:
     conn.send(globals()[fn_name](*args))
 
@@ -354,6 +392,10 @@ def main(n_req: int = 48, tokens: int = 2048, rounds: int = 2) -> dict[str, Any]
     out["e_ours"]["reader_scrapes"] = e["reader_scrapes"]
     out["metrics_throughput_ratio"] = out["e_ours"]["tokens_per_s"] / out["e_ours_no_metrics"]["tokens_per_s"]
     out["e_over_b"] = out["e_ours"]["tokens_per_s"] / out["b_example_shm"]["tokens_per_s"]
+    # the reader's optional values check, per sample of e's shape, and beside e's time per sample
+    vc = isolated("bench_values_check", tokens)
+    vc["share_of_e_per_sample"] = vc["ms_per_sample_cpu_layout"] / 1e3 / (e["seconds"] / n_req)
+    out["values_check"] = vc
     out["d"] = out["e_ours"]["GB_per_s"] / out["r_raw_nixl"]["GB_per_s"]
     return out
 

@@ -1,16 +1,30 @@
 """``python -m kv_connector.reader``: receive samples and write them as safetensors files.
 
-Each sample becomes ``OUT/<request_id>.safetensors`` with ``hidden_states``
-[num_tokens, num_layers, hidden] (producer dtype) and ``token_ids`` [num_tokens] int64,
-written under a temporary name, fsynced and renamed, so a file under its final name is
-always whole.
+Each sample becomes one file (``reader.naming``: ``OUT/<producer_id>/<request_id>.safetensors``
+by default, ``OUT/hs_<row>.safetensors`` with ``--layout speculators``) holding
+``hidden_states`` [num_tokens, num_layers, hidden] (producer dtype) and ``token_ids``
+[num_tokens] int64, and in its metadata the request, producer and sample ids, the
+sample's metadata (JSON) and the layer ids. It is written from the sample's view of the
+pool under a temporary name in ``OUT/.tmp/``, fsynced and renamed, so a file under its
+final name is always whole; then its key goes into the delivery journal
+(``reader.journal``), and only then is the producer acknowledged.
+
+A sample that cannot be taken is refused to its producer with the reason, and the CLI
+goes on: its states hold NaN/Inf or an all-zero token (``reader.values``; on by default),
+or its file cannot be written for a reason of its own (a name or content the file system
+or the format refuses). A failure of the disk itself (full, read-only, I/O error) ends
+the CLI with one ``error:`` line and exit code 1, without acknowledging the sample: its
+producer resends it to the next reader.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -18,58 +32,143 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from kv_connector import auth
 from kv_connector.control import parse_address
 from kv_connector.metrics_server import MetricsAddressError
 from kv_connector.reader.console import RunMonitor
-from kv_connector.reader.core import HiddenStatesReader
+from kv_connector.reader.core import HiddenStatesReader, refuse_open_listen
 from kv_connector.reader.files import write_atomically
+from kv_connector.reader.journal import Journal, JournalLocked
 from kv_connector.reader.lease import Sample
 from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, RequireChecksum
+from kv_connector.reader.naming import UNNAMED, FileLayout, sample_path
+from kv_connector.reader.values import find_bad_values
 
 log = logging.getLogger("kv_connector.reader")
 
-
-LEDGER = ".ledger"
-
-
-class Ledger:
-    """Append-only record of the samples durably written to a directory."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.path = out_dir / LEDGER
-        self.seen: set[tuple[str, str]] = set()
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                pid, _, rid = line.partition("\t")
-                if rid:
-                    self.seen.add((pid, rid))
-        self._f = open(self.path, "a")  # noqa: SIM115 - kept open for the run
-
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        return key in self.seen
-
-    def add(self, producer_id: str, request_id: str) -> None:
-        self._f.write(f"{producer_id}\t{request_id}\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self.seen.add((producer_id, request_id))
-
-    def close(self) -> None:
-        self._f.close()
+TMP_DIR = ".tmp"
+OLD_LEDGER = ".ledger"  # the text ledger of earlier versions
+# errors of one sample's file (its name, its content): refused to its producer; any other
+# OSError is the disk's (full, read-only, I/O error...) and ends the CLI without an ack
+PER_SAMPLE_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.ENOTDIR, errno.EISDIR})
 
 
-def write_sample(out_dir: Path, sample: Sample, fsync: Callable[[int], None] = os.fsync) -> Path:
+class DiskError(Exception):
+    """Writing failed for a reason that is not the sample's: stop, acknowledge nothing."""
+
+
+def per_sample(e: BaseException) -> bool:
+    """Does this write error belong to the sample (refuse it, go on) rather than to the
+    disk (stop)?"""
+    if isinstance(e, OSError):
+        return e.errno in PER_SAMPLE_ERRNOS
+    return isinstance(e, (ValueError, TypeError, RuntimeError, UnicodeError))
+
+
+def file_metadata(sample: Sample) -> dict[str, str]:
+    return {
+        "request_id": sample.request_id,
+        "producer_id": sample.producer_id,
+        "sample_id": sample.sample_id,
+        "metadata": json.dumps(sample.metadata, separators=(",", ":"), ensure_ascii=False),
+        "layer_ids": ",".join(str(i) for i in sample.layer_ids),
+    }
+
+
+def write_sample(
+    path: Path, sample: Sample, tmp_dir: Path | None = None, fsync: Callable[[int], None] = os.fsync
+) -> Path:
     """Write one sample atomically, from its view of the pool; returns the final path."""
     return write_atomically(
-        out_dir / f"{sample.request_id}.safetensors",
+        path,
         {"hidden_states": sample.hidden_states, "token_ids": sample.token_ids},
-        {
-            "request_id": sample.request_id,
-            "producer_id": sample.producer_id,
-            "layer_ids": ",".join(str(i) for i in sample.layer_ids),
-        },
+        file_metadata(sample),
+        tmp_dir,
         fsync,
     )
+
+
+class SampleFiles:
+    """Takes each sample the reader hands out: checks it, writes its file, records it in
+    the journal, acknowledges it; or refuses it to its producer, saying why."""
+
+    def __init__(
+        self,
+        reader: HiddenStatesReader,
+        out: Path,
+        layout: FileLayout,
+        journal: Journal,
+        check: bool,
+        monitor: RunMonitor | None = None,
+    ) -> None:
+        self.reader, self.out, self.layout, self.journal, self.check = reader, out, layout, journal, check
+        self.monitor = monitor  # file metrics and the progress line, if any
+        self.tmp = out / TMP_DIR
+        self._dirs: set[Path] = {out, self.tmp}
+        self.written = self.rejected = self.unnamed = 0
+
+    def take(self, sample: Sample) -> None:
+        """Raises ``DiskError`` when the file system fails (nothing acknowledged)."""
+        rel = sample_path(self.layout, sample.producer_id, sample.request_id, sample.sample_id)
+        name = f"{sample.request_id} of {sample.producer_id}"
+        if sample.sample_id != sample.request_id:
+            name += f" (sample {sample.sample_id})"
+        if self.check:
+            problem = find_bad_values(sample.hidden_states, sample.layer_ids)
+            if problem is not None:
+                self._reject(sample, name, f"bad hidden states: {problem}")
+                return
+        path = self.out / rel
+        try:
+            self._ensure_dir(path.parent)
+            write_sample(path, sample, self.tmp, self.monitor.files.fsync if self.monitor else os.fsync)
+        except Exception as e:
+            if not per_sample(e):
+                raise DiskError(f"cannot write {path}: {e}") from e
+            self._reject(sample, name, f"the reader cannot write its file {rel}: {e}")
+            return
+        try:
+            self.journal.add(sample.producer_id, sample.request_id)
+        except OSError as e:
+            raise DiskError(f"cannot record {name} in {self.journal.path}: {e}") from e
+        self.reader.ack(sample)  # only now may the producer free the sample's blocks
+        self.written += 1
+        if self.monitor is not None:
+            self.monitor.files.written(path)
+        if rel.parts[0] == UNNAMED and self.layout is FileLayout.SPECULATORS:
+            self.unnamed += 1
+            log.warning("%s: no integer sample id, written to %s (speculators does not read it)", name, rel)
+        else:
+            live = self.monitor is not None and self.monitor.live  # the progress line says it
+            log.log(
+                logging.DEBUG if live else logging.INFO, "wrote %s (%d tokens)", rel, sample.token_ids.numel()
+            )
+
+    def _reject(self, sample: Sample, name: str, why: str) -> None:
+        log.error("refused %s: %s", name, why)
+        self.reader.reject(sample, why)
+        self.rejected += 1
+
+    def _ensure_dir(self, d: Path) -> None:
+        if d in self._dirs:
+            return
+        self._ensure_dir(d.parent)
+        try:
+            d.mkdir()
+        except FileExistsError:
+            if not d.is_dir():  # a file in the way: this name's samples cannot be written
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d)) from None
+        else:
+            _fsync_dir(d.parent)  # the new directory's entry is durable before a file in it
+        self._dirs.add(d)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,7 +186,20 @@ def _parser() -> argparse.ArgumentParser:
         help="listen on this inherited file descriptor, a TCP socket already bound by a supervisor "
         "(systemd socket activation, a test harness); --listen is then ignored",
     )
-    ap.add_argument("--out", required=True, help="directory for <request_id>.safetensors files")
+    ap.add_argument("--out", required=True, help="directory for the samples' files")
+    ap.add_argument(
+        "--layout",
+        choices=[x.value for x in FileLayout],
+        default=FileLayout.DEFAULT.value,
+        help="default: OUT/<producer_id>/<request_id>.safetensors; speculators: OUT/hs_<sample_id>"
+        ".safetensors for integer sample ids (what speculators' ArrowDataset reads), others in OUT/unnamed/",
+    )
+    ap.add_argument(
+        "--check-values",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refuse samples whose states hold NaN/Inf or a token zero in every layer (default: on)",
+    )
     ap.add_argument("--max-samples", type=int, default=None, help="exit 0 after this many samples")
     ap.add_argument("--pool-mib", type=float, default=256.0, help="receive pool size in MiB (default 256)")
     ap.add_argument(
@@ -146,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--pool-mib must be positive")
     if not args.sample_timeout > 0:
         return fail("--sample-timeout must be positive")
+    try:  # before anything is made on disk: a secret that is set but empty, an open listen
+        secret = auth.load_secret()
+        if not secret and not args.insecure and args.listen_fd is None:
+            refuse_open_listen(parse_address(args.listen)[0], args.listen)
+    except ValueError as e:
+        return fail(str(e))
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -153,31 +271,47 @@ def main(argv: list[str] | None = None) -> int:
             pass
     except OSError as e:
         return fail(f"cannot write to {out}: {e.strerror or e}")
-    for stale in out.glob(".*.tmp"):  # partial files of a run that was killed mid-write
-        stale.unlink(missing_ok=True)
-    ledger = Ledger(out)
+    shutil.rmtree(out / TMP_DIR, ignore_errors=True)  # partial files of a run killed mid-write
+    try:
+        (out / TMP_DIR).mkdir(exist_ok=True)
+        journal = Journal(out)
+    except JournalLocked as e:
+        return fail(f"{e}: one reader per output directory")
+    except (OSError, ValueError) as e:
+        return fail(f"cannot open the delivery journal in {out}: {e}")
+    if (out / OLD_LEDGER).exists():
+        log.warning(
+            "%s is the ledger of an earlier version and is not read: samples it lists are written "
+            "again if their producers resend them",
+            out / OLD_LEDGER,
+        )
     listen: str | socket.socket = args.listen
     if args.listen_fd is not None:
         try:
             listen = socket.socket(fileno=args.listen_fd)
         except OSError as e:
+            journal.close()
             return fail(f"--listen-fd {args.listen_fd}: {e.strerror or e}")
     try:
         reader = HiddenStatesReader(
             listen=listen,
             pool_bytes=int(args.pool_mib * (1 << 20)),
             ack="manual",
-            already_delivered=lambda pid, rid: (pid, rid) in ledger,
+            already_delivered=lambda pid, rid: (pid, rid) in journal,
             require_checksum=args.require_checksum,
             sample_timeout_s=args.sample_timeout,
+            secret=secret,
             insecure=args.insecure,
             metrics_address=args.metrics,
         )
     except MetricsAddressError as e:
+        journal.close()
         return fail(str(e.strerror))
     except OSError as e:
+        journal.close()
         return fail(f"cannot listen on {args.listen}: {e.strerror or e}")
     except ValueError as e:
+        journal.close()
         return fail(str(e))
 
     def on_signal(signum: int, frame: object) -> None:
@@ -188,30 +322,39 @@ def main(argv: list[str] | None = None) -> int:
     if reader.metrics_address is not None:
         print(reader.metrics_address, flush=True)
     monitor = RunMonitor(reader)  # the progress line, file metrics, the summary at exit
+    files = SampleFiles(reader, out, FileLayout(args.layout), journal, args.check_values, monitor)
     n = 0
     try:
         with reader:
             for sample in reader.samples(args.max_samples, args.timeout):
-                with sample:  # its pages return once the file is written
-                    path = write_sample(out, sample, monitor.files.fsync)
-                    ledger.add(sample.producer_id, sample.request_id)
-                    reader.ack(sample)  # only now may the producer free the sample's blocks
-                monitor.files.written(path)
+                with sample:  # its pages return once the file is written (or it is refused)
+                    files.take(sample)
                 n += 1
-                log.log(
-                    logging.DEBUG if monitor.live else logging.INFO,
-                    "wrote %s (%d tokens)",
-                    path.name,
-                    sample.token_ids.numel(),
-                )
+    except DiskError as e:
+        print(
+            f"error: {e}; wrote {files.written} samples; this one was not acknowledged and its "
+            "producer resends it to the next reader",
+            file=sys.stderr,
+        )
+        return 1
     except TimeoutError as e:
-        print(f"error: {e}; wrote {n} samples", file=sys.stderr)
+        print(f"error: {e}; wrote {files.written} samples", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         log.info("interrupted after %d samples", n)
         return 130
     finally:
-        ledger.close()
+        journal.close()
         monitor.close()
-    log.info("done: %d samples in %s", n, out)
+        summary(files)
     return 0
+
+
+def summary(files: SampleFiles) -> None:
+    log.info("done: %d samples written to %s, %d refused", files.written, files.out, files.rejected)
+    if files.unnamed:
+        log.warning(
+            "%d samples had no integer sample id and were written to %s (speculators does not read them)",
+            files.unnamed,
+            files.out / UNNAMED,
+        )

@@ -22,6 +22,7 @@ import torch
 
 from kv_connector import auth
 from kv_connector.control import format_address, parse_address
+from kv_connector.identity import decode_metadata
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.ledger import (
     SAMPLE_TIMEOUT_S,
@@ -32,6 +33,7 @@ from kv_connector.reader.ledger import (
     SampleState,
 )
 from kv_connector.reader.server import ReaderServer, round_page
+from kv_connector.reader.values import find_bad_values
 from kv_connector.stats import PoolState, ReaderStats
 from kv_connector.transport import Transport
 
@@ -68,7 +70,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _refuse_open_listen(host: str, address: str) -> None:
+def refuse_open_listen(host: str, address: str) -> None:
+    """``ValueError`` unless ``host`` is loopback (call when there is no secret)."""
     if not is_loopback(host) and host != "localhost":
         raise ValueError(
             f"listening on {address} without a shared secret would let anyone who reaches it write "
@@ -122,6 +125,10 @@ class HiddenStatesReader:
     (port 0 picks one) or on a TCP socket already bound; ``metrics_address`` then names
     the address really served, and ``metrics`` the server (``reader.metrics`` names the
     series).
+    ``check_values``: before handing a sample out, check its states for NaN/Inf and for
+    tokens that are zero in every layer (``reader.values``; a pass over the sample on the
+    user's thread, in the ``get`` that reaches it); a bad sample is logged by name and
+    refused to its producer (``reject``), never handed out.
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``. The iterator ends each sample's lease when you ask for the next one
@@ -147,6 +154,7 @@ class HiddenStatesReader:
         sample_timeout_s: float = SAMPLE_TIMEOUT_S,
         insecure: bool = False,
         metrics_address: str | socket.socket | None = None,
+        check_values: bool = False,
     ) -> None:
         try:
             ack_mode = AckMode(ack)
@@ -163,6 +171,7 @@ class HiddenStatesReader:
             raise ValueError(f"max_leases must be positive, got {max_leases}")
         self.max_leases = max_leases
         self._copy = copy
+        self._check_values = check_values
         if pool_bytes <= 0:
             raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
         if page_bytes is not None:
@@ -181,13 +190,13 @@ class HiddenStatesReader:
         if page_bytes is not None:
             self._ledger.set_pages(page_bytes, pool_bytes // page_bytes)
         if not secret and not insecure and isinstance(listen, str):
-            _refuse_open_listen(parse_address(listen)[0], listen)  # before binding anything
+            refuse_open_listen(parse_address(listen)[0], listen)  # before binding anything
         lsock = listen_socket(listen)
         real_host, real_port = lsock.getsockname()[:2]
         self.address = format_address(real_host, real_port)
         if not secret and not insecure:
             try:
-                _refuse_open_listen(real_host, self.address)
+                refuse_open_listen(real_host, self.address)
             except ValueError:
                 lsock.close()
                 raise
@@ -285,6 +294,15 @@ class HiddenStatesReader:
         with self._lock:
             self._server.perform(self._ledger.ack((sample.producer_id, sample.request_id)))
 
+    def reject(self, sample: Sample, why: str) -> None:
+        """Refuse a handed-out sample not acknowledged yet (``ack="manual"``), e.g. one
+        whose file cannot be written: its producer fails the request with ``why`` instead
+        of freeing it as delivered. Release its lease as usual."""
+        with self._lock:
+            self._server.perform(
+                self._ledger.reject((sample.producer_id, sample.request_id), why, time.monotonic())
+            )
+
     def stats(self) -> ReaderStats:
         """A snapshot of this reader's counters."""
         with self._lock:
@@ -339,7 +357,31 @@ class HiddenStatesReader:
                 "copy=True, or raise max_leases"
             )
 
+    def _bad_values(self, key: Key) -> bool:
+        """Check a VERIFIED sample's states where they lie (nothing writes a verified
+        sample's pages, so outside the lock); a bad one is rejected. True if it was."""
+        with self._lock:
+            rec = self._ledger.samples.get(key)
+            if rec is None or rec.state is not SampleState.VERIFIED:
+                return False
+            assert rec.pages is not None and self._ledger.page_bytes is not None
+            m, base = rec.manifest, rec.pages.start * self._ledger.page_bytes
+        t0 = time.perf_counter()
+        run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
+        problem = find_bad_values(sample_view(run, m), m.layer_ids)
+        del run
+        with self._lock:
+            self._ledger.stats.values_check_s += time.perf_counter() - t0
+            if problem is None:
+                return False
+            name = m.request_id if m.sample_id is None else f"{m.request_id} (sample {m.sample_id})"
+            log.error("hidden-states reader: %s of producer %s has bad states: %s", name, key[0], problem)
+            self._server.perform(self._ledger.reject(key, f"bad hidden states: {problem}", time.monotonic()))
+            return True
+
     def _hand_out(self, key: Key, copy: bool) -> Sample | None:
+        if self._check_values and self._bad_values(key):
+            return None
         with self._lock:
             rec = self._ledger.samples.get(key)
             if rec is None or rec.state is not SampleState.VERIFIED:
@@ -371,6 +413,8 @@ class HiddenStatesReader:
             layer_ids=tuple(m.layer_ids),
             producer_id=key[0],
             lease=lease,
+            sample_id=m.sample_id,
+            metadata=decode_metadata(m.metadata),
         )
 
 

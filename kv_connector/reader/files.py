@@ -90,12 +90,14 @@ def write_atomically(
     final: Path,
     tensors: dict[str, torch.Tensor],
     metadata: dict[str, str],
+    tmp_dir: Path | None = None,
     fsync: Callable[[int], None] = os.fsync,
 ) -> Path:
-    """Write under a temporary name in the same directory, fsync, rename, fsync the
-    directory (both with ``fsync``); returns ``final``."""
+    """Write under a temporary name in ``tmp_dir`` (on the same file system; by default
+    ``final``'s directory), fsync, rename, fsync the directory (both with ``fsync``);
+    returns ``final``."""
     out_dir = final.parent
-    fd, tmp = tempfile.mkstemp(prefix=".hs.", suffix=".tmp", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".hs.", suffix=".tmp", dir=tmp_dir or out_dir)
     os.close(fd)
     try:
         write_safetensors(Path(tmp), tensors, metadata, fsync)

@@ -23,6 +23,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,6 +72,9 @@ class Sample:
         strided for the CPU one), or a copy in copying mode.
     layer_ids: the captured layer ids, in the order of ``hidden_states``' second dim.
     producer_id: which producer sent it.
+    sample_id: the user's name for it (the request's ``kv_transfer_params["sample_id"]``),
+        the request id when none was given.
+    metadata: the request's ``kv_transfer_params["metadata"]`` object ({} when none).
 
     ``release()`` (or leaving a ``with`` block) ends the lease: the pages return to the
     pool, and the tensors must not be read afterwards (``hidden_states`` then raises
@@ -85,8 +89,10 @@ class Sample:
         "_lease",
         "_views",
         "layer_ids",
+        "metadata",
         "producer_id",
         "request_id",
+        "sample_id",
         "token_ids",
     )
 
@@ -98,12 +104,16 @@ class Sample:
         layer_ids: tuple[int, ...],
         producer_id: str = "",
         lease: Lease | None = None,
+        sample_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
         self._hidden = hidden_states
         self.layer_ids = layer_ids
         self.producer_id = producer_id
+        self.sample_id = sample_id or request_id
+        self.metadata = metadata if metadata is not None else {}
         self._lease = lease
         self._kept = False
         # how many tensors share the pool's memory now: more later means the user made views
@@ -161,7 +171,10 @@ class Sample:
     def __repr__(self) -> str:
         shape = tuple(self._hidden.shape)
         state = "leased" if self.leased else "released" if self._lease is not None else "copy"
-        return f"Sample({self.request_id!r}, producer {self.producer_id!r}, hidden_states {shape}, {state})"
+        name = self.request_id
+        if self.sample_id != self.request_id:
+            name = f"{self.sample_id} ({self.request_id})"
+        return f"Sample({name!r}, producer {self.producer_id!r}, hidden_states {shape}, {state})"
 
 
 def _views_of(t: torch.Tensor) -> int:

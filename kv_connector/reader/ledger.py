@@ -20,6 +20,10 @@ States of a sample (``SampleState``), keyed by (producer id, request id):
                                                    mode, when the user acks)
     GRANTED/WRITTEN -- deadline -----> refused     not complete sample_timeout_s after its grant
     HANDED_OUT -- release -----------> released    its pages return to the pool
+    VERIFIED   -- reject ------------> refused     the consumer will not take it (its values);
+                                                   pages quarantined, its producer told
+    HANDED_OUT -- reject ------------> (stays)     not acked yet (manual mode): its producer
+                                                   is told instead; pages return on release
     PROMISED/GRANTED/WRITTEN -- producer gone or gave up --> discarded (pages quarantined)
 
 Each rank's share is checked as soon as it has landed and its digest is known (``Verify``,
@@ -56,6 +60,9 @@ Invariants (tests name the one they prove):
       per sample (``max_sample_tokens``: over it, that sample alone is refused).
   R10 A share that comes without a checksum where one is required (``require_checksum``:
       by default from producers whose cache is in host memory) refuses its sample.
+  R11 A sample the consumer rejects (``reject``: non-finite or all-zero states, a file it
+      cannot write) is refused to every rank of its producer with the reason and never
+      acked; one already acked cannot be rejected.
 """
 
 from __future__ import annotations
@@ -515,6 +522,31 @@ class ReaderLedger:
             return []
         self.delivered[key] = []  # acked: a resend of it is acked at once
         return [Send(peer, protocol.Ack(request_id=key[1])) for peer in waiting]
+
+    def reject(self, key: Key, why: str, now: float) -> list[Action]:
+        """The consumer will not take a sample (R11): VERIFIED (checked before hand-out) ->
+        refused, its pages quarantined; HANDED_OUT and not acked yet (manual mode): its
+        producer's ranks are refused instead of acked, and a resend is delivered again.
+        Its producer fails the request with ``reader refused (rejected): why``."""
+        s = self.samples.get(key)
+        waiting = self.delivered.get(key)
+        if s is not None and s.state is SampleState.VERIFIED:
+            peers = list(s.peers.values())
+        elif s is not None and s.state is SampleState.HANDED_OUT and waiting:
+            peers = waiting
+            del self.delivered[key]
+        else:
+            state = s.state.value if s is not None else "gone"
+            raise IllegalTransition(f"cannot reject {key[1]} of {key[0]}: {state}, or acknowledged already")
+        self.stats.refused += 1
+        refuse = protocol.Refuse(code="rejected", message=why[:4000], request_id=key[1])
+        actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
+        actions += [Send(peer, refuse) for peer in peers]
+        if s.state is SampleState.VERIFIED:
+            assert self.pool is not None and s.pages is not None
+            del self.samples[key]
+            self.pool.quarantine(key, s.pages, now + self.quarantine_s)
+        return actions
 
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> list[Action]:

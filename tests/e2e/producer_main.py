@@ -45,16 +45,22 @@ def main() -> int:
         },
     )
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+
+    def kv_params(i: int) -> dict[str, object] | None:
+        """Prompt i's kv_transfer_params: the spec's ``kv_params[i]`` (sample_id, metadata),
+        plus include_output_tokens for the prompts in ``with_output``."""
+        given = spec.get("kv_params") or [None] * len(prompts)
+        out = dict(given[i] or {})
+        if i in spec.get("with_output", []):
+            out["include_output_tokens"] = True
+        return out or None
+
     params = [
         SamplingParams(
             max_tokens=m,
             temperature=0.0,
             ignore_eos=True,
-            extra_args=(
-                {"kv_transfer_params": {"include_output_tokens": True}}
-                if i in spec.get("with_output", [])
-                else None
-            ),
+            extra_args={"kv_transfer_params": kv} if (kv := kv_params(i)) else None,
         )
         for i, m in enumerate(spec.get("max_tokens", [1] * len(prompts)))
     ]

@@ -17,9 +17,13 @@ from kv_connector.layout import BlockLayout
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_cache(layout: BlockLayout, num_blocks: int, seed: int) -> torch.Tensor:
-    """[num_blocks, *block_shape] of random bits (every byte pattern, NaNs included)."""
+def make_cache(layout: BlockLayout, num_blocks: int, seed: int, finite: bool = False) -> torch.Tensor:
+    """[num_blocks, *block_shape] of random bits (every byte pattern, NaNs included), or
+    with ``finite`` random normal values (what the reader CLI's value check accepts)."""
     g = torch.Generator().manual_seed(seed)
+    if finite:
+        values = torch.randn(num_blocks, *layout.block_shape(), generator=g)
+        return values.to(getattr(torch, layout.dtype))
     nbytes = num_blocks * layout.block_bytes
     raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     return raw.view(getattr(torch, layout.dtype)).view(num_blocks, *layout.block_shape())

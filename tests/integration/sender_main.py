@@ -21,7 +21,14 @@ from tests.integration.common import make_cache, token_ids
 def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = BlockLayout(**spec["layout"])
-    cache = make_cache(layout, spec["num_cache_blocks"], spec["seed"])
+    cache = make_cache(layout, spec["num_cache_blocks"], spec["seed"], spec.get("finite", False))
+    for s in spec["samples"]:  # fault injection: states that are not
+        poison = s.get("poison")
+        first = cache[s["block_ids"][0]]
+        if poison == "nan":  # one value of token 0, layer 0
+            first.view(-1)[0] = float("nan")
+        elif poison == "zero":  # token 0 in every layer
+            (first[:, 0] if layout.layout == "LTH" else first[0]).zero_()
     cfg = SenderConfig(
         consumer_address=spec["address"],
         producer_id=spec.get("producer_id", "producer"),
@@ -52,7 +59,13 @@ def main() -> int:
         sender._stage_digest = True  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
     for s in spec["samples"]:
-        sender.ship(s["request_id"], token_ids(s["request_id"], s["num_tokens"]), s["block_ids"])
+        sender.ship(
+            s["request_id"],
+            token_ids(s["request_id"], s["num_tokens"]),
+            s["block_ids"],
+            sample_id=s.get("sample_id"),
+            metadata=s.get("metadata"),
+        )
     if spec.get("exit_after_ship"):
         # like a vLLM worker at interpreter exit: an atexit hook drains what is unwritten
         def drain() -> None:

@@ -427,21 +427,23 @@ def test_the_reader_binds_loopback_by_default() -> None:
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "192.0.2.7:0"])
 def test_a_reader_open_to_the_network_without_a_secret_refuses_to_start(
-    listen: str, monkeypatch: pytest.MonkeyPatch
+    listen: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(auth.SECRET_ENV, raising=False)
     monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
     with pytest.raises(ValueError, match=r"without a shared secret.*KV_CONNECTOR_SECRET.*insecure"):
         HiddenStatesReader(listen=listen, pool_bytes=1 << 20)
-    # the CLI says the same and exits 2 (before it listens)
+    # the CLI says the same and exits 2, before it listens or makes anything on disk
+    out = tmp_path / "never-made"
     res = subprocess.run(
-        [sys.executable, "-m", "kv_connector.reader", "--listen", listen, "--out", "/nonexistent-never-made"],
+        [sys.executable, "-m", "kv_connector.reader", "--listen", listen, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
         env=child_env(NO_SECRET_ENV),
     )
     assert res.returncode == 2 and "--insecure" in res.stderr, res.stderr[-2000:]
+    assert not out.exists()
 
 
 def test_a_socket_handed_in_is_judged_by_its_address(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,11 +116,12 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 400) -> list[d
     return out
 
 
-def check_files(out: Path, requests: list[dict[str, Any]]) -> None:
-    files = sorted(f.name for f in out.iterdir() if f.suffix == ".safetensors")
-    assert files == sorted(f"{r['id']}.safetensors" for r in requests)
-    for r in requests:
-        with safe_open(str(out / f"{r['id']}.safetensors"), "pt") as f:
+def check_files(out: Path, by_producer: dict[str, list[dict[str, Any]]]) -> None:
+    """Exactly one file per request, in its producer's directory, byte-exact."""
+    files = sorted(str(f.relative_to(out)) for f in out.rglob("*.safetensors"))
+    assert files == sorted(f"{p}/{r['id']}.safetensors" for p, rs in by_producer.items() for r in rs)
+    for p, r in ((p, r) for p, rs in by_producer.items() for r in rs):
+        with safe_open(str(out / p / f"{r['id']}.safetensors"), "pt") as f:
             hs, tok = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
         want = sample_states(r["id"], r["tokens"], len(LAYERS), HIDDEN, torch.bfloat16)
         assert tok.tolist() == sample_tokens(r["id"], r["tokens"])
@@ -146,7 +147,7 @@ def test_tp4_producer_node_stripes_every_sample_over_its_four_ranks(
         start_ranks(cluster, a, tmp_path, model_dir, "nodeA", 4, [f"{b.address}:{READER_PORT}"], requests)
     )
     assert reader.wait(timeout=120) == 0, reader.stderr.read() if reader.stderr else ""
-    check_files(out, requests)
+    check_files(out, {"nodeA": requests})
     # each rank carried exactly its stripe of every sample, over its own NIXL agent
     for res in results:
         want = sum(len(stripe(-(-r["tokens"] // BLOCK), res["rank"], 4)) for r in requests) * BLOCK_BYTES
@@ -165,7 +166,7 @@ def test_two_producer_nodes_into_one_reader(cluster: Cluster, model_dir: Path, t
     procs += start_ranks(cluster, a2, tmp_path, model_dir, "nodeA2", 1, addr, r2)
     wait_all(procs)
     assert reader.wait(timeout=120) == 0, reader.stderr.read() if reader.stderr else ""
-    check_files(out, r1 + r2)
+    check_files(out, {"nodeA1": r1, "nodeA2": r2})
 
 
 def test_one_producer_shards_samples_over_two_readers_and_a_gone_one_stalls_nobody(
@@ -185,7 +186,7 @@ def test_one_producer_shards_samples_over_two_readers_and_a_gone_one_stalls_nobo
     where = results[0]["readers_of"]
     assert where == results[1]["readers_of"]  # every rank sent each sample to the same reader
     for reader, out in zip(readers, outs, strict=True):
-        check_files(out, [r for r in requests if where[r["id"]] == reader])
+        check_files(out, {"shard": [r for r in requests if where[r["id"]] == reader]})
 
     # B3 runs no reader: its share fails after the connect deadline, B1's share arrives
     requests2 = reqs("gone", SIZES)
@@ -198,7 +199,7 @@ def test_one_producer_shards_samples_over_two_readers_and_a_gone_one_stalls_nobo
         start_ranks(cluster, a, tmp_path, model_dir, "gone", 1, readers2, requests2, connect_timeout_s=3.0)
     )
     assert reader.wait(timeout=120) == 0
-    check_files(out, live)
+    check_files(out, {"gone": live})
     dead = {r["id"] for r in requests2} - {r["id"] for r in live}
     assert set(results[0]["failed"]) == dead
     assert all("cannot reach the reader" in why for why in results[0]["failed"].values())
@@ -220,7 +221,7 @@ def test_a_full_reader_delays_only_its_own_samples(cluster: Cluster, model_dir: 
     ranks = start_ranks(cluster, a, tmp_path, model_dir, "full", 1, readers, requests, sharding="round_robin")
     assert fast_reader.wait(timeout=300) == 0
     fast_done = time.time()
-    check_files(out, requests[0::2])
+    check_files(out, {"full": requests[0::2]})
     assert slow_reader.stdout is not None
     slow_out, _ = slow_reader.communicate(timeout=300)
     slow_res = json.loads(slow_out.splitlines()[-1])

@@ -18,6 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from kv_connector.layout import BlockLayout
+from kv_connector.reader.journal import Journal
 from tests.integration.common import (
     expected_states,
     finish_sender,
@@ -62,15 +63,23 @@ def plan(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+def journal_entries(out: Path) -> int:
+    j = Journal(out)
+    try:
+        return len(j)
+    finally:
+        j.close()
+
+
 def check_dir(out: Path, samples: list[dict[str, Any]], seed: int) -> None:
-    cache = make_cache(LAYOUT, CACHE_BLOCKS, seed)
-    names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
-    assert names == sorted(f"{s['request_id']}.safetensors" for s in samples)
-    ledger = (out / ".ledger").read_text().splitlines()
-    assert len(ledger) == len(samples) == len(set(ledger)), "a sample was written twice"
-    assert not list(out.glob(".*.tmp"))
+    cache = make_cache(LAYOUT, CACHE_BLOCKS, seed, finite=True)
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != ".delivered")
+    assert names == sorted(f"producer/{s['request_id']}.safetensors" for s in samples)
+    # one journal record per sample: none was written twice
+    assert journal_entries(out) == len(samples), "a sample was written twice"
+    assert not os.listdir(out / ".tmp")
     for s in samples:
-        with safe_open(str(out / f"{s['request_id']}.safetensors"), "pt") as f:
+        with safe_open(str(out / "producer" / f"{s['request_id']}.safetensors"), "pt") as f:
             hs, tok = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
         assert tok.tolist() == token_ids(s["request_id"], s["num_tokens"])
         assert same_bytes(hs, expected_states(cache, LAYOUT, s["block_ids"], s["num_tokens"]))
@@ -82,15 +91,15 @@ def test_reader_killed_mid_stream_and_restarted_ends_with_every_sample_once(tmp_
     cli = start_cli(held, out, len(samples), pool_blocks=3)
     sender = start_sender(
         dict(address=address_of(held), layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS,
-             seed=seed, samples=samples, connect_timeout_s=120, timeout_s=240)
+             seed=seed, finite=True, samples=samples, connect_timeout_s=120, timeout_s=240)
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while len(list(out.glob("*.safetensors"))) < 8 and time.monotonic() < deadline:
+        while len(list(out.glob("*/*.safetensors"))) < 8 and time.monotonic() < deadline:
             time.sleep(0.05)
         os.kill(cli.pid, signal.SIGKILL)  # mid-stream: the pool is full, samples are in flight
         cli.communicate()
-        written = len((out / ".ledger").read_text().splitlines())
+        written = journal_entries(out)
         assert 8 <= written < len(samples)
         time.sleep(1.0)
         cli = start_cli(held, out, len(samples) - written, pool_blocks=3)
@@ -113,7 +122,7 @@ def test_reader_started_after_the_producer_receives_everything(tmp_path: Path) -
     samples = plan(6, seed)
     sender = start_sender(
         dict(address=address_of(held), layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS,
-             seed=seed, samples=samples, connect_timeout_s=60)
+             seed=seed, finite=True, samples=samples, connect_timeout_s=60)
     )  # fmt: skip
     cli = None
     try:

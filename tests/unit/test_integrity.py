@@ -3,12 +3,13 @@ reference built token by token from the block's own tensor shape."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 import xxhash
 
 from kv_connector import protocol
-from kv_connector.integrity import block_checksum, sample_checksum, spans_of_sample
+from kv_connector.integrity import block_checksum, manifest_bytes, sample_checksum, spans_of_sample
 from kv_connector.layout import BlockLayout
 
 
@@ -69,10 +70,12 @@ def test_cache_and_pool_checksums_agree_with_the_reference(layout: str, base: in
         blk = cache[block_ids[j] * block_bytes : (block_ids[j] + 1) * block_bytes]
         k = min(bs, num_tokens - j * bs)
         ref += blk[token_mask(layout, bs, layers, hidden, k)].numpy().tobytes()
-    want = xxhash.xxh3_64_intdigest(ref)
+    # the hash starts with the manifest's own msgpack encoding
+    want = xxhash.xxh3_64_intdigest(msgspec.msgpack.encode(m) + ref)
 
-    got = block_checksum(cache.numpy().data, ((j, block_ids[j] * block_bytes) for j in range(3)), spans_of)
-    assert got == want
+    offsets = [(j, block_ids[j] * block_bytes) for j in range(3)]
+    assert block_checksum(cache.numpy().data, offsets, spans_of, manifest_bytes(m)) == want
+    assert block_checksum(cache.numpy().data, offsets, spans_of) == xxhash.xxh3_64_intdigest(ref)
 
     # the same blocks as they land in the reader's pool: a run at ``base``, arranged
     pool = torch.zeros(base + 4 * block_bytes, dtype=torch.uint8)
@@ -93,3 +96,48 @@ def test_cache_and_pool_checksums_agree_with_the_reference(layout: str, base: in
     ((d, _),) = g.arranged(3, 2, tail, 1)
     pool[base + d] ^= 1
     assert sample_checksum(pool.numpy().data, base, m, range(3)) == want
+
+
+def _landed_sample() -> tuple[torch.Tensor, protocol.Manifest, torch.Tensor, list[int]]:
+    g = BlockLayout("LTH", 16, 2, 8, "float32")
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randint(0, 256, (6 * g.block_bytes,), dtype=torch.uint8, generator=gen)
+    block_ids = [4, 1]
+    m = protocol.Manifest(
+        request_id="r-1",
+        token_ids=list(range(20)),
+        layer_ids=[1, 2],
+        geometry=g,
+        num_blocks=2,
+        sample_id="17",
+        metadata=b'{"split":"train"}',
+    )
+    pool = torch.zeros(2 * g.block_bytes, dtype=torch.uint8)
+    for j in range(2):
+        for src, dst, n in g.arranged_spans(2, j):
+            pool[dst : dst + n] = cache[block_ids[j] * g.block_bytes + src :][:n]
+    return cache, m, pool, block_ids
+
+
+def test_producer_and_reader_digests_agree_and_cover_the_manifest() -> None:
+    """The producer's digest (digests.share_checksum, from its cache) equals the reader's
+    (from its pool) for the same manifest, and a reader holding a manifest that differs in
+    any field (sample id, metadata, token ids, layer ids) computes another."""
+    from kv_connector.digests import share_checksum
+    from kv_connector.send_ledger import Job
+
+    cache, m, pool, block_ids = _landed_sample()
+    job = Job("r-1", m, block_ids, range(2), 0.0)
+    sent = share_checksum(cache, job)
+    assert sent == share_checksum(cache, job, stage=True)  # the device cache's staging path
+    assert sample_checksum(pool.numpy().data, 0, m, range(2)) == sent
+    for change in (
+        {"sample_id": "18"},
+        {"sample_id": None},
+        {"metadata": b'{"split":"test"}'},
+        {"metadata": b""},
+        {"token_ids": [1, *range(1, 20)]},
+        {"layer_ids": [1, 3]},
+    ):
+        other = msgspec.structs.replace(m, **change)
+        assert sample_checksum(pool.numpy().data, 0, other, range(2)) != sent, change

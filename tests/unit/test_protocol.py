@@ -56,6 +56,8 @@ MESSAGES = [
         proof=b"p" * 32,
     ),
     protocol.CreditRequest(manifest=manifest(), blocks=[1]),
+    protocol.CreditRequest(manifest=manifest(sample_id="17", metadata=b'{"row":17,"src":"x"}'), blocks=[0]),
+    protocol.Refuse(code="rejected", message="NaN in layer 2", request_id="req-1"),
     protocol.Grant(request_id="req-1", first_page=3, num_pages=2),
     protocol.Ack(request_id="req-1"),
     protocol.Refuse(code="checksum", message="no", request_id="req-1"),
@@ -118,6 +120,7 @@ def test_bad_hello_is_refused(payload: dict[str, object], fragment: str) -> None
 
 def credit(m: dict[str, object], blocks: list[int], geometry: dict[str, object] | None = None) -> bytes:
     good = msgspec.to_builtins(manifest())
+    good["metadata"] = b""  # to_builtins makes bytes base64 text; msgpack carries them as bin
     good.update(m)
     good["geometry"].update(geometry or {})
     return raw({"type": "credit_request", "manifest": good, "blocks": blocks})
@@ -134,6 +137,15 @@ def credit(m: dict[str, object], blocks: list[int], geometry: dict[str, object] 
         ({"request_id": "../etc/passwd"}, [0], "matching regex"),
         ({"token_ids": []}, [0], "length"),
         ({"token_ids": [-1]}, [0], ">= 0"),
+        ({"sample_id": "a b"}, [0], "matching regex"),
+        ({"sample_id": "../x"}, [0], "matching regex"),
+        ({"sample_id": "x" * 129}, [0], "matching regex"),
+        ({"sample_id": "17" + chr(10)}, [0], "matching regex"),
+        ({"sample_id": 17}, [0], "Expected `str | null`"),
+        ({"metadata": b"x" * 4097}, [0], "length"),
+        ({"metadata": b"{"}, [0], "not JSON"),
+        ({"metadata": b"[1]"}, [0], "not a JSON object"),
+        ({"metadata": b"[" * 4000 + b"]" * 96}, [0], "not JSON"),
     ],
 )
 def test_bad_manifest_is_refused(change: dict[str, object], blocks: list[int], fragment: str) -> None:

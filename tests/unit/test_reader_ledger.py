@@ -419,6 +419,51 @@ def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
     assert led.state_of(("p", "a")) is None
 
 
+# ---------------------------------------------------------- rejections (R11)
+def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank() -> None:
+    led = ledger(pages=8)
+    connected(led, (1, hello(world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, credit("a", rank=0, world=2), 0.0)
+    led.credit_request(2, credit("a", rank=1, world=2), 0.0)
+    land(led, 1, "a")
+    assert readies(land(led, 2, "a")) == [("p", "a")]
+    actions = led.reject(("p", "a"), "NaN at token 3", 1.0)
+    refusals = sends(actions, protocol.Refuse)
+    assert sorted(p for p, _ in refusals) == [1, 2]
+    assert all(
+        isinstance(r, protocol.Refuse) and r.code == "rejected" and "NaN" in r.message for _, r in refusals
+    )
+    assert not sends(actions, protocol.Ack)
+    assert led.state_of(("p", "a")) is None and led.hand_out(("p", "a"), 1, 1.0) is None
+    assert led.stats.refused == 1
+    # its pages are quarantined (a late WRITE lands unseen), then free again
+    assert led.pool is not None and led.pool.free_pages < 8
+    led.tick(1.0 + led.quarantine_s)
+    assert led.pool.free_pages == 8
+
+
+def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> None:
+    led = ledger(ack_mode=AckMode.MANUAL)
+    key = verified(led)
+    hand_out(led, key)
+    actions = led.reject(key, "cannot write its file", 1.0)
+    assert [p for p, _ in sends(actions, protocol.Refuse)] == [1] and not sends(actions, protocol.Ack)
+    assert led.ack(key) == []  # never acked afterwards
+    assert led.state_of(key) is SampleState.HANDED_OUT  # its pages return on release
+    led.release(key, 2.0)
+    assert led.state_of(key) is None
+
+
+def test_r11_an_acked_sample_cannot_be_rejected() -> None:
+    led = ledger()  # acked on take
+    key = verified(led)
+    hand_out(led, key)
+    with pytest.raises(IllegalTransition, match="acknowledged"):
+        led.reject(key, "too late", 1.0)
+    with pytest.raises(IllegalTransition):
+        led.reject(("p", "nope"), "never seen", 1.0)
+
+
 # -------------------------------------------------------------------- acks
 def test_r4_a_resend_of_a_delivered_sample_is_acked_not_delivered_again() -> None:
     led = ledger()

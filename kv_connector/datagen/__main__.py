@@ -1,0 +1,5 @@
+import sys
+
+from kv_connector.datagen.driver import main
+
+sys.exit(main())

@@ -1,0 +1,304 @@
+"""The data-generation driver's bookkeeping: which row goes next, what came back, what is
+retried and what was given up, and the progress figures. Pure logic (standard library
+only; times are passed in).
+
+A row goes through these states (``RowState``):
+
+    QUEUED     -- take --------------> SENT        (its request is in flight)
+    SENT       -- answered delivered -> DELIVERED
+    SENT       -- answered pending ---> AWAITING    (with a directory to confirm in; without
+                                                     one it counts as DELIVERED, unconfirmed)
+    AWAITING   -- its file appears --> DELIVERED
+    SENT       -- failed / no answer -> QUEUED      (again after a backoff) or GAVE_UP after
+    AWAITING   -- no file in time ----> QUEUED        ``max_attempts`` attempts in all
+
+Invariants: a row is in exactly one state; at most one request per row is in flight; a
+row counts as delivered once; every row ends DELIVERED or GAVE_UP with its last reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class Status(str, enum.Enum):
+    """A response's ``kv_transfer_params["hidden_states"]["status"]``."""
+
+    DELIVERED = "delivered"
+    PENDING = "pending"
+    FAILED = "failed"
+
+
+class RowState(enum.Enum):
+    QUEUED = "queued"
+    SENT = "sent"
+    AWAITING = "awaiting"  # the response said pending; its file is not there yet
+    DELIVERED = "delivered"
+    GAVE_UP = "gave_up"
+
+
+class IllegalTransition(RuntimeError):
+    """The driver reported something a row's state does not allow."""
+
+
+@dataclass
+class Row:
+    index: int
+    tokens: int
+    state: RowState = RowState.QUEUED
+    attempts: int = 0
+    retry_at: float = 0.0
+    since: float = 0.0  # when it entered its state
+    error: str = ""
+    confirmed: bool = False  # its file was seen (not only a "pending" answer)
+
+
+@dataclass(frozen=True)
+class Counts:
+    rows: int
+    delivered: int
+    unconfirmed: int  # delivered on a "pending" answer alone (no directory to look in)
+    gave_up: int
+    in_flight: int
+    awaiting: int
+    retries: int
+    tokens_delivered: int
+
+
+@dataclass
+class RowBook:
+    """Every row from its first request to DELIVERED or GAVE_UP.
+
+    ``confirm``: a "pending" answer waits for the row's file (``file_seen``) before it
+    counts; without it, "pending" counts as delivered (unconfirmed). ``max_attempts``:
+    requests per row in all. ``backoff_s``: the wait before a retry, doubled per attempt
+    up to ``max_backoff_s``. ``confirm_timeout_s``: how long a pending row may wait for
+    its file before it is sent again.
+    """
+
+    rows: dict[int, int]  # row index -> its token count
+    confirm: bool = False
+    max_attempts: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    confirm_timeout_s: float = 120.0
+    _rows: dict[int, Row] = field(init=False)
+    _queue: deque[int] = field(init=False)
+    retries: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self._rows = {i: Row(i, n) for i, n in self.rows.items()}
+        self._queue = deque(self.rows)
+
+    # ------------------------------------------------------------ transitions
+    def take(self, now: float) -> int | None:
+        """The next row whose request may go out now (QUEUED -> SENT), or None."""
+        for _ in range(len(self._queue)):
+            i = self._queue.popleft()
+            row = self._rows[i]
+            if row.retry_at <= now:
+                row.state, row.since = RowState.SENT, now
+                row.attempts += 1
+                return i
+            self._queue.append(i)  # not due yet: keep its place behind the others
+        return None
+
+    def answered(self, index: int, status: Status, error: str, now: float) -> None:
+        """The server answered the row's request with ``status`` (``error`` for failed)."""
+        row = self._expect(index, RowState.SENT)
+        if status is Status.DELIVERED:
+            self._deliver(row, now, confirmed=True)
+        elif status is Status.PENDING:
+            if self.confirm:
+                row.state, row.since = RowState.AWAITING, now
+            else:
+                self._deliver(row, now, confirmed=False)
+        else:
+            self._retry(row, error or "failed", now)
+
+    def not_answered(self, index: int, error: str, now: float, retry: bool = True) -> None:
+        """The request got no usable answer (connection, HTTP error, bad response);
+        ``retry=False`` gives the row up at once (a request the server will always refuse)."""
+        row = self._expect(index, RowState.SENT)
+        if retry:
+            self._retry(row, error, now)
+        else:
+            self._give_up(row, error, now)
+
+    def file_seen(self, index: int, now: float) -> None:
+        """The file of a row AWAITING it is there (written since its request went out)."""
+        self._deliver(self._expect(index, RowState.AWAITING), now, confirmed=True)
+
+    def expire(self, now: float) -> list[int]:
+        """Rows that waited ``confirm_timeout_s`` for their file: sent again (or given
+        up). Returns them."""
+        late = [
+            r.index
+            for r in self._rows.values()
+            if r.state is RowState.AWAITING and now - r.since >= self.confirm_timeout_s
+        ]
+        for i in late:
+            self._retry(self._rows[i], f"its file did not appear within {self.confirm_timeout_s:.0f} s", now)
+        return late
+
+    # ---------------------------------------------------------------- queries
+    def state(self, index: int) -> RowState:
+        return self._rows[index].state
+
+    def last_error(self, index: int) -> str:
+        """Why the row's last request did not count ("" if none failed)."""
+        return self._rows[index].error
+
+    def awaiting(self) -> list[int]:
+        return [r.index for r in self._rows.values() if r.state is RowState.AWAITING]
+
+    def next_due(self) -> float | None:
+        """When the earliest queued row may go out (None: nothing queued)."""
+        return min((self._rows[i].retry_at for i in self._queue), default=None)
+
+    @property
+    def done(self) -> bool:
+        return all(r.state in (RowState.DELIVERED, RowState.GAVE_UP) for r in self._rows.values())
+
+    def given_up(self) -> dict[int, str]:
+        """Rows given up, with their last reason."""
+        return {r.index: r.error for r in self._rows.values() if r.state is RowState.GAVE_UP}
+
+    def counts(self) -> Counts:
+        by = {s: 0 for s in RowState}
+        unconfirmed = tokens = 0
+        for r in self._rows.values():
+            by[r.state] += 1
+            if r.state is RowState.DELIVERED:
+                tokens += r.tokens
+                unconfirmed += not r.confirmed
+        return Counts(
+            rows=len(self._rows),
+            delivered=by[RowState.DELIVERED],
+            unconfirmed=unconfirmed,
+            gave_up=by[RowState.GAVE_UP],
+            in_flight=by[RowState.SENT],
+            awaiting=by[RowState.AWAITING],
+            retries=self.retries,
+            tokens_delivered=tokens,
+        )
+
+    # ---------------------------------------------------------------- helpers
+    def _expect(self, index: int, state: RowState) -> Row:
+        row = self._rows.get(index)
+        if row is None or row.state is not state:
+            got = row.state.value if row is not None else "unknown"
+            raise IllegalTransition(f"row {index} is {got}, not {state.value}")
+        return row
+
+    def _deliver(self, row: Row, now: float, confirmed: bool) -> None:
+        row.state, row.since, row.confirmed, row.error = RowState.DELIVERED, now, confirmed, ""
+
+    def _retry(self, row: Row, error: str, now: float) -> None:
+        if row.attempts >= self.max_attempts:
+            self._give_up(row, error, now)
+            return
+        self.retries += 1
+        row.state, row.since, row.error = RowState.QUEUED, now, error
+        row.retry_at = now + min(self.max_backoff_s, self.backoff_s * 2 ** (row.attempts - 1))
+        self._queue.append(row.index)
+
+    def _give_up(self, row: Row, error: str, now: float) -> None:
+        row.state, row.since, row.error = RowState.GAVE_UP, now, error
+
+
+# ------------------------------------------------------------------ progress
+@dataclass(frozen=True)
+class Progress:
+    """Figures of a run so far: ``rows_done`` of ``rows`` (delivered or given up),
+    throughput since the start, and the time left at that pace (None: not known yet)."""
+
+    rows: int
+    rows_done: int
+    tokens: int
+    tokens_done: int
+    elapsed_s: float
+    rows_per_s: float
+    tokens_per_s: float
+    eta_s: float | None
+
+    @property
+    def fraction(self) -> float:
+        return self.rows_done / self.rows if self.rows else 1.0
+
+
+def progress(rows: int, rows_done: int, tokens: int, tokens_done: int, elapsed_s: float) -> Progress:
+    """The run's figures; the time left is estimated from the tokens still to send at the
+    tokens/s so far (rows differ in length), or from rows when no token is done yet."""
+    rate_r = rows_done / elapsed_s if elapsed_s > 0 else 0.0
+    rate_t = tokens_done / elapsed_s if elapsed_s > 0 else 0.0
+    eta: float | None
+    if rows_done >= rows:
+        eta = 0.0
+    elif rate_t > 0 and tokens > 0:
+        eta = max(0, tokens - tokens_done) / rate_t
+    elif rate_r > 0:
+        eta = (rows - rows_done) / rate_r
+    else:
+        eta = None
+    return Progress(rows, rows_done, tokens, tokens_done, elapsed_s, rate_r, rate_t, eta)
+
+
+def duration(seconds: float | None) -> str:
+    """``1h02m``, ``3m05s``, ``42s``; ``?`` when unknown."""
+    if seconds is None:
+        return "?"
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def rate(x: float) -> str:
+    """``950``, ``12.3k``, ``4.56M``."""
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+def line(p: Progress, retries: int, gave_up: int) -> str:
+    """One plain progress line (for logs and pipes)."""
+    return (
+        f"{p.rows_done}/{p.rows} rows ({100 * p.fraction:.1f}%), {p.rows_per_s:.1f} rows/s, "
+        f"{rate(p.tokens_per_s)} tokens/s, ETA {duration(p.eta_s)}, {retries} retried, {gave_up} failed"
+    )
+
+
+def bar(p: Progress, retries: int, gave_up: int, width: int = 30) -> str:
+    """A progress bar line for a terminal."""
+    filled = min(width, int(p.fraction * width))
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {p.rows_done}/{p.rows} rows "
+        f"{rate(p.tokens_per_s)} tok/s ETA {duration(p.eta_s)}"
+        + (f" ({retries} retried, {gave_up} failed)" if retries or gave_up else "")
+    )
+
+
+def parse_rows(spec: str, num_rows: int) -> list[int]:
+    """``--rows`` as ``A:B`` (B excluded, either may be omitted) or a comma list; every
+    row must exist."""
+    spec = spec.strip()
+    if ":" in spec:
+        a, _, b = spec.partition(":")
+        start, stop = int(a) if a else 0, int(b) if b else num_rows
+        if not 0 <= start <= stop <= num_rows:
+            raise ValueError(f"rows {spec} outside the dataset's {num_rows}")
+        return list(range(start, stop))
+    out = [int(x) for x in spec.split(",") if x.strip()]
+    bad = [i for i in out if not 0 <= i < num_rows]
+    if bad:
+        raise ValueError(f"rows {bad[:5]} outside the dataset's {num_rows}")
+    return list(dict.fromkeys(out))

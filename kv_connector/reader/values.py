@@ -1,0 +1,84 @@
+"""Sanity of a sample's hidden states: non-finite values (NaN, Inf) and tokens whose states
+are all zero, each named by token and layer.
+
+An all-zero token is the silent failure of a cache row the forward pass never wrote
+(vLLM PR 46301 shipped such states on hybrid models): real hidden states are never
+exactly zero in every captured layer at once. A token is reported when all of its
+captured layers are zero; one zero layer alone (an embedding row of zeros, layer id 0) is
+not an error.
+
+Pure: torch only. The check reads the sample where it lies (a strided view of the pool
+too), a bounded chunk of tokens at a time, with one pass: the sum of each token's row in
+each layer (hidden is the contiguous dim in either block layout, so this runs at memory
+speed). NaN and Inf propagate into their row's sum, and an all-zero token has only zero
+sums; only the few tokens whose sums say so are then looked at exactly (a sum that
+overflowed or cancelled to zero is not reported), to name their layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 22  # elements reduced at once (bounds the temporaries)
+MAX_NAMED = 5  # tokens named in a report
+
+
+class BadValues(ValueError):
+    """A sample's hidden states hold NaN/Inf or an all-zero token; the message names them."""
+
+
+def find_bad_values(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
+    """None when ``hidden_states`` [T, L, H] (any dtype, any strides) are all finite and
+    no token is zero in every layer; else what is wrong, by token and layer id."""
+    if hidden_states.dim() != 3 or hidden_states.shape[1] != len(layer_ids):
+        raise ValueError(f"hidden_states {tuple(hidden_states.shape)} for {len(layer_ids)} layer ids")
+    t_total, n_layers, hidden = hidden_states.shape
+    if t_total == 0 or hidden == 0:
+        return None
+    step = max(1, CHUNK_ELEMENTS // (n_layers * hidden))
+    # float16 and float8 sums overflow early: sum those in float32
+    wide = None if hidden_states.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
+    non_finite: list[tuple[int, list[int]]] = []  # (token, layer ids)
+    zero: list[int] = []
+    n_non_finite = n_zero = 0
+    for t0 in range(0, t_total, step):
+        chunk = hidden_states[t0 : t0 + step]
+        sums = chunk.sum(dim=2) if wide is None else chunk.to(wide).sum(dim=2)  # [t, L]
+        suspect = ~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)
+        if not bool(suspect.any()):
+            continue
+        for t in torch.nonzero(suspect).flatten().tolist():
+            row = chunk[t] if wide is None else chunk[t].to(wide)  # [L, H]
+            finite = torch.isfinite(row).all(dim=1)
+            if not bool(finite.all()):
+                n_non_finite += 1
+                if len(non_finite) < MAX_NAMED:
+                    non_finite.append(
+                        (t0 + t, [layer_ids[k] for k in torch.nonzero(~finite).flatten().tolist()])
+                    )
+            elif not bool(row.any()):
+                n_zero += 1
+                if len(zero) < MAX_NAMED:
+                    zero.append(t0 + t)
+    if not n_non_finite and not n_zero:
+        return None
+    parts = []
+    if n_non_finite:
+        named = ", ".join(f"token {t} (layer ids {', '.join(map(str, ks))})" for t, ks in non_finite)
+        more = f" and {n_non_finite - len(non_finite)} more" if n_non_finite > len(non_finite) else ""
+        parts.append(f"NaN/Inf at {n_non_finite} of {t_total} tokens: {named}{more}")
+    if n_zero:
+        more = f" and {n_zero - len(zero)} more" if n_zero > len(zero) else ""
+        parts.append(
+            f"{n_zero} of {t_total} tokens all zero in every layer: token {', '.join(map(str, zero))}{more}"
+        )
+    return "; ".join(parts)
+
+
+def check_values(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> None:
+    """Raise ``BadValues`` naming what ``find_bad_values`` found."""
+    problem = find_bad_values(hidden_states, layer_ids)
+    if problem is not None:
+        raise BadValues(problem)

@@ -1,0 +1,94 @@
+"""Sample identity and the values check through real NIXL, in the library: a sample's id
+and metadata ride in its manifest (covered by the checksum) and come out on ``Sample``;
+``check_values=True`` refuses NaN/Inf and all-zero samples to their producer by name and
+hands out the rest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kv_connector.layout import BlockLayout
+from kv_connector.reader import HiddenStatesReader, Sample
+from tests.integration.common import (
+    expected_states,
+    finish_sender,
+    layout_dict,
+    make_cache,
+    same_bytes,
+    start_sender,
+    token_ids,
+)
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = BlockLayout("TLH", 16, 3, 32, "bfloat16")
+CACHE_BLOCKS = 32
+
+
+def run(reader: HiddenStatesReader, samples: list[dict[str, Any]], n: int) -> tuple[dict[str, Sample], Any]:
+    proc = start_sender(
+        dict(address=reader.address, layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS, seed=5,
+             finite=True, samples=samples)
+    )  # fmt: skip
+    got: dict[str, Sample] = {}
+    try:
+        for _ in range(n):
+            s = reader.get(timeout=60, copy=True)
+            got[s.request_id] = s
+        # nothing more to hand out; the values check runs in get(), so this get() also
+        # checks (and refuses) a bad sample that became ready after the last good one
+        with pytest.raises(TimeoutError):
+            reader.get(timeout=2.0)
+    finally:
+        res = finish_sender(proc)
+    return got, res
+
+
+def test_sample_ids_and_metadata_come_out_with_the_sample() -> None:
+    samples = [
+        {"request_id": "r-1", "num_tokens": 20, "block_ids": [3, 9], "sample_id": "17",
+         "metadata": {"source": "sharegpt", "turn": 2, "tags": ["a", "é"]}},
+        {"request_id": "r-2", "num_tokens": 5, "block_ids": [4]},
+    ]  # fmt: skip
+    with HiddenStatesReader(pool_bytes=1 << 20) as reader:
+        got, res = run(reader, samples, 2)
+    assert res["rc"] == 0, res["stderr"][-3000:]
+    cache = make_cache(LAYOUT, CACHE_BLOCKS, 5, finite=True)
+    for s in samples:
+        sample = got[s["request_id"]]
+        assert sample.sample_id == s.get("sample_id", s["request_id"])
+        assert sample.metadata == s.get("metadata", {})
+        assert sample.token_ids.tolist() == token_ids(s["request_id"], s["num_tokens"])
+        assert same_bytes(
+            sample.hidden_states, expected_states(cache, LAYOUT, s["block_ids"], s["num_tokens"])
+        )
+
+
+def test_check_values_refuses_bad_states_to_their_producer_by_name() -> None:
+    samples = [
+        {"request_id": "good-1", "num_tokens": 20, "block_ids": [1, 2]},
+        {"request_id": "nan-2", "num_tokens": 20, "block_ids": [3, 4], "poison": "nan", "sample_id": "2"},
+        {"request_id": "zero-3", "num_tokens": 20, "block_ids": [5, 6], "poison": "zero"},
+        {"request_id": "good-4", "num_tokens": 3, "block_ids": [7]},
+    ]
+    with HiddenStatesReader(pool_bytes=1 << 20, check_values=True) as reader:
+        got, res = run(reader, samples, 2)
+        stats = reader.stats()
+    assert sorted(got) == ["good-1", "good-4"]
+    assert set(res["failed"]) == {"nan-2", "zero-3"} and sorted(res["finished"]) == ["good-1", "good-4"]
+    assert (
+        "reader refused (rejected): bad hidden states: NaN/Inf at 1 of 20 tokens: token 0"
+        in res["failed"]["nan-2"]
+    )
+    assert "all zero in every layer: token 0" in res["failed"]["zero-3"]
+    assert stats.refused == 2 and stats.values_check_s > 0
+
+
+def test_without_check_values_the_library_hands_bad_states_out() -> None:
+    """The check is the user's choice: off, a NaN sample is handed out as it came."""
+    samples = [{"request_id": "nan-1", "num_tokens": 5, "block_ids": [3], "poison": "nan"}]
+    with HiddenStatesReader(pool_bytes=1 << 20) as reader:
+        got, res = run(reader, samples, 1)
+    assert res["rc"] == 0 and bool(got["nan-1"].hidden_states.float().isnan().any())

@@ -1,0 +1,83 @@
+"""The sanity check of a sample's states: NaN/Inf and tokens zero in every layer are found
+and named by token and layer id, in any dtype and either block layout's view; healthy
+states (one zero layer included) pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_connector.reader import values
+from kv_connector.reader.values import BadValues, check_values, find_bad_values
+
+LAYER_IDS = [1, 2, 4]
+
+
+def states(layout: str, dtype: torch.dtype, t: int = 300, hidden: int = 16) -> torch.Tensor:
+    """[T, L, H] random states: a plain tensor (TLH) or the CPU layout's strided view (LTH)."""
+    g = torch.Generator().manual_seed(0)
+    if layout == "TLH":
+        return torch.randn(t, len(LAYER_IDS), hidden, generator=g).to(dtype)
+    return torch.randn(len(LAYER_IDS), t, hidden, generator=g).to(dtype).permute(1, 0, 2)
+
+
+CASES = [(lay, dt) for lay in ("TLH", "LTH") for dt in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("layout, dtype", CASES)
+def test_healthy_states_pass(layout: str, dtype: torch.dtype) -> None:
+    hs = states(layout, dtype)
+    hs[5, 0] = 0  # one layer of a token all zero (an embedding row of zeros): not an error
+    assert find_bad_values(hs, LAYER_IDS) is None
+    check_values(hs, LAYER_IDS)
+
+
+@pytest.mark.parametrize("layout, dtype", CASES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_value_is_named_by_token_and_layer_id(
+    layout: str, dtype: torch.dtype, bad: float
+) -> None:
+    hs = states(layout, dtype)
+    hs[217, 2, 9] = bad
+    problem = find_bad_values(hs, LAYER_IDS)
+    assert problem == "NaN/Inf at 1 of 300 tokens: token 217 (layer ids 4)"
+    with pytest.raises(BadValues, match="token 217"):
+        check_values(hs, LAYER_IDS)
+
+
+@pytest.mark.parametrize("layout, dtype", CASES)
+def test_a_token_zero_in_every_layer_is_named(layout: str, dtype: torch.dtype) -> None:
+    hs = states(layout, dtype)
+    hs[0] = 0
+    hs[299] = -0.0
+    assert find_bad_values(hs, LAYER_IDS) == "2 of 300 tokens all zero in every layer: token 0, 299"
+
+
+def test_across_chunks_every_bad_token_is_counted_and_a_few_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(values, "CHUNK_ELEMENTS", 7 * len(LAYER_IDS) * 16)  # chunks of 7 tokens
+    hs = states("LTH", torch.bfloat16)
+    hs[10:30, 0, 3] = float("nan")
+    hs[40:60] = 0
+    problem = find_bad_values(hs, LAYER_IDS)
+    assert problem is not None
+    assert problem.startswith("NaN/Inf at 20 of 300 tokens: token 10 (layer ids 1), token 11 (layer ids 1)")
+    assert "and 15 more" in problem
+    assert problem.endswith("20 of 300 tokens all zero in every layer: token 40, 41, 42, 43, 44 and 15 more")
+
+
+def test_a_shape_that_does_not_match_the_layer_ids_is_an_error() -> None:
+    with pytest.raises(ValueError, match="3 layer ids"):
+        find_bad_values(torch.zeros(4, 2, 8), LAYER_IDS)
+    assert find_bad_values(torch.zeros(0, 3, 8), LAYER_IDS) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sums_that_overflow_or_cancel_are_not_reported(dtype: torch.dtype) -> None:
+    """The screen sums each token's rows; a finite row whose sum overflows, or a non-zero
+    row whose sum is exactly zero, is checked exactly and passes."""
+    hs = states("LTH", dtype)
+    big = torch.finfo(dtype).max / 4
+    hs[3, 1] = big  # every element finite, their sum is not
+    hs[4] = 0
+    hs[4, :, 0], hs[4, :, 1] = 1.0, -1.0  # sums of 0 in every layer, values that are not
+    assert find_bad_values(hs, LAYER_IDS) is None
