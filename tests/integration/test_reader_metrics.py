@@ -38,6 +38,7 @@ def ship_to(
             layout=layout_dict(layout),
             num_cache_blocks=NUM_CACHE_BLOCKS,
             seed=seed,
+            finite=True,  # the CLI refuses non-finite hidden states
             samples=samples,
             producer_id=producer_id,
         )
@@ -90,7 +91,7 @@ def test_the_cli_serves_what_it_received_and_wrote(tmp_path: Path) -> None:
             ],
             timeout=30,
         )
-        files = sorted(out.glob("*.safetensors"))
+        files = sorted(out.rglob("*.safetensors"))
         assert len(files) == 5
         assert value(m, R + "file_bytes_total") == sum(f.stat().st_size for f in files)
         pages = value(m, R + "pool_pages", state="free")
