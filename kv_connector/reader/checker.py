@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from kv_connector.integrity import sample_checksum
-from kv_connector.reader.ledger import Action, ReaderLedger, Verify
+from kv_connector.reader.ledger import ReaderLedger
+from kv_connector.reader.records import Action, Verify
 
 log = logging.getLogger("kv_connector.reader.core")
 

@@ -40,8 +40,9 @@ from kv_connector.reader.core import HiddenStatesReader, refuse_open_listen
 from kv_connector.reader.files import write_atomically
 from kv_connector.reader.journal import Journal, JournalLocked
 from kv_connector.reader.lease import Sample
-from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, RequireChecksum
+from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S
 from kv_connector.reader.naming import UNNAMED, FileLayout, sample_path
+from kv_connector.reader.records import RequireChecksum
 from kv_connector.reader.values import find_bad_values
 
 log = logging.getLogger("kv_connector.reader")

@@ -24,14 +24,8 @@ from kv_connector import auth
 from kv_connector.control import format_address, parse_address
 from kv_connector.identity import decode_metadata
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
-from kv_connector.reader.ledger import (
-    SAMPLE_TIMEOUT_S,
-    AckMode,
-    Key,
-    ReaderLedger,
-    RequireChecksum,
-    SampleState,
-)
+from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
+from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
 from kv_connector.reader.server import ReaderServer, round_page
 from kv_connector.reader.values import find_bad_values
 from kv_connector.stats import PoolState, ReaderStats

@@ -25,8 +25,9 @@ from kv_connector.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
 from kv_connector.poller import Poller
 from kv_connector.protocol import ProtocolError
 from kv_connector.reader.checker import ShareChecker
-from kv_connector.reader.ledger import Action, Key, Log, ReaderLedger, Ready, Send, Verify
+from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.producers import PeerId
+from kv_connector.reader.records import Action, Key, Log, Ready, Send, Verify
 from kv_connector.transport import Region, Transport, TransportError
 
 log = logging.getLogger("kv_connector.reader.core")

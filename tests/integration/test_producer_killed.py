@@ -15,7 +15,7 @@ import pytest
 
 from kv_connector.layout import BlockLayout
 from kv_connector.reader import HiddenStatesReader, Sample
-from kv_connector.reader.ledger import SampleState
+from kv_connector.reader.records import SampleState
 from kv_connector.sender import HiddenStatesSender, SenderConfig
 from tests.integration.common import (
     expected_states,

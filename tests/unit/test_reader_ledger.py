@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from kv_connector import protocol
 from kv_connector.layout import BlockLayout, stripe
 from kv_connector.protocol import ProtocolError
-from kv_connector.reader.ledger import (
+from kv_connector.reader.ledger import ReaderLedger
+from kv_connector.reader.records import (
     AckMode,
     IllegalTransition,
     Log,
-    ReaderLedger,
     Ready,
     RequireChecksum,
     SampleState,
