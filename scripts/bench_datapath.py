@@ -36,11 +36,12 @@ BLOCK = 128  # vLLM's CPU block size
 
 
 # ------------------------------------------------------------------ reader process (e)
-def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True) -> None:
+def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True, checked: bool = True) -> None:
     """A trainer that takes every sample on lease and lets it go at the next one (what
     ``for sample in reader`` does with a sample the loop body does not keep); with
     ``metrics``, the reader serves its metrics and a scraper reads them every second
-    (Prometheus' default is every 15 s)."""
+    (Prometheus' default is every 15 s). Unless ``checked``, it accepts shares without a
+    checksum (the no-checksum arm; by default a reader refuses them from host caches)."""
     import resource
     import threading
 
@@ -48,7 +49,9 @@ def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True) -> No
     from kv_connector.reader import HiddenStatesReader
 
     with HiddenStatesReader(
-        pool_bytes=pool_bytes, metrics_address="127.0.0.1:0" if metrics else None
+        pool_bytes=pool_bytes,
+        metrics_address="127.0.0.1:0" if metrics else None,
+        require_checksum="auto" if checked else "never",
     ) as reader:
         conn.send(reader.address)
         stop = threading.Event()
@@ -123,7 +126,7 @@ def bench_ours(
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    proc = ctx.Process(target=_reader_proc, args=(b, n_req + 1, pool_bytes, metrics))
+    proc = ctx.Process(target=_reader_proc, args=(b, n_req + 1, pool_bytes, metrics, checksum != "none"))
     proc.start()
     address = a.recv()
     cfg = engine_config(
@@ -143,6 +146,10 @@ def bench_ours(
     # warm-up request: connection set-up and first-touch out of the timing
     _drive(rank, 1, tokens, prefix="warmup")
     t0 = _drive(rank, n_req, tokens)
+    failed = rank.worker.recent_failures()
+    if failed:  # the reader would wait for samples that never come
+        proc.kill()
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {next(iter(failed.items()))}")
     t_end, nbytes, reader_stats = a.recv()
     nbytes -= tokens * len(LAYERS) * HIDDEN * 2  # the warm-up sample
     proc.join(30)

@@ -1,0 +1,36 @@
+"""``make bench``'s data-path arms run end to end (tiny sizes, real vLLM objects, a real
+reader process, real NIXL): with checksums and without, which a reader accepts only when
+told to (by default it refuses unchecked shares from host caches). A broken arm fails
+here instead of hanging the benchmark; the figures themselves are ``make bench``'s."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scripts import bench_datapath as bd
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TOKENS = 3 * bd.BLOCK - 5  # a partly filled last block
+N_REQ = 3
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "none"])
+def test_the_data_path_arm_delivers_every_byte(tmp_path: Path, checksum: str) -> None:
+    from scripts.vllm_harness import config_only_model
+
+    model = config_only_model(tmp_path / "wide-llama", bd.HIDDEN, num_layers=4)
+    nb = -(-TOKENS // bd.BLOCK)
+    pool = 2 * nb * bd.BLOCK * len(bd.LAYERS) * bd.HIDDEN * 2
+    try:
+        m = bd.isolated("bench_ours", model, N_REQ, TOKENS, 2 * nb + 1, pool, checksum, checksum == "xxh3")
+    finally:
+        shutil.rmtree(tmp_path / "wide-llama", ignore_errors=True)
+    assert m["bytes"] == N_REQ * TOKENS * len(bd.LAYERS) * bd.HIDDEN * 2
+    assert m["tokens"] == N_REQ * TOKENS
+    assert m["seconds"] > 0
+    assert (m["sender_checksum_s"] > 0) == (checksum == "xxh3")
+    assert (m["reader_verify_s"] > 0) == (checksum == "xxh3")
