@@ -1,16 +1,19 @@
 """Computing a share's digest on the producer: the bytes of a rank's share of a sample,
 read from the cache where they are, hashed on a thread of their own (``Hasher``) so
-that the WRITE path never waits on the GIL for it."""
+that the WRITE path never waits on the GIL for it; or, for a cache on a GPU, its block
+digests (``block_digest``) computed there on a stream of the hashing thread's own."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from kv_connector.block_digest import cache_block_digests, share_digest
 from kv_connector.integrity import block_checksum, manifest_bytes, spans_of_sample
 from kv_connector.send_ledger import Job
 
@@ -61,3 +64,33 @@ def share_checksum(raw: torch.Tensor, job: Job, stage: bool | None = None) -> in
     host = raw.view(-1, m.block_bytes).index_select(0, idx).cpu().view(-1)
     staged = ((j, i * m.block_bytes) for i, j in enumerate(job.share))
     return block_checksum(host.numpy().data, staged, spans_of, head)
+
+
+_streams = threading.local()
+
+
+@contextlib.contextmanager
+def _own_stream(device: torch.device) -> Iterator[None]:
+    """On a GPU, this thread's own stream (its kernels do not queue behind the engine's
+    next forward on the default stream); on CPU, nothing. The engine synchronizes its
+    stream before it ships (``worker_side``), so the states are there to be read."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = getattr(_streams, "stream", None)
+    if stream is None:
+        stream = _streams.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        yield
+
+
+def share_block_digest(raw: torch.Tensor, job: Job) -> int:
+    """The checksum of ``job``'s share over its block digests (``block_digest``), computed
+    where the cache's bytes ``raw`` (a flat uint8 view) are; 8 bytes per block reach the
+    host."""
+    m = job.manifest
+    g = m.geometry
+    cache = raw.view(getattr(torch, g.dtype)).view(-1, *g.block_shape())
+    with _own_stream(raw.device):
+        digests = cache_block_digests(cache, m, job.block_ids, job.share)
+    return share_digest(m, job.share, digests)

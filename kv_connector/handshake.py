@@ -67,6 +67,7 @@ class ProducerIdentity:
     agent_name: str
     block_bytes: int
     cache_mem: Literal["DRAM", "VRAM"] = "DRAM"  # where the cache lives (the reader's checksum policy)
+    digest: Literal["xxh3", "blocks"] = "xxh3"  # how its shares' checksums are computed
 
 
 def as_producer(
@@ -92,6 +93,7 @@ def as_producer(
             block_bytes=me.block_bytes,
             nonce=nonce,
             cache_mem=me.cache_mem,
+            digest=me.digest,
         )
     )
     ch = conn.receive_one(max(0.0, deadline - time.monotonic()))

@@ -29,8 +29,16 @@ class Sharding(str, enum.Enum):
 
 
 class Checksum(str, enum.Enum):
-    XXH3 = "xxh3"  # each rank sends the XXH3-64 of its share; the reader checks it
+    AUTO = "auto"  # XXH3 for a cache in host memory, BLOCKS for one on a GPU
+    XXH3 = "xxh3"  # each rank sends the XXH3-64 of its share's bytes; the reader checks it
+    BLOCKS = "blocks"  # the XXH3-64 of per-block digests computed where the cache is
     NONE = "none"
+
+    def block_digests(self, device_cache: bool, whole_words: bool) -> bool:
+        """Whether a rank sends block digests: asked for, or by default where its cache
+        is on a GPU and its rows are whole 8-byte words (``block_digest.supported``;
+        otherwise the share is staged and hashed as bytes)."""
+        return self is Checksum.BLOCKS or (self is Checksum.AUTO and device_cache and whole_words)
 
 
 SHARDING = tuple(s.value for s in Sharding)
@@ -60,9 +68,12 @@ class ConnectorOptions:
     drain_timeout_s: at shutdown, how long to wait for samples still in flight.
     include_output_tokens: ship output tokens too, for every request (a request can
     also ask with ``kv_transfer_params={"include_output_tokens": true}``).
-    checksum: "xxh3" (default): each rank sends the XXH3-64 of its share with its WRITE
-    and the reader checks it; "none" skips it (on a GPU cache computing it stages each
-    share to host memory once).
+    checksum: each rank sends a checksum of its share after its WRITE and the reader checks
+    it. "auto" (default): "xxh3" for a cache in host memory, "blocks" for one on a GPU;
+    "xxh3": XXH3-64 of the share's bytes (a GPU cache's share is staged to host memory
+    once for it); "blocks": XXH3-64 of per-block digests computed with torch where the
+    cache is (``block_digest``; 8 bytes per block reach the host, the reader recomputes
+    them on CPU); "none" skips it.
     sample_timeout_s: a sample granted pages at the reader and not acknowledged this long
     after fails, and the reader drops it (default 300).
     preempt_timeout_s: how long a preempted request's share may hold the engine step to be
@@ -76,7 +87,7 @@ class ConnectorOptions:
     connect_timeout_s: float = 60.0
     drain_timeout_s: float = 60.0
     include_output_tokens: bool = False
-    checksum: Checksum = Checksum.XXH3
+    checksum: Checksum = Checksum.AUTO
     sample_timeout_s: float = 300.0
     preempt_timeout_s: float = 5.0
 
@@ -121,7 +132,7 @@ class ConnectorOptions:
         inc = extra.get("include_output_tokens", False)
         if not isinstance(inc, bool):
             raise ValueError("kv_connector_extra_config.include_output_tokens must be true or false")
-        checksum = extra.get("checksum", "xxh3")
+        checksum = extra.get("checksum", "auto")
         if checksum not in CHECKSUMS:
             raise ValueError(
                 f"kv_connector_extra_config.checksum must be one of {CHECKSUMS}, got {checksum!r}"

@@ -31,6 +31,9 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
        small JSON object, see ``kv_connector.identity``), covered by each share's checksum
        with the rest of the manifest; ``Refuse.code`` "rejected" (the consumer will not take
        a sample: non-finite or all-zero states, or a file it cannot write).
+    8: ``Hello.digest``: how the rank computes its shares' checksums, "xxh3" over their
+       bytes or "blocks" (per-block digests computed on the cache's device, see
+       ``kv_connector.block_digest``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import msgspec
 
 from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -88,7 +91,8 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
 class Hello(_Msg, tag="hello", frozen=True):
     """Producer -> reader, first message on a connection. ``cache_mem``: where the
     producer's cache lives (a reader requires checksums from host-memory caches by
-    default: hashing them costs little)."""
+    default: hashing them costs little); ``digest``: how its shares' checksums are computed
+    (``block_digest.DigestKind``)."""
 
     version: int
     producer_id: SafeName
@@ -98,6 +102,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     block_bytes: PosInt
     nonce: Nonce
     cache_mem: Literal["DRAM", "VRAM"] = "DRAM"
+    digest: Literal["xxh3", "blocks"] = "xxh3"
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
@@ -282,7 +287,8 @@ class Refuse(_Msg, tag="refuse", frozen=True):
 class WriteDone(_Msg, tag="write_done", frozen=True):
     """Producer -> reader as a NIXL notification attached to a rank's WRITE: the blocks
     that rank promised in its credit request have landed in their granted pages;
-    ``checksum`` is the XXH3-64 of those blocks' sample bytes; None with
+    ``checksum`` is the XXH3-64 of those blocks' sample bytes (or of their block digests,
+    as the Hello said); None with
     ``digest_follows``: it comes in a ``ShareDigest`` once computed; None without: none
     (checksums off)."""
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from kv_connector import auth, handshake, protocol
-from kv_connector.digests import share_checksum
+from kv_connector import auth, block_digest, handshake, protocol
+from kv_connector.digests import share_block_digest, share_checksum
 from kv_connector.identity import make_identity
 from kv_connector.layout import BlockLayout, stripe
 from kv_connector.send_ledger import Job, SendLedger
@@ -39,6 +39,9 @@ class SenderConfig:
     connect_timeout_s: how long to keep trying to reach the reader.
     checksum: send the XXH3-64 of each share with its WRITE, for the reader to check
     (on a GPU cache this stages the share's bytes to host memory once).
+    block_digests: with ``checksum``, compute it from per-block digests where the cache is
+    (``block_digest``: torch ops on a stream of their own, 8 bytes per block to the host)
+    instead of over the share's bytes on the host: the way for a GPU cache.
     sample_timeout_s: a sample granted pages and not acknowledged this long after fails
     (and the reader is told), whatever the connection does.
     """
@@ -50,6 +53,7 @@ class SenderConfig:
     connect_timeout_s: float = 60.0
     checksum: bool = True
     sample_timeout_s: float = 300.0
+    block_digests: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -96,6 +100,12 @@ class HiddenStatesSender:
             cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
         )
         self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
+        self._block_digests = config.block_digests
+        if config.block_digests and not block_digest.supported(layout):
+            raise ValueError(
+                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
+                'is not (use "checksum": "xxh3")'
+            )
         if transport is None:
             from kv_connector.nixl_transport import NixlTransport
 
@@ -116,6 +126,7 @@ class HiddenStatesSender:
             transport.name,
             layout.block_bytes,
             "VRAM" if cache.is_cuda else "DRAM",
+            "blocks" if config.block_digests else "xxh3",
         )
         self._loop = SenderLoop(
             config.consumer_address,
@@ -274,7 +285,10 @@ class HiddenStatesSender:
     def _share_checksum(self, job: Job) -> int:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
-        value = share_checksum(self._raw, job, self._stage_digest)
+        if self._block_digests:
+            value = share_block_digest(self._raw, job)
+        else:
+            value = share_checksum(self._raw, job, self._stage_digest)
         with self._lock:
             self._ledger.stats.checksum_s += time.perf_counter() - t0
         return value

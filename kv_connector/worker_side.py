@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kv_connector import block_digest
 from kv_connector.layout import BlockLayout, layout_from_view
 from kv_connector.options import Checksum, ConnectorOptions
 from kv_connector.planning import BlockRecorder, SlotMismatch, StepPlan
@@ -92,7 +93,10 @@ class WorkerSide:
                     rank=rank,
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
-                    checksum=self.options.checksum is Checksum.XXH3,
+                    checksum=self.options.checksum is not Checksum.NONE,
+                    block_digests=self.options.checksum.block_digests(
+                        cache.is_cuda, block_digest.supported(block_layout)
+                    ),
                     sample_timeout_s=self.options.sample_timeout_s,
                 ),
                 cache,

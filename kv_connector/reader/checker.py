@@ -1,6 +1,7 @@
 """The reader's checking thread: each rank's share of a sample is checked against its
 digest as soon as it has landed (``Verify`` actions of the ledger), here, off the
-serving thread and off the user's (XXH3 releases the GIL while it hashes), so that
+serving thread and off the user's (XXH3 releases the GIL while it hashes; a share of
+block digests, from a producer whose cache is on a GPU, is recomputed with torch), so that
 handing a sample out costs nothing per byte. Results go back to the ledger."""
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+import torch
+
+from kv_connector.block_digest import sample_block_digests, share_digest
 from kv_connector.integrity import sample_checksum
+from kv_connector.reader.lease import sample_view
 from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.records import Action, Verify
 
@@ -58,7 +63,14 @@ class ShareChecker:
             assert page_bytes is not None
             base, manifest, blocks = s.pages.start * page_bytes, s.manifest, sorted(share.blocks)
         t0 = time.perf_counter()
-        ok = sample_checksum(self._pool, base, manifest, blocks) == v.digest
+        if v.blocks:
+            n = manifest.geometry.sample_bytes(manifest.num_blocks)
+            raw = torch.frombuffer(self._pool, dtype=torch.uint8, offset=base, count=n)
+            states = sample_view(raw, manifest)
+            got = share_digest(manifest, blocks, sample_block_digests(states, manifest, blocks))
+        else:
+            got = sample_checksum(self._pool, base, manifest, blocks)
+        ok = got == v.digest
         with self._lock:
             self._ledger.stats.verify_s += time.perf_counter() - t0
             self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic()))

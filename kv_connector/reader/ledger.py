@@ -562,7 +562,9 @@ class ReaderLedger:
                 share.checked = True  # nothing to check it against
             elif share.digest is not None:
                 share.checking = share.landing
-                actions.append(Verify(s.key, rank, share.landing, share.digest))
+                prod = self.producers.by_id.get(s.key[0])
+                blocks = prod is not None and prod.block_digests
+                actions.append(Verify(s.key, rank, share.landing, share.digest, blocks))
         if s.all_checked():
             s.state = SampleState.VERIFIED
             actions.append(Ready(s.key))

@@ -15,11 +15,13 @@ PeerId = int
 @dataclass
 class Producer:
     """A connected producer: its world size, the connection of each of its ranks, and
-    whether its cache is in host memory (it then hashes cheaply: checksums required)."""
+    whether its cache is in host memory (it then hashes cheaply: checksums required), and
+    whether its checksums are over block digests (``block_digest``) or over bytes."""
 
     world_size: int
     ranks: dict[int, PeerId] = field(default_factory=dict)
     host_cache: bool = True
+    block_digests: bool = False
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Producers:
             )
         prod.ranks[hello.rank] = peer
         prod.host_cache = hello.cache_mem == "DRAM"
+        prod.block_digests = hello.digest == "blocks"
         self._peer_rank[peer] = (hello.producer_id, hello.rank)
         return prod
 

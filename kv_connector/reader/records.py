@@ -45,12 +45,14 @@ class Send:
 
 @dataclass(frozen=True)
 class Verify:
-    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``)."""
+    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``), computed over
+    its block digests (``blocks``) or its bytes."""
 
     key: Key
     rank: int
     landing: int
     digest: int
+    blocks: bool = False
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ def main() -> int:
         connect_timeout_s=spec.get("connect_timeout_s", 30.0),
         checksum=spec.get("checksum", True),
         sample_timeout_s=spec.get("sample_timeout_s", 300.0),
+        block_digests=spec.get("block_digests", False),
     )
     layer_ids = spec.get("layer_ids", list(range(layout.num_layers)))
     corrupt = set(spec.get("corrupt_after_checksum", []))

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from kv_connector import protocol
 from kv_connector.layout import stripe
@@ -36,24 +37,34 @@ def corrupt_before_the_check(
 ) -> list[int]:
     """Fault injection: the first time the reader's checking thread checks a share of
     ``victim``, flip the first byte of that share's last block in the pool first (as it
-    landed, before its check). Returns the ranks hit."""
-    real = checker.sample_checksum
+    landed, before its check), whichever checksum it has. Returns the blocks hit."""
+    real, real_blocks = checker.sample_checksum, checker.sample_block_digests
     hit: list[int] = []
 
-    def corrupting(pool: memoryview, base: int, m: protocol.Manifest, blocks: list[int]) -> int:
+    def flip(m: protocol.Manifest, base: int, blocks: list[int]) -> None:
         if m.request_id == victim and not hit:
             (dst, _), *_ = m.geometry.arranged(m.num_blocks, blocks[-1], 0, 1)
             reader._pool_tensor[base + dst] ^= 0xFF
             hit.append(blocks[-1])
+
+    def corrupting(pool: memoryview, base: int, m: protocol.Manifest, blocks: list[int]) -> int:
+        flip(m, base, blocks)
         return real(pool, base, m, blocks)
 
+    def corrupting_blocks(states: torch.Tensor, m: protocol.Manifest, blocks: list[int]) -> list[int]:
+        base = states.untyped_storage().data_ptr() - reader._pool_tensor.data_ptr()
+        flip(m, base, blocks)
+        return real_blocks(states, m, blocks)
+
     monkeypatch.setattr(checker, "sample_checksum", corrupting)
+    monkeypatch.setattr(checker, "sample_block_digests", corrupting_blocks)
     return hit
 
 
+@pytest.mark.parametrize("block_digests", [False, True], ids=["xxh3", "blocks"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
-    world_size: int, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    world_size: int, block_digests: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layout = GPU_LAYOUT if world_size == 2 else CPU_LAYOUT
     samples = plan([40, 3, 70], seed=11, layout=layout)
@@ -62,7 +73,16 @@ def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
         hit = corrupt_before_the_check(monkeypatch, reader, victim)
         procs = [
-            ship(reader, layout, 11, samples, producer_id="p", rank=r, world_size=world_size)
+            ship(
+                reader,
+                layout,
+                11,
+                samples,
+                producer_id="p",
+                rank=r,
+                world_size=world_size,
+                block_digests=block_digests,
+            )
             for r in range(world_size)
         ]
         got = collect(reader, len(samples), timeout=30)
@@ -180,3 +200,43 @@ def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps
     check(got, samples, layout, seed=14)
     assert all(s.producer_id == "good" for s in got.values())
     assert any("gave up on" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("layout", [CPU_LAYOUT, GPU_LAYOUT], ids=["LTH", "TLH"])
+def test_block_digests_computed_where_the_cache_is_match_at_the_reader(
+    layout: Any, world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path a GPU cache takes by default (``checksum: auto`` -> block digests computed
+    with torch where the cache is, the reader recomputing them from its pool on CPU), run
+    on CPU memory: every share matches, the reader really checked, the bytes are exact."""
+    samples = plan([1, 16, 17, 45], seed=16, layout=layout)
+    checked: list[str] = []  # the reader recomputed block digests (the Hello said so), not bytes
+    real = checker.sample_block_digests
+
+    def counting(states: torch.Tensor, m: protocol.Manifest, blocks: list[int]) -> list[int]:
+        checked.append(m.request_id)
+        return real(states, m, blocks)
+
+    monkeypatch.setattr(checker, "sample_block_digests", counting)
+    monkeypatch.setattr(checker, "sample_checksum", None)  # never called
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        procs = [
+            ship(reader, layout, 16, samples, producer_id="p", rank=r, world_size=world_size,
+                 block_digests=True)
+            for r in range(world_size)
+        ]  # fmt: skip
+        got = collect(reader, len(samples), timeout=30)
+        results = [finish_sender(p) for p in procs]
+        stats = reader.stats()
+    assert stats.checksum_mismatches == 0 and stats.verify_s > 0
+    shares = [
+        s["request_id"]
+        for s in samples
+        for r in range(world_size)
+        if stripe(-(-s["num_tokens"] // layout.block_size), r, world_size)  # an empty share has no check
+    ]
+    assert sorted(checked) == sorted(shares)
+    for res in results:
+        assert res["rc"] == 0 and res["stats"]["checksum_s"] > 0, res["stderr"][-3000:]
+    check(got, samples, layout, seed=16)

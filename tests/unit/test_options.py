@@ -187,3 +187,28 @@ def test_a_list_of_readers_shards_samples_over_them() -> None:
 )
 def test_bad_reader_lists_and_sharding_are_named(extra: dict[str, Any], fragment: str) -> None:
     assert fragment in parse_error(extra)
+
+
+def test_the_checksum_kind_follows_where_the_cache_is_unless_asked() -> None:
+    from kv_connector.options import Checksum
+
+    assert ConnectorOptions.parse({"consumer_address": GOOD}).checksum is Checksum.AUTO
+    kinds = {c: ConnectorOptions.parse({"consumer_address": GOOD, "checksum": c}).checksum for c in CHECKSUMS}
+    assert kinds == {c: Checksum(c) for c in ("auto", "xxh3", "blocks", "none")}
+    # (device cache, rows of whole 8-byte words) -> block digests?
+    want = {
+        Checksum.AUTO: {
+            (True, True): True,
+            (True, False): False,
+            (False, True): False,
+            (False, False): False,
+        },
+        Checksum.BLOCKS: dict.fromkeys([(True, True), (True, False), (False, True), (False, False)], True),
+        Checksum.XXH3: dict.fromkeys([(True, True), (True, False), (False, True), (False, False)], False),
+    }
+    for kind, cases in want.items():
+        assert {case: kind.block_digests(*case) for case in cases} == cases, kind
+    assert "checksum" in parse_error({"consumer_address": GOOD, "checksum": "crc32"})
+
+
+CHECKSUMS = ("auto", "xxh3", "blocks", "none")

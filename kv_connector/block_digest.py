@@ -1,0 +1,172 @@
+"""Block digests: a share's checksum computed where the cache is (a GPU's memory), with
+torch ops, so that only 8 bytes per block reach the host, and recomputed by the reader
+from its pool on CPU.
+
+A block's digest is a weighted sum of its 64-bit words, modulo 2**64:
+
+    digest(block) = sum over its valid tokens t, layers l, words k of
+                    W[t, l, k] * x[t, l, k]
+
+where ``x[t, l, k]`` is the k-th 8-byte word of token t's states at layer l (a row of
+``hidden * itemsize`` bytes, which must be a multiple of 8: ``supported``) read as a
+signed int64, ``W`` a fixed table of odd 64-bit weights (splitmix64 of the word's
+position in a ``[block_size, layers, words]`` block), and the valid tokens those of the
+sample (the tail of its last block, which vLLM keeps writing during decode, does not
+count). The coordinates are the sample's (token, layer, word), not byte offsets, so the
+producer's cache blocks (LTH or TLH) and the reader's pool run (arranged differently for
+LTH) give the same number. Integer sums are exact and order-free, so a GPU's reduction
+and the reader's dot products agree bit for bit.
+
+A share's checksum is XXH3-64 over the manifest's bytes (as for ``integrity``), a tag,
+and each block's (index in the sample, digest) in block order: it binds the manifest
+like the byte checksum does. It detects corruption, not forgery (the secret does that):
+any change of one word changes its block's digest (odd weights), and unrelated changes
+collide with probability about 2**-64.
+
+Pure torch, numpy and xxhash; no nixl, vllm or sockets.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import xxhash
+
+from kv_connector.integrity import manifest_bytes
+from kv_connector.layout import BlockLayout
+from kv_connector.protocol import Manifest
+
+TAG = b"kv_connector block digests v1"
+CHUNK_BYTES = 32 << 20  # cache bytes per gather on the cache's device (the temporaries stay small)
+
+WORD = 8  # bytes
+
+
+class DigestKind(enum.Enum):
+    """How a share's checksum is computed (the producer says which in its Hello)."""
+
+    BYTES = "xxh3"  # XXH3-64 over the share's bytes (``integrity``), on the host
+    BLOCKS = "blocks"  # XXH3-64 over per-block digests computed on the cache's device
+
+
+_weights: dict[tuple[tuple[int, int, int], torch.device], torch.Tensor] = {}
+_weights_lock = threading.Lock()
+
+
+def supported(g: BlockLayout) -> bool:
+    """Whether a token's row of one layer is a whole number of 8-byte words."""
+    return (g.block_bytes // (g.block_size * g.num_layers)) % WORD == 0
+
+
+def words_per_row(g: BlockLayout) -> int:
+    return g.block_bytes // (g.block_size * g.num_layers) // WORD
+
+
+def weights(block_size: int, num_layers: int, words: int, device: torch.device) -> torch.Tensor:
+    """W: ``[block_size, num_layers, words]`` odd int64 weights (splitmix64 of the position)."""
+    shape = (block_size, num_layers, words)
+    key = (shape, torch.device(device))
+    with _weights_lock:
+        w = _weights.get(key)
+        if w is None:
+            with np.errstate(over="ignore"):
+                z = np.arange(block_size * num_layers * words, dtype=np.uint64)
+                z = z + np.uint64(0x9E3779B97F4A7C15)
+                z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+                z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+                z = (z ^ (z >> np.uint64(31))) | np.uint64(1)
+            w = torch.from_numpy(z.view(np.int64).reshape(shape)).to(device)
+            _weights[key] = w
+        return w
+
+
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., hidden]`` (its last dimension dense) as ``[..., words]`` of int64."""
+    if (x.shape[-1] * x.element_size()) % WORD:
+        raise ValueError(f"a row of {x.shape[-1]} x {x.element_size()} bytes is not a whole number of words")
+    return x.view(torch.int64)
+
+
+def digests_of_blocks(blocks: torch.Tensor, valid: int | None = None) -> torch.Tensor:
+    """``[c]`` int64 digests of ``c`` blocks ``[c, block_size, layers, hidden]`` (any strides
+    with the last dimension dense, any device); with ``valid``, only the first ``valid``
+    tokens of each count. Torch ops: the producer's path, on its cache's device."""
+    x = as_words(blocks)
+    _, bs, nl, nw = x.shape
+    w = weights(bs, nl, nw, x.device)
+    if valid is not None and valid < bs:
+        x, w = x[:, :valid], w[:valid]
+    return (x * w).sum(dim=(1, 2, 3))
+
+
+def _wrap(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _block_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """A cache ``[num_blocks, *block_shape]`` as ``[num_blocks, block_size, layers, hidden]``."""
+    return cache if layout == "TLH" else cache.permute(0, 2, 1, 3)
+
+
+def cache_block_digests(
+    cache: torch.Tensor, m: Manifest, block_ids: list[int], share: Iterable[int]
+) -> list[int]:
+    """The digests of a share's blocks (by index ``j`` in the sample, at cache block
+    ``block_ids[j]``), read from the cache ``[num_blocks, *block_shape]`` where it is, in
+    chunks of at most ``CHUNK_BYTES`` (the temporaries on its device stay small). The
+    caller runs this on a stream of its own where the cache is on a GPU."""
+    g = m.geometry
+    view = _block_view(cache, g.layout)
+    chunk = max(1, CHUNK_BYTES // g.block_bytes)
+    share = sorted(share)
+    last = m.num_blocks - 1
+    tail = m.num_tokens - last * g.block_size  # tokens of the sample in its last block
+    full = [j for j in share if j != last]
+    out: dict[int, int] = {}
+    for i in range(0, len(full), chunk):
+        js = full[i : i + chunk]
+        idx = torch.tensor([block_ids[j] for j in js], device=cache.device)
+        d = digests_of_blocks(view.index_select(0, idx)).cpu().tolist()
+        out.update(zip(js, d, strict=True))
+    if last in share:
+        blk = view[block_ids[last] : block_ids[last] + 1]
+        out[last] = int(digests_of_blocks(blk, tail).cpu()[0])
+    return [out[j] for j in share]
+
+
+def sample_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> list[int]:
+    """The same digests from a sample's ``[T, layers, hidden]`` CPU view (the reader's
+    pool, either layout), as integer dot products over its dense rows (about 9 GB/s on
+    one core, where a torch multiply-and-sum over the block runs at 1)."""
+    bs = m.geometry.block_size
+    x = as_words(states)
+    _, nl, nw = x.shape
+    w = weights(bs, nl, nw, torch.device("cpu")).numpy()
+    by_layer = None  # [layers, block_size, words]: each layer's weights dense, for LTH
+    out = []
+    with np.errstate(over="ignore"):
+        for j in sorted(share):
+            rows = x[j * bs : (j + 1) * bs].numpy()  # [v, layers, words]
+            v = rows.shape[0]
+            if rows.flags.c_contiguous:  # TLH: the block's rows one after the other
+                total = int(rows.reshape(-1) @ w[:v].reshape(-1))
+            else:  # LTH: each layer's rows are dense
+                if by_layer is None:
+                    by_layer = np.ascontiguousarray(w.transpose(1, 0, 2))
+                total = sum(int(rows[:, k].reshape(-1) @ by_layer[k, :v].reshape(-1)) for k in range(nl))
+            out.append(_wrap(total))
+    return out
+
+
+def share_digest(m: Manifest, share: Iterable[int], digests: list[int]) -> int:
+    """XXH3-64 of the manifest's bytes, the tag, and each (block index, digest) in order."""
+    h = xxhash.xxh3_64(manifest_bytes(m))
+    h.update(TAG)
+    h.update(b"".join(struct.pack("<Iq", j, d) for j, d in zip(sorted(share), digests, strict=True)))
+    return h.intdigest()
