@@ -83,6 +83,11 @@ class WorkerSide:
         )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.rank = rank
+        blocks = self.options.checksum.block_digests(cache.is_cuda, block_digest.supported(block_layout))
+        if self.options.checksum is Checksum.NONE:
+            checksum = "none"
+        else:
+            checksum = "block digests" if blocks else "XXH3 of the bytes"
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
         self.senders = [
@@ -94,9 +99,7 @@ class WorkerSide:
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
                     checksum=self.options.checksum is not Checksum.NONE,
-                    block_digests=self.options.checksum.block_digests(
-                        cache.is_cuda, block_digest.supported(block_layout)
-                    ),
+                    block_digests=blocks,
                     sample_timeout_s=self.options.sample_timeout_s,
                 ),
                 cache,
@@ -108,7 +111,7 @@ class WorkerSide:
         atexit.register(self.shutdown)
         log.info(
             "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
-            "shipping to %s",
+            "checksum: %s, shipping to %s",
             rank,
             world,
             self.layer_name,
@@ -117,6 +120,7 @@ class WorkerSide:
             layout,
             block_layout.dtype,
             block_layout.block_bytes,
+            checksum,
             ", ".join(self.options.readers),
         )
 

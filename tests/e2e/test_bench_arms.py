@@ -1,6 +1,7 @@
 """``make bench``'s data-path arms run end to end (tiny sizes, real vLLM objects, a real
-reader process, real NIXL): with checksums and without, which a reader accepts only when
-told to (by default it refuses unchecked shares from host caches). A broken arm fails
+reader process, real NIXL): with XXH3 checksums, with block digests (a GPU cache's
+default, here through the connector's options on CPU memory) and without, which a reader
+accepts only when told to (by default it refuses unchecked shares from host caches). A broken arm fails
 here instead of hanging the benchmark; the figures themselves are ``make bench``'s."""
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ TOKENS = 3 * bd.BLOCK - 5  # a partly filled last block
 N_REQ = 3
 
 
-@pytest.mark.parametrize("checksum", ["xxh3", "none"])
-def test_the_data_path_arm_delivers_every_byte(tmp_path: Path, checksum: str) -> None:
+@pytest.mark.parametrize("checksum", ["xxh3", "blocks", "none"])
+def test_the_data_path_arm_delivers_every_byte(
+    tmp_path: Path, checksum: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     from scripts.vllm_harness import config_only_model
 
     model = config_only_model(tmp_path / "wide-llama", bd.HIDDEN, num_layers=4)
@@ -32,5 +35,8 @@ def test_the_data_path_arm_delivers_every_byte(tmp_path: Path, checksum: str) ->
     assert m["bytes"] == N_REQ * TOKENS * len(bd.LAYERS) * bd.HIDDEN * 2
     assert m["tokens"] == N_REQ * TOKENS
     assert m["seconds"] > 0
-    assert (m["sender_checksum_s"] > 0) == (checksum == "xxh3")
-    assert (m["reader_verify_s"] > 0) == (checksum == "xxh3")
+    assert (m["sender_checksum_s"] > 0) == (checksum != "none")
+    assert (m["reader_verify_s"] > 0) == (checksum != "none")
+    kind = {"xxh3": "XXH3 of the bytes", "blocks": "block digests", "none": "none"}[checksum]
+    out, err = capfd.readouterr()
+    assert f"checksum: {kind}, shipping to" in out + err  # the worker's start-up line (vLLM's logger)
