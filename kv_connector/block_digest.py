@@ -28,7 +28,6 @@ Pure torch, numpy and xxhash; no nixl, vllm or sockets.
 
 from __future__ import annotations
 
-import enum
 import struct
 import threading
 from collections.abc import Iterable
@@ -45,13 +44,6 @@ TAG = b"kv_connector block digests v1"
 CHUNK_BYTES = 32 << 20  # cache bytes per gather on the cache's device (the temporaries stay small)
 
 WORD = 8  # bytes
-
-
-class DigestKind(enum.Enum):
-    """How a share's checksum is computed (the producer says which in its Hello)."""
-
-    BYTES = "xxh3"  # XXH3-64 over the share's bytes (``integrity``), on the host
-    BLOCKS = "blocks"  # XXH3-64 over per-block digests computed on the cache's device
 
 
 _weights: dict[tuple[tuple[int, int, int], torch.device], torch.Tensor] = {}

@@ -67,7 +67,7 @@ class ProducerIdentity:
     agent_name: str
     block_bytes: int
     cache_mem: Literal["DRAM", "VRAM"] = "DRAM"  # where the cache lives (the reader's checksum policy)
-    digest: Literal["xxh3", "blocks"] = "xxh3"  # how its shares' checksums are computed
+    digest: protocol.ShareChecksum = "xxh3"  # how its shares' checksums are computed
 
 
 def as_producer(

@@ -88,11 +88,16 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     pass
 
 
+# How a rank computes its shares' checksums: "xxh3" over their bytes (``integrity``),
+# "blocks" over per-block digests computed where its cache is (``block_digest``).
+ShareChecksum = Literal["xxh3", "blocks"]
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """Producer -> reader, first message on a connection. ``cache_mem``: where the
     producer's cache lives (a reader requires checksums from host-memory caches by
     default: hashing them costs little); ``digest``: how its shares' checksums are computed
-    (``block_digest.DigestKind``)."""
+    (``ShareChecksum``)."""
 
     version: int
     producer_id: SafeName
@@ -102,7 +107,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     block_bytes: PosInt
     nonce: Nonce
     cache_mem: Literal["DRAM", "VRAM"] = "DRAM"
-    digest: Literal["xxh3", "blocks"] = "xxh3"
+    digest: ShareChecksum = "xxh3"
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
