@@ -32,97 +32,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from kv_connector.datagen import plan
 from kv_connector.datagen.plan import RowBook, Status
+from kv_connector.datagen.rows import DatasetRows, JsonlRows, Rows
 from kv_connector.httpclient import HTTPError, Server
 from kv_connector.reader.naming import row_index
 
 log = logging.getLogger("kv_connector.datagen")
 
 FileId = tuple[int, int, int]  # (inode, mtime ns, size): a file replaced since has another
-
-
-class Rows(Protocol):
-    def __len__(self) -> int: ...
-
-    def tokens(self, i: int) -> list[int]: ...
-
-    def lengths(self) -> list[int]: ...
-
-
-class DatasetRows:
-    """Rows of a ``datasets`` directory (``save_to_disk``; speculators' ``prepare_data``
-    output) with an ``input_ids`` column, read row by row."""
-
-    def __init__(self, path: Path) -> None:
-        try:
-            import datasets
-        except ImportError:
-            raise ValueError(
-                "reading a datasets directory needs the `datasets` package (pip install datasets, or "
-                "PYTHONPATH=.venv/speculators-site-packages; see docs/usage.md), or use --jsonl"
-            ) from None
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"cannot load the dataset {path}: {e}") from None
-        if not isinstance(ds, datasets.Dataset):
-            raise ValueError(f"{path} holds several splits ({', '.join(ds)}); give one split's directory")
-        if "input_ids" not in ds.column_names:
-            raise ValueError(f"{path} has no input_ids column (columns: {', '.join(ds.column_names)})")
-        self._ds = ds.with_format(None)
-        self._arrow = ds.with_format("arrow")
-
-    def __len__(self) -> int:
-        return len(self._ds)
-
-    def tokens(self, i: int) -> list[int]:
-        return check_tokens(self._ds[i]["input_ids"], i)
-
-    def lengths(self) -> list[int]:
-        import pyarrow.compute as pc
-
-        column = self._arrow[0 : len(self._arrow)]["input_ids"]
-        return [int(x) for x in pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)]
-
-
-class JsonlRows:
-    """Rows of a JSON-lines file, one ``{"input_ids": [...]}`` object per line (row i is
-    the i-th line that is not blank)."""
-
-    def __init__(self, path: Path) -> None:
-        self._rows: list[list[int]] = []
-        try:
-            with open(path) as f:
-                for n, text in enumerate(f, 1):
-                    if not text.strip():
-                        continue
-                    try:
-                        obj = json.loads(text)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-                    if not isinstance(obj, dict) or "input_ids" not in obj:
-                        raise ValueError(f"{path}:{n}: not an object with input_ids")
-                    self._rows.append(check_tokens(obj["input_ids"], len(self._rows)))
-        except OSError as e:
-            raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def tokens(self, i: int) -> list[int]:
-        return self._rows[i]
-
-    def lengths(self) -> list[int]:
-        return [len(r) for r in self._rows]
-
-
-def check_tokens(ids: object, row: int) -> list[int]:
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise ValueError(f"row {row}: input_ids must be a non-empty list of token ids")
-    return ids
 
 
 def existing_rows(d: Path) -> set[int]:
