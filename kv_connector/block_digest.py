@@ -55,10 +55,6 @@ def supported(g: BlockLayout) -> bool:
     return (g.block_bytes // (g.block_size * g.num_layers)) % WORD == 0
 
 
-def words_per_row(g: BlockLayout) -> int:
-    return g.block_bytes // (g.block_size * g.num_layers) // WORD
-
-
 def weights(block_size: int, num_layers: int, words: int, device: torch.device) -> torch.Tensor:
     """W: ``[block_size, num_layers, words]`` odd int64 weights (splitmix64 of the position)."""
     shape = (block_size, num_layers, words)
