@@ -100,7 +100,6 @@ class HiddenStatesSender:
             cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
         )
         self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
-        self._block_digests = config.block_digests
         if config.block_digests and not block_digest.supported(layout):
             raise ValueError(
                 f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
@@ -285,7 +284,7 @@ class HiddenStatesSender:
     def _share_checksum(self, job: Job) -> int:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
-        if self._block_digests:
+        if self.config.block_digests:
             value = share_block_digest(self._raw, job)
         else:
             value = share_checksum(self._raw, job, self._stage_digest)
