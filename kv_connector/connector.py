@@ -23,13 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kv_connector.connector_metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
-from kv_connector.options import EXAMPLE, ConnectorOptions
-from kv_connector.planning import StepPlan
-from kv_connector.report import WorkerReport
-from kv_connector.scheduler_side import SchedulerSide
-from kv_connector.stats import SenderStats
-from kv_connector.worker_side import WorkerSide
+from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
+from kv_connector.producer.options import EXAMPLE, ConnectorOptions
+from kv_connector.producer.planning import StepPlan
+from kv_connector.producer.scheduler_side import SchedulerSide
+from kv_connector.producer.worker_report import WorkerReport
+from kv_connector.producer.worker_side import WorkerSide
+from kv_connector.sender.stats import SenderStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -83,7 +83,7 @@ def stop(proc: subprocess.Popen[str]) -> str:
 def driver_run(
     model: Path, rows: list[list[int]], warm: list[list[int]], work: Path, conc: int
 ) -> dict[str, Any]:
-    from kv_connector.httpclient import Server
+    from kv_connector.datagen.httpclient import Server
 
     out = work / "driver-out"
     out.mkdir()

@@ -45,7 +45,7 @@ def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True, check
     import resource
     import threading
 
-    from kv_connector.httpclient import Server
+    from kv_connector.datagen.httpclient import Server
     from kv_connector.reader import HiddenStatesReader
 
     with HiddenStatesReader(
@@ -78,7 +78,7 @@ def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True, check
 
 # ------------------------------------------------------------------ raw target process (r)
 def _raw_target_proc(conn: Any, pool_bytes: int, expected: int) -> None:
-    from kv_connector.nixl_transport import NixlTransport
+    from kv_connector.wire.nixl_transport import NixlTransport
 
     t = NixlTransport(f"raw-target-{os.getpid()}")
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
@@ -247,7 +247,7 @@ def bench_raw(n_req: int, tokens: int, num_blocks: int, in_flight: int) -> dict[
     into pages of another process's registered pool, ``in_flight`` requests at a time."""
     import numpy as np
 
-    from kv_connector.nixl_transport import NixlTransport
+    from kv_connector.wire.nixl_transport import NixlTransport
 
     block_bytes = BLOCK * len(LAYERS) * HIDDEN * 2
     nb = -(-tokens // BLOCK)
@@ -262,7 +262,7 @@ def bench_raw(n_req: int, tokens: int, num_blocks: int, in_flight: int) -> dict[
     local = t.register(cache)
     a.send(t.metadata)
     peer = t.add_peer(md)
-    from kv_connector.transport import Region
+    from kv_connector.wire.transport import Region
 
     remote = Region(addr, size, "DRAM", 0)
 

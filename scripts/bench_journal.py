@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kv_connector.reader import journal
+from kv_connector.files import journal
 
 
 def build(out: Path, entries: int, known: list[tuple[str, str]]) -> None:

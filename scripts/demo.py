@@ -32,9 +32,9 @@ def main() -> None:
 
     import torch
 
-    from kv_connector.httpclient import Server
+    from kv_connector.datagen.httpclient import Server
+    from kv_connector.files.console import ProgressPrinter, reading_of
     from kv_connector.reader import HiddenStatesReader, Sample
-    from kv_connector.reader.console import ProgressPrinter, reading_of
     from scripts.make_tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(args.out) / "tiny-llama", "llama", seed=0)

@@ -1,4 +1,4 @@
-"""What only a GPU can show about block digests (``kv_connector.block_digest``); run it on
+"""What only a GPU can show about block digests (``kv_connector.wire.block_digest``); run it on
 a machine with CUDA: ``python -m scripts.gpu_block_digest``. CI runs the same torch code
 on CPU tensors (tests/unit/test_block_digest.py, tests/integration/test_integrity.py).
 
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from kv_connector import protocol
-from kv_connector.block_digest import cache_block_digests, sample_block_digests, share_digest
-from kv_connector.digests import share_block_digest, share_checksum
-from kv_connector.layout import BlockLayout
 from kv_connector.reader.lease import sample_view
-from kv_connector.send_ledger import Job
+from kv_connector.sender.hasher import share_block_digest, share_checksum
+from kv_connector.sender.ledger import Job
+from kv_connector.wire import protocol
+from kv_connector.wire.block_digest import cache_block_digests, sample_block_digests, share_digest
+from kv_connector.wire.layout import BlockLayout
 
 
 def _case(layout: str, dtype: str, bs: int, layers: int, hidden: int, tokens: int, num_cache: int) -> Job:
@@ -100,7 +100,7 @@ def cost() -> dict[str, float]:
     t0 = time.perf_counter()
     sample_block_digests(states, job.manifest, job.share)
     out["reader_cpu_block_digests_ms"] = (time.perf_counter() - t0) * 1e3
-    from kv_connector.integrity import sample_checksum
+    from kv_connector.wire.integrity import sample_checksum
 
     t0 = time.perf_counter()
     sample_checksum(run.numpy().data, 0, job.manifest, job.share)

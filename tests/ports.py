@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 
-from kv_connector.control import format_address
+from kv_connector.wire.control import format_address
 
 
 def held_port(host: str = "127.0.0.1") -> socket.socket:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_connector.httpclient import Server
+from kv_connector.datagen.httpclient import Server
 
 Labels = tuple[tuple[str, str], ...]
 Samples = dict[tuple[str, Labels], float]

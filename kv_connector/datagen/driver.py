@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from kv_connector.datagen import plan
+from kv_connector.datagen.httpclient import HTTPError, Server
 from kv_connector.datagen.plan import RowBook, Status
 from kv_connector.datagen.rows import DatasetRows, JsonlRows, Rows
-from kv_connector.httpclient import HTTPError, Server
-from kv_connector.reader.naming import row_index
+from kv_connector.files.naming import row_index
 
 log = logging.getLogger("kv_connector.datagen")
 

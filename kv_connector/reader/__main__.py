@@ -1,5 +1,6 @@
-import sys
+"""``python -m kv_connector.reader``: the name users know for the file-writing CLI, which
+lives in ``kv_connector.files`` (run by name, so the library never imports its CLI)."""
 
-from kv_connector.reader.cli import main
+import runpy
 
-sys.exit(main())
+runpy.run_module("kv_connector.files", run_name="__main__", alter_sys=True)

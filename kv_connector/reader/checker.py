@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from kv_connector.block_digest import sample_block_digests, share_digest
-from kv_connector.integrity import sample_checksum
 from kv_connector.reader.lease import sample_view
 from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.records import Action, Verify
+from kv_connector.wire.block_digest import sample_block_digests, share_digest
+from kv_connector.wire.integrity import sample_checksum
 
-log = logging.getLogger("kv_connector.reader.core")
+log = logging.getLogger("kv_connector.reader.reader")
 
 
 class ShareChecker:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_connector.protocol import Manifest
+from kv_connector.wire.protocol import Manifest
 
 Key = tuple[str, str]
 HUGE_PAGE_MIN_BYTES = 2 << 20

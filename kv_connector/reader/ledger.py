@@ -71,10 +71,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from kv_connector import protocol
-from kv_connector.layout import pages_for
-from kv_connector.pool import PagePool, PoolTooSmall
-from kv_connector.protocol import ProtocolError
+from kv_connector.reader.pool import PagePool, PoolTooSmall
 from kv_connector.reader.producers import PeerId, Producers
 from kv_connector.reader.records import (
     AckMode,
@@ -90,7 +87,10 @@ from kv_connector.reader.records import (
     Share,
     Verify,
 )
-from kv_connector.stats import PoolState, ProducerTotals, ReaderStats
+from kv_connector.reader.stats import PoolState, ProducerTotals, ReaderStats
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import pages_for
+from kv_connector.wire.protocol import ProtocolError
 
 MAX_REWRITES = 3
 SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (never back-pressure:

@@ -1,7 +1,7 @@
 """The reader's Prometheus metrics, made at scrape time from its typed snapshots
 (``HiddenStatesReader.stats()``, ``pool_state()``, ``producers_connected()``, and the
 CLI's ``FileStats``): nothing is recorded for them on the data path beyond the ledger's
-own counters. Served by ``kv_connector.metrics_server``.
+own counters. Served by ``kv_connector.reader.metrics_server``.
 
 Every name starts with ``hidden_states_reader_``; counters get ``_total`` in the text.
 """
@@ -16,8 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kv_connector.observe import Histogram
-from kv_connector.stats import FileStats, PoolState, ReaderStats
+from kv_connector.common.observe import Histogram
+from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
 
 PREFIX = "hidden_states_reader_"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_connector import protocol
-from kv_connector.protocol import ProtocolError
+from kv_connector.wire import protocol
+from kv_connector.wire.protocol import ProtocolError
 
 PeerId = int
 

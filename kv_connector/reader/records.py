@@ -8,8 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kv_connector import protocol
 from kv_connector.reader.producers import PeerId
+from kv_connector.wire import protocol
 
 Key = tuple[str, str]  # (producer id, request id)
 

@@ -19,18 +19,18 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kv_connector import protocol
-from kv_connector.control import ConnectionClosed, FramedConnection, OutputFull, format_address
-from kv_connector.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
-from kv_connector.poller import Poller
-from kv_connector.protocol import ProtocolError
+from kv_connector.common.poller import Poller
 from kv_connector.reader.checker import ShareChecker
 from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.producers import PeerId
 from kv_connector.reader.records import Action, Key, Log, Ready, Send, Verify
-from kv_connector.transport import Region, Transport, TransportError
+from kv_connector.wire import protocol
+from kv_connector.wire.control import ConnectionClosed, FramedConnection, OutputFull, format_address
+from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
+from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.transport import Region, Transport, TransportError
 
-log = logging.getLogger("kv_connector.reader.core")
+log = logging.getLogger("kv_connector.reader.reader")
 
 PAGE_ALIGN = 64  # pool pages are multiples of this, so any dtype can view them
 LEASE_LOG_S = 10.0  # at most one line per this while producers wait on held leases

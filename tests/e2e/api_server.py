@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible server (the CPU build) in a subprocess, for e2e tests.
 
 It listens on a Unix socket (vLLM's ``--uds``), so no TCP port is picked and released
-before the server binds it; requests go through ``kv_connector.httpclient``. The CPU
+before the server binds it; requests go through ``kv_connector.datagen.httpclient``. The CPU
 build's ``vllm`` console script dies at start (PackageNotFoundError), so the module
 ``vllm.entrypoints.openai.api_server`` is run directly: it takes ``vllm serve``'s flags.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.httpclient import Server
+from kv_connector.datagen.httpclient import Server
 from tests.e2e.conftest import REPO
 
 STARTUP_DEADLINE_S = 420.0

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kv_connector.httpclient import Server
+from kv_connector.datagen.httpclient import Server
 from kv_connector.reader import HiddenStatesReader, Sample
-from kv_connector.reader.core import ReaderClosed
+from kv_connector.reader.reader import ReaderClosed
 from tests.e2e.api_server import ApiServer, tail
 from tests.ports import address_of, held_port
 from tests.promtext import excerpt, parse, scrape, value, wait_for_values

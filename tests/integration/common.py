@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kv_connector.layout import BlockLayout
+from kv_connector.wire.layout import BlockLayout
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,13 +20,13 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
-from kv_connector import auth, handshake, protocol
-from kv_connector.control import FramedConnection, parse_address
-from kv_connector.layout import BlockLayout
-from kv_connector.nixl_transport import NixlTransport as Transport
-from kv_connector.protocol import ProtocolError
 from kv_connector.reader import HiddenStatesReader
-from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire.control import FramedConnection, parse_address
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.nixl_transport import NixlTransport as Transport
+from kv_connector.wire.protocol import ProtocolError
 from tests.integration.common import expected_states, make_cache, same_bytes, token_ids
 
 LAYOUT = BlockLayout("LTH", 16, 3, 64, "float32")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kv_connector.layout import BlockLayout
-from kv_connector.send_ledger import Job
-from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.ledger import Job
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import make_cache, token_ids
 
 

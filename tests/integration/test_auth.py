@@ -27,14 +27,14 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector import auth, protocol
-from kv_connector.control import ConnectionClosed, FramedConnection, parse_address
-from kv_connector.handshake import ReaderHandshake
-from kv_connector.layout import BlockLayout
-from kv_connector.nixl_transport import NixlTransport as Transport
 from kv_connector.reader import HiddenStatesReader, Sample
 from kv_connector.reader.server import ReaderServer
-from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire import auth, protocol
+from kv_connector.wire.control import ConnectionClosed, FramedConnection, parse_address
+from kv_connector.wire.handshake import ReaderHandshake
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.nixl_transport import NixlTransport as Transport
 from tests.integration.common import (
     REPO,
     child_env,

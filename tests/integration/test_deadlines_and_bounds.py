@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector import protocol
-from kv_connector.control import FramedConnection, parse_address
-from kv_connector.nixl_transport import NixlTransport
 from kv_connector.reader import HiddenStatesReader
 from kv_connector.reader.server import MAX_UNPROVEN_PER_HOST
-from kv_connector.sender import HiddenStatesSender, SenderConfig
-from kv_connector.sender_loop import SenderError
+from kv_connector.sender.loop import SenderError
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire import protocol
+from kv_connector.wire.control import FramedConnection, parse_address
+from kv_connector.wire.nixl_transport import NixlTransport
 from tests.integration.common import (
     expected_states,
     finish_sender,

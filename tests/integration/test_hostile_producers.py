@@ -28,10 +28,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector import auth, handshake, protocol
-from kv_connector.control import FramedConnection, parse_address
 from kv_connector.reader import HiddenStatesReader
-from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire.control import FramedConnection, parse_address
 from tests.integration.common import REPO, expected_states, same_bytes, token_ids
 from tests.integration.hostile_common import (
     _LEN,

@@ -18,10 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector import auth, protocol
-from kv_connector.control import FramedConnection
-from kv_connector.nixl_transport import NixlTransport as Transport
-from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire import auth, protocol
+from kv_connector.wire.control import FramedConnection
+from kv_connector.wire.nixl_transport import NixlTransport as Transport
 from tests.integration.common import token_ids
 from tests.integration.hostile_common import (
     _LEN,

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector import protocol
-from kv_connector.layout import stripe
 from kv_connector.reader import HiddenStatesReader, Sample, checker
 from kv_connector.reader.ledger import MAX_REWRITES
-from kv_connector.transport import Region
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import stripe
+from kv_connector.wire.transport import Region
 from tests.integration.common import finish_sender
 from tests.integration.test_reader_transfers import CPU_LAYOUT, GPU_LAYOUT, check, collect, plan, ship
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kv_connector.layout import stripe
+from kv_connector.wire.layout import stripe
 from scripts.harness_rank import sample_states, sample_tokens
 from scripts.netns import Cluster, NetnsUnavailable, Node, check_available
 from scripts.vllm_harness import config_only_model, file_store_init_method

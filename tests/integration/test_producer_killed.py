@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kv_connector.layout import BlockLayout
 from kv_connector.reader import HiddenStatesReader, Sample
 from kv_connector.reader.records import SampleState
-from kv_connector.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
     expected_states,
     finish_sender,

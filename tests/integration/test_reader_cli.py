@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kv_connector.layout import BlockLayout
-from kv_connector.reader.journal import Journal
-from kv_connector.reader.naming import safe_name
+from kv_connector.files.journal import Journal
+from kv_connector.files.naming import safe_name
+from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
     expected_states,
     finish_sender,

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from kv_connector import protocol
-from kv_connector.httpclient import Server
-from kv_connector.layout import BlockLayout
+from kv_connector.datagen.httpclient import Server
 from kv_connector.reader import HiddenStatesReader, checker
 from kv_connector.reader.ledger import MAX_REWRITES
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import finish_sender, layout_dict, start_sender
 from tests.integration.test_reader_transfers import CPU_LAYOUT, NUM_CACHE_BLOCKS, plan, ship
 from tests.ports import address_of, held_port

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from kv_connector.layout import BlockLayout
-from kv_connector.reader.journal import Journal
+from kv_connector.files.journal import Journal
+from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
     expected_states,
     finish_sender,

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kv_connector.layout import BlockLayout
 from kv_connector.reader import HiddenStatesReader, Sample
+from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
     expected_states,
     finish_sender,

@@ -1,4 +1,4 @@
-"""Block digests (``kv_connector.block_digest``): the producer's number from its cache
+"""Block digests (``kv_connector.wire.block_digest``): the producer's number from its cache
 blocks and the reader's from the arranged run in its pool agree bit for bit, for both
 layouts and element widths; they equal an independent reference computed element by
 element in Python integers; they cover exactly the sample's tokens and its manifest."""
@@ -11,19 +11,19 @@ import pytest
 import torch
 import xxhash
 
-from kv_connector import protocol
-from kv_connector.block_digest import (
+from kv_connector.reader.lease import sample_view
+from kv_connector.sender.hasher import share_block_digest
+from kv_connector.sender.ledger import Job
+from kv_connector.wire import protocol
+from kv_connector.wire.block_digest import (
     TAG,
     cache_block_digests,
     sample_block_digests,
     share_digest,
     weights,
 )
-from kv_connector.digests import share_block_digest
-from kv_connector.integrity import manifest_bytes
-from kv_connector.layout import BlockLayout
-from kv_connector.reader.lease import sample_view
-from kv_connector.send_ledger import Job
+from kv_connector.wire.integrity import manifest_bytes
+from kv_connector.wire.layout import BlockLayout
 
 MASK = (1 << 64) - 1
 
@@ -94,7 +94,7 @@ def test_gathers_in_chunks_give_the_same_digests(layout: str, monkeypatch: pytes
     raw, m, block_ids, _ = landed(layout, "bfloat16", 30, bs=4)
     share = list(range(m.num_blocks))
     whole = cache_block_digests(typed_cache(raw, m), m, block_ids, share)
-    monkeypatch.setattr("kv_connector.block_digest.CHUNK_BYTES", 1)  # one block per gather
+    monkeypatch.setattr("kv_connector.wire.block_digest.CHUNK_BYTES", 1)  # one block per gather
     assert cache_block_digests(typed_cache(raw, m), m, block_ids, share) == whole
     # a rank's share is its own blocks, in block order, whatever order it names them in
     odd = [5, 1, 3]
@@ -143,7 +143,7 @@ def test_the_senders_path_over_its_flat_cache_bytes() -> None:
 
 
 def test_rows_that_are_not_whole_words_are_refused() -> None:
-    from kv_connector.block_digest import as_words, supported
+    from kv_connector.wire.block_digest import as_words, supported
 
     assert as_words(torch.zeros(2, 4, dtype=torch.bfloat16)).shape == (2, 1)
     assert supported(BlockLayout("TLH", 16, 2, 4096, "bfloat16"))

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from kv_connector import auth, protocol
-from kv_connector.control import ConnectionClosed, FramedConnection, parse_address
-from kv_connector.protocol import ProtocolError
+from kv_connector.wire import auth, protocol
+from kv_connector.wire.control import ConnectionClosed, FramedConnection, parse_address
+from kv_connector.wire.protocol import ProtocolError
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_connector.delivery import DeliveryBook, Router
+from kv_connector.producer.delivery import DeliveryBook, Router
 
 
 class Clock:
@@ -127,8 +127,8 @@ def test_bad_world_size_is_refused(world: int) -> None:
 def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_links() -> None:
     from types import SimpleNamespace
 
-    from kv_connector.options import ConnectorOptions
-    from kv_connector.scheduler_side import SchedulerSide
+    from kv_connector.producer.options import ConnectorOptions
+    from kv_connector.producer.scheduler_side import SchedulerSide
 
     side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"}), None, "p")
     side.update(SimpleNamespace(links=[(0, 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
@@ -148,8 +148,8 @@ def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_link
 def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: str) -> None:
     from types import SimpleNamespace
 
-    from kv_connector.options import ConnectorOptions
-    from kv_connector.scheduler_side import SchedulerSide
+    from kv_connector.producer.options import ConnectorOptions
+    from kv_connector.producer.scheduler_side import SchedulerSide
 
     addrs = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]
     side = SchedulerSide(ConnectorOptions.parse({"consumer_address": addrs, "sharding": sharding}), None, "p")

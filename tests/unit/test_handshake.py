@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 
-from kv_connector import auth, handshake, protocol
-from kv_connector.control import FramedConnection
-from kv_connector.handshake import FRAME_LIMITS, HandshakeError, Phase, ProducerIdentity, ReaderHandshake
-from kv_connector.protocol import ProtocolError
+from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire.control import FramedConnection
+from kv_connector.wire.handshake import FRAME_LIMITS, HandshakeError, Phase, ProducerIdentity, ReaderHandshake
+from kv_connector.wire.protocol import ProtocolError
 
 ME = ProducerIdentity("prod", 1, 2, "prod-r1", 4096)
 

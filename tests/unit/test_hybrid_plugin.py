@@ -118,7 +118,7 @@ def test_supplementary_tensor_is_allocated_beside_vllms(tiny: tuple[Any, Any]) -
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from hybrid.runtime import with_supplementary_tensors
-    from kv_connector.layout import layout_from_view
+    from kv_connector.wire.layout import layout_from_view
 
     cfg, config = tiny
     layout = cfg.cache_config.get_resolved_kv_cache_layout()

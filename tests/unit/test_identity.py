@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-from kv_connector.identity import (
+from kv_connector.producer.options import ConnectorOptions
+from kv_connector.producer.planning import NewRequest, ShipOrder
+from kv_connector.producer.scheduler_side import SchedulerSide
+from kv_connector.wire.identity import (
     NO_IDENTITY,
     IdentityError,
     SampleIdentity,
@@ -18,9 +21,6 @@ from kv_connector.identity import (
     identity_of,
     make_identity,
 )
-from kv_connector.options import ConnectorOptions
-from kv_connector.planning import NewRequest, ShipOrder
-from kv_connector.scheduler_side import SchedulerSide
 
 
 @pytest.mark.parametrize("sid", ["0", "17", "row-17", "a.b:c@d+e=f_g", "x" * 128])

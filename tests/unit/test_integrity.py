@@ -8,9 +8,9 @@ import pytest
 import torch
 import xxhash
 
-from kv_connector import protocol
-from kv_connector.integrity import block_checksum, manifest_bytes, sample_checksum, spans_of_sample
-from kv_connector.layout import BlockLayout
+from kv_connector.wire import protocol
+from kv_connector.wire.integrity import block_checksum, manifest_bytes, sample_checksum, spans_of_sample
+from kv_connector.wire.layout import BlockLayout
 
 
 def valid_spans(
@@ -123,8 +123,8 @@ def test_producer_and_reader_digests_agree_and_cover_the_manifest() -> None:
     """The producer's digest (digests.share_checksum, from its cache) equals the reader's
     (from its pool) for the same manifest, and a reader holding a manifest that differs in
     any field (sample id, metadata, token ids, layer ids) computes another."""
-    from kv_connector.digests import share_checksum
-    from kv_connector.send_ledger import Job
+    from kv_connector.sender.hasher import share_checksum
+    from kv_connector.sender.ledger import Job
 
     cache, m, pool, block_ids = _landed_sample()
     job = Job("r-1", m, block_ids, range(2), 0.0)

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kv_connector.reader import journal
-from kv_connector.reader.journal import HEADER, RECORD, Journal, JournalLocked
+from kv_connector.files import journal
+from kv_connector.files.journal import HEADER, RECORD, Journal, JournalLocked
 
 
 def test_added_keys_are_found_after_a_restart(tmp_path: Path) -> None:

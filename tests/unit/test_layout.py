@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_connector.layout import (
+from kv_connector.wire.layout import (
     BlockLayout,
     blocks_for_tokens,
     layout_from_view,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kv_connector.producer.step_stats import COUNTERS, FAILED, GAUGES, HISTOGRAMS, FailureReason
 from kv_connector.reader import metrics as reader_metrics
-from kv_connector.step_stats import COUNTERS, FAILED, GAUGES, HISTOGRAMS, FailureReason
 
 REPO = Path(__file__).resolve().parents[2]
 

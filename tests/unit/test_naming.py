@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector.reader.naming import MAX_NAME, FileLayout, row_index, safe_name, sample_path
+from kv_connector.files.naming import MAX_NAME, FileLayout, row_index, safe_name, sample_path
 
 
 @pytest.mark.parametrize("ident", ["cmpl-8f2a-0-1b2c3d4e", "a", "A.b_c@d+e=f-g", "x" * MAX_NAME])

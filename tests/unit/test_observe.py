@@ -1,10 +1,10 @@
-"""Histograms with fixed buckets and bounded observation buffers (``kv_connector.observe``)."""
+"""Histograms with fixed buckets and bounded observation buffers (``kv_connector.common.observe``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_connector.observe import Histogram, Observations, quantile
+from kv_connector.common.observe import Histogram, Observations, quantile
 
 
 def test_a_value_falls_in_the_first_bucket_whose_bound_is_at_least_it() -> None:

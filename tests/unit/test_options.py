@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.options import ConnectorOptions
+from kv_connector.producer.options import ConnectorOptions
 
 GOOD = "127.0.0.1:5555"
 TIMEOUT_KEYS = ["connect_timeout_s", "drain_timeout_s"]
@@ -190,7 +190,7 @@ def test_bad_reader_lists_and_sharding_are_named(extra: dict[str, Any], fragment
 
 
 def test_the_checksum_kind_follows_where_the_cache_is_unless_asked() -> None:
-    from kv_connector.options import Checksum
+    from kv_connector.producer.options import Checksum
 
     assert ConnectorOptions.parse({"consumer_address": GOOD}).checksum is Checksum.AUTO
     kinds = {c: ConnectorOptions.parse({"consumer_address": GOOD, "checksum": c}).checksum for c in CHECKSUMS}

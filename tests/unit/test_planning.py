@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector.planning import (
+from kv_connector.producer.planning import (
     BlockRecorder,
     NewRequest,
     Router,

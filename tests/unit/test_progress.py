@@ -1,11 +1,11 @@
-"""The reader's progress line and the summary of a run (``kv_connector.reader.progress``)."""
+"""The reader's progress line and the summary of a run (``kv_connector.files.progress``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_connector.reader.progress import Progress, Reading, duration, pool_use, si
-from kv_connector.stats import FileStats, PoolState, ReaderStats
+from kv_connector.files.progress import Progress, Reading, duration, pool_use, si
+from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
 
 
 def reading(t: float, samples: int, free: int = 10, waiting: int = 0, producers: int = 1) -> Reading:
@@ -56,7 +56,7 @@ def test_the_live_line_is_cleared_for_a_log_record_and_stays_at_the_end() -> Non
     import io
     import logging
 
-    from kv_connector.reader.console import ProgressPrinter
+    from kv_connector.files.console import ProgressPrinter
 
     out = io.StringIO()
     handler = logging.StreamHandler(out)
@@ -79,7 +79,7 @@ def test_the_live_line_is_cleared_for_a_log_record_and_stays_at_the_end() -> Non
 def test_off_a_terminal_progress_goes_out_as_plain_lines() -> None:
     import io
 
-    from kv_connector.reader.console import ProgressPrinter
+    from kv_connector.files.console import ProgressPrinter
 
     lines: list[str] = []
     readings = iter([reading(0.0, 0), reading(1.0, 10), reading(2.0, 20)])

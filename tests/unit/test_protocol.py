@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector import protocol
-from kv_connector.layout import BlockLayout
-from kv_connector.protocol import ProtocolError
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import ProtocolError
 
 GEOMETRY = BlockLayout("LTH", 16, 3, 8, "float32")
 

@@ -11,9 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector import protocol
-from kv_connector.layout import BlockLayout, stripe
-from kv_connector.protocol import ProtocolError
 from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.records import (
     AckMode,
@@ -25,6 +22,9 @@ from kv_connector.reader.records import (
     Send,
     Verify,
 )
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import ProtocolError
 
 LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
 PAGE = LAYOUT.block_bytes

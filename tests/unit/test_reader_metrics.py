@@ -8,11 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_connector import protocol
 from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.metrics import FilesCollector, ReaderCollector
 from kv_connector.reader.records import Verify
-from kv_connector.stats import FileStats, PoolState, ReaderStats
+from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
+from kv_connector.wire import protocol
 from tests.unit.test_reader_ledger import PAGE, connected, credit, hand_out, hello, land, ledger, sends
 
 

@@ -1,5 +1,5 @@
 """The sender's job ledger as a state machine: every transition, every illegal one, and
-the invariants S1-S8 of ``kv_connector.send_ledger`` (each test names the one it proves).
+the invariants S1-S8 of ``kv_connector.sender.ledger`` (each test names the one it proves).
 Pure: no transport, no sockets, no threads; times are passed in."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector import protocol
-from kv_connector.layout import BlockLayout, stripe
-from kv_connector.protocol import ProtocolError
-from kv_connector.send_ledger import DigestState, FrozenJob, IllegalTransition, JobState, SendLedger
+from kv_connector.sender.ledger import DigestState, FrozenJob, IllegalTransition, JobState, SendLedger
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import ProtocolError
 
 LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
 PAGE = LAYOUT.block_bytes

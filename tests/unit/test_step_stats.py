@@ -1,4 +1,4 @@
-"""The producer's per-step metrics (``kv_connector.step_stats``): failure texts to reasons
+"""The producer's per-step metrics (``kv_connector.producer.step_stats``): failure texts to reasons
 (the real texts, from the real ledgers), one step's data from a worker rank and from the
 scheduler side, their merge over ranks, the API server's levels, and the form vLLM ships
 them in (msgpack)."""
@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import msgspec
 
-from kv_connector import protocol
-from kv_connector.delivery import DeliveryBook, Router
-from kv_connector.planning import BlockRecorder, StepSlice
-from kv_connector.send_ledger import SendLedger
-from kv_connector.stats import SenderMetrics, SenderObservations, SenderStats
-from kv_connector.step_stats import (
+from kv_connector.producer.delivery import DeliveryBook, Router
+from kv_connector.producer.planning import BlockRecorder, StepSlice
+from kv_connector.producer.step_stats import (
     Count,
     FailureReason,
     Level,
@@ -27,6 +24,9 @@ from kv_connector.step_stats import (
     merge,
     summary,
 )
+from kv_connector.sender.ledger import SendLedger
+from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
+from kv_connector.wire import protocol
 from tests.unit.test_send_ledger import PAGE, POOL, grant, post, submit, to_writing
 
 

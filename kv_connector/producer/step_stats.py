@@ -25,8 +25,8 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypedDict, TypeVar
 
-from kv_connector.observe import quantile
-from kv_connector.stats import SenderMetrics, SenderStats
+from kv_connector.common.observe import quantile
+from kv_connector.sender.stats import SenderMetrics, SenderStats
 
 PREFIX = "vllm:hidden_states_"  # vLLM unregisters only "vllm:*" collectors between loggers
 SCHEDULER_SOURCE = "scheduler"

@@ -20,19 +20,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_connector import auth
-from kv_connector.control import format_address, parse_address
-from kv_connector.identity import decode_metadata
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
 from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
 from kv_connector.reader.server import ReaderServer, round_page
+from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.reader.values import find_bad_values
-from kv_connector.stats import PoolState, ReaderStats
-from kv_connector.transport import Transport
+from kv_connector.wire import auth
+from kv_connector.wire.control import format_address, parse_address
+from kv_connector.wire.identity import decode_metadata
+from kv_connector.wire.transport import Transport
 
 if TYPE_CHECKING:
-    from kv_connector.metrics_server import MetricsServer
+    from kv_connector.reader.metrics_server import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class HiddenStatesReader:
         self._copies = CopyBuffers(max_bytes=max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
         try:
             if transport is None:
-                from kv_connector.nixl_transport import NixlTransport
+                from kv_connector.wire.nixl_transport import NixlTransport
 
                 transport = NixlTransport(self.reader_id)
             self._transport = transport
@@ -414,7 +414,7 @@ class HiddenStatesReader:
 
 def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:
     """A Prometheus endpoint for ``reader`` (prometheus_client is imported only here)."""
-    from kv_connector.metrics_server import MetricsServer
     from kv_connector.reader.metrics import ReaderCollector
+    from kv_connector.reader.metrics_server import MetricsServer
 
     return MetricsServer(listen, [ReaderCollector(reader)])

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from kv_connector.reader.core import HiddenStatesReader
-from kv_connector.reader.progress import Progress, Reading
-from kv_connector.stats import FileStats
+from kv_connector.files.progress import Progress, Reading
+from kv_connector.reader.reader import HiddenStatesReader
+from kv_connector.reader.stats import FileStats
 
 log = logging.getLogger("kv_connector.reader")
 

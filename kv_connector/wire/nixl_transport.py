@@ -3,7 +3,7 @@
 A ``NixlTransport`` is one NIXL agent on the UCX backend, without NIXL's progress thread
 (it spins a whole core per agent; on small machines that starves vLLM). Progress is made
 by the caller polling ``poll`` and ``notifications`` on both sides. It implements
-``kv_connector.transport.Transport``.
+``kv_connector.wire.transport.Transport``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_connector.transport import MemType, Region, Transfer, TransportError
+from kv_connector.wire.transport import MemType, Region, Transfer, TransportError
 
 log = logging.getLogger(__name__)
 

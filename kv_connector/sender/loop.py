@@ -15,16 +15,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from kv_connector import handshake, protocol
-from kv_connector.control import ConnectionClosed, FramedConnection
-from kv_connector.digests import Hasher
-from kv_connector.poller import IDLE_POLL_S
-from kv_connector.protocol import ProtocolError
-from kv_connector.send_ledger import Failure, FrozenJob, Job, SendLedger
-from kv_connector.share_writer import ShareWriter
-from kv_connector.transport import Region, Transport, TransportError
+from kv_connector.common.poller import IDLE_POLL_S
+from kv_connector.sender.hasher import Hasher
+from kv_connector.sender.ledger import Failure, FrozenJob, Job, SendLedger
+from kv_connector.sender.writer import ShareWriter
+from kv_connector.wire import handshake, protocol
+from kv_connector.wire.control import ConnectionClosed, FramedConnection
+from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.transport import Region, Transport, TransportError
 
-log = logging.getLogger("kv_connector.sender")
+log = logging.getLogger("kv_connector.sender.sender")
 
 
 class SenderError(RuntimeError):

@@ -8,7 +8,7 @@
                                                (checks the proof, loads the metadata)
                                           <-   Welcome(metadata, pool, page size)
 
-With a shared secret both sides prove it (``kv_connector.auth``) before any NIXL
+With a shared secret both sides prove it (``kv_connector.wire.auth``) before any NIXL
 metadata, and with it any memory key, leaves a node; the producer checks the reader's
 proof before it sends its own metadata. Each phase of the reader's side bounds the frame
 it accepts (``FRAME_LIMITS``): a peer that has not proven anything may not make the
@@ -30,9 +30,9 @@ from typing import Literal
 
 import msgspec
 
-from kv_connector import auth, protocol
-from kv_connector.control import FramedConnection
-from kv_connector.protocol import ProtocolError
+from kv_connector.wire import auth, protocol
+from kv_connector.wire.control import FramedConnection
+from kv_connector.wire.protocol import ProtocolError
 
 HANDSHAKE_TIMEOUT_S = 10.0  # the whole handshake, every message included
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from kv_connector import auth, block_digest, handshake, protocol
-from kv_connector.digests import share_block_digest, share_checksum
-from kv_connector.identity import make_identity
-from kv_connector.layout import BlockLayout, stripe
-from kv_connector.send_ledger import Job, SendLedger
-from kv_connector.sender_loop import SenderError, SenderLoop
-from kv_connector.share_writer import ShareWriter
-from kv_connector.stats import SenderMetrics, SenderStats
-from kv_connector.transport import Transport
+from kv_connector.sender.hasher import share_block_digest, share_checksum
+from kv_connector.sender.ledger import Job, SendLedger
+from kv_connector.sender.loop import SenderError, SenderLoop
+from kv_connector.sender.stats import SenderMetrics, SenderStats
+from kv_connector.sender.writer import ShareWriter
+from kv_connector.wire import auth, block_digest, handshake, protocol
+from kv_connector.wire.identity import make_identity
+from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class HiddenStatesSender:
                 'is not (use "checksum": "xxh3")'
             )
         if transport is None:
-            from kv_connector.nixl_transport import NixlTransport
+            from kv_connector.wire.nixl_transport import NixlTransport
 
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
@@ -163,7 +163,7 @@ class HiddenStatesSender:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
         ``sample_id`` and ``metadata`` the user's name and JSON object for the sample
-        (``kv_connector.identity``). A request that cannot travel (its id, its identity,
+        (``kv_connector.wire.identity``). A request that cannot travel (its id, its identity,
         its blocks) raises ``ValueError``; a sender whose thread died raises
         ``SenderError``: either way nothing was queued."""
         if self._loop.dead is not None or self._loop.closed:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 import xxhash
 
-from kv_connector.protocol import Manifest
+from kv_connector.wire.protocol import Manifest
 
 # Buffers are anything with the buffer protocol (bytes, memoryview, numpy arrays).
 Buffer = memoryview

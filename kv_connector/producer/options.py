@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kv_connector.control import parse_address
+from kv_connector.wire.control import parse_address
 
 EXAMPLE = (
     '--kv-transfer-config \'{"kv_connector":"HiddenStatesConnector",'

@@ -1,6 +1,6 @@
 """The sender's job ledger: every request one rank ships, from submission to the reader's
 ``Ack`` or a named failure, as a state machine. Pure logic (no nixl, sockets, threads
-or clocks: times are passed in). The shell (``kv_connector.sender``) feeds it what
+or clocks: times are passed in). The shell (``kv_connector.sender.sender``) feeds it what
 happened and performs what it answers; every transition is a method, and a transition
 the state does not allow raises ``IllegalTransition`` (the shell's bug) or
 ``ProtocolError`` (the reader's: a Grant, Rewrite or Refuse that does not fit).
@@ -57,11 +57,11 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kv_connector import protocol
-from kv_connector.layout import pages_for
-from kv_connector.observe import Observations
-from kv_connector.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
-from kv_connector.stats import SenderMetrics, SenderObservations, SenderStats
+from kv_connector.common.observe import Observations
+from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import pages_for
+from kv_connector.wire.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
 
 MAX_WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted this many times in all
 WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)

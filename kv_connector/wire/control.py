@@ -10,8 +10,8 @@ import struct
 import threading
 import time
 
-from kv_connector import auth, protocol
-from kv_connector.protocol import ProtocolError
+from kv_connector.wire import auth, protocol
+from kv_connector.wire.protocol import ProtocolError
 
 _LEN = struct.Struct(">I")
 MAX_OUT_BYTES = 4 << 20  # what ``send_nowait`` may hold for a peer that does not read

@@ -20,9 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kv_connector import step_stats
-from kv_connector.observe import OPERATION_BUCKETS_S, WAIT_BUCKETS_S
-from kv_connector.step_stats import (
+from kv_connector.common.observe import OPERATION_BUCKETS_S, WAIT_BUCKETS_S
+from kv_connector.producer import step_stats
+from kv_connector.producer.step_stats import (
     COUNTERS,
     FAILED,
     GAUGES,

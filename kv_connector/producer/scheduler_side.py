@@ -8,14 +8,14 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from kv_connector.delivery import AdmissionKind, DeliveryBook, Router
-from kv_connector.identity import NO_IDENTITY, IdentityError, identity_of
-from kv_connector.options import ConnectorOptions, Sharding
-from kv_connector.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
-from kv_connector.protocol import request_id_problem
-from kv_connector.report import WorkerReport
-from kv_connector.requests import RequestTable
-from kv_connector.step_stats import SchedulerStats, StepData
+from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
+from kv_connector.producer.options import ConnectorOptions, Sharding
+from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.step_stats import SchedulerStats, StepData
+from kv_connector.producer.worker_report import WorkerReport
+from kv_connector.wire.identity import NO_IDENTITY, IdentityError, identity_of
+from kv_connector.wire.protocol import request_id_problem
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

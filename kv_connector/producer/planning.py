@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kv_connector.delivery import Router
-from kv_connector.identity import NO_IDENTITY, SampleIdentity
-from kv_connector.layout import blocks_for, blocks_for_tokens
-from kv_connector.requests import RequestRecord, RequestTable
+from kv_connector.producer.delivery import Router
+from kv_connector.producer.request_table import RequestRecord, RequestTable
+from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
+from kv_connector.wire.layout import blocks_for, blocks_for_tokens
 
 
 @dataclass(frozen=True)

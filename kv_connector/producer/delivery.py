@@ -21,9 +21,9 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kv_connector.options import Sharding
-from kv_connector.report import LinkChange
-from kv_connector.requests import RequestTable
+from kv_connector.producer.options import Sharding
+from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.worker_report import LinkChange
 
 NOT_REPORTED = "no worker has reported a connection yet"
 

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import xxhash
 
-from kv_connector.integrity import manifest_bytes
-from kv_connector.layout import BlockLayout
-from kv_connector.protocol import Manifest
+from kv_connector.wire.integrity import manifest_bytes
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import Manifest
 
 TAG = b"kv_connector block digests v1"
 CHUNK_BYTES = 32 << 20  # cache bytes per gather on the cache's device (the temporaries stay small)

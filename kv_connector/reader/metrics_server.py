@@ -15,7 +15,7 @@ from http.server import ThreadingHTTPServer
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kv_connector.control import format_address, parse_address
+from kv_connector.wire.control import format_address, parse_address
 
 
 class MetricsAddressError(OSError):

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kv_connector import protocol
-from kv_connector.poller import Poller
-from kv_connector.send_ledger import Failure, Job, JobState, SendLedger
-from kv_connector.transport import Region, Transport, TransportError
+from kv_connector.common.poller import Poller
+from kv_connector.sender.ledger import Failure, Job, JobState, SendLedger
+from kv_connector.wire import protocol
+from kv_connector.wire.transport import Region, Transport, TransportError
 
-log = logging.getLogger("kv_connector.sender")
+log = logging.getLogger("kv_connector.sender.sender")
 
 SETTLE_S = 5.0  # after a lost connection, how long a WRITE in flight may take to settle
 

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_connector import block_digest
-from kv_connector.layout import BlockLayout, layout_from_view
-from kv_connector.options import Checksum, ConnectorOptions
-from kv_connector.planning import BlockRecorder, SlotMismatch, StepPlan
-from kv_connector.report import LinkChange, WorkerReport
-from kv_connector.sender import HiddenStatesSender, SenderConfig
-from kv_connector.sender_loop import SenderError
-from kv_connector.stats import SenderStats
-from kv_connector.step_stats import StepData, WorkerStats
+from kv_connector.producer.options import Checksum, ConnectorOptions
+from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
+from kv_connector.producer.step_stats import StepData, WorkerStats
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.loop import SenderError
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.stats import SenderStats
+from kv_connector.wire import block_digest
+from kv_connector.wire.layout import BlockLayout, layout_from_view
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

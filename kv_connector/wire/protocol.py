@@ -1,7 +1,7 @@
 """Wire protocol: the control messages between producers and readers, as msgspec Structs.
 
 Every message on the control connection is one msgpack-encoded Struct of the tagged union
-``Message`` inside a length-prefixed frame (see ``kv_connector.control``). The same
+``Message`` inside a length-prefixed frame (see ``kv_connector.wire.control``). The same
 encoding carries the one data-plane message, ``WriteDone``, as a NIXL notification.
 
 Decoding is strict: unknown fields, wrong types, out-of-range values, inconsistent
@@ -12,7 +12,7 @@ that decoding validates.
 
 Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
     1: first version (Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone).
-    2: ``WriteDone.checksum`` (XXH3-64 of the rank's share, see ``kv_connector.integrity``)
+    2: ``WriteDone.checksum`` (XXH3-64 of the rank's share, see ``kv_connector.wire.integrity``)
        and ``Rewrite`` (the reader asks a rank to write its share again).
     3: ``Manifest.geometry`` (a nested ``layout.BlockLayout``) replaces its loose
        ``hidden_size``/``dtype``/``layout``/``block_size``/``block_bytes``; ``Refuse.code``
@@ -28,12 +28,12 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
        ``SafeName``s; ``Refuse.code`` "timeout", "limit", "preempted", "unchecked"; a
        Welcome's pool must fit in 64 bits.
     7: ``Manifest.sample_id`` and ``Manifest.metadata`` (the user's name for a sample and a
-       small JSON object, see ``kv_connector.identity``), covered by each share's checksum
+       small JSON object, see ``kv_connector.wire.identity``), covered by each share's checksum
        with the rest of the manifest; ``Refuse.code`` "rejected" (the consumer will not take
        a sample: non-finite or all-zero states, or a file it cannot write).
     8: ``Hello.digest``: how the rank computes its shares' checksums, "xxh3" over their
        bytes or "blocks" (per-block digests computed on the cache's device, see
-       ``kv_connector.block_digest``).
+       ``kv_connector.wire.block_digest``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kv_connector.layout import MAX_LAYERS, BlockLayout, blocks_for
+from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for
 
 PROTOCOL_VERSION = 8
 
@@ -112,7 +112,7 @@ class Hello(_Msg, tag="hello", frozen=True):
 
 class Challenge(_Msg, tag="challenge", frozen=True):
     """Reader -> producer: the reader's nonce and its proof of the shared secret
-    (see ``kv_connector.auth``); the producer checks it before sending any metadata."""
+    (see ``kv_connector.wire.auth``); the producer checks it before sending any metadata."""
 
     version: int
     nonce: Nonce

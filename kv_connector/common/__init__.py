@@ -1,0 +1,2 @@
+"""Plumbing both ends share and that imports nothing of ours: metric observations
+(``observe``) and the spin-then-sleep pacing of serving loops (``poller``)."""
