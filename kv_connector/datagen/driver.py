@@ -197,7 +197,7 @@ class Run:
                 log.warning("row %d: its file did not appear in %s; sending it again", r, self.check_dir)
             self._cond.notify_all()
 
-    def progress(self, t0: float) -> tuple[plan.Progress, plan.Counts]:
+    def progress(self, t0: float) -> tuple[plan.RunProgress, plan.Counts]:
         with self._cond:
             c = self.book.counts()
         p = plan.progress(

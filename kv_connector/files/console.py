@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from kv_connector.files.progress import Progress, Reading
+from kv_connector.files.progress import RateWindow, Reading
 from kv_connector.reader.reader import HiddenStatesReader
 from kv_connector.reader.stats import FileStats
 
@@ -50,7 +50,7 @@ class _ClearLine(logging.Filter):
 
 
 class ProgressPrinter:
-    """Prints ``Progress.line()`` of ``read()`` every ``interval_s``: live on a terminal
+    """Prints ``RateWindow.line()`` of ``read()`` every ``interval_s``: live on a terminal
     (``tty``; by default whether ``stream`` is one), otherwise through ``emit`` (a log
     line by default)."""
 
@@ -67,7 +67,7 @@ class ProgressPrinter:
         self.stream = stream if stream is not None else sys.stderr
         self.live = self.stream.isatty() if tty is None else tty
         self.interval_s = interval_s or (LIVE_INTERVAL_S if self.live else LOG_INTERVAL_S)
-        self.progress = Progress()
+        self.progress = RateWindow()
         self._lock = threading.Lock()
         self._shown = False
         self._stop = threading.Event()

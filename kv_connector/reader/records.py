@@ -14,7 +14,7 @@ from kv_connector.wire import protocol
 Key = tuple[str, str]  # (producer id, request id)
 
 
-class IllegalTransition(RuntimeError):
+class IllegalSampleTransition(RuntimeError):
     """A shell asked for a transition the sample's state does not allow."""
 
 
@@ -89,7 +89,7 @@ class Share:
 
 
 @dataclass
-class Sample:
+class SampleRecord:
     key: Key
     manifest: protocol.Manifest
     world_size: int

@@ -2,7 +2,7 @@
 ``Ack`` or a named failure, as a state machine. Pure logic (no nixl, sockets, threads
 or clocks: times are passed in). The shell (``kv_connector.sender.sender``) feeds it what
 happened and performs what it answers; every transition is a method, and a transition
-the state does not allow raises ``IllegalTransition`` (the shell's bug) or
+the state does not allow raises ``IllegalJobTransition`` (the shell's bug) or
 ``ProtocolError`` (the reader's: a Grant, Rewrite or Refuse that does not fit).
 
 States of a job (``JobState``), on the current connection to the reader:
@@ -70,7 +70,7 @@ WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives
 _PREEMPTED = "preempted before its share was safely written: its blocks are reused by another request"
 
 
-class IllegalTransition(RuntimeError):
+class IllegalJobTransition(RuntimeError):
     """The shell asked for a transition the job's state does not allow."""
 
 
@@ -171,7 +171,7 @@ class SendLedger:
         try:
             return self._jobs[request_id]
         except KeyError:
-            raise IllegalTransition(f"{request_id} is not in flight") from None
+            raise IllegalJobTransition(f"{request_id} is not in flight") from None
 
     def state_of(self, request_id: str) -> JobState | None:
         j = self._jobs.get(request_id)
@@ -184,9 +184,6 @@ class SendLedger:
     def unwritten(self) -> int:
         """Jobs whose blocks have not all landed in the reader yet."""
         return sum(j.state is not JobState.WRITTEN for j in self._jobs.values())
-
-    def count_unwritten(self, request_ids: Iterable[str]) -> int:
-        return sum(1 for r in request_ids if r in self._jobs and self._jobs[r].state is not JobState.WRITTEN)
 
     @property
     def writing(self) -> bool:
@@ -257,7 +254,7 @@ class SendLedger:
         if job is None:
             return  # it failed meanwhile
         if job.digest_state is not DigestState.COMPUTING:
-            raise IllegalTransition(f"{request_id}: a digest it was not waiting for")
+            raise IllegalJobTransition(f"{request_id}: a digest it was not waiting for")
         job.digest, job.digest_state = value, DigestState.READY
 
     def digests_owed(self) -> list[Job]:
@@ -302,7 +299,7 @@ class SendLedger:
         reader ack it, before the call returns (S3: an Ack then waits for its completion)."""
         job = self.job(request_id)
         if job.state is not JobState.GRANTED:  # S2, S4
-            raise IllegalTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
         job.state, job.xfer, job.t_write = JobState.WRITING, None, now
         job.digest_owed = notif.digest_follows
 
@@ -323,7 +320,7 @@ class SendLedger:
     def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
         job = self.job(request_id)
         if job.state is not JobState.WRITING:
-            raise IllegalTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
         self.stats.write_s += now - job.t_write
         self.stats.bytes += nbytes
         self.stats.writes += 1
@@ -348,7 +345,7 @@ class SendLedger:
         ``max_write_attempts`` failures, the job fails (answer: tell the reader)."""
         job = self.job(request_id)
         if job.state is not JobState.WRITING:
-            raise IllegalTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
         job.xfer = None
         if job.ack_due:  # the reader has the sample: nothing is lost
             self._finish(job, now)

@@ -359,7 +359,9 @@ class SenderLoop:
             with contextlib.suppress(OSError):
                 conn.send(
                     protocol.Refuse(
-                        code=failure.code, message=failure.why[:4000], request_id=failure.request_id
+                        code=failure.code,
+                        message=protocol.clip_text(failure.why),
+                        request_id=failure.request_id,
                     )
                 )
 

@@ -257,23 +257,6 @@ class HiddenStatesSender:
         with self._lock:
             return self._ledger.unwritten
 
-    def count_unwritten(self, request_ids: Sequence[str]) -> int:
-        """How many of ``request_ids`` still have a WRITE to make (in flight, waiting for
-        pages, or not started)."""
-        with self._lock:
-            return self._ledger.count_unwritten(request_ids)
-
-    def wait_written(self, request_ids: Sequence[str], timeout: float) -> bool:
-        """Block until none of ``request_ids`` has a WRITE pending (landed, failed or
-        unknown); False if ``timeout`` seconds passed first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.count_unwritten(request_ids):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-
     def close(self) -> None:
         if self._loop.closed:
             return

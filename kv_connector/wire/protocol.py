@@ -44,6 +44,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for
+from kv_connector.wire.transport import MemType
 
 PROTOCOL_VERSION = 8
 
@@ -55,6 +56,8 @@ MAX_PAGES = 1 << 24
 MAX_METADATA_BYTES = 64 << 10  # NIXL's agent metadata is about 1 KiB
 MAX_SAMPLE_ID_CHARS = 128
 MAX_SAMPLE_METADATA_BYTES = 4096
+MAX_TEXT_CHARS = 4096  # a Refuse's message, a Rewrite's reason
+
 SAMPLE_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -78,6 +81,11 @@ LayerId = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
 Checksum = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 SampleId = Annotated[str, msgspec.Meta(pattern=SAMPLE_ID_PATTERN)]
 SampleMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_SAMPLE_METADATA_BYTES)]
+
+
+def clip_text(text: str) -> str:
+    """``text`` cut to what a message's free-text field holds (``MAX_TEXT_CHARS``)."""
+    return text if len(text) <= MAX_TEXT_CHARS else text[: MAX_TEXT_CHARS - 3] + "..."
 
 
 class ProtocolError(ValueError):
@@ -106,7 +114,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     agent_name: SafeName
     block_bytes: PosInt
     nonce: Nonce
-    cache_mem: Literal["DRAM", "VRAM"] = "DRAM"
+    cache_mem: MemType = "DRAM"
     digest: ShareChecksum = "xxh3"
 
 
@@ -138,7 +146,7 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     pool_bytes: PosInt
     page_bytes: PosInt
     num_pages: PosInt
-    mem_type: Literal["DRAM", "VRAM"]
+    mem_type: MemType
     device_id: NonNegInt
     proof: Digest
 
@@ -285,7 +293,7 @@ class Refuse(_Msg, tag="refuse", frozen=True):
     whole connection."""
 
     code: RefuseCode
-    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
     request_id: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_.:@+=\-]{1,256})?\Z")] = ""
 
 
@@ -319,7 +327,7 @@ class Rewrite(_Msg, tag="rewrite", frozen=True):
     write it again into the same pages."""
 
     request_id: RequestId
-    reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] = ""
 
 
 Message = (

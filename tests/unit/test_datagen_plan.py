@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_connector.datagen import plan
-from kv_connector.datagen.plan import IllegalTransition, RowBook, RowState, Status
+from kv_connector.datagen.plan import IllegalRowTransition, RowBook, RowState, Status
 
 
 def book(n: int = 3, **kw: object) -> RowBook:
@@ -80,15 +80,15 @@ def test_with_a_directory_pending_waits_for_the_file_then_counts() -> None:
 
 def test_transitions_outside_their_state_are_illegal() -> None:
     b = book(1, confirm=True)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalRowTransition):
         b.answered(0, Status.DELIVERED, "", 0.0)  # never sent
     b.take(0.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalRowTransition):
         b.file_seen(0, 0.0)  # not awaiting its file
     b.answered(0, Status.DELIVERED, "", 0.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalRowTransition):
         b.not_answered(0, "late", 0.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalRowTransition):
         b.answered(7, Status.DELIVERED, "", 0.0)
     with pytest.raises(ValueError):
         book(1, max_attempts=0)
