@@ -12,9 +12,10 @@ functions of vLLM 0.32.0, and nothing else:
    (workers: the drafter writes with the attention group's slot mapping).
 
 ``HIDDEN_STATES_SUPPLEMENTARY``: unset or ``auto`` installs on vLLM 0.32.0 and, on any
-other version, logs why it refuses and leaves vLLM untouched; ``1`` installs and raises
-on another version; ``0`` turns it off. ``register()`` is idempotent and ``unregister()``
-restores vLLM's functions.
+other version, logs why it refuses and leaves vLLM untouched, and hands a model with no
+full-attention group (Mamba-only) to vLLM's own grouping with one log line; ``1``
+installs, raises on another version and refuses such a model; ``0`` turns it off.
+``register()`` is idempotent and ``unregister()`` restores vLLM's functions.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def _patch_points() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     def plan(original: Any) -> Any:
         def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: Any) -> Any:
             announce()
-            return plan_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, original)
+            return plan_kv_cache_configs(
+                vllm_config, kv_cache_specs, available_memory, original, fallback=mode() == "auto"
+            )
 
         setattr(get_kv_cache_configs, ORIGINAL, original)
         return get_kv_cache_configs
@@ -122,8 +125,8 @@ def announce() -> None:
         return
     _announced = True
     log.info(
-        "hybrid supplementary tensors active (vLLM %s): the cache-only layer of a hybrid model gets its own "
-        "tensor, addressed by the full-attention group (%s=0 turns this off)",
+        "hybrid supplementary tensors active (vLLM %s): the cache-only layer of a hybrid or mixed-window "
+        "model gets its own tensor, addressed by the full-attention group (%s=0 turns this off)",
         SUPPORTED_VLLM,
         ENV,
     )

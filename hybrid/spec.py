@@ -1,6 +1,13 @@
 """CacheOnlySpec, the split of supplementary specs before vLLM groups the layers, and the
 KV cache configs that give each supplementary layer a tensor of its own.
 
+It applies to every model whose layers vLLM splits into several KV cache groups (state
+layers beside attention, as Qwen3-Next; sliding-window beside full attention, as
+gpt-oss), where vLLM would give the cache-only layer a group of its own with a page
+padded to the common page. A model with no full-attention group (Mamba-only,
+linear-attention-only) has no block table to lend: it keeps vLLM's own grouping
+(``fallback``), or is refused when the design is forced on.
+
 The cache-only layer of ``extract_hidden_states`` (spec ``HiddenStateCacheSpec``) is taken
 out of the specs before vLLM's grouping, so it joins no KV cache group and the KV cache
 coordinator never sees it. It is re-blocked to the block size of the model's
@@ -21,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    UniformTypeKVCacheSpecs,
     is_full_attention_spec,
     replace_as,
 )
@@ -93,10 +101,15 @@ def split_supplementary_specs(
     return regular, supplementary
 
 
-def is_hybrid(specs: Mapping[str, KVCacheSpec]) -> bool:
-    """Whether these (regular) specs mix state layers with attention: the models the
-    supplementary design is for. Dense models keep vLLM's own handling."""
-    return any(isinstance(s, MambaSpec) for s in specs.values())
+def needs_own_group(specs: Mapping[str, KVCacheSpec]) -> bool:
+    """Whether vLLM would give the cache-only layer a KV cache group of its own beside
+    these (regular) specs: they mix state layers with attention (Qwen3-Next), or layers
+    that are not one uniform type (sliding-window beside full attention, gpt-oss). A
+    dense model of one attention type (Llama, Qwen3) keeps vLLM's own handling: the
+    cache-only layer joins its one group, blocks of the same size, nothing padded."""
+    if any(isinstance(s, MambaSpec) for s in specs.values()):
+        return True
+    return bool(specs) and UniformTypeKVCacheSpecs.from_specs(dict(specs)) is None
 
 
 def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
@@ -110,8 +123,8 @@ def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     raise NoAttentionGroupError(
         f"the supplementary hidden-state tensor needs a full-attention KV cache group to share its "
-        f"block table, and this model has none (groups: {kinds}); run it with "
-        "HIDDEN_STATES_SUPPLEMENTARY=0 to use vLLM's own grouping"
+        f"block table, and this model has none (groups: {kinds}); leave HIDDEN_STATES_SUPPLEMENTARY "
+        "unset (auto) or set it to 0 to use vLLM's own grouping"
     )
 
 
@@ -120,13 +133,17 @@ def plan_kv_cache_configs(
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
     get_kv_cache_configs: GetKVCacheConfigs | None = None,
+    fallback: bool = True,
 ) -> list[KVCacheConfig]:
     """``get_kv_cache_configs`` with the cache-only layers as supplementary tensors.
 
-    Models without a cache-only layer, and dense models, go to vLLM unchanged. Otherwise
-    the cache-only layers are split out, vLLM groups and sizes the rest with each
-    worker's memory reduced to exactly what its blocks cost without them, and each
-    worker's config comes back as a ``SupplementedKVCacheConfig``.
+    Models without a cache-only layer, and dense models of one attention type
+    (``needs_own_group``), go to vLLM unchanged. So does a model with no full-attention
+    group when ``fallback`` (auto mode; one log line says why); without it, that model
+    raises ``NoAttentionGroupError``. Otherwise the cache-only layers are split out, vLLM
+    groups and sizes the rest with each worker's memory reduced to exactly what its
+    blocks cost without them, and each worker's config comes back as a
+    ``SupplementedKVCacheConfig``.
     """
     from vllm.v1.core import kv_cache_utils as kcu
 
@@ -135,13 +152,24 @@ def plan_kv_cache_configs(
     merged_regular: dict[str, KVCacheSpec] = {}
     for regular, _ in split:
         merged_regular.update(regular)
-    if not any(supp for _, supp in split) or not is_hybrid(merged_regular):
+    if not any(supp for _, supp in split) or not needs_own_group(merged_regular):
         return original(vllm_config, kv_cache_specs, available_memory)
 
     # Group a copy: grouping may rewrite specs in place. vLLM groups again below, the
     # same way, since grouping depends on the specs only.
     groups = kcu.get_kv_cache_groups(vllm_config, dict(merged_regular))
-    att = attention_group_index(groups)
+    try:
+        att = attention_group_index(groups)
+    except NoAttentionGroupError as e:
+        if not fallback:
+            raise
+        log.info(
+            "hybrid supplementary tensors: not used for this model, vLLM's own grouping applies "
+            "(the hidden-state layer gets a KV cache group of its own, its page padded to the "
+            "common page; see python -m hybrid.report): %s",
+            str(e).split("; ")[0],
+        )
+        return original(vllm_config, kv_cache_specs, available_memory)
     block_size = groups[att].kv_cache_spec.block_size
     group_bytes = kcu._pool_bytes_per_block(vllm_config, groups)
     reblocked = [{n: CacheOnlySpec.of(s, block_size) for n, s in supp.items()} for _, supp in split]
