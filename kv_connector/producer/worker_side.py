@@ -73,7 +73,8 @@ class WorkerSide:
         self.layer_name = next(iter(layers))
         cache = kv_caches[self.layer_name]
         hidden = self.vllm_config.model_config.get_hidden_size()
-        layout, block_size = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
+        view = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
+        layout, block_size = view.layout, view.block_size
         block_layout = BlockLayout(
             layout,
             block_size,
@@ -109,6 +110,16 @@ class WorkerSide:
             for address in self.options.readers
         ]
         atexit.register(self.shutdown)
+        if view.padded(len(self.layer_ids), hidden):
+            log.warning(
+                "the cache-only layer's blocks of %d tokens (%d bytes) lie %d bytes apart (vLLM pads its "
+                "KV cache group's page to the other groups'): each block is one descriptor of its own, "
+                "and %.1f%% of its memory is padding",
+                block_size,
+                block_layout.block_bytes,
+                view.block_pitch * cache.element_size(),
+                100 * (1 - block_layout.block_bytes / (view.block_pitch * cache.element_size())),
+            )
         log.info(
             "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
             "checksum: %s, shipping to %s",

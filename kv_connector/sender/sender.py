@@ -87,17 +87,23 @@ class HiddenStatesSender:
         self.layer_ids = list(layer_ids)
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
-        block_stride = cache.stride(0) * cache.element_size()
-        nbytes = cache.numel() * cache.element_size()
-        if block_stride != layout.block_bytes or nbytes != cache.shape[0] * layout.block_bytes:
+        nb, bb = cache.shape[0], layout.block_bytes
+        # blocks are dense inside and ``block_pitch`` bytes apart: one block, or a page
+        # vLLM padded (the padding is never shipped)
+        self.block_pitch = pitch = cache.stride(0) * cache.element_size() if nb > 1 else bb
+        nbytes = (nb - 1) * pitch + bb  # from the first block's start to the last one's end
+        start = cache.storage_offset() * cache.element_size()
+        if cache.numel() * cache.element_size() != nb * bb or pitch < bb:
             raise ValueError(
-                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
-                f"bytes; the layout says blocks of {layout.block_bytes}"
+                f"cache tensor of {nb} blocks, {pitch} bytes apart, holds "
+                f"{cache.numel() * cache.element_size()} bytes; the layout says dense blocks of {bb}"
             )
-        self.num_cache_blocks = cache.shape[0]
-        # the cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)
+        if start + nbytes > cache.untyped_storage().nbytes():
+            raise ValueError(f"cache tensor's {nb} blocks of pitch {pitch} run past its storage")
+        self.num_cache_blocks = nb
+        # the cache's bytes as one flat uint8 tensor, block i at i * block_pitch
         self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
+            cache.untyped_storage(), start, (nbytes,), (1,)
         )
         self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
         if config.block_digests and not block_digest.supported(layout):
@@ -111,12 +117,18 @@ class HiddenStatesSender:
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
         self.agent_name = transport.name
-        local = transport.register(cache)
+        local = transport.register(self._raw)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
         self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
         self._loop: SenderLoop
         self._writer = writer = ShareWriter(
-            transport, local, self._ledger, self._lock, config.rank, lambda f: self._loop.tell_reader(f)
+            transport,
+            local,
+            self._ledger,
+            self._lock,
+            config.rank,
+            lambda f: self._loop.tell_reader(f),
+            block_pitch=pitch,
         )
         me = handshake.ProducerIdentity(
             config.producer_id,
@@ -268,9 +280,9 @@ class HiddenStatesSender:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
         if self.config.block_digests:
-            value = share_block_digest(self._raw, job)
+            value = share_block_digest(self._raw, job, self.block_pitch)
         else:
-            value = share_checksum(self._raw, job, self._stage_digest)
+            value = share_checksum(self._raw, job, self._stage_digest, self.block_pitch)
         with self._lock:
             self._ledger.stats.checksum_s += time.perf_counter() - t0
         return value

@@ -17,6 +17,7 @@ import numpy as np
 from kv_connector.common.poller import Poller
 from kv_connector.sender.ledger import Failure, Job, JobState, SendLedger
 from kv_connector.wire import protocol
+from kv_connector.wire.layout import merge_runs
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger("kv_connector.sender.sender")
@@ -33,8 +34,10 @@ class ShareWriter:
         lock: threading.Lock,
         rank: int,
         tell_reader: Callable[[Failure], None],
+        block_pitch: int | None = None,
     ) -> None:
         self._transport = transport
+        self._block_pitch = block_pitch  # bytes from one cache block to the next; None: dense
         self._local = local
         self._ledger = ledger
         self._lock = lock
@@ -103,16 +106,18 @@ class ShareWriter:
 
     def spans(self, job: Job) -> np.ndarray:
         """(cache offset, pool offset, length) of every piece of the job's share: each
-        block where ``BlockLayout.arranged_spans`` puts it in the granted run."""
+        block where ``BlockLayout.arranged_spans`` puts it in the granted run, pieces that
+        continue each other on both sides merged into one (``merge_runs``)."""
         m, grant = job.manifest, job.grant
         assert grant is not None
         g, nb = m.geometry, m.num_blocks
+        pitch = self._block_pitch or g.block_bytes
         base = grant.first_page * self.page_bytes
-        rows = [
-            (job.block_ids[j] * g.block_bytes + src, base + dst, n)
+        rows = merge_runs(
+            (job.block_ids[j] * pitch + src, base + dst, n)
             for j in job.share
             for src, dst, n in g.arranged_spans(nb, j)
-        ]
+        )
         return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
     def _post(self, job: Job) -> None:

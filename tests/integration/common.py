@@ -17,16 +17,22 @@ from kv_connector.wire.layout import BlockLayout
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_cache(layout: BlockLayout, num_blocks: int, seed: int, finite: bool = False) -> torch.Tensor:
+def make_cache(
+    layout: BlockLayout, num_blocks: int, seed: int, finite: bool = False, pad_bytes: int = 0
+) -> torch.Tensor:
     """[num_blocks, *block_shape] of random bits (every byte pattern, NaNs included), or
-    with ``finite`` random normal values (what the reader CLI's value check accepts)."""
+    with ``finite`` random normal values (what the reader CLI's value check accepts).
+    ``pad_bytes``: blocks lie ``block_bytes + pad_bytes`` apart, as in a KV cache group
+    whose page vLLM padded, the padding random bits too (never to be shipped)."""
     g = torch.Generator().manual_seed(seed)
     if finite:
         values = torch.randn(num_blocks, *layout.block_shape(), generator=g)
+        assert not pad_bytes, "finite values of a padded cache: not needed yet"
         return values.to(getattr(torch, layout.dtype))
-    nbytes = num_blocks * layout.block_bytes
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-    return raw.view(getattr(torch, layout.dtype)).view(num_blocks, *layout.block_shape())
+    pitch = layout.block_bytes + pad_bytes
+    raw = torch.randint(0, 256, (num_blocks * pitch,), dtype=torch.uint8, generator=g)
+    blocks = raw.view(num_blocks, pitch)[:, : layout.block_bytes]
+    return blocks.view(getattr(torch, layout.dtype)).view(num_blocks, *layout.block_shape())
 
 
 def token_ids(request_id: str, n: int) -> list[int]:

@@ -45,9 +45,13 @@ def plan(sizes: list[int], seed: int, layout: BlockLayout) -> list[dict[str, Any
 
 
 def check(
-    samples: dict[str, Sample], spec_samples: list[dict[str, Any]], layout: BlockLayout, seed: int
+    samples: dict[str, Sample],
+    spec_samples: list[dict[str, Any]],
+    layout: BlockLayout,
+    seed: int,
+    pad_bytes: int = 0,
 ) -> None:
-    cache = make_cache(layout, NUM_CACHE_BLOCKS, seed)
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, seed, pad_bytes=pad_bytes)
     assert set(samples) == {s["request_id"] for s in spec_samples}
     for s in spec_samples:
         got = samples[s["request_id"]]
@@ -92,6 +96,32 @@ def test_samples_of_every_boundary_size_arrive_byte_exact(layout: BlockLayout) -
     assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
     check(got, samples, layout, seed=1)
     assert all(s.layer_ids == tuple(range(layout.num_layers)) for s in got.values())
+
+
+@pytest.mark.parametrize(
+    ("layout", "pad_bytes", "digests"),
+    [
+        (CPU_LAYOUT, 4096, False),
+        (GPU_LAYOUT, 1000, True),
+        # gpt-oss-like: 1-token blocks in pages padded past their data
+        (BlockLayout("TLH", 1, 4, 96, "bfloat16"), 4 * 96 * 2 // 3, True),
+    ],
+    ids=["cpu-LTH-fp32", "gpu-TLH-bf16", "tlh-1-token-blocks"],
+)
+def test_blocks_in_padded_pages_arrive_without_their_padding(
+    layout: BlockLayout, pad_bytes: int, digests: bool
+) -> None:
+    """vLLM pads the hidden-state group's page to the other groups' when a model mixes
+    kinds of layer and the design cannot lend it a block table: blocks lie a page apart,
+    more than one block; the samples carry their data, byte-exact, checked end to end."""
+    bs = layout.block_size
+    samples = plan([1, bs, bs + 1, 7 * bs + 5, 2 * bs - 1, 40], seed=3, layout=layout)
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        proc = ship(reader, layout, 3, samples, pad_bytes=pad_bytes, block_digests=digests)
+        got = collect(reader, len(samples))
+        res = finish_sender(proc)
+    assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
+    check(got, samples, layout, seed=3, pad_bytes=pad_bytes)
 
 
 def test_more_samples_than_the_pool_holds_are_throttled_not_lost() -> None:
