@@ -169,3 +169,40 @@ def test_drafter_takes_the_supplementary_group(tiny: tuple[Any, Any]) -> None:
     stranger = SimpleNamespace(attn_layer_names=["cache_only_layers.9"], kv_cache_gid=-1)
     with pytest.raises(ValueError, match="not in any KV cache group"):
         validate(stranger, config)
+
+
+@pytest.mark.parametrize(("switch", "falls_back"), [("auto", True), ("", True), ("1", False)])
+def test_the_switch_decides_what_a_model_without_attention_group_gets(
+    clean: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    tiny: tuple[Any, Any],
+    switch: str,
+    falls_back: bool,
+) -> None:
+    """The engine core's patched planner: auto mode hands a state-only model to vLLM's
+    own grouping; the design forced on refuses it by name."""
+    import vllm.v1.engine.core as core
+
+    from hybrid.accounting import layer_specs
+    from hybrid.spec import NoAttentionGroupError, SupplementedKVCacheConfig
+
+    cfg, planned = tiny
+    shape = HybridShape.from_config(
+        {**TINY_QWEN3_NEXT, "architectures": ["Qwen3NextForCausalLM"], "torch_dtype": "bfloat16"}
+    )
+    with monkeypatch.context() as m:  # the cache-only layer exists once per config: reuse it
+        m.setattr(cfg, "speculative_config", None)
+        specs = layer_specs(cfg, shape, "cpu")
+    state_only = {n: s for n, s in specs.items() if "self_attn" not in n} | planned.supplementary_specs
+    monkeypatch.setenv(plugin.ENV, switch)
+    plugin.register()
+    planner = vars(core)["get_kv_cache_configs"]
+    if not falls_back:
+        with pytest.raises(NoAttentionGroupError, match="has none"):
+            planner(cfg, [dict(state_only)], [32 << 20])
+        return
+    (config,) = planner(cfg, [dict(state_only)], [32 << 20])
+    (theirs,) = clean["get_kv_cache_configs"](cfg, [dict(state_only)], [32 << 20])
+    assert not isinstance(config, SupplementedKVCacheConfig)
+    assert config.num_blocks == theirs.num_blocks
+    assert [g.layer_names for g in config.kv_cache_groups] == [g.layer_names for g in theirs.kv_cache_groups]
