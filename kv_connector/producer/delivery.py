@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kv_connector.producer.options import Sharding
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.worker_report import LinkChange
+from kv_connector.sender.failure import FailureReason, SampleFailure
 
 NOT_REPORTED = "no worker has reported a connection yet"
 
@@ -77,7 +78,11 @@ class Router:
 class Admission:
     kind: AdmissionKind
     reader: int = 0
-    why: str = ""
+    failure: SampleFailure | None = None  # with FAIL: why it runs without shipping
+
+    @property
+    def why(self) -> str:
+        return self.failure.why if self.failure is not None else ""
 
 
 class DeliveryBook:
@@ -108,21 +113,21 @@ class DeliveryBook:
     def update(
         self,
         links: Iterable[LinkChange | tuple[int, int, str | None]],
-        failures: Mapping[str, str],
+        failures: Mapping[str, SampleFailure],
         delivered: Iterable[str],
-    ) -> list[tuple[str, str]]:
+    ) -> list[tuple[str, SampleFailure]]:
         """Take one step's reports; returns the failures of requests that already
         finished (their kv_transfer_params are gone: the caller logs them)."""
         for reader, rank, error in links:
             if 0 <= reader < len(self.readers) and 0 <= rank < self.world_size:
                 self._links[(reader, rank)] = error
         late = []
-        for rid, why in failures.items():
+        for rid, failure in failures.items():
             rec = self.table.get(rid)
             if rec is None:
-                late.append((rid, why))
+                late.append((rid, failure))
             elif rec.failed is None:
-                rec.failed = why
+                rec.failed = failure
         for rid in delivered:
             rec = self.table.get(rid)
             if rec is not None:
@@ -148,7 +153,7 @@ class DeliveryBook:
         """The request cannot be shipped at all (e.g. its id, or a bad sample id or metadata
         in its kv_transfer_params): it fails at admission, alone, and its kv_transfer_params
         say why."""
-        self.table.ensure(request_id).failed = why
+        self.table.ensure(request_id).failed = SampleFailure(FailureReason.REQUEST_ID, why)
 
     def admit(self, request_id: str) -> Admission:
         """Called each step while a new request waits to start (and again if it is
@@ -157,7 +162,7 @@ class DeliveryBook:
         if rec is not None and rec.admitted and rec.reader is not None:
             return Admission(AdmissionKind.RUN, rec.reader)
         if rec is not None and rec.failed is not None:
-            return Admission(AdmissionKind.FAIL, why=rec.failed)
+            return Admission(AdmissionKind.FAIL, failure=rec.failed)
         now = self._clock()
         since = now
         if rec is not None:
@@ -183,10 +188,11 @@ class DeliveryBook:
                 f"cannot reach any reader ({', '.join(self.readers)}) for {self.connect_timeout_s:.0f} s "
                 f"(last error: {self.link_error(0)})"
             )
+        failure = SampleFailure(FailureReason.UNREACHABLE, why)
         if rec is not None:
             rec.waiting_since = None
-            rec.failed = why
-        return Admission(AdmissionKind.FAIL, why=why)
+            rec.failed = failure
+        return Admission(AdmissionKind.FAIL, failure=failure)
 
     def outcome(self, request_id: str) -> dict[str, str]:
         """Where the request's sample stands now: {"status": "delivered"}, {"status":
@@ -194,7 +200,7 @@ class DeliveryBook:
         failure is logged by the scheduler with the request id)."""
         rec = self.table.get(request_id)
         if rec is not None and rec.failed is not None:
-            return {"status": "failed", "error": rec.failed}
+            return {"status": "failed", "error": rec.failed.why}
         if rec is not None and rec.delivered:
             return {"status": "delivered"}
         return {"status": "pending"}

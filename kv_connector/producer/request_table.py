@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kv_connector.sender.failure import SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 
 
@@ -27,7 +28,7 @@ class RequestRecord:
     reader: int | None = None  # where its sample goes, the same on every rank
     admitted: bool = False
     waiting_since: float | None = None  # since when it waits for a reachable reader
-    failed: str | None = None
+    failed: SampleFailure | None = None
     delivered: bool = False
 
 

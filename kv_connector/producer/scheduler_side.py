@@ -14,6 +14,7 @@ from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlann
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
+from kv_connector.sender.failure import FailureReason
 from kv_connector.wire.identity import NO_IDENTITY, IdentityError, identity_of
 from kv_connector.wire.protocol import request_id_problem
 
@@ -105,7 +106,7 @@ class SchedulerSide:
         if a.kind is AdmissionKind.FAIL and self.planner.is_tracked(rid):
             log.error("request %s: %s; it runs without shipping its hidden states", rid, a.why)
             self.planner.drop(rid)
-            self.metrics.admission_failed(a.why)
+            self.metrics.admission_failed(a.failure.reason if a.failure else FailureReason.OTHER)
         return True
 
     def update(self, report: WorkerReport) -> None:
@@ -117,8 +118,8 @@ class SchedulerSide:
                     log.info("rank %d reaches the reader at %s", rank, address)
                 else:
                     log.warning("rank %d cannot reach the reader at %s: %s", rank, address, error)
-        for rid, why in self.book.update(report.links, report.failures, report.delivered):
-            log.error("request %s (already finished) lost its hidden states: %s", rid, why)
+        for rid, failure in self.book.update(report.links, report.failures, report.delivered):
+            log.error("request %s (already finished) lost its hidden states: %s", rid, failure.why)
         if report.links:
             self._readers_up = sum(self.book.is_up(r) for r in range(len(self.options.readers)))
 

@@ -15,6 +15,7 @@ from kv_connector.producer.options import Checksum, ConnectorOptions
 from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
@@ -52,7 +53,7 @@ class WorkerSide:
         self.rank = 0
         # for the scheduler (see take_report): link states as last reported, and news
         self._reported_links: dict[int, str | None] = {}
-        self._report_failures: dict[str, str] = {}
+        self._report_failures: dict[str, SampleFailure] = {}
         self._report_delivered: set[str] = set()
         self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
 
@@ -149,7 +150,7 @@ class WorkerSide:
             for rid, why in errors.items():
                 log.error("request %s: %s; its hidden states will not be shipped", rid, why)
                 self._failed.setdefault(rid, why)
-                self._note_failure(rid, why)
+                self._note_failure(rid, SampleFailure(FailureReason.OTHER, why))
         self._slots = None
         for order in plan.ships:
             rid = order.request_id
@@ -169,7 +170,7 @@ class WorkerSide:
             except (SlotMismatch, ValueError, SenderError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
-                self._note_failure(rid, str(e))
+                self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
                 self._done.add(rid)
             self.recorder.forget(rid)
 
@@ -216,9 +217,9 @@ class WorkerSide:
             acked = sender.take_finished()
             self._done |= acked
             self._report_delivered |= acked
-            for rid, why in sender.take_failed().items():
-                self._failed[rid] = why
-                self._note_failure(rid, why)
+            for rid, failure in sender.take_failed().items():
+                self._failed[rid] = failure.why
+                self._note_failure(rid, failure)
                 self._done.add(rid)
         ready = self._done & self._finished_by_scheduler
         if not ready:
@@ -253,10 +254,10 @@ class WorkerSide:
         since the last step, and, on rank 0, the samples shipped, delivered and failed."""
         return self.metrics.take_from(self.senders)
 
-    def _note_failure(self, rid: str, why: str) -> None:
-        self.metrics.failed(why)
-        self._report_failures[rid] = why
-        self.recent_failures[rid] = why
+    def _note_failure(self, rid: str, failure: SampleFailure) -> None:
+        self.metrics.failed(failure.reason)
+        self._report_failures[rid] = failure
+        self.recent_failures[rid] = failure.why
         while len(self.recent_failures) > 1000:
             self.recent_failures.popitem(last=False)
 

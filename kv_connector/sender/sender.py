@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kv_connector.sender.failure import SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
 from kv_connector.sender.ledger import Job, SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
@@ -226,7 +227,7 @@ class HiddenStatesSender:
         with self._lock:
             return set(self._ledger.take_finished())
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, SampleFailure]:
         """Request ids that failed since the last call, with the reason."""
         with self._lock:
             return self._ledger.take_failed()

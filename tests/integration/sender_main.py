@@ -74,7 +74,12 @@ def main() -> int:
             while sender.unwritten and time.monotonic() < end:
                 time.sleep(0.01)
             print(
-                json.dumps({"unwritten_at_exit": sender.unwritten, "failed": sender.take_failed()}),
+                json.dumps(
+                    {
+                        "unwritten_at_exit": sender.unwritten,
+                        "failed": {r: f.why for r, f in sender.take_failed().items()},
+                    }
+                ),
                 flush=True,
             )
             sender.close()
@@ -87,7 +92,7 @@ def main() -> int:
     deadline = t0 + spec.get("timeout_s", 60.0)
     while len(finished) + len(failed) < len(want) and time.monotonic() < deadline:
         finished += sender.take_finished()
-        failed.update(sender.take_failed())
+        failed.update({rid: f.why for rid, f in sender.take_failed().items()})
         time.sleep(0.002)
     elapsed = time.monotonic() - t0
     stats = sender.stats().as_dict()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kv_connector.producer.delivery import DeliveryBook, Router
+from kv_connector.sender.failure import FailureReason, SampleFailure
 
 
 class Clock:
@@ -14,6 +15,10 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def wf(why: str) -> SampleFailure:
+    return SampleFailure(FailureReason.WRITE_FAILED, why)
 
 
 def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[DeliveryBook, Clock]:
@@ -60,14 +65,14 @@ def test_outcomes_follow_the_workers_reports_and_late_failures_are_returned() ->
     for rid in ("ok", "bad", "slow"):
         b.add(rid)
         assert b.admit(rid).kind == "run"
-    late = b.update([], {"bad": "WRITE failed", "gone": "deadline"}, ["ok", "unknown"])
-    assert late == [("gone", "deadline")]
+    late = b.update([], {"bad": wf("WRITE failed"), "gone": wf("deadline")}, ["ok", "unknown"])
+    assert late == [("gone", wf("deadline"))]
     assert b.outcome("ok") == {"status": "delivered"}
     assert b.outcome("bad") == {"status": "failed", "error": "WRITE failed"}
     assert b.outcome("slow") == {"status": "pending"}
     for rid in ("ok", "bad", "slow"):
         b.finish(rid)
-    assert b.update([], {"slow": "deadline"}, []) == [("slow", "deadline")]
+    assert b.update([], {"slow": wf("deadline")}, []) == [("slow", wf("deadline"))]
     assert len(b) == 0
 
 
@@ -115,7 +120,7 @@ def test_a_request_not_added_is_admitted_but_leaves_no_state() -> None:
     b, _ = book()
     b.update([(0, 0, None)], {}, [])
     assert b.admit("stranger").kind == "run"
-    assert b.update([], {"stranger": "x"}, []) == [("stranger", "x")]
+    assert b.update([], {"stranger": wf("x")}, []) == [("stranger", wf("x"))]
 
 
 @pytest.mark.parametrize("world", [0, -1])
