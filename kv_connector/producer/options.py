@@ -12,7 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kv_connector.wire import block_digest
 from kv_connector.wire.control import parse_address
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import ShareChecksum
 
 EXAMPLE = (
     '--kv-transfer-config \'{"kv_connector":"HiddenStatesConnector",'
@@ -28,21 +31,36 @@ class Sharding(str, enum.Enum):
     ROUND_ROBIN = "round_robin"  # in the order requests start, skipping unreachable readers
 
 
-class Checksum(str, enum.Enum):
+class ChecksumOption(str, enum.Enum):
+    """The ``checksum`` option: what a user may ask for, resolved per rank into the one
+    ``ShareChecksum`` (or None) it ships with."""
+
     AUTO = "auto"  # XXH3 for a cache in host memory, BLOCKS for one on a GPU
     XXH3 = "xxh3"  # each rank sends the XXH3-64 of its share's bytes; the reader checks it
     BLOCKS = "blocks"  # the XXH3-64 of per-block digests computed where the cache is
     NONE = "none"
 
-    def block_digests(self, device_cache: bool, whole_words: bool) -> bool:
-        """Whether a rank sends block digests: asked for, or by default where its cache
-        is on a GPU and its rows are whole 8-byte words (``block_digest.supported``;
-        otherwise the share is staged and hashed as bytes)."""
-        return self is Checksum.BLOCKS or (self is Checksum.AUTO and device_cache and whole_words)
+    def resolve(self, device_cache: bool, layout: BlockLayout) -> ShareChecksum | None:
+        """How a rank whose cache has ``layout`` (on a device or not) computes its shares'
+        checksums (None: it sends none): as asked, or by default block digests where its
+        cache is on a GPU and its rows are whole 8-byte words (``block_digest.supported``;
+        otherwise the share is staged and hashed as bytes). ValueError when block digests
+        are asked of rows they cannot read."""
+        whole_words = block_digest.supported(layout)
+        if self is ChecksumOption.NONE:
+            return None
+        if self is ChecksumOption.BLOCKS and not whole_words:
+            raise ValueError(
+                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
+                'is not (use "checksum": "xxh3")'
+            )
+        if self is ChecksumOption.BLOCKS or (self is ChecksumOption.AUTO and device_cache and whole_words):
+            return ShareChecksum.BLOCKS
+        return ShareChecksum.XXH3
 
 
 SHARDING = tuple(s.value for s in Sharding)
-CHECKSUMS = tuple(c.value for c in Checksum)
+CHECKSUMS = tuple(c.value for c in ChecksumOption)
 
 _KNOWN = {
     "consumer_address",
@@ -87,7 +105,7 @@ class ConnectorOptions:
     connect_timeout_s: float = 60.0
     drain_timeout_s: float = 60.0
     include_output_tokens: bool = False
-    checksum: Checksum = Checksum.AUTO
+    checksum: ChecksumOption = ChecksumOption.AUTO
     sample_timeout_s: float = 300.0
     preempt_timeout_s: float = 5.0
 
@@ -138,7 +156,7 @@ class ConnectorOptions:
                 f"kv_connector_extra_config.checksum must be one of {CHECKSUMS}, got {checksum!r}"
             )
         return cls(
-            checksum=Checksum(checksum),
+            checksum=ChecksumOption(checksum),
             consumer_address=addrs[0],
             consumer_addresses=tuple(addrs),
             sharding=Sharding(sharding),

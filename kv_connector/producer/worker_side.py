@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_connector.producer.options import Checksum, ConnectorOptions
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
@@ -19,13 +19,19 @@ from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
-from kv_connector.wire import block_digest
 from kv_connector.wire.layout import BlockLayout, layout_from_view
+from kv_connector.wire.protocol import ShareChecksum
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+
+CHECKSUM_NAMES = {
+    None: "none",
+    ShareChecksum.XXH3: "XXH3 of the bytes",
+    ShareChecksum.BLOCKS: "block digests",
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -84,11 +90,8 @@ class WorkerSide:
         )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.rank = rank
-        blocks = self.options.checksum.block_digests(cache.is_cuda, block_digest.supported(block_layout))
-        if self.options.checksum is Checksum.NONE:
-            checksum = "none"
-        else:
-            checksum = "block digests" if blocks else "XXH3 of the bytes"
+        share_checksum = self.options.checksum.resolve(cache.is_cuda, block_layout)
+        checksum = CHECKSUM_NAMES[share_checksum]
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
         self.senders = [
@@ -99,8 +102,7 @@ class WorkerSide:
                     rank=rank,
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
-                    checksum=self.options.checksum is not Checksum.NONE,
-                    block_digests=blocks,
+                    checksum=share_checksum,
                     sample_timeout_s=self.options.sample_timeout_s,
                 ),
                 cache,

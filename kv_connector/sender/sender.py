@@ -22,9 +22,10 @@ from kv_connector.sender.ledger import Job, SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import ShareWriter
-from kv_connector.wire import auth, block_digest, handshake, protocol
+from kv_connector.wire import auth, handshake, protocol
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,11 @@ class SenderConfig:
     producer_id: shared by all ranks of one producer engine, unique among producers.
     rank / world_size: this rank and how many ranks share each sample's blocks.
     connect_timeout_s: how long to keep trying to reach the reader.
-    checksum: send the XXH3-64 of each share with its WRITE, for the reader to check
-    (on a GPU cache this stages the share's bytes to host memory once).
-    block_digests: with ``checksum``, compute it from per-block digests where the cache is
-    (``block_digest``: torch ops on a stream of their own, 8 bytes per block to the host)
-    instead of over the share's bytes on the host: the way for a GPU cache.
+    checksum: how each share's checksum, sent with its WRITE for the reader to check, is
+    computed: ``XXH3`` over the share's bytes (on a GPU cache this stages them to host
+    memory once), ``BLOCKS`` from per-block digests where the cache is (``block_digest``:
+    torch ops on a stream of their own, 8 bytes per block to the host; the way for a GPU
+    cache, whose rows must be whole 8-byte words); None sends none.
     sample_timeout_s: a sample granted pages and not acknowledged this long after fails
     (and the reader is told), whatever the connection does.
     """
@@ -52,9 +53,8 @@ class SenderConfig:
     rank: int = 0
     world_size: int = 1
     connect_timeout_s: float = 60.0
-    checksum: bool = True
+    checksum: ShareChecksum | None = ShareChecksum.XXH3
     sample_timeout_s: float = 300.0
-    block_digests: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -101,11 +101,6 @@ class HiddenStatesSender:
             cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
         )
         self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
-        if config.block_digests and not block_digest.supported(layout):
-            raise ValueError(
-                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
-                'is not (use "checksum": "xxh3")'
-            )
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
@@ -114,7 +109,9 @@ class HiddenStatesSender:
         self.agent_name = transport.name
         local = transport.register(cache)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
-        self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
+        self._ledger = SendLedger(
+            checksum=config.checksum is not None, connect_timeout_s=config.connect_timeout_s
+        )
         self._loop: SenderLoop
         self._writer = writer = ShareWriter(
             transport, local, self._ledger, self._lock, config.rank, lambda f: self._loop.tell_reader(f)
@@ -126,7 +123,7 @@ class HiddenStatesSender:
             transport.name,
             layout.block_bytes,
             "VRAM" if cache.is_cuda else "DRAM",
-            "blocks" if config.block_digests else "xxh3",
+            config.checksum or ShareChecksum.XXH3,
         )
         self._loop = SenderLoop(
             config.consumer_address,
@@ -268,7 +265,7 @@ class HiddenStatesSender:
     def _share_checksum(self, job: Job) -> int:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
-        if self.config.block_digests:
+        if self.config.checksum is ShareChecksum.BLOCKS:
             value = share_block_digest(self._raw, job)
         else:
             value = share_checksum(self._raw, job, self._stage_digest)

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kv_connector.sender.ledger import Job
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import ShareChecksum
 from tests.integration.common import make_cache, token_ids
 
 
@@ -35,9 +36,12 @@ def main() -> int:
         rank=spec.get("rank", 0),
         world_size=spec.get("world_size", 1),
         connect_timeout_s=spec.get("connect_timeout_s", 30.0),
-        checksum=spec.get("checksum", True),
+        checksum=(
+            (ShareChecksum.BLOCKS if spec.get("block_digests") else ShareChecksum.XXH3)
+            if spec.get("checksum", True)
+            else None
+        ),
         sample_timeout_s=spec.get("sample_timeout_s", 300.0),
-        block_digests=spec.get("block_digests", False),
     )
     layer_ids = spec.get("layer_ids", list(range(layout.num_layers)))
     corrupt = set(spec.get("corrupt_after_checksum", []))

@@ -190,24 +190,33 @@ def test_bad_reader_lists_and_sharding_are_named(extra: dict[str, Any], fragment
 
 
 def test_the_checksum_kind_follows_where_the_cache_is_unless_asked() -> None:
-    from kv_connector.producer.options import Checksum
+    from kv_connector.producer.options import ChecksumOption
+    from kv_connector.wire.layout import BlockLayout
+    from kv_connector.wire.protocol import ShareChecksum
 
-    assert ConnectorOptions.parse({"consumer_address": GOOD}).checksum is Checksum.AUTO
+    assert ConnectorOptions.parse({"consumer_address": GOOD}).checksum is ChecksumOption.AUTO
     kinds = {c: ConnectorOptions.parse({"consumer_address": GOOD, "checksum": c}).checksum for c in CHECKSUMS}
-    assert kinds == {c: Checksum(c) for c in ("auto", "xxh3", "blocks", "none")}
-    # (device cache, rows of whole 8-byte words) -> block digests?
+    assert kinds == {c: ChecksumOption(c) for c in ("auto", "xxh3", "blocks", "none")}
+    words = BlockLayout("TLH", 16, 2, 64, "bfloat16")  # rows of 128 bytes: whole 8-byte words
+    odd = BlockLayout("TLH", 16, 2, 3, "bfloat16")  # rows of 6 bytes: not
+    blocks, xxh3 = ShareChecksum.BLOCKS, ShareChecksum.XXH3
+    # (device cache, layout) -> the one value the rank ships with
     want = {
-        Checksum.AUTO: {
-            (True, True): True,
-            (True, False): False,
-            (False, True): False,
-            (False, False): False,
+        ChecksumOption.AUTO: {
+            (True, words): blocks,
+            (True, odd): xxh3,
+            (False, words): xxh3,
+            (False, odd): xxh3,
         },
-        Checksum.BLOCKS: dict.fromkeys([(True, True), (True, False), (False, True), (False, False)], True),
-        Checksum.XXH3: dict.fromkeys([(True, True), (True, False), (False, True), (False, False)], False),
+        ChecksumOption.BLOCKS: {(True, words): blocks, (False, words): blocks},
+        ChecksumOption.XXH3: dict.fromkeys([(True, words), (True, odd), (False, words), (False, odd)], xxh3),
+        ChecksumOption.NONE: dict.fromkeys([(True, words), (True, odd), (False, words), (False, odd)], None),
     }
     for kind, cases in want.items():
-        assert {case: kind.block_digests(*case) for case in cases} == cases, kind
+        assert {case: kind.resolve(*case) for case in cases} == cases, kind
+    for device in (True, False):  # asked for block digests of rows they cannot read: refused once, here
+        with pytest.raises(ValueError, match="whole 8-byte words"):
+            ChecksumOption.BLOCKS.resolve(device, odd)
     assert "checksum" in parse_error({"consumer_address": GOOD, "checksum": "crc32"})
 
 
