@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,34 @@ class ChecksumOption(str, enum.Enum):
         if self is ChecksumOption.BLOCKS or (self is ChecksumOption.AUTO and device_cache and whole_words):
             return ShareChecksum.BLOCKS
         return ShareChecksum.XXH3
+
+
+def captured_layer_order(configured: Sequence[int]) -> list[int]:
+    """The layer ids in the order vLLM stacks their states: ``hidden_states[:, i]`` holds
+    layer ``captured_layer_order(configured)[i]``, whatever order ``configured``
+    (``eagle_aux_hidden_state_layer_ids``) lists them in.
+
+    vLLM 0.32 does not keep the configured order: ``EagleModelMixin.
+    _set_aux_hidden_state_layers`` (``vllm/model_executor/models/interfaces.py``) stores
+    ``tuple(sorted(set(ids)))``, and each model's forward appends a layer's state when its
+    pass reaches that layer (``_maybe_add_hidden_state``), so the states come in increasing
+    layer id. What the model really uses lives on the model object, which a KV connector
+    never sees (it gets the config and the cache tensors), so this derives the order the
+    way vLLM does: here, and nowhere else in this package.
+
+    Raises ValueError naming a duplicate id: vLLM captures each layer once but gives its
+    hidden-state cache one slot per listed id, and fails at the first step.
+    """
+    seen: set[int] = set()
+    for k in configured:
+        if k in seen:
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids lists layer {k} more than once ({list(configured)}): "
+                "vLLM captures each layer once but sizes its hidden-state cache by the list, and "
+                f"fails at the first step; list each layer once, e.g. {sorted(set(configured))}"
+            )
+        seen.add(k)
+    return sorted(configured)
 
 
 SHARDING = tuple(s.value for s in Sharding)

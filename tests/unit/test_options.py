@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.producer.options import ConnectorOptions
+from kv_connector.producer.options import ConnectorOptions, captured_layer_order
 
 GOOD = "127.0.0.1:5555"
 TIMEOUT_KEYS = ["connect_timeout_s", "drain_timeout_s"]
@@ -221,3 +221,31 @@ def test_the_checksum_kind_follows_where_the_cache_is_unless_asked() -> None:
 
 
 CHECKSUMS = ("auto", "xxh3", "blocks", "none")
+
+
+# ------------------------------------------------------- captured layer order
+
+
+@pytest.mark.parametrize(
+    ("configured", "order"),
+    [
+        ([1, 2, 4], [1, 2, 4]),
+        ([5, 1, 3], [1, 3, 5]),
+        ([3, 1, 2], [1, 2, 3]),
+        ([7], [7]),
+        ((32, 0, 16), [0, 16, 32]),
+    ],
+)
+def test_states_come_in_increasing_layer_id_whatever_the_configured_order(
+    configured: list[int], order: list[int]
+) -> None:
+    assert captured_layer_order(configured) == order
+
+
+@pytest.mark.parametrize(("configured", "duplicate"), [([5, 1, 3, 3], 3), ([2, 2], 2), ([0, 4, 0, 4], 0)])
+def test_a_duplicate_layer_id_is_refused_naming_it_and_the_fix(configured: list[int], duplicate: int) -> None:
+    with pytest.raises(ValueError) as info:
+        captured_layer_order(configured)
+    msg = str(info.value)
+    assert f"lists layer {duplicate} more than once" in msg
+    assert f"e.g. {sorted(set(configured))}" in msg
