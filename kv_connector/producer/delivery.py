@@ -25,6 +25,7 @@ from kv_connector.producer.options import Sharding
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.worker_report import LinkChange
 from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.wire.outcome import SampleStatus
 
 NOT_REPORTED = "no worker has reported a connection yet"
 
@@ -194,16 +195,16 @@ class DeliveryBook:
             rec.failed = failure
         return Admission(AdmissionKind.FAIL, failure=failure)
 
-    def outcome(self, request_id: str) -> dict[str, str]:
-        """Where the request's sample stands now: {"status": "delivered"}, {"status":
-        "failed", "error": why} or {"status": "pending"} (still on its way; a later
-        failure is logged by the scheduler with the request id)."""
+    def outcome(self, request_id: str) -> tuple[SampleStatus, str]:
+        """Where the request's sample stands now, and why it failed ("" unless failed):
+        pending means still on its way (a later failure is logged by the scheduler with
+        the request id)."""
         rec = self.table.get(request_id)
         if rec is not None and rec.failed is not None:
-            return {"status": "failed", "error": rec.failed.why}
+            return SampleStatus.FAILED, rec.failed.why
         if rec is not None and rec.delivered:
-            return {"status": "delivered"}
-        return {"status": "pending"}
+            return SampleStatus.DELIVERED, ""
+        return SampleStatus.PENDING, ""
 
     def finish(self, request_id: str) -> None:
         """The request finished: forget it (later reports about it are "late")."""

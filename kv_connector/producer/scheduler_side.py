@@ -16,6 +16,7 @@ from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
 from kv_connector.sender.failure import FailureReason
 from kv_connector.wire.identity import NO_IDENTITY, IdentityError, identity_of
+from kv_connector.wire.outcome import SampleOutcome, SampleStatus
 from kv_connector.wire.protocol import request_id_problem
 
 if TYPE_CHECKING:
@@ -158,25 +159,23 @@ class SchedulerSide:
         self.metrics.waiting(rid, False)
         if hold:
             self.metrics.holding(rid, len(block_ids))
-        outcome = self.book.outcome(rid)
+        status, error = self.book.outcome(rid)
         reader = self.planner.reader_of(rid)
         if reader is None and (
             len(self.options.readers) == 1 or self.options.sharding is Sharding.REQUEST_HASH
         ):
             reader = self.book.router.route(rid)  # the reader it was bound for
         self.book.finish(rid)  # its record goes: later reports about it are late
-        if not hold and outcome["status"] != "failed":
+        if not hold and status is not SampleStatus.FAILED:
             return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
-        return hold, {
-            "hidden_states": {
-                # None: round robin had not picked a reader for it when it failed
-                "consumer_address": None if reader is None else self.options.readers[reader],
-                "producer_id": self.producer_id,
-                "request_id": rid,
-                "sample_id": sample_id,
-                **outcome,
-            }
-        }
+        return hold, SampleOutcome(
+            status=status,
+            producer_id=self.producer_id,
+            request_id=rid,
+            sample_id=sample_id,
+            consumer_address=None if reader is None else self.options.readers[reader],
+            error=error,
+        ).params()
 
     def sent(self, request_ids: Iterable[str]) -> None:
         """vLLM frees these requests' blocks now (every worker reported them sent)."""

@@ -7,6 +7,7 @@ import pytest
 
 from kv_connector.producer.delivery import DeliveryBook, Router
 from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.wire.outcome import SampleStatus
 
 
 class Clock:
@@ -53,10 +54,10 @@ def test_a_request_that_waited_past_the_deadline_fails_with_the_last_error() -> 
     a = b.admit("r")
     assert a.kind == "fail"
     assert "10.0.0.0:7000" in a.why and "Connection refused" in a.why and "5 s" in a.why
-    assert b.outcome("r") == {"status": "failed", "error": a.why}
+    assert b.outcome("r") == (SampleStatus.FAILED, a.why)
     assert b.admit("r").kind == "fail"  # asked again (e.g. skipped a step): the same answer
     b.finish("r")
-    assert len(b) == 0 and b.outcome("r") == {"status": "pending"}
+    assert len(b) == 0 and b.outcome("r") == (SampleStatus.PENDING, "")
 
 
 def test_outcomes_follow_the_workers_reports_and_late_failures_are_returned() -> None:
@@ -67,9 +68,9 @@ def test_outcomes_follow_the_workers_reports_and_late_failures_are_returned() ->
         assert b.admit(rid).kind == "run"
     late = b.update([], {"bad": wf("WRITE failed"), "gone": wf("deadline")}, ["ok", "unknown"])
     assert late == [("gone", wf("deadline"))]
-    assert b.outcome("ok") == {"status": "delivered"}
-    assert b.outcome("bad") == {"status": "failed", "error": "WRITE failed"}
-    assert b.outcome("slow") == {"status": "pending"}
+    assert b.outcome("ok") == (SampleStatus.DELIVERED, "")
+    assert b.outcome("bad") == (SampleStatus.FAILED, "WRITE failed")
+    assert b.outcome("slow") == (SampleStatus.PENDING, "")
     for rid in ("ok", "bad", "slow"):
         b.finish(rid)
     assert b.update([], {"slow": wf("deadline")}, []) == [("slow", wf("deadline"))]
@@ -92,7 +93,7 @@ def test_request_hash_waits_for_its_own_reader_and_round_robin_skips_down_reader
     clock.t += 6
     failed = [rid for rid in ids if b.admit(rid).kind == "fail"]
     assert failed and all(router.route(r) == 1 for r in failed)
-    assert "10.0.0.1:7000" in b.outcome(failed[0])["error"]
+    assert "10.0.0.1:7000" in b.outcome(failed[0])[1]
 
     rr, clock = book(readers=3, policy="round_robin")
     rr.update([(0, 0, None), (1, 0, "refused"), (2, 0, None)], {}, [])
@@ -169,3 +170,24 @@ def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: 
             assert got == addrs[Router(3).route(rid)]  # not always the first reader
         else:
             assert got is None
+
+
+def test_the_outcome_record_is_the_same_at_both_ends() -> None:
+    from kv_connector.wire.outcome import OutcomeError, SampleOutcome
+
+    failed = SampleOutcome(SampleStatus.FAILED, "p", "r", "7", None, error="cannot reach")
+    assert failed.params() == {
+        "hidden_states": {
+            "status": "failed", "producer_id": "p", "request_id": "r", "sample_id": "7",
+            "consumer_address": None, "error": "cannot reach",
+        }
+    }  # fmt: skip
+    delivered = SampleOutcome(SampleStatus.DELIVERED, "p", "r", "r", "127.0.0.1:5555")
+    assert "error" not in delivered.params()["hidden_states"]
+    for o in (failed, delivered):
+        assert SampleOutcome.of(o.params()) == o
+    newer = {"hidden_states": {**delivered.params()["hidden_states"], "added_later": 1}}
+    assert SampleOutcome.of(newer) == delivered
+    for bad in (None, {}, {"hidden_states": "x"}, {"hidden_states": {"status": "lost"}}):
+        with pytest.raises(OutcomeError):
+            SampleOutcome.of(bad)
