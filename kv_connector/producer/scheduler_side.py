@@ -154,7 +154,7 @@ class SchedulerSide:
         "failed" with an "error", or "pending" (on its way)."""
         rid = request.request_id
         rec = self.requests.get(rid)
-        sample_id = (rec.identity.sample_id if rec is not None else None) or rid
+        sample_id = (rec.identity if rec is not None else NO_IDENTITY).name_of(rid)
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         self.metrics.waiting(rid, False)
         if hold:

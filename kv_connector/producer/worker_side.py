@@ -163,10 +163,7 @@ class WorkerSide:
                 blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
                 if from_table:
                     log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
-                ident = order.identity
-                self.senders[order.reader].ship(
-                    rid, order.token_ids, blocks, sample_id=ident.sample_id, metadata=ident.metadata
-                )
+                self.senders[order.reader].ship(rid, order.token_ids, blocks, order.identity)
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:

@@ -10,9 +10,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -23,7 +22,7 @@ from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import ShareWriter
 from kv_connector.wire import auth, handshake, protocol
-from kv_connector.wire.identity import make_identity
+from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.transport import Transport
@@ -155,21 +154,19 @@ class HiddenStatesSender:
         request_id: str,
         token_ids: Sequence[int],
         block_ids: Sequence[int],
-        sample_id: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        identity: SampleIdentity = NO_IDENTITY,
     ) -> None:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
-        ``sample_id`` and ``metadata`` the user's name and JSON object for the sample
-        (``kv_connector.wire.identity``). A request that cannot travel (its id, its identity,
-        its blocks) raises ``ValueError``; a sender whose thread died raises
-        ``SenderError``: either way nothing was queued."""
+        ``identity`` the user's name and metadata for the sample, checked where it was
+        made (``kv_connector.wire.identity``). A request that cannot travel (its id, its
+        blocks) raises ``ValueError``; a sender whose thread died raises ``SenderError``:
+        either way nothing was queued."""
         if self._loop.dead is not None or self._loop.closed:
             raise SenderError(self._loop.dead or "the sender is closed")
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
             raise ValueError(problem)
-        ident = make_identity(sample_id, metadata)
         n_blocks = self.layout.blocks_for(len(token_ids))
         if len(block_ids) < n_blocks:
             raise ValueError(
@@ -185,8 +182,8 @@ class HiddenStatesSender:
             layer_ids=self.layer_ids,
             geometry=self.layout,
             num_blocks=n_blocks,
-            sample_id=ident.sample_id,
-            metadata=ident.metadata_json,
+            sample_id=identity.sample_id,
+            metadata=identity.metadata_json,
         )
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
         with self._lock:

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kv_connector.sender.ledger import Job
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ShareChecksum
 from tests.integration.common import make_cache, token_ids
@@ -68,8 +69,7 @@ def main() -> int:
             s["request_id"],
             token_ids(s["request_id"], s["num_tokens"]),
             s["block_ids"],
-            sample_id=s.get("sample_id"),
-            metadata=s.get("metadata"),
+            make_identity(s.get("sample_id"), s.get("metadata")),
         )
     if spec.get("exit_after_ship"):
         # like a vLLM worker at interpreter exit: an atexit hook drains what is unwritten
