@@ -25,7 +25,7 @@ from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
-from tests.unit.test_send_ledger import PAGE, POOL, grant, post, submit, to_writing
+from tests.unit.sender.test_ledger import PAGE, POOL, grant, post, submit, to_writing
 
 
 def refused(code: protocol.RefuseCode) -> SampleFailure:
