@@ -58,7 +58,7 @@ class WorkerSide:
         self.recent_failures: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.rank = 0
         # for the scheduler (see take_report): link states as last reported, and news
-        self._reported_links: dict[int, str | None] = {}
+        self._reported_links: dict[str, str | None] = {}  # reader -> its last reported error
         self._report_failures: dict[str, SampleFailure] = {}
         self._report_delivered: set[str] = set()
         self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
@@ -163,7 +163,8 @@ class WorkerSide:
                 blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
                 if from_table:
                     log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
-                self.senders[order.reader].ship(rid, order.token_ids, blocks, order.identity)
+                sender = self._sender_of(order.reader)
+                sender.ship(rid, order.token_ids, blocks, order.identity)
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:
@@ -234,15 +235,22 @@ class WorkerSide:
         """What the scheduler side should learn this step: changes of this rank's link
         to each reader (None: connected), and requests failed or delivered since."""
         links: list[LinkChange] = []
-        for k, sender in enumerate(self.senders):
-            err = sender.link_error
-            last = self._reported_links.get(k, "")
-            if k not in self._reported_links or (last is None) != (err is None):
-                self._reported_links[k] = err
-                links.append(LinkChange(k, self.rank, err))
+        for sender in self.senders:
+            err, reader = sender.link_error, sender.config.consumer_address
+            last = self._reported_links.get(reader, "")
+            if reader not in self._reported_links or (last is None) != (err is None):
+                self._reported_links[reader] = err
+                links.append(LinkChange(reader, self.rank, err))
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
         return WorkerReport(links, failures, delivered)
+
+    def _sender_of(self, reader: str | None) -> HiddenStatesSender:
+        """The sender to the reader a sample was bound for (ValueError: none or unknown)."""
+        for s in self.senders:
+            if s.config.consumer_address == reader:
+                return s
+        raise ValueError(f"no sender to the reader {reader!r} (readers: {', '.join(self.options.readers)})")
 
     def stats(self) -> list[SenderStats]:
         """A snapshot of each sender's counters, in the order of the readers."""
