@@ -22,13 +22,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-
-class Status(str, enum.Enum):
-    """A response's ``kv_transfer_params["hidden_states"]["status"]``."""
-
-    DELIVERED = "delivered"
-    PENDING = "pending"
-    FAILED = "failed"
+from kv_connector.wire.outcome import SampleStatus
 
 
 class RowState(enum.Enum):
@@ -107,12 +101,12 @@ class RowBook:
             self._queue.append(i)  # not due yet: keep its place behind the others
         return None
 
-    def answered(self, index: int, status: Status, error: str, now: float) -> None:
+    def answered(self, index: int, status: SampleStatus, error: str, now: float) -> None:
         """The server answered the row's request with ``status`` (``error`` for failed)."""
         row = self._expect(index, RowState.SENT)
-        if status is Status.DELIVERED:
+        if status is SampleStatus.DELIVERED:
             self._deliver(row, now, confirmed=True)
-        elif status is Status.PENDING:
+        elif status is SampleStatus.PENDING:
             if self.confirm:
                 row.state, row.since = RowState.AWAITING, now
             else:

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kv_connector.files.progress import RateWindow, Reading
-from kv_connector.reader.reader import HiddenStatesReader
-from kv_connector.reader.stats import FileStats
+from kv_connector.reader import FileStats, HiddenStatesReader
 
 log = logging.getLogger("kv_connector.reader")
 

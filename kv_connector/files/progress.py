@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
+from kv_connector.reader import FileStats, PoolState, ReaderStats
 
 
 @dataclass(frozen=True)

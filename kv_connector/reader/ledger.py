@@ -90,7 +90,7 @@ from kv_connector.reader.records import (
 from kv_connector.reader.stats import PoolState, ProducerTotals, ReaderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
-from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 MAX_REWRITES = 3
 SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (never back-pressure:
@@ -570,8 +570,8 @@ class ReaderLedger:
             elif share.digest is not None:
                 share.checking = share.landing
                 prod = self.producers.by_id.get(s.key[0])
-                blocks = prod is not None and prod.block_digests
-                actions.append(Verify(s.key, rank, share.landing, share.digest, blocks))
+                kind = prod.checksum if prod is not None else ShareChecksum.XXH3
+                actions.append(Verify(s.key, rank, share.landing, share.digest, kind))
         if s.all_checked():
             s.state = SampleState.VERIFIED
             actions.append(Ready(s.key))

@@ -58,6 +58,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kv_connector.common.observe import Observations
+from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.sender.failure import refused as failure_reason_of
 from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
@@ -158,7 +160,7 @@ class SendLedger:
         self._credit_wait = Observations()
         self._jobs: dict[str, Job] = {}
         self._finished: list[str] = []
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, SampleFailure] = {}
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, request_id: str) -> bool:
@@ -194,7 +196,7 @@ class SendLedger:
         out, self._finished = self._finished, []
         return out
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, SampleFailure]:
         """Request ids that failed since the last call, with the reason (S1)."""
         out, self._failed = self._failed, {}
         return out
@@ -270,7 +272,7 @@ class SendLedger:
         job = self._jobs.get(request_id)
         if job is None:
             return None
-        return self.fail(request_id, f"cannot checksum its blocks: {why}")
+        return self.fail(request_id, f"cannot checksum its blocks: {why}", FailureReason.OTHER)
 
     def writes_due(self, now: float) -> list[Job]:
         """GRANTED jobs whose WRITE may be posted now (backoff over); it does not wait for
@@ -356,7 +358,11 @@ class SendLedger:
             job.retry_at = now + self.retry_backoff_s * job.attempts
             self.stats.write_retries += 1
             return None
-        return self.fail(request_id, f"its WRITE failed in NIXL {job.attempts} times (last: {error})")
+        return self.fail(
+            request_id,
+            f"its WRITE failed in NIXL {job.attempts} times (last: {error})",
+            FailureReason.WRITE_FAILED,
+        )
 
     # -------------------------------------------------------- reader messages
     def on_grant(self, grant: Grant, page_bytes: int, pool_bytes: int, now: float) -> None:
@@ -415,7 +421,9 @@ class SendLedger:
         """The reader refused one request (it fails, by name), or the whole connection
         (a ProtocolError: the connection is lost, everything is resent after reconnecting)."""
         if msg.request_id and msg.request_id in self._jobs:
-            failure = self.fail(msg.request_id, f"reader refused ({msg.code}): {msg.message}")
+            failure = self.fail(
+                msg.request_id, f"reader refused ({msg.code}): {msg.message}", failure_reason_of(msg.code)
+            )
             assert failure is not None
             return Failure(failure.request_id, failure.why, tell_reader=False)  # it knows
         raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
@@ -435,7 +443,11 @@ class SendLedger:
             j.attempts, j.rewrite_due, j.retry_at, j.digest_owed = 0, False, 0.0, False
         frozen = [rid for rid, j in self._jobs.items() if j.frozen]
         why = _PREEMPTED + " (the connection was lost before the reader had it)"
-        failures = [f for rid in frozen if (f := self.fail(rid, why, code="preempted")) is not None]
+        failures = [
+            f
+            for rid in frozen
+            if (f := self.fail(rid, why, FailureReason.PREEMPTED, code="preempted")) is not None
+        ]
         return len(self._jobs), failures
 
     def reader_works(self, now: float) -> None:
@@ -450,17 +462,23 @@ class SendLedger:
         late = [j.request_id for j in self._jobs.values() if now - j.t_wait > limit]
         out = []
         for rid in late:
-            f = self.fail(rid, f"cannot reach the reader at {address} for {limit:.0f} s (last error: {why})")
+            f = self.fail(
+                rid,
+                f"cannot reach the reader at {address} for {limit:.0f} s (last error: {why})",
+                FailureReason.UNREACHABLE,
+            )
             assert f is not None
             out.append(f)
         return out
 
-    def fail(self, request_id: str, why: str, code: protocol.RefuseCode = "write_failed") -> Failure | None:
-        """The job fails with ``why`` (S1); None if it is not in flight."""
+    def fail(
+        self, request_id: str, why: str, reason: FailureReason, code: protocol.RefuseCode = "write_failed"
+    ) -> Failure | None:
+        """The job fails with ``why`` for ``reason`` (S1); None if it is not in flight."""
         job = self._jobs.pop(request_id, None)
         if job is None:
             return None
-        self._failed[request_id] = why
+        self._failed[request_id] = SampleFailure(reason, why)
         xfer = job.xfer if job.state is JobState.WRITING else None
         return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer)
 
@@ -473,7 +491,9 @@ class SendLedger:
             if j.grant is not None and j.state is not JobState.WRITING and now - j.t_granted > timeout
         ]
         why = f"not acknowledged {timeout:.0f} s after its pages were granted"
-        return [f for rid in late if (f := self.fail(rid, why, code="timeout")) is not None]
+        return [
+            f for rid in late if (f := self.fail(rid, why, FailureReason.TIMEOUT, code="timeout")) is not None
+        ]
 
     def unsafe(self, request_ids: Iterable[str]) -> list[str]:
         """Of ``request_ids``, the jobs whose share is not safely in the reader's pages yet:
@@ -495,10 +515,10 @@ class SendLedger:
                 continue
             job.frozen = True
             if not self._safe(job):
-                f = self.fail(rid, _PREEMPTED, code="preempted")
+                f = self.fail(rid, _PREEMPTED, FailureReason.PREEMPTED, code="preempted")
                 if f is not None:
                     failures.append(f)
         return failures
 
     def fail_all(self, why: str) -> list[Failure]:
-        return [f for rid in list(self._jobs) if (f := self.fail(rid, why)) is not None]
+        return [f for rid in list(self._jobs) if (f := self.fail(rid, why, FailureReason.OTHER)) is not None]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from kv_connector.common.poller import IDLE_POLL_S
+from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.hasher import Hasher
 from kv_connector.sender.ledger import Failure, FrozenJob, Job, SendLedger
 from kv_connector.sender.writer import ShareWriter
@@ -267,6 +268,7 @@ class SenderLoop:
                         failure = self._ledger.fail(
                             msg.request_id,
                             "the reader asks to write it again, but it was preempted: its blocks are reused",
+                            FailureReason.PREEMPTED,
                             code="preempted",
                         )
                     if failure is not None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kv_connector.common.poller import Poller
+from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.ledger import Failure, Job, JobState, SendLedger
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import merge_runs
@@ -135,7 +136,9 @@ class ShareWriter:
             if not isinstance(e, TransportError):  # a bug: fail this job, not the thread
                 log.exception("rank %d: cannot post the WRITE of %s", self._rank, rid)
                 with self._lock:
-                    failure = self._ledger.fail(rid, f"cannot post its WRITE: {type(e).__name__}: {e}")
+                    failure = self._ledger.fail(
+                        rid, f"cannot post its WRITE: {type(e).__name__}: {e}", FailureReason.OTHER
+                    )
                 if failure is not None:
                     self._tell_reader(failure)
                 return

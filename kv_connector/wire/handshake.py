@@ -67,7 +67,7 @@ class ProducerIdentity:
     agent_name: str
     block_bytes: int
     cache_mem: MemType = "DRAM"  # where the cache lives (the reader's checksum policy)
-    digest: protocol.ShareChecksum = "xxh3"  # how its shares' checksums are computed
+    digest: protocol.ShareChecksum = protocol.ShareChecksum.XXH3  # how its shares' checksums are computed
 
 
 def as_producer(

@@ -38,6 +38,7 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Annotated, Literal
 
@@ -96,9 +97,12 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     pass
 
 
-# How a rank computes its shares' checksums: "xxh3" over their bytes (``integrity``),
-# "blocks" over per-block digests computed where its cache is (``block_digest``).
-ShareChecksum = Literal["xxh3", "blocks"]
+class ShareChecksum(str, enum.Enum):
+    """How a rank computes its shares' checksums, resolved once where the rank starts
+    (``ChecksumOption.resolve``) and carried as this value to the reader."""
+
+    XXH3 = "xxh3"  # XXH3-64 over the share's bytes (``integrity``)
+    BLOCKS = "blocks"  # XXH3-64 over per-block digests computed where the cache is (``block_digest``)
 
 
 class Hello(_Msg, tag="hello", frozen=True):
@@ -115,7 +119,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     block_bytes: PosInt
     nonce: Nonce
     cache_mem: MemType = "DRAM"
-    digest: ShareChecksum = "xxh3"
+    digest: ShareChecksum = ShareChecksum.XXH3
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):

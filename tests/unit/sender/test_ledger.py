@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.ledger import DigestState, FrozenJob, IllegalJobTransition, JobState, SendLedger
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -87,10 +88,13 @@ def test_s1_a_finished_or_failed_job_is_reported_once_with_its_reason() -> None:
         submit(led, rid)
     led.requests_due()
     led.on_refuse(protocol.Refuse(code="pool_too_small", message="too big", request_id="b"))
-    assert led.take_failed() == {"b": "reader refused (pool_too_small): too big"}
+    assert led.take_failed() == {
+        "b": SampleFailure(FailureReason.REFUSED, "reader refused (pool_too_small): too big")
+    }
     assert led.take_failed() == {}
     assert [f.request_id for f in led.fail_all("closing")] == ["a", "c"]
-    assert led.take_failed() == {"a": "closing", "c": "closing"} and len(led) == 0
+    closing = SampleFailure(FailureReason.OTHER, "closing")
+    assert led.take_failed() == {"a": closing, "c": closing} and len(led) == 0
 
 
 def test_submitting_a_request_twice_is_refused() -> None:
@@ -178,7 +182,10 @@ def test_a_failed_write_is_posted_again_after_a_backoff_then_the_job_fails() -> 
     failure = led.write_failed("a", "NIXL_ERR_NOT_FOUND", 1.6)
     assert failure is not None and failure.tell_reader
     assert failure.why == "its WRITE failed in NIXL 3 times (last: NIXL_ERR_NOT_FOUND)"
-    assert led.take_failed() == {"a": failure.why} and led.stats.write_retries == 2
+    assert (
+        led.take_failed() == {"a": SampleFailure(FailureReason.WRITE_FAILED, failure.why)}
+        and led.stats.write_retries == 2
+    )
 
 
 @pytest.mark.parametrize("state", ["waiting", "requested", "granted", "written"])
