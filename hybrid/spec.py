@@ -102,11 +102,14 @@ def split_supplementary_specs(
 
 
 def needs_own_group(specs: Mapping[str, KVCacheSpec]) -> bool:
-    """Whether vLLM would give the cache-only layer a KV cache group of its own beside
-    these (regular) specs: they mix state layers with attention (Qwen3-Next), or layers
-    that are not one uniform type (sliding-window beside full attention, gpt-oss). A
-    dense model of one attention type (Llama, Qwen3) keeps vLLM's own handling: the
-    cache-only layer joins its one group, blocks of the same size, nothing padded."""
+    """Whether the design applies to these (regular) specs: they mix state layers with
+    attention (Qwen3-Next), or layers that are not one uniform type (sliding-window
+    beside full attention, gpt-oss), and vLLM would give the cache-only layer a KV cache
+    group of its own. A dense model of one attention type (Llama, Qwen3) keeps vLLM's own
+    handling: the cache-only layer joins its one group, blocks of the same size, nothing
+    padded. (A model whose every layer slides keeps it too: vLLM gives the cache-only
+    layer a padded group of its own there, which the connector ships by its pitch, and
+    there is no full-attention block table to lend.)"""
     if any(isinstance(s, MambaSpec) for s in specs.values()):
         return True
     return bool(specs) and UniformTypeKVCacheSpecs.from_specs(dict(specs)) is None
