@@ -180,3 +180,93 @@ def test_runner_v2_without_its_patch_points_fails_at_start_with_the_fix(
     monkeypatch.setattr(plugin, "v2_installed", lambda: False)
     with pytest.raises(plugin.UnsupportedVLLMError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         core.get_kv_cache_configs(cfg, [dict(specs)], [32 << 20], *extra)
+
+
+def test_real_scheduler_with_our_connector_ships_the_attention_groups_blocks(
+    tiny: tuple[Any, Any, dict[str, Any]], installed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own Scheduler, built the way its engine core builds it from the design's
+    config, with our connector's scheduler side: a request's blocks come from the
+    attention group's block table (the hidden states have no group), the ship plan
+    names those blocks, and V2's drafter writes the request's states into them."""
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
+    from vllm.v1.worker.gpu.spec_decode.extract_hidden_states import ExtractHiddenStatesSpeculator
+
+    from kv_connector.connector import HiddenStatesConnectorMetadata, HiddenStatesWorkerMetadata
+    from kv_connector.producer.worker_report import WorkerReport
+
+    cfg, config, _ = tiny
+    ktc = KVTransferConfig(
+        kv_connector="HiddenStatesConnector",
+        kv_connector_module_path="kv_connector.connector",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"consumer_address": "127.0.0.1:9"},
+    )
+    monkeypatch.setattr(cfg, "kv_transfer_config", ktc)
+    sched_config = generate_scheduler_kv_cache_config([config])
+    monkeypatch.setattr(cfg.cache_config, "num_gpu_blocks", sched_config.num_blocks)
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(sched_config, cfg)
+    scheduler = Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=sched_config,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+    )
+    att = config.supplementary_group
+    bs = config.kv_cache_groups[att].kv_cache_spec.block_size
+    assert len(scheduler.kv_cache_manager.coordinator.single_type_managers) == len(config.kv_cache_groups)
+    connector: Any = scheduler.connector
+    # the worker's report that it reaches the reader: requests are admitted
+    reaches = HiddenStatesWorkerMetadata(report=WorkerReport(links=[(0, 0, None)]))
+    connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reaches))
+    tokens = list(range(1, bs + 6))  # one block and 5 tokens
+    params = SamplingParams(max_tokens=2)
+    params.update_from_generation_config({}, 0)
+    scheduler.add_request(
+        Request(request_id="r0", prompt_token_ids=tokens, sampling_params=params, pooling_params=None)
+    )
+    out = scheduler.schedule()
+    (new,) = out.scheduled_new_reqs
+    blocks = list(new.block_ids[att])
+    assert len(blocks) == 2 and all(0 < b < config.num_blocks for b in blocks)
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, HiddenStatesConnectorMetadata)
+    (piece,) = meta.plan.slices
+    assert piece.request_id == "r0" and list(piece.block_ids) == blocks
+    # the step as V2 runs it: the attention group's slots, the drafter writing through them
+    caches, forward_context = v2_init_kv_cache(cfg, config)
+    hs = caches[NAME]
+    positions = torch.arange(len(tokens))
+    slots = torch.full((len(config.kv_cache_groups), len(tokens)), -1, dtype=torch.int64)
+    slots[att] = torch.tensor(blocks)[positions // bs] * bs + positions % bs
+    drafter: Any = object.__new__(ExtractHiddenStatesSpeculator)
+    drafter.vllm_config = cfg
+    drafter.num_hidden_states = len(LAYERS)
+    drafter.hidden_states = torch.zeros(len(tokens), len(LAYERS), HIDDEN, dtype=torch.bfloat16)
+    drafter.draft_attn_layer_names = {NAME}
+    drafter.kv_cache_config = config
+    layer = forward_context[NAME]
+    drafter.model = lambda hidden_states: layer(hidden_states)
+    aux = [torch.randn(len(tokens), HIDDEN).to(torch.bfloat16) for _ in LAYERS]
+    drafter.propose(
+        SimpleNamespace(idx_mapping=torch.arange(1), is_padding=torch.zeros(len(tokens), dtype=torch.bool)),
+        {},
+        build_slot_mappings_by_layer(slots, config),
+        None,
+        aux,
+        *[torch.zeros(1, dtype=torch.int64)] * 2,
+        torch.zeros(1, 1, dtype=torch.int64),
+        *[torch.zeros(1)] * 3,
+    )
+    states = torch.stack(aux, dim=1)
+    # what the connector reads for the request: its blocks, positions 0.. in order
+    read = torch.cat([hs[b] for b in blocks], dim=1).transpose(0, 1)[: len(tokens)]
+    assert torch.equal(read, states)
