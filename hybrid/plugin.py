@@ -56,10 +56,12 @@ def _plan(original: Any) -> Any:
     from hybrid.spec import SupplementedKVCacheConfig, plan_kv_cache_configs
 
     def get_kv_cache_configs(
-        vllm_config: Any, kv_cache_specs: Any, available_memory: Any, *groups: Any
+        vllm_config: Any, kv_cache_specs: Any, available_memory: Any, global_kv_cache_groups: Any = None
     ) -> Any:
         announce()
-        configs = plan_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, original, *groups)
+        configs = plan_kv_cache_configs(
+            vllm_config, kv_cache_specs, available_memory, original, global_kv_cache_groups
+        )
         if any(isinstance(c, SupplementedKVCacheConfig) for c in configs):
             check_combination(vllm_config)
         return configs

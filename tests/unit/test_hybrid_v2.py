@@ -159,6 +159,11 @@ def test_engine_core_plans_through_the_plugin(tiny: tuple[Any, Any, dict[str, An
         groups = core.get_global_kv_cache_groups(cfg, [dict(specs)])
         assert NAME not in {n for g in groups for n in g.layer_names}
         (config,) = core.get_kv_cache_configs(cfg, [dict(specs)], budget, groups)
+        # vLLM's own groups (the layer in one of them), as an unpatched grouping gives them
+        theirs = vars(core)["get_global_kv_cache_groups"].__hybrid_original__(cfg, [dict(specs)])
+        assert NAME in {n for g in theirs for n in g.layer_names}
+        (again,) = core.get_kv_cache_configs(cfg, [dict(specs)], budget, theirs)
+        assert again.num_blocks == planned.num_blocks and set(again.supplementary_specs) == {NAME}
     else:
         (config,) = core.get_kv_cache_configs(cfg, [dict(specs)], budget)
     assert isinstance(config, SupplementedKVCacheConfig) and set(config.supplementary_specs) == {NAME}
