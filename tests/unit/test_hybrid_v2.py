@@ -8,6 +8,7 @@ model is vLLM's cache-only layer alone, the step's inputs are built by hand."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -187,8 +188,23 @@ def test_runner_v2_without_its_patch_points_fails_at_start_with_the_fix(
         core.get_kv_cache_configs(cfg, [dict(specs)], [32 << 20], *extra)
 
 
+@pytest.fixture
+def connector_logging() -> Iterator[None]:
+    """The connector sends its log through vLLM's handlers (``use_vllm_logging``): undone
+    after the test, for the tests that read ``kv_connector``'s log."""
+    ours = logging.getLogger("kv_connector")
+    handlers, level, propagate = list(ours.handlers), ours.level, ours.propagate
+    yield
+    ours.handlers[:] = handlers
+    ours.propagate = propagate
+    ours.setLevel(level)
+
+
 def test_real_scheduler_with_our_connector_ships_the_attention_groups_blocks(
-    tiny: tuple[Any, Any, dict[str, Any]], installed: None, monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[Any, Any, dict[str, Any]],
+    installed: None,
+    connector_logging: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """vLLM's own Scheduler, built the way its engine core builds it from the design's
     config, with our connector's scheduler side: a request's blocks come from the
