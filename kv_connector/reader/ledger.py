@@ -1,8 +1,9 @@
 """The reader's sample ledger: every sample from its first credit request to the release
 of its lease (or its refusal or discard). Pure logic (no nixl, sockets, threads or
 clocks: times are passed in). The reader's shells (``server.py``, ``checker.py``,
-``reader.py``) feed it what happened and perform the actions it answers (``Send``,
-``Verify``, ``Ready``, ``Log``; in ``records.py`` with the records). A peer's message that does not fit raises
+``reader.py``) feed it what happened (and what it took: only the ledger counts) and
+perform the actions it answers (``Send``, ``Verify``, ``Ready``, ``Log``; in
+``records.py`` with the records). A peer's message that does not fit raises
 ``ProtocolError`` (the shell refuses that peer, and only it); a transition the state does
 not allow raises ``IllegalSampleTransition``. The ledger decides every transition; its
 samples and pages are kept in ``book.py``, those delivered in ``delivered.py``, the
@@ -181,6 +182,20 @@ class ReaderLedger:
         """Producer id -> how many of its ranks are connected."""
         return {pid: len(p.ranks) for pid, p in self.producers.by_id.items() if p.ranks}
 
+    # ------------------------------------------------- the shells' own counts
+    def refused_peer(self) -> None:
+        """The serving thread refused a peer's connection or notification (its protocol
+        error)."""
+        self.stats.refused += 1
+
+    def values_checked(self, seconds: float) -> None:
+        """A sample's states were checked for NaN/Inf and all-zero tokens."""
+        self.stats.values_check_s += seconds
+
+    def copied(self, seconds: float) -> None:
+        """A sample was copied out of the pool."""
+        self.stats.copy_s += seconds
+
     # ------------------------------------------------------------------ peers
     def peer_ready(self, peer: PeerId, hello: protocol.Hello) -> None:
         """A producer rank finished its handshake on connection ``peer``."""
@@ -280,10 +295,14 @@ class ReaderLedger:
         s, share = self._share_of(peer, msg.request_id, "share_digest")
         return self._advance(s) if share.digest_came(msg.checksum) else []
 
-    def share_checked(self, key: Key, rank: int, landing: int, ok: bool, now: float) -> list[Action]:
-        """The result of a ``Verify``: a share that matches is checked; one that does not
-        is written again or, past ``max_rewrites``, its sample is refused (R5). A result
-        for an older landing, or a sample gone meanwhile, is ignored."""
+    def share_checked(
+        self, key: Key, rank: int, landing: int, ok: bool, now: float, seconds: float = 0.0
+    ) -> list[Action]:
+        """The result of a ``Verify`` (the check took ``seconds``): a share that matches is
+        checked; one that does not is written again or, past ``max_rewrites``, its sample
+        is refused (R5). A result for an older landing, or a sample gone meanwhile, is
+        ignored (its time still counts)."""
+        self.stats.verify_s += seconds
         s = self.samples.get(key)
         share = s.shares.get(rank) if s is not None else None
         if s is None or share is None or share.landing != landing or share.checking != landing:
