@@ -17,7 +17,8 @@ import torch
 
 from kv_connector.sender.failure import SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.ledger import Job, SendLedger
+from kv_connector.sender.jobs import Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import ShareWriter
