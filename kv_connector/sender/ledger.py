@@ -146,6 +146,15 @@ class SendLedger:
         ``observe.OBSERVATIONS_LIMIT`` of each are kept between calls)."""
         return self._meter.take_observations()
 
+    # ------------------------------------------------- the shells' own counts
+    def reconnected(self) -> None:
+        """The shell connected to the reader again after a lost connection."""
+        self.stats.reconnects += 1
+
+    def hashed(self, seconds: float) -> None:
+        """The shell's hashing thread took ``seconds`` to digest a share."""
+        self.stats.checksum_s += seconds
+
     # ------------------------------------------------------------ caller events
     def submit(
         self, request_id: str, manifest: Manifest, block_ids: list[int], share: range, now: float

@@ -195,7 +195,7 @@ class SenderLoop:
                 self.link_error = None
                 if not first:
                     with self._lock:
-                        self._ledger.stats.reconnects += 1
+                        self._ledger.reconnected()
                 self.connected.set()
                 return
             except (

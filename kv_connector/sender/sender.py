@@ -268,5 +268,5 @@ class HiddenStatesSender:
         else:
             value = share_checksum(self._raw, job, self._stage_digest)
         with self._lock:
-            self._ledger.stats.checksum_s += time.perf_counter() - t0
+            self._ledger.hashed(time.perf_counter() - t0)
         return value
