@@ -120,7 +120,8 @@ class SampleBook:
         return True
 
     def drop(self, s: SampleRecord, until: float) -> None:
-        """The sample leaves the books before it was handed out; pages it was granted stay
+        """The sample leaves the books before it was handed out (discarded, refused or
+        rejected); it no longer counts against its ranks (R9); pages it was granted stay
         quarantined until ``until`` (a late WRITE lands unseen, R3)."""
         assert self.pool is not None
         del self.samples[s.key]
@@ -130,13 +131,6 @@ class SampleBook:
             self.pool.cancel(s.key)
         else:
             self.pool.quarantine(s.key, s.pages, until)
-
-    def withdraw(self, s: SampleRecord, until: float) -> None:
-        """A checked sample the consumer rejected leaves the books; its pages stay
-        quarantined until ``until`` (R3)."""
-        assert self.pool is not None and s.pages is not None
-        del self.samples[s.key]
-        self.pool.quarantine(s.key, s.pages, until)
 
     def end_quarantines(self, now: float) -> bool:
         """Pages whose quarantine ended return to the pool; True if any did."""

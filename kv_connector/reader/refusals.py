@@ -98,7 +98,7 @@ class Refusals:
         actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
         actions += [Send(peer, refuse) for peer in peers]
         if s is not None:
-            self._book.withdraw(s, until)
+            self._book.drop(s, until)
         return actions
 
     def discard(self, s: SampleRecord, until: float, why: str) -> list[Action]:

@@ -446,6 +446,14 @@ def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank
     assert led.pool.free_pages == 8
 
 
+def test_r9_a_sample_rejected_before_hand_out_no_longer_counts_against_its_rank() -> None:
+    led = ledger(pages=8, max_pending_per_rank=1)
+    key = verified(led, "a", n=16)
+    led.reject(key, "NaN at token 3", 1.0)
+    led.credit_request(1, credit("b", n=16), 1.0)  # not over the bound: "a" left the books
+    assert led.state_of(("p", "b")) is SampleState.GRANTED
+
+
 def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> None:
     led = ledger(ack_mode=AckMode.MANUAL)
     key = verified(led)
