@@ -1,7 +1,7 @@
 """HiddenStatesSender: the producer side of one rank, as a thin I/O shell around the job
-ledger (``send_ledger.SendLedger``): ``ship`` submits, the worker side takes what
-finished or failed. Its thread (``sender_loop.SenderLoop``) talks to the reader, its
-``share_writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
+ledger (``ledger.SendLedger``): ``ship`` submits, the worker side takes what
+finished or failed. Its thread (``loop.SenderLoop``) talks to the reader, its
+``writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
 (when it may be written, retried, finished or failed) is the ledger's."""
 
 from __future__ import annotations
