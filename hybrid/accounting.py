@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
     get_kv_cache_spec_kind,
 )
 
+from hybrid import versions
 from hybrid.host import cpu_isa
 from hybrid.shapes import FULL, SLIDING, HybridShape
 from hybrid.spec import (
@@ -294,7 +295,7 @@ def figures(
     except NoAttentionGroupError:  # a state-only model: its hidden-state group's block, or its state's
         att = ([g for g in groups if g not in regular] or groups)[0]
     fig = Figures(block_size=att.kv_cache_spec.block_size, num_blocks=config.num_blocks)
-    pool_bytes = kcu._pool_bytes_per_block(vllm_config, groups)
+    pool_bytes = versions.pool_bytes_per_block(vllm_config, groups)
     fig.bytes_per_block = pool_bytes
     fig.hidden_state_bytes_needed_per_block = fig.block_size * hidden_token_bytes
     for g in groups:
@@ -385,13 +386,11 @@ def approach(
 ) -> Figures:
     """Figures of vLLM's approach (``ours=False``) or of the design, at ``budget``; a
     model the design leaves to vLLM (no full-attention group) gets vLLM's figures."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
     try:
         if ours:
             (config,) = plan_kv_cache_configs(vllm_config, [dict(specs)], [budget])
         else:
-            (config,) = get_kv_cache_configs(vllm_config, [dict(specs)], [budget])
+            (config,) = versions.kv_cache_configs(vllm_config, [dict(specs)], [budget])
     except ValueError as e:
         return Figures(refused=str(e).split(". Try")[0])
     return figures(vllm_config, config, hidden_token_bytes, ship)

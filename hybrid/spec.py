@@ -1,19 +1,19 @@
 """CacheOnlySpec, the split of supplementary specs before vLLM groups the layers, and the
 KV cache configs that give each supplementary layer a tensor of its own.
 
-It applies to every model whose layers vLLM splits into several KV cache groups (state
-layers beside attention, as Qwen3-Next; sliding-window beside full attention, as
-gpt-oss), where vLLM would give the cache-only layer a group of its own with a page
-padded to the common page. A model with no full-attention group (Mamba-only,
-linear-attention-only) has no block table to lend: it keeps vLLM's own grouping
-(``fallback``), or is refused when the design is forced on.
-
 The cache-only layer of ``extract_hidden_states`` (spec ``HiddenStateCacheSpec``) is taken
 out of the specs before vLLM's grouping, so it joins no KV cache group and the KV cache
 coordinator never sees it. It is re-blocked to the block size of the model's
 full-attention group and addressed with that group's block table and slot mapping; its
 tensor holds ``num_blocks`` pages, and the budget pays for one page of it per block:
 ``num_blocks = budget // (bytes per block of the groups + sum of supplementary pages)``.
+
+It applies to every model whose layers vLLM splits into several KV cache groups (state
+layers beside attention, as Qwen3-Next; sliding-window beside full attention, as
+gpt-oss), where vLLM would give the cache-only layer a group of its own with a page
+padded to the common page. A model with no full-attention layer (Mamba-only,
+linear-attention-only) has no block table to lend: it keeps vLLM's own grouping
+(``fallback``, auto mode), or is refused when the design is forced on.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
     replace_as,
 )
 
+from hybrid import versions
 from hybrid.shapes import exact_num_blocks
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.hybrid.spec")
 
-GetKVCacheConfigs = Callable[["VllmConfig", list[dict[str, KVCacheSpec]], list[int]], list[KVCacheConfig]]
+GetKVCacheConfigs = Callable[..., list[KVCacheConfig]]
+GetGlobalKVCacheGroups = Callable[["VllmConfig", list[dict[str, KVCacheSpec]]], list["KVCacheGroupSpec"]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,9 +128,69 @@ def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     raise NoAttentionGroupError(
         f"the supplementary hidden-state tensor needs a full-attention KV cache group to share its "
-        f"block table, and this model has none (groups: {kinds}); leave HIDDEN_STATES_SUPPLEMENTARY "
-        "unset (auto) or set it to 0 to use vLLM's own grouping"
+        f"block table, and this model has none (groups: {kinds}); {NO_ATTENTION_FIX}"
     )
+
+
+NO_ATTENTION_FIX = "leave HIDDEN_STATES_SUPPLEMENTARY unset (auto) or set it to 0 to use vLLM's own grouping"
+_fell_back = False
+
+
+def _no_attention_layer(regular: Mapping[str, KVCacheSpec], fallback: bool) -> bool:
+    """Whether these regular specs lack a full-attention layer (then vLLM's grouping
+    has no full-attention group): raises ``NoAttentionGroupError`` unless ``fallback``,
+    which logs once per process why vLLM's own grouping applies."""
+    global _fell_back
+    if any(is_full_attention_spec(s) for s in regular.values()):
+        return False
+    kinds = sorted({type(s).__name__ for s in regular.values()})
+    why = (
+        "the supplementary hidden-state tensor needs a full-attention KV cache group to share its "
+        f"block table, and this model has none (layers: {kinds})"
+    )
+    if not fallback:
+        raise NoAttentionGroupError(f"{why}; {NO_ATTENTION_FIX}")
+    if not _fell_back:
+        _fell_back = True
+        log.info(
+            "hybrid supplementary tensors: not used for this model, vLLM's own grouping applies (the "
+            "hidden-state layer gets a KV cache group of its own, its page padded to the common page; "
+            "see python -m hybrid.report): %s",
+            why,
+        )
+    return True
+
+
+def supplemented(
+    kv_cache_specs: Sequence[Mapping[str, KVCacheSpec]], fallback: bool = True
+) -> list[tuple[dict[str, KVCacheSpec], dict[str, CacheOnlySpec]]] | None:
+    """Each worker's (regular, supplementary) specs when the design applies (a model
+    ``needs_own_group`` with a cache-only layer and a full-attention layer), else None:
+    vLLM's own handling. A model without a full-attention layer gets None when
+    ``fallback`` (auto mode; one log line says why), else ``NoAttentionGroupError``."""
+    split = [split_supplementary_specs(specs) for specs in kv_cache_specs]
+    merged_regular: dict[str, KVCacheSpec] = {}
+    for regular, _ in split:
+        merged_regular.update(regular)
+    if not any(supp for _, supp in split) or not needs_own_group(merged_regular):
+        return None
+    if _no_attention_layer(merged_regular, fallback):
+        return None
+    return split
+
+
+def plan_kv_cache_groups(
+    vllm_config: VllmConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    get_global_kv_cache_groups: GetGlobalKVCacheGroups,
+    fallback: bool = True,
+) -> list[KVCacheGroupSpec]:
+    """vLLM 0.33's ``get_global_kv_cache_groups`` (the engine core groups before it
+    sizes) with the cache-only layers left out: they join no group."""
+    split = supplemented(kv_cache_specs, fallback)
+    if split is None:
+        return get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+    return get_global_kv_cache_groups(vllm_config, [regular for regular, _ in split])
 
 
 def plan_kv_cache_configs(
@@ -136,51 +198,44 @@ def plan_kv_cache_configs(
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
     get_kv_cache_configs: GetKVCacheConfigs | None = None,
+    global_kv_cache_groups: list[KVCacheGroupSpec] | None = None,
     fallback: bool = True,
 ) -> list[KVCacheConfig]:
     """``get_kv_cache_configs`` with the cache-only layers as supplementary tensors.
 
     Models without a cache-only layer, and dense models of one attention type
     (``needs_own_group``), go to vLLM unchanged. So does a model with no full-attention
-    group when ``fallback`` (auto mode; one log line says why); without it, that model
-    raises ``NoAttentionGroupError``. Otherwise the cache-only layers are split out, vLLM
-    groups and sizes the rest with each worker's memory reduced to exactly what its
-    blocks cost without them, and each worker's config comes back as a
-    ``SupplementedKVCacheConfig``.
+    layer when ``fallback`` (auto mode; one log line says why); without it, that model
+    raises ``NoAttentionGroupError``. Otherwise
+    the cache-only layers are split out, vLLM groups and sizes the rest with each
+    worker's memory reduced to exactly what its blocks cost without them, and each
+    worker's config comes back as a ``SupplementedKVCacheConfig``.
+
+    ``get_kv_cache_configs``: the function to call (vLLM's, when None), with vLLM's
+    arguments of the installed release (``hybrid.versions``); ``global_kv_cache_groups``:
+    vLLM 0.33's groups, as its engine core passes them (used when they leave the
+    cache-only layers out; regrouped here when they hold them).
     """
-    from vllm.v1.core import kv_cache_utils as kcu
-
-    original = get_kv_cache_configs or kcu.get_kv_cache_configs
-    split = [split_supplementary_specs(specs) for specs in kv_cache_specs]
-    merged_regular: dict[str, KVCacheSpec] = {}
-    for regular, _ in split:
-        merged_regular.update(regular)
-    if not any(supp for _, supp in split) or not needs_own_group(merged_regular):
-        return original(vllm_config, kv_cache_specs, available_memory)
-
-    # Group a copy: grouping may rewrite specs in place. vLLM groups again below, the
-    # same way, since grouping depends on the specs only.
-    groups = kcu.get_kv_cache_groups(vllm_config, dict(merged_regular))
-    try:
-        att = attention_group_index(groups)
-    except NoAttentionGroupError as e:
-        if not fallback:
-            raise
-        log.info(
-            "hybrid supplementary tensors: not used for this model, vLLM's own grouping applies "
-            "(the hidden-state layer gets a KV cache group of its own, its page padded to the "
-            "common page; see python -m hybrid.report): %s",
-            str(e).split("; ")[0],
+    split = supplemented(kv_cache_specs, fallback)
+    if split is None:
+        return versions.kv_cache_configs(
+            vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups, get_kv_cache_configs
         )
-        return original(vllm_config, kv_cache_specs, available_memory)
+    regulars = [regular for regular, _ in split]
+    supplementary_names = {name for _, supp in split for name in supp}
+    groups = global_kv_cache_groups
+    if groups is None or any(supplementary_names & set(g.layer_names) for g in groups):
+        # grouping depends on the specs only: vLLM groups the regular layers the same way
+        groups = versions.kv_cache_groups(vllm_config, regulars)
+    att = attention_group_index(groups)
     block_size = groups[att].kv_cache_spec.block_size
-    group_bytes = kcu._pool_bytes_per_block(vllm_config, groups)
+    group_bytes = versions.pool_bytes_per_block(vllm_config, groups)
     reblocked = [{n: CacheOnlySpec.of(s, block_size) for n, s in supp.items()} for _, supp in split]
     memory = [
         exact_num_blocks(avail, group_bytes, [s.page_size_bytes for s in supp.values()]) * group_bytes
         for avail, supp in zip(available_memory, reblocked, strict=True)
     ]
-    configs = original(vllm_config, [regular for regular, _ in split], memory)
+    configs = versions.kv_cache_configs(vllm_config, regulars, memory, groups, get_kv_cache_configs)
     out: list[KVCacheConfig] = []
     for cfg, supp in zip(configs, reblocked, strict=True):
         out.append(SupplementedKVCacheConfig.extend(cfg, supp, att))

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from kv_connector.common.poller import IDLE_POLL_S
 from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.hasher import Hasher
-from kv_connector.sender.ledger import Failure, FrozenJob, Job, SendLedger
+from kv_connector.sender.jobs import Failure, FrozenJob, Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
 from kv_connector.wire import handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
@@ -194,7 +195,7 @@ class SenderLoop:
                 self.link_error = None
                 if not first:
                     with self._lock:
-                        self._ledger.stats.reconnects += 1
+                        self._ledger.reconnected()
                 self.connected.set()
                 return
             except (

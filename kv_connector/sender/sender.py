@@ -1,7 +1,7 @@
 """HiddenStatesSender: the producer side of one rank, as a thin I/O shell around the job
-ledger (``send_ledger.SendLedger``): ``ship`` submits, the worker side takes what
-finished or failed. Its thread (``sender_loop.SenderLoop``) talks to the reader, its
-``share_writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
+ledger (``ledger.SendLedger``): ``ship`` submits, the worker side takes what
+finished or failed. Its thread (``loop.SenderLoop``) talks to the reader, its
+``writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
 (when it may be written, retried, finished or failed) is the ledger's."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 from kv_connector.sender.failure import SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.ledger import Job, SendLedger
+from kv_connector.sender.jobs import Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import ShareWriter
@@ -279,5 +280,5 @@ class HiddenStatesSender:
         else:
             value = share_checksum(self._raw, job, self._stage_digest, self.block_pitch)
         with self._lock:
-            self._ledger.stats.checksum_s += time.perf_counter() - t0
+            self._ledger.hashed(time.perf_counter() - t0)
         return value

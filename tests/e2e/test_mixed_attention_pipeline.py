@@ -174,7 +174,7 @@ def test_linear_attention_only_model_falls_back_and_ships(
         )
         got, result, log = run_and_collect(reader, spec, len(prompts), env=env)
     lines = [ln for ln in log.splitlines() if "vLLM's own grouping applies" in ln]
-    assert len(lines) == 1 and "has none (groups: ['MambaSpec'])" in lines[0], log[-3000:]
+    assert len(lines) == 1 and "has none (layers: ['MambaSpec'])" in lines[0], log[-3000:]
     assert "supplementary tensor for" not in log
     worst = check_samples(
         got,
