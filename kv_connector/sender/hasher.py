@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kv_connector.common.device import on_device
 from kv_connector.sender.ledger import Job
 from kv_connector.wire.block_digest import cache_block_digests, share_digest
 from kv_connector.wire.integrity import block_checksum, manifest_bytes, spans_of_sample
@@ -23,7 +24,8 @@ class Hasher:
     those refuse work once the interpreter starts exiting, which is exactly when a
     worker's shutdown drains its last samples."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: torch.device | None = None) -> None:
+        self._device = device
         self._q: queue.SimpleQueue[tuple[Callable[[], int], concurrent.futures.Future[int]] | None] = (
             queue.SimpleQueue()
         )
@@ -36,6 +38,7 @@ class Hasher:
         return fut
 
     def _run(self) -> None:
+        on_device(self._device)  # the cache's GPU, before any digest reads it
         while (item := self._q.get()) is not None:
             fn, fut = item
             try:

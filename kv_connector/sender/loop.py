@@ -14,7 +14,9 @@ import selectors
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
 from kv_connector.sender.hasher import Hasher
 from kv_connector.sender.ledger import Failure, FrozenJob, Job, SendLedger
@@ -23,6 +25,9 @@ from kv_connector.wire import handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
 from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.transport import Region, Transport, TransportError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kv_connector.sender.sender")
 
@@ -47,8 +52,10 @@ class SenderLoop:
         writer: ShareWriter,
         digest: Callable[[Job], int] | None,
         sample_timeout_s: float = 300.0,
+        device: torch.device | None = None,
     ) -> None:
         self.address = address
+        self._device = device
         self.me = me
         self.rank = me.rank
         self.connect_timeout_s = connect_timeout_s
@@ -60,7 +67,7 @@ class SenderLoop:
         self._digest = digest
         self.sample_timeout_s = sample_timeout_s
         self._next_deadline_check = 0.0
-        self._hasher = Hasher(f"hs-hash-r{me.rank}") if digest is not None else None
+        self._hasher = Hasher(f"hs-hash-r{me.rank}", device) if digest is not None else None
         self._conn: FramedConnection | None = None
         self._handshake_conn: FramedConnection | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -103,6 +110,7 @@ class SenderLoop:
         fast and what it held failed; the scheduler stops admitting requests to it after
         ``connect_timeout_s``, as for a reader it cannot reach."""
         try:
+            on_device(self._device)  # it drives the NIXL agent that holds the cache's registration
             self._sessions()
         except Exception as e:
             log.exception("rank %d sender thread failed; this rank ships nothing more", self.rank)

@@ -116,7 +116,13 @@ class HiddenStatesSender:
         self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
         self._loop: SenderLoop
         self._writer = writer = ShareWriter(
-            transport, local, self._ledger, self._lock, config.rank, lambda f: self._loop.tell_reader(f)
+            transport,
+            local,
+            self._ledger,
+            self._lock,
+            config.rank,
+            lambda f: self._loop.tell_reader(f),
+            cache.device,
         )
         me = handshake.ProducerIdentity(
             config.producer_id,
@@ -138,6 +144,7 @@ class HiddenStatesSender:
             writer,
             self._share_checksum if config.checksum else None,
             config.sample_timeout_s,
+            cache.device,
         )
         self._loop.start()
 
