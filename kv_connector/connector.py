@@ -103,6 +103,14 @@ def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
     problem = breakable_graph_problem(vllm_config)
     if problem is not None:
         raise ValueError(problem)
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not hasattr(
+        KVConnectorBase_V1, "restore_kv_caches"
+    ):
+        raise ValueError(
+            "HiddenStatesConnector follows sleep mode from vLLM 0.33 on (this vLLM never tells a "
+            "connector that the cache's memory is released and mapped again, so its NIXL "
+            "registration would point at freed memory): upgrade vLLM, or drop --enable-sleep-mode"
+        )
     return options, layer_ids
 
 
@@ -162,6 +170,20 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.33's sleep mode: ``unregister_kv_caches`` at sleep, ``restore_kv_caches``
+        at wake (vLLM 0.32 calls neither)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        assert self._worker is not None
+        self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        assert self._worker is not None
+        self._worker.restore_kv_caches()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None

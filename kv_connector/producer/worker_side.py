@@ -40,6 +40,8 @@ class WorkerSide:
         self.producer_id = producer_id
         self.layer_ids = layer_ids
         self.layer_name = ""
+        self.cache: torch.Tensor | None = None  # the cache-only layer's tensor (registered)
+        self.asleep = False
         self.senders: list[HiddenStatesSender] = []
         self.recorder: BlockRecorder | None = None
         self._slots: torch.Tensor | None = None
@@ -71,7 +73,7 @@ class WorkerSide:
                 "start vLLM with the extract_hidden_states speculative method"
             )
         self.layer_name = next(iter(layers))
-        cache = kv_caches[self.layer_name]
+        self.cache = cache = kv_caches[self.layer_name]
         hidden = self.vllm_config.model_config.get_hidden_size()
         layout, block_size = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
         block_layout = BlockLayout(
@@ -172,6 +174,37 @@ class WorkerSide:
                 self._note_failure(rid, str(e))
                 self._done.add(rid)
             self.recorder.forget(rid)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM goes to sleep and releases the cache's memory: each sender lets its shares
+        in flight be acknowledged for up to ``drain_timeout_s``, fails the rest by name
+        (their readers drop them), leaves its reader and deregisters the cache. Nothing
+        reads the cache until ``restore_kv_caches``. Idempotent."""
+        if self.asleep or not self.senders:
+            return
+        self.asleep = True
+        why = (
+            "vLLM went to sleep before the reader acknowledged it (sleep mode releases the cache "
+            "holding its hidden states)"
+        )
+        t0 = time.monotonic()
+        failed = [rid for s in self.senders for rid in s.suspend(self.options.drain_timeout_s, why)]
+        log.info(
+            "rank %d: asleep after %.3f s; %d requests in flight failed, NIXL registration released",
+            self.rank,
+            time.monotonic() - t0,
+            len(failed),
+        )
+
+    def restore_kv_caches(self) -> None:
+        """vLLM woke up: register the cache again (its memory may have moved) and connect
+        to every reader again, which learns the new registration. Idempotent."""
+        if not self.asleep or self.cache is None:
+            return
+        for s in self.senders:
+            s.resume(self.cache)
+        self.asleep = False
+        log.info("rank %d: awake; the cache is registered again", self.rank)
 
     def handle_preemptions(self, plan: StepPlan | None) -> None:
         """Called before this step reuses preempted requests' blocks: a shipped request's

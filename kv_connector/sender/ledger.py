@@ -503,5 +503,5 @@ class SendLedger:
                     failures.append(f)
         return failures
 
-    def fail_all(self, why: str) -> list[Failure]:
-        return [f for rid in list(self._jobs) if (f := self.fail(rid, why)) is not None]
+    def fail_all(self, why: str, code: protocol.RefuseCode = "write_failed") -> list[Failure]:
+        return [f for rid in list(self._jobs) if (f := self.fail(rid, why, code)) is not None]

@@ -78,6 +78,10 @@ class SenderLoop:
         self.connected = threading.Event()
         # None while connected, else why not (read by the worker's reports)
         self.link_error: str | None = "not connected yet"
+        # sleep mode (``pause``): why the thread must hold no connection, None when it may
+        self._pause: str | None = None
+        self._resumed = threading.Event()
+        self.parked = threading.Event()  # set while paused, connection and peer gone
         self.thread = threading.Thread(target=self._run, name=f"hs-sender-r{me.rank}", daemon=True)
 
     def start(self) -> None:
@@ -86,6 +90,38 @@ class SenderLoop:
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
+
+    def pause(self, why: str, timeout: float) -> bool:
+        """Leave the reader and hold no connection until ``resume`` (the engine sleeps:
+        its cache is about to be released): WRITEs in flight settle first, the reader's
+        agent is forgotten, and ``link_error`` says ``why``. Jobs still in the ledger go
+        back to waiting (the caller fails them first). False if the thread did not park
+        within ``timeout`` seconds."""
+        self._resumed.clear()
+        self._pause = why
+        self.wake()
+        hs = self._handshake_conn
+        if hs is not None:
+            hs.close()  # abort a handshake in progress
+        if self.dead is not None or not self.thread.is_alive():
+            return True
+        return self.parked.wait(timeout)
+
+    def resume(self) -> None:
+        """Connect again (a new handshake: the reader loads this agent's metadata afresh)."""
+        self._pause = None
+        self._resumed.set()
+        self.wake()
+
+    def hasher_idle(self, timeout: float) -> bool:
+        """Wait until no digest is being computed (none reads the cache after this)."""
+        if self._hasher is None:
+            return True
+        try:
+            self._hasher.submit(lambda: 0).result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     def close(self) -> None:
         if self.closed:
@@ -126,14 +162,21 @@ class SenderLoop:
         (``sample_timeout_s`` after its grant) passed."""
         last_error = ""
         while not self.closed:
+            if self._pause is not None:
+                self._park()
+                continue
             try:
                 self._connect()
-            except SenderError as e:  # closed while connecting
+            except SenderError as e:  # closed (or paused) while connecting
+                if self._pause is not None:
+                    continue
                 last_error = str(e)
                 break
             try:
                 self._serve()
-                return  # closed
+                if self._pause is None:
+                    return  # closed
+                self._leave(self._pause)
             except (ConnectionClosed, ProtocolError, OSError, TransportError) as e:
                 last_error = str(e)
                 self._on_lost(e)
@@ -146,7 +189,7 @@ class SenderLoop:
         sel.register(self._conn.sock, selectors.EVENT_READ, "conn")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         try:
-            while not self.closed:
+            while not self.closed and self._pause is None:
                 # WRITEs are the writer thread's: this one only waits for the reader's
                 # messages and for work (a ship, a digest) to send
                 for key, _ in sel.select(IDLE_POLL_S):
@@ -161,6 +204,30 @@ class SenderLoop:
                 self._check_deadlines()
         finally:
             sel.close()
+
+    def _leave(self, why: str) -> None:
+        """Paused while connected: settle the WRITEs in flight, forget the reader."""
+        self._writer.settle()
+        with self._lock:
+            _, failures = self._ledger.connection_lost(time.monotonic())
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, f.why)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.connected.clear()
+        self.link_error = why
+        log.info("rank %d left the reader at %s: %s", self.rank, self.address, why)
+
+    def _park(self) -> None:
+        why = self._pause
+        if why is None:
+            return
+        self.link_error = why
+        self.parked.set()
+        while not self.closed and self._pause is not None:
+            self._resumed.wait(0.05)
+        self.parked.clear()
 
     def _on_lost(self, e: BaseException) -> None:
         """The connection broke: let WRITEs in flight settle, forget the reader, and mark
@@ -194,8 +261,8 @@ class SenderLoop:
         delay = 0.1
         first = self.link_error == "not connected yet"
         while True:
-            if self.closed:
-                raise SenderError("closed")
+            if self.closed or self._pause is not None:
+                raise SenderError("closed" if self.closed else "paused")
             try:
                 self._handshake()
                 self.link_error = None
@@ -223,7 +290,7 @@ class SenderLoop:
                 delay,
             )
             end = time.monotonic() + delay
-            while time.monotonic() < end and not self.closed:
+            while time.monotonic() < end and not self.closed and self._pause is None:
                 time.sleep(min(0.05, delay))
                 self._expire(why)
             delay = min(delay * 2, 2.0)

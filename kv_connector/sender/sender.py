@@ -20,7 +20,7 @@ from kv_connector.sender.hasher import share_block_digest, share_checksum
 from kv_connector.sender.ledger import Job, SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
-from kv_connector.sender.writer import ShareWriter
+from kv_connector.sender.writer import SETTLE_S, ShareWriter
 from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -87,18 +87,8 @@ class HiddenStatesSender:
         self.layer_ids = list(layer_ids)
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
-        block_stride = cache.stride(0) * cache.element_size()
-        nbytes = cache.numel() * cache.element_size()
-        if block_stride != layout.block_bytes or nbytes != cache.shape[0] * layout.block_bytes:
-            raise ValueError(
-                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
-                f"bytes; the layout says blocks of {layout.block_bytes}"
-            )
         self.num_cache_blocks = cache.shape[0]
-        # the cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)
-        self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
-        )
+        self._raw = self._flat(cache)
         self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
         if config.block_digests and not block_digest.supported(layout):
             raise ValueError(
@@ -111,7 +101,8 @@ class HiddenStatesSender:
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
         self.agent_name = transport.name
-        local = transport.register(cache)
+        self._local = local = transport.register(cache)
+        self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
         self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
         self._loop: SenderLoop
@@ -173,8 +164,8 @@ class HiddenStatesSender:
         (``kv_connector.wire.identity``). A request that cannot travel (its id, its identity,
         its blocks) raises ``ValueError``; a sender whose thread died raises
         ``SenderError``: either way nothing was queued."""
-        if self._loop.dead is not None or self._loop.closed:
-            raise SenderError(self._loop.dead or "the sender is closed")
+        if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
+            raise SenderError(self._loop.dead or self._asleep or "the sender is closed")
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
             raise ValueError(problem)
@@ -227,6 +218,69 @@ class HiddenStatesSender:
             log.error("request %s failed: %s", f.request_id, f.why)
             self._loop.tell_reader(f)
         return [f.request_id for f in failures]
+
+    def suspend(self, timeout: float, why: str) -> list[str]:
+        """The engine goes to sleep and releases the cache's memory: ``ship`` refuses from
+        now on; the jobs in flight get up to ``timeout`` seconds to be acknowledged, the
+        rest fail with ``why`` (the reader is told, and drops their samples); WRITEs in
+        flight and the digest being computed end, the connection is left, and the cache is
+        deregistered. Nothing reads the cache after this returns. Returns the request ids
+        that failed. Idempotent."""
+        if self._asleep is not None:
+            return []
+        self._asleep = f"the engine is asleep: {why}"
+        deadline = time.monotonic() + timeout
+        self._loop.wake()
+        self._writer.wake()
+        while self.in_flight and time.monotonic() < deadline and self._loop.dead is None:
+            time.sleep(0.001)
+        with self._lock:
+            failures = self._ledger.fail_all(why, code="preempted")
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, f.why)
+            self._loop.tell_reader(f)  # a WRITE in flight is polled to its end by the writer
+        if not self._loop.pause(self._asleep, SETTLE_S + 5.0) or not self._loop.hasher_idle(SETTLE_S):
+            log.error("rank %d: the sender did not settle before sleeping", self.config.rank)
+        self._transport.deregister(self._local)
+        self._raw = torch.empty(0, dtype=torch.uint8, device=self._raw.device)  # the old memory's last view
+        log.info(
+            "rank %d asleep: %d requests failed, the cache's %d bytes deregistered",
+            self.config.rank,
+            len(failures),
+            self._local.nbytes,
+        )
+        return [f.request_id for f in failures]
+
+    def resume(self, cache: torch.Tensor) -> None:
+        """The engine woke up: register ``cache`` again (the same geometry; its memory may
+        be at another address now), and connect to the reader again, which loads the new
+        registration from the handshake. Idempotent."""
+        if self._asleep is None:
+            return
+        if cache.shape[0] != self.num_cache_blocks:
+            raise ValueError(
+                f"the cache has {cache.shape[0]} blocks after the wake, {self.num_cache_blocks} before"
+            )
+        raw = self._flat(cache)
+        self._local = self._transport.register(cache)
+        self._writer.set_local(self._local)
+        self._raw = raw
+        self._asleep = None
+        self._loop.resume()
+        log.info("rank %d awake: the cache is registered again at %#x", self.config.rank, self._local.addr)
+
+    def _flat(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)."""
+        block_stride = cache.stride(0) * cache.element_size()
+        nbytes = cache.numel() * cache.element_size()
+        if block_stride != self.layout.block_bytes or nbytes != cache.shape[0] * self.layout.block_bytes:
+            raise ValueError(
+                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
+                f"bytes; the layout says blocks of {self.layout.block_bytes}"
+            )
+        return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
+        )
 
     def take_finished(self) -> set[str]:
         """Request ids the reader acknowledged since the last call."""

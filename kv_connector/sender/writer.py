@@ -67,6 +67,11 @@ class ShareWriter:
     def wake(self) -> None:
         self._wake.set()
 
+    def set_local(self, local: Region) -> None:
+        """WRITE from ``local`` from now on (the cache registered again after a wake)."""
+        with self._io:
+            self._local = local
+
     def adopt(self, xfer: object) -> None:
         """A failed job's WRITE still in flight: poll it to its end (its handle is
         released then), whatever the ledger does."""

@@ -102,7 +102,7 @@ class NixlTransport:
             raise TransportError(f"cannot create the NIXL agent {name!r} on UCX: {e}") from e
         self.name = name
         self.failed_polls = 0
-        self._regs: list[Any] = []
+        self._regs: dict[Region, Any] = {}
         self._peers: set[str] = set()
 
     @property
@@ -122,8 +122,21 @@ class NixlTransport:
             reg = self._agent.register_memory([(tensor.data_ptr(), nbytes, dev, "")], mem_type)
         except Exception as e:
             raise TransportError(f"cannot register {nbytes} bytes of {mem_type}: {e}") from e
-        self._regs.append(reg)
-        return Region(tensor.data_ptr(), nbytes, mem_type, dev)
+        region = Region(tensor.data_ptr(), nbytes, mem_type, dev)
+        self._regs[region] = reg
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Release a registration made by ``register`` (before the memory is freed or
+        remapped); the agent's ``metadata`` no longer names it. No WRITE may be in flight
+        from it. Nothing happens for a region not registered."""
+        reg = self._regs.pop(region, None)
+        if reg is None:
+            return
+        try:
+            self._agent.deregister_memory(reg)
+        except Exception as e:
+            raise TransportError(f"cannot deregister {region.nbytes} bytes of {region.mem_type}: {e}") from e
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its name."""
@@ -219,7 +232,7 @@ class NixlTransport:
     def close(self) -> None:
         for peer in list(self._peers):
             self.remove_peer(peer)
-        for reg in self._regs:
+        for reg in self._regs.values():
             try:
                 self._agent.deregister_memory(reg)
             except Exception as e:

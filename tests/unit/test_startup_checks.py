@@ -1,8 +1,10 @@
-"""A model whose drafter vLLM would replay from a breakable CUDA graph is refused when the
-connector starts, with why and what to set, instead of failing every request with
-"wrote no slots". Checked on vLLM's own VllmConfig (built by EngineArgs from a config-only
-model); CUDA graphs are set as a CUDA platform resolves them by default (the CPU build
-turns them off), and the environment is read when the connector asks, as vLLM reads it."""
+"""Start-up checks, on vLLM's own VllmConfig (built by EngineArgs from a config-only model).
+
+A model whose drafter vLLM would replay from a breakable CUDA graph is refused when the
+connector starts, with why and what to set, instead of failing every request with "wrote
+no slots"; CUDA graphs are set as a CUDA platform resolves them by default (the CPU build
+turns them off), and the environment is read when the connector asks, as vLLM reads it.
+Sleep mode is refused on a vLLM that does not tell connectors about it."""
 
 from __future__ import annotations
 
@@ -65,3 +67,21 @@ def test_engines_that_run_the_hook_start(
 ) -> None:
     _, layer_ids = check_config(_with(vllm_config, graphs, monkeypatch, env))
     assert layer_ids == [1, 2]
+
+
+def test_sleep_mode_on_a_vllm_without_the_sleep_hooks_is_refused(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.32 frees and maps the cache again around sleep without telling connectors
+    (0.33 calls unregister_kv_caches / restore_kv_caches): the NIXL registration would
+    point at freed memory."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    monkeypatch.setattr(vllm_config.model_config, "enable_sleep_mode", True)
+    if hasattr(KVConnectorBase_V1, "restore_kv_caches"):  # vLLM 0.33: it tells us
+        check_config(vllm_config)
+        monkeypatch.delattr(KVConnectorBase_V1, "restore_kv_caches")
+    with pytest.raises(ValueError, match=r"sleep mode from vLLM 0\.33 on"):
+        check_config(vllm_config)
+    monkeypatch.setattr(vllm_config.model_config, "enable_sleep_mode", False)
+    check_config(vllm_config)
