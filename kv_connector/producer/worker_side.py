@@ -13,6 +13,7 @@ import torch
 
 from kv_connector.producer.options import Checksum, ConnectorOptions
 from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
+from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.sender.loop import SenderError
@@ -44,6 +45,7 @@ class WorkerSide:
         self.asleep = False
         self.senders: list[HiddenStatesSender] = []
         self.recorder: BlockRecorder | None = None
+        self.checks: SlotChecks | None = None  # the steps' slot mappings, checked off the critical path
         self._slots: torch.Tensor | None = None
         self._shipped: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -92,6 +94,7 @@ class WorkerSide:
             checksum = "block digests" if blocks else "XXH3 of the bytes"
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
+        self.checks = SlotChecks(block_size)
         self.senders = [
             HiddenStatesSender(
                 SenderConfig(
@@ -133,38 +136,44 @@ class WorkerSide:
                 self._slots = slots
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
-        if plan is None or not plan or self.recorder is None or not self.senders:
+        """After the step's drafter: hand the step's slot mapping to the checks (an
+        asynchronous copy and an event on a GPU; the engine never waits for the device),
+        then ship the complete requests, each held by its sender until the step is done
+        and checked (``slot_check``)."""
+        if plan is None or not plan or self.recorder is None or self.checks is None or not self.senders:
             self._slots = None
             return
         for rid in plan.resets:
             self.recorder.forget(rid)
-        if plan.slices:
-            if self._slots is None:
-                errors = {
-                    sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices
-                }
-            else:
-                if self._slots.is_cuda:
-                    torch.cuda.current_stream().synchronize()  # states written before WRITEs read them
-                slots = self._slots.tolist()
-                errors = self.recorder.record(slots, plan.slices)
-            for rid, why in errors.items():
-                log.error("request %s: %s; its hidden states will not be shipped", rid, why)
-                self._failed.setdefault(rid, why)
-                self._note_failure(rid, why)
+        errors: dict[str, str] = {}
+        gate: StepGate | None = None
+        if plan.slices and self._slots is None:
+            errors = {sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices}
+        elif plan.slices or plan.ships:
+            expected, errors = self.recorder.expect(plan.slices)
+            gate = self.checks.add(self._slots if plan.slices else None, expected)
         self._slots = None
+        errors.update(self.checks.settle())  # on the host: this step's check, now
+        for rid, why in errors.items():
+            self._fail_unshipped(rid, why)
         for order in plan.ships:
             rid = order.request_id
             if rid in self._failed:
                 self._done.add(rid)
                 continue
             try:
-                blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
-                if from_table:
-                    log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
+                blocks = self.recorder.ship_blocks(len(order.token_ids), order.block_ids)
+                done, wrong = gate.poll(rid) if gate is not None else (True, None)
+                if wrong is not None:
+                    raise SlotMismatch(wrong)
                 ident = order.identity
                 self.senders[order.reader].ship(
-                    rid, order.token_ids, blocks, sample_id=ident.sample_id, metadata=ident.metadata
+                    rid,
+                    order.token_ids,
+                    blocks,
+                    sample_id=ident.sample_id,
+                    metadata=ident.metadata,
+                    ready=None if done else gate,
                 )
                 self._shipped.add(rid)
                 self.metrics.shipped()
@@ -174,6 +183,16 @@ class WorkerSide:
                 self._note_failure(rid, str(e))
                 self._done.add(rid)
             self.recorder.forget(rid)
+
+    def _fail_unshipped(self, rid: str, why: str) -> None:
+        """A slice of the request was not written where its block table says (or not at
+        all): it will not be shipped. One already shipped is failed by its sender (its
+        gate says why), which reports it."""
+        if rid in self._shipped or rid in self._failed:
+            return
+        log.error("request %s: %s; its hidden states will not be shipped", rid, why)
+        self._failed[rid] = why
+        self._note_failure(rid, why)
 
     def unregister_kv_caches(self) -> None:
         """vLLM goes to sleep and releases the cache's memory: each sender lets its shares
@@ -239,12 +258,17 @@ class WorkerSide:
             return None
         # only requests this worker shipped or failed wait for their finish here; the
         # rest (never shipped: aborted, or failed at admission) must not pile up
+        if self.checks is not None:
+            for rid, why in self.checks.settle().items():
+                self._fail_unshipped(rid, why)
         followed = self._shipped | self._done
         self._finished_by_scheduler |= finished_req_ids & followed
         for rid in finished_req_ids - followed:
             self._failed.pop(rid, None)
             if self.recorder is not None:
                 self.recorder.forget(rid)
+            if self.checks is not None:
+                self.checks.forget(rid)
         for sender in self.senders:
             acked = sender.take_finished()
             self._done |= acked
@@ -261,6 +285,8 @@ class WorkerSide:
         self._shipped -= ready
         for rid in ready:
             self._failed.pop(rid, None)
+            if self.checks is not None:
+                self.checks.forget(rid)
         return ready
 
     def take_report(self) -> WorkerReport:

@@ -75,8 +75,9 @@ _streams = threading.local()
 @contextlib.contextmanager
 def _own_stream(device: torch.device) -> Iterator[None]:
     """On a GPU, this thread's own stream (its kernels do not queue behind the engine's
-    next forward on the default stream); on CPU, nothing. The engine synchronizes its
-    stream before it ships (``worker_side``), so the states are there to be read."""
+    next forward on the default stream); on CPU, nothing. A job is hashed only once the
+    producer's step that wrote its blocks is done on the device (its ``ReadyGate``), so
+    the states are there to be read."""
     if device.type != "cuda":
         yield
         return

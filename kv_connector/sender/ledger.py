@@ -116,6 +116,7 @@ class Job:
     rewrite_due: bool = False
     ack_due: bool = False
     frozen: bool = False  # preempted: its blocks are being reused; no WRITE may read them again
+    held: bool = False  # its step may still be running on the device: nothing reads its blocks yet
     t_granted: float = 0.0
     digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
     t_wait: float = 0.0  # since when it waits for a working reader
@@ -225,11 +226,19 @@ class SendLedger:
 
     # ------------------------------------------------------------ caller events
     def submit(
-        self, request_id: str, manifest: Manifest, block_ids: list[int], share: range, now: float
+        self,
+        request_id: str,
+        manifest: Manifest,
+        block_ids: list[int],
+        share: range,
+        now: float,
+        held: bool = False,
     ) -> Job:
+        """A new job; a ``held`` one waits in WAITING, neither requested nor hashed, until
+        ``release`` (its blocks may not be read yet)."""
         if request_id in self._jobs:
             raise ValueError(f"{request_id} is already being shipped")
-        job = Job(request_id, manifest, block_ids, share, t_submit=now, t_wait=now)
+        job = Job(request_id, manifest, block_ids, share, t_submit=now, t_wait=now, held=held)
         if self.checksum and share:
             job.digest_state = DigestState.NEEDED
         self._jobs[request_id] = job
@@ -239,7 +248,7 @@ class SendLedger:
     def requests_due(self) -> list[Job]:
         """WAITING jobs, oldest first: each gets a credit request now (WAITING ->
         REQUESTED). A job's digest is computed once, whatever the connection."""
-        due = [j for j in self._jobs.values() if j.state is JobState.WAITING]
+        due = [j for j in self._jobs.values() if j.state is JobState.WAITING and not j.held]
         for j in due:
             j.state = JobState.REQUESTED
         return due
@@ -247,10 +256,19 @@ class SendLedger:
     def digests_due(self) -> list[Job]:
         """Jobs whose share's digest must be computed now (once per job, whatever the
         connection): NEEDED -> COMPUTING."""
-        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED]
+        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED and not j.held]
         for j in due:
             j.digest_state = DigestState.COMPUTING
         return due
+
+    def held(self) -> list[str]:
+        return [rid for rid, j in self._jobs.items() if j.held]
+
+    def release(self, request_id: str) -> None:
+        """Its blocks may be read now: it is requested (and hashed) like any other."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.held = False
 
     def digest_ready(self, request_id: str, value: int) -> None:
         job = self._jobs.get(request_id)

@@ -29,6 +29,8 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 if TYPE_CHECKING:
     import torch
 
+HELD_POLL_S = 0.0002  # while a shipped job waits for its step to finish on the device
+
 log = logging.getLogger("kv_connector.sender.sender")
 
 
@@ -53,9 +55,11 @@ class SenderLoop:
         digest: Callable[[Job], int] | None,
         sample_timeout_s: float = 300.0,
         device: torch.device | None = None,
+        open_gates: Callable[[], bool] | None = None,
     ) -> None:
         self.address = address
         self._device = device
+        self._open_gates = open_gates  # releases held jobs; True while some wait for their step
         self.me = me
         self.rank = me.rank
         self.connect_timeout_s = connect_timeout_s
@@ -188,17 +192,18 @@ class SenderLoop:
         sel = selectors.DefaultSelector()
         sel.register(self._conn.sock, selectors.EVENT_READ, "conn")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        held = False  # jobs wait for their step on the device: look again soon
         try:
             while not self.closed and self._pause is None:
-                # WRITEs are the writer thread's: this one only waits for the reader's
-                # messages and for work (a ship, a digest) to send
-                for key, _ in sel.select(IDLE_POLL_S):
+                # WRITEs are the writer thread's; this one waits for the reader's messages and work
+                for key, _ in sel.select(HELD_POLL_S if held else IDLE_POLL_S):
                     if key.data == "wake":
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
                     else:
                         for msg in self._conn.receive():
                             self._handle(msg)
+                held = self._open_gates is not None and self._open_gates()
                 self._send_requests()
                 self._send_digests()
                 self._check_deadlines()

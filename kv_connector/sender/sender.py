@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,15 @@ from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+class ReadyGate(Protocol):
+    """When a shipped request's blocks may be read (the producer's step barrier)."""
+
+    def poll(self, request_id: str) -> tuple[bool, str | None]:
+        """Without waiting: (the step that wrote them is done and checked, why the request
+        must fail instead, or None)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ class HiddenStatesSender:
         self.agent_name = transport.name
         self._local = local = transport.register(cache)
         self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
+        self._gates: dict[str, ReadyGate] = {}  # held jobs' gates (``ship``'s ``ready``)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
         self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
         self._loop: SenderLoop
@@ -136,6 +146,7 @@ class HiddenStatesSender:
             self._share_checksum if config.checksum else None,
             config.sample_timeout_s,
             cache.device,
+            self._open_gates,
         )
         self._loop.start()
 
@@ -157,13 +168,16 @@ class HiddenStatesSender:
         block_ids: Sequence[int],
         sample_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        ready: ReadyGate | None = None,
     ) -> None:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
         ``sample_id`` and ``metadata`` the user's name and JSON object for the sample
         (``kv_connector.wire.identity``). A request that cannot travel (its id, its identity,
         its blocks) raises ``ValueError``; a sender whose thread died raises
-        ``SenderError``: either way nothing was queued."""
+        ``SenderError``: either way nothing was queued. With ``ready``, nothing reads the
+        blocks (no credit request, digest or WRITE) before it says so, on this sender's
+        thread; a request it fails fails by name (``take_failed``)."""
         if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
             raise SenderError(self._loop.dead or self._asleep or "the sender is closed")
         problem = protocol.request_id_problem(request_id)
@@ -189,8 +203,10 @@ class HiddenStatesSender:
             metadata=ident.metadata_json,
         )
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
+        if ready is not None:
+            self._gates[request_id] = ready
         with self._lock:
-            self._ledger.submit(request_id, manifest, blocks, share, time.monotonic())
+            self._ledger.submit(request_id, manifest, blocks, share, time.monotonic(), held=ready is not None)
         self._loop.wake()
 
     def count_unsafe(self, request_ids: Sequence[str]) -> int:
@@ -268,6 +284,27 @@ class HiddenStatesSender:
         self._asleep = None
         self._loop.resume()
         log.info("rank %d awake: the cache is registered again at %#x", self.config.rank, self._local.addr)
+
+    def _open_gates(self) -> bool:
+        """On the sender's thread: release the held jobs whose step is done and checked,
+        fail the ones whose check failed. True while some are still held."""
+        if not self._gates:
+            return False
+        for rid in list(self._gates):
+            done, why = self._gates[rid].poll(rid)
+            if not done:
+                continue
+            del self._gates[rid]
+            with self._lock:
+                if rid not in self._ledger:
+                    continue  # failed meanwhile
+                if why is None:
+                    self._ledger.release(rid)
+                    continue
+                failure = self._ledger.fail(rid, why)
+            if failure is not None:
+                log.error("request %s: %s; its hidden states will not be shipped", rid, why)
+        return bool(self._gates)
 
     def _flat(self, cache: torch.Tensor) -> torch.Tensor:
         """The cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)."""

@@ -8,35 +8,18 @@ even pass their checksums, which read the same garbage)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.vllm_harness import config_only_model
+from tests.integration.common import run_json_main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_sleep_fails_the_unacknowledged_by_name_and_the_wake_ships_from_the_new_memory(
-    tmp_path: Path,
-) -> None:
-    model = config_only_model(tmp_path / "m", 128)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "integration" / "sleep_main.py"), str(model)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-4000:], proc.stdout[-2000:])
-    out = json.loads(lines[-1])
+def test_sleep_fails_the_unacknowledged_by_name_and_the_wake_ships_from_new_memory(tmp_path: Path) -> None:
+    out = run_json_main("sleep_main.py", str(config_only_model(tmp_path / "m", 128)))
     assert out["moved"]  # the wake mapped the cache at another address
     # b0 was waiting for pages when vLLM slept: it failed by name, and the reader dropped it
     assert set(out["failures"]) == {"b0"}
