@@ -203,10 +203,10 @@ class HiddenStatesSender:
             metadata=ident.metadata_json,
         )
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
-        if ready is not None:
-            self._gates[request_id] = ready
         with self._lock:
             self._ledger.submit(request_id, manifest, blocks, share, time.monotonic(), held=ready is not None)
+        if ready is not None:
+            self._gates[request_id] = ready  # the sender's thread opens it (``_open_gates``)
         self._loop.wake()
 
     def count_unsafe(self, request_ids: Sequence[str]) -> int:
