@@ -7,6 +7,8 @@ the state does not allow raises ``IllegalTransition`` (the shell's bug) or
 
 States of a job (``JobState``), on the current connection to the reader:
 
+    WAITING   -- release -----------> WAITING     (a held job: its step may still run on the
+                                                   device; neither requested nor hashed before)
     WAITING   -- request_sent ------> REQUESTED   (credit request sent)
     REQUESTED -- grant -------------> GRANTED     (pages granted; WRITE due)
     GRANTED   -- write_posted ------> WRITING     (at most one WRITE in flight; its digest
