@@ -207,7 +207,8 @@ class WorkerSide:
             "holding its hidden states)"
         )
         t0 = time.monotonic()
-        failed = [rid for s in self.senders for rid in s.suspend(self.options.drain_timeout_s, why)]
+        deadline = t0 + self.options.drain_timeout_s  # one wait for all readers: acks come in parallel
+        failed = [rid for s in self.senders for rid in s.suspend(max(0.0, deadline - time.monotonic()), why)]
         log.info(
             "rank %d: asleep after %.3f s; %d requests in flight failed, NIXL registration released",
             self.rank,
