@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
-from kv_connector.producer.options import EXAMPLE, ConnectorOptions
+from kv_connector.producer.options import EXAMPLE, ConnectorOptions, captured_layer_order
 from kv_connector.producer.planning import StepPlan
 from kv_connector.producer.scheduler_side import SchedulerSide
 from kv_connector.producer.worker_report import WorkerReport
@@ -77,8 +77,18 @@ def use_vllm_logging() -> None:
     ours.propagate = False
 
 
+def configured_layer_ids(vllm_config: VllmConfig) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` as the user listed them ([] when unset)."""
+    spec = vllm_config.speculative_config
+    hf_config = spec.draft_model_config.hf_config if spec and spec.draft_model_config else None
+    return list(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
+
+
 def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
-    """Validate the engine's configuration; raise ValueError naming the problem and fix."""
+    """Validate the engine's configuration; raise ValueError naming the problem and fix.
+
+    Returns the options and the captured layer ids in the order of the states
+    (``captured_layer_order``), which every sample reports, not the configured order."""
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None
     if ktc.kv_role != "kv_producer":
@@ -95,9 +105,10 @@ def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
             '"draft_model_config":{"hf_config":{"eagle_aux_hidden_state_layer_ids":[...]}}}\''
         )
     assert spec.draft_model_config is not None
-    layer_ids = list(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
-    if not layer_ids:
+    configured = configured_layer_ids(vllm_config)
+    if not configured:
         raise ValueError("extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config")
+    layer_ids = captured_layer_order(configured)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
     problem = breakable_graph_problem(vllm_config)
@@ -157,6 +168,14 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if (configured := configured_layer_ids(vllm_config)) != layer_ids:
+                log.warning(  # by the scheduler only: once per engine, not once per rank
+                    "eagle_aux_hidden_state_layer_ids %s: vLLM captures these layers in increasing "
+                    "order, so every sample reports layer_ids=%s (hidden_states[:, i] is layer "
+                    "layer_ids[i])",
+                    configured,
+                    layer_ids,
+                )
             self._scheduler = SchedulerSide(
                 self.options,
                 kv_cache_config,

@@ -1,6 +1,6 @@
 """What only a GPU can show about block digests (``kv_connector.wire.block_digest``); run it on
 a machine with CUDA: ``python -m scripts.gpu_block_digest``. CI runs the same torch code
-on CPU tensors (tests/unit/test_block_digest.py, tests/integration/test_integrity.py).
+on CPU tensors (tests/unit/wire/test_block_digest.py, tests/integration/test_integrity.py).
 
 1. Bit for bit: the digests a rank computes from a cache in GPU memory, on its hashing
    thread's own stream, equal the reader's recomputation on CPU from the same bytes,

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kv_connector.producer.delivery import Router
 from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import blocks_for, blocks_for_tokens
@@ -43,7 +42,7 @@ class ShipOrder:
     request_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
-    reader: int = 0  # index of the reader this sample goes to (the same on every rank)
+    reader: str | None = None  # the reader's address, bound at admission (the same on every rank)
     identity: SampleIdentity = NO_IDENTITY
 
 
@@ -87,32 +86,28 @@ class ShipPlanner:
     delivery book through ``table``).
     """
 
-    def __init__(self, router: Router | None = None, table: RequestTable | None = None) -> None:
+    def __init__(self, table: RequestTable | None = None) -> None:
         self.table = table if table is not None else RequestTable()
         self._pending_ships: list[ShipOrder] = []
-        self.router = router or Router(1)
 
     def _tracked(self, request_id: str) -> RequestRecord | None:
         rec = self.table.get(request_id)
         return rec if rec is not None and rec.tracked else None
 
-    def reader_of(self, request_id: str) -> int | None:
-        """The reader a shipped (or shipping) request goes to; None if it was never routed
-        (it failed admission, or finished before shipping)."""
+    def reader_of(self, request_id: str) -> str | None:
+        """The reader a request goes to (or was bound for, if it failed before it ran);
+        None if none was decided (round robin, for a request that never ran)."""
         rec = self.table.get(request_id)
         return rec.reader if rec is not None else None
 
     def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
-        if rec.reader is None:
-            rec.reader = self.router.route(rec.request_id)
         return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity)
 
     def drop(self, request_id: str) -> None:
         """Stop following a request: it runs, but nothing of it is shipped."""
         rec = self.table.get(request_id)
         if rec is not None:
-            rec.tracked = False
-            rec.reader = None
+            rec.tracked = False  # its reader stays: its kv_transfer_params name it
         self._pending_ships = [o for o in self._pending_ships if o.request_id != request_id]
 
     def __len__(self) -> int:

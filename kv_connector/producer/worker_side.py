@@ -11,21 +11,28 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_connector.producer.options import Checksum, ConnectorOptions
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
-from kv_connector.wire import block_digest
 from kv_connector.wire.layout import BlockLayout, layout_from_view
+from kv_connector.wire.protocol import ShareChecksum
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+
+CHECKSUM_NAMES = {
+    None: "none",
+    ShareChecksum.XXH3: "XXH3 of the bytes",
+    ShareChecksum.BLOCKS: "block digests",
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -55,8 +62,8 @@ class WorkerSide:
         self.recent_failures: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.rank = 0
         # for the scheduler (see take_report): link states as last reported, and news
-        self._reported_links: dict[int, str | None] = {}
-        self._report_failures: dict[str, str] = {}
+        self._reported_links: dict[str, str | None] = {}  # reader -> its last reported error
+        self._report_failures: dict[str, SampleFailure] = {}
         self._report_delivered: set[str] = set()
         self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
 
@@ -87,11 +94,8 @@ class WorkerSide:
         )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.rank = rank
-        blocks = self.options.checksum.block_digests(cache.is_cuda, block_digest.supported(block_layout))
-        if self.options.checksum is Checksum.NONE:
-            checksum = "none"
-        else:
-            checksum = "block digests" if blocks else "XXH3 of the bytes"
+        share_checksum = self.options.checksum.resolve(cache.is_cuda, block_layout)
+        checksum = CHECKSUM_NAMES[share_checksum]
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
         self.checks = SlotChecks(block_size)
@@ -103,8 +107,7 @@ class WorkerSide:
                     rank=rank,
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
-                    checksum=self.options.checksum is not Checksum.NONE,
-                    block_digests=blocks,
+                    checksum=share_checksum,
                     sample_timeout_s=self.options.sample_timeout_s,
                 ),
                 cache,
@@ -166,21 +169,14 @@ class WorkerSide:
                 done, wrong = gate.poll(rid) if gate is not None else (True, None)
                 if wrong is not None:
                     raise SlotMismatch(wrong)
-                ident = order.identity
-                self.senders[order.reader].ship(
-                    rid,
-                    order.token_ids,
-                    blocks,
-                    sample_id=ident.sample_id,
-                    metadata=ident.metadata,
-                    ready=None if done else gate,
-                )
+                sender = self._sender_of(order.reader)
+                sender.ship(rid, order.token_ids, blocks, order.identity, ready=None if done else gate)
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
-                self._note_failure(rid, str(e))
+                self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
                 self._done.add(rid)
             self.recorder.forget(rid)
 
@@ -192,7 +188,7 @@ class WorkerSide:
             return
         log.error("request %s: %s; its hidden states will not be shipped", rid, why)
         self._failed[rid] = why
-        self._note_failure(rid, why)
+        self._note_failure(rid, SampleFailure(FailureReason.OTHER, why))
 
     def unregister_kv_caches(self) -> None:
         """vLLM goes to sleep and releases the cache's memory: each sender lets its shares
@@ -274,9 +270,9 @@ class WorkerSide:
             acked = sender.take_finished()
             self._done |= acked
             self._report_delivered |= acked
-            for rid, why in sender.take_failed().items():
-                self._failed[rid] = why
-                self._note_failure(rid, why)
+            for rid, failure in sender.take_failed().items():
+                self._failed[rid] = failure.why
+                self._note_failure(rid, failure)
                 self._done.add(rid)
         ready = self._done & self._finished_by_scheduler
         if not ready:
@@ -294,15 +290,22 @@ class WorkerSide:
         """What the scheduler side should learn this step: changes of this rank's link
         to each reader (None: connected), and requests failed or delivered since."""
         links: list[LinkChange] = []
-        for k, sender in enumerate(self.senders):
-            err = sender.link_error
-            last = self._reported_links.get(k, "")
-            if k not in self._reported_links or (last is None) != (err is None):
-                self._reported_links[k] = err
-                links.append(LinkChange(k, self.rank, err))
+        for sender in self.senders:
+            err, reader = sender.link_error, sender.config.consumer_address
+            last = self._reported_links.get(reader, "")
+            if reader not in self._reported_links or (last is None) != (err is None):
+                self._reported_links[reader] = err
+                links.append(LinkChange(reader, self.rank, err))
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
         return WorkerReport(links, failures, delivered)
+
+    def _sender_of(self, reader: str | None) -> HiddenStatesSender:
+        """The sender to the reader a sample was bound for (ValueError: none or unknown)."""
+        for s in self.senders:
+            if s.config.consumer_address == reader:
+                return s
+        raise ValueError(f"no sender to the reader {reader!r} (readers: {', '.join(self.options.readers)})")
 
     def stats(self) -> list[SenderStats]:
         """A snapshot of each sender's counters, in the order of the readers."""
@@ -313,10 +316,10 @@ class WorkerSide:
         since the last step, and, on rank 0, the samples shipped, delivered and failed."""
         return self.metrics.take_from(self.senders)
 
-    def _note_failure(self, rid: str, why: str) -> None:
-        self.metrics.failed(why)
-        self._report_failures[rid] = why
-        self.recent_failures[rid] = why
+    def _note_failure(self, rid: str, failure: SampleFailure) -> None:
+        self.metrics.failed(failure.reason)
+        self._report_failures[rid] = failure
+        self.recent_failures[rid] = failure.why
         while len(self.recent_failures) > 1000:
             self.recent_failures.popitem(last=False)
 

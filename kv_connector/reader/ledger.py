@@ -6,7 +6,7 @@ for connections and checks, ``core.py`` for the user) feed it what happened and 
 the actions it answers (``Send``, ``Verify``, ``Ready``, ``Log``; they and the sample and
 share records are in ``records.py``). A peer's message that does not fit raises
 ``ProtocolError`` (the shell refuses that peer, and only it); a transition the state does
-not allow raises ``IllegalTransition``.
+not allow raises ``IllegalSampleTransition``.
 
 States of a sample (``SampleState``), keyed by (producer id, request id):
 
@@ -76,12 +76,12 @@ from kv_connector.reader.producers import PeerId, Producers
 from kv_connector.reader.records import (
     AckMode,
     Action,
-    IllegalTransition,
+    IllegalSampleTransition,
     Key,
     Log,
     Ready,
     RequireChecksum,
-    Sample,
+    SampleRecord,
     SampleState,
     Send,
     Share,
@@ -90,7 +90,7 @@ from kv_connector.reader.records import (
 from kv_connector.reader.stats import PoolState, ProducerTotals, ReaderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
-from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 MAX_REWRITES = 3
 SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (never back-pressure:
@@ -131,7 +131,7 @@ class ReaderLedger:
         self.stats = ReaderStats()
         self.pool: PagePool | None = None
         self.page_bytes: int | None = None
-        self.samples: dict[Key, Sample] = {}
+        self.samples: dict[Key, SampleRecord] = {}
         self.producers = Producers()
         # (producer, rank) -> its samples not handed out yet (the bound max_pending_per_rank)
         self._pending: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -141,7 +141,7 @@ class ReaderLedger:
     # ------------------------------------------------------------------ pool
     def set_pages(self, page_bytes: int, num_pages: int) -> None:
         if self.pool is not None:
-            raise IllegalTransition("the pool's page size is decided once")
+            raise IllegalSampleTransition("the pool's page size is decided once")
         self.page_bytes = page_bytes
         self.pool = PagePool(num_pages)
 
@@ -169,7 +169,7 @@ class ReaderLedger:
     def departing(self) -> bool:
         return self.producers.departing
 
-    def leases(self) -> list[Sample]:
+    def leases(self) -> list[SampleRecord]:
         """The samples on lease to the user, oldest first."""
         out = [s for s in self.samples.values() if s.state is SampleState.HANDED_OUT]
         return sorted(out, key=lambda s: s.t_handed_out)
@@ -267,7 +267,7 @@ class ReaderLedger:
                 "over its bound"
             )
         if s is None:
-            s = Sample(
+            s = SampleRecord(
                 key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
             )
             s.t_requested = now
@@ -280,7 +280,10 @@ class ReaderLedger:
                 self.stats.refused_pool_too_small += 1
                 return [
                     Send(
-                        peer, protocol.Refuse(code="pool_too_small", message=str(e), request_id=m.request_id)
+                        peer,
+                        protocol.Refuse(
+                            code="pool_too_small", message=protocol.clip_text(str(e)), request_id=m.request_id
+                        ),
                     ),
                     Log("error", f"request {m.request_id} refused: {e}"),
                 ]
@@ -384,13 +387,15 @@ class ReaderLedger:
         for r, other in s.peers.items():
             if r != rank:
                 refuse = protocol.Refuse(
-                    code=msg.code, message=f"rank {rank}: {msg.message}"[:4000], request_id=msg.request_id
+                    code=msg.code,
+                    message=protocol.clip_text(f"rank {rank}: {msg.message}"),
+                    request_id=msg.request_id,
                 )
                 actions.append(Send(other, refuse))
         return actions + self._discard(s, now, f"{label} gave up on it")
 
     # ------------------------------------------------------------- the user
-    def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[Sample, list[Action]] | None:
+    def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[SampleRecord, list[Action]] | None:
         """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
         as delivered and its producer acked now (on take) or when the user acks (manual)
         (R4). None when it is not ready (discarded, or written again since it was queued)."""
@@ -448,9 +453,11 @@ class ReaderLedger:
             del self.delivered[key]
         else:
             state = s.state.value if s is not None else "gone"
-            raise IllegalTransition(f"cannot reject {key[1]} of {key[0]}: {state}, or acknowledged already")
+            raise IllegalSampleTransition(
+                f"cannot reject {key[1]} of {key[0]}: {state}, or acknowledged already"
+            )
         self.stats.refused += 1
-        refuse = protocol.Refuse(code="rejected", message=why[:4000], request_id=key[1])
+        refuse = protocol.Refuse(code="rejected", message=protocol.clip_text(why), request_id=key[1])
         actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
         actions += [Send(peer, refuse) for peer in peers]
         if s.state is SampleState.VERIFIED:
@@ -509,7 +516,7 @@ class ReaderLedger:
     def _pending_of(self, producer_id: str, rank: int) -> int:
         return self._pending[(producer_id, rank)]
 
-    def _settle_pending(self, s: Sample) -> None:
+    def _settle_pending(self, s: SampleRecord) -> None:
         for rank in s.shares:
             k = (s.key[0], rank)
             self._pending[k] -= 1
@@ -519,10 +526,10 @@ class ReaderLedger:
     def _ident(self, peer: PeerId) -> tuple[str, int]:
         ident = self.producers.identity(peer)
         if ident is None:
-            raise IllegalTransition(f"peer {peer} is not a connected producer")
+            raise IllegalSampleTransition(f"peer {peer} is not a connected producer")
         return ident
 
-    def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[Sample, Share]:
+    def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[SampleRecord, Share]:
         pid, rank = self._ident(peer)
         s = self.samples.get((pid, request_id))
         share = s.shares.get(rank) if s is not None else None
@@ -530,7 +537,7 @@ class ReaderLedger:
             raise ProtocolError(f"{what} for {request_id}, which it was not granted")
         return s, share
 
-    def _grant_msg(self, s: Sample) -> protocol.Grant:
+    def _grant_msg(self, s: SampleRecord) -> protocol.Grant:
         assert s.pages is not None
         return protocol.Grant(
             request_id=s.manifest.request_id, first_page=s.pages.start, num_pages=len(s.pages)
@@ -550,7 +557,7 @@ class ReaderLedger:
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.pool.used_pages)
         return actions
 
-    def _advance(self, s: Sample) -> list[Action]:
+    def _advance(self, s: SampleRecord) -> list[Action]:
         """Check every share that landed with its digest known; move the sample on."""
         if s.state not in (SampleState.GRANTED, SampleState.WRITTEN):
             return []
@@ -563,8 +570,8 @@ class ReaderLedger:
             elif share.digest is not None:
                 share.checking = share.landing
                 prod = self.producers.by_id.get(s.key[0])
-                blocks = prod is not None and prod.block_digests
-                actions.append(Verify(s.key, rank, share.landing, share.digest, blocks))
+                kind = prod.checksum if prod is not None else ShareChecksum.XXH3
+                actions.append(Verify(s.key, rank, share.landing, share.digest, kind))
         if s.all_checked():
             s.state = SampleState.VERIFIED
             actions.append(Ready(s.key))
@@ -572,7 +579,7 @@ class ReaderLedger:
             s.state = SampleState.WRITTEN
         return actions
 
-    def _mismatch(self, s: Sample, rank: int, now: float) -> list[Action]:
+    def _mismatch(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
         m, key = s.manifest, s.key
         self.stats.checksum_mismatches += 1
         s.rewrites += 1
@@ -607,7 +614,7 @@ class ReaderLedger:
             ),
         ]
 
-    def _discard(self, s: Sample, now: float, why: str) -> list[Action]:
+    def _discard(self, s: SampleRecord, now: float, why: str) -> list[Action]:
         assert self.pool is not None
         del self.samples[s.key]
         self.stats.dropped += 1

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 from kv_connector.reader.producers import PeerId
 from kv_connector.wire import protocol
+from kv_connector.wire.protocol import ShareChecksum
 
 Key = tuple[str, str]  # (producer id, request id)
 
 
-class IllegalTransition(RuntimeError):
+class IllegalSampleTransition(RuntimeError):
     """A shell asked for a transition the sample's state does not allow."""
 
 
@@ -45,14 +46,14 @@ class Send:
 
 @dataclass(frozen=True)
 class Verify:
-    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``), computed over
-    its block digests (``blocks``) or its bytes."""
+    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``), computed the
+    way its producer computes them (``checksum``)."""
 
     key: Key
     rank: int
     landing: int
     digest: int
-    blocks: bool = False
+    checksum: ShareChecksum = ShareChecksum.XXH3
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Share:
 
 
 @dataclass
-class Sample:
+class SampleRecord:
     key: Key
     manifest: protocol.Manifest
     world_size: int

@@ -317,7 +317,7 @@ class ReaderServer:
         except ProtocolError as e:
             self._ledger.stats.refused += 1
             log.warning("refusing %s: %s", c.label, e)
-            self._send(c, protocol.Refuse(code="protocol", message=str(e)))
+            self._send(c, protocol.Refuse(code="protocol", message=protocol.clip_text(str(e))))
             self._drop(c, f"protocol error: {e}")
 
     def _handle(self, c: _Conn, msg: protocol.Message) -> None:

@@ -2,7 +2,7 @@
 ``Ack`` or a named failure, as a state machine. Pure logic (no nixl, sockets, threads
 or clocks: times are passed in). The shell (``kv_connector.sender.sender``) feeds it what
 happened and performs what it answers; every transition is a method, and a transition
-the state does not allow raises ``IllegalTransition`` (the shell's bug) or
+the state does not allow raises ``IllegalJobTransition`` (the shell's bug) or
 ``ProtocolError`` (the reader's: a Grant, Rewrite or Refuse that does not fit).
 
 States of a job (``JobState``), on the current connection to the reader:
@@ -60,6 +60,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kv_connector.common.observe import Observations
+from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.sender.failure import refused as failure_reason_of
 from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
@@ -72,7 +74,7 @@ WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives
 _PREEMPTED = "preempted before its share was safely written: its blocks are reused by another request"
 
 
-class IllegalTransition(RuntimeError):
+class IllegalJobTransition(RuntimeError):
     """The shell asked for a transition the job's state does not allow."""
 
 
@@ -161,7 +163,7 @@ class SendLedger:
         self._credit_wait = Observations()
         self._jobs: dict[str, Job] = {}
         self._finished: list[str] = []
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, SampleFailure] = {}
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, request_id: str) -> bool:
@@ -174,7 +176,7 @@ class SendLedger:
         try:
             return self._jobs[request_id]
         except KeyError:
-            raise IllegalTransition(f"{request_id} is not in flight") from None
+            raise IllegalJobTransition(f"{request_id} is not in flight") from None
 
     def state_of(self, request_id: str) -> JobState | None:
         j = self._jobs.get(request_id)
@@ -188,9 +190,6 @@ class SendLedger:
         """Jobs whose blocks have not all landed in the reader yet."""
         return sum(j.state is not JobState.WRITTEN for j in self._jobs.values())
 
-    def count_unwritten(self, request_ids: Iterable[str]) -> int:
-        return sum(1 for r in request_ids if r in self._jobs and self._jobs[r].state is not JobState.WRITTEN)
-
     @property
     def writing(self) -> bool:
         return any(j.state is JobState.WRITING for j in self._jobs.values())
@@ -200,7 +199,7 @@ class SendLedger:
         out, self._finished = self._finished, []
         return out
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, SampleFailure]:
         """Request ids that failed since the last call, with the reason (S1)."""
         out, self._failed = self._failed, {}
         return out
@@ -277,7 +276,7 @@ class SendLedger:
         if job is None:
             return  # it failed meanwhile
         if job.digest_state is not DigestState.COMPUTING:
-            raise IllegalTransition(f"{request_id}: a digest it was not waiting for")
+            raise IllegalJobTransition(f"{request_id}: a digest it was not waiting for")
         job.digest, job.digest_state = value, DigestState.READY
 
     def digests_owed(self) -> list[Job]:
@@ -293,7 +292,7 @@ class SendLedger:
         job = self._jobs.get(request_id)
         if job is None:
             return None
-        return self.fail(request_id, f"cannot checksum its blocks: {why}")
+        return self.fail(request_id, f"cannot checksum its blocks: {why}", FailureReason.OTHER)
 
     def writes_due(self, now: float) -> list[Job]:
         """GRANTED jobs whose WRITE may be posted now (backoff over); it does not wait for
@@ -322,7 +321,7 @@ class SendLedger:
         reader ack it, before the call returns (S3: an Ack then waits for its completion)."""
         job = self.job(request_id)
         if job.state is not JobState.GRANTED:  # S2, S4
-            raise IllegalTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
         job.state, job.xfer, job.t_write = JobState.WRITING, None, now
         job.digest_owed = notif.digest_follows
 
@@ -343,7 +342,7 @@ class SendLedger:
     def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
         job = self.job(request_id)
         if job.state is not JobState.WRITING:
-            raise IllegalTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
         self.stats.write_s += now - job.t_write
         self.stats.bytes += nbytes
         self.stats.writes += 1
@@ -368,7 +367,7 @@ class SendLedger:
         ``max_write_attempts`` failures, the job fails (answer: tell the reader)."""
         job = self.job(request_id)
         if job.state is not JobState.WRITING:
-            raise IllegalTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
         job.xfer = None
         if job.ack_due:  # the reader has the sample: nothing is lost
             self._finish(job, now)
@@ -379,7 +378,11 @@ class SendLedger:
             job.retry_at = now + self.retry_backoff_s * job.attempts
             self.stats.write_retries += 1
             return None
-        return self.fail(request_id, f"its WRITE failed in NIXL {job.attempts} times (last: {error})")
+        return self.fail(
+            request_id,
+            f"its WRITE failed in NIXL {job.attempts} times (last: {error})",
+            FailureReason.WRITE_FAILED,
+        )
 
     # -------------------------------------------------------- reader messages
     def on_grant(self, grant: Grant, page_bytes: int, pool_bytes: int, now: float) -> None:
@@ -438,7 +441,9 @@ class SendLedger:
         """The reader refused one request (it fails, by name), or the whole connection
         (a ProtocolError: the connection is lost, everything is resent after reconnecting)."""
         if msg.request_id and msg.request_id in self._jobs:
-            failure = self.fail(msg.request_id, f"reader refused ({msg.code}): {msg.message}")
+            failure = self.fail(
+                msg.request_id, f"reader refused ({msg.code}): {msg.message}", failure_reason_of(msg.code)
+            )
             assert failure is not None
             return Failure(failure.request_id, failure.why, tell_reader=False)  # it knows
         raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
@@ -458,7 +463,11 @@ class SendLedger:
             j.attempts, j.rewrite_due, j.retry_at, j.digest_owed = 0, False, 0.0, False
         frozen = [rid for rid, j in self._jobs.items() if j.frozen]
         why = _PREEMPTED + " (the connection was lost before the reader had it)"
-        failures = [f for rid in frozen if (f := self.fail(rid, why, code="preempted")) is not None]
+        failures = [
+            f
+            for rid in frozen
+            if (f := self.fail(rid, why, FailureReason.PREEMPTED, code="preempted")) is not None
+        ]
         return len(self._jobs), failures
 
     def reader_works(self, now: float) -> None:
@@ -473,17 +482,23 @@ class SendLedger:
         late = [j.request_id for j in self._jobs.values() if now - j.t_wait > limit]
         out = []
         for rid in late:
-            f = self.fail(rid, f"cannot reach the reader at {address} for {limit:.0f} s (last error: {why})")
+            f = self.fail(
+                rid,
+                f"cannot reach the reader at {address} for {limit:.0f} s (last error: {why})",
+                FailureReason.UNREACHABLE,
+            )
             assert f is not None
             out.append(f)
         return out
 
-    def fail(self, request_id: str, why: str, code: protocol.RefuseCode = "write_failed") -> Failure | None:
-        """The job fails with ``why`` (S1); None if it is not in flight."""
+    def fail(
+        self, request_id: str, why: str, reason: FailureReason, code: protocol.RefuseCode = "write_failed"
+    ) -> Failure | None:
+        """The job fails with ``why`` for ``reason`` (S1); None if it is not in flight."""
         job = self._jobs.pop(request_id, None)
         if job is None:
             return None
-        self._failed[request_id] = why
+        self._failed[request_id] = SampleFailure(reason, why)
         xfer = job.xfer if job.state is JobState.WRITING else None
         return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer)
 
@@ -496,7 +511,9 @@ class SendLedger:
             if j.grant is not None and j.state is not JobState.WRITING and now - j.t_granted > timeout
         ]
         why = f"not acknowledged {timeout:.0f} s after its pages were granted"
-        return [f for rid in late if (f := self.fail(rid, why, code="timeout")) is not None]
+        return [
+            f for rid in late if (f := self.fail(rid, why, FailureReason.TIMEOUT, code="timeout")) is not None
+        ]
 
     def unsafe(self, request_ids: Iterable[str]) -> list[str]:
         """Of ``request_ids``, the jobs whose share is not safely in the reader's pages yet:
@@ -518,10 +535,15 @@ class SendLedger:
                 continue
             job.frozen = True
             if not self._safe(job):
-                f = self.fail(rid, _PREEMPTED, code="preempted")
+                f = self.fail(rid, _PREEMPTED, FailureReason.PREEMPTED, code="preempted")
                 if f is not None:
                     failures.append(f)
         return failures
 
-    def fail_all(self, why: str, code: protocol.RefuseCode = "write_failed") -> list[Failure]:
-        return [f for rid in list(self._jobs) if (f := self.fail(rid, why, code)) is not None]
+    def fail_all(
+        self,
+        why: str,
+        reason: FailureReason = FailureReason.OTHER,
+        code: protocol.RefuseCode = "write_failed",
+    ) -> list[Failure]:
+        return [f for rid in list(self._jobs) if (f := self.fail(rid, why, reason, code)) is not None]

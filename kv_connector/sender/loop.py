@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
+from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.hasher import Hasher
 from kv_connector.sender.ledger import Failure, FrozenJob, Job, SendLedger
 from kv_connector.sender.writer import ShareWriter
@@ -347,6 +348,7 @@ class SenderLoop:
                         failure = self._ledger.fail(
                             msg.request_id,
                             "the reader asks to write it again, but it was preempted: its blocks are reused",
+                            FailureReason.PREEMPTED,
                             code="preempted",
                         )
                     if failure is not None:
@@ -439,7 +441,9 @@ class SenderLoop:
             with contextlib.suppress(OSError):
                 conn.send(
                     protocol.Refuse(
-                        code=failure.code, message=failure.why[:4000], request_id=failure.request_id
+                        code=failure.code,
+                        message=protocol.clip_text(failure.why),
+                        request_id=failure.request_id,
                     )
                 )
 

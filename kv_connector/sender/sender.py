@@ -10,20 +10,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
 from kv_connector.sender.ledger import Job, SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import SETTLE_S, ShareWriter
-from kv_connector.wire import auth, block_digest, handshake, protocol
-from kv_connector.wire.identity import make_identity
+from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -46,11 +48,11 @@ class SenderConfig:
     producer_id: shared by all ranks of one producer engine, unique among producers.
     rank / world_size: this rank and how many ranks share each sample's blocks.
     connect_timeout_s: how long to keep trying to reach the reader.
-    checksum: send the XXH3-64 of each share with its WRITE, for the reader to check
-    (on a GPU cache this stages the share's bytes to host memory once).
-    block_digests: with ``checksum``, compute it from per-block digests where the cache is
-    (``block_digest``: torch ops on a stream of their own, 8 bytes per block to the host)
-    instead of over the share's bytes on the host: the way for a GPU cache.
+    checksum: how each share's checksum, sent with its WRITE for the reader to check, is
+    computed: ``XXH3`` over the share's bytes (on a GPU cache this stages them to host
+    memory once), ``BLOCKS`` from per-block digests where the cache is (``block_digest``:
+    torch ops on a stream of their own, 8 bytes per block to the host; the way for a GPU
+    cache, whose rows must be whole 8-byte words); None sends none.
     sample_timeout_s: a sample granted pages and not acknowledged this long after fails
     (and the reader is told), whatever the connection does.
     """
@@ -60,9 +62,8 @@ class SenderConfig:
     rank: int = 0
     world_size: int = 1
     connect_timeout_s: float = 60.0
-    checksum: bool = True
+    checksum: ShareChecksum | None = ShareChecksum.XXH3
     sample_timeout_s: float = 300.0
-    block_digests: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -99,11 +100,6 @@ class HiddenStatesSender:
         self.num_cache_blocks = cache.shape[0]
         self._raw = self._flat(cache)
         self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
-        if config.block_digests and not block_digest.supported(layout):
-            raise ValueError(
-                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
-                'is not (use "checksum": "xxh3")'
-            )
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
@@ -114,7 +110,9 @@ class HiddenStatesSender:
         self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
         self._gates: dict[str, ReadyGate] = {}  # held jobs' gates (``ship``'s ``ready``)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
-        self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
+        self._ledger = SendLedger(
+            checksum=config.checksum is not None, connect_timeout_s=config.connect_timeout_s
+        )
         self._loop: SenderLoop
         self._writer = writer = ShareWriter(
             transport,
@@ -132,7 +130,7 @@ class HiddenStatesSender:
             transport.name,
             layout.block_bytes,
             "VRAM" if cache.is_cuda else "DRAM",
-            "blocks" if config.block_digests else "xxh3",
+            config.checksum or ShareChecksum.XXH3,
         )
         self._loop = SenderLoop(
             config.consumer_address,
@@ -166,24 +164,22 @@ class HiddenStatesSender:
         request_id: str,
         token_ids: Sequence[int],
         block_ids: Sequence[int],
-        sample_id: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        identity: SampleIdentity = NO_IDENTITY,
         ready: ReadyGate | None = None,
     ) -> None:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
-        ``sample_id`` and ``metadata`` the user's name and JSON object for the sample
-        (``kv_connector.wire.identity``). A request that cannot travel (its id, its identity,
-        its blocks) raises ``ValueError``; a sender whose thread died raises
-        ``SenderError``: either way nothing was queued. With ``ready``, nothing reads the
-        blocks (no credit request, digest or WRITE) before it says so, on this sender's
-        thread; a request it fails fails by name (``take_failed``)."""
+        ``identity`` the user's name and metadata for the sample, checked where it was
+        made (``kv_connector.wire.identity``). A request that cannot travel (its id, its
+        blocks) raises ``ValueError``; a sender whose thread died raises ``SenderError``:
+        either way nothing was queued. With ``ready``, nothing reads the blocks (no credit
+        request, digest or WRITE) before it says so, on this sender's thread; a request it
+        fails fails by name (``take_failed``)."""
         if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
             raise SenderError(self._loop.dead or self._asleep or "the sender is closed")
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
             raise ValueError(problem)
-        ident = make_identity(sample_id, metadata)
         n_blocks = self.layout.blocks_for(len(token_ids))
         if len(block_ids) < n_blocks:
             raise ValueError(
@@ -199,8 +195,8 @@ class HiddenStatesSender:
             layer_ids=self.layer_ids,
             geometry=self.layout,
             num_blocks=n_blocks,
-            sample_id=ident.sample_id,
-            metadata=ident.metadata_json,
+            sample_id=identity.sample_id,
+            metadata=identity.metadata_json,
         )
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
         with self._lock:
@@ -251,7 +247,7 @@ class HiddenStatesSender:
         while self.in_flight and time.monotonic() < deadline and self._loop.dead is None:
             time.sleep(0.001)
         with self._lock:
-            failures = self._ledger.fail_all(why, code="preempted")
+            failures = self._ledger.fail_all(why, FailureReason.ASLEEP, code="preempted")
         for f in failures:
             log.error("request %s failed: %s", f.request_id, f.why)
             self._loop.tell_reader(f)  # a WRITE in flight is polled to its end by the writer
@@ -301,7 +297,7 @@ class HiddenStatesSender:
                 if why is None:
                     self._ledger.release(rid)
                     continue
-                failure = self._ledger.fail(rid, why)
+                failure = self._ledger.fail(rid, why, FailureReason.OTHER)
             if failure is not None:
                 log.error("request %s: %s; its hidden states will not be shipped", rid, why)
         return bool(self._gates)
@@ -324,7 +320,7 @@ class HiddenStatesSender:
         with self._lock:
             return set(self._ledger.take_finished())
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, SampleFailure]:
         """Request ids that failed since the last call, with the reason."""
         with self._lock:
             return self._ledger.take_failed()
@@ -355,23 +351,6 @@ class HiddenStatesSender:
         with self._lock:
             return self._ledger.unwritten
 
-    def count_unwritten(self, request_ids: Sequence[str]) -> int:
-        """How many of ``request_ids`` still have a WRITE to make (in flight, waiting for
-        pages, or not started)."""
-        with self._lock:
-            return self._ledger.count_unwritten(request_ids)
-
-    def wait_written(self, request_ids: Sequence[str], timeout: float) -> bool:
-        """Block until none of ``request_ids`` has a WRITE pending (landed, failed or
-        unknown); False if ``timeout`` seconds passed first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.count_unwritten(request_ids):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-
     def close(self) -> None:
         if self._loop.closed:
             return
@@ -382,7 +361,7 @@ class HiddenStatesSender:
     def _share_checksum(self, job: Job) -> int:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
-        if self.config.block_digests:
+        if self.config.checksum is ShareChecksum.BLOCKS:
             value = share_block_digest(self._raw, job)
         else:
             value = share_checksum(self._raw, job, self._stage_digest)

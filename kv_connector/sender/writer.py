@@ -17,6 +17,7 @@ import numpy as np
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import Poller
+from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.ledger import Failure, Job, JobState, SendLedger
 from kv_connector.wire import protocol
 from kv_connector.wire.transport import Region, Transport, TransportError
@@ -143,7 +144,9 @@ class ShareWriter:
             if not isinstance(e, TransportError):  # a bug: fail this job, not the thread
                 log.exception("rank %d: cannot post the WRITE of %s", self._rank, rid)
                 with self._lock:
-                    failure = self._ledger.fail(rid, f"cannot post its WRITE: {type(e).__name__}: {e}")
+                    failure = self._ledger.fail(
+                        rid, f"cannot post its WRITE: {type(e).__name__}: {e}", FailureReason.OTHER
+                    )
                 if failure is not None:
                     self._tell_reader(failure)
                 return

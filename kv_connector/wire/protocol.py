@@ -38,12 +38,14 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Annotated, Literal
 
 import msgspec
 
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for
+from kv_connector.wire.transport import MemType
 
 PROTOCOL_VERSION = 8
 
@@ -55,6 +57,8 @@ MAX_PAGES = 1 << 24
 MAX_METADATA_BYTES = 64 << 10  # NIXL's agent metadata is about 1 KiB
 MAX_SAMPLE_ID_CHARS = 128
 MAX_SAMPLE_METADATA_BYTES = 4096
+MAX_TEXT_CHARS = 4096  # a Refuse's message, a Rewrite's reason
+
 SAMPLE_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -80,6 +84,11 @@ SampleId = Annotated[str, msgspec.Meta(pattern=SAMPLE_ID_PATTERN)]
 SampleMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_SAMPLE_METADATA_BYTES)]
 
 
+def clip_text(text: str) -> str:
+    """``text`` cut to what a message's free-text field holds (``MAX_TEXT_CHARS``)."""
+    return text if len(text) <= MAX_TEXT_CHARS else text[: MAX_TEXT_CHARS - 3] + "..."
+
+
 class ProtocolError(ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
 
@@ -88,9 +97,12 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     pass
 
 
-# How a rank computes its shares' checksums: "xxh3" over their bytes (``integrity``),
-# "blocks" over per-block digests computed where its cache is (``block_digest``).
-ShareChecksum = Literal["xxh3", "blocks"]
+class ShareChecksum(str, enum.Enum):
+    """How a rank computes its shares' checksums, resolved once where the rank starts
+    (``ChecksumOption.resolve``) and carried as this value to the reader."""
+
+    XXH3 = "xxh3"  # XXH3-64 over the share's bytes (``integrity``)
+    BLOCKS = "blocks"  # XXH3-64 over per-block digests computed where the cache is (``block_digest``)
 
 
 class Hello(_Msg, tag="hello", frozen=True):
@@ -106,8 +118,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     agent_name: SafeName
     block_bytes: PosInt
     nonce: Nonce
-    cache_mem: Literal["DRAM", "VRAM"] = "DRAM"
-    digest: ShareChecksum = "xxh3"
+    cache_mem: MemType = "DRAM"
+    digest: ShareChecksum = ShareChecksum.XXH3
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
@@ -138,7 +150,7 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     pool_bytes: PosInt
     page_bytes: PosInt
     num_pages: PosInt
-    mem_type: Literal["DRAM", "VRAM"]
+    mem_type: MemType
     device_id: NonNegInt
     proof: Digest
 
@@ -285,7 +297,7 @@ class Refuse(_Msg, tag="refuse", frozen=True):
     whole connection."""
 
     code: RefuseCode
-    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
     request_id: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_.:@+=\-]{1,256})?\Z")] = ""
 
 
@@ -319,7 +331,7 @@ class Rewrite(_Msg, tag="rewrite", frozen=True):
     write it again into the same pages."""
 
     request_id: RequestId
-    reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] = ""
 
 
 Message = (

@@ -13,7 +13,7 @@ from kv_connector.reader.metrics import FilesCollector, ReaderCollector
 from kv_connector.reader.records import Verify
 from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
 from kv_connector.wire import protocol
-from tests.unit.test_reader_ledger import PAGE, connected, credit, hand_out, hello, land, ledger, sends
+from tests.unit.reader.test_ledger import PAGE, connected, credit, hand_out, hello, land, ledger, sends
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.records import (
     AckMode,
-    IllegalTransition,
+    IllegalSampleTransition,
     Log,
     Ready,
     RequireChecksum,
@@ -295,9 +295,9 @@ def test_a_rank_connects_once_and_keeps_its_world_size() -> None:
 
 def test_messages_from_a_peer_that_is_not_a_connected_producer_are_illegal() -> None:
     led = ledger()
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.credit_request(9, credit("a"), 0.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.write_done(9, protocol.WriteDone(request_id="a"))
 
 
@@ -458,9 +458,9 @@ def test_r11_an_acked_sample_cannot_be_rejected() -> None:
     led = ledger()  # acked on take
     key = verified(led)
     hand_out(led, key)
-    with pytest.raises(IllegalTransition, match="acknowledged"):
+    with pytest.raises(IllegalSampleTransition, match="acknowledged"):
         led.reject(key, "too late", 1.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.reject(("p", "nope"), "never seen", 1.0)
 
 
@@ -557,7 +557,7 @@ def test_a_write_done_for_a_sample_not_granted_is_the_producers_protocol_error()
 
 def test_the_page_size_is_decided_once() -> None:
     led = ledger()
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.set_pages(PAGE, 3)
 
 
