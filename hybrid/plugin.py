@@ -35,11 +35,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from hybrid.notice import ENV, announce
 from hybrid.versions import SUPPORTED_VLLM, is_supported, supported_text
 
 log = logging.getLogger("vllm.hybrid.plugin")
 
-ENV = "HIDDEN_STATES_SUPPLEMENTARY"
 ORIGINAL = "__hybrid_original__"
 __all__ = ["SUPPORTED_VLLM", "register", "unregister"]
 
@@ -226,27 +226,6 @@ def register() -> None:
         if not hasattr(current, ORIGINAL):
             setattr(owner, name, wrap(current))
     announce()
-
-
-_announced = False
-
-
-def announce() -> None:
-    """Log, once per process, that the design is active. vLLM configures its logging
-    after it loads plugins in its first process, so until then this waits: every patched
-    function calls it again."""
-    global _announced
-    if _announced or not logging.getLogger("vllm").handlers:
-        return
-    _announced = True
-    import vllm
-
-    log.info(
-        "hybrid supplementary tensors active (vLLM %s): the cache-only layer of a hybrid model gets its own "
-        "tensor, addressed by the full-attention group (%s=0 turns this off)",
-        vllm.__version__,
-        ENV,
-    )
 
 
 def unregister() -> None:

@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 
-from hybrid.plugin import announce
+from hybrid.notice import announce
 from hybrid.spec import SupplementedKVCacheConfig
 
 log = logging.getLogger("vllm.hybrid.runtime")

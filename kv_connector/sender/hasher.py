@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kv_connector.common.device import on_device
-from kv_connector.sender.ledger import Job
+from kv_connector.sender.jobs import Job
 from kv_connector.wire.block_digest import cache_block_digests, share_digest
 from kv_connector.wire.integrity import block_checksum, manifest_bytes, spans_of_sample
 

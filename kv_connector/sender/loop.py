@@ -20,7 +20,8 @@ from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
 from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.hasher import Hasher
-from kv_connector.sender.ledger import Failure, FrozenJob, Job, SendLedger
+from kv_connector.sender.jobs import Failure, FrozenJob, Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
 from kv_connector.wire import handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
@@ -97,11 +98,9 @@ class SenderLoop:
             os.write(self._wake_w, b"x")
 
     def pause(self, why: str, timeout: float) -> bool:
-        """Leave the reader and hold no connection until ``resume`` (the engine sleeps:
-        its cache is about to be released): WRITEs in flight settle first, the reader's
-        agent is forgotten, and ``link_error`` says ``why``. Jobs still in the ledger go
-        back to waiting (the caller fails them first). False if the thread did not park
-        within ``timeout`` seconds."""
+        """Leave the reader (WRITEs in flight settle first) and hold no connection until
+        ``resume``; ``link_error`` says ``why``. The caller fails the jobs first. False if
+        the thread did not park within ``timeout`` seconds (the engine sleeps)."""
         self._resumed.clear()
         self._pause = why
         self.wake()
@@ -120,13 +119,10 @@ class SenderLoop:
 
     def hasher_idle(self, timeout: float) -> bool:
         """Wait until no digest is being computed (none reads the cache after this)."""
-        if self._hasher is None:
-            return True
         try:
-            self._hasher.submit(lambda: 0).result(timeout)
+            return self._hasher is None or self._hasher.submit(lambda: 0).result(timeout) == 0
         except concurrent.futures.TimeoutError:
             return False
-        return True
 
     def close(self) -> None:
         if self.closed:
@@ -274,7 +270,7 @@ class SenderLoop:
                 self.link_error = None
                 if not first:
                     with self._lock:
-                        self._ledger.stats.reconnects += 1
+                        self._ledger.reconnected()
                 self.connected.set()
                 return
             except (

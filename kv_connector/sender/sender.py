@@ -1,7 +1,7 @@
 """HiddenStatesSender: the producer side of one rank, as a thin I/O shell around the job
-ledger (``send_ledger.SendLedger``): ``ship`` submits, the worker side takes what
-finished or failed. Its thread (``sender_loop.SenderLoop``) talks to the reader, its
-``share_writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
+ledger (``ledger.SendLedger``): ``ship`` submits, the worker side takes what
+finished or failed. Its thread (``loop.SenderLoop``) talks to the reader, its
+``writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
 (when it may be written, retried, finished or failed) is the ledger's."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.ledger import Job, SendLedger
+from kv_connector.sender.jobs import Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import SETTLE_S, ShareWriter
@@ -200,7 +201,8 @@ class HiddenStatesSender:
         )
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
         with self._lock:
-            self._ledger.submit(request_id, manifest, blocks, share, time.monotonic(), held=ready is not None)
+            self._ledger.submit(request_id, manifest, blocks, share, time.monotonic())
+            self._ledger.hold(request_id, ready is not None)
         if ready is not None:
             self._gates[request_id] = ready  # the sender's thread opens it (``_open_gates``)
         self._loop.wake()
@@ -247,7 +249,9 @@ class HiddenStatesSender:
         while self.in_flight and time.monotonic() < deadline and self._loop.dead is None:
             time.sleep(0.001)
         with self._lock:
-            failures = self._ledger.fail_all(why, FailureReason.ASLEEP, code="preempted")
+            rids = [j.request_id for j in self._ledger.jobs()]
+            fails = (self._ledger.fail(rid, why, FailureReason.ASLEEP, code="preempted") for rid in rids)
+            failures = [f for f in fails if f is not None]
         for f in failures:
             log.error("request %s failed: %s", f.request_id, f.why)
             self._loop.tell_reader(f)  # a WRITE in flight is polled to its end by the writer
@@ -295,7 +299,7 @@ class HiddenStatesSender:
                 if rid not in self._ledger:
                     continue  # failed meanwhile
                 if why is None:
-                    self._ledger.release(rid)
+                    self._ledger.hold(rid, False)
                     continue
                 failure = self._ledger.fail(rid, why, FailureReason.OTHER)
             if failure is not None:
@@ -366,5 +370,5 @@ class HiddenStatesSender:
         else:
             value = share_checksum(self._raw, job, self._stage_digest)
         with self._lock:
-            self._ledger.stats.checksum_s += time.perf_counter() - t0
+            self._ledger.hashed(time.perf_counter() - t0)
         return value

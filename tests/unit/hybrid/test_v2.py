@@ -246,7 +246,7 @@ def test_real_scheduler_with_our_connector_ships_the_attention_groups_blocks(
     assert len(scheduler.kv_cache_manager.coordinator.single_type_managers) == len(config.kv_cache_groups)
     connector: Any = scheduler.connector
     # the worker's report that it reaches the reader: requests are admitted
-    reaches = HiddenStatesWorkerMetadata(report=WorkerReport(links=[(0, 0, None)]))
+    reaches = HiddenStatesWorkerMetadata(report=WorkerReport(links=[("127.0.0.1:9", 0, None)]))
     connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reaches))
     tokens = list(range(1, bs + 6))  # one block and 5 tokens
     params = SamplingParams(max_tokens=2)
