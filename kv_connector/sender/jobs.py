@@ -58,6 +58,7 @@ class Job:
     rewrite_due: bool = False
     ack_due: bool = False
     frozen: bool = False  # preempted: its blocks are being reused; no WRITE may read them again
+    held: bool = False  # its step may still be running on the device: nothing reads its blocks yet
     t_granted: float = 0.0
     digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
     t_wait: float = 0.0  # since when it waits for a working reader

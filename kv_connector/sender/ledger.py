@@ -8,6 +8,8 @@ and failures are records of ``jobs.py``; what the ledger counts, ``stats.SenderM
 
 States of a job (``JobState``), on the current connection to the reader:
 
+    WAITING   -- hold(False) -------> WAITING     (a held job: its step may still run on the
+                                                   device; neither requested nor hashed before)
     WAITING   -- request_sent ------> REQUESTED   (credit request sent)
     REQUESTED -- grant -------------> GRANTED     (pages granted; WRITE due)
     GRANTED   -- write_posted ------> WRITING     (at most one WRITE in flight; its digest
@@ -171,7 +173,7 @@ class SendLedger:
     def requests_due(self) -> list[Job]:
         """WAITING jobs, oldest first: each gets a credit request now (WAITING ->
         REQUESTED). A job's digest is computed once, whatever the connection."""
-        due = [j for j in self._jobs.values() if j.state is JobState.WAITING]
+        due = [j for j in self._jobs.values() if j.state is JobState.WAITING and not j.held]
         for j in due:
             j.state = JobState.REQUESTED
         return due
@@ -179,10 +181,17 @@ class SendLedger:
     def digests_due(self) -> list[Job]:
         """Jobs whose share's digest must be computed now (once per job, whatever the
         connection): NEEDED -> COMPUTING."""
-        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED]
+        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED and not j.held]
         for j in due:
             j.digest_state = DigestState.COMPUTING
         return due
+
+    def hold(self, request_id: str, held: bool = True) -> None:
+        """A held job waits in WAITING, neither requested nor hashed (its blocks may not be
+        read yet), until ``hold(request_id, False)`` releases it."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.held = held
 
     def digest_ready(self, request_id: str, value: int) -> None:
         job = self._jobs.get(request_id)

@@ -625,6 +625,30 @@ def test_a_job_that_failed_while_its_write_was_posted_leaves_the_handle_to_the_s
     assert not led.write_started("a", object())  # the shell polls it to its end itself
 
 
+def test_a_held_job_is_neither_requested_nor_hashed_until_released() -> None:
+    """Its step may still run on the device (the producer's ReadyGate): nothing may read
+    its blocks, and it is not safe to preempt; a failure fails it by name, reader untold."""
+    led = ledger(checksum=True)
+    m = manifest("h")
+    led.submit("h", m, list(range(10, 10 + m.num_blocks)), stripe(m.num_blocks, 0, 1), 0.0)
+    led.hold("h")
+    submit(led, "free")
+    assert [j.request_id for j in led.requests_due()] == ["free"]
+    assert [j.request_id for j in led.digests_due()] == ["free"]
+    assert led.job("h").held and led.unsafe(["h"]) == ["h"] and led.unwritten == 2
+    led.hold("h", False)
+    assert not led.job("h").held
+    assert [j.request_id for j in led.digests_due()] == ["h"]
+    assert [j.request_id for j in led.requests_due()] == ["h"]
+    m2 = manifest("bad")
+    led.submit("bad", m2, list(range(m2.num_blocks)), stripe(m2.num_blocks, 0, 1), 0.0)
+    led.hold("bad")
+    why = "positions 0..39 were not written where the block table puts them"
+    failure = led.fail("bad", why, FailureReason.OTHER)
+    assert failure is not None and not failure.tell_reader
+    assert led.take_failed() == {"bad": SampleFailure(FailureReason.OTHER, why)}
+
+
 # ------------------------------------------------------- counters and metrics
 def test_the_shells_reconnects_and_hashing_are_counted_by_the_ledger() -> None:
     led = ledger()
