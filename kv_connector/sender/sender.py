@@ -99,7 +99,9 @@ class HiddenStatesSender:
         self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
             cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
         )
-        self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
+        # how XXH3 reads a share: None stages a device cache's shares to host memory, not a
+        # host one's; True or False forces either path (a testing hook: the GPU path on CPU)
+        self.stage_digest: bool | None = None
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
@@ -265,7 +267,7 @@ class HiddenStatesSender:
         if self.config.checksum is ShareChecksum.BLOCKS:
             value = share_block_digest(self._raw, job)
         else:
-            value = share_checksum(self._raw, job, self._stage_digest)
+            value = share_checksum(self._raw, job, self.stage_digest)
         with self._lock:
             self._ledger.stats.checksum_s += time.perf_counter() - t0
         return value
