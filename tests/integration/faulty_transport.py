@@ -5,12 +5,14 @@ never registered. The sender and the reader take it as ``transport=``; everythin
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kv_connector.reader import HiddenStatesReader
 from kv_connector.wire import protocol
 from kv_connector.wire.transport import Region, Transfer, Transport
 
@@ -30,7 +32,8 @@ class FaultyTransport:
     ``misaddress``: every WRITE is aimed past the reader's registered pool, so NIXL itself
     refuses it (no memory descriptor of the peer covers it).
     ``garbled`` lists the request ids of the WRITEs garbled, in order; ``registered`` the
-    tensors registered, in order (e.g. a reader's receive pool, to look at).
+    tensors registered, in order (e.g. a reader's receive pool, to look at);
+    ``peers_added`` the peers whose metadata it loaded (a reader: the producers it let in).
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class FaultyTransport:
         self.misaddress = misaddress
         self.garbled: list[str] = []
         self.registered: list[torch.Tensor] = []
+        self.peers_added: list[str] = []
 
     @property
     def metadata(self) -> bytes:
@@ -58,7 +62,9 @@ class FaultyTransport:
         return self.inner.register(tensor)
 
     def add_peer(self, metadata: bytes) -> str:
-        return self.inner.add_peer(metadata)
+        peer = self.inner.add_peer(metadata)
+        self.peers_added.append(peer)
+        return peer
 
     def remove_peer(self, peer: str) -> None:
         self.inner.remove_peer(peer)
@@ -91,3 +97,17 @@ class FaultyTransport:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def watched_reader(**options: Any) -> tuple[HiddenStatesReader, FaultyTransport]:
+    """A reader on a real NIXL transport without faults, and that transport, which shows
+    the receive pool it registered (``registered[0]``) and the producers let in."""
+    from kv_connector.wire.nixl_transport import NixlTransport
+
+    options.setdefault("name", f"reader-{uuid.uuid4().hex[:12]}")
+    transport = FaultyTransport(NixlTransport(options["name"]))  # the agent named as the reader
+    try:
+        return HiddenStatesReader(transport=transport, **options), transport
+    except BaseException:
+        transport.close()
+        raise

@@ -14,6 +14,7 @@ import torch
 
 from kv_connector.reader import HiddenStatesReader, LeaseLimitError, Sample, SampleReleased
 from tests.integration.common import expected_states, finish_sender, make_cache, same_bytes
+from tests.integration.faulty_transport import watched_reader
 from tests.integration.test_reader_transfers import (
     CPU_LAYOUT,
     GPU_LAYOUT,
@@ -33,22 +34,26 @@ def expected(s: dict[str, object], seed: int) -> torch.Tensor:
     return expected_states(cache, LAYOUT, s["block_ids"], s["num_tokens"])  # type: ignore[arg-type]
 
 
-def pool_run(reader: HiddenStatesReader, sample: Sample) -> range:
-    rec = reader._ledger.samples[(sample.producer_id, sample.request_id)]
-    assert rec.pages is not None
-    return rec.pages
+def pool_run(reader: HiddenStatesReader, pool: torch.Tensor, sample: Sample) -> range:
+    """The pool pages the sample's states lie on."""
+    hs, page = sample.hidden_states, reader.pool_state().page_bytes
+    span = 1 + sum((n - 1) * st for n, st in zip(hs.shape, hs.stride(), strict=True))
+    lo = hs.data_ptr() - pool.data_ptr()
+    assert page > 0 and lo >= 0 and lo + span * hs.element_size() <= pool.numel(), "not in the pool"
+    return range(lo // page, -(-(lo + span * hs.element_size()) // page))
 
 
 @pytest.mark.parametrize("layout", [CPU_LAYOUT, GPU_LAYOUT], ids=["LTH-strided", "TLH-contiguous"])
 def test_a_sample_is_a_view_of_the_pool_in_its_layout(layout: object) -> None:
     samples = plan([40, 1, 33], seed=41, layout=layout)  # type: ignore[arg-type]
-    with HiddenStatesReader(pool_bytes=16 * layout.block_bytes) as reader:  # type: ignore[attr-defined]
+    reader, transport = watched_reader(pool_bytes=16 * layout.block_bytes)  # type: ignore[attr-defined]
+    with reader:
         proc = ship(reader, layout, 41, samples)  # type: ignore[arg-type]
         got = {}
         for _ in samples:
             s = reader.get(timeout=30)
             assert s.leased
-            pool = reader._pool_tensor
+            (pool,) = transport.registered
             hs = s.hidden_states
             lo, hi = pool.data_ptr(), pool.data_ptr() + pool.numel()
             assert lo <= hs.data_ptr() < hi, "not a view of the pool"
@@ -65,15 +70,17 @@ def test_a_sample_is_a_view_of_the_pool_in_its_layout(layout: object) -> None:
 def test_a_held_lease_blocks_exactly_its_pages_and_is_never_overwritten() -> None:
     # room for two 4-block samples: one held all along, the others through the other half
     samples = plan([4 * LAYOUT.block_size] * 8, seed=42, layout=LAYOUT)
-    with HiddenStatesReader(pool_bytes=8 * LAYOUT.block_bytes) as reader:
+    reader, transport = watched_reader(pool_bytes=8 * LAYOUT.block_bytes)
+    with reader:
+        (pool,) = transport.registered
         proc = ship(reader, LAYOUT, 42, samples)
         held = reader.get(timeout=30)
-        held_pages = pool_run(reader, held)
+        held_pages = pool_run(reader, pool, held)
         want = expected(next(s for s in samples if s["request_id"] == held.request_id), 42)
         others = []
         for _ in samples[1:]:
             with reader.get(timeout=30) as s:  # released at the end of the block
-                assert set(pool_run(reader, s)).isdisjoint(held_pages)
+                assert set(pool_run(reader, pool, s)).isdisjoint(held_pages)
                 others.append(s.request_id)
                 assert same_bytes(
                     s.hidden_states, expected(next(x for x in samples if x["request_id"] == s.request_id), 42)
@@ -82,10 +89,10 @@ def test_a_held_lease_blocks_exactly_its_pages_and_is_never_overwritten() -> Non
             assert same_bytes(held.hidden_states, want)
         res = finish_sender(proc)
         assert res["rc"] == 0 and not res["failed"]
-        assert reader._ledger.pool is not None and reader._ledger.pool.free_pages == 4
+        assert reader.pool_state().free == 4
         held.release()
         deadline = time.monotonic() + 5
-        while reader._ledger.pool.free_pages != 8:  # the serving thread takes the release
+        while reader.pool_state().free != 8:  # the serving thread takes the release
             assert time.monotonic() < deadline
             time.sleep(0.01)
     assert sorted([held.request_id, *others]) == sorted(s["request_id"] for s in samples)
@@ -99,8 +106,7 @@ def test_a_pool_full_of_leases_holds_the_producer_back_and_releasing_lets_it_go_
         with pytest.raises(TimeoutError):
             reader.get(timeout=1.5)  # the producer waits for credits: nothing lost, nothing more
         assert proc.poll() is None
-        pool = reader._ledger.pool
-        assert pool is not None and pool.waiting >= 1
+        assert reader.pool_state().waiting >= 1
         got = {a.request_id: a, b.request_id: b}
         for s in (a, b):
             s.release()
