@@ -18,8 +18,7 @@ from kv_connector.reader import HiddenStatesReader, Sample, checker
 from kv_connector.reader.ledger import MAX_REWRITES
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import stripe
-from tests.integration.common import finish_sender
-from tests.integration.test_reader_transfers import CPU_LAYOUT, GPU_LAYOUT, check, collect, plan, ship
+from tests.integration.common import CPU_LAYOUT, GPU_LAYOUT, Senders, check, collect, finish_sender, plan
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +40,7 @@ def nothing_held(reader: HiddenStatesReader) -> bool:
 @pytest.mark.parametrize("block_digests", [False, True], ids=["xxh3", "blocks"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
-    world_size: int, block_digests: bool, caplog: pytest.LogCaptureFixture
+    world_size: int, block_digests: bool, caplog: pytest.LogCaptureFixture, senders: Senders
 ) -> None:
     """The first WRITE of one rank's share of ``victim`` lands wrong bytes (a faulty
     transport at that rank); the reader's check catches it, that rank alone writes it
@@ -54,7 +53,7 @@ def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
     caplog.set_level(logging.ERROR, logger="kv_connector")
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
         procs = [
-            ship(
+            senders.ship(
                 reader,
                 layout,
                 11,
@@ -80,14 +79,14 @@ def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
 
 
 def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, senders: Senders
 ) -> None:
     layout = CPU_LAYOUT
     samples = plan([20, 33, 5], seed=12, layout=layout)
     victim = samples[1]["request_id"]
     caplog.set_level(logging.ERROR, logger="kv_connector")
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = ship(reader, layout, 12, samples, garble=[victim])  # every WRITE of it lands wrong
+        proc = senders.ship(reader, layout, 12, samples, garble=[victim])  # every WRITE of it lands wrong
         # checksums are checked as samples are taken: keep taking until the sender is done
         got: dict[str, Sample] = {}
         end = time.monotonic() + 60
@@ -110,51 +109,47 @@ def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
 
 
 @pytest.mark.parametrize("layout", [CPU_LAYOUT, GPU_LAYOUT], ids=["LTH", "TLH"])
-def test_checksums_through_the_staging_path_match(layout: Any) -> None:
+def test_checksums_through_the_staging_path_match(layout: Any, senders: Senders) -> None:
     """The path a GPU cache takes (stage the share's blocks, then hash), run on CPU memory:
     the reader must find every share matching."""
     samples = plan([1, 16, 17, 45], seed=15, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = ship(reader, layout, 15, samples, stage_checksum=True)
-        got = collect(reader, len(samples), timeout=30)
-        res = finish_sender(proc)
+        got, res = senders.deliver(reader, layout, 15, samples, stage_checksum=True)
         assert reader.stats().checksum_mismatches == 0
     assert res["rc"] == 0 and res["stats"]["checksum_s"] > 0
     check(got, samples, layout, seed=15)
 
 
-def test_without_checksums_a_reader_that_requires_none_still_delivers() -> None:
+def test_without_checksums_a_reader_that_requires_none_still_delivers(senders: Senders) -> None:
     layout = CPU_LAYOUT
     samples = plan([1, 17], seed=13, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes, require_checksum="never") as reader:
-        proc = ship(reader, layout, 13, samples, checksum=False)
-        got = collect(reader, len(samples), timeout=30)
-        res = finish_sender(proc)
+        got, res = senders.deliver(reader, layout, 13, samples, checksum=False)
     assert res["rc"] == 0 and res["stats"]["checksum_s"] == 0
     check(got, samples, layout, seed=13)
 
 
-def test_by_default_a_host_cache_without_checksums_is_refused_clearly() -> None:
+def test_by_default_a_host_cache_without_checksums_is_refused_clearly(senders: Senders) -> None:
     """The producer's cache is in host memory (hashing it costs little), so the reader
     requires its checksums: each request fails naming the option, nothing is handed out,
     and a producer with checksums is served next."""
     layout = CPU_LAYOUT
     samples = plan([1, 17], seed=15, layout=layout)
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = ship(reader, layout, 15, samples, checksum=False, producer_id="unchecked")
+        proc = senders.ship(reader, layout, 15, samples, checksum=False, producer_id="unchecked")
         res = finish_sender(proc, timeout=60)
         with pytest.raises(TimeoutError):
             reader.get(timeout=1.0)
         assert res["rc"] == 1 and set(res["failed"]) == {s["request_id"] for s in samples}
         assert all("unchecked" in why and "require-checksum" in why for why in res["failed"].values())
-        proc = ship(reader, layout, 16, plan([9], seed=16, layout=layout), producer_id="checked")
+        proc = senders.ship(reader, layout, 16, plan([9], seed=16, layout=layout), producer_id="checked")
         got = collect(reader, 1, timeout=30)
         assert finish_sender(proc)["rc"] == 0
     check(got, plan([9], seed=16, layout=layout), layout, seed=16)
 
 
 def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps_serving(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, senders: Senders
 ) -> None:
     layout = CPU_LAYOUT
     samples = plan([20, 5], seed=14, layout=layout)
@@ -162,11 +157,11 @@ def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
         # Fault injection: the broken producer's transport aims every WRITE at memory the
         # reader never registered, so NIXL itself refuses it (no descriptor covers it).
-        proc = ship(reader, layout, 14, samples, producer_id="broken", misaddress=True)
+        proc = senders.ship(reader, layout, 14, samples, producer_id="broken", misaddress=True)
         res = finish_sender(proc, timeout=60)
         wait_for(lambda: nothing_held(reader), timeout=10)  # it told the reader to drop them
         # the reader keeps serving an honest producer
-        good = ship(reader, layout, 14, samples, producer_id="good")
+        good = senders.ship(reader, layout, 14, samples, producer_id="good")
         got = collect(reader, len(samples), timeout=30)
         good_res = finish_sender(good)
     assert sorted(res["failed"]) == sorted(s["request_id"] for s in samples)
@@ -183,7 +178,7 @@ def test_a_write_nixl_refuses_is_retried_then_fails_clearly_and_the_reader_keeps
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("layout", [CPU_LAYOUT, GPU_LAYOUT], ids=["LTH", "TLH"])
 def test_block_digests_computed_where_the_cache_is_match_at_the_reader(
-    layout: Any, world_size: int, monkeypatch: pytest.MonkeyPatch
+    layout: Any, world_size: int, monkeypatch: pytest.MonkeyPatch, senders: Senders
 ) -> None:
     """The path a GPU cache takes by default (``checksum: auto`` -> block digests computed
     with torch where the cache is, the reader recomputing them from its pool on CPU), run
@@ -200,7 +195,7 @@ def test_block_digests_computed_where_the_cache_is_match_at_the_reader(
     monkeypatch.setattr(checker, "sample_checksum", None)  # never called
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
         procs = [
-            ship(reader, layout, 16, samples, producer_id="p", rank=r, world_size=world_size,
+            senders.ship(reader, layout, 16, samples, producer_id="p", rank=r, world_size=world_size,
                  block_digests=True)
             for r in range(world_size)
         ]  # fmt: skip

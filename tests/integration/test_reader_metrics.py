@@ -18,8 +18,15 @@ from kv_connector.datagen.httpclient import Server
 from kv_connector.reader import HiddenStatesReader
 from kv_connector.reader.ledger import MAX_REWRITES
 from kv_connector.wire.layout import BlockLayout
-from tests.integration.common import finish_sender, layout_dict, start_sender
-from tests.integration.test_reader_transfers import CPU_LAYOUT, NUM_CACHE_BLOCKS, plan, ship
+from tests.integration.common import (
+    CPU_LAYOUT,
+    NUM_CACHE_BLOCKS,
+    Senders,
+    finish_sender,
+    layout_dict,
+    plan,
+    start_sender,
+)
 from tests.ports import address_of, held_port
 from tests.promtext import excerpt, scrape, value, wait_for_values
 
@@ -131,7 +138,7 @@ def test_a_bad_metrics_address_ends_in_one_error_line(tmp_path: Path) -> None:
     assert "cannot serve metrics on" in errors[0] and "in use" in errors[0]
 
 
-def test_the_library_serves_leases_checksum_failures_and_refusals() -> None:
+def test_the_library_serves_leases_checksum_failures_and_refusals(senders: Senders) -> None:
     layout = CPU_LAYOUT
     good = plan([20, 33], seed=23, layout=layout)
     bad = plan([5], seed=24, layout=layout)
@@ -140,7 +147,7 @@ def test_the_library_serves_leases_checksum_failures_and_refusals() -> None:
     with HiddenStatesReader(pool_bytes=4 * layout.block_bytes, metrics_address=sock) as reader:
         assert reader.metrics_address == address_of(sock)
         http = Server(f"http://{reader.metrics_address}")
-        proc = ship(reader, layout, 23, good, producer_id="good")
+        proc = senders.ship(reader, layout, 23, good, producer_id="good")
         first = reader.get(timeout=30)  # on lease: its pages stay taken
         held = -(-first.token_ids.numel() // layout.block_size)
         wait_for_values(http, [(R + "pool_pages", {"state": "leased"}, held)], timeout=10)
@@ -148,13 +155,13 @@ def test_the_library_serves_leases_checksum_failures_and_refusals() -> None:
         second = reader.get(timeout=30, copy=True)
         assert finish_sender(proc)["rc"] == 0
         # every WRITE of it lands damaged (a faulty transport in the sender)
-        corrupt = ship(reader, layout, 24, bad, producer_id="bad", garble=[bad[0]["request_id"]])
+        corrupt = senders.ship(reader, layout, 24, bad, producer_id="bad", garble=[bad[0]["request_id"]])
         res = finish_sender(corrupt)
         assert (
             list(res["failed"]) == [bad[0]["request_id"]]
             and "checksum" in res["failed"][bad[0]["request_id"]]
         )
-        refused = finish_sender(ship(reader, layout, 25, huge, producer_id="huge"))
+        refused = finish_sender(senders.ship(reader, layout, 25, huge, producer_id="huge"))
         assert "pool_too_small" in next(iter(refused["failed"].values()))
         tokens, nbytes = payload(layout, good)
         text, m = wait_for_values(
