@@ -5,6 +5,7 @@ never registered. The sender and the reader take it as ``transport=``; everythin
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,10 @@ class FaultyTransport:
     refuses it (no memory descriptor of the peer covers it).
     ``garbled`` lists the request ids of the WRITEs garbled, in order; ``registered`` the
     tensors registered, in order (e.g. a reader's receive pool, to look at);
-    ``peers_added`` the peers whose metadata it loaded (a reader: the producers it let in).
+    ``peers_added`` the peers whose metadata it loaded (a reader: the producers it let in);
+    ``landed`` the (peer, request id) of each WriteDone notification received (a WRITE
+    landed), ``polls`` how many times it was polled for them (the batch one poll returned
+    has been handled once the next poll starts).
     """
 
     def __init__(
@@ -52,6 +56,8 @@ class FaultyTransport:
         self.garbled: list[str] = []
         self.registered: list[torch.Tensor] = []
         self.peers_added: list[str] = []
+        self.landed: list[tuple[str, str]] = []
+        self.polls = 0
 
     @property
     def metadata(self) -> bytes:
@@ -93,7 +99,14 @@ class FaultyTransport:
         return self.inner.poll(xfer)
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        return self.inner.notifications()
+        notes = self.inner.notifications()
+        for peer, data in notes:
+            with contextlib.suppress(Exception):
+                msg = protocol.decode(data)
+                if isinstance(msg, protocol.WriteDone):
+                    self.landed.append((peer, msg.request_id))
+        self.polls += 1
+        return notes
 
     def close(self) -> None:
         self.inner.close()
