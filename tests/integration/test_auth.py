@@ -36,6 +36,7 @@ from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.nixl_transport import NixlTransport as Transport
 from tests.integration.common import (
     REPO,
+    Senders,
     child_env,
     expected_states,
     finish_sender,
@@ -250,7 +251,7 @@ def deliver_in_process(reader: HiddenStatesReader, secret: bytes | None, tag: st
 # ----------------------------------------------------------------------- tests
 @pytest.mark.parametrize("reader_source, sender_source", [("arg", "env"), ("env", "file"), ("file", "env")])
 def test_matching_secret_delivers_byte_exact(
-    reader_source: str, sender_source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reader_source: str, sender_source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, senders: Senders
 ) -> None:
     secret = new_secret()
     path = tmp_path / "secret"
@@ -278,14 +279,9 @@ def test_matching_secret_delivers_byte_exact(
             assert auth.verify(auth.proof(secret.encode(), "reader", "probe", 0, nonce, ch.nonce), ch.digest)
         finally:
             peer.close()
-        proc = start_sender(sender_spec(reader.address, samples, 11, "matching"), env=env)
-        try:
-            got = collect(reader, len(samples))
-            res = finish_sender(proc)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        proc = senders.start(sender_spec(reader.address, samples, 11, "matching"), env=env)
+        got = collect(reader, len(samples))
+        res = finish_sender(proc)
     assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
     assert sorted(res["finished"]) == sorted(s["request_id"] for s in samples)
     check_samples(got, samples, seed=11)
@@ -301,22 +297,17 @@ def test_matching_secret_delivers_byte_exact(
     ids=["no-secret", "wrong-secret"],
 )
 def test_a_producer_without_the_secret_is_refused_and_the_reader_keeps_serving(
-    producer_secret: str | None, reason_parts: list[str]
+    producer_secret: str | None, reason_parts: list[str], senders: Senders
 ) -> None:
     secret = new_secret()
     samples = plan("intruder", [5, 40], seed=12)
     env = NO_SECRET_ENV if producer_secret is None else {auth.SECRET_ENV: new_secret()}
     reader, watch = watched_reader(pool_bytes=POOL_BYTES, secret=secret.encode())
     with reader:
-        proc = start_sender(
+        proc = senders.start(
             sender_spec(reader.address, samples, 12, "intruder", connect_timeout_s=2.0), env=env
         )
-        try:
-            res = finish_sender(proc, timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        res = finish_sender(proc, timeout=60)
         assert res["rc"] == 1 and res["finished"] == []
         assert set(res["failed"]) == {s["request_id"] for s in samples}
         for reason in res["failed"].values():
@@ -365,7 +356,9 @@ def test_the_reader_warns_about_a_producer_refused_for_its_secret(
     )
 
 
-def test_a_producer_with_a_secret_refuses_a_reader_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_producer_with_a_secret_refuses_a_reader_without_one(
+    monkeypatch: pytest.MonkeyPatch, senders: Senders
+) -> None:
     """The producer checks the reader's proof first: a reader without the secret never
     receives the producer's Auth (its proof and NIXL metadata)."""
     calls: dict[str, list[str]] = {"hello": []}
@@ -379,16 +372,11 @@ def test_a_producer_with_a_secret_refuses_a_reader_without_one(monkeypatch: pyte
     samples = plan("careful", [3, 33], seed=14)
     reader, watch = watched_reader(pool_bytes=POOL_BYTES)
     with reader:
-        proc = start_sender(
+        proc = senders.start(
             sender_spec(reader.address, samples, 14, "careful", connect_timeout_s=2.0),
             env={auth.SECRET_ENV: new_secret()},
         )
-        try:
-            res = finish_sender(proc, timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        res = finish_sender(proc, timeout=60)
         assert res["rc"] == 1 and res["finished"] == []
         assert set(res["failed"]) == {s["request_id"] for s in samples}
         for reason in res["failed"].values():
