@@ -23,7 +23,7 @@ import torch
 
 from kv_connector.reader.lease import sample_view
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.ledger import Job
+from kv_connector.sender.jobs import Job
 from kv_connector.wire import protocol
 from kv_connector.wire.block_digest import cache_block_digests, sample_block_digests, share_digest
 from kv_connector.wire.layout import BlockLayout

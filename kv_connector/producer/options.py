@@ -7,10 +7,10 @@ at startup with that message.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kv_connector.wire import block_digest
 from kv_connector.wire.control import parse_address
@@ -90,23 +90,16 @@ def captured_layer_order(configured: Sequence[int]) -> list[int]:
 SHARDING = tuple(s.value for s in Sharding)
 CHECKSUMS = tuple(c.value for c in ChecksumOption)
 
-_KNOWN = {
-    "consumer_address",
-    "sharding",
-    "producer_id",
-    "connect_timeout_s",
-    "drain_timeout_s",
-    "include_output_tokens",
-    "checksum",
-    "sample_timeout_s",
-    "preempt_timeout_s",
-}
+# a timeout: a positive number of seconds (a year at most: infinity is no deadline)
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)]
+ProducerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
-@dataclass(frozen=True)
-class ConnectorOptions:
-    """consumer_address: the reader's control address (required); a list of addresses
-    shards the samples over several readers, each sample to exactly one.
+class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The connector's options, decoded from ``kv_connector_extra_config`` by ``parse``.
+
+    readers: the readers' control addresses (``consumer_address``: one ``HOST:PORT``, or a
+    list of them that shards the samples over several readers, each sample to exactly one).
     sharding: how a request picks its reader: "request_hash" (crc32 of the request id,
     the default) or "round_robin" (in the order requests complete).
     producer_id: this engine's name at the reader (default: vLLM's engine_id).
@@ -126,76 +119,70 @@ class ConnectorOptions:
     written (it may wait for the reader's credits) before its sample fails (default 5).
     """
 
-    consumer_address: str
-    producer_id: str | None = None
-    consumer_addresses: tuple[str, ...] = ()
+    readers: tuple[str, ...]
+    producer_id: ProducerId | None = None
     sharding: Sharding = Sharding.REQUEST_HASH
-    connect_timeout_s: float = 60.0
-    drain_timeout_s: float = 60.0
+    connect_timeout_s: Seconds = 60.0
+    drain_timeout_s: Seconds = 60.0
     include_output_tokens: bool = False
     checksum: ChecksumOption = ChecksumOption.AUTO
-    sample_timeout_s: float = 300.0
-    preempt_timeout_s: float = 5.0
+    sample_timeout_s: Seconds = 300.0
+    preempt_timeout_s: Seconds = 5.0
 
-    @classmethod
-    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
-        extra = dict(extra or {})
-        unknown = set(extra) - _KNOWN
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(_KNOWN)}"
-            )
-        addr = extra.get("consumer_address")
-        addrs = [addr] if isinstance(addr, str) else addr
-        if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
-            raise ValueError(
-                "HiddenStatesConnector needs kv_connector_extra_config.consumer_address, the "
-                "reader's HOST:PORT or a list of them (start `python -m kv_connector.reader`), "
-                f"e.g. {EXAMPLE}"
-            )
-        for a in addrs:
+    def __post_init__(self) -> None:
+        if not self.readers:
+            raise ValueError(_HINTS["consumer_address"])
+        for a in self.readers:
             try:
                 parse_address(a)
             except ValueError as e:
                 raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
-        if len(set(addrs)) != len(addrs):
+        if len(set(self.readers)) != len(self.readers):
             raise ValueError("kv_connector_extra_config.consumer_address lists a reader twice")
-        sharding = extra.get("sharding", "request_hash")
-        if sharding not in SHARDING:
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        """The options ``kv_connector_extra_config`` gives, or ValueError naming the key
+        and the fix (what vLLM prints when it fails at startup)."""
+        raw = dict(extra or {})
+        known = {f for f in cls.__struct_fields__ if f != "readers"} | {"consumer_address"}
+        unknown = set(raw) - known
+        if unknown:
             raise ValueError(
-                f"kv_connector_extra_config.sharding must be one of {SHARDING}, got {sharding!r}"
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
             )
-        pid = extra.get("producer_id")
-        if pid is not None and (not isinstance(pid, str) or not 0 < len(pid) <= 128):
-            raise ValueError("kv_connector_extra_config.producer_id must be a non-empty string")
+        addr = raw.pop("consumer_address", None)
+        addrs = [addr] if isinstance(addr, str) else addr
+        if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
+            raise ValueError(_HINTS["consumer_address"])
+        try:
+            return msgspec.convert({**raw, "readers": addrs}, cls)
+        except msgspec.ValidationError as e:
+            key = _key_of(str(e))
+            if key in _HINTS:
+                raise ValueError(f"kv_connector_extra_config.{key} {_HINTS[key]} ({e})") from None
+            raise ValueError(str(e)) from None  # __post_init__'s own message, which names the key
 
-        def seconds(key: str, default: float) -> float:
-            v = extra.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds")
-            return float(v)
 
-        inc = extra.get("include_output_tokens", False)
-        if not isinstance(inc, bool):
-            raise ValueError("kv_connector_extra_config.include_output_tokens must be true or false")
-        checksum = extra.get("checksum", "auto")
-        if checksum not in CHECKSUMS:
-            raise ValueError(
-                f"kv_connector_extra_config.checksum must be one of {CHECKSUMS}, got {checksum!r}"
-            )
-        return cls(
-            checksum=ChecksumOption(checksum),
-            consumer_address=addrs[0],
-            consumer_addresses=tuple(addrs),
-            sharding=Sharding(sharding),
-            producer_id=pid,
-            connect_timeout_s=seconds("connect_timeout_s", 60.0),
-            drain_timeout_s=seconds("drain_timeout_s", 60.0),
-            include_output_tokens=inc,
-            sample_timeout_s=seconds("sample_timeout_s", 300.0),
-            preempt_timeout_s=seconds("preempt_timeout_s", 5.0),
-        )
+_SECONDS = "must be a positive number of seconds"
+_HINTS = {
+    "consumer_address": (
+        "HiddenStatesConnector needs kv_connector_extra_config.consumer_address, the "
+        "reader's HOST:PORT or a list of them (start `python -m kv_connector.reader`), "
+        f"e.g. {EXAMPLE}"
+    ),
+    "sharding": f"must be one of {SHARDING}",
+    "producer_id": "must be a non-empty string of at most 128 characters",
+    "connect_timeout_s": _SECONDS,
+    "drain_timeout_s": _SECONDS,
+    "sample_timeout_s": _SECONDS,
+    "preempt_timeout_s": _SECONDS,
+    "include_output_tokens": "must be true or false",
+    "checksum": f"must be one of {CHECKSUMS}",
+}
 
-    @property
-    def readers(self) -> tuple[str, ...]:
-        return self.consumer_addresses or (self.consumer_address,)
+
+def _key_of(error: str) -> str:
+    """The option a msgspec error is about (its path ends "- at `$.key`")."""
+    _, _, path = error.rpartition("at `$.")
+    return path.split("`")[0].split(".")[0].split("[")[0]

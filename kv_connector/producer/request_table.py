@@ -25,7 +25,7 @@ class RequestRecord:
     computed: int = 0  # positions 0..computed-1 have states in the cache
     shipped: bool = False
     # --- delivery (DeliveryBook)
-    reader: int | None = None  # where its sample goes, the same on every rank
+    reader: str | None = None  # the address its sample goes to, decided once by the delivery book
     admitted: bool = False
     waiting_since: float | None = None  # since when it waits for a reachable reader
     failed: SampleFailure | None = None

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
-from kv_connector.producer.options import ConnectorOptions, Sharding
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
@@ -68,10 +68,10 @@ class SchedulerSide:
         self.options = options
         self.group = hidden_state_group(kv_cache_config)
         self.producer_id = producer_id
-        router = Router(len(options.readers), options.sharding)
+        router = Router(options.readers, options.sharding)
         # one record per request, read and written by both the planner and the book
         self.requests = RequestTable()
-        self.planner = ShipPlanner(router, self.requests)
+        self.planner = ShipPlanner(self.requests)
         self.book = DeliveryBook(
             options.readers, world_size, options.connect_timeout_s, router, table=self.requests
         )
@@ -113,8 +113,8 @@ class SchedulerSide:
     def update(self, report: WorkerReport) -> None:
         """The workers' reports of one step."""
         for reader, rank, error in report.links:
-            if 0 <= reader < len(self.options.readers):
-                address = self.options.readers[reader]
+            if reader in self.options.readers:
+                address = reader
                 if error is None:
                     log.info("rank %d reaches the reader at %s", rank, address)
                 else:
@@ -122,7 +122,7 @@ class SchedulerSide:
         for rid, failure in self.book.update(report.links, report.failures, report.delivered):
             log.error("request %s (already finished) lost its hidden states: %s", rid, failure.why)
         if report.links:
-            self._readers_up = sum(self.book.is_up(r) for r in range(len(self.options.readers)))
+            self._readers_up = sum(self.book.is_up(r) for r in self.options.readers)
 
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
         g = self.group
@@ -160,11 +160,7 @@ class SchedulerSide:
         if hold:
             self.metrics.holding(rid, len(block_ids))
         status, error = self.book.outcome(rid)
-        reader = self.planner.reader_of(rid)
-        if reader is None and (
-            len(self.options.readers) == 1 or self.options.sharding is Sharding.REQUEST_HASH
-        ):
-            reader = self.book.router.route(rid)  # the reader it was bound for
+        reader = self.planner.reader_of(rid)  # bound once, by the delivery book
         self.book.finish(rid)  # its record goes: later reports about it are late
         if not hold and status is not SampleStatus.FAILED:
             return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
@@ -173,7 +169,7 @@ class SchedulerSide:
             producer_id=self.producer_id,
             request_id=rid,
             sample_id=sample_id,
-            consumer_address=None if reader is None else self.options.readers[reader],
+            consumer_address=reader,
             error=error,
         ).params()
 

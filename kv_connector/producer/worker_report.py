@@ -12,7 +12,7 @@ from kv_connector.sender.failure import SampleFailure
 class LinkChange(NamedTuple):
     """A rank's link to a reader changed: ``error`` None means it is connected."""
 
-    reader: int
+    reader: str  # the reader's address
     rank: int
     error: str | None
 

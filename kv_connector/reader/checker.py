@@ -71,7 +71,6 @@ class ShareChecker:
             got = share_digest(manifest, blocks, sample_block_digests(states, manifest, blocks))
         else:
             got = sample_checksum(self._pool, base, manifest, blocks)
-        ok = got == v.digest
+        ok, seconds = got == v.digest, time.perf_counter() - t0
         with self._lock:
-            self._ledger.stats.verify_s += time.perf_counter() - t0
-            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic()))
+            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic(), seconds))

@@ -394,7 +394,7 @@ class HiddenStatesReader:
         problem = find_bad_values(sample_view(run, m), m.layer_ids)
         del run
         with self._lock:
-            self._ledger.stats.values_check_s += time.perf_counter() - t0
+            self._ledger.values_checked(time.perf_counter() - t0)
             if problem is None:
                 return False
             name = m.request_id if m.sample_id is None else f"{m.request_id} (sample {m.sample_id})"
@@ -426,7 +426,7 @@ class HiddenStatesReader:
             lease.release()  # copied: its pages go back now
             lease = None  # type: ignore[assignment]
             with self._lock:
-                self._ledger.stats.copy_s += time.perf_counter() - t0
+                self._ledger.copied(time.perf_counter() - t0)
         else:
             hidden = leased_view(self._pool_np, base, m, lease)
         return Sample(

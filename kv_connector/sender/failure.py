@@ -19,6 +19,7 @@ class FailureReason(enum.Enum):
     WRITE_FAILED = "write_failed"  # NIXL WRITEs failed (this rank's, or another rank's)
     TIMEOUT = "timeout"  # not complete by its deadline (sample_timeout_s after its grant)
     PREEMPTED = "preempted"  # preempted before its share was safely written
+    ASLEEP = "asleep"  # vLLM went to sleep (sleep mode) before the reader acknowledged it
     REQUEST_ID = "request_id"  # its request id cannot name a sample (refused at admission)
     OTHER = "other"  # the slot mapping disagreed, its digest failed, the sender stopped
 

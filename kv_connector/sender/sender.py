@@ -1,7 +1,7 @@
 """HiddenStatesSender: the producer side of one rank, as a thin I/O shell around the job
-ledger (``send_ledger.SendLedger``): ``ship`` submits, the worker side takes what
-finished or failed. Its thread (``sender_loop.SenderLoop``) talks to the reader, its
-``share_writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
+ledger (``ledger.SendLedger``): ``ship`` submits, the worker side takes what
+finished or failed. Its thread (``loop.SenderLoop``) talks to the reader, its
+``writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
 (when it may be written, retried, finished or failed) is the ledger's."""
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kv_connector.sender.failure import SampleFailure
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.ledger import Job, SendLedger
+from kv_connector.sender.jobs import Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
-from kv_connector.sender.writer import ShareWriter
+from kv_connector.sender.writer import SETTLE_S, ShareWriter
 from kv_connector.wire import auth, handshake, protocol
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -28,6 +30,15 @@ from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+class ReadyGate(Protocol):
+    """When a shipped request's blocks may be read (the producer's step barrier)."""
+
+    def poll(self, request_id: str) -> tuple[bool, str | None]:
+        """Without waiting: (the step that wrote them is done and checked, why the request
+        must fail instead, or None)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -87,18 +98,8 @@ class HiddenStatesSender:
         self.layer_ids = list(layer_ids)
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
-        block_stride = cache.stride(0) * cache.element_size()
-        nbytes = cache.numel() * cache.element_size()
-        if block_stride != layout.block_bytes or nbytes != cache.shape[0] * layout.block_bytes:
-            raise ValueError(
-                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
-                f"bytes; the layout says blocks of {layout.block_bytes}"
-            )
         self.num_cache_blocks = cache.shape[0]
-        # the cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)
-        self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
-        )
+        self._raw = self._flat(cache)
         # how XXH3 reads a share: None stages a device cache's shares to host memory, not a
         # host one's; True or False forces either path (a testing hook: the GPU path on CPU)
         self.stage_digest: bool | None = None
@@ -108,14 +109,22 @@ class HiddenStatesSender:
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
         self.agent_name = transport.name
-        local = transport.register(cache)
+        self._local = local = transport.register(cache)
+        self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
+        self._gates: dict[str, ReadyGate] = {}  # held jobs' gates (``ship``'s ``ready``)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
         self._ledger = SendLedger(
             checksum=config.checksum is not None, connect_timeout_s=config.connect_timeout_s
         )
         self._loop: SenderLoop
         self._writer = writer = ShareWriter(
-            transport, local, self._ledger, self._lock, config.rank, lambda f: self._loop.tell_reader(f)
+            transport,
+            local,
+            self._ledger,
+            self._lock,
+            config.rank,
+            lambda f: self._loop.tell_reader(f),
+            cache.device,
         )
         me = handshake.ProducerIdentity(
             config.producer_id,
@@ -137,6 +146,8 @@ class HiddenStatesSender:
             writer,
             self._share_checksum if config.checksum else None,
             config.sample_timeout_s,
+            cache.device,
+            self._open_gates,
         )
         self._loop.start()
 
@@ -157,15 +168,18 @@ class HiddenStatesSender:
         token_ids: Sequence[int],
         block_ids: Sequence[int],
         identity: SampleIdentity = NO_IDENTITY,
+        ready: ReadyGate | None = None,
     ) -> None:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
         ``identity`` the user's name and metadata for the sample, checked where it was
         made (``kv_connector.wire.identity``). A request that cannot travel (its id, its
         blocks) raises ``ValueError``; a sender whose thread died raises ``SenderError``:
-        either way nothing was queued."""
-        if self._loop.dead is not None or self._loop.closed:
-            raise SenderError(self._loop.dead or "the sender is closed")
+        either way nothing was queued. With ``ready``, nothing reads the blocks (no credit
+        request, digest or WRITE) before it says so, on this sender's thread; a request it
+        fails fails by name (``take_failed``)."""
+        if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
+            raise SenderError(self._loop.dead or self._asleep or "the sender is closed")
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
             raise ValueError(problem)
@@ -190,6 +204,9 @@ class HiddenStatesSender:
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
         with self._lock:
             self._ledger.submit(request_id, manifest, blocks, share, time.monotonic())
+            self._ledger.hold(request_id, ready is not None)
+        if ready is not None:
+            self._gates[request_id] = ready  # the sender's thread opens it (``_open_gates``)
         self._loop.wake()
 
     def count_unsafe(self, request_ids: Sequence[str]) -> int:
@@ -217,6 +234,92 @@ class HiddenStatesSender:
             log.error("request %s failed: %s", f.request_id, f.why)
             self._loop.tell_reader(f)
         return [f.request_id for f in failures]
+
+    def suspend(self, timeout: float, why: str) -> list[str]:
+        """The engine goes to sleep and releases the cache's memory: ``ship`` refuses from
+        now on; the jobs in flight get up to ``timeout`` seconds to be acknowledged, the
+        rest fail with ``why`` (the reader is told, and drops their samples); WRITEs in
+        flight and the digest being computed end, the connection is left, and the cache is
+        deregistered. Nothing reads the cache after this returns. Returns the request ids
+        that failed. Idempotent."""
+        if self._asleep is not None:
+            return []
+        self._asleep = f"the engine is asleep: {why}"
+        deadline = time.monotonic() + timeout
+        self._loop.wake()
+        self._writer.wake()
+        while self.in_flight and time.monotonic() < deadline and self._loop.dead is None:
+            time.sleep(0.001)
+        with self._lock:
+            rids = [j.request_id for j in self._ledger.jobs()]
+            fails = (self._ledger.fail(rid, why, FailureReason.ASLEEP, code="preempted") for rid in rids)
+            failures = [f for f in fails if f is not None]
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, f.why)
+            self._loop.tell_reader(f)  # a WRITE in flight is polled to its end by the writer
+        if not self._loop.pause(self._asleep, SETTLE_S + 5.0) or not self._loop.hasher_idle(SETTLE_S):
+            log.error("rank %d: the sender did not settle before sleeping", self.config.rank)
+        self._transport.deregister(self._local)
+        self._raw = torch.empty(0, dtype=torch.uint8, device=self._raw.device)  # the old memory's last view
+        log.info(
+            "rank %d asleep: %d requests failed, the cache's %d bytes deregistered",
+            self.config.rank,
+            len(failures),
+            self._local.nbytes,
+        )
+        return [f.request_id for f in failures]
+
+    def resume(self, cache: torch.Tensor) -> None:
+        """The engine woke up: register ``cache`` again (the same geometry; its memory may
+        be at another address now), and connect to the reader again, which loads the new
+        registration from the handshake. Idempotent."""
+        if self._asleep is None:
+            return
+        if cache.shape[0] != self.num_cache_blocks:
+            raise ValueError(
+                f"the cache has {cache.shape[0]} blocks after the wake, {self.num_cache_blocks} before"
+            )
+        raw = self._flat(cache)
+        self._local = self._transport.register(cache)
+        self._writer.set_local(self._local)
+        self._raw = raw
+        self._asleep = None
+        self._loop.resume()
+        log.info("rank %d awake: the cache is registered again at %#x", self.config.rank, self._local.addr)
+
+    def _open_gates(self) -> bool:
+        """On the sender's thread: release the held jobs whose step is done and checked,
+        fail the ones whose check failed. True while some are still held."""
+        if not self._gates:
+            return False
+        for rid in list(self._gates):
+            done, why = self._gates[rid].poll(rid)
+            if not done:
+                continue
+            del self._gates[rid]
+            with self._lock:
+                if rid not in self._ledger:
+                    continue  # failed meanwhile
+                if why is None:
+                    self._ledger.hold(rid, False)
+                    continue
+                failure = self._ledger.fail(rid, why, FailureReason.OTHER)
+            if failure is not None:
+                log.error("request %s: %s; its hidden states will not be shipped", rid, why)
+        return bool(self._gates)
+
+    def _flat(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)."""
+        block_stride = cache.stride(0) * cache.element_size()
+        nbytes = cache.numel() * cache.element_size()
+        if block_stride != self.layout.block_bytes or nbytes != cache.shape[0] * self.layout.block_bytes:
+            raise ValueError(
+                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
+                f"bytes; the layout says blocks of {self.layout.block_bytes}"
+            )
+        return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
+        )
 
     def take_finished(self) -> set[str]:
         """Request ids the reader acknowledged since the last call."""
@@ -269,5 +372,5 @@ class HiddenStatesSender:
         else:
             value = share_checksum(self._raw, job, self.stage_digest)
         with self._lock:
-            self._ledger.stats.checksum_s += time.perf_counter() - t0
+            self._ledger.hashed(time.perf_counter() - t0)
         return value

@@ -22,31 +22,34 @@ def wf(why: str) -> SampleFailure:
     return SampleFailure(FailureReason.WRITE_FAILED, why)
 
 
+R0, R1, R2 = (f"10.0.0.{i}:7000" for i in range(3))
+
+
 def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[DeliveryBook, Clock]:
     clock = Clock()
-    addrs = [f"10.0.0.{i}:7000" for i in range(readers)]
-    return DeliveryBook(addrs, world, 5.0, Router(readers, policy), clock=clock), clock
+    addrs = [R0, R1, R2][:readers]
+    return DeliveryBook(addrs, world, 5.0, Router(addrs, policy), clock=clock), clock
 
 
 def test_a_request_waits_for_its_reader_then_runs_once_every_rank_is_connected() -> None:
     b, clock = book(world=2)
     b.add("r")
     assert b.admit("r").kind == "wait"  # nothing reported yet
-    b.update([(0, 0, None)], {}, [])
+    b.update([(R0, 0, None)], {}, [])
     clock.t += 1
     assert b.admit("r").kind == "wait"  # rank 1 not connected yet
-    b.update([(0, 1, None)], {}, [])
+    b.update([(R0, 1, None)], {}, [])
     a = b.admit("r")
-    assert (a.kind, a.reader) == ("run", 0)
+    assert (a.kind, a.reader) == ("run", R0)
     # admitted once: runs even if the link drops later (e.g. recomputed after preemption)
-    b.update([(0, 1, "lost the connection: reset")], {}, [])
+    b.update([(R0, 1, "lost the connection: reset")], {}, [])
     assert b.admit("r").kind == "run"
 
 
 def test_a_request_that_waited_past_the_deadline_fails_with_the_last_error() -> None:
     b, clock = book()
     b.add("r")
-    b.update([(0, 0, "[Errno 111] Connection refused")], {}, [])
+    b.update([(R0, 0, "[Errno 111] Connection refused")], {}, [])
     assert b.admit("r").kind == "wait"
     clock.t += 4.9
     assert b.admit("r").kind == "wait"
@@ -62,7 +65,7 @@ def test_a_request_that_waited_past_the_deadline_fails_with_the_last_error() -> 
 
 def test_outcomes_follow_the_workers_reports_and_late_failures_are_returned() -> None:
     b, _ = book()
-    b.update([(0, 0, None)], {}, [])
+    b.update([(R0, 0, None)], {}, [])
     for rid in ("ok", "bad", "slow"):
         b.add(rid)
         assert b.admit(rid).kind == "run"
@@ -79,30 +82,30 @@ def test_outcomes_follow_the_workers_reports_and_late_failures_are_returned() ->
 
 def test_request_hash_waits_for_its_own_reader_and_round_robin_skips_down_readers() -> None:
     b, clock = book(readers=2)
-    b.update([(0, 0, None), (1, 0, "refused")], {}, [])
+    b.update([(R0, 0, None), (R1, 0, "refused")], {}, [])
     ids = [f"req-{i}" for i in range(40)]
     for rid in ids:
         b.add(rid)
     kinds = {rid: b.admit(rid) for rid in ids}
-    router = Router(2)
+    router = Router([R0, R1])
     for rid, a in kinds.items():
-        if router.route(rid) == 0:
-            assert (a.kind, a.reader) == ("run", 0)
+        if router.route(rid) == R0:
+            assert (a.kind, a.reader) == ("run", R0)
         else:
             assert a.kind == "wait"
     clock.t += 6
     failed = [rid for rid in ids if b.admit(rid).kind == "fail"]
-    assert failed and all(router.route(r) == 1 for r in failed)
+    assert failed and all(router.route(r) == R1 for r in failed)
     assert "10.0.0.1:7000" in b.outcome(failed[0])[1]
 
     rr, clock = book(readers=3, policy="round_robin")
-    rr.update([(0, 0, None), (1, 0, "refused"), (2, 0, None)], {}, [])
+    rr.update([(R0, 0, None), (R1, 0, "refused"), (R2, 0, None)], {}, [])
     got = []
     for i in range(6):
         rr.add(f"q{i}")
         got.append(rr.admit(f"q{i}").reader)
-    assert got == [0, 2, 0, 2, 0, 2]
-    rr.update([(0, 0, "reset"), (2, 0, "reset")], {}, [])
+    assert got == [R0, R2, R0, R2, R0, R2]
+    rr.update([(R0, 0, "reset"), (R2, 0, "reset")], {}, [])
     rr.add("late")
     assert rr.admit("late").kind == "wait"
     clock.t += 6
@@ -112,14 +115,14 @@ def test_request_hash_waits_for_its_own_reader_and_round_robin_skips_down_reader
 
 def test_reports_for_unknown_readers_or_ranks_are_ignored() -> None:
     b, _ = book(readers=1, world=1)
-    b.update([(5, 0, None), (0, 9, None)], {}, [])
+    b.update([("10.9.9.9:1", 0, None), (R0, 9, None)], {}, [])
     b.add("r")
     assert b.admit("r").kind == "wait"
 
 
 def test_a_request_not_added_is_admitted_but_leaves_no_state() -> None:
     b, _ = book()
-    b.update([(0, 0, None)], {}, [])
+    b.update([(R0, 0, None)], {}, [])
     assert b.admit("stranger").kind == "run"
     assert b.update([], {"stranger": wf("x")}, []) == [("stranger", wf("x"))]
 
@@ -137,7 +140,7 @@ def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_link
     from kv_connector.producer.scheduler_side import SchedulerSide
 
     side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"}), None, "p")
-    side.update(SimpleNamespace(links=[(0, 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
+    side.update(SimpleNamespace(links=[("10.0.0.1:7000", 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
     bad = SimpleNamespace(request_id="a b/c", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     good = SimpleNamespace(request_id="cmpl-1-0-ab12", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     for r in (bad, good):
@@ -167,7 +170,7 @@ def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: 
         assert params is not None
         got = params["hidden_states"]["consumer_address"]
         if sharding == "request_hash":
-            assert got == addrs[Router(3).route(rid)]  # not always the first reader
+            assert got == Router(addrs).route(rid)  # not always the first reader
         else:
             assert got is None
 

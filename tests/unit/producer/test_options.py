@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.producer.options import ConnectorOptions, captured_layer_order
+from kv_connector.producer.options import ConnectorOptions, Sharding, captured_layer_order
 
 GOOD = "127.0.0.1:5555"
 TIMEOUT_KEYS = ["connect_timeout_s", "drain_timeout_s"]
@@ -29,9 +29,8 @@ def parse_error(extra: Any) -> str:
 def test_only_consumer_address_gives_the_documented_defaults() -> None:
     opts = ConnectorOptions.parse({"consumer_address": GOOD})
     assert opts == ConnectorOptions(
-        consumer_address=GOOD,
-        consumer_addresses=(GOOD,),
-        sharding="request_hash",
+        readers=(GOOD,),
+        sharding=Sharding.REQUEST_HASH,
         producer_id=None,
         connect_timeout_s=60.0,
         drain_timeout_s=60.0,
@@ -50,7 +49,7 @@ def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
             "include_output_tokens": True,
         }
     )
-    assert opts.consumer_address == "[::1]:7000"
+    assert opts.readers == ("[::1]:7000",)
     assert opts.producer_id == "p" * 128
     assert opts.connect_timeout_s == 5.0 and type(opts.connect_timeout_s) is float
     assert opts.drain_timeout_s == 0.25
@@ -60,13 +59,13 @@ def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
 def test_any_mapping_is_accepted_and_left_unchanged() -> None:
     extra = {"consumer_address": GOOD, "include_output_tokens": False}
     frozen = MappingProxyType(extra)
-    assert ConnectorOptions.parse(frozen).consumer_address == GOOD
+    assert ConnectorOptions.parse(frozen).readers == (GOOD,)
     assert extra == {"consumer_address": GOOD, "include_output_tokens": False}
 
 
 @pytest.mark.parametrize("address", ["localhost:0", "10.0.0.1:65535", "[fe80::1]:80", "reader.example:9"])
 def test_well_formed_addresses_are_kept_verbatim(address: str) -> None:
-    assert ConnectorOptions.parse({"consumer_address": address}).consumer_address == address
+    assert ConnectorOptions.parse({"consumer_address": address}).readers == (address,)
 
 
 # ------------------------------------------------------------- consumer_address
@@ -249,3 +248,14 @@ def test_a_duplicate_layer_id_is_refused_naming_it_and_the_fix(configured: list[
     msg = str(info.value)
     assert f"lists layer {duplicate} more than once" in msg
     assert f"e.g. {sorted(set(configured))}" in msg
+
+
+def test_an_infinite_timeout_is_no_deadline_and_refused() -> None:
+    assert "connect_timeout_s" in parse_error({"consumer_address": GOOD, "connect_timeout_s": math.inf})
+
+
+def test_options_built_in_python_check_their_readers_too() -> None:
+    with pytest.raises(ValueError, match="consumer_address"):
+        ConnectorOptions(readers=())
+    with pytest.raises(ValueError, match="twice"):
+        ConnectorOptions(readers=(GOOD, GOOD))

@@ -56,9 +56,9 @@ def test_every_failure_carries_its_reason_from_where_it_fails() -> None:
     submit(led, "c")
     led.fail_all("sender closed: reset by peer")
     closed = led.take_failed()["c"]
-    book = DeliveryBook(["10.0.0.1:7000"], 1, 5.0, Router(1), clock=lambda: 0.0)
+    book = DeliveryBook(["10.0.0.1:7000"], 1, 5.0, Router(["10.0.0.1:7000"]), clock=lambda: 0.0)
     book.add("r")
-    book.update([(0, 0, "[Errno 111] Connection refused")], {}, [])
+    book.update([("10.0.0.1:7000", 0, "[Errno 111] Connection refused")], {}, [])
     book.admit("r")
     book.connect_timeout_s = 0.0
     admission = book.admit("r").failure

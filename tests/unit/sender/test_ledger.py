@@ -4,12 +4,18 @@ Pure: no transport, no sockets, no threads; times are passed in."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kv_connector.sender as wing
 from kv_connector.sender.failure import FailureReason, SampleFailure
-from kv_connector.sender.ledger import DigestState, FrozenJob, IllegalJobTransition, JobState, SendLedger
+from kv_connector.sender.jobs import DigestState, FrozenJob, IllegalJobTransition, JobState
+from kv_connector.sender.ledger import SendLedger
+from kv_connector.sender.stats import SenderObservations
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import ProtocolError
@@ -617,3 +623,68 @@ def test_a_job_that_failed_while_its_write_was_posted_leaves_the_handle_to_the_s
     (f,) = led.freeze(["a"])  # preempted meanwhile
     assert f.xfer is None  # the handle does not exist yet
     assert not led.write_started("a", object())  # the shell polls it to its end itself
+
+
+def test_a_held_job_is_neither_requested_nor_hashed_until_released() -> None:
+    """Its step may still run on the device (the producer's ReadyGate): nothing may read
+    its blocks, and it is not safe to preempt; a failure fails it by name, reader untold."""
+    led = ledger(checksum=True)
+    m = manifest("h")
+    led.submit("h", m, list(range(10, 10 + m.num_blocks)), stripe(m.num_blocks, 0, 1), 0.0)
+    led.hold("h")
+    submit(led, "free")
+    assert [j.request_id for j in led.requests_due()] == ["free"]
+    assert [j.request_id for j in led.digests_due()] == ["free"]
+    assert led.job("h").held and led.unsafe(["h"]) == ["h"] and led.unwritten == 2
+    led.hold("h", False)
+    assert not led.job("h").held
+    assert [j.request_id for j in led.digests_due()] == ["h"]
+    assert [j.request_id for j in led.requests_due()] == ["h"]
+    m2 = manifest("bad")
+    led.submit("bad", m2, list(range(m2.num_blocks)), stripe(m2.num_blocks, 0, 1), 0.0)
+    led.hold("bad")
+    why = "positions 0..39 were not written where the block table puts them"
+    failure = led.fail("bad", why, FailureReason.OTHER)
+    assert failure is not None and not failure.tell_reader
+    assert led.take_failed() == {"bad": SampleFailure(FailureReason.OTHER, why)}
+
+
+# ------------------------------------------------------- counters and metrics
+def test_the_shells_reconnects_and_hashing_are_counted_by_the_ledger() -> None:
+    led = ledger()
+    mark = led.metrics_mark()
+    led.reconnected()
+    assert led.metrics_mark() != mark  # a reconnect is news for the metrics
+    led.hashed(0.25)
+    led.hashed(0.5)
+    st_ = led.stats.snapshot()
+    assert (st_.reconnects, st_.checksum_s) == (1, 0.75)
+
+
+def test_take_metrics_reads_counters_observations_and_jobs_at_once_and_marks_what_it_read() -> None:
+    led = ledger()
+    submit(led, "a")
+    submit(led, "b")
+    to_writing(led, "a", t=1.0)  # granted 1 s after its submission
+    led.write_completed("a", 3 * PAGE, 1.5)
+    led.on_ack("a", 2.0)
+    m = led.take_metrics()
+    assert (m.stats.requests, m.stats.writes, m.stats.bytes, m.stats.ack_wait_s) == (1, 1, 3 * PAGE, 0.5)
+    assert m.observations == SenderObservations([0.5], [1.0]) and m.in_flight == 1
+    assert m.mark == led.metrics_mark()  # nothing new since
+    assert led.take_metrics().observations == SenderObservations([], [])  # taken once
+    led.requests_due()
+    led.on_grant(grant("b"), PAGE, POOL, 3.0)
+    assert led.metrics_mark() != m.mark  # a grant's wait was observed
+
+
+def test_only_the_ledger_writes_its_counters() -> None:
+    """The shells tell the ledger what happened and what it took; none writes its stats."""
+    writes = re.compile(r"ledger\.stats\.\w+\s*(\+|-)?=(?!=)")
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in pathlib.Path(wing.__file__).parent.glob("*.py")
+        for line in path.read_text().splitlines()
+        if writes.search(line)
+    ]
+    assert found == []
