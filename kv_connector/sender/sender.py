@@ -100,7 +100,9 @@ class HiddenStatesSender:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         self.num_cache_blocks = cache.shape[0]
         self._raw = self._flat(cache)
-        self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
+        # how XXH3 reads a share: None stages a device cache's shares to host memory, not a
+        # host one's; True or False forces either path (a testing hook: the GPU path on CPU)
+        self.stage_digest: bool | None = None
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
@@ -368,7 +370,7 @@ class HiddenStatesSender:
         if self.config.checksum is ShareChecksum.BLOCKS:
             value = share_block_digest(self._raw, job)
         else:
-            value = share_checksum(self._raw, job, self._stage_digest)
+            value = share_checksum(self._raw, job, self.stage_digest)
         with self._lock:
             self._ledger.hashed(time.perf_counter() - t0)
         return value
