@@ -105,7 +105,9 @@ class HiddenStatesSender:
             cache.stride(0) * cache.element_size() if cache.shape[0] > 1 else layout.block_bytes
         )
         self._raw = self._flat(cache)
-        self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
+        # how XXH3 reads a share: None stages a device cache's shares to host memory, not a
+        # host one's; True or False forces either path (a testing hook: the GPU path on CPU)
+        self.stage_digest: bool | None = None
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
@@ -380,7 +382,7 @@ class HiddenStatesSender:
         if self.config.checksum is ShareChecksum.BLOCKS:
             value = share_block_digest(self._raw, job, self.block_pitch)
         else:
-            value = share_checksum(self._raw, job, self._stage_digest, self.block_pitch)
+            value = share_checksum(self._raw, job, self.stage_digest, self.block_pitch)
         with self._lock:
             self._ledger.hashed(time.perf_counter() - t0)
         return value

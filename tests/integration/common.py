@@ -5,16 +5,66 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kv_connector.wire.layout import BlockLayout
 
+if TYPE_CHECKING:
+    from kv_connector.reader import HiddenStatesReader, Sample
+
 REPO = Path(__file__).resolve().parents[2]
+
+# the caches the sender processes ship from, and the samples planned on them
+NUM_CACHE_BLOCKS = 64
+CPU_LAYOUT = BlockLayout("LTH", 16, 3, 64, "float32")
+GPU_LAYOUT = BlockLayout("TLH", 16, 4, 96, "bfloat16")
+
+
+def plan(sizes: list[int], seed: int, layout: BlockLayout) -> list[dict[str, Any]]:
+    """Samples of the given token counts on scattered, shuffled cache blocks."""
+    rng = random.Random(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        nb = -(-n // layout.block_size)
+        out.append(
+            {
+                "request_id": f"s{seed}-{i}",
+                "num_tokens": n,
+                "block_ids": rng.sample(range(NUM_CACHE_BLOCKS), nb),
+            }
+        )
+    return out
+
+
+def check(
+    samples: dict[str, Sample],
+    spec_samples: list[dict[str, Any]],
+    layout: BlockLayout,
+    seed: int,
+    pad_bytes: int = 0,
+) -> None:
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, seed, pad_bytes=pad_bytes)
+    assert set(samples) == {s["request_id"] for s in spec_samples}
+    for s in spec_samples:
+        got = samples[s["request_id"]]
+        assert got.token_ids.tolist() == token_ids(s["request_id"], s["num_tokens"])
+        assert got.hidden_states.shape == (s["num_tokens"], layout.num_layers, layout.hidden_size)
+        assert same_bytes(got.hidden_states, expected_states(cache, layout, s["block_ids"], s["num_tokens"]))
+
+
+def collect(reader: HiddenStatesReader, n: int, timeout: float = 60) -> dict[str, Sample]:
+    got: dict[str, Sample] = {}
+    for _ in range(n):
+        s = reader.get(timeout=timeout, copy=True)  # kept for the checks: a copy
+        assert s.request_id not in got, f"{s.request_id} delivered twice"
+        got[s.request_id] = s
+    return got
 
 
 def make_cache(
@@ -117,3 +167,58 @@ def run_json_main(script: str, *args: str, timeout: float = 300) -> dict[str, An
     assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-4000:], proc.stdout[-2000:])
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+class Senders:
+    """Real sender processes (``tests/integration/sender_main.py``) started by one test;
+    those still running when it ends are killed."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, spec: dict[str, Any], env: dict[str, str | None] | None = None) -> subprocess.Popen[str]:
+        """A sender process running ``spec``."""
+        proc = start_sender(spec, env)
+        self.procs.append(proc)
+        return proc
+
+    def ship(
+        self,
+        reader: HiddenStatesReader,
+        layout: BlockLayout,
+        seed: int,
+        samples: list[dict[str, Any]],
+        **extra: Any,
+    ) -> subprocess.Popen[str]:
+        """A sender process shipping ``samples`` to ``reader`` from the deterministic cache
+        of ``seed`` (``NUM_CACHE_BLOCKS`` blocks in ``layout``); ``extra``: more of the
+        spec (producer_id, rank, world_size, checksum, faults: see sender_main.py)."""
+        spec = dict(
+            address=reader.address,
+            layout=layout_dict(layout),
+            num_cache_blocks=NUM_CACHE_BLOCKS,
+            seed=seed,
+            samples=samples,
+        )
+        return self.start({**spec, **extra})
+
+    def deliver(
+        self,
+        reader: HiddenStatesReader,
+        layout: BlockLayout,
+        seed: int,
+        samples: list[dict[str, Any]],
+        timeout: float = 60,
+        **extra: Any,
+    ) -> tuple[dict[str, Sample], dict[str, Any]]:
+        """Ship ``samples``, take every one of them from ``reader`` (as copies), and wait
+        for the sender's result."""
+        proc = self.ship(reader, layout, seed, samples, **extra)
+        got = collect(reader, len(samples), timeout=timeout)
+        return got, finish_sender(proc)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()

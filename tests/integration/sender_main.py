@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kv_connector.sender.jobs import Job
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.nixl_transport import NixlTransport
 from kv_connector.wire.protocol import ShareChecksum
 from tests.integration.common import make_cache, token_ids
+from tests.integration.faulty_transport import FaultyTransport
 
 
 def main() -> int:
@@ -47,24 +49,16 @@ def main() -> int:
         sample_timeout_s=spec.get("sample_timeout_s", 300.0),
     )
     layer_ids = spec.get("layer_ids", list(range(layout.num_layers)))
-    corrupt = set(spec.get("corrupt_after_checksum", []))
-    sender_cls = HiddenStatesSender
-    if corrupt:
-
-        class CorruptingSender(HiddenStatesSender):
-            """Fault injection: the share's digest disagrees with its bytes (as if the
-            cache changed after it was hashed), whenever the WRITE goes out: every check
-            of it fails. (Changing the cache after hashing raced the WRITE, which no
-            longer waits for its digest.)"""
-
-            def _share_checksum(self, job: Job) -> int:
-                crc = super()._share_checksum(job)
-                return crc ^ 1 if job.request_id in corrupt else crc
-
-        sender_cls = CorruptingSender
-    sender = sender_cls(cfg, cache, layout, layer_ids)
+    # fault injection through the transport: WRITEs that land wrong bytes, or that NIXL refuses
+    transport = FaultyTransport(
+        NixlTransport(f"{cfg.producer_id}-r{cfg.rank}-{os.getpid()}"),
+        garble=spec.get("garble", []),
+        garble_times=spec.get("garble_times"),
+        misaddress=spec.get("misaddress", False),
+    )
+    sender = HiddenStatesSender(cfg, cache, layout, layer_ids, transport=transport)
     if spec.get("stage_checksum"):
-        sender._stage_digest = True  # checksum through the GPU cache's staging path, on CPU memory
+        sender.stage_digest = True  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
     for s in spec["samples"]:
         sender.ship(
@@ -104,7 +98,16 @@ def main() -> int:
     stats = sender.stats().as_dict()
     sender.close()
     print(
-        json.dumps({"finished": finished, "failed": failed, "elapsed_s": elapsed, "stats": stats}), flush=True
+        json.dumps(
+            {
+                "finished": finished,
+                "failed": failed,
+                "elapsed_s": elapsed,
+                "stats": stats,
+                "garbled": transport.garbled,
+            }
+        ),
+        flush=True,
     )
     return 0 if set(finished) == want and not failed else 1
 

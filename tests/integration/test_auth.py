@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from kv_connector.reader.server import ReaderServer
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire import auth, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, parse_address
@@ -37,6 +36,7 @@ from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.nixl_transport import NixlTransport as Transport
 from tests.integration.common import (
     REPO,
+    Senders,
     child_env,
     expected_states,
     finish_sender,
@@ -46,6 +46,7 @@ from tests.integration.common import (
     start_sender,
     token_ids,
 )
+from tests.integration.faulty_transport import FaultyTransport, watched_reader
 
 pytestmark = pytest.mark.integration
 
@@ -154,9 +155,11 @@ def assert_no_sample(reader: HiddenStatesReader, wait: float = 0.5) -> None:
         pytest.fail(f"unexpected sample {s.request_id} from {s.producer_id}")
 
 
-def pool_untouched(reader: HiddenStatesReader) -> bool:
-    """The receive pool starts zeroed: no byte of it was written."""
-    return int(torch.count_nonzero(reader._pool_tensor)) == 0
+def pool_untouched(transport: FaultyTransport) -> bool:
+    """The receive pool (the reader's transport registered it) starts zeroed: no byte of
+    it was written."""
+    (pool,) = transport.registered
+    return int(torch.count_nonzero(pool)) == 0
 
 
 # ------------------------------------------------------------------- raw peers
@@ -248,7 +251,7 @@ def deliver_in_process(reader: HiddenStatesReader, secret: bytes | None, tag: st
 # ----------------------------------------------------------------------- tests
 @pytest.mark.parametrize("reader_source, sender_source", [("arg", "env"), ("env", "file"), ("file", "env")])
 def test_matching_secret_delivers_byte_exact(
-    reader_source: str, sender_source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reader_source: str, sender_source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, senders: Senders
 ) -> None:
     secret = new_secret()
     path = tmp_path / "secret"
@@ -276,14 +279,9 @@ def test_matching_secret_delivers_byte_exact(
             assert auth.verify(auth.proof(secret.encode(), "reader", "probe", 0, nonce, ch.nonce), ch.digest)
         finally:
             peer.close()
-        proc = start_sender(sender_spec(reader.address, samples, 11, "matching"), env=env)
-        try:
-            got = collect(reader, len(samples))
-            res = finish_sender(proc)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        proc = senders.start(sender_spec(reader.address, samples, 11, "matching"), env=env)
+        got = collect(reader, len(samples))
+        res = finish_sender(proc)
     assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
     assert sorted(res["finished"]) == sorted(s["request_id"] for s in samples)
     check_samples(got, samples, seed=11)
@@ -299,28 +297,24 @@ def test_matching_secret_delivers_byte_exact(
     ids=["no-secret", "wrong-secret"],
 )
 def test_a_producer_without_the_secret_is_refused_and_the_reader_keeps_serving(
-    producer_secret: str | None, reason_parts: list[str]
+    producer_secret: str | None, reason_parts: list[str], senders: Senders
 ) -> None:
     secret = new_secret()
     samples = plan("intruder", [5, 40], seed=12)
     env = NO_SECRET_ENV if producer_secret is None else {auth.SECRET_ENV: new_secret()}
-    with HiddenStatesReader(pool_bytes=POOL_BYTES, secret=secret.encode()) as reader:
-        proc = start_sender(
+    reader, watch = watched_reader(pool_bytes=POOL_BYTES, secret=secret.encode())
+    with reader:
+        proc = senders.start(
             sender_spec(reader.address, samples, 12, "intruder", connect_timeout_s=2.0), env=env
         )
-        try:
-            res = finish_sender(proc, timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        res = finish_sender(proc, timeout=60)
         assert res["rc"] == 1 and res["finished"] == []
         assert set(res["failed"]) == {s["request_id"] for s in samples}
         for reason in res["failed"].values():
             for part in reason_parts:
                 assert part in reason, reason
         assert_no_sample(reader)
-        assert pool_untouched(reader), "a refused producer wrote into the receive pool"
+        assert pool_untouched(watch), "a refused producer wrote into the receive pool"
         assert reader.stats().samples == 0
         # The reader still serves a producer that has the secret.
         run_honest_producer(reader, secret, seed=13)
@@ -362,34 +356,27 @@ def test_the_reader_warns_about_a_producer_refused_for_its_secret(
     )
 
 
-def test_a_producer_with_a_secret_refuses_a_reader_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_producer_with_a_secret_refuses_a_reader_without_one(
+    monkeypatch: pytest.MonkeyPatch, senders: Senders
+) -> None:
     """The producer checks the reader's proof first: a reader without the secret never
     receives the producer's Auth (its proof and NIXL metadata)."""
-    calls: dict[str, list[str]] = {"hello": [], "auth": []}
-    on_hello, on_auth = ReaderHandshake.on_hello, ReaderServer._on_auth
+    calls: dict[str, list[str]] = {"hello": []}
+    on_hello = ReaderHandshake.on_hello
 
     def spy_hello(self: ReaderHandshake, h: protocol.Hello, *rest: Any) -> protocol.Challenge:
         calls["hello"].append(h.producer_id)
         return on_hello(self, h, *rest)
 
-    def spy_auth(self: ReaderServer, conn: Any, a: protocol.Auth, now: float) -> None:
-        calls["auth"].append(conn.label)
-        on_auth(self, conn, a, now)
-
     monkeypatch.setattr(ReaderHandshake, "on_hello", spy_hello)
-    monkeypatch.setattr(ReaderServer, "_on_auth", spy_auth)
     samples = plan("careful", [3, 33], seed=14)
-    with HiddenStatesReader(pool_bytes=POOL_BYTES) as reader:
-        proc = start_sender(
+    reader, watch = watched_reader(pool_bytes=POOL_BYTES)
+    with reader:
+        proc = senders.start(
             sender_spec(reader.address, samples, 14, "careful", connect_timeout_s=2.0),
             env={auth.SECRET_ENV: new_secret()},
         )
-        try:
-            res = finish_sender(proc, timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        res = finish_sender(proc, timeout=60)
         assert res["rc"] == 1 and res["finished"] == []
         assert set(res["failed"]) == {s["request_id"] for s in samples}
         for reason in res["failed"].values():
@@ -398,9 +385,10 @@ def test_a_producer_with_a_secret_refuses_a_reader_without_one(monkeypatch: pyte
         assert calls["hello"] and set(calls["hello"]) == {"careful"}, (
             "the producer never talked to the reader"
         )
-        assert calls["auth"] == [], "the producer sent its Auth (and NIXL metadata) to an unproven reader"
+        # an Auth brings the producer's NIXL metadata, which the reader loads at once
+        assert watch.peers_added == [], "the producer sent its Auth (and NIXL metadata) to an unproven reader"
         assert_no_sample(reader)
-        assert pool_untouched(reader)
+        assert pool_untouched(watch)
         # The same reader serves a producer without a secret (it requires none).
         run_honest_producer(reader, None, seed=15)
 
@@ -552,7 +540,8 @@ def test_messages_out_of_handshake_order_are_refused(
         geometry=LAYOUT,
         num_blocks=2,
     )
-    with HiddenStatesReader(pool_bytes=POOL_BYTES, secret=secret) as reader:
+    reader, watch = watched_reader(pool_bytes=POOL_BYTES, secret=secret)
+    with reader:
         peer = RawPeer(reader.address)
         raw_peers.append(peer)
 
@@ -571,7 +560,7 @@ def test_messages_out_of_handshake_order_are_refused(
             send(then)
         peer.expect_refused(match)
         assert reader.stats().refused == 1
-        assert pool_untouched(reader)
+        assert pool_untouched(watch)
         deliver_in_process(reader, secret, f"after-{first}-{then}")
 
 
@@ -583,7 +572,8 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
     secret = b"proof-secret"
     transport = Transport(f"proof-{kind}-{os.getpid()}")
     try:
-        with HiddenStatesReader(pool_bytes=POOL_BYTES, secret=secret) as reader:
+        reader, watch = watched_reader(pool_bytes=POOL_BYTES, secret=secret)
+        with reader:
             pid = f"proof-{kind}"
             agent = transport.name
             nonce = auth.make_nonce()
@@ -628,7 +618,7 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
             else:
                 peer.expect_refused("authentication failed")
                 assert reader.stats().refused == 1
-            assert pool_untouched(reader)
+            assert pool_untouched(watch)
             deliver_in_process(reader, secret, f"after-{kind}")
     finally:
         transport.close()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kv_connector.reader import HiddenStatesReader
+from kv_connector.reader.ledger import MAX_PENDING_PER_RANK
 from kv_connector.reader.server import MAX_UNPROVEN_PER_HOST
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
@@ -300,11 +301,10 @@ def test_idle_unproven_connections_are_capped_per_host(reader: HiddenStatesReade
 # ---------------------------------------------------------------- bounds (6)
 def test_a_producer_over_its_pending_bound_is_dropped_and_the_others_go_on() -> None:
     with HiddenStatesReader(pool_bytes=2 * PAGE, page_bytes=PAGE) as reader:
-        reader._ledger.max_pending_per_rank = 50  # the bound, made small (default 4096)
         s = Session(reader, "ready")
         try:
             frames = bytearray()
-            for i in range(60):
+            for i in range(MAX_PENDING_PER_RANK + 10):  # the bound itself, passed
                 m = protocol.Manifest(
                     request_id=f"q{i}",
                     token_ids=list(range(16)),

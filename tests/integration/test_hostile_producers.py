@@ -32,6 +32,7 @@ from kv_connector.reader import HiddenStatesReader
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire import auth, handshake, protocol
 from kv_connector.wire.control import FramedConnection, parse_address
+from kv_connector.wire.nixl_transport import NixlTransport
 from tests.integration.common import REPO, expected_states, same_bytes, token_ids
 from tests.integration.hostile_common import (
     _LEN,
@@ -249,8 +250,14 @@ def test_a_second_hello_for_a_connected_rank_is_refused(reader: HiddenStatesRead
 
 
 def test_replaying_a_connected_producers_agent_metadata_is_refused(reader: HiddenStatesReader) -> None:
+    victim_id = uid("victim")
+    transport = NixlTransport(f"{victim_id}-r0-{os.getpid()}")  # ours: its metadata is the one replayed
     victim = HiddenStatesSender(
-        SenderConfig(reader.address, uid("victim"), connect_timeout_s=10), CACHE, LAYOUT, LAYER_IDS
+        SenderConfig(reader.address, victim_id, connect_timeout_s=10),
+        CACHE,
+        LAYOUT,
+        LAYER_IDS,
+        transport=transport,
     )
     try:
         assert victim.connected.wait(10)
@@ -272,7 +279,7 @@ def test_replaying_a_connected_producers_agent_metadata_is_refused(reader: Hidde
             ch = conn.receive_one(5)
             assert isinstance(ch, protocol.Challenge)
             digest = auth.proof(None, "producer", pid, 0, nonce, ch.nonce)
-            conn.send(protocol.Auth(digest=digest, agent_metadata=victim._transport.metadata))
+            conn.send(protocol.Auth(digest=digest, agent_metadata=transport.metadata))
             msg = conn.receive_one(5)
             assert isinstance(msg, protocol.Refuse) and "in use" in msg.message, msg
         finally:

@@ -13,15 +13,19 @@ import pytest
 import torch
 
 from kv_connector.reader import HiddenStatesReader, LeaseLimitError, Sample, SampleReleased
-from tests.integration.common import expected_states, finish_sender, make_cache, same_bytes
-from tests.integration.test_reader_transfers import (
+from tests.integration.common import (
     CPU_LAYOUT,
     GPU_LAYOUT,
     NUM_CACHE_BLOCKS,
+    Senders,
     check,
+    expected_states,
+    finish_sender,
+    make_cache,
     plan,
-    ship,
+    same_bytes,
 )
+from tests.integration.faulty_transport import watched_reader
 
 pytestmark = pytest.mark.integration
 
@@ -33,22 +37,26 @@ def expected(s: dict[str, object], seed: int) -> torch.Tensor:
     return expected_states(cache, LAYOUT, s["block_ids"], s["num_tokens"])  # type: ignore[arg-type]
 
 
-def pool_run(reader: HiddenStatesReader, sample: Sample) -> range:
-    rec = reader._ledger.samples[(sample.producer_id, sample.request_id)]
-    assert rec.pages is not None
-    return rec.pages
+def pool_run(reader: HiddenStatesReader, pool: torch.Tensor, sample: Sample) -> range:
+    """The pool pages the sample's states lie on."""
+    hs, page = sample.hidden_states, reader.pool_state().page_bytes
+    span = 1 + sum((n - 1) * st for n, st in zip(hs.shape, hs.stride(), strict=True))
+    lo = hs.data_ptr() - pool.data_ptr()
+    assert page > 0 and lo >= 0 and lo + span * hs.element_size() <= pool.numel(), "not in the pool"
+    return range(lo // page, -(-(lo + span * hs.element_size()) // page))
 
 
 @pytest.mark.parametrize("layout", [CPU_LAYOUT, GPU_LAYOUT], ids=["LTH-strided", "TLH-contiguous"])
-def test_a_sample_is_a_view_of_the_pool_in_its_layout(layout: object) -> None:
+def test_a_sample_is_a_view_of_the_pool_in_its_layout(layout: object, senders: Senders) -> None:
     samples = plan([40, 1, 33], seed=41, layout=layout)  # type: ignore[arg-type]
-    with HiddenStatesReader(pool_bytes=16 * layout.block_bytes) as reader:  # type: ignore[attr-defined]
-        proc = ship(reader, layout, 41, samples)  # type: ignore[arg-type]
+    reader, transport = watched_reader(pool_bytes=16 * layout.block_bytes)  # type: ignore[attr-defined]
+    with reader:
+        proc = senders.ship(reader, layout, 41, samples)  # type: ignore[arg-type]
         got = {}
         for _ in samples:
             s = reader.get(timeout=30)
             assert s.leased
-            pool = reader._pool_tensor
+            (pool,) = transport.registered
             hs = s.hidden_states
             lo, hi = pool.data_ptr(), pool.data_ptr() + pool.numel()
             assert lo <= hs.data_ptr() < hi, "not a view of the pool"
@@ -62,18 +70,20 @@ def test_a_sample_is_a_view_of_the_pool_in_its_layout(layout: object) -> None:
         assert finish_sender(proc)["rc"] == 0
 
 
-def test_a_held_lease_blocks_exactly_its_pages_and_is_never_overwritten() -> None:
+def test_a_held_lease_blocks_exactly_its_pages_and_is_never_overwritten(senders: Senders) -> None:
     # room for two 4-block samples: one held all along, the others through the other half
     samples = plan([4 * LAYOUT.block_size] * 8, seed=42, layout=LAYOUT)
-    with HiddenStatesReader(pool_bytes=8 * LAYOUT.block_bytes) as reader:
-        proc = ship(reader, LAYOUT, 42, samples)
+    reader, transport = watched_reader(pool_bytes=8 * LAYOUT.block_bytes)
+    with reader:
+        (pool,) = transport.registered
+        proc = senders.ship(reader, LAYOUT, 42, samples)
         held = reader.get(timeout=30)
-        held_pages = pool_run(reader, held)
+        held_pages = pool_run(reader, pool, held)
         want = expected(next(s for s in samples if s["request_id"] == held.request_id), 42)
         others = []
         for _ in samples[1:]:
             with reader.get(timeout=30) as s:  # released at the end of the block
-                assert set(pool_run(reader, s)).isdisjoint(held_pages)
+                assert set(pool_run(reader, pool, s)).isdisjoint(held_pages)
                 others.append(s.request_id)
                 assert same_bytes(
                     s.hidden_states, expected(next(x for x in samples if x["request_id"] == s.request_id), 42)
@@ -82,25 +92,24 @@ def test_a_held_lease_blocks_exactly_its_pages_and_is_never_overwritten() -> Non
             assert same_bytes(held.hidden_states, want)
         res = finish_sender(proc)
         assert res["rc"] == 0 and not res["failed"]
-        assert reader._ledger.pool is not None and reader._ledger.pool.free_pages == 4
+        assert reader.pool_state().free == 4
         held.release()
         deadline = time.monotonic() + 5
-        while reader._ledger.pool.free_pages != 8:  # the serving thread takes the release
+        while reader.pool_state().free != 8:  # the serving thread takes the release
             assert time.monotonic() < deadline
             time.sleep(0.01)
     assert sorted([held.request_id, *others]) == sorted(s["request_id"] for s in samples)
 
 
-def test_a_pool_full_of_leases_holds_the_producer_back_and_releasing_lets_it_go_on() -> None:
+def test_a_pool_full_of_leases_holds_the_producer_back_and_releasing_lets_it_go_on(senders: Senders) -> None:
     samples = plan([2 * LAYOUT.block_size] * 6, seed=43, layout=LAYOUT)
     with HiddenStatesReader(pool_bytes=4 * LAYOUT.block_bytes) as reader:
-        proc = ship(reader, LAYOUT, 43, samples)
+        proc = senders.ship(reader, LAYOUT, 43, samples)
         a, b = reader.get(timeout=30), reader.get(timeout=30)  # the whole pool, on lease
         with pytest.raises(TimeoutError):
             reader.get(timeout=1.5)  # the producer waits for credits: nothing lost, nothing more
         assert proc.poll() is None
-        pool = reader._ledger.pool
-        assert pool is not None and pool.waiting >= 1
+        assert reader.pool_state().waiting >= 1
         got = {a.request_id: a, b.request_id: b}
         for s in (a, b):
             s.release()
@@ -114,10 +123,10 @@ def test_a_pool_full_of_leases_holds_the_producer_back_and_releasing_lets_it_go_
     assert set(got) == {s["request_id"] for s in samples}
 
 
-def test_dropping_every_tensor_of_a_sample_ends_its_lease() -> None:
+def test_dropping_every_tensor_of_a_sample_ends_its_lease(senders: Senders) -> None:
     samples = plan([LAYOUT.block_size] * 3, seed=44, layout=LAYOUT)
     with HiddenStatesReader(pool_bytes=LAYOUT.block_bytes) as reader:  # one sample at a time
-        proc = ship(reader, LAYOUT, 44, samples)
+        proc = senders.ship(reader, LAYOUT, 44, samples)
         s = reader.get(timeout=30)
         first_layer = s.hidden_states[:, 0]  # a view of a view still holds the lease
         del s
@@ -130,10 +139,10 @@ def test_dropping_every_tensor_of_a_sample_ends_its_lease() -> None:
         assert finish_sender(proc)["rc"] == 0
 
 
-def test_more_leases_than_allowed_is_a_clear_error_and_copies_are_not_leases() -> None:
+def test_more_leases_than_allowed_is_a_clear_error_and_copies_are_not_leases(senders: Senders) -> None:
     samples = plan([5] * 4, seed=45, layout=LAYOUT)
     with HiddenStatesReader(pool_bytes=16 * LAYOUT.block_bytes, max_leases=2) as reader:
-        proc = ship(reader, LAYOUT, 45, samples)
+        proc = senders.ship(reader, LAYOUT, 45, samples)
         kept = [reader.get(timeout=30), reader.get(timeout=30)]
         with pytest.raises(LeaseLimitError, match=r"you hold 2 samples on lease .*release them"):
             reader.get(timeout=30)
@@ -144,10 +153,10 @@ def test_more_leases_than_allowed_is_a_clear_error_and_copies_are_not_leases() -
         assert finish_sender(proc)["rc"] == 0
 
 
-def test_the_copying_mode_keeps_samples_beyond_the_pool_in_reused_buffers() -> None:
+def test_the_copying_mode_keeps_samples_beyond_the_pool_in_reused_buffers(senders: Senders) -> None:
     samples = plan([3 * LAYOUT.block_size] * 12, seed=46, layout=LAYOUT)
     with HiddenStatesReader(pool_bytes=3 * LAYOUT.block_bytes, copy=True) as reader:
-        proc = ship(reader, LAYOUT, 46, samples)
+        proc = senders.ship(reader, LAYOUT, 46, samples)
         got: dict[str, Sample] = {}
         for _ in range(6):  # six kept at once, in a pool that holds one: six buffers
             s = reader.get(timeout=30)
@@ -166,7 +175,7 @@ def test_the_copying_mode_keeps_samples_beyond_the_pool_in_reused_buffers() -> N
         assert finish_sender(proc)["rc"] == 0
 
 
-def test_a_plain_for_loop_over_a_pool_of_one_sample_gets_every_sample() -> None:
+def test_a_plain_for_loop_over_a_pool_of_one_sample_gets_every_sample(senders: Senders) -> None:
     """The loop variable holds the previous sample when the next is asked for: the
     iterator ends its lease then (it holds nothing else), or a pool of one sample would
     wait forever. What the loop keeps (a list of samples, a tensor, a view) stays leased
@@ -174,7 +183,7 @@ def test_a_plain_for_loop_over_a_pool_of_one_sample_gets_every_sample() -> None:
     n = 4 * LAYOUT.block_size
     samples = plan([n] * 4, seed=47, layout=LAYOUT)
     with HiddenStatesReader(pool_bytes=8 * LAYOUT.block_bytes) as reader:  # two samples' room
-        proc = ship(reader, LAYOUT, 47, samples)
+        proc = senders.ship(reader, LAYOUT, 47, samples)
         kept: list[Sample] = []
         seen = []
         for i, s in enumerate(reader.samples(len(samples), timeout=30)):
@@ -196,7 +205,7 @@ def test_a_plain_for_loop_over_a_pool_of_one_sample_gets_every_sample() -> None:
     # one sample's room: only a loop that lets go of each sample gets through
     samples = plan([n] * 3, seed=48, layout=LAYOUT)
     with HiddenStatesReader(pool_bytes=4 * LAYOUT.block_bytes) as reader:
-        proc = ship(reader, LAYOUT, 48, samples)
+        proc = senders.ship(reader, LAYOUT, 48, samples)
         got = {}
         for s in reader.samples(len(samples), timeout=30):
             got[s.request_id] = s.hidden_states.clone()
@@ -207,11 +216,11 @@ def test_a_plain_for_loop_over_a_pool_of_one_sample_gets_every_sample() -> None:
 
 
 @pytest.mark.parametrize("keep", ["keep()", "tensor", "view"])
-def test_the_iterator_never_ends_a_lease_the_loop_still_uses(keep: str) -> None:
+def test_the_iterator_never_ends_a_lease_the_loop_still_uses(keep: str, senders: Senders) -> None:
     n = 4 * LAYOUT.block_size
     samples = plan([n] * 2, seed=49, layout=LAYOUT)
     with HiddenStatesReader(pool_bytes=8 * LAYOUT.block_bytes) as reader:
-        proc = ship(reader, LAYOUT, 49, samples)
+        proc = senders.ship(reader, LAYOUT, 49, samples)
         it = reader.samples(len(samples), timeout=30)
         s = next(it)
         held: object = {"keep()": s.keep(), "tensor": s.hidden_states, "view": s.hidden_states[1:3]}[keep]

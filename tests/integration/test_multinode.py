@@ -101,6 +101,17 @@ def start_ranks(
     return procs
 
 
+def succeeded(proc: subprocess.Popen[str], timeout: float) -> None:
+    """``proc`` exits 0 within ``timeout`` (its pipes read and closed, which wait() leaves open)."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"process timed out:\n{(err or '')[-3000:]}") from None
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{(err or '')[-4000:]}"
+
+
 def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 400) -> list[dict[str, Any]]:
     out = []
     for p in procs:
@@ -146,7 +157,7 @@ def test_tp4_producer_node_stripes_every_sample_over_its_four_ranks(
     results = wait_all(
         start_ranks(cluster, a, tmp_path, model_dir, "nodeA", 4, [f"{b.address}:{READER_PORT}"], requests)
     )
-    assert reader.wait(timeout=120) == 0, reader.stderr.read() if reader.stderr else ""
+    succeeded(reader, 120)
     check_files(out, {"nodeA": requests})
     # each rank carried exactly its stripe of every sample, over its own NIXL agent
     for res in results:
@@ -165,7 +176,7 @@ def test_two_producer_nodes_into_one_reader(cluster: Cluster, model_dir: Path, t
     procs = start_ranks(cluster, a1, tmp_path, model_dir, "nodeA1", 2, addr, r1)
     procs += start_ranks(cluster, a2, tmp_path, model_dir, "nodeA2", 1, addr, r2)
     wait_all(procs)
-    assert reader.wait(timeout=120) == 0, reader.stderr.read() if reader.stderr else ""
+    succeeded(reader, 120)
     check_files(out, {"nodeA1": r1, "nodeA2": r2})
 
 
@@ -182,7 +193,7 @@ def test_one_producer_shards_samples_over_two_readers_and_a_gone_one_stalls_nobo
         start_ranks(cluster, a, tmp_path, model_dir, "shard", 2, readers, requests, sharding="round_robin")
     )
     for p in procs:
-        assert p.wait(timeout=120) == 0, p.stderr.read() if p.stderr else ""
+        succeeded(p, 120)
     where = results[0]["readers_of"]
     assert where == results[1]["readers_of"]  # every rank sent each sample to the same reader
     for reader, out in zip(readers, outs, strict=True):
@@ -198,7 +209,7 @@ def test_one_producer_shards_samples_over_two_readers_and_a_gone_one_stalls_nobo
     results = wait_all(
         start_ranks(cluster, a, tmp_path, model_dir, "gone", 1, readers2, requests2, connect_timeout_s=3.0)
     )
-    assert reader.wait(timeout=120) == 0
+    succeeded(reader, 120)
     check_files(out, {"gone": live})
     dead = {r["id"] for r in requests2} - {r["id"] for r in live}
     assert set(results[0]["failed"]) == dead
@@ -219,7 +230,7 @@ def test_a_full_reader_delays_only_its_own_samples(cluster: Cluster, model_dir: 
         env={**SECRET, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
     )  # fmt: skip
     ranks = start_ranks(cluster, a, tmp_path, model_dir, "full", 1, readers, requests, sharding="round_robin")
-    assert fast_reader.wait(timeout=300) == 0
+    succeeded(fast_reader, 300)
     fast_done = time.time()
     check_files(out, {"full": requests[0::2]})
     assert slow_reader.stdout is not None

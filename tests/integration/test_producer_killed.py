@@ -26,6 +26,7 @@ from tests.integration.common import (
     start_sender,
     token_ids,
 )
+from tests.integration.faulty_transport import watched_reader
 
 pytestmark = pytest.mark.integration
 
@@ -107,17 +108,10 @@ def assert_pool_idle(reader: HiddenStatesReader) -> None:
     """Nothing pending, every page free, nobody waiting (the reader's own accounting)."""
     deadline = time.monotonic() + 10
     while True:
-        with reader._lock:
-            pool = reader._ledger.pool
-            assert pool is not None
-            state = (dict(reader._ledger.samples), pool.free_pages, pool.num_pages, pool.waiting)
-        pending, free, total, waiting = state
-        if not pending and free == total and waiting == 0:
+        ps = reader.pool_state()
+        if ps.num_pages and ps.free == ps.num_pages and ps.waiting == 0:
             return
-        assert time.monotonic() < deadline, (
-            f"pages did not come back: {len(pending)} pending {sorted(k[1] for k in pending)}, "
-            f"{free}/{total} pages free, {waiting} waiting"
-        )
+        assert time.monotonic() < deadline, f"pages did not come back: {ps}"
         time.sleep(0.05)
 
 
@@ -204,7 +198,8 @@ def test_a_sample_with_a_killed_ranks_share_unwritten_is_never_yielded() -> None
     checker = Checker()
     checker.expect("tp", layout, 34, samples, cache_blocks)
     cache = make_cache(layout, cache_blocks, 34)  # ranks hold the same (replicated) states
-    with HiddenStatesReader(pool_bytes=num_pages * PAGE, page_bytes=PAGE) as reader:
+    reader, watch = watched_reader(pool_bytes=num_pages * PAGE, page_bytes=PAGE)
+    with reader:
         rank1 = HiddenStatesSender(
             SenderConfig(reader.address, "tp", rank=1, world_size=2, connect_timeout_s=30),
             cache,
@@ -229,24 +224,20 @@ def test_a_sample_with_a_killed_ranks_share_unwritten_is_never_yielded() -> None
             )
             checker.take(reader.get(timeout=60))
             assert checker.got["tp"] == [a["request_id"]]
-            # Wait until B and C hold rank 0's half (granted, its WRITE landed, rank 1's not).
+            # Wait until B and C hold rank 0's half: the reader's transport took the
+            # notifications of rank 0's WRITEs into their pages, and was polled again since
+            # (the serving thread handled them); rank 1 never writes its half.
             partial = {s["request_id"] for s in samples[1:]}
+            rank0_agent = f"tp-r0-{rank0.pid}"
             deadline = time.monotonic() + 30
-            while True:
-                with reader._lock:
-                    state = {
-                        k[1]: (
-                            p.pages is not None,
-                            {r for r, sh in p.shares.items() if sh.landed},
-                            p.state is SampleState.VERIFIED,
-                        )
-                        for k, p in reader._ledger.samples.items()
-                        if k[0] == "tp"
-                    }
-                if all(state.get(r) == (True, {0}, False) for r in partial):
-                    break
-                assert time.monotonic() < deadline, f"B and C never held rank 0's half: {state}"
+            seen_at: int | None = None
+            while seen_at is None or watch.polls <= seen_at:
+                landed = set(watch.landed)
+                if seen_at is None and {(rank0_agent, r) for r in partial} <= landed:
+                    seen_at = watch.polls
+                assert time.monotonic() < deadline, f"B and C never held rank 0's half: {sorted(landed)}"
                 time.sleep(0.05)
+            assert not {(p, r) for p, r in landed if r in partial and p != rank0_agent}
             kill(rank0)
             rank1.close()
             with pytest.raises(TimeoutError):

@@ -15,12 +15,18 @@ from typing import Any
 import pytest
 
 from kv_connector.datagen.httpclient import Server
-from kv_connector.reader import HiddenStatesReader, checker
+from kv_connector.reader import HiddenStatesReader
 from kv_connector.reader.ledger import MAX_REWRITES
-from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout
-from tests.integration.common import finish_sender, layout_dict, start_sender
-from tests.integration.test_reader_transfers import CPU_LAYOUT, NUM_CACHE_BLOCKS, plan, ship
+from tests.integration.common import (
+    CPU_LAYOUT,
+    NUM_CACHE_BLOCKS,
+    Senders,
+    finish_sender,
+    layout_dict,
+    plan,
+    start_sender,
+)
 from tests.ports import address_of, held_port
 from tests.promtext import excerpt, scrape, value, wait_for_values
 
@@ -132,44 +138,30 @@ def test_a_bad_metrics_address_ends_in_one_error_line(tmp_path: Path) -> None:
     assert "cannot serve metrics on" in errors[0] and "in use" in errors[0]
 
 
-def corrupt_every_landing(monkeypatch: pytest.MonkeyPatch, reader: HiddenStatesReader, victim: str) -> None:
-    """Fault injection: every time the reader's checking thread checks a share of
-    ``victim``, the share's first byte in the pool flips first (as if it landed damaged)."""
-    real = checker.sample_checksum
-
-    def corrupting(pool: memoryview, base: int, m: protocol.Manifest, blocks: list[int]) -> int:
-        if m.request_id == victim:
-            (dst, _), *_ = m.geometry.arranged(m.num_blocks, blocks[0], 0, 1)
-            reader._pool_tensor[base + dst] ^= 0xFF
-        return real(pool, base, m, blocks)
-
-    monkeypatch.setattr(checker, "sample_checksum", corrupting)
-
-
-def test_the_library_serves_leases_checksum_failures_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_library_serves_leases_checksum_failures_and_refusals(senders: Senders) -> None:
     layout = CPU_LAYOUT
     good = plan([20, 33], seed=23, layout=layout)
     bad = plan([5], seed=24, layout=layout)
     huge = plan([70], seed=25, layout=layout)  # 5 blocks, the pool holds 4
     sock = held_port()  # the metrics port is ours from the start, never released
     with HiddenStatesReader(pool_bytes=4 * layout.block_bytes, metrics_address=sock) as reader:
-        corrupt_every_landing(monkeypatch, reader, bad[0]["request_id"])
         assert reader.metrics_address == address_of(sock)
         http = Server(f"http://{reader.metrics_address}")
-        proc = ship(reader, layout, 23, good, producer_id="good")
+        proc = senders.ship(reader, layout, 23, good, producer_id="good")
         first = reader.get(timeout=30)  # on lease: its pages stay taken
         held = -(-first.token_ids.numel() // layout.block_size)
         wait_for_values(http, [(R + "pool_pages", {"state": "leased"}, held)], timeout=10)
         first.release()
         second = reader.get(timeout=30, copy=True)
         assert finish_sender(proc)["rc"] == 0
-        corrupt = ship(reader, layout, 24, bad, producer_id="bad")
+        # every WRITE of it lands damaged (a faulty transport in the sender)
+        corrupt = senders.ship(reader, layout, 24, bad, producer_id="bad", garble=[bad[0]["request_id"]])
         res = finish_sender(corrupt)
         assert (
             list(res["failed"]) == [bad[0]["request_id"]]
             and "checksum" in res["failed"][bad[0]["request_id"]]
         )
-        refused = finish_sender(ship(reader, layout, 25, huge, producer_id="huge"))
+        refused = finish_sender(senders.ship(reader, layout, 25, huge, producer_id="huge"))
         assert "pool_too_small" in next(iter(refused["failed"].values()))
         tokens, nbytes = payload(layout, good)
         text, m = wait_for_values(

@@ -103,7 +103,8 @@ def test_reader_killed_mid_stream_and_restarted_ends_with_every_sample_once(tmp_
         assert 8 <= written < len(samples)
         time.sleep(1.0)
         cli = start_cli(held, out, len(samples) - written, pool_blocks=3)
-        assert cli.wait(timeout=240) == 0, cli.stderr.read() if cli.stderr else ""
+        _, err = cli.communicate(timeout=240)  # (closes its pipes: wait() left them open)
+        assert cli.returncode == 0, err
         res = finish_sender(sender, timeout=240)
     finally:
         held.close()
@@ -128,7 +129,8 @@ def test_reader_started_after_the_producer_receives_everything(tmp_path: Path) -
     try:
         time.sleep(4)  # the producer is already retrying
         cli = start_cli(held, out, len(samples), pool_blocks=16)
-        assert cli.wait(timeout=120) == 0
+        _, err = cli.communicate(timeout=120)
+        assert cli.returncode == 0, err
         res = finish_sender(sender)
     finally:
         held.close()
