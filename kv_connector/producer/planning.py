@@ -45,6 +45,7 @@ class ShipOrder:
     block_ids: tuple[int, ...]
     reader: int = 0  # index of the reader this sample goes to (the same on every rank)
     identity: SampleIdentity = NO_IDENTITY
+    nonce: str = ""  # pull delivery: its handle's nonce (a consumer must present it)
 
 
 @dataclass
@@ -55,9 +56,12 @@ class StepPlan:
     # tracked requests preempted by this step: their blocks are about to be reused, so
     # WRITEs still reading them must finish first (see WorkerSide.handle_preemptions)
     preempted: list[str] = field(default_factory=list)
+    # pull delivery: finished requests whose held samples nobody may fetch (aborted): the
+    # workers end them and give their blocks back
+    drops: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.slices or self.ships or self.resets or self.preempted)
+        return bool(self.slices or self.ships or self.resets or self.preempted or self.drops)
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class ShipPlanner:
     def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
         if rec.reader is None:
             rec.reader = self.router.route(rec.request_id)
-        return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity)
+        return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity, rec.nonce)
 
     def drop(self, request_id: str) -> None:
         """Stop following a request: it runs, but nothing of it is shipped."""

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_connector.producer.options import Checksum, ConnectorOptions
-from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
+from kv_connector.producer.options import Checksum, ConnectorOptions, pull_endpoint
+from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan
+from kv_connector.producer.pull_server import PullServer
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.sender.loop import SenderError
@@ -41,6 +42,7 @@ class WorkerSide:
         self.layer_ids = layer_ids
         self.layer_name = ""
         self.senders: list[HiddenStatesSender] = []
+        self.pull: PullServer | None = None  # pull delivery: this rank's endpoint, instead of senders
         self.recorder: BlockRecorder | None = None
         self._slots: torch.Tensor | None = None
         self._shipped: set[str] = set()
@@ -90,6 +92,34 @@ class WorkerSide:
             checksum = "block digests" if blocks else "XXH3 of the bytes"
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
+        atexit.register(self.shutdown)
+        if self.options.pull:
+            self.pull = PullServer(
+                cache,
+                block_layout,
+                self.layer_ids,
+                self.producer_id,
+                rank,
+                world,
+                pull_endpoint(self.options.pull_listen, rank),
+                self.options.pull_timeout_s,
+                checksum=self.options.checksum is not Checksum.NONE,
+            )
+            log.info(
+                "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
+                "pull delivery: serving at %s, samples held up to %.0f s",
+                rank,
+                world,
+                self.layer_name,
+                cache.shape[0],
+                block_size,
+                layout,
+                block_layout.dtype,
+                block_layout.block_bytes,
+                self.pull.address,
+                self.options.pull_timeout_s,
+            )
+            return
         self.senders = [
             HiddenStatesSender(
                 SenderConfig(
@@ -108,7 +138,6 @@ class WorkerSide:
             )
             for address in self.options.readers
         ]
-        atexit.register(self.shutdown)
         log.info(
             "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
             "checksum: %s, shipping to %s",
@@ -131,9 +160,11 @@ class WorkerSide:
                 self._slots = slots
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
-        if plan is None or not plan or self.recorder is None or not self.senders:
+        if plan is None or not plan or self.recorder is None or not self._serving:
             self._slots = None
             return
+        if self.pull is not None and plan.drops:
+            self.pull.drop(plan.drops)
         for rid in plan.resets:
             self.recorder.forget(rid)
         if plan.slices:
@@ -154,35 +185,59 @@ class WorkerSide:
         for order in plan.ships:
             rid = order.request_id
             if rid in self._failed:
+                if self.pull is not None:
+                    self.pull.fail(rid, order.nonce, self._failed[rid])
                 self._done.add(rid)
                 continue
             try:
                 blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
                 if from_table:
                     log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
-                ident = order.identity
-                self.senders[order.reader].ship(
-                    rid, order.token_ids, blocks, sample_id=ident.sample_id, metadata=ident.metadata
-                )
+                self._ship(order, blocks)
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
                 self._note_failure(rid, str(e))
+                if self.pull is not None:
+                    self.pull.fail(rid, order.nonce, str(e))
                 self._done.add(rid)
             self.recorder.forget(rid)
+
+    @property
+    def _serving(self) -> bool:
+        return bool(self.senders) or self.pull is not None
+
+    def _ship(self, order: ShipOrder, blocks: list[int]) -> None:
+        """Ship (push) or hold for consumers (pull) one computed sample."""
+        ident = order.identity
+        if self.pull is not None:
+            self.pull.hold(
+                order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata
+            )
+        else:
+            self.senders[order.reader].ship(
+                order.request_id, order.token_ids, blocks, sample_id=ident.sample_id, metadata=ident.metadata
+            )
 
     def handle_preemptions(self, plan: StepPlan | None) -> None:
         """Called before this step reuses preempted requests' blocks: a shipped request's
         share gets up to ``preempt_timeout_s`` to be safely written (granted, landed,
         hashed); one that is not by then fails (the reader drops it). Nothing is ever
         shipped from reused blocks, and a full or hung reader holds the step no longer."""
-        if plan is None or not plan.preempted or not self.senders:
+        if plan is None or not plan.preempted or not self._serving:
             return
         if self.recorder is not None:
             for rid in plan.preempted:
                 self.recorder.forget(rid)
+        if self.pull is not None:
+            for rid in self.pull.preempt(plan.preempted):  # nothing is read from reused blocks
+                why = "preempted by vLLM before a consumer fetched it"
+                log.error("request %s: %s", rid, why)
+                self._failed[rid] = why
+                self._note_failure(rid, why)
+            return
         busy = [rid for rid in plan.preempted if rid in self._shipped]
         if not busy:
             return
@@ -202,7 +257,7 @@ class WorkerSide:
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        if not self.senders:
+        if not self._serving:
             return None
         # only requests this worker shipped or failed wait for their finish here; the
         # rest (never shipped: aborted, or failed at admission) must not pile up
@@ -212,6 +267,8 @@ class WorkerSide:
             self._failed.pop(rid, None)
             if self.recorder is not None:
                 self.recorder.forget(rid)
+        if self.pull is not None:
+            self._done |= self.pull.take_freed()  # released, expired, preempted or aborted
         for sender in self.senders:
             acked = sender.take_finished()
             self._done |= acked
@@ -234,6 +291,11 @@ class WorkerSide:
         """What the scheduler side should learn this step: changes of this rank's link
         to each reader (None: connected), and requests failed or delivered since."""
         links: list[LinkChange] = []
+        endpoints: dict[int, str] = {}
+        if self.pull is not None and 0 not in self._reported_links:
+            self._reported_links[0] = None
+            links.append(LinkChange(0, self.rank, None))  # its endpoint listens
+            endpoints[self.rank] = self.pull.address
         for k, sender in enumerate(self.senders):
             err = sender.link_error
             last = self._reported_links.get(k, "")
@@ -242,7 +304,7 @@ class WorkerSide:
                 links.append(LinkChange(k, self.rank, err))
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
-        return WorkerReport(links, failures, delivered)
+        return WorkerReport(links, failures, delivered, endpoints)
 
     def stats(self) -> list[SenderStats]:
         """A snapshot of each sender's counters, in the order of the readers."""
@@ -261,6 +323,9 @@ class WorkerSide:
             self.recent_failures.popitem(last=False)
 
     def shutdown(self) -> None:
+        pull, self.pull = self.pull, None
+        if pull is not None:
+            pull.close()
         senders, self.senders = self.senders, []
         deadline = time.monotonic() + self.options.drain_timeout_s
         while any(s.unwritten for s in senders) and time.monotonic() < deadline:

@@ -34,6 +34,9 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
     8: ``Hello.digest``: how the rank computes its shares' checksums, "xxh3" over their
        bytes or "blocks" (per-block digests computed on the cache's device, see
        ``kv_connector.wire.block_digest``).
+    9: pull delivery: ``PullFetch``/``PullShare``, ``PullRelease``/``PullReleased`` and
+       ``PullError`` (a consumer READs a sample's blocks from a producer rank's cache,
+       see ``kv_connector.producer.pull_server``); the handshake is unchanged.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for
+from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -322,6 +325,71 @@ class Rewrite(_Msg, tag="rewrite", frozen=True):
     reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
 
 
+# ---- pull delivery: a consumer asks a producer's rank for its share of one sample
+PullNonce = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}\Z")]
+# Why a rank gives no share ("unknown": never held here, or a wrong nonce; the others
+# name how the hold ended, see ``kv_connector.producer.pull_ledger``).
+PullErrorCode = Literal["unknown", "expired", "released", "preempted", "aborted", "closed", "failed"]
+
+
+class PullFetch(_Msg, tag="pull_fetch", frozen=True):
+    """Consumer -> producer rank: this rank's share of a sample, by its handle's names."""
+
+    request_id: RequestId
+    nonce: PullNonce
+
+
+class PullShare(_Msg, tag="pull_share", frozen=True):
+    """Producer rank -> consumer: the sample's manifest, and where this rank's share lies
+    in its cache: block ``first_block + i`` of the sample is cache block ``block_ids[i]``,
+    at ``cache_addr + block_ids[i] * manifest.block_bytes`` in the memory the NIXL metadata
+    of the handshake registers; ``checksum``: the share's, as ``wire.integrity`` says."""
+
+    manifest: Manifest
+    rank: Rank
+    world_size: WorldSize
+    first_block: BlockIndex
+    block_ids: Annotated[list[BlockIndex], msgspec.Meta(max_length=MAX_BLOCKS)]
+    cache_addr: NonNegInt
+    cache_bytes: PosInt
+    mem_type: Literal["DRAM", "VRAM"]
+    device_id: NonNegInt
+    checksum: Checksum | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        want = stripe(self.manifest.num_blocks, self.rank, self.world_size)
+        if range(self.first_block, self.first_block + len(self.block_ids)) != want:
+            raise ValueError(f"a share of blocks from {self.first_block} is not rank {self.rank}'s {want}")
+        if self.cache_addr + self.cache_bytes > 1 << 64:
+            raise ValueError("the cache does not fit in a 64-bit address space")
+        bb = self.manifest.block_bytes
+        if any((b + 1) * bb > self.cache_bytes for b in self.block_ids):
+            raise ValueError(f"a block id lies outside the cache's {self.cache_bytes} bytes")
+
+
+class PullRelease(_Msg, tag="pull_release", frozen=True):
+    """Consumer -> producer rank: done with the sample; its blocks may be freed."""
+
+    request_id: RequestId
+    nonce: PullNonce
+
+
+class PullReleased(_Msg, tag="pull_released", frozen=True):
+    """Producer rank -> consumer: the sample was released."""
+
+    request_id: RequestId
+
+
+class PullError(_Msg, tag="pull_error", frozen=True):
+    """Producer rank -> consumer: no share of this sample, and why."""
+
+    request_id: RequestId
+    code: PullErrorCode
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
 Message = (
     Hello
     | Challenge
@@ -334,6 +402,11 @@ Message = (
     | WriteDone
     | Rewrite
     | ShareDigest
+    | PullFetch
+    | PullShare
+    | PullRelease
+    | PullReleased
+    | PullError
 )
 
 _encoder = msgspec.msgpack.Encoder()

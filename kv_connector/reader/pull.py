@@ -1,0 +1,536 @@
+"""The pull client: fetch one sample by its handle, READing its blocks with NIXL straight
+from the producer's cache (pull delivery; the producer runs with ``"delivery": "pull"``).
+
+``PullClient.fetch(handle)`` (the handle string, or the whole ``kv_transfer_params`` of
+the producer's response) asks each rank of the producer for its share of the sample
+(``PullFetch``: the manifest and where the share lies in the rank's cache), READs every
+share into one run of its receive pool, checks each share against its checksum and the
+states for NaN/Inf and all-zero tokens (``reader.values``), releases the sample on every
+rank (the producer frees its blocks), and returns a ``reader.lease.Sample``: a view of the
+pool on lease, as the push reader hands out, whose pages return when it is released or
+collected.
+
+The client owns one NIXL agent and one receive pool registered once, both made on first
+use: a client is picklable until then (and after: a copy starts afresh), so a DataLoader
+can ship it to spawned workers. It keeps one authenticated control connection per
+producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
+both ends prove it before any NIXL metadata moves); one that breaks (a producer
+restarted) is made and handshaken again once per request. Thread-safe: several fetches
+may be in flight, from several threads or from one ``fetch_many``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_connector.reader.lease import Lease, Sample, leased_view, sample_view
+from kv_connector.reader.pool import PagePool, PoolTooSmall
+from kv_connector.reader.values import find_bad_values
+from kv_connector.wire import auth, protocol
+from kv_connector.wire.control import ConnectionClosed, FramedConnection
+from kv_connector.wire.handle import HandleError, PullHandle, decode_handle
+from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, ReaderHandshake
+from kv_connector.wire.identity import decode_metadata
+from kv_connector.wire.integrity import sample_checksum
+from kv_connector.wire.layout import pages_for
+from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.transport import Region, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POOL_BYTES = 128 << 20
+PAGE_BYTES = 64 << 10
+FETCH_TIMEOUT_S = 60.0
+
+
+class FetchError(RuntimeError):
+    """A sample could not be fetched. ``code``: "expired", "unknown", "released",
+    "preempted", "aborted", "closed", "failed" (the producer's answer), "handle" (not a
+    handle), "auth" (the handshake), "connect", "checksum", "values", "pool", "timeout",
+    "transfer" or "protocol"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def handle_of(handle: str | Mapping[str, Any]) -> str:
+    """The handle string in ``handle`` or in a response's ``kv_transfer_params``."""
+    if isinstance(handle, Mapping):
+        h = handle.get("handle")
+        if h is None:
+            record = handle.get("hidden_states")
+            why = record.get("error") if isinstance(record, Mapping) else None
+            raise FetchError("handle", f"no handle in kv_transfer_params ({why or 'not pull delivery?'})")
+        return str(h)
+    return handle
+
+
+@dataclass
+class _Peer:
+    """The control connection to one producer rank and its NIXL agent."""
+
+    endpoint: str
+    conn: FramedConnection
+    agent: str
+    lock: threading.Lock
+    producer: tuple[str, int, int]  # producer id, rank, world size (its Hello)
+
+
+@dataclass
+class _Pending:
+    handle: PullHandle
+    shares: list[protocol.PullShare]
+    pages: range
+    xfers: list[Any]
+
+
+class PullClient:
+    """Fetches pulled samples (see the module's docstring).
+
+    ``pool_bytes``: the receive pool (samples on lease and in flight share it).
+    ``secret``: the shared secret for the handshakes (default ``KV_CONNECTOR_SECRET`` or
+    ``KV_CONNECTOR_SECRET_FILE``; none: unauthenticated, loopback only on the producer).
+    ``check_values``: refuse samples with NaN/Inf or all-zero tokens (on by default).
+    ``timeout_s``: how long one fetch may take, connecting and reading included.
+    ``copy``: hand samples out as copies (their pages return at once) instead of leases.
+    """
+
+    def __init__(
+        self,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        secret: bytes | None = None,
+        check_values: bool = True,
+        timeout_s: float = FETCH_TIMEOUT_S,
+        copy: bool = False,
+        name: str | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        if pool_bytes < PAGE_BYTES:
+            raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.pool_bytes = pool_bytes
+        self.check_values = check_values
+        self.timeout_s = timeout_s
+        self.copy = copy
+        self._secret = secret
+        self._name = name
+        self._given_transport = transport
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()  # guards the pool, the peers and the agent
+        self._transport: Transport | None = None
+        self._region: Region | None = None
+        self._pool: PagePool | None = None
+        self._pool_np: np.ndarray | None = None
+        self._peers: dict[str, _Peer] = {}
+        self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "pool_bytes": self.pool_bytes,
+            "check_values": self.check_values,
+            "timeout_s": self.timeout_s,
+            "copy": self.copy,
+            "secret": self._secret,
+            "name": self._name,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ public
+    def fetch(self, handle: str | Mapping[str, Any]) -> Sample:
+        """The sample named by ``handle`` (or a response's ``kv_transfer_params``), read,
+        checked and released at its producer; ``FetchError`` saying why not."""
+        return self._finish(self._start(handle))
+
+    def fetch_many(self, handles: Iterable[str | Mapping[str, Any]]) -> list[Sample | FetchError]:
+        """Several samples with their READs in flight together; each a ``Sample`` or the
+        ``FetchError`` of that one."""
+        started: list[_Pending | FetchError] = []
+        for h in handles:
+            try:
+                started.append(self._start(h))
+            except FetchError as e:
+                started.append(e)
+        out: list[Sample | FetchError] = []
+        for p in started:
+            if isinstance(p, FetchError):
+                out.append(p)
+                continue
+            try:
+                out.append(self._finish(p))
+            except FetchError as e:
+                out.append(e)
+        return out
+
+    def release(self, handle: str | Mapping[str, Any]) -> None:
+        """Let the producer free the sample's blocks (``fetch`` did already, on success; a
+        sample released or gone already is no error)."""
+        h = self._decode(handle)
+        self._release_all(h, quiet=True)
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+            transport, self._transport = self._transport, None
+        for p in peers:
+            p.conn.close()
+        if transport is not None:
+            transport.close()
+
+    def __enter__(self) -> PullClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ fetching
+    def _decode(self, handle: str | Mapping[str, Any]) -> PullHandle:
+        try:
+            return decode_handle(handle_of(handle))
+        except HandleError as e:
+            raise FetchError("handle", str(e)) from None
+
+    def _start(self, handle: str | Mapping[str, Any]) -> _Pending:
+        h = self._decode(handle)
+        self._ensure()
+        shares: list[protocol.PullShare] = []
+        try:
+            for rank, endpoint in enumerate(h.endpoints):
+                reply = self._ask(
+                    h, rank, endpoint, protocol.PullFetch(request_id=h.request_id, nonce=h.nonce)
+                )
+                if isinstance(reply, protocol.PullError):
+                    raise FetchError(reply.code, reply.message)
+                if not isinstance(reply, protocol.PullShare):
+                    raise FetchError("protocol", f"expected a share, got {type(reply).__name__}")
+                if (
+                    reply.rank != rank
+                    or reply.world_size != h.world_size
+                    or reply.manifest.request_id != h.request_id
+                ):
+                    raise FetchError("protocol", f"rank {rank} answered for another sample or rank")
+                if shares and reply.manifest != shares[0].manifest:
+                    raise FetchError("protocol", f"rank {rank}'s manifest differs from rank 0's")
+                shares.append(reply)
+            pages = self._take_pages(h, shares[0].manifest)
+        except FetchError:
+            self._release_all(h, quiet=True)
+            raise
+        xfers = []
+        try:
+            for s in shares:
+                if s.block_ids:
+                    xfers.append(self._post_read(h, s, pages))
+        except FetchError:
+            self._settle(xfers)
+            self._give_back(h, pages)
+            self._release_all(h, quiet=True)
+            raise
+        return _Pending(h, shares, pages, xfers)
+
+    def _finish(self, p: _Pending) -> Sample:
+        h, m = p.handle, p.shares[0].manifest
+        try:
+            self._wait(p)
+            assert self._pool_np is not None
+            base = p.pages.start * PAGE_BYTES
+            for s in p.shares:
+                blocks = range(s.first_block, s.first_block + len(s.block_ids))
+                if (
+                    s.checksum is not None
+                    and sample_checksum(self._pool_np.data, base, m, blocks) != s.checksum
+                ):
+                    raise FetchError(
+                        "checksum",
+                        f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
+                        "(its blocks changed while being read: expired?)",
+                    )
+            if self.check_values:
+                run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
+                problem = find_bad_values(sample_view(run, m), m.layer_ids)
+                if problem is not None:
+                    raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
+        except FetchError:
+            self._give_back(h, p.pages)
+            self._release_all(h, quiet=True)
+            raise
+        unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
+        self._release_all(h, quiet=not unchecked)
+        return self._hand_out(h, m, p.pages)
+
+    def _hand_out(self, h: PullHandle, m: protocol.Manifest, pages: range) -> Sample:
+        assert self._pool_np is not None
+        base = pages.start * PAGE_BYTES
+        key = (h.producer_id, h.request_id)
+        lease = Lease(key, lambda _k: self._give_back(h, pages))
+        if self.copy:
+            run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
+            hidden = sample_view(run, m).clone()
+            del run
+            lease.release()
+            sample_lease = None
+        else:
+            hidden = leased_view(self._pool_np, base, m, lease)
+            sample_lease = lease
+        return Sample(
+            request_id=m.request_id,
+            token_ids=torch.tensor(m.token_ids, dtype=torch.int64),
+            hidden_states=hidden,
+            layer_ids=tuple(m.layer_ids),
+            producer_id=h.producer_id,
+            lease=sample_lease,
+            sample_id=m.sample_id,
+            metadata=decode_metadata(m.metadata),
+        )
+
+    # ------------------------------------------------------------------ pool
+    def _ensure(self) -> None:
+        with self._lock:
+            if self._transport is not None:
+                return
+            transport = self._given_transport
+            if transport is None:
+                from kv_connector.wire.nixl_transport import NixlTransport
+
+                transport = NixlTransport(self.name)
+            num_pages = self.pool_bytes // PAGE_BYTES
+            tensor = torch.empty(num_pages * PAGE_BYTES, dtype=torch.uint8)
+            self._region = transport.register(tensor)
+            self._pool_tensor = tensor
+            self._pool_np = tensor.numpy()
+            self._pool = PagePool(num_pages)
+            self._transport = transport
+
+    def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
+        n = pages_for(m.geometry.sample_bytes(m.num_blocks), PAGE_BYTES)
+        key = (h.producer_id, h.request_id, h.nonce)
+        deadline = time.monotonic() + self.timeout_s
+        collected = False
+        while True:
+            with self._lock:
+                assert self._pool is not None
+                try:
+                    self._pool.request(key, n)
+                except PoolTooSmall as e:
+                    raise FetchError("pool", f"{e} (PullClient pool_bytes={self.pool_bytes})") from None
+                except ValueError as e:
+                    raise FetchError("pool", f"sample {h.request_id} is being fetched already: {e}") from None
+                # nobody else waits (each request is made and cancelled under the lock)
+                got = dict(self._pool.grantable())
+                if key in got:
+                    return got[key]
+                self._pool.cancel(key)
+            if time.monotonic() >= deadline:
+                raise FetchError(
+                    "pool",
+                    f"no room for sample {h.request_id} in the pool for {self.timeout_s:.0f} s: release the "
+                    "samples you hold (sample.release(), or drop their tensors), or raise pool_bytes",
+                )
+            if not collected:
+                gc.collect()  # leases whose tensors are only in reference cycles
+                collected = True
+            time.sleep(0.002)
+
+    def _give_back(self, h: PullHandle, pages: range) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.release((h.producer_id, h.request_id, h.nonce), pages)
+
+    # ------------------------------------------------------------------ transfers
+    def _post_read(self, h: PullHandle, s: protocol.PullShare, pages: range) -> Any:
+        m = s.manifest
+        g, nb = m.geometry, m.num_blocks
+        base = pages.start * PAGE_BYTES
+        spans = []
+        for i, block in enumerate(s.block_ids):
+            j = s.first_block + i
+            for src, dst, n in g.arranged_spans(nb, j):
+                spans.append((base + dst, block * g.block_bytes + src, n))
+        peer = self._peers[h.endpoints[s.rank]].agent
+        remote = Region(s.cache_addr, s.cache_bytes, s.mem_type, s.device_id)
+        with self._lock:
+            assert self._transport is not None and self._region is not None
+            try:
+                return self._transport.read(peer, self._region, remote, spans)
+            except TransportError as e:
+                raise FetchError(
+                    "transfer", f"cannot read sample {h.request_id} from rank {s.rank}: {e}"
+                ) from None
+
+    def _wait(self, p: _Pending) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        waiting = list(p.xfers)
+        while waiting:
+            with self._lock:
+                assert self._transport is not None
+                try:
+                    waiting = [x for x in waiting if not self._transport.poll(x)]
+                except TransportError as e:
+                    self._settle(waiting)
+                    raise FetchError(
+                        "transfer", f"reading sample {p.handle.request_id} failed: {e}"
+                    ) from None
+            if waiting and time.monotonic() >= deadline:
+                self._settle(waiting)
+                raise FetchError(
+                    "timeout", f"reading sample {p.handle.request_id} took over {self.timeout_s} s"
+                )
+            if waiting:
+                time.sleep(0.0001)
+
+    def _settle(self, xfers: list[Any]) -> None:
+        """Wait (boundedly) for posted READs to end before their pages are reused."""
+        deadline = time.monotonic() + self.timeout_s
+        for x in xfers:
+            while time.monotonic() < deadline:
+                with self._lock:
+                    try:
+                        if self._transport is None or self._transport.poll(x):
+                            break
+                    except TransportError:
+                        break
+
+    # ------------------------------------------------------------------ control
+    def _release_all(self, h: PullHandle, quiet: bool) -> None:
+        for rank, endpoint in enumerate(h.endpoints):
+            try:
+                reply = self._ask(
+                    h, rank, endpoint, protocol.PullRelease(request_id=h.request_id, nonce=h.nonce)
+                )
+            except FetchError as e:
+                if not quiet:
+                    raise
+                log.debug("releasing %s at rank %d: %s", h.request_id, rank, e)
+                continue
+            if isinstance(reply, protocol.PullError) and not quiet and reply.code != "released":
+                raise FetchError(reply.code, reply.message)
+
+    def _ask(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
+        """One request and its answer on the rank's connection; a broken connection is made
+        again (a producer restarted) once."""
+        for attempt in (0, 1):
+            peer = self._peer(h, rank, endpoint)
+            try:
+                with peer.lock:
+                    peer.conn.send(msg)
+                    return peer.conn.receive_one(self.timeout_s)
+            except (ConnectionClosed, OSError, TimeoutError, ProtocolError) as e:
+                self._drop_peer(endpoint, peer)
+                if attempt or isinstance(e, (TimeoutError, ProtocolError)):
+                    raise FetchError("connect", f"the producer's rank {rank} at {endpoint}: {e}") from None
+        raise AssertionError("unreachable")
+
+    def _drop_peer(self, endpoint: str, peer: _Peer) -> None:
+        with self._lock:
+            if self._peers.get(endpoint) is peer:
+                del self._peers[endpoint]
+                if self._transport is not None:
+                    self._transport.remove_peer(peer.agent)
+        peer.conn.close()
+
+    def _peer(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+        if peer is not None:
+            if peer.producer != (h.producer_id, rank, h.world_size):
+                raise FetchError("unknown", _not_the_handles(endpoint, peer.producer, h, rank))
+            return peer
+        peer = self._connect(h, rank, endpoint)
+        with self._lock:
+            old = self._peers.get(endpoint)
+            if old is None:
+                self._peers[endpoint] = peer
+                return peer
+        peer.conn.close()  # another thread connected meanwhile
+        return old
+
+    def _connect(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
+        """Connect and run the handshake in the reader's role; load the rank's metadata."""
+        secret = self._secret if self._secret is not None else auth.load_secret()
+        try:
+            conn = FramedConnection.connect(endpoint, timeout=min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
+        except OSError as e:
+            raise FetchError(
+                "connect", f"cannot reach the producer's rank {rank} at {endpoint}: {e}"
+            ) from None
+        try:
+            return self._handshake(conn, h, rank, endpoint, secret)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _handshake(
+        self, conn: FramedConnection, h: PullHandle, rank: int, endpoint: str, secret: bytes | None
+    ) -> _Peer:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        hs = ReaderHandshake(secret, time.monotonic())
+        where = f"the producer's rank {rank} at {endpoint}"
+        try:
+            conn.max_frame = hs.frame_limit
+            hello = conn.receive_one(deadline - time.monotonic())
+            if not isinstance(hello, protocol.Hello):
+                raise FetchError("protocol", f"{where} sent a {type(hello).__name__} instead of its Hello")
+            producer = (hello.producer_id, hello.rank, hello.world_size)
+            if producer != (h.producer_id, rank, h.world_size):
+                raise FetchError("unknown", _not_the_handles(endpoint, producer, h, rank))
+            conn.send(hs.on_hello(hello, None, False))
+            conn.max_frame = hs.frame_limit
+            a = conn.receive_one(max(0.0, deadline - time.monotonic()))
+            if isinstance(a, protocol.Refuse):
+                raise FetchError("auth", f"{where} refused the handshake: {a.message}")
+            if not isinstance(a, protocol.Auth):
+                raise FetchError("protocol", f"{where} sent a {type(a).__name__} instead of its Auth")
+            hs.on_auth(a)
+            with self._lock:
+                assert self._transport is not None and self._region is not None
+                try:
+                    agent = self._transport.add_peer(a.agent_metadata)
+                except TransportError as e:
+                    raise FetchError("protocol", f"{where}: its NIXL metadata does not load: {e}") from None
+                region = self._region
+                me = self._transport.name
+            welcome = protocol.Welcome(
+                reader_id=self.name,
+                agent_name=me,
+                agent_metadata=b"",  # the producer never initiates a transfer
+                pool_addr=region.addr,
+                pool_bytes=region.nbytes,
+                page_bytes=PAGE_BYTES,
+                num_pages=region.nbytes // PAGE_BYTES,
+                mem_type=region.mem_type,
+                device_id=region.device_id,
+                proof=bytes(32),
+            )
+            conn.send(hs.welcome(welcome))
+            conn.mac = hs.session()
+        except ProtocolError as e:
+            code = "auth" if "authentication" in str(e) else "protocol"
+            raise FetchError(code, f"{where}: {e}") from None
+        except (ConnectionClosed, OSError, TimeoutError) as e:
+            raise FetchError("connect", f"{where} closed the handshake: {e}") from None
+        conn.max_frame = protocol.MAX_FRAME_BYTES
+        return _Peer(endpoint, conn, agent, threading.Lock(), producer)
+
+
+def _not_the_handles(endpoint: str, producer: tuple[str, int, int], h: PullHandle, rank: int) -> str:
+    pid, r, world = producer
+    return (
+        f"{endpoint} serves producer {pid} rank {r}/{world}, not the handle's {h.producer_id} rank "
+        f"{rank}/{h.world_size} (a stale handle?)"
+    )
