@@ -1,0 +1,128 @@
+"""Pull delivery through real vLLM (CPU build): ``LLM.generate`` with ``"delivery":
+"pull"`` holds each finished request's blocks; this process fetches every sample by the
+handle in its kv_transfer_params with ``reader.pull.PullClient`` (NIXL READs straight
+from vLLM's cache), and checks its tokens and states against transformers. Afterwards vLLM
+holds no KV block; a sample never fetched is freed by ``pull_timeout_s`` and then
+answers "expired"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.wire.handle import decode_handle
+from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LAYER_IDS = [1, 2, 4]
+BLOCK = 128
+PULL_TIMEOUT_S = 25.0
+
+
+class PullProducer:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "e2e" / "pull_producer_main.py"), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        )
+        self.lines: list[str] = []  # what it printed besides its JSON lines (vLLM's log, ours)
+
+    def first(self) -> dict[str, Any]:
+        return self._answer()
+
+    def step(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith("{"):
+                out: dict[str, Any] = json.loads(line)
+                return out
+            self.lines.append(line)
+        raise AssertionError(f"producer died: {self.stop()[-5000:]}")
+
+    def stop(self) -> str:
+        if self.proc.poll() is not None:
+            return self.proc.stderr.read() if self.proc.stderr else ""
+        try:
+            out, err = self.proc.communicate("quit\n", timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+        return "".join(self.lines) + out + err
+
+
+def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
+    tiny_llama: Path, llama_reference: Reference
+) -> None:
+    lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 300, 45]
+    prompts = prompts_of(lengths, seed=24)
+    never = len(prompts)  # one more prompt, never fetched: the timeout frees it
+    prompts.append(prompts_of([200], seed=25)[0])
+    spec = {
+        "model": str(tiny_llama),
+        "layer_ids": LAYER_IDS,
+        "block_size": BLOCK,
+        "prompts": prompts,
+        "max_tokens": [1, 3, 1, 2, 1, 4, 1],
+        "extra": {"pull_timeout_s": PULL_TIMEOUT_S},
+    }
+    producer = PullProducer(spec)
+    try:
+        outputs = producer.first()["outputs"]
+        t_done = time.monotonic()
+        params = outputs[:never]
+        for p in outputs:
+            assert p["hidden_states"]["status"] == "ready" and p["hidden_states"]["delivery"] == "pull", p
+            assert set(p) == {"handle", "hidden_states"} and len(p["handle"]) < 300
+        with PullClient(pool_bytes=16 << 20) as client:
+            samples = [client.fetch(params[0])]  # one, then the rest in flight together
+            many = client.fetch_many(params[1:])
+            assert not any(isinstance(s, FetchError) for s in many), many
+            samples += [s for s in many if not isinstance(s, FetchError)]
+            worst = 0.0
+            for i, s in enumerate(samples):
+                assert s.token_ids.tolist() == prompts[i]
+                assert s.hidden_states.shape == (len(prompts[i]), len(LAYER_IDS), 128)
+                assert s.request_id == decode_handle(params[i]["handle"]).request_id
+                err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
+                assert err < 1e-4, (i, err)
+                worst = max(worst, err)
+                s.release()
+            print(f"{len(samples)} samples, worst relative error {worst:.2e}")
+            with pytest.raises(FetchError) as e:
+                client.fetch(params[2])  # released: its blocks may hold anything now
+            assert e.value.code == "released"
+            # every fetched sample's blocks go back to vLLM; the one never fetched holds
+            # its blocks until pull_timeout_s, then it is freed too
+            state = producer.step()
+            assert state["held"] == [outputs[never]["hidden_states"]["request_id"]], state
+            assert state["kv_usage"] > 0
+            while time.monotonic() < t_done + PULL_TIMEOUT_S + 60 and state["held"]:
+                time.sleep(1.0)
+                state = producer.step()
+            assert state == {"kv_usage": 0.0, "held": []}, state
+            assert time.monotonic() >= t_done + PULL_TIMEOUT_S - 5
+            with pytest.raises(FetchError) as e:
+                client.fetch(outputs[never])
+            assert e.value.code == "expired"
+    finally:
+        log = producer.stop()
+    assert "was not released within pull_timeout_s" in log, log[-3000:]
