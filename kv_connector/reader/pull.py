@@ -281,8 +281,10 @@ class PullClient:
         lease = Lease(key, lambda _k: self._give_back(h, pages))
         if self.copy:
             run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
-            hidden = sample_view(run, m).clone()
-            del run
+            view = sample_view(run, m)
+            hidden = torch.empty(view.shape, dtype=view.dtype)  # contiguous [T, L, H]
+            hidden.copy_(view)
+            del run, view
             lease.release()
             sample_lease = None
         else:
