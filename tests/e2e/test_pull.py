@@ -126,3 +126,47 @@ def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
     finally:
         log = producer.stop()
     assert "was not released within pull_timeout_s" in log, log[-3000:]
+
+
+def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample(
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+) -> None:
+    """TP=2 behind the OpenAI server: the handle names both ranks' endpoints, each serves
+    its stripe of the blocks, the client gathers them into one sample; afterwards vLLM's
+    kv_cache_usage_perc is back to 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.api_server import ApiServer, tail
+    from tests.e2e.test_speculators_pull import kv_cache_usage
+
+    prompts = prompts_of([1, BLOCK, BLOCK + 1, 300, 700], seed=26)
+    with (
+        ApiServer(
+            tiny_llama,
+            {"delivery": "pull"},
+            LAYER_IDS,
+            tmp_path,
+            args=["--block-size", str(BLOCK), "--tensor-parallel-size", "2"],
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        ) as server,
+        ThreadPoolExecutor(len(prompts)) as pool,
+    ):
+        body = {"model": str(tiny_llama), "max_tokens": 1, "temperature": 0}
+        responses = list(
+            pool.map(lambda p: server.http.post_json("/v1/completions", {**body, "prompt": p}), prompts)
+        )
+        params = [r["kv_transfer_params"] for r in responses]
+        assert all(len(decode_handle(p["handle"]).endpoints) == 2 for p in params), params
+        with PullClient() as client:
+            for i, s in enumerate(client.fetch_many(params)):
+                assert not isinstance(s, FetchError), (i, s)
+                assert s.token_ids.tolist() == prompts[i]
+                err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
+                assert err < 1e-4, (i, err)
+        usage = kv_cache_usage(server)
+        for _ in range(30):
+            if usage == 0:
+                break
+            time.sleep(0.5)
+            usage = kv_cache_usage(server)
+        assert usage == 0.0, tail(server.log)
