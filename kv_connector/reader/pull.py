@@ -153,10 +153,12 @@ class PullClient:
         self.__init__(**state)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ public
-    def fetch(self, handle: str | Mapping[str, Any]) -> Sample:
+    def fetch(self, handle: str | Mapping[str, Any], release: bool = True) -> Sample:
         """The sample named by ``handle`` (or a response's ``kv_transfer_params``), read,
-        checked and released at its producer; ``FetchError`` saying why not."""
-        return self._finish(self._start(handle))
+        checked and released at its producer; ``FetchError`` saying why not. With
+        ``release=False`` the producer keeps holding it until ``release(handle)`` (or its
+        ``pull_timeout_s``)."""
+        return self._finish(self._start(handle), release)
 
     def fetch_many(self, handles: Iterable[str | Mapping[str, Any]]) -> list[Sample | FetchError]:
         """Several samples with their READs in flight together; each a ``Sample`` or the
@@ -244,7 +246,7 @@ class PullClient:
             raise
         return _Pending(h, shares, pages, xfers)
 
-    def _finish(self, p: _Pending) -> Sample:
+    def _finish(self, p: _Pending, release: bool = True) -> Sample:
         h, m = p.handle, p.shares[0].manifest
         try:
             self._wait(p)
@@ -270,8 +272,9 @@ class PullClient:
             self._give_back(h, p.pages)
             self._release_all(h, quiet=True)
             raise
-        unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
-        self._release_all(h, quiet=not unchecked)
+        if release:
+            unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
+            self._release_all(h, quiet=not unchecked)
         return self._hand_out(h, m, p.pages)
 
     def _hand_out(self, h: PullHandle, m: protocol.Manifest, pages: range) -> Sample:

@@ -236,3 +236,34 @@ def test_a_producer_with_a_secret_is_refused_by_a_consumer_expecting_none(produc
     with PullClient(secret=b"mine") as client, pytest.raises(FetchError) as e:
         client.fetch(p.handles["req-0"])
     assert e.value.code == "auth"
+
+
+KILLED_CONSUMER = """
+import os, signal, sys
+from kv_connector.reader.pull import PullClient
+s = PullClient().fetch(sys.argv[1], release=False)  # read, checked, still held at the producer
+print(s.request_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # a DataLoader worker killed before its release
+"""
+
+
+def test_a_sample_read_by_a_consumer_killed_before_its_release_is_freed_by_the_timeout(
+    producers: list[Producer],
+) -> None:
+    import time
+
+    p = Producer(spec_of(LTH, samples_spec(1, LTH), timeout_s=4.0))
+    producers.append(p)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CONSUMER, p.handles["req-0"]],
+        capture_output=True, text=True, timeout=120, env=child_env({"PYTHONPATH": str(REPO)}),
+    )  # fmt: skip
+    assert proc.returncode == -9 and proc.stdout.strip() == "req-0", proc.stderr[-3000:]
+    assert p.poll() == {"freed": [[]], "held": [1]}  # its death released nothing
+    while time.monotonic() < t0 + 30 and p.poll()["held"] != [0]:
+        time.sleep(0.2)
+    assert time.monotonic() - t0 >= 3.5 and p.poll()["held"] == [0]
+    with PullClient() as client, pytest.raises(FetchError) as e:
+        client.fetch(p.handles["req-0"])
+    assert e.value.code == "expired"
