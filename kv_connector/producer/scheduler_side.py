@@ -123,7 +123,7 @@ class SchedulerSide:
                 log.info("rank %d serves pulled samples at %s", rank, address)
                 self.endpoints[rank] = address
         for reader, rank, error in report.links:
-            if 0 <= reader < len(self.options.readers):
+            if 0 <= reader < len(self.options.readers) and not self.options.pull:
                 address = self.options.readers[reader]
                 if error is None:
                     log.info("rank %d reaches the reader at %s", rank, address)

@@ -170,3 +170,16 @@ def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample
             time.sleep(0.5)
             usage = kv_cache_usage(server)
         assert usage == 0.0, tail(server.log)
+        # a client that gives up mid-generation: vLLM aborts the request after its prompt
+        # was captured; nobody gets its handle, and its hold ends at once (not at the timeout)
+        with pytest.raises(OSError):
+            server.http.post_json(
+                "/v1/completions",
+                {**body, "prompt": prompts[3], "max_tokens": 1900, "ignore_eos": True},
+                timeout=3,
+            )
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 60 and (usage := kv_cache_usage(server)) != 0:
+            time.sleep(0.5)
+        assert usage == 0.0, tail(server.log)
+        assert "Aborted request" in server.log.read_text() or "abort" in server.log.read_text().lower()
