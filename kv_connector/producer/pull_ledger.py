@@ -7,7 +7,8 @@ happened and do what it answers.
 States of a sample (``HoldState``):
 
     HELD -- release ---> RELEASED   (the consumer read it and let it go)
-    HELD -- expire ----> EXPIRED    (not released within ``pull_timeout_s``)
+    HELD -- expire ----> EXPIRED    (not released within ``pull_timeout_s`` of its
+                                     request's finish: its handle went out then)
     HELD -- preempt ---> PREEMPTED  (vLLM reuses its blocks for another request)
     HELD -- abort -----> ABORTED    (its request was aborted; nobody got its handle)
     HELD -- close -----> CLOSED     (the engine shuts down)
@@ -26,6 +27,8 @@ Invariants (tests name the one they prove):
       close) and is then reported by ``take_freed`` exactly once: its blocks are given
       back to vLLM once, and never while a consumer may still be served from them.
   P4  A sample past its deadline is never served, whether or not ``expire`` ran since.
+      The deadline runs from the request's finish (``finished``), when its handle goes
+      out: a long generation does not eat a consumer's time.
   P5  What is remembered of ended samples is bounded (``remember``); a forgotten one
       answers "unknown".
   P6  A request is held at most once at a time: holding one already held is the shell's
@@ -35,6 +38,7 @@ Invariants (tests name the one they prove):
 from __future__ import annotations
 
 import enum
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -113,9 +117,14 @@ class PullLedger:
         if request_id in self._held:
             raise IllegalTransition(f"request {request_id} is held already")
         self._ended.pop(request_id, None)
-        self._held[request_id] = Held(
-            request_id, nonce, manifest, list(block_ids), share, now + self.timeout_s
-        )
+        self._held[request_id] = Held(request_id, nonce, manifest, list(block_ids), share, math.inf)
+
+    def finished(self, request_ids: Iterable[str], now: float) -> None:
+        """These requests finished (their handles are out): their clocks start (P4)."""
+        for rid in request_ids:
+            h = self._held.get(rid)
+            if h is not None and h.deadline == math.inf:
+                h.deadline = now + self.timeout_s
 
     def fail(self, request_id: str, nonce: str, why: str) -> None:
         """The sample could not be held (``why``): a fetch says so."""

@@ -59,7 +59,8 @@ class PullServer:
     ``cache``: the cache-only layer's tensor, [num_blocks, ...] in ``layout``, registered
     with ``transport`` (a ``NixlTransport`` by default) once. ``listen``: (host, port) to
     bind (port 0: any free one, held from binding on); ``address`` names it.
-    ``timeout_s``: a held sample not released this long after ``hold`` ends (expired).
+    ``timeout_s``: a held sample not released this long after its request ``finished``
+    ends (expired).
     ``checksum``: send each share's XXH3-64 (``wire.integrity``) for the consumer to check.
     """
 
@@ -166,6 +167,11 @@ class PullServer:
         share = stripe(n, self.rank, self.world_size)
         with self._lock:
             self._ledger.hold(request_id, nonce, manifest, blocks, share, self._clock())
+
+    def finished(self, request_ids: Iterable[str]) -> None:
+        """These requests finished in vLLM (their handles are out): ``timeout_s`` starts."""
+        with self._lock:
+            self._ledger.finished(request_ids, self._clock())
 
     def fail(self, request_id: str, nonce: str, why: str) -> None:
         """The sample could not be held; a consumer asking for it is told ``why``."""

@@ -268,6 +268,7 @@ class WorkerSide:
             if self.recorder is not None:
                 self.recorder.forget(rid)
         if self.pull is not None:
+            self.pull.finished(finished_req_ids & self._shipped)  # their handles are out: clocks start
             self._done |= self.pull.take_freed()  # released, expired, preempted or aborted
         for sender in self.senders:
             acked = sender.take_finished()

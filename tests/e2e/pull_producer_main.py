@@ -23,10 +23,11 @@ def main() -> int:
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype="float32",
-        max_model_len=2048,
+        max_model_len=spec.get("max_model_len", 2048),
         max_num_batched_tokens=2048,
+        max_num_seqs=spec.get("max_num_seqs", 16),
         enable_prefix_caching=False,
-        kv_cache_memory_bytes=128 << 20,
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 128 << 20),
         enforce_eager=True,
         block_size=spec.get("block_size"),
         speculative_config={

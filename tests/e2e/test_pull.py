@@ -183,3 +183,56 @@ def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample
             time.sleep(0.5)
         assert usage == 0.0, tail(server.log)
         assert "Aborted request" in server.log.read_text() or "abort" in server.log.read_text().lower()
+
+
+def test_preempted_requests_fail_by_name_and_the_rest_arrive_exact(
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+) -> None:
+    """A KV budget too small for the batch makes vLLM preempt running requests whose
+    prompts were captured: their holds end before the step that reuses their blocks, their
+    responses say "failed" (preempted) with no handle; every other sample, fetched as its
+    response arrives (held samples take KV blocks), is exact; afterwards vLLM holds no
+    block."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.api_server import ApiServer, tail
+    from tests.e2e.test_speculators_pull import kv_cache_usage
+
+    prompts = prompts_of([200, 150, 250, 180, 220, 130, 240, 170], seed=41)
+    # 11 blocks of 128 tokens: the prompts and 120 outputs each overflow it
+    args = ["--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(5 << 20), "--max-model-len", "640"]
+    with (
+        ApiServer(tiny_llama, {"delivery": "pull"}, LAYER_IDS, tmp_path, args=args) as server,
+        PullClient() as client,
+    ):
+        body = {"model": str(tiny_llama), "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+
+        def run(i: int) -> tuple[dict[str, Any], Any]:
+            answer = server.http.post_json("/v1/completions", {**body, "prompt": prompts[i]})
+            params = answer["kv_transfer_params"]
+            if params["hidden_states"]["status"] != "ready":
+                return params, None
+            s = client.fetch(params)  # at once: a held sample takes KV blocks
+            assert s.token_ids.tolist() == prompts[i]
+            states = s.hidden_states.clone()
+            s.release()
+            return params, states
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(run, range(len(prompts))))
+        failed = [p for p, states in results if states is None]
+        errs = [
+            relative_error(states, llama_reference.states(prompts[i], LAYER_IDS))
+            for i, (_, states) in enumerate(results)
+            if states is not None
+        ]
+        assert failed, "vLLM preempted no captured request: make the KV budget smaller"
+        for p in failed:
+            assert "handle" not in p and "preempted" in p["hidden_states"]["error"], p
+        assert errs and max(errs) < 1e-4, errs
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 30 and (usage := kv_cache_usage(server)) != 0:
+            time.sleep(0.5)
+        assert usage == 0.0, tail(server.log)
+        assert "preempted by vLLM before a consumer fetched it" in server.log.read_text()
+    print(f"{len(failed)} preempted, {len(errs)} delivered")

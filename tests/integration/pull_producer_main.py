@@ -46,6 +46,8 @@ def main() -> int:
         for server in servers:
             server.hold(rid, nonce, token_ids(rid, s["num_tokens"]), s["block_ids"], s.get("sample_id"))
         handles[rid] = PullHandle(producer_id, rid, nonce, endpoints).encode()
+    for server in servers:
+        server.finished(handles)  # as vLLM's finish does: the handles are out, the clocks start
     print(json.dumps({"handles": handles, "endpoints": endpoints}), flush=True)
     for line in sys.stdin:
         cmd = line.strip()

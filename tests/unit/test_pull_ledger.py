@@ -27,8 +27,10 @@ def manifest(rid: str, n: int = 40) -> protocol.Manifest:
 
 
 def held(led: PullLedger, rid: str, nonce: str = "a" * 32, t: float = 0.0) -> None:
+    """Held and its request finished at ``t`` (its clock runs)."""
     m = manifest(rid)
     led.hold(rid, nonce, m, list(range(10, 10 + m.num_blocks)), range(m.num_blocks), t)
+    led.finished([rid], t)
 
 
 def code_of(fn: object, *args: object) -> str:
@@ -78,6 +80,16 @@ def test_p3_every_hold_is_freed_exactly_once_whatever_ends_it() -> None:
     assert led.expire(6.0) == ["d", "e"]
     led.preempt(["d"])  # ended already: nothing more
     assert led.take_freed() == {"d", "e"} and led.take_freed() == set() and len(led) == 0
+
+
+def test_p4_the_clock_runs_from_the_requests_finish_not_from_its_capture() -> None:
+    led = PullLedger(timeout_s=5)
+    m = manifest("r1")
+    led.hold("r1", "a" * 32, m, [1, 2, 3], range(3), 0.0)  # captured at its prompt's end
+    assert led.expire(1000.0) == [] and led.fetch("r1", "a" * 32, 1000.0).request_id == "r1"
+    led.finished(["r1", "unknown"], 1000.0)  # a long generation later
+    led.finished(["r1"], 1003.0)  # reported again: the clock does not restart
+    assert led.expire(1004.9) == [] and led.expire(1005.0) == ["r1"]
 
 
 def test_p4_a_sample_past_its_deadline_is_never_served_even_before_expire_runs() -> None:
