@@ -35,57 +35,19 @@ import torch
 
 from kv_connector.reader.lease import Lease, Sample, leased_view, sample_view
 from kv_connector.reader.pool import PagePool, PoolTooSmall
+from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks, handle_of
 from kv_connector.reader.values import find_bad_values
-from kv_connector.wire import auth, protocol
-from kv_connector.wire.control import ConnectionClosed, FramedConnection
+from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle
-from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, ReaderHandshake
 from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.integrity import sample_checksum
 from kv_connector.wire.layout import pages_for
-from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_POOL_BYTES = 128 << 20
-PAGE_BYTES = 64 << 10
 FETCH_TIMEOUT_S = 60.0
-
-
-class FetchError(RuntimeError):
-    """A sample could not be fetched. ``code``: "expired", "unknown", "released",
-    "preempted", "aborted", "closed", "failed" (the producer's answer), "handle" (not a
-    handle), "auth" (the handshake), "connect", "checksum", "values", "pool", "timeout",
-    "transfer" or "protocol"."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-def handle_of(handle: str | Mapping[str, Any]) -> str:
-    """The handle string in ``handle`` or in a response's ``kv_transfer_params``."""
-    if isinstance(handle, Mapping):
-        h = handle.get("handle")
-        if h is None:
-            record = handle.get("hidden_states")
-            why = record.get("error") if isinstance(record, Mapping) else None
-            raise FetchError("handle", f"no handle in kv_transfer_params ({why or 'not pull delivery?'})")
-        return str(h)
-    return handle
-
-
-@dataclass
-class _Peer:
-    """The control connection to one producer rank and its NIXL agent."""
-
-    endpoint: str
-    conn: FramedConnection
-    agent: str
-    lock: threading.Lock
-    producer: tuple[str, int, int]  # producer id, rank, world size (its Hello)
 
 
 @dataclass
@@ -136,7 +98,7 @@ class PullClient:
         self._region: Region | None = None
         self._pool: PagePool | None = None
         self._pool_np: np.ndarray | None = None
-        self._peers: dict[str, _Peer] = {}
+        self._links: ProducerLinks | None = None
         self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
 
     def __getstate__(self) -> dict[str, Any]:
@@ -184,14 +146,15 @@ class PullClient:
         """Let the producer free the sample's blocks (``fetch`` did already, on success; a
         sample released or gone already is no error)."""
         h = self._decode(handle)
+        self._ensure()
         self._release_all(h, quiet=True)
 
     def close(self) -> None:
         with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
+            links, self._links = self._links, None
             transport, self._transport = self._transport, None
-        for p in peers:
-            p.conn.close()
+        if links is not None:
+            links.close()
         if transport is not None:
             transport.close()
 
@@ -214,7 +177,7 @@ class PullClient:
         shares: list[protocol.PullShare] = []
         try:
             for rank, endpoint in enumerate(h.endpoints):
-                reply = self._ask(
+                reply = self._ask_rank(
                     h, rank, endpoint, protocol.PullFetch(request_id=h.request_id, nonce=h.nonce)
                 )
                 if isinstance(reply, protocol.PullError):
@@ -320,6 +283,9 @@ class PullClient:
             self._pool_tensor = tensor
             self._pool_np = tensor.numpy()
             self._pool = PagePool(num_pages)
+            self._links = ProducerLinks(
+                self.name, self._secret, self.timeout_s, self._lock, transport, self._region
+            )
             self._transport = transport
 
     def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
@@ -367,7 +333,8 @@ class PullClient:
             j = s.first_block + i
             for src, dst, n in g.arranged_spans(nb, j):
                 spans.append((base + dst, block * g.block_bytes + src, n))
-        peer = self._peers[h.endpoints[s.rank]].agent
+        assert self._links is not None
+        peer = self._links.agent(h.endpoints[s.rank])
         remote = Region(s.cache_addr, s.cache_bytes, s.mem_type, s.device_id)
         with self._lock:
             assert self._transport is not None and self._region is not None
@@ -415,7 +382,7 @@ class PullClient:
     def _release_all(self, h: PullHandle, quiet: bool) -> None:
         for rank, endpoint in enumerate(h.endpoints):
             try:
-                reply = self._ask(
+                reply = self._ask_rank(
                     h, rank, endpoint, protocol.PullRelease(request_id=h.request_id, nonce=h.nonce)
                 )
             except FetchError as e:
@@ -426,116 +393,9 @@ class PullClient:
             if isinstance(reply, protocol.PullError) and not quiet and reply.code != "released":
                 raise FetchError(reply.code, reply.message)
 
-    def _ask(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
-        """One request and its answer on the rank's connection; a broken connection is made
-        again (a producer restarted) once."""
-        for attempt in (0, 1):
-            peer = self._peer(h, rank, endpoint)
-            try:
-                with peer.lock:
-                    peer.conn.send(msg)
-                    return peer.conn.receive_one(self.timeout_s)
-            except (ConnectionClosed, OSError, TimeoutError, ProtocolError) as e:
-                self._drop_peer(endpoint, peer)
-                if attempt or isinstance(e, (TimeoutError, ProtocolError)):
-                    raise FetchError("connect", f"the producer's rank {rank} at {endpoint}: {e}") from None
-        raise AssertionError("unreachable")
-
-    def _drop_peer(self, endpoint: str, peer: _Peer) -> None:
-        with self._lock:
-            if self._peers.get(endpoint) is peer:
-                del self._peers[endpoint]
-                if self._transport is not None:
-                    self._transport.remove_peer(peer.agent)
-        peer.conn.close()
-
-    def _peer(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
-        with self._lock:
-            peer = self._peers.get(endpoint)
-        if peer is not None:
-            if peer.producer != (h.producer_id, rank, h.world_size):
-                raise FetchError("unknown", _not_the_handles(endpoint, peer.producer, h, rank))
-            return peer
-        peer = self._connect(h, rank, endpoint)
-        with self._lock:
-            old = self._peers.get(endpoint)
-            if old is None:
-                self._peers[endpoint] = peer
-                return peer
-        peer.conn.close()  # another thread connected meanwhile
-        return old
-
-    def _connect(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
-        """Connect and run the handshake in the reader's role; load the rank's metadata."""
-        secret = self._secret if self._secret is not None else auth.load_secret()
-        try:
-            conn = FramedConnection.connect(endpoint, timeout=min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
-        except OSError as e:
-            raise FetchError(
-                "connect", f"cannot reach the producer's rank {rank} at {endpoint}: {e}"
-            ) from None
-        try:
-            return self._handshake(conn, h, rank, endpoint, secret)
-        except BaseException:
-            conn.close()
-            raise
-
-    def _handshake(
-        self, conn: FramedConnection, h: PullHandle, rank: int, endpoint: str, secret: bytes | None
-    ) -> _Peer:
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        hs = ReaderHandshake(secret, time.monotonic())
-        where = f"the producer's rank {rank} at {endpoint}"
-        try:
-            conn.max_frame = hs.frame_limit
-            hello = conn.receive_one(deadline - time.monotonic())
-            if not isinstance(hello, protocol.Hello):
-                raise FetchError("protocol", f"{where} sent a {type(hello).__name__} instead of its Hello")
-            producer = (hello.producer_id, hello.rank, hello.world_size)
-            if producer != (h.producer_id, rank, h.world_size):
-                raise FetchError("unknown", _not_the_handles(endpoint, producer, h, rank))
-            conn.send(hs.on_hello(hello, None, False))
-            conn.max_frame = hs.frame_limit
-            a = conn.receive_one(max(0.0, deadline - time.monotonic()))
-            if isinstance(a, protocol.Refuse):
-                raise FetchError("auth", f"{where} refused the handshake: {a.message}")
-            if not isinstance(a, protocol.Auth):
-                raise FetchError("protocol", f"{where} sent a {type(a).__name__} instead of its Auth")
-            hs.on_auth(a)
-            with self._lock:
-                assert self._transport is not None and self._region is not None
-                try:
-                    agent = self._transport.add_peer(a.agent_metadata)
-                except TransportError as e:
-                    raise FetchError("protocol", f"{where}: its NIXL metadata does not load: {e}") from None
-                region = self._region
-                me = self._transport.name
-            welcome = protocol.Welcome(
-                reader_id=self.name,
-                agent_name=me,
-                agent_metadata=b"",  # the producer never initiates a transfer
-                pool_addr=region.addr,
-                pool_bytes=region.nbytes,
-                page_bytes=PAGE_BYTES,
-                num_pages=region.nbytes // PAGE_BYTES,
-                mem_type=region.mem_type,
-                device_id=region.device_id,
-                proof=bytes(32),
-            )
-            conn.send(hs.welcome(welcome))
-            conn.mac = hs.session()
-        except ProtocolError as e:
-            code = "auth" if "authentication" in str(e) else "protocol"
-            raise FetchError(code, f"{where}: {e}") from None
-        except (ConnectionClosed, OSError, TimeoutError) as e:
-            raise FetchError("connect", f"{where} closed the handshake: {e}") from None
-        conn.max_frame = protocol.MAX_FRAME_BYTES
-        return _Peer(endpoint, conn, agent, threading.Lock(), producer)
+    def _ask_rank(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
+        assert self._links is not None
+        return self._links.ask(h, rank, endpoint, msg)
 
 
-def _not_the_handles(endpoint: str, producer: tuple[str, int, int], h: PullHandle, rank: int) -> str:
-    pid, r, world = producer
-    return (
-        f"{endpoint} serves producer {pid} rank {r}/{world}, not the handle's {h.producer_id} rank "
-        f"{rank}/{h.world_size} (a stale handle?)"
-    )
+__all__ = ["FetchError", "PullClient", "handle_of"]
