@@ -3,7 +3,8 @@ hidden-state layer of ``extract_hidden_states`` gets a tensor of its own, addres
 the full-attention group's block table, instead of a KV cache group of its own.
 
 ``shapes`` (pure arithmetic and config.json reading), ``spec`` (CacheOnlySpec, the split,
-the KV cache configs), ``runtime`` (worker-side allocation), ``plugin`` (installation
-into vLLM), ``accounting`` and ``report`` (the figures, ``python -m hybrid.report``).
+the KV cache configs), ``versions`` (vLLM 0.32/0.33: what differs), ``runtime``
+(worker-side allocation, V1 and V2 drafters), ``plugin`` (installation into vLLM),
+``accounting`` and ``report`` (the figures, ``python -m hybrid.report``).
 See docs/design.md, "Hybrid models through supplementary tensors".
 """

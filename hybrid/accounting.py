@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     get_kv_cache_spec_kind,
 )
 
+from hybrid import versions
 from hybrid.host import cpu_isa
 from hybrid.shapes import HybridShape
 from hybrid.spec import SupplementedKVCacheConfig, attention_group_index, plan_kv_cache_configs
@@ -257,7 +258,7 @@ def figures(vllm_config: VllmConfig, config: KVCacheConfig, hidden_token_bytes: 
     regular = [g for g in groups if not isinstance(_layer_spec(g.kv_cache_spec), HiddenStateCacheSpec)]
     att = regular[attention_group_index(regular)]
     fig = Figures(block_size=att.kv_cache_spec.block_size, num_blocks=config.num_blocks)
-    pool_bytes = kcu._pool_bytes_per_block(vllm_config, groups)
+    pool_bytes = versions.pool_bytes_per_block(vllm_config, groups)
     fig.bytes_per_block = pool_bytes
     fig.hidden_state_bytes_needed_per_block = fig.block_size * hidden_token_bytes
     for g in groups:
@@ -300,13 +301,11 @@ def approach(
     vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], budget: int, hidden_token_bytes: int, ours: bool
 ) -> Figures:
     """Figures of vLLM's approach (``ours=False``) or of the design, at ``budget``."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
     try:
         if ours:
             (config,) = plan_kv_cache_configs(vllm_config, [dict(specs)], [budget])
         else:
-            (config,) = get_kv_cache_configs(vllm_config, [dict(specs)], [budget])
+            (config,) = versions.kv_cache_configs(vllm_config, [dict(specs)], [budget])
     except ValueError as e:
         return Figures(refused=str(e).split(". Try")[0])
     return figures(vllm_config, config, hidden_token_bytes)

@@ -1,12 +1,16 @@
 """Worker side of the design: allocate each supplementary layer's tensor beside vLLM's
 KV cache, and point the extract_hidden_states drafter at the attention group.
 
-Both are wrappers around vLLM 0.32 functions, installed by ``hybrid.plugin``:
-``allocate_kv_cache`` (as the model runner imports it) returns the supplementary views
-too, so vLLM binds them to their layers and hands them to the KV connector's
-``register_kv_caches``; ``ExtractHiddenStatesProposer.validate_same_kv_cache_group``
-takes the config's ``supplementary_group`` for a layer that is in no group, so the
-drafter builds the cache-only layer's metadata (its slot mapping) from that group.
+Wrappers around vLLM 0.32/0.33 functions, installed by ``hybrid.plugin``:
+``allocate_kv_cache`` (as each model runner looks it up: Model Runner V1 in
+``gpu_model_runner``, V2 in ``gpu/attn_utils``) returns the supplementary views too, so
+vLLM binds them to their layers and hands them to the KV connector's
+``register_kv_caches``. The drafter then writes with the attention group's slot mapping:
+V1's ``ExtractHiddenStatesProposer.validate_same_kv_cache_group`` takes the config's
+``supplementary_group`` for a layer that is in no group (V1 builds the layer's metadata
+from that group), and V2's ``ExtractHiddenStatesSpeculator.propose``, which looks the
+layer up by name in the step's slot mappings and attention metadata (built per group),
+finds it there under that group's slot mapping.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 
-from hybrid.plugin import announce
+from hybrid.notice import announce
 from hybrid.spec import SupplementedKVCacheConfig
 
 log = logging.getLogger("vllm.hybrid.runtime")
@@ -124,3 +128,45 @@ def with_supplementary_group(
 
     setattr(validate_same_kv_cache_group, ORIGINAL, validate)
     return validate_same_kv_cache_group
+
+
+def supplement_draft_inputs(speculator: Any, attn_metadata: Any, slot_mappings: Any) -> list[str]:
+    """Model Runner V2: give each supplementary draft layer the step's slot mapping of
+    the group that addresses it, and cache-only metadata over it (what V1's drafter
+    builds from that group), in the step's dicts. Returns the names added."""
+    config = getattr(speculator, "kv_cache_config", None)
+    if not isinstance(config, SupplementedKVCacheConfig) or not isinstance(slot_mappings, dict):
+        return []
+    names = [
+        n
+        for n in sorted(getattr(speculator, "draft_attn_layer_names", ()))
+        if n in config.supplementary_specs and n not in slot_mappings
+    ]
+    if not names:
+        return []
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionMetadata
+
+    assert config.supplementary_group is not None
+    group = config.kv_cache_groups[config.supplementary_group]
+    slot_mapping = slot_mappings[group.layer_names[0]]
+    for name in names:
+        slot_mappings[name] = slot_mapping
+        if isinstance(attn_metadata, dict):
+            attn_metadata[name] = CacheOnlyAttentionMetadata(slot_mapping=slot_mapping)
+    return names
+
+
+def with_supplementary_slots(propose: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap V2's ``ExtractHiddenStatesSpeculator.propose(input_batch, attn_metadata,
+    slot_mappings, ...)`` (called by keyword and by position): the supplementary layer
+    is in the step's dicts before the drafter reads them."""
+
+    @functools.wraps(propose)
+    def wrapper(
+        self: Any, input_batch: Any, attn_metadata: Any, slot_mappings: Any, *args: Any, **kw: Any
+    ) -> Any:
+        supplement_draft_inputs(self, attn_metadata, slot_mappings)
+        return propose(self, input_batch, attn_metadata, slot_mappings, *args, **kw)
+
+    setattr(wrapper, ORIGINAL, propose)
+    return wrapper

@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
     replace_as,
 )
 
+from hybrid import versions
 from hybrid.shapes import exact_num_blocks
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.hybrid.spec")
 
-GetKVCacheConfigs = Callable[["VllmConfig", list[dict[str, KVCacheSpec]], list[int]], list[KVCacheConfig]]
+GetKVCacheConfigs = Callable[..., list[KVCacheConfig]]
+GetGlobalKVCacheGroups = Callable[["VllmConfig", list[dict[str, KVCacheSpec]]], list["KVCacheGroupSpec"]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,11 +117,39 @@ def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
     )
 
 
+def supplemented(
+    kv_cache_specs: Sequence[Mapping[str, KVCacheSpec]],
+) -> list[tuple[dict[str, KVCacheSpec], dict[str, CacheOnlySpec]]] | None:
+    """Each worker's (regular, supplementary) specs when the design applies (a hybrid
+    model with a cache-only layer), else None: vLLM's own handling."""
+    split = [split_supplementary_specs(specs) for specs in kv_cache_specs]
+    merged_regular: dict[str, KVCacheSpec] = {}
+    for regular, _ in split:
+        merged_regular.update(regular)
+    if not any(supp for _, supp in split) or not is_hybrid(merged_regular):
+        return None
+    return split
+
+
+def plan_kv_cache_groups(
+    vllm_config: VllmConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    get_global_kv_cache_groups: GetGlobalKVCacheGroups,
+) -> list[KVCacheGroupSpec]:
+    """vLLM 0.33's ``get_global_kv_cache_groups`` (the engine core groups before it
+    sizes) with the cache-only layers left out: they join no group."""
+    split = supplemented(kv_cache_specs)
+    if split is None:
+        return get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+    return get_global_kv_cache_groups(vllm_config, [regular for regular, _ in split])
+
+
 def plan_kv_cache_configs(
     vllm_config: VllmConfig,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
     get_kv_cache_configs: GetKVCacheConfigs | None = None,
+    global_kv_cache_groups: list[KVCacheGroupSpec] | None = None,
 ) -> list[KVCacheConfig]:
     """``get_kv_cache_configs`` with the cache-only layers as supplementary tensors.
 
@@ -127,29 +157,32 @@ def plan_kv_cache_configs(
     the cache-only layers are split out, vLLM groups and sizes the rest with each
     worker's memory reduced to exactly what its blocks cost without them, and each
     worker's config comes back as a ``SupplementedKVCacheConfig``.
+
+    ``get_kv_cache_configs``: the function to call (vLLM's, when None), with vLLM's
+    arguments of the installed release (``hybrid.versions``); ``global_kv_cache_groups``:
+    vLLM 0.33's groups, as its engine core passes them (used when they leave the
+    cache-only layers out; regrouped here when they hold them).
     """
-    from vllm.v1.core import kv_cache_utils as kcu
-
-    original = get_kv_cache_configs or kcu.get_kv_cache_configs
-    split = [split_supplementary_specs(specs) for specs in kv_cache_specs]
-    merged_regular: dict[str, KVCacheSpec] = {}
-    for regular, _ in split:
-        merged_regular.update(regular)
-    if not any(supp for _, supp in split) or not is_hybrid(merged_regular):
-        return original(vllm_config, kv_cache_specs, available_memory)
-
-    # Group a copy: grouping may rewrite specs in place. vLLM groups again below, the
-    # same way, since grouping depends on the specs only.
-    groups = kcu.get_kv_cache_groups(vllm_config, dict(merged_regular))
+    split = supplemented(kv_cache_specs)
+    if split is None:
+        return versions.kv_cache_configs(
+            vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups, get_kv_cache_configs
+        )
+    regulars = [regular for regular, _ in split]
+    supplementary_names = {name for _, supp in split for name in supp}
+    groups = global_kv_cache_groups
+    if groups is None or any(supplementary_names & set(g.layer_names) for g in groups):
+        # grouping depends on the specs only: vLLM groups the regular layers the same way
+        groups = versions.kv_cache_groups(vllm_config, regulars)
     att = attention_group_index(groups)
     block_size = groups[att].kv_cache_spec.block_size
-    group_bytes = kcu._pool_bytes_per_block(vllm_config, groups)
+    group_bytes = versions.pool_bytes_per_block(vllm_config, groups)
     reblocked = [{n: CacheOnlySpec.of(s, block_size) for n, s in supp.items()} for _, supp in split]
     memory = [
         exact_num_blocks(avail, group_bytes, [s.page_size_bytes for s in supp.values()]) * group_bytes
         for avail, supp in zip(available_memory, reblocked, strict=True)
     ]
-    configs = original(vllm_config, [regular for regular, _ in split], memory)
+    configs = versions.kv_cache_configs(vllm_config, regulars, memory, groups, get_kv_cache_configs)
     out: list[KVCacheConfig] = []
     for cfg, supp in zip(configs, reblocked, strict=True):
         out.append(SupplementedKVCacheConfig.extend(cfg, supp, att))

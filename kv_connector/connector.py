@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
-from kv_connector.producer.options import EXAMPLE, ConnectorOptions
+from kv_connector.producer.options import EXAMPLE, ConnectorOptions, captured_layer_order
 from kv_connector.producer.planning import StepPlan
 from kv_connector.producer.scheduler_side import SchedulerSide
 from kv_connector.producer.worker_report import WorkerReport
@@ -77,8 +77,18 @@ def use_vllm_logging() -> None:
     ours.propagate = False
 
 
+def configured_layer_ids(vllm_config: VllmConfig) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` as the user listed them ([] when unset)."""
+    spec = vllm_config.speculative_config
+    hf_config = spec.draft_model_config.hf_config if spec and spec.draft_model_config else None
+    return list(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
+
+
 def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
-    """Validate the engine's configuration; raise ValueError naming the problem and fix."""
+    """Validate the engine's configuration; raise ValueError naming the problem and fix.
+
+    Returns the options and the captured layer ids in the order of the states
+    (``captured_layer_order``), which every sample reports, not the configured order."""
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None
     if ktc.kv_role != "kv_producer":
@@ -95,12 +105,52 @@ def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
             '"draft_model_config":{"hf_config":{"eagle_aux_hidden_state_layer_ids":[...]}}}\''
         )
     assert spec.draft_model_config is not None
-    layer_ids = list(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
-    if not layer_ids:
+    configured = configured_layer_ids(vllm_config)
+    if not configured:
         raise ValueError("extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config")
+    layer_ids = captured_layer_order(configured)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
+    problem = breakable_graph_problem(vllm_config)
+    if problem is not None:
+        raise ValueError(problem)
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not hasattr(
+        KVConnectorBase_V1, "restore_kv_caches"
+    ):
+        raise ValueError(
+            "HiddenStatesConnector follows sleep mode from vLLM 0.33 on (this vLLM never tells a "
+            "connector that the cache's memory is released and mapped again, so its NIXL "
+            "registration would point at freed memory): upgrade vLLM, or drop --enable-sleep-mode"
+        )
     return options, layer_ids
+
+
+def breakable_graph_problem(vllm_config: VllmConfig) -> str | None:
+    """Why this engine cannot ship hidden states because its drafter would run inside a
+    breakable CUDA graph, or None. vLLM's V1 model runner wraps the drafter in a
+    ``BreakableCUDAGraphWrapper`` when ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is on (vLLM turns
+    it on by itself for the architectures in ``DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES``)
+    and CUDA graphs are: a replay skips the cache-only layer's Python hook, so every
+    request would fail with "wrote no slots". Model Runner V2 runs the extract_hidden_states
+    drafter without a graph."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if not is_breakable_cudagraph_enabled() or mode is None or mode == CUDAGraphMode.NONE:
+        return None
+    if getattr(vllm_config.parallel_config, "use_ubatching", False) or vllm_config.use_v2_model_runner:
+        return None
+    model = vllm_config.model_config
+    archs = ", ".join(model.architectures) if model is not None else "this model"
+    return (
+        f"HiddenStatesConnector cannot capture from {archs} with VLLM_USE_BREAKABLE_CUDAGRAPH on "
+        "(vLLM turns it on by itself for some models: DeepSeek V3.2/V4, GLM-5, Kimi, MiniMax-M3) "
+        "and CUDA graphs on the V1 model runner: the extract_hidden_states drafter is then replayed "
+        "from a graph that skips the connector's hook, so no request's hidden states could be "
+        "shipped. Set VLLM_USE_BREAKABLE_CUDAGRAPH=0 (vLLM's own opt-out), or run without CUDA "
+        "graphs (--enforce-eager)."
+    )
 
 
 class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
@@ -118,6 +168,14 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if (configured := configured_layer_ids(vllm_config)) != layer_ids:
+                log.warning(  # by the scheduler only: once per engine, not once per rank
+                    "eagle_aux_hidden_state_layer_ids %s: vLLM captures these layers in increasing "
+                    "order, so every sample reports layer_ids=%s (hidden_states[:, i] is layer "
+                    "layer_ids[i])",
+                    configured,
+                    layer_ids,
+                )
             self._scheduler = SchedulerSide(
                 self.options,
                 kv_cache_config,
@@ -131,6 +189,20 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.33's sleep mode: ``unregister_kv_caches`` at sleep, ``restore_kv_caches``
+        at wake (vLLM 0.32 calls neither)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        assert self._worker is not None
+        self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        assert self._worker is not None
+        self._worker.restore_kv_caches()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None

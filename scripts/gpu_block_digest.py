@@ -1,6 +1,6 @@
 """What only a GPU can show about block digests (``kv_connector.wire.block_digest``); run it on
 a machine with CUDA: ``python -m scripts.gpu_block_digest``. CI runs the same torch code
-on CPU tensors (tests/unit/test_block_digest.py, tests/integration/test_integrity.py).
+on CPU tensors (tests/unit/wire/test_block_digest.py, tests/integration/test_integrity.py).
 
 1. Bit for bit: the digests a rank computes from a cache in GPU memory, on its hashing
    thread's own stream, equal the reader's recomputation on CPU from the same bytes,
@@ -23,7 +23,7 @@ import torch
 
 from kv_connector.reader.lease import sample_view
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.ledger import Job
+from kv_connector.sender.jobs import Job
 from kv_connector.wire import protocol
 from kv_connector.wire.block_digest import cache_block_digests, sample_block_digests, share_digest
 from kv_connector.wire.layout import BlockLayout

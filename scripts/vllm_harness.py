@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,14 @@ class ProducerRank:
         blocks = [self.free.pop() for _ in range(n_blocks)]
         req = Request(request_id, list(token_ids), SamplingParams(max_tokens=max_tokens), None)
         self.scheduler.on_new_request(req)
+        # admission, as vLLM's scheduler asks before it allocates: None until the workers
+        # reported a working link to the request's reader (steps carry their reports)
+        deadline = time.monotonic() + 60
+        while self.scheduler.get_num_new_matched_tokens(req, 0)[0] is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{request_id} not admitted within 60 s")
+            self.step()
+            time.sleep(0.005)
         self.reqs[request_id] = _Req(req, blocks, len(token_ids))
 
     def step(self, chunk: int | None = None) -> StepResult:

@@ -1,2 +1,3 @@
 """Plumbing both ends share and that imports nothing of ours: metric observations
-(``observe``) and the spin-then-sleep pacing of serving loops (``poller``)."""
+(``observe``), the spin-then-sleep pacing of serving loops (``poller``), and the CUDA
+device a thread works on (``device``)."""

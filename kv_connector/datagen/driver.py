@@ -36,9 +36,10 @@ from typing import Any
 
 from kv_connector.datagen import plan
 from kv_connector.datagen.httpclient import HTTPError, Server
-from kv_connector.datagen.plan import RowBook, Status
+from kv_connector.datagen.plan import RowBook
 from kv_connector.datagen.rows import DatasetRows, JsonlRows, Rows
 from kv_connector.files.naming import row_index
+from kv_connector.wire.outcome import OutcomeError, SampleOutcome, SampleStatus
 
 log = logging.getLogger("kv_connector.datagen")
 
@@ -80,7 +81,7 @@ class Client:
     model: str
     timeout_s: float
 
-    def complete(self, row: int, tokens: list[int]) -> tuple[Status, str]:
+    def complete(self, row: int, tokens: list[int]) -> tuple[SampleStatus, str]:
         """Send one row; the status its answer names, and the error for "failed"."""
         body = {
             "model": self.model,
@@ -96,25 +97,22 @@ class Client:
             raise RequestFailed(f"HTTP {e.status}: {e.body[:500]}", retry) from None
         except (OSError, http.client.HTTPException, ValueError) as e:  # ValueError: a body not JSON
             raise RequestFailed(f"{type(e).__name__}: {e}") from None
-        hs = (resp.get("kv_transfer_params") or {}).get("hidden_states")
-        if not isinstance(hs, dict) or "status" not in hs:
+        try:
+            outcome = SampleOutcome.of(resp.get("kv_transfer_params"))
+        except OutcomeError as e:
             raise RequestFailed(
-                "the answer carries no kv_transfer_params.hidden_states: is the server running "
+                f"the answer carries no well-formed outcome ({e}): is the server running "
                 "HiddenStatesConnector with extract_hidden_states?",
                 retry=False,
-            )
-        if hs.get("sample_id", str(row)) != str(row):
-            raise RequestFailed(f"the answer names sample {hs.get('sample_id')!r}, not {row}", retry=False)
+            ) from None
+        if outcome.sample_id != str(row):
+            raise RequestFailed(f"the answer names sample {outcome.sample_id!r}, not {row}", retry=False)
         prompt = (resp.get("usage") or {}).get("prompt_tokens")
         if prompt is not None and prompt != len(tokens):
             raise RequestFailed(
                 f"the server counted {prompt} prompt tokens, the row has {len(tokens)}", False
             )
-        try:
-            status = Status(hs["status"])
-        except ValueError:
-            raise RequestFailed(f"unknown status {hs['status']!r}") from None
-        return status, str(hs.get("error", ""))
+        return outcome.status, outcome.error
 
 
 def find_model(server: Server, wait_s: float) -> str:
@@ -197,7 +195,7 @@ class Run:
                 log.warning("row %d: its file did not appear in %s; sending it again", r, self.check_dir)
             self._cond.notify_all()
 
-    def progress(self, t0: float) -> tuple[plan.Progress, plan.Counts]:
+    def progress(self, t0: float) -> tuple[plan.RunProgress, plan.Counts]:
         with self._cond:
             c = self.book.counts()
         p = plan.progress(

@@ -22,13 +22,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-
-class Status(str, enum.Enum):
-    """A response's ``kv_transfer_params["hidden_states"]["status"]``."""
-
-    DELIVERED = "delivered"
-    PENDING = "pending"
-    FAILED = "failed"
+from kv_connector.wire.outcome import SampleStatus
 
 
 class RowState(enum.Enum):
@@ -39,7 +33,7 @@ class RowState(enum.Enum):
     GAVE_UP = "gave_up"
 
 
-class IllegalTransition(RuntimeError):
+class IllegalRowTransition(RuntimeError):
     """The driver reported something a row's state does not allow."""
 
 
@@ -107,12 +101,12 @@ class RowBook:
             self._queue.append(i)  # not due yet: keep its place behind the others
         return None
 
-    def answered(self, index: int, status: Status, error: str, now: float) -> None:
+    def answered(self, index: int, status: SampleStatus, error: str, now: float) -> None:
         """The server answered the row's request with ``status`` (``error`` for failed)."""
         row = self._expect(index, RowState.SENT)
-        if status is Status.DELIVERED:
+        if status is SampleStatus.DELIVERED:
             self._deliver(row, now, confirmed=True)
-        elif status is Status.PENDING:
+        elif status is SampleStatus.PENDING:
             if self.confirm:
                 row.state, row.since = RowState.AWAITING, now
             else:
@@ -192,7 +186,7 @@ class RowBook:
         row = self._rows.get(index)
         if row is None or row.state is not state:
             got = row.state.value if row is not None else "unknown"
-            raise IllegalTransition(f"row {index} is {got}, not {state.value}")
+            raise IllegalRowTransition(f"row {index} is {got}, not {state.value}")
         return row
 
     def _deliver(self, row: Row, now: float, confirmed: bool) -> None:
@@ -213,7 +207,7 @@ class RowBook:
 
 # ------------------------------------------------------------------ progress
 @dataclass(frozen=True)
-class Progress:
+class RunProgress:
     """Figures of a run so far: ``rows_done`` of ``rows`` (delivered or given up),
     throughput since the start, and the time left at that pace (None: not known yet)."""
 
@@ -231,7 +225,7 @@ class Progress:
         return self.rows_done / self.rows if self.rows else 1.0
 
 
-def progress(rows: int, rows_done: int, tokens: int, tokens_done: int, elapsed_s: float) -> Progress:
+def progress(rows: int, rows_done: int, tokens: int, tokens_done: int, elapsed_s: float) -> RunProgress:
     """The run's figures; the time left is estimated from the tokens still to send at the
     tokens/s so far (rows differ in length), or from rows when no token is done yet."""
     rate_r = rows_done / elapsed_s if elapsed_s > 0 else 0.0
@@ -245,7 +239,7 @@ def progress(rows: int, rows_done: int, tokens: int, tokens_done: int, elapsed_s
         eta = (rows - rows_done) / rate_r
     else:
         eta = None
-    return Progress(rows, rows_done, tokens, tokens_done, elapsed_s, rate_r, rate_t, eta)
+    return RunProgress(rows, rows_done, tokens, tokens_done, elapsed_s, rate_r, rate_t, eta)
 
 
 def duration(seconds: float | None) -> str:
@@ -269,7 +263,7 @@ def rate(x: float) -> str:
     return f"{x:.0f}"
 
 
-def line(p: Progress, retries: int, gave_up: int) -> str:
+def line(p: RunProgress, retries: int, gave_up: int) -> str:
     """One plain progress line (for logs and pipes)."""
     return (
         f"{p.rows_done}/{p.rows} rows ({100 * p.fraction:.1f}%), {p.rows_per_s:.1f} rows/s, "
@@ -277,7 +271,7 @@ def line(p: Progress, retries: int, gave_up: int) -> str:
     )
 
 
-def bar(p: Progress, retries: int, gave_up: int, width: int = 30) -> str:
+def bar(p: RunProgress, retries: int, gave_up: int, width: int = 30) -> str:
     """A progress bar line for a terminal."""
     filled = min(width, int(p.fraction * width))
     return (

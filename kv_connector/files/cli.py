@@ -36,12 +36,15 @@ from kv_connector.files.console import RunMonitor
 from kv_connector.files.journal import Journal, JournalLocked
 from kv_connector.files.naming import UNNAMED, FileLayout, sample_path
 from kv_connector.files.safetensors_io import write_atomically
-from kv_connector.reader.lease import Sample
-from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S
-from kv_connector.reader.metrics_server import MetricsAddressError
-from kv_connector.reader.reader import HiddenStatesReader, refuse_open_listen
-from kv_connector.reader.records import RequireChecksum
-from kv_connector.reader.values import find_bad_values
+from kv_connector.reader import (
+    SAMPLE_TIMEOUT_S,
+    HiddenStatesReader,
+    MetricsAddressError,
+    RequireChecksum,
+    Sample,
+    find_bad_values,
+    refuse_open_listen,
+)
 from kv_connector.wire import auth
 from kv_connector.wire.control import parse_address
 

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from kv_connector.files.progress import Progress, Reading
-from kv_connector.reader.reader import HiddenStatesReader
-from kv_connector.reader.stats import FileStats
+from kv_connector.files.progress import RateWindow, Reading
+from kv_connector.reader import FileStats, HiddenStatesReader
 
 log = logging.getLogger("kv_connector.reader")
 
@@ -50,7 +49,7 @@ class _ClearLine(logging.Filter):
 
 
 class ProgressPrinter:
-    """Prints ``Progress.line()`` of ``read()`` every ``interval_s``: live on a terminal
+    """Prints ``RateWindow.line()`` of ``read()`` every ``interval_s``: live on a terminal
     (``tty``; by default whether ``stream`` is one), otherwise through ``emit`` (a log
     line by default)."""
 
@@ -67,7 +66,7 @@ class ProgressPrinter:
         self.stream = stream if stream is not None else sys.stderr
         self.live = self.stream.isatty() if tty is None else tty
         self.interval_s = interval_s or (LIVE_INTERVAL_S if self.live else LOG_INTERVAL_S)
-        self.progress = Progress()
+        self.progress = RateWindow()
         self._lock = threading.Lock()
         self._shown = False
         self._stop = threading.Event()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
+from kv_connector.reader import FileStats, PoolState, ReaderStats
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def pool_use(pool: PoolState) -> float | None:
     return (pool.num_pages - pool.free) / pool.num_pages
 
 
-class Progress:
+class RateWindow:
     """Rates over the last ``window_s`` seconds of readings, and the run's extremes."""
 
     def __init__(self, window_s: float = 5.0) -> None:

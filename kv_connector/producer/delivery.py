@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kv_connector.producer.options import Sharding
-from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.producer.worker_report import LinkChange
+from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.wire.outcome import SampleStatus
 
 NOT_REPORTED = "no worker has reported a connection yet"
 
@@ -43,41 +45,52 @@ class Router:
     reader has its own sender per rank.
     """
 
-    def __init__(self, num_readers: int, policy: Sharding | str = Sharding.REQUEST_HASH) -> None:
-        if num_readers <= 0:
+    def __init__(self, readers: Sequence[str], policy: Sharding | str = Sharding.REQUEST_HASH) -> None:
+        if not readers:
             raise ValueError("at least one reader")
         try:
             self.policy = Sharding(policy)
         except ValueError:
             raise ValueError(f"unknown sharding policy {policy!r}") from None
-        self.num_readers = num_readers
+        self.readers = tuple(readers)
         self._next = 0
 
-    def route(self, request_id: str) -> int:
+    @property
+    def binds(self) -> bool:
+        """Whether a request's reader is fixed before it runs (request_hash, or a single
+        reader), so a request that fails still names the reader it was bound for."""
+        return self.policy is Sharding.REQUEST_HASH or len(self.readers) == 1
+
+    def route(self, request_id: str) -> str:
         """The reader of a request, whether or not it is reachable."""
         r = self.pick(request_id, lambda _: True)
         assert r is not None
         return r
 
-    def pick(self, request_id: str, up: Callable[[int], bool]) -> int | None:
+    def pick(self, request_id: str, up: Callable[[str], bool]) -> str | None:
         """The reader of a request among those ``up``; None if its reader (request_hash)
         or every reader (round_robin) is down."""
-        if self.policy is Sharding.REQUEST_HASH or self.num_readers == 1:
-            r = zlib.crc32(request_id.encode()) % self.num_readers if self.num_readers > 1 else 0
+        n = len(self.readers)
+        if self.binds:
+            r = self.readers[zlib.crc32(request_id.encode()) % n if n > 1 else 0]
             return r if up(r) else None
-        for i in range(self.num_readers):
-            r = (self._next + i) % self.num_readers
-            if up(r):
-                self._next = (r + 1) % self.num_readers
-                return r
+        for i in range(n):
+            k = (self._next + i) % n
+            if up(self.readers[k]):
+                self._next = (k + 1) % n
+                return self.readers[k]
         return None
 
 
 @dataclass(frozen=True)
 class Admission:
     kind: AdmissionKind
-    reader: int = 0
-    why: str = ""
+    reader: str | None = None  # with RUN: where its sample goes
+    failure: SampleFailure | None = None  # with FAIL: why it runs without shipping
+
+    @property
+    def why(self) -> str:
+        return self.failure.why if self.failure is not None else ""
 
 
 class DeliveryBook:
@@ -99,41 +112,41 @@ class DeliveryBook:
         self.readers = list(readers)
         self.world_size = world_size
         self.connect_timeout_s = connect_timeout_s
-        self.router = router or Router(len(self.readers))
+        self.router = router or Router(self.readers)
         self.table = table if table is not None else RequestTable()
         self._clock = clock
-        self._links: dict[tuple[int, int], str | None] = {}  # (reader, rank) -> None: connected
+        self._links: dict[tuple[str, int], str | None] = {}  # (reader, rank) -> None: connected
 
     # ------------------------------------------------------------ worker reports
     def update(
         self,
-        links: Iterable[LinkChange | tuple[int, int, str | None]],
-        failures: Mapping[str, str],
+        links: Iterable[LinkChange | tuple[str, int, str | None]],
+        failures: Mapping[str, SampleFailure],
         delivered: Iterable[str],
-    ) -> list[tuple[str, str]]:
+    ) -> list[tuple[str, SampleFailure]]:
         """Take one step's reports; returns the failures of requests that already
         finished (their kv_transfer_params are gone: the caller logs them)."""
         for reader, rank, error in links:
-            if 0 <= reader < len(self.readers) and 0 <= rank < self.world_size:
+            if reader in self.readers and 0 <= rank < self.world_size:
                 self._links[(reader, rank)] = error
         late = []
-        for rid, why in failures.items():
+        for rid, failure in failures.items():
             rec = self.table.get(rid)
             if rec is None:
-                late.append((rid, why))
+                late.append((rid, failure))
             elif rec.failed is None:
-                rec.failed = why
+                rec.failed = failure
         for rid in delivered:
             rec = self.table.get(rid)
             if rec is not None:
                 rec.delivered = True
         return late
 
-    def is_up(self, reader: int) -> bool:
+    def is_up(self, reader: str) -> bool:
         """Every rank reported a working connection to this reader."""
         return all(self._links.get((reader, r), NOT_REPORTED) is None for r in range(self.world_size))
 
-    def link_error(self, reader: int) -> str:
+    def link_error(self, reader: str) -> str:
         for r in range(self.world_size):
             err = self._links.get((reader, r), NOT_REPORTED)
             if err is not None:
@@ -148,7 +161,9 @@ class DeliveryBook:
         """The request cannot be shipped at all (e.g. its id, or a bad sample id or metadata
         in its kv_transfer_params): it fails at admission, alone, and its kv_transfer_params
         say why."""
-        self.table.ensure(request_id).failed = why
+        rec = self.table.ensure(request_id)
+        rec.failed = SampleFailure(FailureReason.REQUEST_ID, why)
+        self._bind(rec)
 
     def admit(self, request_id: str) -> Admission:
         """Called each step while a new request waits to start (and again if it is
@@ -157,7 +172,7 @@ class DeliveryBook:
         if rec is not None and rec.admitted and rec.reader is not None:
             return Admission(AdmissionKind.RUN, rec.reader)
         if rec is not None and rec.failed is not None:
-            return Admission(AdmissionKind.FAIL, why=rec.failed)
+            return Admission(AdmissionKind.FAIL, failure=rec.failed)
         now = self._clock()
         since = now
         if rec is not None:
@@ -172,32 +187,40 @@ class DeliveryBook:
             return Admission(AdmissionKind.RUN, reader)
         if now - since < self.connect_timeout_s:
             return Admission(AdmissionKind.WAIT)
-        if self.router.policy is Sharding.REQUEST_HASH or len(self.readers) == 1:
+        if self.router.binds:
             r = self.router.route(request_id)
             why = (
-                f"cannot reach the reader at {self.readers[r]} for {self.connect_timeout_s:.0f} s "
+                f"cannot reach the reader at {r} for {self.connect_timeout_s:.0f} s "
                 f"(last error: {self.link_error(r)})"
             )
         else:
             why = (
                 f"cannot reach any reader ({', '.join(self.readers)}) for {self.connect_timeout_s:.0f} s "
-                f"(last error: {self.link_error(0)})"
+                f"(last error: {self.link_error(self.readers[0])})"
             )
+        failure = SampleFailure(FailureReason.UNREACHABLE, why)
         if rec is not None:
             rec.waiting_since = None
-            rec.failed = why
-        return Admission(AdmissionKind.FAIL, why=why)
+            rec.failed = failure
+            self._bind(rec)
+        return Admission(AdmissionKind.FAIL, failure=failure)
 
-    def outcome(self, request_id: str) -> dict[str, str]:
-        """Where the request's sample stands now: {"status": "delivered"}, {"status":
-        "failed", "error": why} or {"status": "pending"} (still on its way; a later
-        failure is logged by the scheduler with the request id)."""
+    def _bind(self, rec: RequestRecord) -> None:
+        """A request that fails before it ran keeps the reader it was bound for, where
+        the policy binds one (its kv_transfer_params name it); round robin binds none."""
+        if rec.reader is None and self.router.binds:
+            rec.reader = self.router.route(rec.request_id)
+
+    def outcome(self, request_id: str) -> tuple[SampleStatus, str]:
+        """Where the request's sample stands now, and why it failed ("" unless failed):
+        pending means still on its way (a later failure is logged by the scheduler with
+        the request id)."""
         rec = self.table.get(request_id)
         if rec is not None and rec.failed is not None:
-            return {"status": "failed", "error": rec.failed}
+            return SampleStatus.FAILED, rec.failed.why
         if rec is not None and rec.delivered:
-            return {"status": "delivered"}
-        return {"status": "pending"}
+            return SampleStatus.DELIVERED, ""
+        return SampleStatus.PENDING, ""
 
     def finish(self, request_id: str) -> None:
         """The request finished: forget it (later reports about it are "late")."""

@@ -28,11 +28,11 @@ from kv_connector.producer.step_stats import (
     GAUGES,
     HISTOGRAMS,
     Count,
-    FailureReason,
     Level,
     LevelBook,
     Observed,
 )
+from kv_connector.sender.failure import FailureReason
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

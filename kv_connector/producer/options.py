@@ -7,12 +7,15 @@ at startup with that message.
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
 
+import msgspec
+
+from kv_connector.wire import block_digest
 from kv_connector.wire.control import parse_address
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import ShareChecksum
 
 EXAMPLE = (
     '--kv-transfer-config \'{"kv_connector":"HiddenStatesConnector",'
@@ -28,17 +31,60 @@ class Sharding(str, enum.Enum):
     ROUND_ROBIN = "round_robin"  # in the order requests start, skipping unreachable readers
 
 
-class Checksum(str, enum.Enum):
+class ChecksumOption(str, enum.Enum):
+    """The ``checksum`` option: what a user may ask for, resolved per rank into the one
+    ``ShareChecksum`` (or None) it ships with."""
+
     AUTO = "auto"  # XXH3 for a cache in host memory, BLOCKS for one on a GPU
     XXH3 = "xxh3"  # each rank sends the XXH3-64 of its share's bytes; the reader checks it
     BLOCKS = "blocks"  # the XXH3-64 of per-block digests computed where the cache is
     NONE = "none"
 
-    def block_digests(self, device_cache: bool, whole_words: bool) -> bool:
-        """Whether a rank sends block digests: asked for, or by default where its cache
-        is on a GPU and its rows are whole 8-byte words (``block_digest.supported``;
-        otherwise the share is staged and hashed as bytes)."""
-        return self is Checksum.BLOCKS or (self is Checksum.AUTO and device_cache and whole_words)
+    def resolve(self, device_cache: bool, layout: BlockLayout) -> ShareChecksum | None:
+        """How a rank whose cache has ``layout`` (on a device or not) computes its shares'
+        checksums (None: it sends none): as asked, or by default block digests where its
+        cache is on a GPU and its rows are whole 8-byte words (``block_digest.supported``;
+        otherwise the share is staged and hashed as bytes). ValueError when block digests
+        are asked of rows they cannot read."""
+        whole_words = block_digest.supported(layout)
+        if self is ChecksumOption.NONE:
+            return None
+        if self is ChecksumOption.BLOCKS and not whole_words:
+            raise ValueError(
+                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
+                'is not (use "checksum": "xxh3")'
+            )
+        if self is ChecksumOption.BLOCKS or (self is ChecksumOption.AUTO and device_cache and whole_words):
+            return ShareChecksum.BLOCKS
+        return ShareChecksum.XXH3
+
+
+def captured_layer_order(configured: Sequence[int]) -> list[int]:
+    """The layer ids in the order vLLM stacks their states: ``hidden_states[:, i]`` holds
+    layer ``captured_layer_order(configured)[i]``, whatever order ``configured``
+    (``eagle_aux_hidden_state_layer_ids``) lists them in.
+
+    vLLM 0.32 does not keep the configured order: ``EagleModelMixin.
+    _set_aux_hidden_state_layers`` (``vllm/model_executor/models/interfaces.py``) stores
+    ``tuple(sorted(set(ids)))``, and each model's forward appends a layer's state when its
+    pass reaches that layer (``_maybe_add_hidden_state``), so the states come in increasing
+    layer id. What the model really uses lives on the model object, which a KV connector
+    never sees (it gets the config and the cache tensors), so this derives the order the
+    way vLLM does: here, and nowhere else in this package.
+
+    Raises ValueError naming a duplicate id: vLLM captures each layer once but gives its
+    hidden-state cache one slot per listed id, and fails at the first step.
+    """
+    seen: set[int] = set()
+    for k in configured:
+        if k in seen:
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids lists layer {k} more than once ({list(configured)}): "
+                "vLLM captures each layer once but sizes its hidden-state cache by the list, and "
+                f"fails at the first step; list each layer once, e.g. {sorted(set(configured))}"
+            )
+        seen.add(k)
+    return sorted(configured)
 
 
 class Delivery(str, enum.Enum):
@@ -49,30 +95,23 @@ class Delivery(str, enum.Enum):
 
 
 SHARDING = tuple(s.value for s in Sharding)
+CHECKSUMS = tuple(c.value for c in ChecksumOption)
 DELIVERIES = tuple(d.value for d in Delivery)
 PULL_TIMEOUT_S = 300.0
-CHECKSUMS = tuple(c.value for c in Checksum)
+# pull mode's one stand-in "reader": the ranks' endpoints (the delivery book admits a
+# request once every rank's endpoint is up)
+PULL_ENDPOINTS = "the ranks' pull endpoints"
 
-_KNOWN = {
-    "consumer_address",
-    "sharding",
-    "producer_id",
-    "connect_timeout_s",
-    "drain_timeout_s",
-    "include_output_tokens",
-    "checksum",
-    "sample_timeout_s",
-    "preempt_timeout_s",
-    "delivery",
-    "pull_listen",
-    "pull_timeout_s",
-}
+# a timeout: a positive number of seconds (a year at most: infinity is no deadline)
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)]
+ProducerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
-@dataclass(frozen=True)
-class ConnectorOptions:
-    """consumer_address: the reader's control address (required); a list of addresses
-    shards the samples over several readers, each sample to exactly one.
+class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The connector's options, decoded from ``kv_connector_extra_config`` by ``parse``.
+
+    readers: the readers' control addresses (``consumer_address``: one ``HOST:PORT``, or a
+    list of them that shards the samples over several readers, each sample to exactly one).
     sharding: how a request picks its reader: "request_hash" (crc32 of the request id,
     the default) or "round_robin" (in the order requests complete).
     producer_id: this engine's name at the reader (default: vLLM's engine_id).
@@ -92,109 +131,111 @@ class ConnectorOptions:
     written (it may wait for the reader's credits) before its sample fails (default 5).
     delivery: "push" (default: the ranks WRITE each sample into a reader's pool) or "pull"
     (no reader: each rank holds a finished sample's blocks and serves it to a consumer
-    holding its handle, ``reader.pull``); pull needs no consumer_address.
+    holding its handle, ``reader.pull``); pull needs no consumer_address, and its
+    ``readers`` is the one stand-in ``PULL_ENDPOINTS``.
     pull_listen: where each rank's pull endpoint listens, ``HOST`` or ``HOST:PORT`` (the
     port is rank 0's; rank r takes PORT + r); default 127.0.0.1 on a free port.
-    pull_timeout_s: a pulled sample not released this long after it was computed is freed
-    and logged by name; fetching it then fails "expired" (default 300).
+    pull_timeout_s: a pulled sample not released this long after its request finished is
+    freed and logged by name; fetching it then fails "expired" (default 300).
     """
 
-    consumer_address: str
-    producer_id: str | None = None
-    consumer_addresses: tuple[str, ...] = ()
+    readers: tuple[str, ...]
+    producer_id: ProducerId | None = None
     sharding: Sharding = Sharding.REQUEST_HASH
-    connect_timeout_s: float = 60.0
-    drain_timeout_s: float = 60.0
+    connect_timeout_s: Seconds = 60.0
+    drain_timeout_s: Seconds = 60.0
     include_output_tokens: bool = False
-    checksum: Checksum = Checksum.AUTO
-    sample_timeout_s: float = 300.0
-    preempt_timeout_s: float = 5.0
+    checksum: ChecksumOption = ChecksumOption.AUTO
+    sample_timeout_s: Seconds = 300.0
+    preempt_timeout_s: Seconds = 5.0
     delivery: Delivery = Delivery.PUSH
-    pull_listen: str = "127.0.0.1"
-    pull_timeout_s: float = PULL_TIMEOUT_S
+    pull_listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    pull_timeout_s: Seconds = PULL_TIMEOUT_S
 
     @property
     def pull(self) -> bool:
         return self.delivery is Delivery.PULL
 
-    @classmethod
-    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
-        extra = dict(extra or {})
-        unknown = set(extra) - _KNOWN
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(_KNOWN)}"
-            )
-        delivery = extra.get("delivery", "push")
-        if delivery not in DELIVERIES:
-            raise ValueError(
-                f"kv_connector_extra_config.delivery must be one of {DELIVERIES}, got {delivery!r}"
-            )
-        if delivery == "pull":
-            return cls._parse_pull(extra)
-        addr = extra.get("consumer_address")
-        addrs = [addr] if isinstance(addr, str) else addr
-        if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
-            raise ValueError(
-                "HiddenStatesConnector needs kv_connector_extra_config.consumer_address, the "
-                "reader's HOST:PORT or a list of them (start `python -m kv_connector.reader`), "
-                f"e.g. {EXAMPLE}"
-            )
-        for a in addrs:
+    def __post_init__(self) -> None:
+        if self.pull:
+            if self.readers != (PULL_ENDPOINTS,):
+                raise ValueError(
+                    'kv_connector_extra_config.consumer_address is for "delivery": "push"; pull delivery has '
+                    "no reader (consumers fetch each sample by its handle)"
+                )
+            if self.include_output_tokens:
+                raise ValueError('include_output_tokens is not supported with "delivery": "pull" yet')
+            try:
+                pull_endpoint(self.pull_listen, 0)
+            except ValueError as e:
+                raise ValueError(f"kv_connector_extra_config.pull_listen: {e}") from None
+            return
+        if not self.readers:
+            raise ValueError(_HINTS["consumer_address"])
+        for a in self.readers:
             try:
                 parse_address(a)
             except ValueError as e:
                 raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
-        if len(set(addrs)) != len(addrs):
+        if len(set(self.readers)) != len(self.readers):
             raise ValueError("kv_connector_extra_config.consumer_address lists a reader twice")
-        sharding = extra.get("sharding", "request_hash")
-        if sharding not in SHARDING:
-            raise ValueError(
-                f"kv_connector_extra_config.sharding must be one of {SHARDING}, got {sharding!r}"
-            )
-        return cls(
-            consumer_address=addrs[0],
-            consumer_addresses=tuple(addrs),
-            sharding=Sharding(sharding),
-            **_common(extra),
-        )
 
     @classmethod
-    def _parse_pull(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
-        for key in ("consumer_address", "sharding"):
-            if key in extra:
-                raise ValueError(
-                    f'kv_connector_extra_config.{key} is for "delivery": "push"; pull delivery has '
-                    "no reader (consumers fetch each sample by its handle)"
-                )
-        common = _common(extra)
-        if common["include_output_tokens"]:
-            raise ValueError('include_output_tokens is not supported with "delivery": "pull" yet')
-        listen = extra.get("pull_listen", "127.0.0.1")
-        if not isinstance(listen, str) or not listen:
-            raise ValueError("kv_connector_extra_config.pull_listen must be HOST or HOST:PORT")
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        """The options ``kv_connector_extra_config`` gives, or ValueError naming the key
+        and the fix (what vLLM prints when it fails at startup)."""
+        raw = dict(extra or {})
+        known = {f for f in cls.__struct_fields__ if f != "readers"} | {"consumer_address"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
+            )
+        if raw.get("delivery", Delivery.PUSH.value) not in DELIVERIES:
+            raise ValueError(
+                f"kv_connector_extra_config.delivery {_HINTS['delivery']}, got {raw['delivery']!r}"
+            )
+        if raw.get("delivery") == Delivery.PULL.value:
+            for key in ("consumer_address", "sharding"):
+                if key in raw:
+                    raise ValueError(
+                        f'kv_connector_extra_config.{key} is for "delivery": "push"; pull delivery has '
+                        "no reader (consumers fetch each sample by its handle)"
+                    )
+            addrs: Any = [PULL_ENDPOINTS]
+        else:
+            addr = raw.pop("consumer_address", None)
+            addrs = [addr] if isinstance(addr, str) else addr
+            if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
+                raise ValueError(_HINTS["consumer_address"])
         try:
-            pull_endpoint(listen, 0)
-        except ValueError as e:
-            raise ValueError(f"kv_connector_extra_config.pull_listen: {e}") from None
-        return cls(
-            consumer_address="",
-            delivery=Delivery.PULL,
-            pull_listen=listen,
-            pull_timeout_s=_seconds(extra, "pull_timeout_s", PULL_TIMEOUT_S),
-            **common,
-        )
-
-    @property
-    def readers(self) -> tuple[str, ...]:
-        """The readers' addresses (push); in pull mode one stand-in, the ranks' endpoints
-        (the delivery book admits requests once every rank's endpoint is up)."""
-        if self.pull:
-            return (PULL_ENDPOINTS,)
-        return self.consumer_addresses or (self.consumer_address,)
+            return msgspec.convert({**raw, "readers": addrs}, cls)
+        except msgspec.ValidationError as e:
+            key = _key_of(str(e))
+            if key in _HINTS:
+                raise ValueError(f"kv_connector_extra_config.{key} {_HINTS[key]} ({e})") from None
+            raise ValueError(str(e)) from None  # __post_init__'s own message, which names the key
 
 
-PULL_ENDPOINTS = "the ranks' pull endpoints"
+_SECONDS = "must be a positive number of seconds"
+_HINTS = {
+    "consumer_address": (
+        "HiddenStatesConnector needs kv_connector_extra_config.consumer_address, the "
+        "reader's HOST:PORT or a list of them (start `python -m kv_connector.reader`), "
+        f"e.g. {EXAMPLE}"
+    ),
+    "sharding": f"must be one of {SHARDING}",
+    "producer_id": "must be a non-empty string of at most 128 characters",
+    "connect_timeout_s": _SECONDS,
+    "drain_timeout_s": _SECONDS,
+    "sample_timeout_s": _SECONDS,
+    "preempt_timeout_s": _SECONDS,
+    "include_output_tokens": "must be true or false",
+    "checksum": f"must be one of {CHECKSUMS}",
+    "delivery": f"must be one of {DELIVERIES}",
+    "pull_listen": "must be HOST or HOST:PORT",
+    "pull_timeout_s": _SECONDS,
+}
 
 
 def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
@@ -209,30 +250,7 @@ def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
     return host, (port + rank if port else 0)
 
 
-def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
-    v = extra.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds")
-    return float(v)
-
-
-def _common(extra: Mapping[str, Any]) -> dict[str, Any]:
-    """The options both deliveries take, validated."""
-    pid = extra.get("producer_id")
-    if pid is not None and (not isinstance(pid, str) or not 0 < len(pid) <= 128):
-        raise ValueError("kv_connector_extra_config.producer_id must be a non-empty string")
-    inc = extra.get("include_output_tokens", False)
-    if not isinstance(inc, bool):
-        raise ValueError("kv_connector_extra_config.include_output_tokens must be true or false")
-    checksum = extra.get("checksum", "auto")
-    if checksum not in CHECKSUMS:
-        raise ValueError(f"kv_connector_extra_config.checksum must be one of {CHECKSUMS}, got {checksum!r}")
-    return {
-        "checksum": Checksum(checksum),
-        "producer_id": pid,
-        "connect_timeout_s": _seconds(extra, "connect_timeout_s", 60.0),
-        "drain_timeout_s": _seconds(extra, "drain_timeout_s", 60.0),
-        "include_output_tokens": inc,
-        "sample_timeout_s": _seconds(extra, "sample_timeout_s", 300.0),
-        "preempt_timeout_s": _seconds(extra, "preempt_timeout_s", 5.0),
-    }
+def _key_of(error: str) -> str:
+    """The option a msgspec error is about (its path ends "- at `$.key`")."""
+    _, _, path = error.rpartition("at `$.")
+    return path.split("`")[0].split(".")[0].split("[")[0]

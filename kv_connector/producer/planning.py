@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kv_connector.producer.delivery import Router
 from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import blocks_for, blocks_for_tokens
@@ -43,7 +42,7 @@ class ShipOrder:
     request_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
-    reader: int = 0  # index of the reader this sample goes to (the same on every rank)
+    reader: str | None = None  # the reader's address, bound at admission (the same on every rank)
     identity: SampleIdentity = NO_IDENTITY
     nonce: str = ""  # pull delivery: its handle's nonce (a consumer must present it)
 
@@ -91,32 +90,28 @@ class ShipPlanner:
     delivery book through ``table``).
     """
 
-    def __init__(self, router: Router | None = None, table: RequestTable | None = None) -> None:
+    def __init__(self, table: RequestTable | None = None) -> None:
         self.table = table if table is not None else RequestTable()
         self._pending_ships: list[ShipOrder] = []
-        self.router = router or Router(1)
 
     def _tracked(self, request_id: str) -> RequestRecord | None:
         rec = self.table.get(request_id)
         return rec if rec is not None and rec.tracked else None
 
-    def reader_of(self, request_id: str) -> int | None:
-        """The reader a shipped (or shipping) request goes to; None if it was never routed
-        (it failed admission, or finished before shipping)."""
+    def reader_of(self, request_id: str) -> str | None:
+        """The reader a request goes to (or was bound for, if it failed before it ran);
+        None if none was decided (round robin, for a request that never ran)."""
         rec = self.table.get(request_id)
         return rec.reader if rec is not None else None
 
     def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
-        if rec.reader is None:
-            rec.reader = self.router.route(rec.request_id)
         return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity, rec.nonce)
 
     def drop(self, request_id: str) -> None:
         """Stop following a request: it runs, but nothing of it is shipped."""
         rec = self.table.get(request_id)
         if rec is not None:
-            rec.tracked = False
-            rec.reader = None
+            rec.tracked = False  # its reader stays: its kv_transfer_params name it
         self._pending_ships = [o for o in self._pending_ships if o.request_id != request_id]
 
     def __len__(self) -> int:
@@ -211,6 +206,51 @@ class SlotMismatch(ValueError):
     """The slot mapping the layer wrote with disagrees with the request's block table."""
 
 
+@dataclass(frozen=True)
+class Expected:
+    """Where a slice's positions ``start .. start + num_tokens - 1`` must have been written:
+    block ``first_block + k`` of the request is cache block ``blocks[k]``."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    first_block: int
+    blocks: tuple[int, ...]
+
+
+def check_slots(slots: Sequence[int], expected: Sequence[Expected], block_size: int) -> dict[str, str]:
+    """Check each slice against the step's slot mapping the cache-only layer wrote with:
+    its rows are found by the slot of its first position, and every slot of them must sit
+    at its position's offset in the block its table names. Returns {request_id: error}."""
+    if not expected:
+        return {}
+    bs = block_size
+    row_of: dict[int, int] = {s: i for i, s in enumerate(slots) if s >= 0}
+    errors: dict[str, str] = {}
+    for e in expected:
+        row = row_of.get(e.blocks[0] * bs + e.start % bs)
+        if row is None or row + e.num_tokens > len(slots):
+            errors[e.request_id] = (
+                f"positions {e.start}..{e.start + e.num_tokens - 1} were not written where "
+                f"the block table puts them with block size {bs}"
+            )
+            continue
+        try:
+            pairs = blocks_for_tokens(slots[row : row + e.num_tokens], bs, e.start)
+        except ValueError as err:
+            errors[e.request_id] = str(err)
+            continue
+        for j, b in pairs:
+            k = j - e.first_block
+            want = e.blocks[k] if 0 <= k < len(e.blocks) else None
+            if want != b:
+                errors[e.request_id] = (
+                    f"block {j} was written to cache block {b}, the block table says {want}"
+                )
+                break
+    return errors
+
+
 class BlockRecorder:
     """Worker side: the cache block of each position of each request, read from the slot
     mapping the cache-only layer wrote with, in units of the cache tensor's own block
@@ -238,13 +278,13 @@ class BlockRecorder:
         table.extend(sl.block_ids)
         return table
 
-    def record(self, slots: Sequence[int], slices: Sequence[StepSlice]) -> dict[str, str]:
-        """Find each slice's rows in ``slots`` (the step's slot mapping) and record the
-        blocks they wrote; returns {request_id: error} for slices that do not match."""
-        if not slices:
-            return {}
+    def expect(self, slices: Sequence[StepSlice]) -> tuple[list[Expected], dict[str, str]]:
+        """Apply each slice's part of its block table (in step order, when the step runs)
+        and say where its positions must have been written, for ``check_slots`` once the
+        step's slot mapping is on the host; returns those, and {request_id: error} for
+        slices whose table is already wrong."""
         bs = self.block_size
-        row_of: dict[int, int] = {s: i for i, s in enumerate(slots) if s >= 0}
+        out: list[Expected] = []
         errors: dict[str, str] = {}
         for sl in slices:
             try:
@@ -252,32 +292,35 @@ class BlockRecorder:
             except SlotMismatch as e:
                 errors[sl.request_id] = str(e)
                 continue
-            j0 = sl.start // bs
+            j0, j1 = sl.start // bs, (sl.start + sl.num_tokens - 1) // bs
             if j0 >= len(table):
                 errors[sl.request_id] = f"position {sl.start} has no block in the block table"
                 continue
-            row = row_of.get(table[j0] * bs + sl.start % bs)
-            if row is None or row + sl.num_tokens > len(slots):
-                errors[sl.request_id] = (
-                    f"positions {sl.start}..{sl.start + sl.num_tokens - 1} were not written where "
-                    f"the block table puts them with block size {bs}"
-                )
-                continue
-            try:
-                pairs = blocks_for_tokens(slots[row : row + sl.num_tokens], bs, sl.start)
-            except ValueError as e:
-                errors[sl.request_id] = str(e)
-                continue
-            rec = self._blocks.setdefault(sl.request_id, {})
-            for j, b in pairs:
-                if j >= len(table) or table[j] != b:
-                    errors[sl.request_id] = (
-                        f"block {j} was written to cache block {b}, the block table says "
-                        f"{table[j] if j < len(table) else None}"
-                    )
-                    break
-                rec[j] = b
+            out.append(Expected(sl.request_id, sl.start, sl.num_tokens, j0, tuple(table[j0 : j1 + 1])))
+        return out, errors
+
+    def record(self, slots: Sequence[int], slices: Sequence[StepSlice]) -> dict[str, str]:
+        """Find each slice's rows in ``slots`` (the step's slot mapping) and record the
+        blocks they wrote; returns {request_id: error} for slices that do not match."""
+        if not slices:
+            return {}
+        expected, errors = self.expect(slices)
+        found = check_slots(slots, expected, self.block_size)
+        errors.update(found)
+        for e in expected:
+            if e.request_id not in found:
+                rec = self._blocks.setdefault(e.request_id, {})
+                rec.update((e.first_block + k, b) for k, b in enumerate(e.blocks))
         return errors
+
+    def ship_blocks(self, num_tokens: int, table: Sequence[int]) -> list[int]:
+        """The cache blocks of positions 0..num_tokens-1 in order: the request's block
+        table, which every slice's slots are checked against (``check_slots``) before a
+        byte of them is read."""
+        nb = blocks_for(num_tokens, self.block_size)
+        if nb > len(table):
+            raise SlotMismatch(f"{num_tokens} tokens need {nb} blocks, the block table has {len(table)}")
+        return [int(b) for b in table[:nb]]
 
     def blocks(self, request_id: str, num_tokens: int, table: Sequence[int]) -> tuple[list[int], int]:
         """The cache blocks of positions 0..num_tokens-1 in order, and how many came from

@@ -28,7 +28,7 @@ import torch
 
 from kv_connector.producer.pull_ledger import PullLedger, PullRefused
 from kv_connector.sender.hasher import share_checksum
-from kv_connector.sender.ledger import Job
+from kv_connector.sender.jobs import Job
 from kv_connector.wire import auth, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address
 from kv_connector.wire.identity import make_identity

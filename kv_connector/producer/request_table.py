@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kv_connector.sender.failure import SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 
 
@@ -25,10 +26,10 @@ class RequestRecord:
     computed: int = 0  # positions 0..computed-1 have states in the cache
     shipped: bool = False
     # --- delivery (DeliveryBook)
-    reader: int | None = None  # where its sample goes, the same on every rank
+    reader: str | None = None  # the address its sample goes to, decided once by the delivery book
     admitted: bool = False
     waiting_since: float | None = None  # since when it waits for a reachable reader
-    failed: str | None = None
+    failed: SampleFailure | None = None
     delivered: bool = False
 
 

@@ -9,13 +9,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
-from kv_connector.producer.options import ConnectorOptions, Sharding
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
+from kv_connector.sender.failure import FailureReason
 from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.identity import NO_IDENTITY, IdentityError, identity_of
+from kv_connector.wire.outcome import SampleOutcome, SampleStatus
 from kv_connector.wire.protocol import request_id_problem
 
 if TYPE_CHECKING:
@@ -67,10 +69,10 @@ class SchedulerSide:
         self.options = options
         self.group = hidden_state_group(kv_cache_config)
         self.producer_id = producer_id
-        router = Router(len(options.readers), options.sharding)
+        router = Router(options.readers, options.sharding)
         # one record per request, read and written by both the planner and the book
         self.requests = RequestTable()
-        self.planner = ShipPlanner(router, self.requests)
+        self.planner = ShipPlanner(self.requests)
         self.book = DeliveryBook(
             options.readers, world_size, options.connect_timeout_s, router, table=self.requests
         )
@@ -113,7 +115,7 @@ class SchedulerSide:
         if a.kind is AdmissionKind.FAIL and self.planner.is_tracked(rid):
             log.error("request %s: %s; it runs without shipping its hidden states", rid, a.why)
             self.planner.drop(rid)
-            self.metrics.admission_failed(a.why)
+            self.metrics.admission_failed(a.failure.reason if a.failure else FailureReason.OTHER)
         return True
 
     def update(self, report: WorkerReport) -> None:
@@ -123,16 +125,16 @@ class SchedulerSide:
                 log.info("rank %d serves pulled samples at %s", rank, address)
                 self.endpoints[rank] = address
         for reader, rank, error in report.links:
-            if 0 <= reader < len(self.options.readers) and not self.options.pull:
-                address = self.options.readers[reader]
+            if reader in self.options.readers and not self.options.pull:
+                address = reader
                 if error is None:
                     log.info("rank %d reaches the reader at %s", rank, address)
                 else:
                     log.warning("rank %d cannot reach the reader at %s: %s", rank, address, error)
-        for rid, why in self.book.update(report.links, report.failures, report.delivered):
-            log.error("request %s (already finished) lost its hidden states: %s", rid, why)
+        for rid, failure in self.book.update(report.links, report.failures, report.delivered):
+            log.error("request %s (already finished) lost its hidden states: %s", rid, failure.why)
         if report.links:
-            self._readers_up = sum(self.book.is_up(r) for r in range(len(self.options.readers)))
+            self._readers_up = sum(self.book.is_up(r) for r in self.options.readers)
 
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
         g = self.group
@@ -168,30 +170,24 @@ class SchedulerSide:
             return self._finished_pull(request, block_ids)
         rid = request.request_id
         rec = self.requests.get(rid)
-        sample_id = (rec.identity.sample_id if rec is not None else None) or rid
+        sample_id = (rec.identity if rec is not None else NO_IDENTITY).name_of(rid)
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         self.metrics.waiting(rid, False)
         if hold:
             self.metrics.holding(rid, len(block_ids))
-        outcome = self.book.outcome(rid)
-        reader = self.planner.reader_of(rid)
-        if reader is None and (
-            len(self.options.readers) == 1 or self.options.sharding is Sharding.REQUEST_HASH
-        ):
-            reader = self.book.router.route(rid)  # the reader it was bound for
+        status, error = self.book.outcome(rid)
+        reader = self.planner.reader_of(rid)  # bound once, by the delivery book
         self.book.finish(rid)  # its record goes: later reports about it are late
-        if not hold and outcome["status"] != "failed":
+        if not hold and status is not SampleStatus.FAILED:
             return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
-        return hold, {
-            "hidden_states": {
-                # None: round robin had not picked a reader for it when it failed
-                "consumer_address": None if reader is None else self.options.readers[reader],
-                "producer_id": self.producer_id,
-                "request_id": rid,
-                "sample_id": sample_id,
-                **outcome,
-            }
-        }
+        return hold, SampleOutcome(
+            status=status,
+            producer_id=self.producer_id,
+            request_id=rid,
+            sample_id=sample_id,
+            consumer_address=reader,
+            error=error,
+        ).params()
 
     def _finished_pull(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Pull delivery: hold the blocks of a captured request until a consumer releases
@@ -200,30 +196,37 @@ class SchedulerSide:
         "failed" with an "error"."""
         rid = request.request_id
         rec = self.requests.get(rid)
-        sample_id = (rec.identity.sample_id if rec is not None else None) or rid
+        sample_id = (rec.identity if rec is not None else NO_IDENTITY).name_of(rid)
         nonce = rec.nonce if rec is not None else ""
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         self.metrics.waiting(rid, False)
         if hold:
             self.metrics.holding(rid, len(block_ids))
-        outcome = self.book.outcome(rid)
+        status, error = self.book.outcome(rid)
         self.book.finish(rid)
-        if not hold and outcome["status"] != "failed":
+        if not hold and status is not SampleStatus.FAILED:
             return False, None  # nothing was captured (e.g. aborted before its prompt ran)
-        record: dict[str, Any] = {"delivery": "pull", "producer_id": self.producer_id, "request_id": rid}
-        record["sample_id"] = sample_id
         missing = [r for r in range(self.world_size) if r not in self.endpoints]
         if getattr(request.status, "name", "") == "FINISHED_ABORTED":
-            outcome = {"status": "failed", "error": "the request was aborted"}
-        elif outcome["status"] != "failed" and missing:
-            outcome = {"status": "failed", "error": f"ranks {missing} reported no pull endpoint"}
-        if outcome["status"] == "failed":
+            status, error = SampleStatus.FAILED, "the request was aborted"
+        elif status is not SampleStatus.FAILED and missing:
+            status, error = SampleStatus.FAILED, f"ranks {missing} reported no pull endpoint"
+        outcome = SampleOutcome(
+            status=SampleStatus.FAILED if status is SampleStatus.FAILED else SampleStatus.READY,
+            producer_id=self.producer_id,
+            request_id=rid,
+            sample_id=sample_id,
+            consumer_address=None,
+            error=error,
+            delivery="pull",
+        )
+        if outcome.status is SampleStatus.FAILED:
             if hold:
                 self._drops.append(rid)  # nobody gets its handle: the workers end its hold
-            return hold, {"hidden_states": {**record, **outcome}}
+            return hold, outcome.params()
         endpoints = [self.endpoints[r] for r in range(self.world_size)]
         handle = PullHandle(self.producer_id, rid, nonce, endpoints).encode()
-        return hold, {"handle": handle, "hidden_states": {**record, "status": "ready"}}
+        return hold, {"handle": handle, **outcome.params()}
 
     def sent(self, request_ids: Iterable[str]) -> None:
         """vLLM frees these requests' blocks now (every worker reported them sent)."""

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypedDict, TypeVar
 
 from kv_connector.common.observe import quantile
+from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 
 PREFIX = "vllm:hidden_states_"  # vLLM unregisters only "vllm:*" collectors between loggers
@@ -69,38 +70,6 @@ class Level(enum.Enum):
         # every rank has a job for every sample: a sample is in flight while the
         # slowest rank still has it
         return Combine.MAX if self is Level.SAMPLES_IN_FLIGHT else Combine.SUM
-
-
-class FailureReason(enum.Enum):
-    """Why a sample failed, from the failure's text (the texts users see in
-    ``kv_transfer_params``); the tests pin each text to its reason."""
-
-    UNREACHABLE = "unreachable"  # no working reader for connect_timeout_s
-    REFUSED = "refused"  # the reader refused it (e.g. larger than its pool)
-    CHECKSUM = "checksum"  # its bytes failed the reader's checksum too many times
-    WRITE_FAILED = "write_failed"  # NIXL WRITEs failed (this rank's, or another rank's)
-    TIMEOUT = "timeout"  # not complete by its deadline (sample_timeout_s after its grant)
-    PREEMPTED = "preempted"  # preempted before its share was safely written
-    REQUEST_ID = "request_id"  # its request id cannot name a sample (refused at admission)
-    OTHER = "other"  # the slot mapping disagreed, its digest failed, the sender stopped
-
-
-def classify_failure(why: str) -> FailureReason:
-    if why.startswith("cannot reach"):
-        return FailureReason.UNREACHABLE
-    if why.startswith("reader refused (checksum)"):
-        return FailureReason.CHECKSUM
-    if why.startswith("reader refused (write_failed)") or why.startswith("its WRITE failed"):
-        return FailureReason.WRITE_FAILED
-    if why.startswith("reader refused (timeout)") or why.startswith("not acknowledged"):
-        return FailureReason.TIMEOUT
-    if why.startswith("reader refused (preempted)") or why.startswith("preempted"):
-        return FailureReason.PREEMPTED
-    if why.startswith("request id"):
-        return FailureReason.REQUEST_ID
-    if why.startswith("reader refused"):
-        return FailureReason.REFUSED
-    return FailureReason.OTHER
 
 
 class MetricSpec(NamedTuple):
@@ -305,9 +274,9 @@ class WorkerStats:
         if self.counts_samples:
             self._step.count(Count.SHIPPED)
 
-    def failed(self, why: str) -> None:
+    def failed(self, reason: FailureReason) -> None:
         if self.counts_samples:
-            self._step.fail(classify_failure(why))
+            self._step.fail(reason)
 
     def take_from(self, senders: Sequence[MetricsSource]) -> StepData | None:
         """This step's data from the senders themselves: nothing is taken (no lock, no
@@ -361,9 +330,10 @@ class SchedulerStats:
         else:
             self._waiting.discard(request_id)
 
-    def admission_failed(self, why: str) -> None:
-        """A request runs without shipping: its reader stayed unreachable."""
-        self._step.fail(classify_failure(why))
+    def admission_failed(self, reason: FailureReason) -> None:
+        """A request runs without shipping (its reader stayed unreachable, or its id
+        cannot name a sample)."""
+        self._step.fail(reason)
 
     def holding(self, request_id: str, num_blocks: int) -> None:
         """A finished request's blocks are held until its sample is acknowledged."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kv_connector.sender.failure import SampleFailure
+
 
 class LinkChange(NamedTuple):
     """A rank's link to a reader changed: ``error`` None means it is connected."""
 
-    reader: int
+    reader: str  # the reader's address
     rank: int
     error: str | None
 
@@ -22,7 +24,7 @@ class WorkerReport:
     address of each rank's pull endpoint once it listens (rank -> ``HOST:PORT``)."""
 
     links: list[LinkChange] = field(default_factory=list)
-    failures: dict[str, str] = field(default_factory=dict)
+    failures: dict[str, SampleFailure] = field(default_factory=dict)
     delivered: set[str] = field(default_factory=set)
     endpoints: dict[int, str] = field(default_factory=dict)
 

@@ -11,21 +11,29 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_connector.producer.options import Checksum, ConnectorOptions, pull_endpoint
+from kv_connector.producer.options import PULL_ENDPOINTS, ConnectorOptions, pull_endpoint
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan
 from kv_connector.producer.pull_server import PullServer
+from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
-from kv_connector.wire import block_digest
 from kv_connector.wire.layout import BlockLayout, layout_from_view
+from kv_connector.wire.protocol import ShareChecksum
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+
+CHECKSUM_NAMES = {
+    None: "none",
+    ShareChecksum.XXH3: "XXH3 of the bytes",
+    ShareChecksum.BLOCKS: "block digests",
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -41,9 +49,12 @@ class WorkerSide:
         self.producer_id = producer_id
         self.layer_ids = layer_ids
         self.layer_name = ""
+        self.cache: torch.Tensor | None = None  # the cache-only layer's tensor (registered)
+        self.asleep = False
         self.senders: list[HiddenStatesSender] = []
         self.pull: PullServer | None = None  # pull delivery: this rank's endpoint, instead of senders
         self.recorder: BlockRecorder | None = None
+        self.checks: SlotChecks | None = None  # the steps' slot mappings, checked off the critical path
         self._slots: torch.Tensor | None = None
         self._shipped: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -53,8 +64,8 @@ class WorkerSide:
         self.recent_failures: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.rank = 0
         # for the scheduler (see take_report): link states as last reported, and news
-        self._reported_links: dict[int, str | None] = {}
-        self._report_failures: dict[str, str] = {}
+        self._reported_links: dict[str, str | None] = {}  # reader -> its last reported error
+        self._report_failures: dict[str, SampleFailure] = {}
         self._report_delivered: set[str] = set()
         self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
 
@@ -73,7 +84,7 @@ class WorkerSide:
                 "start vLLM with the extract_hidden_states speculative method"
             )
         self.layer_name = next(iter(layers))
-        cache = kv_caches[self.layer_name]
+        self.cache = cache = kv_caches[self.layer_name]
         hidden = self.vllm_config.model_config.get_hidden_size()
         layout, block_size = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
         block_layout = BlockLayout(
@@ -85,13 +96,11 @@ class WorkerSide:
         )
         rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.rank = rank
-        blocks = self.options.checksum.block_digests(cache.is_cuda, block_digest.supported(block_layout))
-        if self.options.checksum is Checksum.NONE:
-            checksum = "none"
-        else:
-            checksum = "block digests" if blocks else "XXH3 of the bytes"
+        share_checksum = self.options.checksum.resolve(cache.is_cuda, block_layout)
+        checksum = CHECKSUM_NAMES[share_checksum]
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
+        self.checks = SlotChecks(block_size)
         atexit.register(self.shutdown)
         if self.options.pull:
             self.pull = PullServer(
@@ -103,7 +112,7 @@ class WorkerSide:
                 world,
                 pull_endpoint(self.options.pull_listen, rank),
                 self.options.pull_timeout_s,
-                checksum=self.options.checksum is not Checksum.NONE,
+                checksum=share_checksum is not None,
             )
             log.info(
                 "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
@@ -128,8 +137,7 @@ class WorkerSide:
                     rank=rank,
                     world_size=world,
                     connect_timeout_s=self.options.connect_timeout_s,
-                    checksum=self.options.checksum is not Checksum.NONE,
-                    block_digests=blocks,
+                    checksum=share_checksum,
                     sample_timeout_s=self.options.sample_timeout_s,
                 ),
                 cache,
@@ -160,28 +168,28 @@ class WorkerSide:
                 self._slots = slots
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
-        if plan is None or not plan or self.recorder is None or not self._serving:
+        """After the step's drafter: hand the step's slot mapping to the checks (an
+        asynchronous copy and an event on a GPU; the engine never waits for the device),
+        then ship the complete requests, each held by its sender until the step is done
+        and checked (``slot_check``); in pull mode, hold them for consumers."""
+        if plan is None or not plan or self.recorder is None or self.checks is None or not self._serving:
             self._slots = None
             return
         if self.pull is not None and plan.drops:
             self.pull.drop(plan.drops)
         for rid in plan.resets:
             self.recorder.forget(rid)
-        if plan.slices:
-            if self._slots is None:
-                errors = {
-                    sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices
-                }
-            else:
-                if self._slots.is_cuda:
-                    torch.cuda.current_stream().synchronize()  # states written before WRITEs read them
-                slots = self._slots.tolist()
-                errors = self.recorder.record(slots, plan.slices)
-            for rid, why in errors.items():
-                log.error("request %s: %s; its hidden states will not be shipped", rid, why)
-                self._failed.setdefault(rid, why)
-                self._note_failure(rid, why)
+        errors: dict[str, str] = {}
+        gate: StepGate | None = None
+        if plan.slices and self._slots is None:
+            errors = {sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices}
+        elif plan.slices or plan.ships:
+            expected, errors = self.recorder.expect(plan.slices)
+            gate = self.checks.add(self._slots if plan.slices else None, expected)
         self._slots = None
+        errors.update(self.checks.settle())  # on the host: this step's check, now
+        for rid, why in errors.items():
+            self._fail_unshipped(rid, why)
         for order in plan.ships:
             rid = order.request_id
             if rid in self._failed:
@@ -190,16 +198,17 @@ class WorkerSide:
                 self._done.add(rid)
                 continue
             try:
-                blocks, from_table = self.recorder.blocks(rid, len(order.token_ids), order.block_ids)
-                if from_table:
-                    log.debug("request %s: %d blocks from the prefix cache", rid, from_table)
-                self._ship(order, blocks)
+                blocks = self.recorder.ship_blocks(len(order.token_ids), order.block_ids)
+                done, wrong = gate.poll(rid) if gate is not None else (True, None)
+                if wrong is not None:
+                    raise SlotMismatch(wrong)
+                self._ship(order, blocks, None if done else gate)
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
-                self._note_failure(rid, str(e))
+                self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
                 if self.pull is not None:
                     self.pull.fail(rid, order.nonce, str(e))
                 self._done.add(rid)
@@ -209,17 +218,59 @@ class WorkerSide:
     def _serving(self) -> bool:
         return bool(self.senders) or self.pull is not None
 
-    def _ship(self, order: ShipOrder, blocks: list[int]) -> None:
-        """Ship (push) or hold for consumers (pull) one computed sample."""
-        ident = order.identity
+    def _ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None) -> None:
+        """Ship (push) or hold for consumers (pull) one computed sample. A pulled sample
+        is fetched only after its request finished, steps after the one that wrote it."""
         if self.pull is not None:
+            ident = order.identity
             self.pull.hold(
                 order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata
             )
         else:
-            self.senders[order.reader].ship(
-                order.request_id, order.token_ids, blocks, sample_id=ident.sample_id, metadata=ident.metadata
-            )
+            sender = self._sender_of(order.reader)
+            sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate)
+
+    def _fail_unshipped(self, rid: str, why: str) -> None:
+        """A slice of the request was not written where its block table says (or not at
+        all): it will not be shipped. One already shipped is failed by its sender (its
+        gate says why), which reports it."""
+        if rid in self._shipped or rid in self._failed:
+            return
+        log.error("request %s: %s; its hidden states will not be shipped", rid, why)
+        self._failed[rid] = why
+        self._note_failure(rid, SampleFailure(FailureReason.OTHER, why))
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM goes to sleep and releases the cache's memory: each sender lets its shares
+        in flight be acknowledged for up to ``drain_timeout_s``, fails the rest by name
+        (their readers drop them), leaves its reader and deregisters the cache. Nothing
+        reads the cache until ``restore_kv_caches``. Idempotent."""
+        if self.asleep or not self.senders:
+            return
+        self.asleep = True
+        why = (
+            "vLLM went to sleep before the reader acknowledged it (sleep mode releases the cache "
+            "holding its hidden states)"
+        )
+        t0 = time.monotonic()
+        deadline = t0 + self.options.drain_timeout_s  # one wait for all readers: acks come in parallel
+        failed = [rid for s in self.senders for rid in s.suspend(max(0.0, deadline - time.monotonic()), why)]
+        log.info(
+            "rank %d: asleep after %.3f s; %d requests in flight failed, NIXL registration released",
+            self.rank,
+            time.monotonic() - t0,
+            len(failed),
+        )
+
+    def restore_kv_caches(self) -> None:
+        """vLLM woke up: register the cache again (its memory may have moved) and connect
+        to every reader again, which learns the new registration. Idempotent."""
+        if not self.asleep or self.cache is None:
+            return
+        for s in self.senders:
+            s.resume(self.cache)
+        self.asleep = False
+        log.info("rank %d: awake; the cache is registered again", self.rank)
 
     def handle_preemptions(self, plan: StepPlan | None) -> None:
         """Called before this step reuses preempted requests' blocks: a shipped request's
@@ -236,7 +287,7 @@ class WorkerSide:
                 why = "preempted by vLLM before a consumer fetched it"
                 log.error("request %s: %s", rid, why)
                 self._failed[rid] = why
-                self._note_failure(rid, why)
+                self._note_failure(rid, SampleFailure(FailureReason.PREEMPTED, why))
             return
         busy = [rid for rid in plan.preempted if rid in self._shipped]
         if not busy:
@@ -261,12 +312,17 @@ class WorkerSide:
             return None
         # only requests this worker shipped or failed wait for their finish here; the
         # rest (never shipped: aborted, or failed at admission) must not pile up
+        if self.checks is not None:
+            for rid, why in self.checks.settle().items():
+                self._fail_unshipped(rid, why)
         followed = self._shipped | self._done
         self._finished_by_scheduler |= finished_req_ids & followed
         for rid in finished_req_ids - followed:
             self._failed.pop(rid, None)
             if self.recorder is not None:
                 self.recorder.forget(rid)
+            if self.checks is not None:
+                self.checks.forget(rid)
         if self.pull is not None:
             self.pull.finished(finished_req_ids & self._shipped)  # their handles are out: clocks start
             self._done |= self.pull.take_freed()  # released, expired, preempted or aborted
@@ -274,9 +330,9 @@ class WorkerSide:
             acked = sender.take_finished()
             self._done |= acked
             self._report_delivered |= acked
-            for rid, why in sender.take_failed().items():
-                self._failed[rid] = why
-                self._note_failure(rid, why)
+            for rid, failure in sender.take_failed().items():
+                self._failed[rid] = failure.why
+                self._note_failure(rid, failure)
                 self._done.add(rid)
         ready = self._done & self._finished_by_scheduler
         if not ready:
@@ -286,6 +342,8 @@ class WorkerSide:
         self._shipped -= ready
         for rid in ready:
             self._failed.pop(rid, None)
+            if self.checks is not None:
+                self.checks.forget(rid)
         return ready
 
     def take_report(self) -> WorkerReport:
@@ -293,19 +351,26 @@ class WorkerSide:
         to each reader (None: connected), and requests failed or delivered since."""
         links: list[LinkChange] = []
         endpoints: dict[int, str] = {}
-        if self.pull is not None and 0 not in self._reported_links:
-            self._reported_links[0] = None
-            links.append(LinkChange(0, self.rank, None))  # its endpoint listens
+        if self.pull is not None and PULL_ENDPOINTS not in self._reported_links:
+            self._reported_links[PULL_ENDPOINTS] = None
+            links.append(LinkChange(PULL_ENDPOINTS, self.rank, None))  # its endpoint listens
             endpoints[self.rank] = self.pull.address
-        for k, sender in enumerate(self.senders):
-            err = sender.link_error
-            last = self._reported_links.get(k, "")
-            if k not in self._reported_links or (last is None) != (err is None):
-                self._reported_links[k] = err
-                links.append(LinkChange(k, self.rank, err))
+        for sender in self.senders:
+            err, reader = sender.link_error, sender.config.consumer_address
+            last = self._reported_links.get(reader, "")
+            if reader not in self._reported_links or (last is None) != (err is None):
+                self._reported_links[reader] = err
+                links.append(LinkChange(reader, self.rank, err))
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
         return WorkerReport(links, failures, delivered, endpoints)
+
+    def _sender_of(self, reader: str | None) -> HiddenStatesSender:
+        """The sender to the reader a sample was bound for (ValueError: none or unknown)."""
+        for s in self.senders:
+            if s.config.consumer_address == reader:
+                return s
+        raise ValueError(f"no sender to the reader {reader!r} (readers: {', '.join(self.options.readers)})")
 
     def stats(self) -> list[SenderStats]:
         """A snapshot of each sender's counters, in the order of the readers."""
@@ -316,10 +381,10 @@ class WorkerSide:
         since the last step, and, on rank 0, the samples shipped, delivered and failed."""
         return self.metrics.take_from(self.senders)
 
-    def _note_failure(self, rid: str, why: str) -> None:
-        self.metrics.failed(why)
-        self._report_failures[rid] = why
-        self.recent_failures[rid] = why
+    def _note_failure(self, rid: str, failure: SampleFailure) -> None:
+        self.metrics.failed(failure.reason)
+        self._report_failures[rid] = failure
+        self.recent_failures[rid] = failure.why
         while len(self.recent_failures) > 1000:
             self.recent_failures.popitem(last=False)
 

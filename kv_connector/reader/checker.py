@@ -19,6 +19,7 @@ from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.records import Action, Verify
 from kv_connector.wire.block_digest import sample_block_digests, share_digest
 from kv_connector.wire.integrity import sample_checksum
+from kv_connector.wire.protocol import ShareChecksum
 
 log = logging.getLogger("kv_connector.reader.reader")
 
@@ -63,14 +64,13 @@ class ShareChecker:
             assert page_bytes is not None
             base, manifest, blocks = s.pages.start * page_bytes, s.manifest, sorted(share.blocks)
         t0 = time.perf_counter()
-        if v.blocks:
+        if v.checksum is ShareChecksum.BLOCKS:
             n = manifest.geometry.sample_bytes(manifest.num_blocks)
             raw = torch.frombuffer(self._pool, dtype=torch.uint8, offset=base, count=n)
             states = sample_view(raw, manifest)
             got = share_digest(manifest, blocks, sample_block_digests(states, manifest, blocks))
         else:
             got = sample_checksum(self._pool, base, manifest, blocks)
-        ok = got == v.digest
+        ok, seconds = got == v.digest, time.perf_counter() - t0
         with self._lock:
-            self._ledger.stats.verify_s += time.perf_counter() - t0
-            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic()))
+            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic(), seconds))

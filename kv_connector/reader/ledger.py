@@ -1,12 +1,13 @@
 """The reader's sample ledger: every sample from its first credit request to the release
-of its lease (or its refusal or discard), the receive pool's pages, the connected
-producers (``producers.py``) and the samples already delivered. Pure logic (no nixl,
-sockets, threads or clocks: times are passed in). The reader's shells (``server.py``
-for connections and checks, ``core.py`` for the user) feed it what happened and perform
-the actions it answers (``Send``, ``Verify``, ``Ready``, ``Log``; they and the sample and
-share records are in ``records.py``). A peer's message that does not fit raises
+of its lease (or its refusal or discard). Pure logic (no nixl, sockets, threads or
+clocks: times are passed in). The reader's shells (``server.py``, ``checker.py``,
+``reader.py``) feed it what happened (and what it took: only the ledger counts) and
+perform the actions it answers (``Send``, ``Verify``, ``Ready``, ``Log``; in
+``records.py`` with the records). A peer's message that does not fit raises
 ``ProtocolError`` (the shell refuses that peer, and only it); a transition the state does
-not allow raises ``IllegalTransition``.
+not allow raises ``IllegalSampleTransition``. The ledger decides every transition; its
+samples and pages are kept in ``book.py``, those delivered in ``delivered.py``, the
+producers in ``producers.py``; ``refusals.py`` ends a sample not to be delivered.
 
 States of a sample (``SampleState``), keyed by (producer id, request id):
 
@@ -68,29 +69,29 @@ Invariants (tests name the one they prove):
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 
+from kv_connector.reader.book import SampleBook
+from kv_connector.reader.delivered import Delivered
 from kv_connector.reader.pool import PagePool, PoolTooSmall
 from kv_connector.reader.producers import PeerId, Producers
 from kv_connector.reader.records import (
     AckMode,
     Action,
-    IllegalTransition,
+    IllegalSampleTransition,
     Key,
     Log,
-    Ready,
     RequireChecksum,
-    Sample,
+    SampleRecord,
     SampleState,
     Send,
     Share,
-    Verify,
 )
-from kv_connector.reader.stats import PoolState, ProducerTotals, ReaderStats
+from kv_connector.reader.refusals import Refusals
+from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
-from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 MAX_REWRITES = 3
 SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (never back-pressure:
@@ -118,7 +119,6 @@ class ReaderLedger:
         max_sample_tokens: int = MAX_SAMPLE_TOKENS,
     ) -> None:
         self.ack_mode = ack_mode
-        self._already_delivered = already_delivered
         self.max_rewrites = max_rewrites
         self.quarantine_s = quarantine_s
         self.grace_s = grace_s
@@ -129,26 +129,27 @@ class ReaderLedger:
         self.max_pending_per_rank = max_pending_per_rank
         self.max_sample_tokens = max_sample_tokens
         self.stats = ReaderStats()
-        self.pool: PagePool | None = None
-        self.page_bytes: int | None = None
-        self.samples: dict[Key, Sample] = {}
         self.producers = Producers()
-        # (producer, rank) -> its samples not handed out yet (the bound max_pending_per_rank)
-        self._pending: collections.Counter[tuple[str, int]] = collections.Counter()
-        # handed-out samples -> the peers still owed an Ack ([] once acked)
-        self.delivered: collections.OrderedDict[Key, list[PeerId]] = collections.OrderedDict()
+        self._book = SampleBook()
+        self.samples: dict[Key, SampleRecord] = self._book.samples  # the book's, read by the shells
+        self.delivered = Delivered(delivered_memory, already_delivered)  # handed out (R4)
+        self._refusals = Refusals(self._book, self.stats)
 
     # ------------------------------------------------------------------ pool
     def set_pages(self, page_bytes: int, num_pages: int) -> None:
-        if self.pool is not None:
-            raise IllegalTransition("the pool's page size is decided once")
-        self.page_bytes = page_bytes
-        self.pool = PagePool(num_pages)
+        self._book.set_pages(page_bytes, num_pages)
+
+    @property
+    def pool(self) -> PagePool | None:
+        return self._book.pool
+
+    @property
+    def page_bytes(self) -> int | None:
+        return self._book.page_bytes
 
     # ---------------------------------------------------------------- queries
     def state_of(self, key: Key) -> SampleState | None:
-        s = self.samples.get(key)
-        return None if s is None else s.state
+        return self._book.state_of(key)
 
     def world_of(self, producer_id: str) -> int | None:
         return self.producers.world_of(producer_id)
@@ -163,37 +164,37 @@ class ReaderLedger:
     @property
     def expecting_writes(self) -> bool:
         """A granted sample waits for a WRITE (its writers need this side's progress)."""
-        return any(s.state is SampleState.GRANTED for s in self.samples.values())
+        return self._book.expecting_writes()
 
     @property
     def departing(self) -> bool:
         return self.producers.departing
 
-    def leases(self) -> list[Sample]:
+    def leases(self) -> list[SampleRecord]:
         """The samples on lease to the user, oldest first."""
-        out = [s for s in self.samples.values() if s.state is SampleState.HANDED_OUT]
-        return sorted(out, key=lambda s: s.t_handed_out)
+        return self._book.leases()
 
     def pool_state(self) -> PoolState:
         """The pool's pages by what holds them (for metrics and progress lines)."""
-        if self.pool is None or self.page_bytes is None:
-            return PoolState()
-        granted = leased = 0
-        for s in self.samples.values():
-            if s.pages is None:
-                continue
-            if s.state is SampleState.HANDED_OUT:
-                leased += len(s.pages)
-            else:
-                granted += len(s.pages)
-        p = self.pool
-        return PoolState(
-            self.page_bytes, p.num_pages, p.free_pages, granted, leased, p.quarantined_pages, p.waiting
-        )
+        return self._book.pool_state()
 
     def producers_connected(self) -> dict[str, int]:
         """Producer id -> how many of its ranks are connected."""
         return {pid: len(p.ranks) for pid, p in self.producers.by_id.items() if p.ranks}
+
+    # ------------------------------------------------- the shells' own counts
+    def refused_peer(self) -> None:
+        """The serving thread refused a peer's connection or notification (its protocol
+        error)."""
+        self.stats.refused += 1
+
+    def values_checked(self, seconds: float) -> None:
+        """A sample's states were checked for NaN/Inf and all-zero tokens."""
+        self.stats.values_check_s += seconds
+
+    def copied(self, seconds: float) -> None:
+        """A sample was copied out of the pool."""
+        self.stats.copy_s += seconds
 
     # ------------------------------------------------------------------ peers
     def peer_ready(self, peer: PeerId, hello: protocol.Hello) -> None:
@@ -207,12 +208,7 @@ class ReaderLedger:
         ident = self.producers.identity(peer)
         if ident is None:
             return []
-        pid, rank = ident
-        awaited = any(
-            key[0] == pid and s.pages is not None and rank in s.shares and s.shares[rank].blocks
-            and not s.shares[rank].landed
-            for key, s in self.samples.items()
-        )  # fmt: skip
+        awaited = self._book.awaited(*ident)
         self.producers.gone(peer, now + (self.grace_s if awaited else 0.0))
         return self._departed(now)
 
@@ -221,9 +217,8 @@ class ReaderLedger:
         incomplete samples are discarded (R6)."""
         actions: list[Action] = []
         for pid in self.producers.departed(now):
-            for key, s in list(self.samples.items()):
-                if key[0] == pid and s.state in (SampleState.PROMISED, SampleState.GRANTED):
-                    actions += self._discard(s, now, "its producer is gone")
+            for s in self._book.incomplete_of(pid):
+                actions += self._discard(s, now, "its producer is gone")
         return actions
 
     def settle(self, peer: PeerId, now: float) -> list[Action]:
@@ -242,72 +237,39 @@ class ReaderLedger:
         prod = self.producers.by_id[pid]
         m = req.manifest
         key = (pid, m.request_id)
-        if key in self.delivered or (self._already_delivered is not None and self._already_delivered(*key)):
+        if self.delivered.known(key):
             # a resend of a sample already handed out: acknowledge, never deliver twice (R4)
             self.stats.resends_acked += 1
-            waiting = self.delivered.get(key)
-            if waiting:  # handed out, its ack still awaited (manual mode): ack it then
-                waiting.append(peer)
+            if self.delivered.resent(key, peer):  # its ack still awaited (manual mode): ack it then
                 return []
             return [Send(peer, protocol.Ack(request_id=m.request_id))]
         assert self.pool is not None and self.page_bytes is not None
         s = self.samples.get(key)
         if s is None and m.num_tokens > self.max_sample_tokens:
-            self.stats.refused += 1
-            self.stats.refused_limit += 1
-            limit = self.max_sample_tokens
-            why = f"request {m.request_id} has {m.num_tokens} tokens, over this reader's limit of {limit}"
-            return [
-                Send(peer, protocol.Refuse(code="limit", message=why, request_id=m.request_id)),
-                Log("error", why),
-            ]
-        if s is None and self._pending_of(pid, rank) >= self.max_pending_per_rank:
+            return self._refusals.over_limit(peer, m, self.max_sample_tokens)
+        if s is None and self._book.pending_of(pid, rank) >= self.max_pending_per_rank:
             raise ProtocolError(
                 f"{pid}/rank{rank} has {self.max_pending_per_rank} samples promised and not handed out: "
                 "over its bound"
             )
         if s is None:
-            s = Sample(
+            s = SampleRecord(
                 key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
             )
             s.t_requested = now
             if not self.stats.first_request_t:
                 self.stats.first_request_t = now
             try:
-                self.pool.request(key, s.num_pages)
+                self._book.admit(s)
             except PoolTooSmall as e:
-                self.stats.refused += 1
-                self.stats.refused_pool_too_small += 1
-                return [
-                    Send(
-                        peer, protocol.Refuse(code="pool_too_small", message=str(e), request_id=m.request_id)
-                    ),
-                    Log("error", f"request {m.request_id} refused: {e}"),
-                ]
-            self.samples[key] = s
+                return self._refusals.pool_too_small(peer, m, e)
         elif s.manifest != m:
             raise ProtocolError(f"rank {rank} sent a manifest of {m.request_id} that differs from the first")
-        blocks = frozenset(req.blocks)
-        share = s.shares.get(rank)
-        if share is not None:
-            if share.peer != peer and self.producers.current(pid, rank) == share.peer:
-                raise ProtocolError(f"rank {rank} asked twice for {m.request_id}")
-            if share.blocks != blocks:
-                raise ProtocolError(f"rank {rank} changed its share of {m.request_id}")
-            share.peer = peer  # the rank reconnected: it resends into the same pages
-        else:
-            for r, other in s.shares.items():
-                if blocks & other.blocks:
-                    raise ProtocolError(f"ranks {r} and {rank} both promise blocks of {m.request_id}")
-            s.shares[rank] = Share(blocks, peer)
-            self._pending[(pid, rank)] += 1
-        if len(s.shares) == s.world_size:
-            covered = set().union(*(sh.blocks for sh in s.shares.values()))
-            if len(covered) != m.num_blocks:
-                raise ProtocolError(f"the ranks' shares of {m.request_id} leave blocks unwritten")
+        if s.register(rank, peer, frozenset(req.blocks), current=self.producers.current(pid, rank)):
+            self._book.promised(pid, rank)
         actions: list[Action] = []
         if s.pages is not None:
-            actions.append(Send(peer, self._grant_msg(s)))
+            actions.append(Send(peer, s.grant()))
             actions += self._advance(s)
         return actions + self._grant(now)
 
@@ -324,38 +286,23 @@ class ReaderLedger:
             and share.blocks
             and self._requires_checksum(s.key[0])
         ):
-            why = (
-                f"rank {self._ident(peer)[1]} of {s.key[0]} wrote its share of {msg.request_id} without the "
-                "checksum this reader requires (the producer's checksum option is none; "
-                "see --require-checksum)"
-            )
-            self.stats.refused += 1
-            self.stats.refused_unchecked += 1
-            refusals: list[Action] = [
-                Send(p, protocol.Refuse(code="unchecked", message=why, request_id=msg.request_id))
-                for p in s.peers.values()
-            ]
-            return [Log("error", why), *refusals, *self._discard(s, now, "unchecked")]
-        share.landing += 1
-        share.landed, share.checked, share.checking = True, False, None
-        share.digest, share.digest_due = msg.checksum, msg.digest_follows
-        if msg.digest_follows and share.early_digest is not None:
-            share.digest, share.digest_due, share.early_digest = share.early_digest, False, None
+            return self._refusals.unchecked(s, self._ident(peer)[1], now + self.quarantine_s)
+        share.land(msg)
         return self._advance(s)
 
     def share_digest(self, peer: PeerId, msg: protocol.ShareDigest) -> list[Action]:
         """The digest of a rank's share, sent after its WRITE was posted."""
         s, share = self._share_of(peer, msg.request_id, "share_digest")
-        if share.landed and share.digest_due:
-            share.digest, share.digest_due = msg.checksum, False
-            return self._advance(s)
-        share.early_digest = msg.checksum  # its WriteDone is still on its way
-        return []
+        return self._advance(s) if share.digest_came(msg.checksum) else []
 
-    def share_checked(self, key: Key, rank: int, landing: int, ok: bool, now: float) -> list[Action]:
-        """The result of a ``Verify``: a share that matches is checked; one that does not
-        is written again or, past ``max_rewrites``, its sample is refused (R5). A result
-        for an older landing, or a sample gone meanwhile, is ignored."""
+    def share_checked(
+        self, key: Key, rank: int, landing: int, ok: bool, now: float, seconds: float = 0.0
+    ) -> list[Action]:
+        """The result of a ``Verify`` (the check took ``seconds``): a share that matches is
+        checked; one that does not is written again or, past ``max_rewrites``, its sample
+        is refused (R5). A result for an older landing, or a sample gone meanwhile, is
+        ignored (its time still counts)."""
+        self.stats.verify_s += seconds
         s = self.samples.get(key)
         share = s.shares.get(rank) if s is not None else None
         if s is None or share is None or share.landing != landing or share.checking != landing:
@@ -378,19 +325,10 @@ class ReaderLedger:
             return [
                 Log("warning", f"{label} gave up on {msg.request_id}, which it had delivered: {msg.message}")
             ]
-        actions: list[Action] = [
-            Log("error", f"producer {label} gave up on {msg.request_id} ({msg.code}): {msg.message}")
-        ]
-        for r, other in s.peers.items():
-            if r != rank:
-                refuse = protocol.Refuse(
-                    code=msg.code, message=f"rank {rank}: {msg.message}"[:4000], request_id=msg.request_id
-                )
-                actions.append(Send(other, refuse))
-        return actions + self._discard(s, now, f"{label} gave up on it")
+        return self._refusals.gave_up(s, rank, label, msg, now + self.quarantine_s)
 
     # ------------------------------------------------------------- the user
-    def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[Sample, list[Action]] | None:
+    def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[SampleRecord, list[Action]] | None:
         """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
         as delivered and its producer acked now (on take) or when the user acks (manual)
         (R4). None when it is not ready (discarded, or written again since it was queued)."""
@@ -398,41 +336,22 @@ class ReaderLedger:
         if s is None or s.state is not SampleState.VERIFIED:
             return None
         s.state, s.t_handed_out = SampleState.HANDED_OUT, now
-        self._settle_pending(s)
-        self.stats.samples += 1
-        self.stats.bytes += nbytes
-        self.stats.tokens += s.manifest.num_tokens
-        mine = self.stats.by_producer.get(key[0])
-        if mine is None:
-            mine = self.stats.by_producer[key[0]] = ProducerTotals()
-        mine.samples += 1
-        mine.tokens += s.manifest.num_tokens
-        mine.bytes += nbytes
-        self.stats.handout_latency.observe(now - s.t_requested)
-        self.stats.last_handout_t = now
-        self.delivered[key] = list(s.peers.values())
-        while len(self.delivered) > self.delivered_memory:
-            self.delivered.popitem(last=False)
+        self._book.settle_pending(s)
+        self.stats.handed_out(key[0], s.manifest.num_tokens, nbytes, now - s.t_requested, now)
+        self.delivered.remember(key, list(s.peers.values()))
         return s, (self.ack(key) if self.ack_mode is AckMode.ON_TAKE else [])
 
     def release(self, key: Key, now: float) -> list[Action]:
         """HANDED_OUT -> released: the lease ended; its pages return to the pool (R3).
         Releasing a sample that is not on lease (released already) does nothing."""
-        s = self.samples.get(key)
-        if s is None or s.state is not SampleState.HANDED_OUT:
+        if not self._book.release(key):
             return []
-        del self.samples[key]
-        assert self.pool is not None and s.pages is not None
-        self.pool.release(key, s.pages)
         return self._grant(now)
 
     def ack(self, key: Key) -> list[Action]:
         """The user acknowledges a delivered sample: its producer's ranks get their Ack."""
-        waiting = self.delivered.get(key)
-        if waiting is None:
-            return []
-        self.delivered[key] = []  # acked: a resend of it is acked at once
-        return [Send(peer, protocol.Ack(request_id=key[1])) for peer in waiting]
+        waiting = self.delivered.acked(key)
+        return [Send(peer, protocol.Ack(request_id=key[1])) for peer in waiting or ()]
 
     def reject(self, key: Key, why: str, now: float) -> list[Action]:
         """The consumer will not take a sample (R11): VERIFIED (checked before hand-out) ->
@@ -440,89 +359,44 @@ class ReaderLedger:
         producer's ranks are refused instead of acked, and a resend is delivered again.
         Its producer fails the request with ``reader refused (rejected): why``."""
         s = self.samples.get(key)
-        waiting = self.delivered.get(key)
+        waiting = self.delivered.owed(key)
         if s is not None and s.state is SampleState.VERIFIED:
             peers = list(s.peers.values())
         elif s is not None and s.state is SampleState.HANDED_OUT and waiting:
             peers = waiting
-            del self.delivered[key]
+            self.delivered.forget(key)
         else:
             state = s.state.value if s is not None else "gone"
-            raise IllegalTransition(f"cannot reject {key[1]} of {key[0]}: {state}, or acknowledged already")
-        self.stats.refused += 1
-        refuse = protocol.Refuse(code="rejected", message=why[:4000], request_id=key[1])
-        actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
-        actions += [Send(peer, refuse) for peer in peers]
-        if s.state is SampleState.VERIFIED:
-            assert self.pool is not None and s.pages is not None
-            del self.samples[key]
-            self.pool.quarantine(key, s.pages, now + self.quarantine_s)
-        return actions
+            raise IllegalSampleTransition(
+                f"cannot reject {key[1]} of {key[0]}: {state}, or acknowledged already"
+            )
+        withdrawn = s if s.state is SampleState.VERIFIED else None
+        return self._refusals.rejected(key, withdrawn, peers, why, now + self.quarantine_s)
 
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> list[Action]:
         """Quarantines that ended give their pages back; departures whose grace ended
         are settled; granted samples past their deadline are refused."""
         actions = self._departed(now)
-        actions += self._expire(now)
-        if self.pool is not None and self.pool.end_quarantines(now):
+        actions += self._refusals.expire(now, self.sample_timeout_s, now + self.quarantine_s)
+        if self._book.end_quarantines(now):
             actions += self._grant(now)
         return actions
 
     # -------------------------------------------------------------- helpers
-    def _expire(self, now: float) -> list[Action]:
-        """A granted sample that is not complete and checked within ``sample_timeout_s``
-        of its grant can wait for nothing but a producer that failed it (a rank that could
-        not reach this reader, a lost notification): refuse it to every rank, free its
-        pages (after the quarantine). The wait for pages never counts."""
-        late = [
-            s
-            for s in self.samples.values()
-            if s.state in (SampleState.GRANTED, SampleState.WRITTEN)
-            and now - s.t_granted > self.sample_timeout_s
-        ]
-        actions: list[Action] = []
-        for s in late:
-            missing = sorted(r for r in range(s.world_size) if r not in s.shares or not s.shares[r].landed)
-            why = (
-                f"request {s.key[1]} of producer {s.key[0]} was not complete "
-                f"{self.sample_timeout_s:.0f} s after its pages were granted (ranks {missing} missing)"
-            )
-            self.stats.refused += 1
-            self.stats.refused_timeout += 1
-            actions.append(Log("error", why))
-            actions += [
-                Send(p, protocol.Refuse(code="timeout", message=why, request_id=s.key[1]))
-                for p in s.peers.values()
-            ]
-            actions += self._discard(s, now, "timeout")
-        return actions
-
     def _requires_checksum(self, producer_id: str) -> bool:
-        if not self.verify or self.require_checksum is RequireChecksum.NEVER:
-            return False
-        if self.require_checksum is RequireChecksum.ALWAYS:
-            return True
+        if not self.verify or self.require_checksum is not RequireChecksum.AUTO:
+            return self.verify and self.require_checksum is RequireChecksum.ALWAYS
         prod = self.producers.by_id.get(producer_id)
         return prod is None or prod.host_cache
-
-    def _pending_of(self, producer_id: str, rank: int) -> int:
-        return self._pending[(producer_id, rank)]
-
-    def _settle_pending(self, s: Sample) -> None:
-        for rank in s.shares:
-            k = (s.key[0], rank)
-            self._pending[k] -= 1
-            if self._pending[k] <= 0:
-                del self._pending[k]
 
     def _ident(self, peer: PeerId) -> tuple[str, int]:
         ident = self.producers.identity(peer)
         if ident is None:
-            raise IllegalTransition(f"peer {peer} is not a connected producer")
+            raise IllegalSampleTransition(f"peer {peer} is not a connected producer")
         return ident
 
-    def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[Sample, Share]:
+    def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[SampleRecord, Share]:
         pid, rank = self._ident(peer)
         s = self.samples.get((pid, request_id))
         share = s.shares.get(rank) if s is not None else None
@@ -530,71 +404,33 @@ class ReaderLedger:
             raise ProtocolError(f"{what} for {request_id}, which it was not granted")
         return s, share
 
-    def _grant_msg(self, s: Sample) -> protocol.Grant:
-        assert s.pages is not None
-        return protocol.Grant(
-            request_id=s.manifest.request_id, first_page=s.pages.start, num_pages=len(s.pages)
-        )
-
     def _grant(self, now: float) -> list[Action]:
         """Runs of pages to waiting samples in arrival order while the head fits (R1, R7)."""
         if self.pool is None:
             return []
         actions: list[Action] = []
-        for key, pages in self.pool.grantable():
-            s = self.samples[key]  # type: ignore[index]
-            s.pages, s.state, s.t_granted = pages, SampleState.GRANTED, now
-            grant = self._grant_msg(s)
+        for s in self._book.grant(now):
+            grant = s.grant()
             actions += [Send(peer, grant) for peer in s.peers.values()]
             actions += self._advance(s)
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.pool.used_pages)
         return actions
 
-    def _advance(self, s: Sample) -> list[Action]:
+    def _advance(self, s: SampleRecord) -> list[Action]:
         """Check every share that landed with its digest known; move the sample on."""
-        if s.state not in (SampleState.GRANTED, SampleState.WRITTEN):
-            return []
-        actions: list[Action] = []
-        for rank, share in s.shares.items():
-            if not share.landed or share.checked or share.checking is not None:
-                continue
-            if not self.verify or (share.digest is None and not share.digest_due):
-                share.checked = True  # nothing to check it against
-            elif share.digest is not None:
-                share.checking = share.landing
-                prod = self.producers.by_id.get(s.key[0])
-                blocks = prod is not None and prod.block_digests
-                actions.append(Verify(s.key, rank, share.landing, share.digest, blocks))
-        if s.all_checked():
-            s.state = SampleState.VERIFIED
-            actions.append(Ready(s.key))
-        elif s.all_landed():
-            s.state = SampleState.WRITTEN
-        return actions
+        prod = self.producers.by_id.get(s.key[0])
+        return s.advance(self.verify, prod.checksum if prod is not None else ShareChecksum.XXH3)
 
-    def _mismatch(self, s: Sample, rank: int, now: float) -> list[Action]:
+    def _mismatch(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
         m, key = s.manifest, s.key
         self.stats.checksum_mismatches += 1
         s.rewrites += 1
         if s.rewrites > self.max_rewrites:
-            why = (
-                f"request {m.request_id} of producer {key[0]} failed its checksum "
-                f"{s.rewrites} times (rank {rank}); refusing it"
-            )
-            self.stats.refused += 1
-            self.stats.refused_checksum += 1
-            actions: list[Action] = [Log("error", why)]
-            actions += [
-                Send(peer, protocol.Refuse(code="checksum", message=why, request_id=m.request_id))
-                for peer in s.peers.values()
-            ]
-            return actions + self._discard(s, now, "refused")
+            return self._refusals.checksum(s, rank, now + self.quarantine_s)
         if key[0] not in self.producers:  # nobody left to write it again
             gone = Log("error", f"request {m.request_id}: a share failed its checksum")
             return [gone, *self._discard(s, now, "its producer is gone")]
-        share = s.shares[rank]
-        share.landed = share.checked = False
-        s.state = SampleState.GRANTED
+        s.rewrite(rank)
         return [
             Log(
                 "error",
@@ -602,19 +438,10 @@ class ReaderLedger:
                 f"checksum; asking for it again ({s.rewrites} of {self.max_rewrites})",
             ),
             Send(
-                share.peer,
+                s.shares[rank].peer,
                 protocol.Rewrite(request_id=m.request_id, reason="the share does not match its checksum"),
             ),
         ]
 
-    def _discard(self, s: Sample, now: float, why: str) -> list[Action]:
-        assert self.pool is not None
-        del self.samples[s.key]
-        self.stats.dropped += 1
-        if s.state is not SampleState.HANDED_OUT:
-            self._settle_pending(s)
-        if s.pages is None:
-            self.pool.cancel(s.key)
-        else:
-            self.pool.quarantine(s.key, s.pages, now + self.quarantine_s)
-        return [Log("warning", f"discarded incomplete sample {s.key[1]} of producer {s.key[0]} ({why})")]
+    def _discard(self, s: SampleRecord, now: float, why: str) -> list[Action]:
+        return self._refusals.discard(s, now + self.quarantine_s, why)

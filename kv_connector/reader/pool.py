@@ -51,9 +51,6 @@ class PagePool:
     def quarantined_pages(self) -> int:
         return sum(len(pages) for _, _, pages in self._quarantined)
 
-    def largest_run(self) -> int:
-        return max((n for _, n in self._free), default=0)
-
     def request(self, key: Hashable, n: int) -> None:
         """Queue a need for ``n`` contiguous pages under ``key`` (refused if it can never fit)."""
         if n <= 0:

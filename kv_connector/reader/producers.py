@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kv_connector.wire import protocol
-from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 PeerId = int
 
@@ -16,12 +16,12 @@ PeerId = int
 class Producer:
     """A connected producer: its world size, the connection of each of its ranks, and
     whether its cache is in host memory (it then hashes cheaply: checksums required), and
-    whether its checksums are over block digests (``block_digest``) or over bytes."""
+    how its shares' checksums are computed (over bytes, or over block digests)."""
 
     world_size: int
     ranks: dict[int, PeerId] = field(default_factory=dict)
     host_cache: bool = True
-    block_digests: bool = False
+    checksum: ShareChecksum = ShareChecksum.XXH3
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Producers:
             )
         prod.ranks[hello.rank] = peer
         prod.host_cache = hello.cache_mem == "DRAM"
-        prod.block_digests = hello.digest == "blocks"
+        prod.checksum = hello.digest
         self._peer_rank[peer] = (hello.producer_id, hello.rank)
         return prod
 

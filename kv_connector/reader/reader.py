@@ -16,7 +16,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,8 +83,10 @@ class LeaseLimitError(RuntimeError):
     """The user holds ``max_leases`` samples on lease and asks for another."""
 
 
-class HiddenStatesReader:
-    """Receives hidden states from producers over NIXL.
+@dataclass(frozen=True)
+class ReaderConfig:
+    """How a ``HiddenStatesReader`` listens, pools, checks and hands out; validated when
+    built (a bad value raises ``ValueError`` naming it). The twin of ``SenderConfig``.
 
     ``listen``: control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it),
     or a socket already bound to one (held by the caller, e.g. inherited from a
@@ -92,22 +95,18 @@ class HiddenStatesReader:
     ``pool_bytes``: receive pool size, registered with the transport once.
     ``page_bytes``: pool page size (rounded up to a multiple of 64); by default the
     first producer's block size.
-    ``secret``: shared secret for the handshake; by default from ``KV_CONNECTOR_SECRET``
-    or ``KV_CONNECTOR_SECRET_FILE`` (none: producers are not authenticated).
-    ``ack``: "on_take" acknowledges a sample to its producer (which then frees its
-    blocks) when ``get`` hands it out; "manual" waits for ``ack(sample)``, e.g. after the
-    sample was durably written.
-    ``already_delivered(producer_id, request_id)``: samples delivered before this reader
-    started (a ledger); a producer resending one gets its ``Ack`` without a transfer.
-    ``verify``: check each share against the checksum (XXH3-64) its producer sent, as it
-    lands, on the reader's checking thread (on by default); a mismatch is logged with the
-    request id and the share is written again (at most ``reader.ledger.MAX_REWRITES``
-    times, then the sample is refused and its producer fails it).
+    ``name``: the reader's name at producers and in logs (default: a random one).
+    ``ack``: ``AckMode.ON_TAKE`` ("on_take") acknowledges a sample to its producer (which
+    then frees its blocks) when ``get`` hands it out; ``MANUAL`` ("manual") waits for
+    ``ack(sample)``, e.g. after the sample was durably written.
+    ``verify``: check each share against the checksum its producer sent, as it lands, on
+    the reader's checking thread (on by default); a mismatch is logged with the request id
+    and the share is written again (at most ``reader.ledger.MAX_REWRITES`` times, then the
+    sample is refused and its producer fails it).
     ``copy``: hand samples out as copies (into reused buffers) instead of views of the
     pool on lease; their pages return at once. For users who keep samples for long.
     ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
     ``LeaseLimitError`` beyond it, naming them).
-    ``transport``: the agent to receive with (a ``NixlTransport`` by default).
     ``require_checksum``: "auto" (default) refuses shares without a checksum from
     producers whose cache is in host memory (hashing it costs them little), "always"
     from every producer, "never" accepts them.
@@ -116,13 +115,65 @@ class HiddenStatesReader:
     ``insecure``: allow listening on a non-loopback address without a shared secret (by
     default that is refused: anyone who reaches the port could write into the pool).
     ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT``
-    (port 0 picks one) or on a TCP socket already bound; ``metrics_address`` then names
-    the address really served, and ``metrics`` the server (``reader.metrics`` names the
-    series).
+    (port 0 picks one) or on a TCP socket already bound.
     ``check_values``: before handing a sample out, check its states for NaN/Inf and for
     tokens that are zero in every layer (``reader.values``; a pass over the sample on the
     user's thread, in the ``get`` that reaches it); a bad sample is logged by name and
     refused to its producer (``reject``), never handed out.
+    """
+
+    listen: str | socket.socket = "127.0.0.1:0"
+    pool_bytes: int = DEFAULT_POOL_BYTES
+    page_bytes: int | None = None
+    name: str | None = None
+    ack: AckMode = AckMode.ON_TAKE
+    verify: bool = True
+    copy: bool = False
+    max_leases: int = DEFAULT_MAX_LEASES
+    require_checksum: RequireChecksum = RequireChecksum.AUTO
+    sample_timeout_s: float = SAMPLE_TIMEOUT_S
+    insecure: bool = False
+    metrics_address: str | socket.socket | None = None
+    check_values: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "ack", AckMode(self.ack))
+        except ValueError:
+            raise ValueError(f"ack must be 'on_take' or 'manual', got {self.ack!r}") from None
+        try:
+            object.__setattr__(self, "require_checksum", RequireChecksum(self.require_checksum))
+        except ValueError:
+            choices = ", ".join(repr(c.value) for c in RequireChecksum)
+            raise ValueError(
+                f"require_checksum must be one of {choices}, got {self.require_checksum!r}"
+            ) from None
+        if not self.sample_timeout_s > 0:
+            raise ValueError(f"sample_timeout_s must be positive, got {self.sample_timeout_s}")
+        if self.max_leases <= 0:
+            raise ValueError(f"max_leases must be positive, got {self.max_leases}")
+        if self.pool_bytes <= 0:
+            raise ValueError(f"pool_bytes must be positive, got {self.pool_bytes}")
+        if self.page_bytes is not None:
+            page_bytes = round_page(self.page_bytes)
+            if page_bytes > self.pool_bytes:
+                raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {self.pool_bytes}")
+            object.__setattr__(self, "page_bytes", page_bytes)
+
+
+class HiddenStatesReader:
+    """Receives hidden states from producers over NIXL.
+
+    ``config``: a ``ReaderConfig``; or its fields as keywords (``HiddenStatesReader(
+    pool_bytes=1 << 30)``), not both. Besides the configuration:
+    ``secret``: shared secret for the handshake; by default from ``KV_CONNECTOR_SECRET``
+    or ``KV_CONNECTOR_SECRET_FILE`` (none: producers are not authenticated).
+    ``already_delivered(producer_id, request_id)``: samples delivered before this reader
+    started (a ledger); a producer resending one gets its ``Ack`` without a transfer.
+    ``transport``: the agent to receive with (a ``NixlTransport`` by default).
+
+    ``metrics_address`` then names the metrics address really served, and ``metrics`` the
+    server (``reader.metrics`` names the series).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``. The iterator ends each sample's lease when you ask for the next one
@@ -133,56 +184,34 @@ class HiddenStatesReader:
 
     def __init__(
         self,
-        listen: str | socket.socket = "127.0.0.1:0",
-        pool_bytes: int = DEFAULT_POOL_BYTES,
-        page_bytes: int | None = None,
+        config: ReaderConfig | None = None,
+        *,
         secret: bytes | None = None,
-        name: str | None = None,
-        ack: str = "on_take",
         already_delivered: Callable[[str, str], bool] | None = None,
-        verify: bool = True,
         transport: Transport | None = None,
-        copy: bool = False,
-        max_leases: int = DEFAULT_MAX_LEASES,
-        require_checksum: RequireChecksum | str = RequireChecksum.AUTO,
-        sample_timeout_s: float = SAMPLE_TIMEOUT_S,
-        insecure: bool = False,
-        metrics_address: str | socket.socket | None = None,
-        check_values: bool = False,
+        **options: Any,
     ) -> None:
-        try:
-            ack_mode = AckMode(ack)
-        except ValueError:
-            raise ValueError(f"ack must be 'on_take' or 'manual', got {ack!r}") from None
-        try:
-            require = RequireChecksum(require_checksum)
-        except ValueError:
-            choices = ", ".join(repr(c.value) for c in RequireChecksum)
-            raise ValueError(f"require_checksum must be one of {choices}, got {require_checksum!r}") from None
-        if not sample_timeout_s > 0:
-            raise ValueError(f"sample_timeout_s must be positive, got {sample_timeout_s}")
-        if max_leases <= 0:
-            raise ValueError(f"max_leases must be positive, got {max_leases}")
-        self.max_leases = max_leases
-        self._copy = copy
-        self._check_values = check_values
-        if pool_bytes <= 0:
-            raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
-        if page_bytes is not None:
-            page_bytes = round_page(page_bytes)
-            if page_bytes > pool_bytes:
-                raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {pool_bytes}")
+        if config is None:
+            config = ReaderConfig(**options)
+        elif options:
+            raise TypeError(f"pass a ReaderConfig or its fields as keywords, not both: {sorted(options)}")
+        self.config = config
+        listen, pool_bytes, page_bytes = config.listen, config.pool_bytes, config.page_bytes
+        self.max_leases = config.max_leases
+        self._copy = config.copy
+        self._check_values = config.check_values
         secret = secret if secret is not None else auth.load_secret()
-        self.reader_id = name or f"reader-{uuid.uuid4().hex[:12]}"
+        self.reader_id = config.name or f"reader-{uuid.uuid4().hex[:12]}"
         self._ledger = ReaderLedger(
-            ack_mode,
+            config.ack,
             already_delivered,
-            verify=verify,
-            require_checksum=require,
-            sample_timeout_s=sample_timeout_s,
+            verify=config.verify,
+            require_checksum=config.require_checksum,
+            sample_timeout_s=config.sample_timeout_s,
         )
         if page_bytes is not None:
             self._ledger.set_pages(page_bytes, pool_bytes // page_bytes)
+        insecure = config.insecure
         if not secret and not insecure and isinstance(listen, str):
             refuse_open_listen(parse_address(listen)[0], listen)  # before binding anything
         lsock = listen_socket(listen)
@@ -219,9 +248,9 @@ class HiddenStatesReader:
         self._server.start()
         self.metrics: MetricsServer | None = None
         self.metrics_address: str | None = None
-        if metrics_address is not None:
+        if config.metrics_address is not None:
             try:
-                self.metrics = serve_metrics(self, metrics_address)
+                self.metrics = serve_metrics(self, config.metrics_address)
             except BaseException:
                 self.close()
                 raise
@@ -365,7 +394,7 @@ class HiddenStatesReader:
         problem = find_bad_values(sample_view(run, m), m.layer_ids)
         del run
         with self._lock:
-            self._ledger.stats.values_check_s += time.perf_counter() - t0
+            self._ledger.values_checked(time.perf_counter() - t0)
             if problem is None:
                 return False
             name = m.request_id if m.sample_id is None else f"{m.request_id} (sample {m.sample_id})"
@@ -397,7 +426,7 @@ class HiddenStatesReader:
             lease.release()  # copied: its pages go back now
             lease = None  # type: ignore[assignment]
             with self._lock:
-                self._ledger.stats.copy_s += time.perf_counter() - t0
+                self._ledger.copied(time.perf_counter() - t0)
         else:
             hidden = leased_view(self._pool_np, base, m, lease)
         return Sample(

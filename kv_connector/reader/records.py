@@ -1,7 +1,9 @@
 """What the reader's ledger (``ledger.py``) keeps and answers: the record of a sample
 and of each rank's share of it, the sample's states, the reader's options as types, and
-the actions a shell performs (``Send``, ``Verify``, ``Ready``, ``Log``). Pure data: no
-nixl, sockets, threads or clocks."""
+the actions a shell performs (``Send``, ``Verify``, ``Ready``, ``Log``). A record keeps
+itself consistent (its shares tile the sample, each share's landings and digest, its
+state as shares land and are checked); what happens across samples is the ledger's.
+Pure logic: no nixl, sockets, threads or clocks."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from dataclasses import dataclass, field
 
 from kv_connector.reader.producers import PeerId
 from kv_connector.wire import protocol
+from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 Key = tuple[str, str]  # (producer id, request id)
 
 
-class IllegalTransition(RuntimeError):
+class IllegalSampleTransition(RuntimeError):
     """A shell asked for a transition the sample's state does not allow."""
 
 
@@ -45,14 +48,14 @@ class Send:
 
 @dataclass(frozen=True)
 class Verify:
-    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``), computed over
-    its block digests (``blocks``) or its bytes."""
+    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``), computed the
+    way its producer computes them (``checksum``)."""
 
     key: Key
     rank: int
     landing: int
     digest: int
-    blocks: bool = False
+    checksum: ShareChecksum = ShareChecksum.XXH3
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,27 @@ class Share:
     checked: bool = False
     checking: int | None = None  # the landing being checked
 
+    def land(self, msg: protocol.WriteDone) -> None:
+        """Its WRITE landed (again): not checked yet; its digest came with it, follows, or
+        came before it (``early_digest``). Each landing is numbered."""
+        self.landing += 1
+        self.landed, self.checked, self.checking = True, False, None
+        self.digest, self.digest_due = msg.checksum, msg.digest_follows
+        if msg.digest_follows and self.early_digest is not None:
+            self.digest, self.digest_due, self.early_digest = self.early_digest, False, None
+
+    def digest_came(self, digest: int) -> bool:
+        """Its digest arrived after its WRITE: True if it was due (the share may be checked
+        now); else its WriteDone is still on its way and the digest is kept for it."""
+        if self.landed and self.digest_due:
+            self.digest, self.digest_due = digest, False
+            return True
+        self.early_digest = digest
+        return False
+
 
 @dataclass
-class Sample:
+class SampleRecord:
     key: Key
     manifest: protocol.Manifest
     world_size: int
@@ -105,6 +126,69 @@ class Sample:
     @property
     def peers(self) -> dict[int, PeerId]:
         return {r: s.peer for r, s in self.shares.items()}
+
+    def register(self, rank: int, peer: PeerId, blocks: frozenset[int], current: PeerId | None) -> bool:
+        """Rank ``rank`` asks for the sample on connection ``peer`` (``current``: the
+        connection the rank has now) promising ``blocks``. True for a new share; a rank that
+        reconnected resends into the same pages. The ranks' shares must tile the sample's
+        blocks; what does not fit is the producer's ``ProtocolError``."""
+        rid, new = self.manifest.request_id, False
+        share = self.shares.get(rank)
+        if share is not None:
+            if share.peer != peer and current == share.peer:
+                raise ProtocolError(f"rank {rank} asked twice for {rid}")
+            if share.blocks != blocks:
+                raise ProtocolError(f"rank {rank} changed its share of {rid}")
+            share.peer = peer  # the rank reconnected: it resends into the same pages
+        else:
+            for r, other in self.shares.items():
+                if blocks & other.blocks:
+                    raise ProtocolError(f"ranks {r} and {rank} both promise blocks of {rid}")
+            self.shares[rank] = Share(blocks, peer)
+            new = True
+        if len(self.shares) == self.world_size:
+            covered = set().union(*(sh.blocks for sh in self.shares.values()))
+            if len(covered) != self.manifest.num_blocks:
+                raise ProtocolError(f"the ranks' shares of {rid} leave blocks unwritten")
+        return new
+
+    def advance(self, verify: bool, checksum: ShareChecksum) -> list[Action]:
+        """Check every share that landed with its digest known (``Verify``, computed the
+        way ``checksum`` says; with ``verify`` off, or no digest, a share is checked as it
+        lands); then move on: WRITTEN once every share landed, VERIFIED (``Ready``) once
+        every share is checked."""
+        if self.state not in (SampleState.GRANTED, SampleState.WRITTEN):
+            return []
+        actions: list[Action] = []
+        for rank, share in self.shares.items():
+            if not share.landed or share.checked or share.checking is not None:
+                continue
+            if not verify or (share.digest is None and not share.digest_due):
+                share.checked = True  # nothing to check it against
+            elif share.digest is not None:
+                share.checking = share.landing
+                actions.append(Verify(self.key, rank, share.landing, share.digest, checksum))
+        if self.all_checked():
+            self.state = SampleState.VERIFIED
+            actions.append(Ready(self.key))
+        elif self.all_landed():
+            self.state = SampleState.WRITTEN
+        return actions
+
+    def grant(self) -> protocol.Grant:
+        """The Grant of its pages, which every rank gets."""
+        assert self.pages is not None
+        return protocol.Grant(request_id=self.key[1], first_page=self.pages.start, num_pages=len(self.pages))
+
+    def rewrite(self, rank: int) -> None:
+        """``rank``'s share failed its check: GRANTED again until it lands anew."""
+        share = self.shares[rank]
+        share.landed = share.checked = False
+        self.state = SampleState.GRANTED
+
+    def missing(self) -> list[int]:
+        """The ranks whose share has not landed."""
+        return sorted(r for r in range(self.world_size) if r not in self.shares or not self.shares[r].landed)
 
     def all_registered(self) -> bool:
         return len(self.shares) == self.world_size and self.pages is not None

@@ -315,9 +315,9 @@ class ReaderServer:
         except ConnectionClosed:
             self._drop(c, "connection closed")
         except ProtocolError as e:
-            self._ledger.stats.refused += 1
+            self._ledger.refused_peer()
             log.warning("refusing %s: %s", c.label, e)
-            self._send(c, protocol.Refuse(code="protocol", message=str(e)))
+            self._send(c, protocol.Refuse(code="protocol", message=protocol.clip_text(str(e))))
             self._drop(c, f"protocol error: {e}")
 
     def _handle(self, c: _Conn, msg: protocol.Message) -> None:
@@ -413,7 +413,7 @@ class ReaderServer:
                     raise ProtocolError(f"unexpected {type(msg).__name__} as a notification")
                 self.perform(self._ledger.write_done(c.id, msg, time.monotonic()))
             except ProtocolError as e:
-                self._ledger.stats.refused += 1
+                self._ledger.refused_peer()
                 log.warning("bad notification from %s: %s", c.label, e)
         return bool(notifs)
 

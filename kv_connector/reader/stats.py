@@ -72,6 +72,20 @@ class ReaderStats:
             + self.refused_timeout
         )
 
+    def handed_out(self, producer_id: str, tokens: int, nbytes: int, latency_s: float, now: float) -> None:
+        """Count a sample handed out (its ledger does, as it hands it out)."""
+        self.samples += 1
+        self.bytes += nbytes
+        self.tokens += tokens
+        mine = self.by_producer.get(producer_id)
+        if mine is None:
+            mine = self.by_producer[producer_id] = ProducerTotals()
+        mine.samples += 1
+        mine.tokens += tokens
+        mine.bytes += nbytes
+        self.handout_latency.observe(latency_s)
+        self.last_handout_t = now
+
     def snapshot(self) -> ReaderStats:
         return dataclasses.replace(
             self,

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kv_connector.sender.ledger import Job
+from kv_connector.common.device import on_device
+from kv_connector.sender.jobs import Job
 from kv_connector.wire.block_digest import cache_block_digests, share_digest
 from kv_connector.wire.integrity import block_checksum, manifest_bytes, spans_of_sample
 
@@ -23,7 +24,8 @@ class Hasher:
     those refuse work once the interpreter starts exiting, which is exactly when a
     worker's shutdown drains its last samples."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: torch.device | None = None) -> None:
+        self._device = device
         self._q: queue.SimpleQueue[tuple[Callable[[], int], concurrent.futures.Future[int]] | None] = (
             queue.SimpleQueue()
         )
@@ -36,6 +38,7 @@ class Hasher:
         return fut
 
     def _run(self) -> None:
+        on_device(self._device)  # the cache's GPU, before any digest reads it
         while (item := self._q.get()) is not None:
             fn, fut = item
             try:
@@ -72,8 +75,9 @@ _streams = threading.local()
 @contextlib.contextmanager
 def _own_stream(device: torch.device) -> Iterator[None]:
     """On a GPU, this thread's own stream (its kernels do not queue behind the engine's
-    next forward on the default stream); on CPU, nothing. The engine synchronizes its
-    stream before it ships (``worker_side``), so the states are there to be read."""
+    next forward on the default stream); on CPU, nothing. A job is hashed only once the
+    producer's step that wrote its blocks is done on the device (its ``ReadyGate``), so
+    the states are there to be read."""
     if device.type != "cuda":
         yield
         return

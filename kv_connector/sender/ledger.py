@@ -2,11 +2,14 @@
 ``Ack`` or a named failure, as a state machine. Pure logic (no nixl, sockets, threads
 or clocks: times are passed in). The shell (``kv_connector.sender.sender``) feeds it what
 happened and performs what it answers; every transition is a method, and a transition
-the state does not allow raises ``IllegalTransition`` (the shell's bug) or
-``ProtocolError`` (the reader's: a Grant, Rewrite or Refuse that does not fit).
+the state does not allow raises ``IllegalJobTransition`` (the shell's bug) or
+``ProtocolError`` (the reader's: a Grant, Rewrite or Refuse that does not fit). The jobs
+and failures are records of ``jobs.py``; what the ledger counts, ``stats.SenderMeter``.
 
 States of a job (``JobState``), on the current connection to the reader:
 
+    WAITING   -- hold(False) -------> WAITING     (a held job: its step may still run on the
+                                                   device; neither requested nor hashed before)
     WAITING   -- request_sent ------> REQUESTED   (credit request sent)
     REQUESTED -- grant -------------> GRANTED     (pages granted; WRITE due)
     GRANTED   -- write_posted ------> WRITING     (at most one WRITE in flight; its digest
@@ -53,12 +56,12 @@ Invariants (tests name the one they prove):
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from kv_connector.common.observe import Observations
-from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
+from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.sender.failure import refused as failure_reason_of
+from kv_connector.sender.jobs import DigestState, Failure, FrozenJob, IllegalJobTransition, Job, JobState
+from kv_connector.sender.stats import SenderMeter, SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
@@ -68,74 +71,6 @@ WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives
 
 
 _PREEMPTED = "preempted before its share was safely written: its blocks are reused by another request"
-
-
-class IllegalTransition(RuntimeError):
-    """The shell asked for a transition the job's state does not allow."""
-
-
-class FrozenJob(Exception):
-    """A Rewrite of a preempted job's share: its blocks hold another request's states now."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(request_id)
-        self.request_id = request_id
-
-
-class JobState(enum.Enum):
-    WAITING = "waiting"
-    REQUESTED = "requested"
-    GRANTED = "granted"
-    WRITING = "writing"
-    WRITTEN = "written"
-
-
-class DigestState(enum.Enum):
-    OFF = "off"  # checksums off, or an empty share: nothing to compute
-    NEEDED = "needed"  # not started
-    COMPUTING = "computing"
-    READY = "ready"
-
-
-@dataclass
-class Job:
-    """One request of this rank: ``share`` is the range of the sample's blocks it writes,
-    ``block_ids`` the cache blocks of all the sample's blocks in order."""
-
-    request_id: str
-    manifest: Manifest
-    block_ids: list[int]
-    share: range
-    t_submit: float
-    state: JobState = JobState.WAITING
-    grant: Grant | None = None
-    digest_state: DigestState = DigestState.OFF
-    digest: int | None = None
-    attempts: int = 0  # failed WRITEs on this connection
-    retry_at: float = 0.0
-    rewrite_due: bool = False
-    ack_due: bool = False
-    frozen: bool = False  # preempted: its blocks are being reused; no WRITE may read them again
-    t_granted: float = 0.0
-    digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
-    t_wait: float = 0.0  # since when it waits for a working reader
-    t_write: float = 0.0  # when its last WRITE was posted, or completed
-    xfer: object | None = field(default=None, repr=False)  # the shell's handle of the WRITE
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A job failed with ``why``. ``tell_reader``: its credit request went out on the
-    current connection, so the reader must drop its sample (``Refuse`` with ``code``)
-    and tell the producer's other ranks."""
-
-    request_id: str
-    why: str
-    tell_reader: bool
-    code: protocol.RefuseCode = "write_failed"
-    # the handle of a WRITE still in flight when the job failed: the shell polls it to
-    # its end (the transport releases it then), nobody else does
-    xfer: object | None = field(default=None, compare=False, repr=False)
 
 
 class SendLedger:
@@ -152,13 +87,11 @@ class SendLedger:
         self.connect_timeout_s = connect_timeout_s
         self.max_write_attempts = max_write_attempts
         self.retry_backoff_s = retry_backoff_s
-        self.stats = SenderStats()
-        # raw values for the metrics' histograms, bounded until someone takes them
-        self._write_latency = Observations()
-        self._credit_wait = Observations()
+        self._meter = SenderMeter()
+        self.stats: SenderStats = self._meter.stats
         self._jobs: dict[str, Job] = {}
         self._finished: list[str] = []
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, SampleFailure] = {}
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, request_id: str) -> bool:
@@ -171,7 +104,7 @@ class SendLedger:
         try:
             return self._jobs[request_id]
         except KeyError:
-            raise IllegalTransition(f"{request_id} is not in flight") from None
+            raise IllegalJobTransition(f"{request_id} is not in flight") from None
 
     def state_of(self, request_id: str) -> JobState | None:
         j = self._jobs.get(request_id)
@@ -185,9 +118,6 @@ class SendLedger:
         """Jobs whose blocks have not all landed in the reader yet."""
         return sum(j.state is not JobState.WRITTEN for j in self._jobs.values())
 
-    def count_unwritten(self, request_ids: Iterable[str]) -> int:
-        return sum(1 for r in request_ids if r in self._jobs and self._jobs[r].state is not JobState.WRITTEN)
-
     @property
     def writing(self) -> bool:
         return any(j.state is JobState.WRITING for j in self._jobs.values())
@@ -197,7 +127,7 @@ class SendLedger:
         out, self._finished = self._finished, []
         return out
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, SampleFailure]:
         """Request ids that failed since the last call, with the reason (S1)."""
         out, self._failed = self._failed, {}
         return out
@@ -206,22 +136,26 @@ class SendLedger:
         """A fingerprint of what ``take_metrics`` reports: while it stays as it was right
         after the last take, there is nothing new (cheap enough to read every engine
         step; the shell reads it without its lock: ints read as they are)."""
-        st = self.stats
-        return (
-            st.requests, st.bytes, st.writes, st.rewrites, st.write_retries, st.reconnects, len(self._jobs),
-            len(self._write_latency) + len(self._credit_wait),
-        )  # fmt: skip
+        return self._meter.mark(len(self._jobs))
 
     def take_metrics(self) -> SenderMetrics:
         """For the metrics, at once: a snapshot of the counters, the observations since the
         last take, the jobs in flight, and the fingerprint right after."""
-        stats, obs = self.stats.snapshot(), self.take_observations()
-        return SenderMetrics(stats, obs, len(self._jobs), self.metrics_mark())
+        return self._meter.take(len(self._jobs))
 
     def take_observations(self) -> SenderObservations:
         """Each WRITE's latency and each grant's wait since the last call (at most
         ``observe.OBSERVATIONS_LIMIT`` of each are kept between calls)."""
-        return SenderObservations(self._write_latency.drain(), self._credit_wait.drain())
+        return self._meter.take_observations()
+
+    # ------------------------------------------------- the shells' own counts
+    def reconnected(self) -> None:
+        """The shell connected to the reader again after a lost connection."""
+        self.stats.reconnects += 1
+
+    def hashed(self, seconds: float) -> None:
+        """The shell's hashing thread took ``seconds`` to digest a share."""
+        self.stats.checksum_s += seconds
 
     # ------------------------------------------------------------ caller events
     def submit(
@@ -239,7 +173,7 @@ class SendLedger:
     def requests_due(self) -> list[Job]:
         """WAITING jobs, oldest first: each gets a credit request now (WAITING ->
         REQUESTED). A job's digest is computed once, whatever the connection."""
-        due = [j for j in self._jobs.values() if j.state is JobState.WAITING]
+        due = [j for j in self._jobs.values() if j.state is JobState.WAITING and not j.held]
         for j in due:
             j.state = JobState.REQUESTED
         return due
@@ -247,17 +181,24 @@ class SendLedger:
     def digests_due(self) -> list[Job]:
         """Jobs whose share's digest must be computed now (once per job, whatever the
         connection): NEEDED -> COMPUTING."""
-        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED]
+        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED and not j.held]
         for j in due:
             j.digest_state = DigestState.COMPUTING
         return due
+
+    def hold(self, request_id: str, held: bool = True) -> None:
+        """A held job waits in WAITING, neither requested nor hashed (its blocks may not be
+        read yet), until ``hold(request_id, False)`` releases it."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.held = held
 
     def digest_ready(self, request_id: str, value: int) -> None:
         job = self._jobs.get(request_id)
         if job is None:
             return  # it failed meanwhile
         if job.digest_state is not DigestState.COMPUTING:
-            raise IllegalTransition(f"{request_id}: a digest it was not waiting for")
+            raise IllegalJobTransition(f"{request_id}: a digest it was not waiting for")
         job.digest, job.digest_state = value, DigestState.READY
 
     def digests_owed(self) -> list[Job]:
@@ -273,7 +214,7 @@ class SendLedger:
         job = self._jobs.get(request_id)
         if job is None:
             return None
-        return self.fail(request_id, f"cannot checksum its blocks: {why}")
+        return self.fail(request_id, f"cannot checksum its blocks: {why}", FailureReason.OTHER)
 
     def writes_due(self, now: float) -> list[Job]:
         """GRANTED jobs whose WRITE may be posted now (backoff over); it does not wait for
@@ -291,18 +232,14 @@ class SendLedger:
 
     def notification(self, request_id: str) -> protocol.WriteDone:
         """What the next WRITE of the job announces: its digest, or that it follows."""
-        job = self.job(request_id)
-        if job.digest_state is DigestState.READY:
-            return protocol.WriteDone(request_id=request_id, checksum=job.digest)
-        follows = job.digest_state in (DigestState.NEEDED, DigestState.COMPUTING)
-        return protocol.WriteDone(request_id=request_id, digest_follows=follows)
+        return self.job(request_id).notification()
 
     def write_posting(self, request_id: str, now: float, notif: protocol.WriteDone) -> None:
         """GRANTED -> WRITING before the transport is called: the WRITE may land, and the
         reader ack it, before the call returns (S3: an Ack then waits for its completion)."""
         job = self.job(request_id)
         if job.state is not JobState.GRANTED:  # S2, S4
-            raise IllegalTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
         job.state, job.xfer, job.t_write = JobState.WRITING, None, now
         job.digest_owed = notif.digest_follows
 
@@ -323,11 +260,8 @@ class SendLedger:
     def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
         job = self.job(request_id)
         if job.state is not JobState.WRITING:
-            raise IllegalTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
-        self.stats.write_s += now - job.t_write
-        self.stats.bytes += nbytes
-        self.stats.writes += 1
-        self._write_latency.add(now - job.t_write)
+            raise IllegalJobTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
+        self._meter.written(nbytes, now - job.t_write)
         job.xfer, job.t_write, job.t_wait = None, now, now  # progress: the wait starts again (S5)
         if job.ack_due:  # S3: the reader acknowledged before this completion was polled
             self._finish(job, now)
@@ -338,17 +272,12 @@ class SendLedger:
         else:
             job.state = JobState.WRITTEN
 
-    @staticmethod
-    def _digest_safe(job: Job) -> bool:
-        """Was the share's digest (if any) taken from the blocks as they were written?"""
-        return job.digest_state in (DigestState.OFF, DigestState.READY)
-
     def write_failed(self, request_id: str, error: str, now: float) -> Failure | None:
         """A WRITE failed inside the transport: posted again after a backoff, or, after
         ``max_write_attempts`` failures, the job fails (answer: tell the reader)."""
         job = self.job(request_id)
         if job.state is not JobState.WRITING:
-            raise IllegalTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
+            raise IllegalJobTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
         job.xfer = None
         if job.ack_due:  # the reader has the sample: nothing is lost
             self._finish(job, now)
@@ -359,7 +288,11 @@ class SendLedger:
             job.retry_at = now + self.retry_backoff_s * job.attempts
             self.stats.write_retries += 1
             return None
-        return self.fail(request_id, f"its WRITE failed in NIXL {job.attempts} times (last: {error})")
+        return self.fail(
+            request_id,
+            f"its WRITE failed in NIXL {job.attempts} times (last: {error})",
+            FailureReason.WRITE_FAILED,
+        )
 
     # -------------------------------------------------------- reader messages
     def on_grant(self, grant: Grant, page_bytes: int, pool_bytes: int, now: float) -> None:
@@ -374,8 +307,7 @@ class SendLedger:
         if (grant.first_page + grant.num_pages) * page_bytes > pool_bytes:
             raise ProtocolError(f"grant for {m.request_id} names pages outside the reader's pool")
         job.grant, job.state, job.t_granted = grant, JobState.GRANTED, now
-        self.stats.grant_wait_s += now - job.t_submit
-        self._credit_wait.add(now - job.t_submit)
+        self._meter.granted(now - job.t_submit)
         self.reader_works(now)
 
     def on_rewrite(self, msg: Rewrite) -> bool:
@@ -411,14 +343,15 @@ class SendLedger:
     def _finish(self, job: Job, now: float) -> None:
         del self._jobs[job.request_id]
         self._finished.append(job.request_id)
-        self.stats.requests += 1
-        self.stats.ack_wait_s += now - job.t_write
+        self._meter.acked(now - job.t_write)
 
     def on_refuse(self, msg: Refuse) -> Failure:
         """The reader refused one request (it fails, by name), or the whole connection
         (a ProtocolError: the connection is lost, everything is resent after reconnecting)."""
         if msg.request_id and msg.request_id in self._jobs:
-            failure = self.fail(msg.request_id, f"reader refused ({msg.code}): {msg.message}")
+            failure = self.fail(
+                msg.request_id, f"reader refused ({msg.code}): {msg.message}", failure_reason_of(msg.code)
+            )
             assert failure is not None
             return Failure(failure.request_id, failure.why, tell_reader=False)  # it knows
         raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
@@ -434,11 +367,14 @@ class SendLedger:
         for j in [j for j in self._jobs.values() if j.ack_due]:
             self._finish(j, now)
         for j in self._jobs.values():
-            j.state, j.grant, j.xfer = JobState.WAITING, None, None
-            j.attempts, j.rewrite_due, j.retry_at, j.digest_owed = 0, False, 0.0, False
+            j.connection_lost()
         frozen = [rid for rid, j in self._jobs.items() if j.frozen]
         why = _PREEMPTED + " (the connection was lost before the reader had it)"
-        failures = [f for rid in frozen if (f := self.fail(rid, why, code="preempted")) is not None]
+        failures = [
+            f
+            for rid in frozen
+            if (f := self.fail(rid, why, FailureReason.PREEMPTED, code="preempted")) is not None
+        ]
         return len(self._jobs), failures
 
     def reader_works(self, now: float) -> None:
@@ -453,17 +389,23 @@ class SendLedger:
         late = [j.request_id for j in self._jobs.values() if now - j.t_wait > limit]
         out = []
         for rid in late:
-            f = self.fail(rid, f"cannot reach the reader at {address} for {limit:.0f} s (last error: {why})")
+            f = self.fail(
+                rid,
+                f"cannot reach the reader at {address} for {limit:.0f} s (last error: {why})",
+                FailureReason.UNREACHABLE,
+            )
             assert f is not None
             out.append(f)
         return out
 
-    def fail(self, request_id: str, why: str, code: protocol.RefuseCode = "write_failed") -> Failure | None:
-        """The job fails with ``why`` (S1); None if it is not in flight."""
+    def fail(
+        self, request_id: str, why: str, reason: FailureReason, code: protocol.RefuseCode = "write_failed"
+    ) -> Failure | None:
+        """The job fails with ``why`` for ``reason`` (S1); None if it is not in flight."""
         job = self._jobs.pop(request_id, None)
         if job is None:
             return None
-        self._failed[request_id] = why
+        self._failed[request_id] = SampleFailure(reason, why)
         xfer = job.xfer if job.state is JobState.WRITING else None
         return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer)
 
@@ -476,15 +418,14 @@ class SendLedger:
             if j.grant is not None and j.state is not JobState.WRITING and now - j.t_granted > timeout
         ]
         why = f"not acknowledged {timeout:.0f} s after its pages were granted"
-        return [f for rid in late if (f := self.fail(rid, why, code="timeout")) is not None]
+        return [
+            f for rid in late if (f := self.fail(rid, why, FailureReason.TIMEOUT, code="timeout")) is not None
+        ]
 
     def unsafe(self, request_ids: Iterable[str]) -> list[str]:
         """Of ``request_ids``, the jobs whose share is not safely in the reader's pages yet:
         not written, or written but its digest not taken (or a Rewrite due)."""
-        return [rid for rid in request_ids if rid in self._jobs and not self._safe(self._jobs[rid])]
-
-    def _safe(self, job: Job) -> bool:
-        return job.state is JobState.WRITTEN and self._digest_safe(job) and not job.rewrite_due
+        return [rid for rid in request_ids if rid in self._jobs and not self._jobs[rid].safely_written]
 
     def freeze(self, request_ids: Iterable[str]) -> list[Failure]:
         """The requests were preempted and their blocks are reused from now on (S8): a job
@@ -497,11 +438,11 @@ class SendLedger:
             if job is None:
                 continue
             job.frozen = True
-            if not self._safe(job):
-                f = self.fail(rid, _PREEMPTED, code="preempted")
+            if not job.safely_written:
+                f = self.fail(rid, _PREEMPTED, FailureReason.PREEMPTED, code="preempted")
                 if f is not None:
                     failures.append(f)
         return failures
 
     def fail_all(self, why: str) -> list[Failure]:
-        return [f for rid in list(self._jobs) if (f := self.fail(rid, why)) is not None]
+        return [f for rid in list(self._jobs) if (f := self.fail(rid, why, FailureReason.OTHER)) is not None]

@@ -14,15 +14,24 @@ import selectors
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
+from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.hasher import Hasher
-from kv_connector.sender.ledger import Failure, FrozenJob, Job, SendLedger
+from kv_connector.sender.jobs import Failure, FrozenJob, Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
 from kv_connector.wire import handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
 from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.transport import Region, Transport, TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+HELD_POLL_S = 0.0002  # while a shipped job waits for its step to finish on the device
 
 log = logging.getLogger("kv_connector.sender.sender")
 
@@ -47,8 +56,12 @@ class SenderLoop:
         writer: ShareWriter,
         digest: Callable[[Job], int] | None,
         sample_timeout_s: float = 300.0,
+        device: torch.device | None = None,
+        open_gates: Callable[[], bool] | None = None,
     ) -> None:
         self.address = address
+        self._device = device
+        self._open_gates = open_gates  # releases held jobs; True while some wait for their step
         self.me = me
         self.rank = me.rank
         self.connect_timeout_s = connect_timeout_s
@@ -60,7 +73,7 @@ class SenderLoop:
         self._digest = digest
         self.sample_timeout_s = sample_timeout_s
         self._next_deadline_check = 0.0
-        self._hasher = Hasher(f"hs-hash-r{me.rank}") if digest is not None else None
+        self._hasher = Hasher(f"hs-hash-r{me.rank}", device) if digest is not None else None
         self._conn: FramedConnection | None = None
         self._handshake_conn: FramedConnection | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -71,6 +84,10 @@ class SenderLoop:
         self.connected = threading.Event()
         # None while connected, else why not (read by the worker's reports)
         self.link_error: str | None = "not connected yet"
+        # sleep mode (``pause``): why the thread must hold no connection, None when it may
+        self._pause: str | None = None
+        self._resumed = threading.Event()
+        self.parked = threading.Event()  # set while paused, connection and peer gone
         self.thread = threading.Thread(target=self._run, name=f"hs-sender-r{me.rank}", daemon=True)
 
     def start(self) -> None:
@@ -79,6 +96,33 @@ class SenderLoop:
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
+
+    def pause(self, why: str, timeout: float) -> bool:
+        """Leave the reader (WRITEs in flight settle first) and hold no connection until
+        ``resume``; ``link_error`` says ``why``. The caller fails the jobs first. False if
+        the thread did not park within ``timeout`` seconds (the engine sleeps)."""
+        self._resumed.clear()
+        self._pause = why
+        self.wake()
+        hs = self._handshake_conn
+        if hs is not None:
+            hs.close()  # abort a handshake in progress
+        if self.dead is not None or not self.thread.is_alive():
+            return True
+        return self.parked.wait(timeout)
+
+    def resume(self) -> None:
+        """Connect again (a new handshake: the reader loads this agent's metadata afresh)."""
+        self._pause = None
+        self._resumed.set()
+        self.wake()
+
+    def hasher_idle(self, timeout: float) -> bool:
+        """Wait until no digest is being computed (none reads the cache after this)."""
+        try:
+            return self._hasher is None or self._hasher.submit(lambda: 0).result(timeout) == 0
+        except concurrent.futures.TimeoutError:
+            return False
 
     def close(self) -> None:
         if self.closed:
@@ -103,6 +147,7 @@ class SenderLoop:
         fast and what it held failed; the scheduler stops admitting requests to it after
         ``connect_timeout_s``, as for a reader it cannot reach."""
         try:
+            on_device(self._device)  # it drives the NIXL agent that holds the cache's registration
             self._sessions()
         except Exception as e:
             log.exception("rank %d sender thread failed; this rank ships nothing more", self.rank)
@@ -118,14 +163,21 @@ class SenderLoop:
         (``sample_timeout_s`` after its grant) passed."""
         last_error = ""
         while not self.closed:
+            if self._pause is not None:
+                self._park()
+                continue
             try:
                 self._connect()
-            except SenderError as e:  # closed while connecting
+            except SenderError as e:  # closed (or paused) while connecting
+                if self._pause is not None:
+                    continue
                 last_error = str(e)
                 break
             try:
                 self._serve()
-                return  # closed
+                if self._pause is None:
+                    return  # closed
+                self._leave(self._pause)
             except (ConnectionClosed, ProtocolError, OSError, TransportError) as e:
                 last_error = str(e)
                 self._on_lost(e)
@@ -137,22 +189,47 @@ class SenderLoop:
         sel = selectors.DefaultSelector()
         sel.register(self._conn.sock, selectors.EVENT_READ, "conn")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        held = False  # jobs wait for their step on the device: look again soon
         try:
-            while not self.closed:
-                # WRITEs are the writer thread's: this one only waits for the reader's
-                # messages and for work (a ship, a digest) to send
-                for key, _ in sel.select(IDLE_POLL_S):
+            while not self.closed and self._pause is None:
+                # WRITEs are the writer thread's; this one waits for the reader's messages and work
+                for key, _ in sel.select(HELD_POLL_S if held else IDLE_POLL_S):
                     if key.data == "wake":
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
                     else:
                         for msg in self._conn.receive():
                             self._handle(msg)
+                held = self._open_gates is not None and self._open_gates()
                 self._send_requests()
                 self._send_digests()
                 self._check_deadlines()
         finally:
             sel.close()
+
+    def _leave(self, why: str) -> None:
+        """Paused while connected: settle the WRITEs in flight, forget the reader."""
+        self._writer.settle()
+        with self._lock:
+            _, failures = self._ledger.connection_lost(time.monotonic())
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, f.why)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.connected.clear()
+        self.link_error = why
+        log.info("rank %d left the reader at %s: %s", self.rank, self.address, why)
+
+    def _park(self) -> None:
+        why = self._pause
+        if why is None:
+            return
+        self.link_error = why
+        self.parked.set()
+        while not self.closed and self._pause is not None:
+            self._resumed.wait(0.05)
+        self.parked.clear()
 
     def _on_lost(self, e: BaseException) -> None:
         """The connection broke: let WRITEs in flight settle, forget the reader, and mark
@@ -186,14 +263,14 @@ class SenderLoop:
         delay = 0.1
         first = self.link_error == "not connected yet"
         while True:
-            if self.closed:
-                raise SenderError("closed")
+            if self.closed or self._pause is not None:
+                raise SenderError("closed" if self.closed else "paused")
             try:
                 self._handshake()
                 self.link_error = None
                 if not first:
                     with self._lock:
-                        self._ledger.stats.reconnects += 1
+                        self._ledger.reconnected()
                 self.connected.set()
                 return
             except (
@@ -215,7 +292,7 @@ class SenderLoop:
                 delay,
             )
             end = time.monotonic() + delay
-            while time.monotonic() < end and not self.closed:
+            while time.monotonic() < end and not self.closed and self._pause is None:
                 time.sleep(min(0.05, delay))
                 self._expire(why)
             delay = min(delay * 2, 2.0)
@@ -267,6 +344,7 @@ class SenderLoop:
                         failure = self._ledger.fail(
                             msg.request_id,
                             "the reader asks to write it again, but it was preempted: its blocks are reused",
+                            FailureReason.PREEMPTED,
                             code="preempted",
                         )
                     if failure is not None:
@@ -359,7 +437,9 @@ class SenderLoop:
             with contextlib.suppress(OSError):
                 conn.send(
                     protocol.Refuse(
-                        code=failure.code, message=failure.why[:4000], request_id=failure.request_id
+                        code=failure.code,
+                        message=protocol.clip_text(failure.why),
+                        request_id=failure.request_id,
                     )
                 )
 

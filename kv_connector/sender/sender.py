@@ -1,7 +1,7 @@
 """HiddenStatesSender: the producer side of one rank, as a thin I/O shell around the job
-ledger (``send_ledger.SendLedger``): ``ship`` submits, the worker side takes what
-finished or failed. Its thread (``sender_loop.SenderLoop``) talks to the reader, its
-``share_writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
+ledger (``ledger.SendLedger``): ``ship`` submits, the worker side takes what
+finished or failed. Its thread (``loop.SenderLoop``) talks to the reader, its
+``writer.ShareWriter`` posts and polls the WRITEs; every decision about a job
 (when it may be written, retried, finished or failed) is the ledger's."""
 
 from __future__ import annotations
@@ -10,23 +10,35 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.ledger import Job, SendLedger
+from kv_connector.sender.jobs import Job
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
-from kv_connector.sender.writer import ShareWriter
-from kv_connector.wire import auth, block_digest, handshake, protocol
-from kv_connector.wire.identity import make_identity
+from kv_connector.sender.writer import SETTLE_S, ShareWriter
+from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+class ReadyGate(Protocol):
+    """When a shipped request's blocks may be read (the producer's step barrier)."""
+
+    def poll(self, request_id: str) -> tuple[bool, str | None]:
+        """Without waiting: (the step that wrote them is done and checked, why the request
+        must fail instead, or None)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -37,11 +49,11 @@ class SenderConfig:
     producer_id: shared by all ranks of one producer engine, unique among producers.
     rank / world_size: this rank and how many ranks share each sample's blocks.
     connect_timeout_s: how long to keep trying to reach the reader.
-    checksum: send the XXH3-64 of each share with its WRITE, for the reader to check
-    (on a GPU cache this stages the share's bytes to host memory once).
-    block_digests: with ``checksum``, compute it from per-block digests where the cache is
-    (``block_digest``: torch ops on a stream of their own, 8 bytes per block to the host)
-    instead of over the share's bytes on the host: the way for a GPU cache.
+    checksum: how each share's checksum, sent with its WRITE for the reader to check, is
+    computed: ``XXH3`` over the share's bytes (on a GPU cache this stages them to host
+    memory once), ``BLOCKS`` from per-block digests where the cache is (``block_digest``:
+    torch ops on a stream of their own, 8 bytes per block to the host; the way for a GPU
+    cache, whose rows must be whole 8-byte words); None sends none.
     sample_timeout_s: a sample granted pages and not acknowledged this long after fails
     (and the reader is told), whatever the connection does.
     """
@@ -51,9 +63,8 @@ class SenderConfig:
     rank: int = 0
     world_size: int = 1
     connect_timeout_s: float = 60.0
-    checksum: bool = True
+    checksum: ShareChecksum | None = ShareChecksum.XXH3
     sample_timeout_s: float = 300.0
-    block_digests: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -87,36 +98,31 @@ class HiddenStatesSender:
         self.layer_ids = list(layer_ids)
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
-        block_stride = cache.stride(0) * cache.element_size()
-        nbytes = cache.numel() * cache.element_size()
-        if block_stride != layout.block_bytes or nbytes != cache.shape[0] * layout.block_bytes:
-            raise ValueError(
-                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
-                f"bytes; the layout says blocks of {layout.block_bytes}"
-            )
         self.num_cache_blocks = cache.shape[0]
-        # the cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)
-        self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
-        )
+        self._raw = self._flat(cache)
         self._stage_digest: bool | None = None  # None: stage a device cache's shares, not a host one's
-        if config.block_digests and not block_digest.supported(layout):
-            raise ValueError(
-                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
-                'is not (use "checksum": "xxh3")'
-            )
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
         self.agent_name = transport.name
-        local = transport.register(cache)
+        self._local = local = transport.register(cache)
+        self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
+        self._gates: dict[str, ReadyGate] = {}  # held jobs' gates (``ship``'s ``ready``)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
-        self._ledger = SendLedger(checksum=config.checksum, connect_timeout_s=config.connect_timeout_s)
+        self._ledger = SendLedger(
+            checksum=config.checksum is not None, connect_timeout_s=config.connect_timeout_s
+        )
         self._loop: SenderLoop
         self._writer = writer = ShareWriter(
-            transport, local, self._ledger, self._lock, config.rank, lambda f: self._loop.tell_reader(f)
+            transport,
+            local,
+            self._ledger,
+            self._lock,
+            config.rank,
+            lambda f: self._loop.tell_reader(f),
+            cache.device,
         )
         me = handshake.ProducerIdentity(
             config.producer_id,
@@ -125,7 +131,7 @@ class HiddenStatesSender:
             transport.name,
             layout.block_bytes,
             "VRAM" if cache.is_cuda else "DRAM",
-            "blocks" if config.block_digests else "xxh3",
+            config.checksum or ShareChecksum.XXH3,
         )
         self._loop = SenderLoop(
             config.consumer_address,
@@ -138,6 +144,8 @@ class HiddenStatesSender:
             writer,
             self._share_checksum if config.checksum else None,
             config.sample_timeout_s,
+            cache.device,
+            self._open_gates,
         )
         self._loop.start()
 
@@ -157,21 +165,22 @@ class HiddenStatesSender:
         request_id: str,
         token_ids: Sequence[int],
         block_ids: Sequence[int],
-        sample_id: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        identity: SampleIdentity = NO_IDENTITY,
+        ready: ReadyGate | None = None,
     ) -> None:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
-        ``sample_id`` and ``metadata`` the user's name and JSON object for the sample
-        (``kv_connector.wire.identity``). A request that cannot travel (its id, its identity,
-        its blocks) raises ``ValueError``; a sender whose thread died raises
-        ``SenderError``: either way nothing was queued."""
-        if self._loop.dead is not None or self._loop.closed:
-            raise SenderError(self._loop.dead or "the sender is closed")
+        ``identity`` the user's name and metadata for the sample, checked where it was
+        made (``kv_connector.wire.identity``). A request that cannot travel (its id, its
+        blocks) raises ``ValueError``; a sender whose thread died raises ``SenderError``:
+        either way nothing was queued. With ``ready``, nothing reads the blocks (no credit
+        request, digest or WRITE) before it says so, on this sender's thread; a request it
+        fails fails by name (``take_failed``)."""
+        if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
+            raise SenderError(self._loop.dead or self._asleep or "the sender is closed")
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
             raise ValueError(problem)
-        ident = make_identity(sample_id, metadata)
         n_blocks = self.layout.blocks_for(len(token_ids))
         if len(block_ids) < n_blocks:
             raise ValueError(
@@ -187,12 +196,15 @@ class HiddenStatesSender:
             layer_ids=self.layer_ids,
             geometry=self.layout,
             num_blocks=n_blocks,
-            sample_id=ident.sample_id,
-            metadata=ident.metadata_json,
+            sample_id=identity.sample_id,
+            metadata=identity.metadata_json,
         )
         share = stripe(n_blocks, self.config.rank, self.config.world_size)
         with self._lock:
             self._ledger.submit(request_id, manifest, blocks, share, time.monotonic())
+            self._ledger.hold(request_id, ready is not None)
+        if ready is not None:
+            self._gates[request_id] = ready  # the sender's thread opens it (``_open_gates``)
         self._loop.wake()
 
     def count_unsafe(self, request_ids: Sequence[str]) -> int:
@@ -221,12 +233,98 @@ class HiddenStatesSender:
             self._loop.tell_reader(f)
         return [f.request_id for f in failures]
 
+    def suspend(self, timeout: float, why: str) -> list[str]:
+        """The engine goes to sleep and releases the cache's memory: ``ship`` refuses from
+        now on; the jobs in flight get up to ``timeout`` seconds to be acknowledged, the
+        rest fail with ``why`` (the reader is told, and drops their samples); WRITEs in
+        flight and the digest being computed end, the connection is left, and the cache is
+        deregistered. Nothing reads the cache after this returns. Returns the request ids
+        that failed. Idempotent."""
+        if self._asleep is not None:
+            return []
+        self._asleep = f"the engine is asleep: {why}"
+        deadline = time.monotonic() + timeout
+        self._loop.wake()
+        self._writer.wake()
+        while self.in_flight and time.monotonic() < deadline and self._loop.dead is None:
+            time.sleep(0.001)
+        with self._lock:
+            rids = [j.request_id for j in self._ledger.jobs()]
+            fails = (self._ledger.fail(rid, why, FailureReason.ASLEEP, code="preempted") for rid in rids)
+            failures = [f for f in fails if f is not None]
+        for f in failures:
+            log.error("request %s failed: %s", f.request_id, f.why)
+            self._loop.tell_reader(f)  # a WRITE in flight is polled to its end by the writer
+        if not self._loop.pause(self._asleep, SETTLE_S + 5.0) or not self._loop.hasher_idle(SETTLE_S):
+            log.error("rank %d: the sender did not settle before sleeping", self.config.rank)
+        self._transport.deregister(self._local)
+        self._raw = torch.empty(0, dtype=torch.uint8, device=self._raw.device)  # the old memory's last view
+        log.info(
+            "rank %d asleep: %d requests failed, the cache's %d bytes deregistered",
+            self.config.rank,
+            len(failures),
+            self._local.nbytes,
+        )
+        return [f.request_id for f in failures]
+
+    def resume(self, cache: torch.Tensor) -> None:
+        """The engine woke up: register ``cache`` again (the same geometry; its memory may
+        be at another address now), and connect to the reader again, which loads the new
+        registration from the handshake. Idempotent."""
+        if self._asleep is None:
+            return
+        if cache.shape[0] != self.num_cache_blocks:
+            raise ValueError(
+                f"the cache has {cache.shape[0]} blocks after the wake, {self.num_cache_blocks} before"
+            )
+        raw = self._flat(cache)
+        self._local = self._transport.register(cache)
+        self._writer.set_local(self._local)
+        self._raw = raw
+        self._asleep = None
+        self._loop.resume()
+        log.info("rank %d awake: the cache is registered again at %#x", self.config.rank, self._local.addr)
+
+    def _open_gates(self) -> bool:
+        """On the sender's thread: release the held jobs whose step is done and checked,
+        fail the ones whose check failed. True while some are still held."""
+        if not self._gates:
+            return False
+        for rid in list(self._gates):
+            done, why = self._gates[rid].poll(rid)
+            if not done:
+                continue
+            del self._gates[rid]
+            with self._lock:
+                if rid not in self._ledger:
+                    continue  # failed meanwhile
+                if why is None:
+                    self._ledger.hold(rid, False)
+                    continue
+                failure = self._ledger.fail(rid, why, FailureReason.OTHER)
+            if failure is not None:
+                log.error("request %s: %s; its hidden states will not be shipped", rid, why)
+        return bool(self._gates)
+
+    def _flat(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)."""
+        block_stride = cache.stride(0) * cache.element_size()
+        nbytes = cache.numel() * cache.element_size()
+        if block_stride != self.layout.block_bytes or nbytes != cache.shape[0] * self.layout.block_bytes:
+            raise ValueError(
+                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
+                f"bytes; the layout says blocks of {self.layout.block_bytes}"
+            )
+        return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
+        )
+
     def take_finished(self) -> set[str]:
         """Request ids the reader acknowledged since the last call."""
         with self._lock:
             return set(self._ledger.take_finished())
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, SampleFailure]:
         """Request ids that failed since the last call, with the reason."""
         with self._lock:
             return self._ledger.take_failed()
@@ -257,23 +355,6 @@ class HiddenStatesSender:
         with self._lock:
             return self._ledger.unwritten
 
-    def count_unwritten(self, request_ids: Sequence[str]) -> int:
-        """How many of ``request_ids`` still have a WRITE to make (in flight, waiting for
-        pages, or not started)."""
-        with self._lock:
-            return self._ledger.count_unwritten(request_ids)
-
-    def wait_written(self, request_ids: Sequence[str], timeout: float) -> bool:
-        """Block until none of ``request_ids`` has a WRITE pending (landed, failed or
-        unknown); False if ``timeout`` seconds passed first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.count_unwritten(request_ids):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-
     def close(self) -> None:
         if self._loop.closed:
             return
@@ -284,10 +365,10 @@ class HiddenStatesSender:
     def _share_checksum(self, job: Job) -> int:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
-        if self.config.block_digests:
+        if self.config.checksum is ShareChecksum.BLOCKS:
             value = share_block_digest(self._raw, job)
         else:
             value = share_checksum(self._raw, job, self._stage_digest)
         with self._lock:
-            self._ledger.stats.checksum_s += time.perf_counter() - t0
+            self._ledger.hashed(time.perf_counter() - t0)
         return value

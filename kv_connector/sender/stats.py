@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from kv_connector.common.observe import Observations
+
 
 @dataclass
 class SenderStats:
@@ -55,3 +57,47 @@ class SenderMetrics(NamedTuple):
     observations: SenderObservations
     in_flight: int
     mark: tuple[int, ...] = ()
+
+
+class SenderMeter:
+    """What one rank's job ledger counts: its ``SenderStats`` and the raw observations of
+    the metrics' histograms (bounded until someone takes them). Only the ledger calls it."""
+
+    def __init__(self) -> None:
+        self.stats = SenderStats()
+        self._write_latency = Observations()
+        self._credit_wait = Observations()
+
+    def granted(self, wait_s: float) -> None:
+        """A job was granted pages ``wait_s`` after its submission."""
+        self.stats.grant_wait_s += wait_s
+        self._credit_wait.add(wait_s)
+
+    def written(self, nbytes: int, seconds: float) -> None:
+        """A WRITE of ``nbytes`` completed ``seconds`` after it was posted."""
+        self.stats.write_s += seconds
+        self.stats.bytes += nbytes
+        self.stats.writes += 1
+        self._write_latency.add(seconds)
+
+    def acked(self, wait_s: float) -> None:
+        """A job was finished by the reader's Ack ``wait_s`` after its last WRITE."""
+        self.stats.requests += 1
+        self.stats.ack_wait_s += wait_s
+
+    def mark(self, in_flight: int) -> tuple[int, ...]:
+        """The fingerprint of what ``take`` reports (see ``SendLedger.metrics_mark``)."""
+        st = self.stats
+        return (
+            st.requests, st.bytes, st.writes, st.rewrites, st.write_retries, st.reconnects, in_flight,
+            len(self._write_latency) + len(self._credit_wait),
+        )  # fmt: skip
+
+    def take(self, in_flight: int) -> SenderMetrics:
+        """A snapshot of the counters, the observations since the last take, the jobs in
+        flight, and the fingerprint right after."""
+        stats, obs = self.stats.snapshot(), self.take_observations()
+        return SenderMetrics(stats, obs, in_flight, self.mark(in_flight))
+
+    def take_observations(self) -> SenderObservations:
+        return SenderObservations(self._write_latency.drain(), self._credit_wait.drain())

@@ -11,13 +11,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kv_connector.common.device import on_device
 from kv_connector.common.poller import Poller
-from kv_connector.sender.ledger import Failure, Job, JobState, SendLedger
+from kv_connector.sender.failure import FailureReason
+from kv_connector.sender.jobs import Failure, Job, JobState
+from kv_connector.sender.ledger import SendLedger
 from kv_connector.wire import protocol
 from kv_connector.wire.transport import Region, Transport, TransportError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kv_connector.sender.sender")
 
@@ -33,7 +40,9 @@ class ShareWriter:
         lock: threading.Lock,
         rank: int,
         tell_reader: Callable[[Failure], None],
+        device: torch.device | None = None,
     ) -> None:
+        self._device = device
         self._transport = transport
         self._local = local
         self._ledger = ledger
@@ -60,6 +69,11 @@ class ShareWriter:
     def wake(self) -> None:
         self._wake.set()
 
+    def set_local(self, local: Region) -> None:
+        """WRITE from ``local`` from now on (the cache registered again after a wake)."""
+        with self._io:
+            self._local = local
+
     def adopt(self, xfer: object) -> None:
         """A failed job's WRITE still in flight: poll it to its end (its handle is
         released then), whatever the ledger does."""
@@ -73,6 +87,7 @@ class ShareWriter:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        on_device(self._device)  # UCX keeps CUDA IPC on only in a thread with the cache's context
         while not self._closed:
             with self._lock:
                 writing = self._ledger.writing or bool(self._orphans)
@@ -130,7 +145,9 @@ class ShareWriter:
             if not isinstance(e, TransportError):  # a bug: fail this job, not the thread
                 log.exception("rank %d: cannot post the WRITE of %s", self._rank, rid)
                 with self._lock:
-                    failure = self._ledger.fail(rid, f"cannot post its WRITE: {type(e).__name__}: {e}")
+                    failure = self._ledger.fail(
+                        rid, f"cannot post its WRITE: {type(e).__name__}: {e}", FailureReason.OTHER
+                    )
                 if failure is not None:
                     self._tell_reader(failure)
                 return

@@ -26,13 +26,13 @@ import contextlib
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgspec
 
 from kv_connector.wire import auth, protocol
 from kv_connector.wire.control import FramedConnection
 from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.transport import MemType
 
 HANDSHAKE_TIMEOUT_S = 10.0  # the whole handshake, every message included
 
@@ -66,8 +66,8 @@ class ProducerIdentity:
     world_size: int
     agent_name: str
     block_bytes: int
-    cache_mem: Literal["DRAM", "VRAM"] = "DRAM"  # where the cache lives (the reader's checksum policy)
-    digest: protocol.ShareChecksum = "xxh3"  # how its shares' checksums are computed
+    cache_mem: MemType = "DRAM"  # where the cache lives (the reader's checksum policy)
+    digest: protocol.ShareChecksum = protocol.ShareChecksum.XXH3  # how its shares' checksums are computed
 
 
 def as_producer(
@@ -154,7 +154,7 @@ def welcome_proof(
 def _refuse(conn: FramedConnection, why: str) -> None:
     """Tell the reader why this producer turns away (it logs it), then go."""
     with contextlib.suppress(OSError):
-        conn.send(protocol.Refuse(code="auth", message=why))
+        conn.send(protocol.Refuse(code="auth", message=protocol.clip_text(why)))
 
 
 @dataclass

@@ -41,6 +41,10 @@ class SampleIdentity:
         """The metadata object (empty when none was given)."""
         return decode_metadata(self.metadata_json)
 
+    def name_of(self, request_id: str) -> str:
+        """The sample's name: its own id, or its request's when it gave none."""
+        return self.sample_id or request_id
+
 
 NO_IDENTITY = SampleIdentity()
 

@@ -25,14 +25,33 @@ log = logging.getLogger(__name__)
 _DONE, _PROC, _ERR = "DONE", "PROC", "ERR"
 
 
+NIXL_VERSION = "1.5.1"
+
+
+def nixl_wheel(torch_cuda: str | None) -> str:
+    """The NIXL wheel for a torch built against CUDA ``torch_cuda`` (``torch.version.cuda``,
+    None for a CPU build): the ``nixl`` meta package imports ``nixl_cu{that major}``.
+    vLLM 0.33 pins a CUDA 13 torch (nixl-cu13); vLLM 0.32's CUDA build a CUDA 12 one, and
+    the CPU build takes nixl-cu12 (it falls back to whichever backend is installed)."""
+    major = torch_cuda.split(".")[0] if torch_cuda else "12"
+    return f"nixl-cu{major}"
+
+
+def install_hint(torch_cuda: str | None) -> str:
+    """How to install NIXL for this torch, in one line."""
+    built = f"torch {torch.__version__} built for CUDA {torch_cuda}" if torch_cuda else "a CPU build of torch"
+    return (
+        f"pip install {nixl_wheel(torch_cuda)}=={NIXL_VERSION} && pip install --no-deps nixl=={NIXL_VERSION} "
+        f"(for {built}; the nixl package loads nixl_cu<torch's CUDA major>: nixl-cu13 for vLLM 0.33, "
+        "nixl-cu12 for vLLM 0.32)"
+    )
+
+
 def _nixl() -> Any:
     try:
         from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise TransportError(
-            "NIXL is not installed: pip install nixl-cu12==1.5.1 (or nixl-cu13) and "
-            "pip install --no-deps nixl==1.5.1"
-        ) from e
+    except ImportError as e:
+        raise TransportError(f"NIXL cannot be imported ({e}): {install_hint(torch.version.cuda)}") from e
     _quiet_nixl_logger()
     return nixl_agent, nixl_agent_config
 
@@ -84,7 +103,7 @@ class NixlTransport:
             raise TransportError(f"cannot create the NIXL agent {name!r} on UCX: {e}") from e
         self.name = name
         self.failed_polls = 0
-        self._regs: list[Any] = []
+        self._regs: dict[Region, Any] = {}
         self._peers: set[str] = set()
 
     @property
@@ -104,8 +123,21 @@ class NixlTransport:
             reg = self._agent.register_memory([(tensor.data_ptr(), nbytes, dev, "")], mem_type)
         except Exception as e:
             raise TransportError(f"cannot register {nbytes} bytes of {mem_type}: {e}") from e
-        self._regs.append(reg)
-        return Region(tensor.data_ptr(), nbytes, mem_type, dev)
+        region = Region(tensor.data_ptr(), nbytes, mem_type, dev)
+        self._regs[region] = reg
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Release a registration made by ``register`` (before the memory is freed or
+        remapped); the agent's ``metadata`` no longer names it. No WRITE may be in flight
+        from it. Nothing happens for a region not registered."""
+        reg = self._regs.pop(region, None)
+        if reg is None:
+            return
+        try:
+            self._agent.deregister_memory(reg)
+        except Exception as e:
+            raise TransportError(f"cannot deregister {region.nbytes} bytes of {region.mem_type}: {e}") from e
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its name."""
@@ -224,7 +256,7 @@ class NixlTransport:
     def close(self) -> None:
         for peer in list(self._peers):
             self.remove_peer(peer)
-        for reg in self._regs:
+        for reg in self._regs.values():
             try:
                 self._agent.deregister_memory(reg)
             except Exception as e:

@@ -10,43 +10,28 @@ building) and a wrong protocol version all raise ``ProtocolError``; nothing from
 is ever unpickled. Kinds are types: refusal codes, layouts and dtypes are ``Literal``s
 that decoding validates.
 
-Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
-    1: first version (Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone).
-    2: ``WriteDone.checksum`` (XXH3-64 of the rank's share, see ``kv_connector.wire.integrity``)
-       and ``Rewrite`` (the reader asks a rank to write its share again).
-    3: ``Manifest.geometry`` (a nested ``layout.BlockLayout``) replaces its loose
-       ``hidden_size``/``dtype``/``layout``/``block_size``/``block_bytes``; ``Refuse.code``
-       is one of ``RefuseCode``; a request id may not end in a newline.
-    4: ``Grant`` names one contiguous run of pages (``first_page``, ``num_pages``) holding
-       the sample arranged as ``layout.BlockLayout.arranged_spans`` says;
-       ``WriteDone.digest_follows`` and ``ShareDigest``: a WRITE no longer waits for its
-       digest, which follows on the control connection.
+Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one line each:
+    1: Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone.
+    2: ``WriteDone.checksum`` (XXH3-64 of a rank's share, ``wire.integrity``); ``Rewrite``.
+    3: ``Manifest.geometry`` (a ``layout.BlockLayout``); ``Refuse.code`` a ``RefuseCode``.
+    4: ``Grant`` names one run of pages; ``WriteDone.digest_follows`` and ``ShareDigest``.
     5: (skipped: taken by a branch merged as 7.)
-    6: ``Auth``'s proof covers the producer's NIXL metadata; ``Welcome.proof`` covers every
-       field of the Welcome; after the handshake every message carries a session tag
-       (``auth.SessionMac``) when there is a secret; ``Hello.cache_mem``; names are
-       ``SafeName``s; ``Refuse.code`` "timeout", "limit", "preempted", "unchecked"; a
-       Welcome's pool must fit in 64 bits.
-    7: ``Manifest.sample_id`` and ``Manifest.metadata`` (the user's name for a sample and a
-       small JSON object, see ``kv_connector.wire.identity``), covered by each share's checksum
-       with the rest of the manifest; ``Refuse.code`` "rejected" (the consumer will not take
-       a sample: non-finite or all-zero states, or a file it cannot write).
-    8: ``Hello.digest``: how the rank computes its shares' checksums, "xxh3" over their
-       bytes or "blocks" (per-block digests computed on the cache's device, see
-       ``kv_connector.wire.block_digest``).
-    9: pull delivery: ``PullFetch``/``PullShare``, ``PullRelease``/``PullReleased`` and
-       ``PullError`` (a consumer READs a sample's blocks from a producer rank's cache,
-       see ``kv_connector.producer.pull_server``); the handshake is unchanged.
+    6: proofs cover NIXL metadata and every Welcome field; session tags; ``Hello.cache_mem``.
+    7: ``Manifest.sample_id``/``metadata`` (``wire.identity``), covered by the checksum.
+    8: ``Hello.digest``: "xxh3" over bytes or "blocks" (``wire.block_digest``).
+    9: pull delivery: ``PullFetch``/``PullShare``, ``PullRelease``/``PullReleased``, ``PullError``.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Annotated, Literal
 
 import msgspec
 
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
+from kv_connector.wire.transport import MemType
 
 PROTOCOL_VERSION = 9
 
@@ -58,6 +43,8 @@ MAX_PAGES = 1 << 24
 MAX_METADATA_BYTES = 64 << 10  # NIXL's agent metadata is about 1 KiB
 MAX_SAMPLE_ID_CHARS = 128
 MAX_SAMPLE_METADATA_BYTES = 4096
+MAX_TEXT_CHARS = 4096  # a Refuse's message, a Rewrite's reason
+
 SAMPLE_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -83,6 +70,11 @@ SampleId = Annotated[str, msgspec.Meta(pattern=SAMPLE_ID_PATTERN)]
 SampleMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_SAMPLE_METADATA_BYTES)]
 
 
+def clip_text(text: str) -> str:
+    """``text`` cut to what a message's free-text field holds (``MAX_TEXT_CHARS``)."""
+    return text if len(text) <= MAX_TEXT_CHARS else text[: MAX_TEXT_CHARS - 3] + "..."
+
+
 class ProtocolError(ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
 
@@ -91,9 +83,12 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     pass
 
 
-# How a rank computes its shares' checksums: "xxh3" over their bytes (``integrity``),
-# "blocks" over per-block digests computed where its cache is (``block_digest``).
-ShareChecksum = Literal["xxh3", "blocks"]
+class ShareChecksum(str, enum.Enum):
+    """How a rank computes its shares' checksums, resolved once where the rank starts
+    (``ChecksumOption.resolve``) and carried as this value to the reader."""
+
+    XXH3 = "xxh3"  # XXH3-64 over the share's bytes (``integrity``)
+    BLOCKS = "blocks"  # XXH3-64 over per-block digests computed where the cache is (``block_digest``)
 
 
 class Hello(_Msg, tag="hello", frozen=True):
@@ -109,8 +104,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     agent_name: SafeName
     block_bytes: PosInt
     nonce: Nonce
-    cache_mem: Literal["DRAM", "VRAM"] = "DRAM"
-    digest: ShareChecksum = "xxh3"
+    cache_mem: MemType = "DRAM"
+    digest: ShareChecksum = ShareChecksum.XXH3
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
@@ -141,7 +136,7 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     pool_bytes: PosInt
     page_bytes: PosInt
     num_pages: PosInt
-    mem_type: Literal["DRAM", "VRAM"]
+    mem_type: MemType
     device_id: NonNegInt
     proof: Digest
 
@@ -288,7 +283,7 @@ class Refuse(_Msg, tag="refuse", frozen=True):
     whole connection."""
 
     code: RefuseCode
-    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
     request_id: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_.:@+=\-]{1,256})?\Z")] = ""
 
 
@@ -322,7 +317,7 @@ class Rewrite(_Msg, tag="rewrite", frozen=True):
     write it again into the same pages."""
 
     request_id: RequestId
-    reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] = ""
 
 
 # ---- pull delivery: a consumer asks a producer's rank for its share of one sample
@@ -352,7 +347,7 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     block_ids: Annotated[list[BlockIndex], msgspec.Meta(max_length=MAX_BLOCKS)]
     cache_addr: NonNegInt
     cache_bytes: PosInt
-    mem_type: Literal["DRAM", "VRAM"]
+    mem_type: MemType
     device_id: NonNegInt
     checksum: Checksum | None = None
 
@@ -387,7 +382,7 @@ class PullError(_Msg, tag="pull_error", frozen=True):
 
     request_id: RequestId
     code: PullErrorCode
-    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 
 
 Message = (

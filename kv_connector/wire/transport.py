@@ -52,6 +52,10 @@ class Transport(Protocol):
         """Register a dense tensor's memory once (no copy)."""
         ...
 
+    def deregister(self, region: Region) -> None:
+        """Release a registration (before its memory is freed or remapped)."""
+        ...
+
     def add_peer(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its name."""
         ...

@@ -19,6 +19,24 @@ from kv_connector.reader import HiddenStatesReader, Sample
 REPO = Path(__file__).resolve().parents[2]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every e2e test executes a model: skipped, with the reason, where the vLLM on the
+    path has no compiled kernels (vLLM 0.33.0's Python code of ``make test-vllm033``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm._C") is not None:
+        return
+    import vllm
+
+    skip = pytest.mark.skip(
+        reason=f"vLLM {vllm.__version__} at {Path(vllm.__file__).parent} has no compiled kernels "
+        "(Python code only, as make test-vllm033 fetches it): it cannot execute a model"
+    )
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from scripts.make_tiny_model import build_tiny_model

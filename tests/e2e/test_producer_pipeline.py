@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from tests.e2e.conftest import Reference, check_samples, prompts_of, run_and_collect
+from tests.e2e.conftest import Reference, check_samples, prompts_of, relative_error, run_and_collect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -67,6 +67,34 @@ def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_re
         )
         got, result, _ = run_and_collect(reader, spec, len(prompts))
     check_against_reference(got, result, prompts, llama_reference, with_output={2, 3})
+
+
+def test_unsorted_layer_ids_label_each_slice_with_its_layer(
+    tiny_llama: Path, llama_reference: Reference
+) -> None:
+    """Configured [3, 1, 2]: vLLM captures layers 1, 2, 3 in that order, and each slice
+    ``hidden_states[:, i]`` must be the layer its label ``layer_ids[i]`` names, checked one
+    layer at a time (a mislabelled slice is another layer: off by ~1, not 1e-6)."""
+    prompts = prompts_of([5, BLOCK + 2, 300], seed=14)
+    with HiddenStatesReader() as reader:
+        spec = dict(
+            model=str(tiny_llama),
+            address=reader.address,
+            layer_ids=[3, 1, 2],
+            block_size=BLOCK,
+            prompts=prompts,
+            max_num_batched_tokens=BLOCK,
+            inprocess=True,
+        )
+        got, result, log = run_and_collect(reader, spec, len(prompts))
+    for o, prompt in zip(result["outputs"], prompts, strict=True):
+        s = got[o["request_id"]]
+        assert s.token_ids.tolist() == prompt
+        for i, k in enumerate(s.layer_ids):
+            err = relative_error(s.hidden_states[:, i], llama_reference.states(prompt, [k])[:, 0])
+            assert err < 1e-4, (s.request_id, f"slice {i} labelled layer {k}", err)
+        assert s.layer_ids == (1, 2, 3)
+    assert log.count("every sample reports layer_ids=[1, 2, 3]") == 1, log[-3000:]
 
 
 @pytest.mark.multinode

@@ -69,8 +69,26 @@ def test_good_config_gives_the_options_and_the_layer_ids(tiny_llama: Path) -> No
     assert config.kv_transfer_config is not None and config.kv_transfer_config.kv_role == "kv_producer"
     options, layer_ids = check_config(config)
     assert layer_ids == LAYER_IDS
-    assert options.consumer_address == ADDRESS
+    assert options.readers == (ADDRESS,)
     assert options.include_output_tokens is False
+
+
+def speculative_with(layer_ids: list[int]) -> dict[str, Any]:
+    hf_config = {"eagle_aux_hidden_state_layer_ids": layer_ids}
+    return {**SPECULATIVE, "draft_model_config": {"hf_config": hf_config}}
+
+
+def test_unsorted_layer_ids_are_reported_in_the_order_vllm_captures_them(tiny_llama: Path) -> None:
+    from kv_connector.connector import check_config
+
+    _, layer_ids = check_config(engine_config(tiny_llama, speculative=speculative_with([3, 1, 2])))
+    assert layer_ids == [1, 2, 3]
+
+
+def test_duplicate_layer_ids_are_rejected_naming_the_duplicate(tiny_llama: Path) -> None:
+    msg = check_error(engine_config(tiny_llama, speculative=speculative_with([2, 1, 2])))
+    assert "eagle_aux_hidden_state_layer_ids lists layer 2 more than once ([2, 1, 2])" in msg
+    assert "list each layer once, e.g. [1, 2]" in msg
 
 
 def test_consumer_role_is_rejected_naming_kv_producer(tiny_llama: Path) -> None:
@@ -108,3 +126,21 @@ def test_vllm_fails_to_start_as_a_kv_consumer_and_says_why(tiny_llama: Path) -> 
     stderr = result["stderr"]
     assert "HiddenStatesConnector is a producer" in stderr, stderr[-3000:]
     assert '"kv_role":"kv_producer"' in stderr and "'kv_consumer'" in stderr
+
+
+def test_vllm_with_duplicate_layer_ids_fails_to_start_and_says_why(tiny_llama: Path) -> None:
+    """Without the check vLLM starts, then fails at its first step with a tensor-shape
+    error that names neither the layer ids nor the fix."""
+    result = run_producer(
+        {
+            "model": str(tiny_llama),
+            "address": ADDRESS,
+            "layer_ids": [1, 2, 2],
+            "prompts": [[1, 2, 3]],
+            "max_model_len": 1024,
+        },
+        timeout=300,
+    )
+    assert result["rc"] != 0
+    assert "outputs" not in result, "generate() ran although the layer ids name a layer twice"
+    assert "lists layer 2 more than once" in result["stderr"], result["stderr"][-3000:]

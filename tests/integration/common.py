@@ -96,3 +96,18 @@ def finish_sender(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str
     result["rc"] = proc.returncode
     result["stderr"] = err
     return result
+
+
+def run_json_main(script: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run tests/integration/SCRIPT with ``args`` in a new process; its last JSON line."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "integration" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-4000:], proc.stdout[-2000:])
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result

@@ -21,6 +21,7 @@ import msgspec
 from hypothesis import strategies as st
 
 from kv_connector.reader import HiddenStatesReader
+from kv_connector.sender.failure import SampleFailure
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire import auth, handshake, protocol
 from kv_connector.wire.control import FramedConnection, parse_address
@@ -249,7 +250,7 @@ def check(expect: Expect, got: list[protocol.Message]) -> None:
         assert got[0].code == "pool_too_small" and got[0].request_id == expect.detail["request_id"]
     elif k == "grant":
         # granted, or waiting for pages that earlier examples' discarded samples hold in
-        # quarantine (the pool's exact accounting is proven in tests/unit/test_reader_ledger)
+        # quarantine (the pool's exact accounting is proven in tests/unit/reader/test_ledger)
         if not got:
             return
         assert len(got) == 1 and isinstance(got[0], protocol.Grant), got
@@ -474,7 +475,7 @@ def ship_to_fake(fake: FakeReader, secret: bytes | None = None) -> str:
     try:
         sender.ship("victim-r", token_ids("victim-r", 40), [3, 5, 7])
         deadline = time.monotonic() + SENDER_BOUND_S
-        failed: dict[str, str] = {}
+        failed: dict[str, SampleFailure] = {}
         while not failed:
             assert not sender.take_finished(), "a fake reader's request was reported delivered"
             assert time.monotonic() < deadline, (
@@ -490,7 +491,7 @@ def ship_to_fake(fake: FakeReader, secret: bytes | None = None) -> str:
         sender.close()
         closing = time.monotonic() - t0
     assert closing < 5, f"closing the sender took {closing:.1f} s"
-    reason = failed["victim-r"]
+    reason = failed["victim-r"].why
     assert reason and ("reader" in reason or "WRITE" in reason), reason
     return reason
 

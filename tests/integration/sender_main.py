@@ -12,9 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kv_connector.sender.ledger import Job
+from kv_connector.sender.jobs import Job
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import ShareChecksum
 from tests.integration.common import make_cache, token_ids
 
 
@@ -35,9 +37,12 @@ def main() -> int:
         rank=spec.get("rank", 0),
         world_size=spec.get("world_size", 1),
         connect_timeout_s=spec.get("connect_timeout_s", 30.0),
-        checksum=spec.get("checksum", True),
+        checksum=(
+            (ShareChecksum.BLOCKS if spec.get("block_digests") else ShareChecksum.XXH3)
+            if spec.get("checksum", True)
+            else None
+        ),
         sample_timeout_s=spec.get("sample_timeout_s", 300.0),
-        block_digests=spec.get("block_digests", False),
     )
     layer_ids = spec.get("layer_ids", list(range(layout.num_layers)))
     corrupt = set(spec.get("corrupt_after_checksum", []))
@@ -64,8 +69,7 @@ def main() -> int:
             s["request_id"],
             token_ids(s["request_id"], s["num_tokens"]),
             s["block_ids"],
-            sample_id=s.get("sample_id"),
-            metadata=s.get("metadata"),
+            make_identity(s.get("sample_id"), s.get("metadata")),
         )
     if spec.get("exit_after_ship"):
         # like a vLLM worker at interpreter exit: an atexit hook drains what is unwritten
@@ -74,7 +78,12 @@ def main() -> int:
             while sender.unwritten and time.monotonic() < end:
                 time.sleep(0.01)
             print(
-                json.dumps({"unwritten_at_exit": sender.unwritten, "failed": sender.take_failed()}),
+                json.dumps(
+                    {
+                        "unwritten_at_exit": sender.unwritten,
+                        "failed": {r: f.why for r, f in sender.take_failed().items()},
+                    }
+                ),
                 flush=True,
             )
             sender.close()
@@ -87,7 +96,7 @@ def main() -> int:
     deadline = t0 + spec.get("timeout_s", 60.0)
     while len(finished) + len(failed) < len(want) and time.monotonic() < deadline:
         finished += sender.take_finished()
-        failed.update(sender.take_failed())
+        failed.update({rid: f.why for rid, f in sender.take_failed().items()})
         time.sleep(0.002)
     elapsed = time.monotonic() - t0
     stats = sender.stats().as_dict()

@@ -76,7 +76,7 @@ def wait_outcome(
     while (finished | set(failed)) < rids:
         assert time.monotonic() < deadline, f"no outcome for {rids - finished - set(failed)}"
         finished |= sender.take_finished()
-        failed.update(sender.take_failed())
+        failed.update({rid: f.why for rid, f in sender.take_failed().items()})
         time.sleep(0.005)
     return finished, failed
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kv_connector.producer.step_stats import COUNTERS, FAILED, GAUGES, HISTOGRAMS, FailureReason
+from kv_connector.producer.step_stats import COUNTERS, FAILED, GAUGES, HISTOGRAMS
 from kv_connector.reader import metrics as reader_metrics
+from kv_connector.sender.failure import FailureReason
 
 REPO = Path(__file__).resolve().parents[2]
 

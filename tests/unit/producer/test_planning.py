@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_connector.producer.delivery import DeliveryBook, Router
 from kv_connector.producer.planning import (
     BlockRecorder,
     NewRequest,
-    Router,
     RunningRequest,
     ShipOrder,
     ShipPlanner,
@@ -28,6 +28,7 @@ from kv_connector.producer.planning import (
     StepPlan,
     StepSlice,
 )
+from kv_connector.producer.request_table import RequestTable
 
 BS = 16  # block size of the simulated scheduler and cache
 
@@ -622,25 +623,38 @@ def test_preempted_tracked_requests_are_passed_to_the_workers() -> None:
 
 
 def test_router_hash_is_stable_and_spreads_and_round_robin_cycles() -> None:
-    h = Router(3)
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    h = Router([a, b, c])
     ids = [f"req-{i}" for i in range(300)]
     first = [h.route(r) for r in ids]
     assert first == [h.route(r) for r in ids]  # the same on every rank and every call
-    assert {first.count(k) for k in range(3)} and min(first.count(k) for k in range(3)) > 60
-    rr = Router(3, "round_robin")
-    assert [rr.route(r) for r in ids[:7]] == [0, 1, 2, 0, 1, 2, 0]
-    assert Router(1).route("x") == 0
+    assert min(first.count(k) for k in (a, b, c)) > 60
+    rr = Router([a, b, c], "round_robin")
+    assert [rr.route(r) for r in ids[:7]] == [a, b, c, a, b, c, a]
+    assert Router([a]).route("x") == a
 
 
-def test_ship_orders_carry_their_reader_and_finish_reports_it() -> None:
-    planner = ShipPlanner(Router(2, "round_robin"))
+def test_ship_orders_carry_the_reader_bound_at_admission_and_finish_reports_it() -> None:
+    readers = ["10.0.0.1:1", "10.0.0.2:1"]
+    table = RequestTable()
+    planner, book = (
+        ShipPlanner(table),
+        DeliveryBook(readers, 1, 5.0, Router(readers, "round_robin"), table=table),
+    )
+    book.update([(r, 0, None) for r in readers], {}, [])
     for rid in ("a", "b", "c"):
         planner.add(rid)
+        book.add(rid)
+        assert book.admit(rid).reader is not None
     plan = planner.plan(
         [NewRequest(r, prompt_of(5), [1], 0) for r in ("a", "b", "c")], [], {"a": 5, "b": 5, "c": 5}
     )
-    assert [(o.request_id, o.reader) for o in plan.ships] == [("a", 0), ("b", 1), ("c", 0)]
-    assert planner.reader_of("b") == 1
+    assert [(o.request_id, o.reader) for o in plan.ships] == [
+        ("a", readers[0]),
+        ("b", readers[1]),
+        ("c", readers[0]),
+    ]
+    assert planner.reader_of("b") == readers[1]
 
 
 def test_a_decode_step_plan_does_not_grow_with_the_block_table() -> None:

@@ -124,7 +124,7 @@ def test_producer_and_reader_digests_agree_and_cover_the_manifest() -> None:
     (from its pool) for the same manifest, and a reader holding a manifest that differs in
     any field (sample id, metadata, token ids, layer ids) computes another."""
     from kv_connector.sender.hasher import share_checksum
-    from kv_connector.sender.ledger import Job
+    from kv_connector.sender.jobs import Job
 
     cache, m, pool, block_ids = _landed_sample()
     job = Job("r-1", m, block_ids, range(2), 0.0)

@@ -13,7 +13,7 @@ from kv_connector.reader.metrics import FilesCollector, ReaderCollector
 from kv_connector.reader.records import Verify
 from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
 from kv_connector.wire import protocol
-from tests.unit.test_reader_ledger import PAGE, connected, credit, hand_out, hello, land, ledger, sends
+from tests.unit.reader.test_ledger import PAGE, connected, credit, hand_out, hello, land, ledger, sends
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -111,7 +111,8 @@ def test_the_prometheus_text_says_what_the_ledger_holds() -> None:
     led.credit_request(1, credit("a", 40), 0.0)
     land(led, 1, "a")
     hand_out(led, ("p", "a"), nbytes=1000, now=0.02)
-    led.stats.refused += 3  # three connections refused by the serving thread
+    for _ in range(3):  # three connections refused by the serving thread
+        led.refused_peer()
     files = FileStats(files=1, bytes=1234)
     files.fsync.observe(0.003)
     m = scrape(ReaderCollector(LedgerView(led)), FilesCollector(lambda: files))

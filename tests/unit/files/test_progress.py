@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_connector.files.progress import Progress, Reading, duration, pool_use, si
+from kv_connector.files.progress import RateWindow, Reading, duration, pool_use, si
 from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
 
 
@@ -16,7 +16,7 @@ def reading(t: float, samples: int, free: int = 10, waiting: int = 0, producers:
 
 
 def test_the_progress_line_shows_rates_over_its_window() -> None:
-    p = Progress(window_s=5.0)
+    p = RateWindow(window_s=5.0)
     assert p.line() == "waiting for producers"
     p.add(reading(0.0, 0))
     assert p.line() == "0 samples | 0 tok/s | 0.00 GB/s | pool 0% | 1 producer"
@@ -29,7 +29,7 @@ def test_the_progress_line_shows_rates_over_its_window() -> None:
 
 
 def test_the_summary_says_the_whole_run() -> None:
-    p = Progress()
+    p = RateWindow()
     p.add(reading(0.0, 0))
     p.add(reading(30.0, 50, free=2))  # the reader waited 20 s for its first producer
     st = ReaderStats(samples=50, tokens=50_000, bytes=100_000_000, checksum_mismatches=1, dropped=1)
@@ -43,7 +43,7 @@ def test_the_summary_says_the_whole_run() -> None:
         "pool at most 90% used; 1 checksum failures, 0 samples refused, 1 dropped; "
         "50 files written (0.101 GB), fsync 0.2 s in all"
     )
-    assert "0 samples, 0 tokens, 0.000 GB in 0.0 s (0 tok/s" in Progress().summary(ReaderStats())
+    assert "0 samples, 0 tokens, 0.000 GB in 0.0 s (0 tok/s" in RateWindow().summary(ReaderStats())
 
 
 def test_numbers_for_people() -> None:

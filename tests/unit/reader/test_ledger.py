@@ -6,15 +6,19 @@ the rest. Pure: no transport, no sockets, no threads; times are passed in."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kv_connector.reader as wing
 from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.records import (
     AckMode,
-    IllegalTransition,
+    IllegalSampleTransition,
     Log,
     Ready,
     RequireChecksum,
@@ -295,9 +299,9 @@ def test_a_rank_connects_once_and_keeps_its_world_size() -> None:
 
 def test_messages_from_a_peer_that_is_not_a_connected_producer_are_illegal() -> None:
     led = ledger()
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.credit_request(9, credit("a"), 0.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.write_done(9, protocol.WriteDone(request_id="a"))
 
 
@@ -442,6 +446,14 @@ def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank
     assert led.pool.free_pages == 8
 
 
+def test_r9_a_sample_rejected_before_hand_out_no_longer_counts_against_its_rank() -> None:
+    led = ledger(pages=8, max_pending_per_rank=1)
+    key = verified(led, "a", n=16)
+    led.reject(key, "NaN at token 3", 1.0)
+    led.credit_request(1, credit("b", n=16), 1.0)  # not over the bound: "a" left the books
+    assert led.state_of(("p", "b")) is SampleState.GRANTED
+
+
 def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> None:
     led = ledger(ack_mode=AckMode.MANUAL)
     key = verified(led)
@@ -458,9 +470,9 @@ def test_r11_an_acked_sample_cannot_be_rejected() -> None:
     led = ledger()  # acked on take
     key = verified(led)
     hand_out(led, key)
-    with pytest.raises(IllegalTransition, match="acknowledged"):
+    with pytest.raises(IllegalSampleTransition, match="acknowledged"):
         led.reject(key, "too late", 1.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.reject(("p", "nope"), "never seen", 1.0)
 
 
@@ -557,7 +569,7 @@ def test_a_write_done_for_a_sample_not_granted_is_the_producers_protocol_error()
 
 def test_the_page_size_is_decided_once() -> None:
     led = ledger()
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSampleTransition):
         led.set_pages(PAGE, 3)
 
 
@@ -726,3 +738,33 @@ def test_r9_a_rank_over_its_pending_bound_is_dropped_and_frees_its_count_as_it_g
     hand_out(led, ("p", "a"))  # handed out: no longer pending
     led.credit_request(1, credit("d", n=16), 0.0)
     assert led.state_of(("p", "d")) is SampleState.PROMISED
+
+
+# ------------------------------------------------- the shells' events, counted
+def test_the_shells_timings_and_refused_peers_are_counted_by_the_ledger() -> None:
+    led = ledger()
+    key = written(led)
+    (v,) = checks(led.write_done(1, protocol.WriteDone(request_id="a", checksum=5)))  # landed again
+    assert led.share_checked(key, 0, 1, True, 0.0, seconds=0.25) == []  # stale: its time still counts
+    assert readies(led.share_checked(key, 0, v.landing, True, 0.0, seconds=0.5)) == [key]
+    led.values_checked(0.125)
+    led.copied(2.0)
+    led.copied(1.0)
+    led.refused_peer()
+    led.refused_peer()
+    s = led.stats.snapshot()
+    assert (s.verify_s, s.values_check_s, s.copy_s) == (0.75, 0.125, 3.0)
+    assert s.refused == 2 and s.samples_refused == 0  # connections, not samples
+    assert led.pool_state().granted == 3  # nothing else moved
+
+
+def test_only_the_ledger_writes_its_counters() -> None:
+    """The shells tell the ledger what happened and what it took; none writes its stats."""
+    writes = re.compile(r"ledger\.stats\.\w+\s*(\+|-)?=(?!=)")
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in pathlib.Path(wing.__file__).parent.glob("*.py")
+        for line in path.read_text().splitlines()
+        if writes.search(line)
+    ]
+    assert found == []

@@ -1,5 +1,5 @@
-"""The producer's per-step metrics (``kv_connector.producer.step_stats``): failure texts to reasons
-(the real texts, from the real ledgers), one step's data from a worker rank and from the
+"""The producer's per-step metrics (``kv_connector.producer.step_stats``): each failure's
+typed reason where it fails (the real ledgers), one step's data from a worker rank and from the
 scheduler side, their merge over ranks, the API server's levels, and the form vLLM ships
 them in (msgpack)."""
 
@@ -8,90 +8,98 @@ from __future__ import annotations
 import msgspec
 
 from kv_connector.producer.delivery import DeliveryBook, Router
-from kv_connector.producer.planning import BlockRecorder, StepSlice
 from kv_connector.producer.step_stats import (
     Count,
-    FailureReason,
     Level,
     LevelBook,
     Observed,
     SchedulerStats,
     StepStats,
     WorkerStats,
-    classify_failure,
     empty,
     is_empty,
     merge,
     summary,
 )
+from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
-from tests.unit.test_send_ledger import PAGE, POOL, grant, post, submit, to_writing
+from tests.unit.sender.test_ledger import PAGE, POOL, grant, post, submit, to_writing
 
 
-def refused(code: protocol.RefuseCode) -> str:
+def refused(code: protocol.RefuseCode) -> SampleFailure:
     led = SendLedger(checksum=False)
     submit(led, "a")
     led.requests_due()
-    return led.on_refuse(protocol.Refuse(code=code, message="no", request_id="a")).why
+    led.on_refuse(protocol.Refuse(code=code, message="no", request_id="a"))
+    return led.take_failed()["a"]
 
 
-def test_every_failure_text_has_its_reason() -> None:
+def test_every_failure_carries_its_reason_from_where_it_fails() -> None:
     led = SendLedger(checksum=False, connect_timeout_s=5.0, retry_backoff_s=0.0)
     submit(led, "late", t=0.0)
-    (expired,) = led.expire(6.0, "[Errno 111] Connection refused", "10.0.0.1:7000")
+    led.expire(6.0, "[Errno 111] Connection refused", "10.0.0.1:7000")
+    expired = led.take_failed()["late"]
     submit(led, "w", t=10.0)
     to_writing(led, "w", 10.0)
     for _ in range(2):
         assert led.write_failed("w", "NIXL_ERR_REMOTE", 10.0) is None
         assert len(led.writes_due(10.0)) == 1
         post(led, "w", 10.0)
-    write_failed = led.write_failed("w", "NIXL_ERR_REMOTE", 10.0)
-    assert write_failed is not None
+    assert led.write_failed("w", "NIXL_ERR_REMOTE", 10.0) is not None
+    write_failed = led.take_failed()["w"]
     hashing = SendLedger(checksum=True)
     submit(hashing, "d")
-    digest = hashing.digest_failed("d", "MemoryError")
-    assert digest is not None
+    assert hashing.digest_failed("d", "MemoryError") is not None
+    digest = hashing.take_failed()["d"]
     submit(led, "c")
-    (closed,) = led.fail_all("sender closed: reset by peer")
-    book = DeliveryBook(["10.0.0.1:7000"], 1, 5.0, Router(1), clock=lambda: 0.0)
+    led.fail_all("sender closed: reset by peer")
+    closed = led.take_failed()["c"]
+    book = DeliveryBook(["10.0.0.1:7000"], 1, 5.0, Router(["10.0.0.1:7000"]), clock=lambda: 0.0)
     book.add("r")
-    book.update([(0, 0, "[Errno 111] Connection refused")], {}, [])
+    book.update([("10.0.0.1:7000", 0, "[Errno 111] Connection refused")], {}, [])
     book.admit("r")
     book.connect_timeout_s = 0.0
-    admission = book.admit("r").why
-    slots = BlockRecorder(16).record([5], [StepSlice("s", 0, 1, (2,))])["s"]
+    admission = book.admit("r").failure
     timing = SendLedger(checksum=False)
     submit(timing, "t")
     timing.requests_due()
     timing.on_grant(grant("t"), PAGE, POOL, 1.0)
-    (deadline,) = timing.expire_granted(400.0, 300.0)
+    timing.expire_granted(400.0, 300.0)
+    deadline = timing.take_failed()["t"]
     submit(timing, "p")
-    (preempted,) = timing.freeze(["p"])
+    timing.freeze(["p"])
+    preempted = timing.take_failed()["p"]
     bad_id = protocol.request_id_problem("a b")
     assert bad_id is not None
+    book.add("x")
+    book.refuse("x", bad_id)
+    refused_id = book.admit("x").failure
+    assert admission is not None and refused_id is not None
 
     cases = [
-        (expired.why, FailureReason.UNREACHABLE),
+        (expired, FailureReason.UNREACHABLE),
         (admission, FailureReason.UNREACHABLE),
         (refused("checksum"), FailureReason.CHECKSUM),
         (refused("pool_too_small"), FailureReason.REFUSED),
         (refused("protocol"), FailureReason.REFUSED),
         (refused("write_failed"), FailureReason.WRITE_FAILED),  # another rank's WRITEs failed
-        (write_failed.why, FailureReason.WRITE_FAILED),
-        (digest.why, FailureReason.OTHER),
-        (closed.why, FailureReason.OTHER),
-        (slots, FailureReason.OTHER),
-        (deadline.why, FailureReason.TIMEOUT),
+        (write_failed, FailureReason.WRITE_FAILED),
+        (digest, FailureReason.OTHER),
+        (closed, FailureReason.OTHER),
+        (deadline, FailureReason.TIMEOUT),
         (refused("timeout"), FailureReason.TIMEOUT),
-        (preempted.why, FailureReason.PREEMPTED),
+        (preempted, FailureReason.PREEMPTED),
         (refused("preempted"), FailureReason.PREEMPTED),
         (refused("unchecked"), FailureReason.REFUSED),
         (refused("limit"), FailureReason.REFUSED),
-        (bad_id, FailureReason.REQUEST_ID),
+        (refused_id, FailureReason.REQUEST_ID),
     ]
-    assert [(why, classify_failure(why)) for why, _ in cases] == cases
+    assert [(f.why, f.reason) for f, _ in cases] == [(f.why, r) for f, r in cases]
+    # the texts users read still name what happened
+    assert expired.why.startswith("cannot reach") and write_failed.why.startswith("its WRITE failed")
+    assert refused("checksum").why.startswith("reader refused (checksum)") and refused_id.why == bad_id
 
 
 def test_the_sender_ledger_observes_each_completed_write_and_each_grant() -> None:
@@ -117,7 +125,7 @@ def test_rank_0_counts_samples_every_rank_counts_its_own_bytes() -> None:
     for w in (r0, r1):
         w.shipped()
         w.shipped()
-        w.failed("cannot reach the reader at x:1 for 60 s (last error: refused)")
+        w.failed(FailureReason.UNREACHABLE)
     d0 = r0.take([metrics(requests=1, nbytes=100, writes=2, in_flight=1)])
     d1 = r1.take([metrics(requests=1, nbytes=40, writes=2, in_flight=2)])
     assert d0 is not None and d1 is not None
@@ -194,7 +202,7 @@ def test_the_scheduler_reports_its_book_and_admission_failures() -> None:
         "kv_blocks_held": {"scheduler": 0},
     }
     s.waiting("a", False)
-    s.admission_failed("cannot reach the reader at x:1 for 5 s (last error: refused)")
+    s.admission_failed(FailureReason.UNREACHABLE)
     s.waiting("b", False)
     s.holding("c", 3)
     s.holding("c", 3)  # request_finished once per request; counted once anyway
@@ -219,7 +227,7 @@ def test_the_api_server_keeps_the_last_level_of_each_source() -> None:
 def test_step_data_crosses_msgpack_unchanged() -> None:
     w = WorkerStats(0)
     w.shipped()
-    w.failed("reader refused (checksum): bad")
+    w.failed(FailureReason.CHECKSUM)
     d = w.take([metrics(requests=1, nbytes=10, writes=1, in_flight=0)])
     assert d is not None
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(d)) == d

@@ -1,6 +1,7 @@
-"""The plugin's installation into vLLM 0.32 (patch points, idempotence, the switch, the
-version refusal) and the worker-side pieces it installs, on vLLM's real functions: the
-supplementary tensor next to vLLM's own allocation, and the drafter's group."""
+"""The plugin's installation into vLLM 0.32 and 0.33 (patch points, idempotence, the
+switch, the version refusal) and the worker-side pieces it installs, on vLLM's real
+functions: the supplementary tensor next to vLLM's own allocation, and the drafter's
+group."""
 
 from __future__ import annotations
 
@@ -21,15 +22,22 @@ pytestmark = pytest.mark.slow
 
 def targets() -> dict[str, Any]:
     import vllm.v1.engine.core as core
+    import vllm.v1.worker.gpu.attn_utils as v2_attn
     import vllm.v1.worker.gpu_model_runner as runner
     from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+    from vllm.v1.worker.gpu.spec_decode.extract_hidden_states import ExtractHiddenStatesSpeculator
 
-    return {
-        # the names as the engine core and the model runner look them up
+    found = {
+        # the names as the engine core and the model runners look them up
         "get_kv_cache_configs": vars(core)["get_kv_cache_configs"],
         "allocate_kv_cache": vars(runner)["allocate_kv_cache"],
         "validate_same_kv_cache_group": ExtractHiddenStatesProposer.validate_same_kv_cache_group,
+        "v2 allocate_kv_cache": vars(v2_attn)["allocate_kv_cache"],
+        "v2 propose": ExtractHiddenStatesSpeculator.propose,
     }
+    if "get_global_kv_cache_groups" in vars(core):  # 0.33: the engine core groups first
+        found["get_global_kv_cache_groups"] = vars(core)["get_global_kv_cache_groups"]
+    return found
 
 
 @pytest.fixture
@@ -43,11 +51,14 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 
 
 def test_register_wraps_every_patch_point_once(clean: dict[str, Any]) -> None:
+    import vllm
+
     plugin.register()
     first = targets()
-    assert plugin.installed()
+    assert plugin.installed() and plugin.v2_installed()
     for name, fn in first.items():
         assert getattr(fn, plugin.ORIGINAL) is clean[name], name
+    assert ("get_global_kv_cache_groups" in first) == vllm.__version__.startswith("0.33")
     plugin.register()  # re-entrant: vLLM loads plugins again in every process
     assert targets() == first
     plugin.unregister()
@@ -66,23 +77,51 @@ def test_bad_switch_value_is_an_error(clean: dict[str, Any], monkeypatch: pytest
         plugin.register()
 
 
-def test_another_vllm_version_is_refused(
-    clean: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_another_vllm_version_is_refused_for_hybrid_models_only(
+    clean: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tiny: tuple[Any, Any, dict[str, Any]],
 ) -> None:
     import vllm
+    import vllm.v1.engine.core as core
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with caplog.at_level(logging.ERROR, logger="vllm.hybrid.plugin"):
+    cfg, _, specs = tiny
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(plugin, "_refusal_logged", False)
+
+    def ours() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name.startswith("vllm.hybrid") and r.levelno > logging.DEBUG]
+
+    with caplog.at_level(logging.DEBUG, logger="vllm.hybrid"):
         plugin.register()
-    assert targets() == clean
-    assert "written for vLLM 0.32.0, found 0.33.0" in caplog.text
+        assert not plugin.installed()
+        assert not ours()  # nothing at start: dense or not
+        dense = {n: s for n, s in specs.items() if "linear_attn" not in n}
+        core.get_kv_cache_configs(cfg, [dense], [32 << 20], *_groups(cfg, [dense]))
+        assert not ours()  # a dense model never hears of it
+        for _ in range(2):
+            (config,) = core.get_kv_cache_configs(cfg, [specs], [32 << 20], *_groups(cfg, [specs]))
+    assert "cache_only_layers.8" in {n for g in config.kv_cache_groups for n in g.layer_names}  # vLLM's own
+    (record,) = ours()  # once
+    assert record.levelno == logging.ERROR
+    assert "written for vLLM 0.32.0 and 0.33.0, found 0.34.0: refused" in record.getMessage()
+    assert "Install vLLM 0.32.0 or 0.33.0" in record.getMessage()
+    plugin.unregister()
     monkeypatch.setenv(plugin.ENV, "1")
-    with pytest.raises(plugin.UnsupportedVLLMError, match=r"0\.33\.0"):
+    with pytest.raises(plugin.UnsupportedVLLMError, match=r"0\.34\.0"):
         plugin.register()
     assert targets() == clean
     monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
     plugin.register()
     assert plugin.installed()
+
+
+def _groups(cfg: Any, specs: list[dict[str, Any]]) -> list[Any]:
+    """The engine core's extra argument on 0.33 (its groups), none on 0.32."""
+    from hybrid import versions
+
+    return [versions.kv_cache_groups(cfg, specs)] if versions.groups_before_configs() else []
 
 
 def tiny_cpu_block() -> int:
@@ -96,8 +135,9 @@ def tiny_cpu_block() -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Iterator[tuple[Any, Any]]:
-    """The e2e test's tiny Qwen3-Next, its KV cache planned by the design at 32 MiB."""
+def tiny() -> Iterator[tuple[Any, Any, dict[str, Any]]]:
+    """The e2e test's tiny Qwen3-Next: vLLM's config, its KV cache planned by the design
+    at 32 MiB, and its layers' specs."""
     from hybrid.accounting import Setup, engine_config, layer_specs
     from hybrid.spec import plan_kv_cache_configs
 
@@ -108,11 +148,12 @@ def tiny() -> Iterator[tuple[Any, Any]]:
         layer_ids=(1, 4, 8), budget_bytes=32 << 20, max_model_len=2048, platform="cpu", prefix_caching=False
     )
     with engine_config(shape, setup) as cfg:
-        (config,) = plan_kv_cache_configs(cfg, [layer_specs(cfg, shape, "cpu")], [setup.budget_bytes])
-        yield cfg, config
+        specs = layer_specs(cfg, shape, "cpu")
+        (config,) = plan_kv_cache_configs(cfg, [dict(specs)], [setup.budget_bytes])
+        yield cfg, config, specs
 
 
-def test_supplementary_tensor_is_allocated_beside_vllms(tiny: tuple[Any, Any]) -> None:
+def test_supplementary_tensor_is_allocated_beside_vllms(tiny: tuple[Any, Any, dict[str, Any]]) -> None:
     import torch
     from vllm.model_executor.models.extract_hidden_states import basic_cache
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -120,7 +161,7 @@ def test_supplementary_tensor_is_allocated_beside_vllms(tiny: tuple[Any, Any]) -
     from hybrid.runtime import with_supplementary_tensors
     from kv_connector.wire.layout import layout_from_view
 
-    cfg, config = tiny
+    cfg, config, _ = tiny
     layout = cfg.cache_config.get_resolved_kv_cache_layout()
     sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
     plain = allocate_kv_cache(config, torch.device("cpu"), layout, sizes)
@@ -141,12 +182,12 @@ def test_supplementary_tensor_is_allocated_beside_vllms(tiny: tuple[Any, Any]) -
     assert int((hs != 0).sum()) == int((states != 0).sum())  # and nothing else
 
 
-def test_split_kernel_blocks_are_refused(tiny: tuple[Any, Any]) -> None:
+def test_split_kernel_blocks_are_refused(tiny: tuple[Any, Any, dict[str, Any]]) -> None:
     import torch
 
     from hybrid.runtime import allocate_supplementary
 
-    cfg, config = tiny
+    cfg, config, _ = tiny
     sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
     sizes[config.supplementary_group] //= 2
     with pytest.raises(ValueError, match="kernel blocks"):
@@ -155,12 +196,12 @@ def test_split_kernel_blocks_are_refused(tiny: tuple[Any, Any]) -> None:
         )
 
 
-def test_drafter_takes_the_supplementary_group(tiny: tuple[Any, Any]) -> None:
+def test_drafter_takes_the_supplementary_group(tiny: tuple[Any, Any, dict[str, Any]]) -> None:
     from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
 
     from hybrid.runtime import with_supplementary_group
 
-    _, config = tiny
+    _, config, _ = tiny
     validate = with_supplementary_group(ExtractHiddenStatesProposer.validate_same_kv_cache_group)
     drafter = SimpleNamespace(attn_layer_names=["cache_only_layers.8"], kv_cache_gid=-1)
     validate(drafter, config)

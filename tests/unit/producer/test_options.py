@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.producer.options import ConnectorOptions
+from kv_connector.producer.options import ConnectorOptions, Sharding, captured_layer_order
 
 GOOD = "127.0.0.1:5555"
 TIMEOUT_KEYS = ["connect_timeout_s", "drain_timeout_s"]
@@ -29,9 +29,8 @@ def parse_error(extra: Any) -> str:
 def test_only_consumer_address_gives_the_documented_defaults() -> None:
     opts = ConnectorOptions.parse({"consumer_address": GOOD})
     assert opts == ConnectorOptions(
-        consumer_address=GOOD,
-        consumer_addresses=(GOOD,),
-        sharding="request_hash",
+        readers=(GOOD,),
+        sharding=Sharding.REQUEST_HASH,
         producer_id=None,
         connect_timeout_s=60.0,
         drain_timeout_s=60.0,
@@ -50,7 +49,7 @@ def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
             "include_output_tokens": True,
         }
     )
-    assert opts.consumer_address == "[::1]:7000"
+    assert opts.readers == ("[::1]:7000",)
     assert opts.producer_id == "p" * 128
     assert opts.connect_timeout_s == 5.0 and type(opts.connect_timeout_s) is float
     assert opts.drain_timeout_s == 0.25
@@ -60,13 +59,13 @@ def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
 def test_any_mapping_is_accepted_and_left_unchanged() -> None:
     extra = {"consumer_address": GOOD, "include_output_tokens": False}
     frozen = MappingProxyType(extra)
-    assert ConnectorOptions.parse(frozen).consumer_address == GOOD
+    assert ConnectorOptions.parse(frozen).readers == (GOOD,)
     assert extra == {"consumer_address": GOOD, "include_output_tokens": False}
 
 
 @pytest.mark.parametrize("address", ["localhost:0", "10.0.0.1:65535", "[fe80::1]:80", "reader.example:9"])
 def test_well_formed_addresses_are_kept_verbatim(address: str) -> None:
-    assert ConnectorOptions.parse({"consumer_address": address}).consumer_address == address
+    assert ConnectorOptions.parse({"consumer_address": address}).readers == (address,)
 
 
 # ------------------------------------------------------------- consumer_address
@@ -190,25 +189,73 @@ def test_bad_reader_lists_and_sharding_are_named(extra: dict[str, Any], fragment
 
 
 def test_the_checksum_kind_follows_where_the_cache_is_unless_asked() -> None:
-    from kv_connector.producer.options import Checksum
+    from kv_connector.producer.options import ChecksumOption
+    from kv_connector.wire.layout import BlockLayout
+    from kv_connector.wire.protocol import ShareChecksum
 
-    assert ConnectorOptions.parse({"consumer_address": GOOD}).checksum is Checksum.AUTO
+    assert ConnectorOptions.parse({"consumer_address": GOOD}).checksum is ChecksumOption.AUTO
     kinds = {c: ConnectorOptions.parse({"consumer_address": GOOD, "checksum": c}).checksum for c in CHECKSUMS}
-    assert kinds == {c: Checksum(c) for c in ("auto", "xxh3", "blocks", "none")}
-    # (device cache, rows of whole 8-byte words) -> block digests?
+    assert kinds == {c: ChecksumOption(c) for c in ("auto", "xxh3", "blocks", "none")}
+    words = BlockLayout("TLH", 16, 2, 64, "bfloat16")  # rows of 128 bytes: whole 8-byte words
+    odd = BlockLayout("TLH", 16, 2, 3, "bfloat16")  # rows of 6 bytes: not
+    blocks, xxh3 = ShareChecksum.BLOCKS, ShareChecksum.XXH3
+    # (device cache, layout) -> the one value the rank ships with
     want = {
-        Checksum.AUTO: {
-            (True, True): True,
-            (True, False): False,
-            (False, True): False,
-            (False, False): False,
+        ChecksumOption.AUTO: {
+            (True, words): blocks,
+            (True, odd): xxh3,
+            (False, words): xxh3,
+            (False, odd): xxh3,
         },
-        Checksum.BLOCKS: dict.fromkeys([(True, True), (True, False), (False, True), (False, False)], True),
-        Checksum.XXH3: dict.fromkeys([(True, True), (True, False), (False, True), (False, False)], False),
+        ChecksumOption.BLOCKS: {(True, words): blocks, (False, words): blocks},
+        ChecksumOption.XXH3: dict.fromkeys([(True, words), (True, odd), (False, words), (False, odd)], xxh3),
+        ChecksumOption.NONE: dict.fromkeys([(True, words), (True, odd), (False, words), (False, odd)], None),
     }
     for kind, cases in want.items():
-        assert {case: kind.block_digests(*case) for case in cases} == cases, kind
+        assert {case: kind.resolve(*case) for case in cases} == cases, kind
+    for device in (True, False):  # asked for block digests of rows they cannot read: refused once, here
+        with pytest.raises(ValueError, match="whole 8-byte words"):
+            ChecksumOption.BLOCKS.resolve(device, odd)
     assert "checksum" in parse_error({"consumer_address": GOOD, "checksum": "crc32"})
 
 
 CHECKSUMS = ("auto", "xxh3", "blocks", "none")
+
+
+# ------------------------------------------------------- captured layer order
+
+
+@pytest.mark.parametrize(
+    ("configured", "order"),
+    [
+        ([1, 2, 4], [1, 2, 4]),
+        ([5, 1, 3], [1, 3, 5]),
+        ([3, 1, 2], [1, 2, 3]),
+        ([7], [7]),
+        ((32, 0, 16), [0, 16, 32]),
+    ],
+)
+def test_states_come_in_increasing_layer_id_whatever_the_configured_order(
+    configured: list[int], order: list[int]
+) -> None:
+    assert captured_layer_order(configured) == order
+
+
+@pytest.mark.parametrize(("configured", "duplicate"), [([5, 1, 3, 3], 3), ([2, 2], 2), ([0, 4, 0, 4], 0)])
+def test_a_duplicate_layer_id_is_refused_naming_it_and_the_fix(configured: list[int], duplicate: int) -> None:
+    with pytest.raises(ValueError) as info:
+        captured_layer_order(configured)
+    msg = str(info.value)
+    assert f"lists layer {duplicate} more than once" in msg
+    assert f"e.g. {sorted(set(configured))}" in msg
+
+
+def test_an_infinite_timeout_is_no_deadline_and_refused() -> None:
+    assert "connect_timeout_s" in parse_error({"consumer_address": GOOD, "connect_timeout_s": math.inf})
+
+
+def test_options_built_in_python_check_their_readers_too() -> None:
+    with pytest.raises(ValueError, match="consumer_address"):
+        ConnectorOptions(readers=())
+    with pytest.raises(ValueError, match="twice"):
+        ConnectorOptions(readers=(GOOD, GOOD))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kv_connector.producer.delivery import DeliveryBook, Router
+from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.wire.outcome import SampleStatus
 
 
 class Clock:
@@ -16,31 +18,38 @@ class Clock:
         return self.t
 
 
+def wf(why: str) -> SampleFailure:
+    return SampleFailure(FailureReason.WRITE_FAILED, why)
+
+
+R0, R1, R2 = (f"10.0.0.{i}:7000" for i in range(3))
+
+
 def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[DeliveryBook, Clock]:
     clock = Clock()
-    addrs = [f"10.0.0.{i}:7000" for i in range(readers)]
-    return DeliveryBook(addrs, world, 5.0, Router(readers, policy), clock=clock), clock
+    addrs = [R0, R1, R2][:readers]
+    return DeliveryBook(addrs, world, 5.0, Router(addrs, policy), clock=clock), clock
 
 
 def test_a_request_waits_for_its_reader_then_runs_once_every_rank_is_connected() -> None:
     b, clock = book(world=2)
     b.add("r")
     assert b.admit("r").kind == "wait"  # nothing reported yet
-    b.update([(0, 0, None)], {}, [])
+    b.update([(R0, 0, None)], {}, [])
     clock.t += 1
     assert b.admit("r").kind == "wait"  # rank 1 not connected yet
-    b.update([(0, 1, None)], {}, [])
+    b.update([(R0, 1, None)], {}, [])
     a = b.admit("r")
-    assert (a.kind, a.reader) == ("run", 0)
+    assert (a.kind, a.reader) == ("run", R0)
     # admitted once: runs even if the link drops later (e.g. recomputed after preemption)
-    b.update([(0, 1, "lost the connection: reset")], {}, [])
+    b.update([(R0, 1, "lost the connection: reset")], {}, [])
     assert b.admit("r").kind == "run"
 
 
 def test_a_request_that_waited_past_the_deadline_fails_with_the_last_error() -> None:
     b, clock = book()
     b.add("r")
-    b.update([(0, 0, "[Errno 111] Connection refused")], {}, [])
+    b.update([(R0, 0, "[Errno 111] Connection refused")], {}, [])
     assert b.admit("r").kind == "wait"
     clock.t += 4.9
     assert b.admit("r").kind == "wait"
@@ -48,55 +57,55 @@ def test_a_request_that_waited_past_the_deadline_fails_with_the_last_error() -> 
     a = b.admit("r")
     assert a.kind == "fail"
     assert "10.0.0.0:7000" in a.why and "Connection refused" in a.why and "5 s" in a.why
-    assert b.outcome("r") == {"status": "failed", "error": a.why}
+    assert b.outcome("r") == (SampleStatus.FAILED, a.why)
     assert b.admit("r").kind == "fail"  # asked again (e.g. skipped a step): the same answer
     b.finish("r")
-    assert len(b) == 0 and b.outcome("r") == {"status": "pending"}
+    assert len(b) == 0 and b.outcome("r") == (SampleStatus.PENDING, "")
 
 
 def test_outcomes_follow_the_workers_reports_and_late_failures_are_returned() -> None:
     b, _ = book()
-    b.update([(0, 0, None)], {}, [])
+    b.update([(R0, 0, None)], {}, [])
     for rid in ("ok", "bad", "slow"):
         b.add(rid)
         assert b.admit(rid).kind == "run"
-    late = b.update([], {"bad": "WRITE failed", "gone": "deadline"}, ["ok", "unknown"])
-    assert late == [("gone", "deadline")]
-    assert b.outcome("ok") == {"status": "delivered"}
-    assert b.outcome("bad") == {"status": "failed", "error": "WRITE failed"}
-    assert b.outcome("slow") == {"status": "pending"}
+    late = b.update([], {"bad": wf("WRITE failed"), "gone": wf("deadline")}, ["ok", "unknown"])
+    assert late == [("gone", wf("deadline"))]
+    assert b.outcome("ok") == (SampleStatus.DELIVERED, "")
+    assert b.outcome("bad") == (SampleStatus.FAILED, "WRITE failed")
+    assert b.outcome("slow") == (SampleStatus.PENDING, "")
     for rid in ("ok", "bad", "slow"):
         b.finish(rid)
-    assert b.update([], {"slow": "deadline"}, []) == [("slow", "deadline")]
+    assert b.update([], {"slow": wf("deadline")}, []) == [("slow", wf("deadline"))]
     assert len(b) == 0
 
 
 def test_request_hash_waits_for_its_own_reader_and_round_robin_skips_down_readers() -> None:
     b, clock = book(readers=2)
-    b.update([(0, 0, None), (1, 0, "refused")], {}, [])
+    b.update([(R0, 0, None), (R1, 0, "refused")], {}, [])
     ids = [f"req-{i}" for i in range(40)]
     for rid in ids:
         b.add(rid)
     kinds = {rid: b.admit(rid) for rid in ids}
-    router = Router(2)
+    router = Router([R0, R1])
     for rid, a in kinds.items():
-        if router.route(rid) == 0:
-            assert (a.kind, a.reader) == ("run", 0)
+        if router.route(rid) == R0:
+            assert (a.kind, a.reader) == ("run", R0)
         else:
             assert a.kind == "wait"
     clock.t += 6
     failed = [rid for rid in ids if b.admit(rid).kind == "fail"]
-    assert failed and all(router.route(r) == 1 for r in failed)
-    assert "10.0.0.1:7000" in b.outcome(failed[0])["error"]
+    assert failed and all(router.route(r) == R1 for r in failed)
+    assert "10.0.0.1:7000" in b.outcome(failed[0])[1]
 
     rr, clock = book(readers=3, policy="round_robin")
-    rr.update([(0, 0, None), (1, 0, "refused"), (2, 0, None)], {}, [])
+    rr.update([(R0, 0, None), (R1, 0, "refused"), (R2, 0, None)], {}, [])
     got = []
     for i in range(6):
         rr.add(f"q{i}")
         got.append(rr.admit(f"q{i}").reader)
-    assert got == [0, 2, 0, 2, 0, 2]
-    rr.update([(0, 0, "reset"), (2, 0, "reset")], {}, [])
+    assert got == [R0, R2, R0, R2, R0, R2]
+    rr.update([(R0, 0, "reset"), (R2, 0, "reset")], {}, [])
     rr.add("late")
     assert rr.admit("late").kind == "wait"
     clock.t += 6
@@ -106,16 +115,16 @@ def test_request_hash_waits_for_its_own_reader_and_round_robin_skips_down_reader
 
 def test_reports_for_unknown_readers_or_ranks_are_ignored() -> None:
     b, _ = book(readers=1, world=1)
-    b.update([(5, 0, None), (0, 9, None)], {}, [])
+    b.update([("10.9.9.9:1", 0, None), (R0, 9, None)], {}, [])
     b.add("r")
     assert b.admit("r").kind == "wait"
 
 
 def test_a_request_not_added_is_admitted_but_leaves_no_state() -> None:
     b, _ = book()
-    b.update([(0, 0, None)], {}, [])
+    b.update([(R0, 0, None)], {}, [])
     assert b.admit("stranger").kind == "run"
-    assert b.update([], {"stranger": "x"}, []) == [("stranger", "x")]
+    assert b.update([], {"stranger": wf("x")}, []) == [("stranger", wf("x"))]
 
 
 @pytest.mark.parametrize("world", [0, -1])
@@ -131,7 +140,7 @@ def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_link
     from kv_connector.producer.scheduler_side import SchedulerSide
 
     side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"}), None, "p")
-    side.update(SimpleNamespace(links=[(0, 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
+    side.update(SimpleNamespace(links=[("10.0.0.1:7000", 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
     bad = SimpleNamespace(request_id="a b/c", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     good = SimpleNamespace(request_id="cmpl-1-0-ab12", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     for r in (bad, good):
@@ -161,6 +170,27 @@ def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: 
         assert params is not None
         got = params["hidden_states"]["consumer_address"]
         if sharding == "request_hash":
-            assert got == addrs[Router(3).route(rid)]  # not always the first reader
+            assert got == Router(addrs).route(rid)  # not always the first reader
         else:
             assert got is None
+
+
+def test_the_outcome_record_is_the_same_at_both_ends() -> None:
+    from kv_connector.wire.outcome import OutcomeError, SampleOutcome
+
+    failed = SampleOutcome(SampleStatus.FAILED, "p", "r", "7", None, error="cannot reach")
+    assert failed.params() == {
+        "hidden_states": {
+            "status": "failed", "producer_id": "p", "request_id": "r", "sample_id": "7",
+            "consumer_address": None, "error": "cannot reach",
+        }
+    }  # fmt: skip
+    delivered = SampleOutcome(SampleStatus.DELIVERED, "p", "r", "r", "127.0.0.1:5555")
+    assert "error" not in delivered.params()["hidden_states"]
+    for o in (failed, delivered):
+        assert SampleOutcome.of(o.params()) == o
+    newer = {"hidden_states": {**delivered.params()["hidden_states"], "added_later": 1}}
+    assert SampleOutcome.of(newer) == delivered
+    for bad in (None, {}, {"hidden_states": "x"}, {"hidden_states": {"status": "lost"}}):
+        with pytest.raises(OutcomeError):
+            SampleOutcome.of(bad)

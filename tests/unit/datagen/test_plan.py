@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_connector.datagen import plan
-from kv_connector.datagen.plan import IllegalTransition, RowBook, RowState, Status
+from kv_connector.datagen.plan import IllegalRowTransition, RowBook, RowState
+from kv_connector.wire.outcome import SampleStatus
 
 
 def book(n: int = 3, **kw: object) -> RowBook:
@@ -22,14 +23,14 @@ def test_rows_go_out_in_order_once_each() -> None:
     assert [b.take(0.0), b.take(0.0), b.take(0.0), b.take(0.0)] == [0, 1, 2, None]
     for i in range(3):
         assert b.state(i) is RowState.SENT
-        b.answered(i, Status.DELIVERED, "", 1.0)
+        b.answered(i, SampleStatus.DELIVERED, "", 1.0)
     assert b.done and b.counts() == plan.Counts(3, 3, 0, 0, 0, 0, 0, 60)
 
 
 def test_a_failed_row_is_retried_after_a_growing_backoff_then_given_up_with_its_reason() -> None:
     b = book(1, max_attempts=3, backoff_s=1.0)
     assert b.take(0.0) == 0
-    b.answered(0, Status.FAILED, "cannot reach the reader", 0.0)
+    b.answered(0, SampleStatus.FAILED, "cannot reach the reader", 0.0)
     assert b.state(0) is RowState.QUEUED and b.take(0.5) is None and b.next_due() == 1.0
     assert b.take(1.0) == 0
     b.not_answered(0, "HTTP 503: busy", 1.0)
@@ -49,7 +50,7 @@ def test_a_request_the_server_will_always_refuse_is_given_up_at_once() -> None:
 def test_a_retried_row_does_not_hold_up_the_others() -> None:
     b = book(3, backoff_s=10.0)
     b.take(0.0)
-    b.answered(0, Status.FAILED, "x", 0.0)
+    b.answered(0, SampleStatus.FAILED, "x", 0.0)
     assert b.take(0.0) == 1 and b.take(0.0) == 2 and b.take(0.0) is None
     assert b.take(10.0) == 0
 
@@ -58,8 +59,8 @@ def test_pending_counts_as_delivered_unconfirmed_without_a_directory() -> None:
     b = book(2)
     b.take(0.0)
     b.take(0.0)
-    b.answered(0, Status.PENDING, "", 1.0)
-    b.answered(1, Status.DELIVERED, "", 1.0)
+    b.answered(0, SampleStatus.PENDING, "", 1.0)
+    b.answered(1, SampleStatus.DELIVERED, "", 1.0)
     c = b.counts()
     assert b.done and c.delivered == 2 and c.unconfirmed == 1
 
@@ -68,8 +69,8 @@ def test_with_a_directory_pending_waits_for_the_file_then_counts() -> None:
     b = book(2, confirm=True, confirm_timeout_s=5.0)
     b.take(0.0)
     b.take(0.0)
-    b.answered(0, Status.PENDING, "", 1.0)
-    b.answered(1, Status.PENDING, "", 1.0)
+    b.answered(0, SampleStatus.PENDING, "", 1.0)
+    b.answered(1, SampleStatus.PENDING, "", 1.0)
     assert not b.done and b.awaiting() == [0, 1] and b.counts().awaiting == 2
     b.file_seen(0, 2.0)
     assert b.state(0) is RowState.DELIVERED and b.counts().unconfirmed == 0
@@ -80,16 +81,16 @@ def test_with_a_directory_pending_waits_for_the_file_then_counts() -> None:
 
 def test_transitions_outside_their_state_are_illegal() -> None:
     b = book(1, confirm=True)
-    with pytest.raises(IllegalTransition):
-        b.answered(0, Status.DELIVERED, "", 0.0)  # never sent
+    with pytest.raises(IllegalRowTransition):
+        b.answered(0, SampleStatus.DELIVERED, "", 0.0)  # never sent
     b.take(0.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalRowTransition):
         b.file_seen(0, 0.0)  # not awaiting its file
-    b.answered(0, Status.DELIVERED, "", 0.0)
-    with pytest.raises(IllegalTransition):
+    b.answered(0, SampleStatus.DELIVERED, "", 0.0)
+    with pytest.raises(IllegalRowTransition):
         b.not_answered(0, "late", 0.0)
-    with pytest.raises(IllegalTransition):
-        b.answered(7, Status.DELIVERED, "", 0.0)
+    with pytest.raises(IllegalRowTransition):
+        b.answered(7, SampleStatus.DELIVERED, "", 0.0)
     with pytest.raises(ValueError):
         book(1, max_attempts=0)
 
@@ -115,7 +116,7 @@ def test_every_row_ends_delivered_or_given_up_and_at_most_one_request_is_in_flig
             if op == "none":
                 b.not_answered(r, "x", now)
             else:
-                b.answered(r, Status(op) if op != "pending" else Status.PENDING, "", now)
+                b.answered(r, SampleStatus(op) if op != "pending" else SampleStatus.PENDING, "", now)
         for r in b.awaiting():
             b.file_seen(r, now)
     c = b.counts()

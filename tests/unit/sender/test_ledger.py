@@ -4,11 +4,18 @@ Pure: no transport, no sockets, no threads; times are passed in."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector.sender.ledger import DigestState, FrozenJob, IllegalTransition, JobState, SendLedger
+import kv_connector.sender as wing
+from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.sender.jobs import DigestState, FrozenJob, IllegalJobTransition, JobState
+from kv_connector.sender.ledger import SendLedger
+from kv_connector.sender.stats import SenderObservations
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import ProtocolError
@@ -87,10 +94,13 @@ def test_s1_a_finished_or_failed_job_is_reported_once_with_its_reason() -> None:
         submit(led, rid)
     led.requests_due()
     led.on_refuse(protocol.Refuse(code="pool_too_small", message="too big", request_id="b"))
-    assert led.take_failed() == {"b": "reader refused (pool_too_small): too big"}
+    assert led.take_failed() == {
+        "b": SampleFailure(FailureReason.REFUSED, "reader refused (pool_too_small): too big")
+    }
     assert led.take_failed() == {}
     assert [f.request_id for f in led.fail_all("closing")] == ["a", "c"]
-    assert led.take_failed() == {"a": "closing", "c": "closing"} and len(led) == 0
+    closing = SampleFailure(FailureReason.OTHER, "closing")
+    assert led.take_failed() == {"a": closing, "c": closing} and len(led) == 0
 
 
 def test_submitting_a_request_twice_is_refused() -> None:
@@ -105,17 +115,17 @@ def test_s2_no_write_without_a_grant_of_the_current_connection() -> None:
     led = ledger()
     submit(led, "a")
     assert led.writes_due(0.0) == []
-    with pytest.raises(IllegalTransition, match="waiting"):
+    with pytest.raises(IllegalJobTransition, match="waiting"):
         post(led, "a", 0.0)
     led.requests_due()
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalJobTransition):
         post(led, "a", 0.0)
     led.on_grant(grant("a"), PAGE, POOL, 1.0)
     assert led.connection_lost(2.0) == (1, [])
     job = led.job("a")
     assert (job.state, job.grant) == (JobState.WAITING, None)
     assert led.writes_due(3.0) == []
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalJobTransition):
         post(led, "a", 3.0)
 
 
@@ -178,7 +188,10 @@ def test_a_failed_write_is_posted_again_after_a_backoff_then_the_job_fails() -> 
     failure = led.write_failed("a", "NIXL_ERR_NOT_FOUND", 1.6)
     assert failure is not None and failure.tell_reader
     assert failure.why == "its WRITE failed in NIXL 3 times (last: NIXL_ERR_NOT_FOUND)"
-    assert led.take_failed() == {"a": failure.why} and led.stats.write_retries == 2
+    assert (
+        led.take_failed() == {"a": SampleFailure(FailureReason.WRITE_FAILED, failure.why)}
+        and led.stats.write_retries == 2
+    )
 
 
 @pytest.mark.parametrize("state", ["waiting", "requested", "granted", "written"])
@@ -192,11 +205,11 @@ def test_write_completion_or_failure_outside_writing_is_illegal(state: str) -> N
     if state == "written":
         to_writing(led, "a")
         led.write_completed("a", PAGE, 1.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalJobTransition):
         led.write_completed("a", PAGE, 2.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalJobTransition):
         led.write_failed("a", "x", 2.0)
-    with pytest.raises(IllegalTransition, match="not in flight"):
+    with pytest.raises(IllegalJobTransition, match="not in flight"):
         led.write_completed("nobody", PAGE, 2.0)
 
 
@@ -388,7 +401,7 @@ def test_s6_a_digest_that_cannot_be_computed_fails_the_job() -> None:
 def test_a_digest_nobody_asked_for_is_illegal() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalJobTransition):
         led.digest_ready("a", 1)  # not started
     led.digest_ready("gone", 1)  # a job that failed meanwhile: ignored
 
@@ -514,7 +527,7 @@ def test_unwritten_counts_what_has_not_landed() -> None:
         submit(led, rid)
     to_writing(led, "a")
     led.write_completed("a", PAGE, 1.0)
-    assert led.unwritten == 2 and led.count_unwritten(["a", "b", "zz"]) == 1
+    assert led.unwritten == 2
 
 
 # ------------------------------------------------- random event sequences (S1)
@@ -573,7 +586,7 @@ def test_s1_any_sequence_of_events_keeps_every_job_accounted_for_exactly_once(
                 led.connection_lost(t)
             else:
                 led.expire(t, "x", "h:1")
-        except (ProtocolError, IllegalTransition):
+        except (ProtocolError, IllegalJobTransition):
             pass
         finished += led.take_finished()
         failed.update(led.take_failed())
@@ -610,3 +623,68 @@ def test_a_job_that_failed_while_its_write_was_posted_leaves_the_handle_to_the_s
     (f,) = led.freeze(["a"])  # preempted meanwhile
     assert f.xfer is None  # the handle does not exist yet
     assert not led.write_started("a", object())  # the shell polls it to its end itself
+
+
+def test_a_held_job_is_neither_requested_nor_hashed_until_released() -> None:
+    """Its step may still run on the device (the producer's ReadyGate): nothing may read
+    its blocks, and it is not safe to preempt; a failure fails it by name, reader untold."""
+    led = ledger(checksum=True)
+    m = manifest("h")
+    led.submit("h", m, list(range(10, 10 + m.num_blocks)), stripe(m.num_blocks, 0, 1), 0.0)
+    led.hold("h")
+    submit(led, "free")
+    assert [j.request_id for j in led.requests_due()] == ["free"]
+    assert [j.request_id for j in led.digests_due()] == ["free"]
+    assert led.job("h").held and led.unsafe(["h"]) == ["h"] and led.unwritten == 2
+    led.hold("h", False)
+    assert not led.job("h").held
+    assert [j.request_id for j in led.digests_due()] == ["h"]
+    assert [j.request_id for j in led.requests_due()] == ["h"]
+    m2 = manifest("bad")
+    led.submit("bad", m2, list(range(m2.num_blocks)), stripe(m2.num_blocks, 0, 1), 0.0)
+    led.hold("bad")
+    why = "positions 0..39 were not written where the block table puts them"
+    failure = led.fail("bad", why, FailureReason.OTHER)
+    assert failure is not None and not failure.tell_reader
+    assert led.take_failed() == {"bad": SampleFailure(FailureReason.OTHER, why)}
+
+
+# ------------------------------------------------------- counters and metrics
+def test_the_shells_reconnects_and_hashing_are_counted_by_the_ledger() -> None:
+    led = ledger()
+    mark = led.metrics_mark()
+    led.reconnected()
+    assert led.metrics_mark() != mark  # a reconnect is news for the metrics
+    led.hashed(0.25)
+    led.hashed(0.5)
+    st_ = led.stats.snapshot()
+    assert (st_.reconnects, st_.checksum_s) == (1, 0.75)
+
+
+def test_take_metrics_reads_counters_observations_and_jobs_at_once_and_marks_what_it_read() -> None:
+    led = ledger()
+    submit(led, "a")
+    submit(led, "b")
+    to_writing(led, "a", t=1.0)  # granted 1 s after its submission
+    led.write_completed("a", 3 * PAGE, 1.5)
+    led.on_ack("a", 2.0)
+    m = led.take_metrics()
+    assert (m.stats.requests, m.stats.writes, m.stats.bytes, m.stats.ack_wait_s) == (1, 1, 3 * PAGE, 0.5)
+    assert m.observations == SenderObservations([0.5], [1.0]) and m.in_flight == 1
+    assert m.mark == led.metrics_mark()  # nothing new since
+    assert led.take_metrics().observations == SenderObservations([], [])  # taken once
+    led.requests_due()
+    led.on_grant(grant("b"), PAGE, POOL, 3.0)
+    assert led.metrics_mark() != m.mark  # a grant's wait was observed
+
+
+def test_only_the_ledger_writes_its_counters() -> None:
+    """The shells tell the ledger what happened and what it took; none writes its stats."""
+    writes = re.compile(r"ledger\.stats\.\w+\s*(\+|-)?=(?!=)")
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in pathlib.Path(wing.__file__).parent.glob("*.py")
+        for line in path.read_text().splitlines()
+        if writes.search(line)
+    ]
+    assert found == []

@@ -1,6 +1,7 @@
 """The supplementary-tensor arithmetic on the published shapes of Qwen3-Next-80B-A3B and
-Qwen3.5-9B, with vLLM 0.32's real spec classes, its own grouping, sizing and capacity
-functions, and its own block-size alignment (no weights, no engine).
+Qwen3.5-9B, with vLLM's real spec classes, its own grouping, sizing and capacity
+functions, and its own block-size alignment (no weights, no engine); on vLLM 0.32, and
+on 0.33 under ``make test-vllm033``, with the same expected figures.
 
 Expected figures are derived here from the shapes by hand (comments show the
 arithmetic), so a change in vLLM's functions or in ours shows up as a difference. The
@@ -23,7 +24,7 @@ import pytest
 
 from hybrid.shapes import HybridShape
 from tests.isa import KINDS, as_if_cpu
-from tests.unit.test_hybrid_shapes import QWEN3_5_9B, QWEN3_NEXT_80B_A3B
+from tests.unit.hybrid.test_shapes import QWEN3_5_9B, QWEN3_NEXT_80B_A3B
 
 pytestmark = pytest.mark.slow
 
@@ -195,13 +196,12 @@ def test_split_keeps_regular_specs_and_unpads_the_cache_only_page(
 def test_a_model_without_attention_group_is_refused(
     qwen3_next_config: tuple[Any, dict[str, Any], HybridShape],
 ) -> None:
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-
     from hybrid.spec import NoAttentionGroupError, attention_group_index, plan_kv_cache_configs
+    from hybrid.versions import kv_cache_groups
 
     cfg, specs, _ = qwen3_next_config
     state_only = {n: s for n, s in specs.items() if "self_attn" not in n}
-    groups = get_kv_cache_groups(cfg, {n: s for n, s in state_only.items() if "cache_only" not in n})
+    groups = kv_cache_groups(cfg, [{n: s for n, s in state_only.items() if "cache_only" not in n}])
     with pytest.raises(NoAttentionGroupError, match="full-attention"):
         attention_group_index(groups)
     with pytest.raises(NoAttentionGroupError):
@@ -211,14 +211,13 @@ def test_a_model_without_attention_group_is_refused(
 def test_dense_models_go_to_vllm_unchanged(
     qwen3_next_config: tuple[Any, dict[str, Any], HybridShape],
 ) -> None:
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
     from hybrid.spec import SupplementedKVCacheConfig, plan_kv_cache_configs
+    from hybrid.versions import kv_cache_configs
 
     cfg, specs, _ = qwen3_next_config
     dense = {n: s for n, s in specs.items() if "linear_attn" not in n}
     (ours,) = plan_kv_cache_configs(cfg, [dense], [BUDGET])
-    (theirs,) = get_kv_cache_configs(cfg, [dense], [BUDGET])
+    (theirs,) = kv_cache_configs(cfg, [dense], [BUDGET])
     assert not isinstance(ours, SupplementedKVCacheConfig)
     assert ours.num_blocks == theirs.num_blocks
     assert [g.layer_names for g in ours.kv_cache_groups] == [g.layer_names for g in theirs.kv_cache_groups]

@@ -1,0 +1,137 @@
+"""The reader's books: every sample it holds by key, the receive pool whose pages they
+hold (credits, quarantines; ``pool.py``), and how many samples each producer rank has
+promised and not seen handed out (the bound of R9). It answers the read-only queries
+(a sample's state, the leases, the pool by holder) and moves pages; which transition
+happens, and when, is the ledger's (``ledger.py``). Pure logic."""
+
+from __future__ import annotations
+
+import collections
+
+from kv_connector.reader.pool import PagePool
+from kv_connector.reader.records import IllegalSampleTransition, Key, SampleRecord, SampleState
+from kv_connector.reader.stats import PoolState
+
+
+class SampleBook:
+    def __init__(self) -> None:
+        self.samples: dict[Key, SampleRecord] = {}
+        self.pool: PagePool | None = None
+        self.page_bytes: int | None = None
+        # (producer, rank) -> its samples not handed out yet (the bound max_pending_per_rank)
+        self._pending: collections.Counter[tuple[str, int]] = collections.Counter()
+
+    def set_pages(self, page_bytes: int, num_pages: int) -> None:
+        if self.pool is not None:
+            raise IllegalSampleTransition("the pool's page size is decided once")
+        self.page_bytes = page_bytes
+        self.pool = PagePool(num_pages)
+
+    # ---------------------------------------------------------------- queries
+    def state_of(self, key: Key) -> SampleState | None:
+        s = self.samples.get(key)
+        return None if s is None else s.state
+
+    def expecting_writes(self) -> bool:
+        return any(s.state is SampleState.GRANTED for s in self.samples.values())
+
+    def leases(self) -> list[SampleRecord]:
+        out = [s for s in self.samples.values() if s.state is SampleState.HANDED_OUT]
+        return sorted(out, key=lambda s: s.t_handed_out)
+
+    def pool_state(self) -> PoolState:
+        if self.pool is None or self.page_bytes is None:
+            return PoolState()
+        granted = leased = 0
+        for s in self.samples.values():
+            if s.pages is None:
+                continue
+            if s.state is SampleState.HANDED_OUT:
+                leased += len(s.pages)
+            else:
+                granted += len(s.pages)
+        p = self.pool
+        return PoolState(
+            self.page_bytes, p.num_pages, p.free_pages, granted, leased, p.quarantined_pages, p.waiting
+        )
+
+    def awaited(self, producer_id: str, rank: int) -> bool:
+        """Is a WRITE of this producer rank awaited (granted, not landed)?"""
+        return any(
+            key[0] == producer_id and s.pages is not None and rank in s.shares and s.shares[rank].blocks
+            and not s.shares[rank].landed
+            for key, s in self.samples.items()
+        )  # fmt: skip
+
+    def incomplete_of(self, producer_id: str) -> list[SampleRecord]:
+        """The producer's samples waiting for pages or for their shares."""
+        waiting = (SampleState.PROMISED, SampleState.GRANTED)
+        return [s for key, s in self.samples.items() if key[0] == producer_id and s.state in waiting]
+
+    def late(self, now: float, timeout_s: float) -> list[SampleRecord]:
+        """Granted samples not complete and checked ``timeout_s`` after their grant."""
+        on_way = (SampleState.GRANTED, SampleState.WRITTEN)
+        return [s for s in self.samples.values() if s.state in on_way and now - s.t_granted > timeout_s]
+
+    def pending_of(self, producer_id: str, rank: int) -> int:
+        return self._pending[(producer_id, rank)]
+
+    # ---------------------------------------------------------------- changes
+    def admit(self, s: SampleRecord) -> None:
+        """A new sample waits in the pool's FIFO for its run of pages (raises
+        ``PoolTooSmall`` when it can never fit: it is not admitted then)."""
+        assert self.pool is not None
+        self.pool.request(s.key, s.num_pages)
+        self.samples[s.key] = s
+
+    def promised(self, producer_id: str, rank: int) -> None:
+        """A rank registered its share of a sample not handed out yet."""
+        self._pending[(producer_id, rank)] += 1
+
+    def settle_pending(self, s: SampleRecord) -> None:
+        """The sample is handed out or gone: its ranks' promises are kept."""
+        for rank in s.shares:
+            k = (s.key[0], rank)
+            self._pending[k] -= 1
+            if self._pending[k] <= 0:
+                del self._pending[k]
+
+    def grant(self, now: float) -> list[SampleRecord]:
+        """Runs of pages to waiting samples in arrival order while the head fits (R1, R7):
+        PROMISED -> GRANTED."""
+        if self.pool is None:
+            return []
+        granted = []
+        for key, pages in self.pool.grantable():
+            s = self.samples[key]  # type: ignore[index]
+            s.pages, s.state, s.t_granted = pages, SampleState.GRANTED, now
+            granted.append(s)
+        return granted
+
+    def release(self, key: Key) -> bool:
+        """A lease ended: the sample's pages return to the pool (R3). False when it is
+        not on lease."""
+        s = self.samples.get(key)
+        if s is None or s.state is not SampleState.HANDED_OUT:
+            return False
+        del self.samples[key]
+        assert self.pool is not None and s.pages is not None
+        self.pool.release(key, s.pages)
+        return True
+
+    def drop(self, s: SampleRecord, until: float) -> None:
+        """The sample leaves the books before it was handed out (discarded, refused or
+        rejected); it no longer counts against its ranks (R9); pages it was granted stay
+        quarantined until ``until`` (a late WRITE lands unseen, R3)."""
+        assert self.pool is not None
+        del self.samples[s.key]
+        if s.state is not SampleState.HANDED_OUT:
+            self.settle_pending(s)
+        if s.pages is None:
+            self.pool.cancel(s.key)
+        else:
+            self.pool.quarantine(s.key, s.pages, until)
+
+    def end_quarantines(self, now: float) -> bool:
+        """Pages whose quarantine ended return to the pool; True if any did."""
+        return self.pool is not None and self.pool.end_quarantines(now)

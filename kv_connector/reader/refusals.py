@@ -1,0 +1,117 @@
+"""How the reader's ledger (``ledger.py``) ends a request or a sample that will not be
+delivered, once it decided to: the ``Refuse`` its producer's ranks get, with the code and
+the reason (R5 checksum, R8 timeout, R9 limit, R10 unchecked, R11 rejected), the sample
+discarded with its pages quarantined so a late WRITE lands unseen (R3, R6), the log line,
+and the counts. Pure logic (part of the reader's ledger)."""
+
+from __future__ import annotations
+
+from kv_connector.reader.book import SampleBook
+from kv_connector.reader.producers import PeerId
+from kv_connector.reader.records import Action, Key, Log, SampleRecord, Send
+from kv_connector.reader.stats import ReaderStats
+from kv_connector.wire import protocol
+
+
+class Refusals:
+    def __init__(self, book: SampleBook, stats: ReaderStats) -> None:
+        self._book = book
+        self._stats = stats
+
+    # ------------------------------------------------- requests (not admitted)
+    def over_limit(self, peer: PeerId, m: protocol.Manifest, limit: int) -> list[Action]:
+        """A sample over ``max_sample_tokens`` is refused alone (R9)."""
+        self._stats.refused += 1
+        self._stats.refused_limit += 1
+        why = f"request {m.request_id} has {m.num_tokens} tokens, over this reader's limit of {limit}"
+        return [
+            Send(peer, protocol.Refuse(code="limit", message=why, request_id=m.request_id)),
+            Log("error", why),
+        ]
+
+    def pool_too_small(self, peer: PeerId, m: protocol.Manifest, error: Exception) -> list[Action]:
+        """A sample that needs more pages than the whole pool holds."""
+        self._stats.refused += 1
+        self._stats.refused_pool_too_small += 1
+        refuse = protocol.Refuse(
+            code="pool_too_small", message=protocol.clip_text(str(error)), request_id=m.request_id
+        )
+        return [Send(peer, refuse), Log("error", f"request {m.request_id} refused: {error}")]
+
+    # --------------------------------------------------- samples (admitted)
+    def unchecked(self, s: SampleRecord, rank: int, until: float) -> list[Action]:
+        """``rank`` wrote its share without the checksum this reader requires (R10)."""
+        self._stats.refused_unchecked += 1
+        why = (
+            f"rank {rank} of {s.key[0]} wrote its share of {s.key[1]} without the "
+            "checksum this reader requires (the producer's checksum option is none; "
+            "see --require-checksum)"
+        )
+        return self._refuse(s, "unchecked", why, until, "unchecked")
+
+    def checksum(self, s: SampleRecord, rank: int, until: float) -> list[Action]:
+        """A share failed its checksum more than ``max_rewrites`` times (R5)."""
+        self._stats.refused_checksum += 1
+        why = (
+            f"request {s.key[1]} of producer {s.key[0]} failed its checksum "
+            f"{s.rewrites} times (rank {rank}); refusing it"
+        )
+        return self._refuse(s, "checksum", why, until, "refused")
+
+    def expire(self, now: float, timeout_s: float, until: float) -> list[Action]:
+        """Granted samples not complete and checked ``timeout_s`` after their grant (R8)."""
+        actions: list[Action] = []
+        for s in self._book.late(now, timeout_s):
+            self._stats.refused_timeout += 1
+            why = (
+                f"request {s.key[1]} of producer {s.key[0]} was not complete "
+                f"{timeout_s:.0f} s after its pages were granted (ranks {s.missing()} missing)"
+            )
+            actions += self._refuse(s, "timeout", why, until, "timeout")
+        return actions
+
+    def gave_up(
+        self, s: SampleRecord, rank: int, label: str, msg: protocol.Refuse, until: float
+    ) -> list[Action]:
+        """Rank ``rank`` (``label``) of the sample's producer gave up on it: its other ranks,
+        whose shares can no longer complete it, are told; it is discarded."""
+        actions: list[Action] = [
+            Log("error", f"producer {label} gave up on {msg.request_id} ({msg.code}): {msg.message}")
+        ]
+        for r, other in s.peers.items():
+            if r != rank:
+                refuse = protocol.Refuse(
+                    code=msg.code,
+                    message=protocol.clip_text(f"rank {rank}: {msg.message}"),
+                    request_id=msg.request_id,
+                )
+                actions.append(Send(other, refuse))
+        return actions + self.discard(s, until, f"{label} gave up on it")
+
+    def rejected(
+        self, key: Key, s: SampleRecord | None, peers: list[PeerId], why: str, until: float
+    ) -> list[Action]:
+        """The consumer rejected a sample (R11): ``peers`` are refused; a sample not handed
+        out yet (``s``) leaves the books, its pages quarantined."""
+        self._stats.refused += 1
+        refuse = protocol.Refuse(code="rejected", message=protocol.clip_text(why), request_id=key[1])
+        actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
+        actions += [Send(peer, refuse) for peer in peers]
+        if s is not None:
+            self._book.drop(s, until)
+        return actions
+
+    def discard(self, s: SampleRecord, until: float, why: str) -> list[Action]:
+        """The sample leaves the books undelivered; its pages are quarantined until ``until``."""
+        self._book.drop(s, until)
+        self._stats.dropped += 1
+        return [Log("warning", f"discarded incomplete sample {s.key[1]} of producer {s.key[0]} ({why})")]
+
+    def _refuse(
+        self, s: SampleRecord, code: protocol.RefuseCode, why: str, until: float, dropped: str
+    ) -> list[Action]:
+        """Refuse the sample to every rank of its producer, and discard it."""
+        self._stats.refused += 1
+        refuse = protocol.Refuse(code=code, message=why, request_id=s.key[1])
+        sends = [Send(p, refuse) for p in s.peers.values()]
+        return [Log("error", why), *sends, *self.discard(s, until, dropped)]

@@ -1,0 +1,103 @@
+"""What the sender's job ledger (``ledger.py``, whose docstring draws the machine) keeps
+and answers: a job (one request of this rank) and its states, the digest of its share,
+the failure the shell reports to the reader, and the ledger's errors. Pure data: no
+nixl, sockets, threads or clocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kv_connector.wire import protocol
+from kv_connector.wire.protocol import Grant, Manifest
+
+
+class IllegalJobTransition(RuntimeError):
+    """The shell asked for a transition the job's state does not allow."""
+
+
+class FrozenJob(Exception):
+    """A Rewrite of a preempted job's share: its blocks hold another request's states now."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+
+class JobState(enum.Enum):
+    WAITING = "waiting"
+    REQUESTED = "requested"
+    GRANTED = "granted"
+    WRITING = "writing"
+    WRITTEN = "written"
+
+
+class DigestState(enum.Enum):
+    OFF = "off"  # checksums off, or an empty share: nothing to compute
+    NEEDED = "needed"  # not started
+    COMPUTING = "computing"
+    READY = "ready"
+
+
+@dataclass
+class Job:
+    """One request of this rank: ``share`` is the range of the sample's blocks it writes,
+    ``block_ids`` the cache blocks of all the sample's blocks in order."""
+
+    request_id: str
+    manifest: Manifest
+    block_ids: list[int]
+    share: range
+    t_submit: float
+    state: JobState = JobState.WAITING
+    grant: Grant | None = None
+    digest_state: DigestState = DigestState.OFF
+    digest: int | None = None
+    attempts: int = 0  # failed WRITEs on this connection
+    retry_at: float = 0.0
+    rewrite_due: bool = False
+    ack_due: bool = False
+    frozen: bool = False  # preempted: its blocks are being reused; no WRITE may read them again
+    held: bool = False  # its step may still be running on the device: nothing reads its blocks yet
+    t_granted: float = 0.0
+    digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
+    t_wait: float = 0.0  # since when it waits for a working reader
+    t_write: float = 0.0  # when its last WRITE was posted, or completed
+    xfer: object | None = field(default=None, repr=False)  # the shell's handle of the WRITE
+
+    @property
+    def digest_safe(self) -> bool:
+        """Was the share's digest (if any) taken from the blocks as they were written?"""
+        return self.digest_state in (DigestState.OFF, DigestState.READY)
+
+    @property
+    def safely_written(self) -> bool:
+        """Its share is in the reader's pages: written, its digest taken, no Rewrite due."""
+        return self.state is JobState.WRITTEN and self.digest_safe and not self.rewrite_due
+
+    def notification(self) -> protocol.WriteDone:
+        """What its next WRITE announces: its digest, or that it follows."""
+        if self.digest_state is DigestState.READY:
+            return protocol.WriteDone(request_id=self.request_id, checksum=self.digest)
+        follows = self.digest_state in (DigestState.NEEDED, DigestState.COMPUTING)
+        return protocol.WriteDone(request_id=self.request_id, digest_follows=follows)
+
+    def connection_lost(self) -> None:
+        """WAITING again, to be resent: every grant of the lost connection is gone (S2)."""
+        self.state, self.grant, self.xfer = JobState.WAITING, None, None
+        self.attempts, self.rewrite_due, self.retry_at, self.digest_owed = 0, False, 0.0, False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A job failed with ``why``. ``tell_reader``: its credit request went out on the
+    current connection, so the reader must drop its sample (``Refuse`` with ``code``)
+    and tell the producer's other ranks."""
+
+    request_id: str
+    why: str
+    tell_reader: bool
+    code: protocol.RefuseCode = "write_failed"
+    # the handle of a WRITE still in flight when the job failed: the shell polls it to
+    # its end (the transport releases it then), nobody else does
+    xfer: object | None = field(default=None, compare=False, repr=False)

@@ -1,0 +1,104 @@
+"""Every sender thread that touches a CUDA cache or drives the NIXL agent holding its
+registration makes the cache's GPU its device first (``common.device.on_device``); on a
+host cache none of them touches CUDA. torch.cuda.set_device is replaced by a recorder:
+these run without a GPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_connector.common.device import on_device
+from kv_connector.sender.hasher import Hasher
+from kv_connector.sender.ledger import SendLedger
+from kv_connector.sender.loop import SenderLoop
+from kv_connector.sender.writer import ShareWriter
+from kv_connector.wire import handshake
+from kv_connector.wire.transport import Region
+from tests.ports import address_of, held_port
+
+GPU1 = torch.device("cuda", 1)
+Calls = list[tuple[str, torch.device]]
+
+
+@pytest.fixture
+def set_device_calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
+    calls: Calls = []
+
+    def record(device: torch.device) -> None:
+        calls.append((threading.current_thread().name, device))
+
+    monkeypatch.setattr(torch.cuda, "set_device", record)
+    return calls
+
+
+def _wait_for(calls: Calls, name: str) -> list[torch.device]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        got = [d for n, d in calls if n == name]
+        if got:
+            return got
+        time.sleep(0.005)
+    return []
+
+
+def test_on_device_sets_a_gpu_and_leaves_the_host_alone(set_device_calls: Calls) -> None:
+    on_device(torch.device("cpu"))
+    on_device(None)
+    assert set_device_calls == []
+    on_device(GPU1)
+    assert set_device_calls == [(threading.current_thread().name, GPU1)]
+
+
+def test_hasher_thread_sets_the_cache_device_first(set_device_calls: Calls) -> None:
+    h = Hasher("hs-hash-r3", GPU1)
+    try:
+        assert _wait_for(set_device_calls, "hs-hash-r3") == [GPU1]
+        # the digest runs on the same thread, after the device was set
+        assert h.submit(lambda: len(set_device_calls)).result(timeout=5) == 1
+    finally:
+        h.close()
+
+
+def test_writer_thread_sets_the_cache_device_first(set_device_calls: Calls) -> None:
+    w = ShareWriter(
+        object(),  # type: ignore[arg-type]  # never called: no reader connected
+        Region(0, 1, "VRAM", 1),
+        SendLedger(),
+        threading.Lock(),
+        3,
+        lambda f: None,
+        GPU1,
+    )
+    try:
+        assert _wait_for(set_device_calls, "hs-writer-r3") == [GPU1]
+    finally:
+        w.close()
+
+
+def test_sender_loop_thread_sets_the_cache_device_first(set_device_calls: Calls) -> None:
+    sock = held_port()  # bound, not listening: every connection is refused
+    lock = threading.Lock()
+    ledger = SendLedger()
+    writer = ShareWriter(object(), Region(0, 1, "VRAM", 1), ledger, lock, 3, lambda f: None, GPU1)  # type: ignore[arg-type]
+    me = handshake.ProducerIdentity("p", 3, 4, "agent", 4096, "VRAM", "blocks")
+    loop = SenderLoop(address_of(sock), me, 30.0, None, object(), ledger, lock, writer, None, device=GPU1)  # type: ignore[arg-type]
+    try:
+        loop.start()
+        assert _wait_for(set_device_calls, "hs-sender-r3") == [GPU1]
+    finally:
+        loop.close()
+        writer.close()
+        sock.close()
+
+
+def test_a_host_cache_never_sets_a_device(set_device_calls: Calls) -> None:
+    h = Hasher("hs-hash-r0", torch.device("cpu"))
+    try:
+        h.submit(lambda: 0).result(timeout=5)
+    finally:
+        h.close()
+    assert set_device_calls == []

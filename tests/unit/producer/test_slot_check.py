@@ -1,0 +1,80 @@
+"""The step barrier and the slot-mapping check off the step's critical path
+(``producer.slot_check``): nothing is checked, and no gate opens, before the step's event
+is done; steps are checked in order, whoever asks; a request whose slots disagree with
+its block table fails by name, once. Here the steps run on the host: the stand-in event
+is made to say "not done" until the test lets it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_connector.producer import slot_check
+from kv_connector.producer.planning import BlockRecorder, StepSlice
+
+BS = 4
+
+
+@pytest.fixture
+def device_busy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """busy[0]: the stand-in events say their step is still running."""
+    busy = [True]
+    monkeypatch.setattr(slot_check.HostDone, "query", lambda self: not busy[0])
+    return busy
+
+
+def _slots(table: list[int], start: int, n: int) -> list[int]:
+    return [table[p // BS] * BS + p % BS for p in range(start, start + n)]
+
+
+def test_nothing_is_checked_before_the_step_is_done(device_busy: list[bool]) -> None:
+    rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
+    sl = StepSlice("r", 0, 6, (7, 3))
+    expected, errors = rec.expect([sl])
+    assert errors == {}
+    wrong = torch.tensor([x + 1 for x in _slots([7, 3], 0, 6)])  # every slot one off
+    gate = checks.add(wrong, expected)
+    assert gate.poll("r") == (False, None)
+    assert checks.settle() == {}
+    device_busy[0] = False
+    done, why = gate.poll("r")
+    assert done and why == "positions 0..5 were not written where the block table puts them with block size 4"
+    assert checks.settle() == {"r": why}  # reported once
+    assert checks.settle() == {}
+    checks.forget("r")
+    assert gate.poll("r") == (True, None)
+
+
+def test_steps_are_checked_in_order_and_a_gate_sees_earlier_failures(device_busy: list[bool]) -> None:
+    rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
+    # step 1 writes the first chunk of r at the wrong block; step 2 the rest, correctly
+    e1, _ = rec.expect([StepSlice("r", 0, 4, (5, 6))])
+    g1 = checks.add(torch.tensor(_slots([9], 0, 4)), e1)
+    e2, _ = rec.expect([StepSlice("r", 4, 3, (), blocks_from=2)])
+    g2 = checks.add(torch.tensor(_slots([5, 6], 4, 3)), e2)
+    assert g2.poll("r") == (False, None)  # step 1 not done: step 2 is not checked before it
+    device_busy[0] = False
+    done, why = g2.poll("r")
+    assert done and why == "positions 0..3 were not written where the block table puts them with block size 4"
+    assert g1.poll("r") == (True, why)
+
+
+def test_a_correct_step_opens_its_gate_and_a_step_without_slots_is_a_barrier_only(
+    device_busy: list[bool],
+) -> None:
+    rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
+    expected, _ = rec.expect([StepSlice("a", 2, 5, (1, 8))])
+    gate = checks.add(torch.tensor([-1, *_slots([1, 8], 2, 5)]), expected)  # a padded row first
+    barrier = checks.add(None, [])
+    device_busy[0] = False
+    assert gate.poll("a") == (True, None)
+    assert barrier.poll("a") == (True, None)
+    assert checks.settle() == {}
+
+
+def test_on_the_host_a_step_is_checked_at_once() -> None:
+    rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
+    expected, _ = rec.expect([StepSlice("a", 0, 6, (2, 5))])
+    gate = checks.add(torch.tensor(_slots([2, 4], 0, 6)), expected)
+    assert checks.settle() == {"a": "block 1 was written to cache block 4, the block table says 5"}
+    assert gate.poll("a")[0]
