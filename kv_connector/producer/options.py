@@ -87,8 +87,20 @@ def captured_layer_order(configured: Sequence[int]) -> list[int]:
     return sorted(configured)
 
 
+class Delivery(str, enum.Enum):
+    """How samples reach their consumer."""
+
+    PUSH = "push"  # each rank WRITEs a finished sample into a reader's pool, under its credits
+    PULL = "pull"  # each rank holds it in vLLM's cache until a consumer READs and releases it
+
+
 SHARDING = tuple(s.value for s in Sharding)
 CHECKSUMS = tuple(c.value for c in ChecksumOption)
+DELIVERIES = tuple(d.value for d in Delivery)
+PULL_TIMEOUT_S = 300.0
+# pull mode's one stand-in "reader": the ranks' endpoints (the delivery book admits a
+# request once every rank's endpoint is up)
+PULL_ENDPOINTS = "the ranks' pull endpoints"
 
 # a timeout: a positive number of seconds (a year at most: infinity is no deadline)
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)]
@@ -117,6 +129,14 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     after fails, and the reader drops it (default 300).
     preempt_timeout_s: how long a preempted request's share may hold the engine step to be
     written (it may wait for the reader's credits) before its sample fails (default 5).
+    delivery: "push" (default: the ranks WRITE each sample into a reader's pool) or "pull"
+    (no reader: each rank holds a finished sample's blocks and serves it to a consumer
+    holding its handle, ``reader.pull``); pull needs no consumer_address, and its
+    ``readers`` is the one stand-in ``PULL_ENDPOINTS``.
+    pull_listen: where each rank's pull endpoint listens, ``HOST`` or ``HOST:PORT`` (the
+    port is rank 0's; rank r takes PORT + r); default 127.0.0.1 on a free port.
+    pull_timeout_s: a pulled sample not released this long after its request finished is
+    freed and logged by name; fetching it then fails "expired" (default 300).
     """
 
     readers: tuple[str, ...]
@@ -128,8 +148,28 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     checksum: ChecksumOption = ChecksumOption.AUTO
     sample_timeout_s: Seconds = 300.0
     preempt_timeout_s: Seconds = 5.0
+    delivery: Delivery = Delivery.PUSH
+    pull_listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    pull_timeout_s: Seconds = PULL_TIMEOUT_S
+
+    @property
+    def pull(self) -> bool:
+        return self.delivery is Delivery.PULL
 
     def __post_init__(self) -> None:
+        if self.pull:
+            if self.readers != (PULL_ENDPOINTS,):
+                raise ValueError(
+                    'kv_connector_extra_config.consumer_address is for "delivery": "push"; pull delivery has '
+                    "no reader (consumers fetch each sample by its handle)"
+                )
+            if self.include_output_tokens:
+                raise ValueError('include_output_tokens is not supported with "delivery": "pull" yet')
+            try:
+                pull_endpoint(self.pull_listen, 0)
+            except ValueError as e:
+                raise ValueError(f"kv_connector_extra_config.pull_listen: {e}") from None
+            return
         if not self.readers:
             raise ValueError(_HINTS["consumer_address"])
         for a in self.readers:
@@ -151,10 +191,23 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ValueError(
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
             )
-        addr = raw.pop("consumer_address", None)
-        addrs = [addr] if isinstance(addr, str) else addr
-        if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
-            raise ValueError(_HINTS["consumer_address"])
+        if raw.get("delivery", Delivery.PUSH.value) not in DELIVERIES:
+            raise ValueError(
+                f"kv_connector_extra_config.delivery {_HINTS['delivery']}, got {raw['delivery']!r}"
+            )
+        if raw.get("delivery") == Delivery.PULL.value:
+            for key in ("consumer_address", "sharding"):
+                if key in raw:
+                    raise ValueError(
+                        f'kv_connector_extra_config.{key} is for "delivery": "push"; pull delivery has '
+                        "no reader (consumers fetch each sample by its handle)"
+                    )
+            addrs: Any = [PULL_ENDPOINTS]
+        else:
+            addr = raw.pop("consumer_address", None)
+            addrs = [addr] if isinstance(addr, str) else addr
+            if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
+                raise ValueError(_HINTS["consumer_address"])
         try:
             return msgspec.convert({**raw, "readers": addrs}, cls)
         except msgspec.ValidationError as e:
@@ -179,7 +232,22 @@ _HINTS = {
     "preempt_timeout_s": _SECONDS,
     "include_output_tokens": "must be true or false",
     "checksum": f"must be one of {CHECKSUMS}",
+    "delivery": f"must be one of {DELIVERIES}",
+    "pull_listen": "must be HOST or HOST:PORT",
+    "pull_timeout_s": _SECONDS,
 }
+
+
+def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
+    """(host, port) rank ``rank``'s pull endpoint binds for ``pull_listen`` (port 0: any
+    free one)."""
+    if listen.count(":") == 1 or "]:" in listen:
+        host, port = parse_address(listen)
+    else:
+        host, port = listen.strip("[]"), 0
+    if not host:
+        raise ValueError(f"{listen!r} names no host")
+    return host, (port + rank if port else 0)
 
 
 def _key_of(error: str) -> str:

@@ -44,6 +44,7 @@ class ShipOrder:
     block_ids: tuple[int, ...]
     reader: str | None = None  # the reader's address, bound at admission (the same on every rank)
     identity: SampleIdentity = NO_IDENTITY
+    nonce: str = ""  # pull delivery: its handle's nonce (a consumer must present it)
 
 
 @dataclass
@@ -54,9 +55,12 @@ class StepPlan:
     # tracked requests preempted by this step: their blocks are about to be reused, so
     # WRITEs still reading them must finish first (see WorkerSide.handle_preemptions)
     preempted: list[str] = field(default_factory=list)
+    # pull delivery: finished requests whose held samples nobody may fetch (aborted): the
+    # workers end them and give their blocks back
+    drops: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.slices or self.ships or self.resets or self.preempted)
+        return bool(self.slices or self.ships or self.resets or self.preempted or self.drops)
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class ShipPlanner:
         return rec.reader if rec is not None else None
 
     def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
-        return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity)
+        return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity, rec.nonce)
 
     def drop(self, request_id: str) -> None:
         """Stop following a request: it runs, but nothing of it is shipped."""

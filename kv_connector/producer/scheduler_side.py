@@ -15,6 +15,7 @@ from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
 from kv_connector.sender.failure import FailureReason
+from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.identity import NO_IDENTITY, IdentityError, identity_of
 from kv_connector.wire.outcome import SampleOutcome, SampleStatus
 from kv_connector.wire.protocol import request_id_problem
@@ -77,6 +78,9 @@ class SchedulerSide:
         )
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
         self._readers_up = 0  # readers every rank reaches, recounted when a link changes
+        self.world_size = world_size
+        self.endpoints: dict[int, str] = {}  # pull delivery: each rank's endpoint, as reported
+        self._drops: list[str] = []  # pull delivery: aborted requests whose holds must end
 
     def on_new_request(self, request: Request) -> None:
         """Follow a new request; a request id that cannot travel, or a bad ``sample_id``
@@ -91,6 +95,10 @@ class SchedulerSide:
             identity, bad = NO_IDENTITY, f"invalid kv_transfer_params: {e}"
         self.planner.add(rid, include_output=include, identity=identity)
         self.book.add(rid)
+        if self.options.pull:
+            self.requests.ensure(rid).nonce = make_nonce()
+            if include and bad is None:
+                bad = 'include_output_tokens is not supported with "delivery": "pull" yet'
         problem = request_id_problem(rid) or bad
         if problem is not None:  # refused alone, at admission: never its connection
             self.book.refuse(rid, problem)
@@ -112,8 +120,12 @@ class SchedulerSide:
 
     def update(self, report: WorkerReport) -> None:
         """The workers' reports of one step."""
+        if self.options.pull:
+            for rank, address in report.endpoints.items():
+                log.info("rank %d serves pulled samples at %s", rank, address)
+                self.endpoints[rank] = address
         for reader, rank, error in report.links:
-            if reader in self.options.readers:
+            if reader in self.options.readers and not self.options.pull:
                 address = reader
                 if error is None:
                     log.info("rank %d reaches the reader at %s", rank, address)
@@ -145,13 +157,17 @@ class SchedulerSide:
             )
             for i, rid in enumerate(c.req_ids)
         ]
-        return self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
+        plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
+        plan.drops, self._drops = self._drops, []
+        return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a shipped request until the workers report it sent; the
         kv_transfer_params name its sample (request id, and sample id: the request's own
         when it gave none), say where it is and where it stands: "delivered",
         "failed" with an "error", or "pending" (on its way)."""
+        if self.options.pull:
+            return self._finished_pull(request, block_ids)
         rid = request.request_id
         rec = self.requests.get(rid)
         sample_id = (rec.identity if rec is not None else NO_IDENTITY).name_of(rid)
@@ -172,6 +188,45 @@ class SchedulerSide:
             consumer_address=reader,
             error=error,
         ).params()
+
+    def _finished_pull(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Pull delivery: hold the blocks of a captured request until a consumer releases
+        its sample (or ``pull_timeout_s`` passes); the kv_transfer_params carry its
+        ``handle`` (top level, where speculators looks) and its record: "ready", or
+        "failed" with an "error"."""
+        rid = request.request_id
+        rec = self.requests.get(rid)
+        sample_id = (rec.identity if rec is not None else NO_IDENTITY).name_of(rid)
+        nonce = rec.nonce if rec is not None else ""
+        hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
+        self.metrics.waiting(rid, False)
+        if hold:
+            self.metrics.holding(rid, len(block_ids))
+        status, error = self.book.outcome(rid)
+        self.book.finish(rid)
+        if not hold and status is not SampleStatus.FAILED:
+            return False, None  # nothing was captured (e.g. aborted before its prompt ran)
+        missing = [r for r in range(self.world_size) if r not in self.endpoints]
+        if getattr(request.status, "name", "") == "FINISHED_ABORTED":
+            status, error = SampleStatus.FAILED, "the request was aborted"
+        elif status is not SampleStatus.FAILED and missing:
+            status, error = SampleStatus.FAILED, f"ranks {missing} reported no pull endpoint"
+        outcome = SampleOutcome(
+            status=SampleStatus.FAILED if status is SampleStatus.FAILED else SampleStatus.READY,
+            producer_id=self.producer_id,
+            request_id=rid,
+            sample_id=sample_id,
+            consumer_address=None,
+            error=error,
+            delivery="pull",
+        )
+        if outcome.status is SampleStatus.FAILED:
+            if hold:
+                self._drops.append(rid)  # nobody gets its handle: the workers end its hold
+            return hold, outcome.params()
+        endpoints = [self.endpoints[r] for r in range(self.world_size)]
+        handle = PullHandle(self.producer_id, rid, nonce, endpoints).encode()
+        return hold, {"handle": handle, **outcome.params()}
 
     def sent(self, request_ids: Iterable[str]) -> None:
         """vLLM frees these requests' blocks now (every worker reported them sent)."""

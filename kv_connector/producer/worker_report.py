@@ -20,14 +20,16 @@ class LinkChange(NamedTuple):
 @dataclass
 class WorkerReport:
     """One step of one worker (or several, merged): link changes, and the requests
-    delivered or failed (with the reason) since the last step."""
+    delivered or failed (with the reason) since the last step; in pull delivery, the
+    address of each rank's pull endpoint once it listens (rank -> ``HOST:PORT``)."""
 
     links: list[LinkChange] = field(default_factory=list)
     failures: dict[str, SampleFailure] = field(default_factory=dict)
     delivered: set[str] = field(default_factory=set)
+    endpoints: dict[int, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.links or self.failures or self.delivered)
+        return bool(self.links or self.failures or self.delivered or self.endpoints)
 
     def merged(self, other: WorkerReport) -> WorkerReport:
         """Both reports in one (vLLM aggregates the ranks' reports this way); a request
@@ -36,4 +38,5 @@ class WorkerReport:
             links=self.links + other.links,
             failures={**other.failures, **self.failures},
             delivered=self.delivered | other.delivered,
+            endpoints={**other.endpoints, **self.endpoints},
         )

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_connector.producer.options import ConnectorOptions
-from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
+from kv_connector.producer.options import PULL_ENDPOINTS, ConnectorOptions, pull_endpoint
+from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan
+from kv_connector.producer.pull_server import PullServer
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
@@ -51,6 +52,7 @@ class WorkerSide:
         self.cache: torch.Tensor | None = None  # the cache-only layer's tensor (registered)
         self.asleep = False
         self.senders: list[HiddenStatesSender] = []
+        self.pull: PullServer | None = None  # pull delivery: this rank's endpoint, instead of senders
         self.recorder: BlockRecorder | None = None
         self.checks: SlotChecks | None = None  # the steps' slot mappings, checked off the critical path
         self._slots: torch.Tensor | None = None
@@ -100,6 +102,44 @@ class WorkerSide:
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
         self.checks = SlotChecks(block_size)
+        atexit.register(self.shutdown)
+        if view.padded(len(self.layer_ids), hidden):
+            log.warning(
+                "the cache-only layer's blocks of %d tokens (%d bytes) lie %d bytes apart (vLLM pads its "
+                "KV cache group's page to the other groups'): each block is one descriptor of its own, "
+                "and %.1f%% of its memory is padding",
+                block_size,
+                block_layout.block_bytes,
+                view.block_pitch * cache.element_size(),
+                100 * (1 - block_layout.block_bytes / (view.block_pitch * cache.element_size())),
+            )
+        if self.options.pull:
+            self.pull = PullServer(
+                cache,
+                block_layout,
+                self.layer_ids,
+                self.producer_id,
+                rank,
+                world,
+                pull_endpoint(self.options.pull_listen, rank),
+                self.options.pull_timeout_s,
+                checksum=share_checksum is not None,
+            )
+            log.info(
+                "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
+                "pull delivery: serving at %s, samples held up to %.0f s",
+                rank,
+                world,
+                self.layer_name,
+                cache.shape[0],
+                block_size,
+                layout,
+                block_layout.dtype,
+                block_layout.block_bytes,
+                self.pull.address,
+                self.options.pull_timeout_s,
+            )
+            return
         self.senders = [
             HiddenStatesSender(
                 SenderConfig(
@@ -117,17 +157,6 @@ class WorkerSide:
             )
             for address in self.options.readers
         ]
-        atexit.register(self.shutdown)
-        if view.padded(len(self.layer_ids), hidden):
-            log.warning(
-                "the cache-only layer's blocks of %d tokens (%d bytes) lie %d bytes apart (vLLM pads its "
-                "KV cache group's page to the other groups'): each block is one descriptor of its own, "
-                "and %.1f%% of its memory is padding",
-                block_size,
-                block_layout.block_bytes,
-                view.block_pitch * cache.element_size(),
-                100 * (1 - block_layout.block_bytes / (view.block_pitch * cache.element_size())),
-            )
         log.info(
             "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
             "checksum: %s, shipping to %s",
@@ -153,10 +182,12 @@ class WorkerSide:
         """After the step's drafter: hand the step's slot mapping to the checks (an
         asynchronous copy and an event on a GPU; the engine never waits for the device),
         then ship the complete requests, each held by its sender until the step is done
-        and checked (``slot_check``)."""
-        if plan is None or not plan or self.recorder is None or self.checks is None or not self.senders:
+        and checked (``slot_check``); in pull mode, hold them for consumers."""
+        if plan is None or not plan or self.recorder is None or self.checks is None or not self._serving:
             self._slots = None
             return
+        if self.pull is not None and plan.drops:
+            self.pull.drop(plan.drops)
         for rid in plan.resets:
             self.recorder.forget(rid)
         errors: dict[str, str] = {}
@@ -173,6 +204,8 @@ class WorkerSide:
         for order in plan.ships:
             rid = order.request_id
             if rid in self._failed:
+                if self.pull is not None:
+                    self.pull.fail(rid, order.nonce, self._failed[rid])
                 self._done.add(rid)
                 continue
             try:
@@ -180,16 +213,33 @@ class WorkerSide:
                 done, wrong = gate.poll(rid) if gate is not None else (True, None)
                 if wrong is not None:
                     raise SlotMismatch(wrong)
-                sender = self._sender_of(order.reader)
-                sender.ship(rid, order.token_ids, blocks, order.identity, ready=None if done else gate)
+                self._ship(order, blocks, None if done else gate)
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:
                 log.error("request %s cannot be shipped: %s", rid, e)
                 self._failed[rid] = str(e)
                 self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
+                if self.pull is not None:
+                    self.pull.fail(rid, order.nonce, str(e))
                 self._done.add(rid)
             self.recorder.forget(rid)
+
+    @property
+    def _serving(self) -> bool:
+        return bool(self.senders) or self.pull is not None
+
+    def _ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None) -> None:
+        """Ship (push) or hold for consumers (pull) one computed sample. A pulled sample
+        is fetched only after its request finished, steps after the one that wrote it."""
+        if self.pull is not None:
+            ident = order.identity
+            self.pull.hold(
+                order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata
+            )
+        else:
+            sender = self._sender_of(order.reader)
+            sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate)
 
     def _fail_unshipped(self, rid: str, why: str) -> None:
         """A slice of the request was not written where its block table says (or not at
@@ -238,11 +288,18 @@ class WorkerSide:
         share gets up to ``preempt_timeout_s`` to be safely written (granted, landed,
         hashed); one that is not by then fails (the reader drops it). Nothing is ever
         shipped from reused blocks, and a full or hung reader holds the step no longer."""
-        if plan is None or not plan.preempted or not self.senders:
+        if plan is None or not plan.preempted or not self._serving:
             return
         if self.recorder is not None:
             for rid in plan.preempted:
                 self.recorder.forget(rid)
+        if self.pull is not None:
+            for rid in self.pull.preempt(plan.preempted):  # nothing is read from reused blocks
+                why = "preempted by vLLM before a consumer fetched it"
+                log.error("request %s: %s", rid, why)
+                self._failed[rid] = why
+                self._note_failure(rid, SampleFailure(FailureReason.PREEMPTED, why))
+            return
         busy = [rid for rid in plan.preempted if rid in self._shipped]
         if not busy:
             return
@@ -262,7 +319,7 @@ class WorkerSide:
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        if not self.senders:
+        if not self._serving:
             return None
         # only requests this worker shipped or failed wait for their finish here; the
         # rest (never shipped: aborted, or failed at admission) must not pile up
@@ -277,6 +334,9 @@ class WorkerSide:
                 self.recorder.forget(rid)
             if self.checks is not None:
                 self.checks.forget(rid)
+        if self.pull is not None:
+            self.pull.finished(finished_req_ids & self._shipped)  # their handles are out: clocks start
+            self._done |= self.pull.take_freed()  # released, expired, preempted or aborted
         for sender in self.senders:
             acked = sender.take_finished()
             self._done |= acked
@@ -301,6 +361,11 @@ class WorkerSide:
         """What the scheduler side should learn this step: changes of this rank's link
         to each reader (None: connected), and requests failed or delivered since."""
         links: list[LinkChange] = []
+        endpoints: dict[int, str] = {}
+        if self.pull is not None and PULL_ENDPOINTS not in self._reported_links:
+            self._reported_links[PULL_ENDPOINTS] = None
+            links.append(LinkChange(PULL_ENDPOINTS, self.rank, None))  # its endpoint listens
+            endpoints[self.rank] = self.pull.address
         for sender in self.senders:
             err, reader = sender.link_error, sender.config.consumer_address
             last = self._reported_links.get(reader, "")
@@ -309,7 +374,7 @@ class WorkerSide:
                 links.append(LinkChange(reader, self.rank, err))
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
-        return WorkerReport(links, failures, delivered)
+        return WorkerReport(links, failures, delivered, endpoints)
 
     def _sender_of(self, reader: str | None) -> HiddenStatesSender:
         """The sender to the reader a sample was bound for (ValueError: none or unknown)."""
@@ -335,6 +400,9 @@ class WorkerSide:
             self.recent_failures.popitem(last=False)
 
     def shutdown(self) -> None:
+        pull, self.pull = self.pull, None
+        if pull is not None:
+            pull.close()
         senders, self.senders = self.senders, []
         deadline = time.monotonic() + self.options.drain_timeout_s
         while any(s.unwritten for s in senders) and time.monotonic() < deadline:

@@ -77,14 +77,15 @@ def mem_type_of(tensor: torch.Tensor) -> tuple[MemType, int]:
 
 
 class _Transfer:
-    """One posted WRITE; poll it with ``NixlTransport.poll`` until it is done."""
+    """One posted WRITE or READ; poll it with ``NixlTransport.poll`` until it is done."""
 
-    __slots__ = ("handle", "nbytes", "peer")
+    __slots__ = ("handle", "nbytes", "op", "peer")
 
-    def __init__(self, handle: Any, peer: str, nbytes: int) -> None:
+    def __init__(self, handle: Any, peer: str, nbytes: int, op: str = "WRITE") -> None:
         self.handle = handle
         self.peer = peer
         self.nbytes = nbytes
+        self.op = op
 
 
 class NixlTransport:
@@ -167,9 +168,32 @@ class NixlTransport:
         """Post one WRITE of ``spans`` = (local offset, remote offset, length) rows from
         ``local`` into the peer's ``remote`` region, with ``notif`` delivered after the
         data landed."""
+        return self._post("WRITE", peer, local, remote, spans, notif)
+
+    def read(
+        self,
+        peer: str,
+        local: Region,
+        remote: Region,
+        spans: Sequence[tuple[int, int, int]] | np.ndarray,
+    ) -> Transfer:
+        """Post one READ of ``spans`` = (local offset, remote offset, length) rows from the
+        peer's ``remote`` region into ``local`` (no notification: pull delivery releases
+        over its control connection)."""
+        return self._post("READ", peer, local, remote, spans, b"")
+
+    def _post(
+        self,
+        op: str,
+        peer: str,
+        local: Region,
+        remote: Region,
+        spans: Sequence[tuple[int, int, int]] | np.ndarray,
+        notif: bytes,
+    ) -> Transfer:
         arr = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
         if arr.size == 0:
-            raise TransportError("a WRITE needs at least one span")
+            raise TransportError(f"a {op} needs at least one span")
         n = len(arr)
         src = np.empty((n, 3), dtype=np.uint64)
         dst = np.empty((n, 3), dtype=np.uint64)
@@ -181,7 +205,7 @@ class NixlTransport:
         dst[:, 2] = remote.device_id
         try:
             handle = self._agent.initialize_xfer(
-                "WRITE",
+                op,
                 self._agent.get_xfer_descs(src, local.mem_type),
                 self._agent.get_xfer_descs(dst, remote.mem_type),
                 peer,
@@ -189,14 +213,14 @@ class NixlTransport:
             )
             state = self._agent.transfer(handle)
         except Exception as e:
-            raise TransportError(f"cannot post a WRITE to {peer}: {e}") from e
+            raise TransportError(f"cannot post a {op} to {peer}: {e}") from e
         if state == _ERR:
             self._agent.release_xfer_handle(handle)
-            raise TransportError(f"NIXL refused a WRITE to {peer}")
-        return _Transfer(handle, peer, int(arr[:, 2].sum()))
+            raise TransportError(f"NIXL refused a {op} to {peer}")
+        return _Transfer(handle, peer, int(arr[:, 2].sum()), op)
 
     def poll(self, xfer: Transfer) -> bool:
-        """True once the WRITE completed (its handle is then released); raises
+        """True once the WRITE (or READ) completed (its handle is then released); raises
         ``TransportError`` if it failed."""
         assert isinstance(xfer, _Transfer)
         try:
@@ -204,14 +228,14 @@ class NixlTransport:
         except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer is gone
             with contextlib.suppress(Exception):
                 self._agent.release_xfer_handle(xfer.handle)
-            raise TransportError(f"a WRITE of {xfer.nbytes} bytes to {xfer.peer} failed: {e}") from None
+            raise TransportError(f"a {xfer.op} of {xfer.nbytes} bytes with {xfer.peer} failed: {e}") from None
         if state == _PROC:
             return False
         with contextlib.suppress(Exception):
             self._agent.release_xfer_handle(xfer.handle)
         if state == _DONE:
             return True
-        raise TransportError(f"a WRITE of {xfer.nbytes} bytes to {xfer.peer} failed")
+        raise TransportError(f"a {xfer.op} of {xfer.nbytes} bytes with {xfer.peer} failed")
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as (peer name, message); also makes UCX progress."""

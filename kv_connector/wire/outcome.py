@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -19,6 +19,7 @@ class SampleStatus(str, enum.Enum):
     DELIVERED = "delivered"  # its reader acknowledged it
     PENDING = "pending"  # on its way (a later failure is logged by the producer with its id)
     FAILED = "failed"  # it will never arrive; ``error`` says why
+    READY = "ready"  # pull delivery: held in the producer's cache; fetch it by its ``handle``
 
 
 class OutcomeError(ValueError):
@@ -27,7 +28,9 @@ class OutcomeError(ValueError):
 
 class SampleOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
     """``consumer_address``: the reader it was bound for (None: round robin had not picked
-    one when it failed); ``sample_id``: the request's own id when it named none."""
+    one when it failed, or pull delivery); ``sample_id``: the request's own id when it
+    named none; ``delivery``: "pull" for a sample a consumer fetches by the handle beside
+    this record (omitted for push)."""
 
     status: SampleStatus
     producer_id: str
@@ -35,6 +38,7 @@ class SampleOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
     sample_id: str
     consumer_address: str | None
     error: str = ""
+    delivery: Literal["push", "pull"] = "push"
 
     def params(self) -> dict[str, Any]:
         """Its place in ``kv_transfer_params``: ``{"hidden_states": {...}}``."""

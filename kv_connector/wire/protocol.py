@@ -10,30 +10,16 @@ building) and a wrong protocol version all raise ``ProtocolError``; nothing from
 is ever unpickled. Kinds are types: refusal codes, layouts and dtypes are ``Literal``s
 that decoding validates.
 
-Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below):
-    1: first version (Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone).
-    2: ``WriteDone.checksum`` (XXH3-64 of the rank's share, see ``kv_connector.wire.integrity``)
-       and ``Rewrite`` (the reader asks a rank to write its share again).
-    3: ``Manifest.geometry`` (a nested ``layout.BlockLayout``) replaces its loose
-       ``hidden_size``/``dtype``/``layout``/``block_size``/``block_bytes``; ``Refuse.code``
-       is one of ``RefuseCode``; a request id may not end in a newline.
-    4: ``Grant`` names one contiguous run of pages (``first_page``, ``num_pages``) holding
-       the sample arranged as ``layout.BlockLayout.arranged_spans`` says;
-       ``WriteDone.digest_follows`` and ``ShareDigest``: a WRITE no longer waits for its
-       digest, which follows on the control connection.
+Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one line each:
+    1: Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone.
+    2: ``WriteDone.checksum`` (XXH3-64 of a rank's share, ``wire.integrity``); ``Rewrite``.
+    3: ``Manifest.geometry`` (a ``layout.BlockLayout``); ``Refuse.code`` a ``RefuseCode``.
+    4: ``Grant`` names one run of pages; ``WriteDone.digest_follows`` and ``ShareDigest``.
     5: (skipped: taken by a branch merged as 7.)
-    6: ``Auth``'s proof covers the producer's NIXL metadata; ``Welcome.proof`` covers every
-       field of the Welcome; after the handshake every message carries a session tag
-       (``auth.SessionMac``) when there is a secret; ``Hello.cache_mem``; names are
-       ``SafeName``s; ``Refuse.code`` "timeout", "limit", "preempted", "unchecked"; a
-       Welcome's pool must fit in 64 bits.
-    7: ``Manifest.sample_id`` and ``Manifest.metadata`` (the user's name for a sample and a
-       small JSON object, see ``kv_connector.wire.identity``), covered by each share's checksum
-       with the rest of the manifest; ``Refuse.code`` "rejected" (the consumer will not take
-       a sample: non-finite or all-zero states, or a file it cannot write).
-    8: ``Hello.digest``: how the rank computes its shares' checksums, "xxh3" over their
-       bytes or "blocks" (per-block digests computed on the cache's device, see
-       ``kv_connector.wire.block_digest``).
+    6: proofs cover NIXL metadata and every Welcome field; session tags; ``Hello.cache_mem``.
+    7: ``Manifest.sample_id``/``metadata`` (``wire.identity``), covered by the checksum.
+    8: ``Hello.digest``: "xxh3" over bytes or "blocks" (``wire.block_digest``).
+    9: pull delivery: ``PullFetch``/``PullShare``, ``PullRelease``/``PullReleased``, ``PullError``.
 """
 
 from __future__ import annotations
@@ -44,10 +30,10 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for
+from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -334,6 +320,71 @@ class Rewrite(_Msg, tag="rewrite", frozen=True):
     reason: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] = ""
 
 
+# ---- pull delivery: a consumer asks a producer's rank for its share of one sample
+PullNonce = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}\Z")]
+# Why a rank gives no share ("unknown": never held here, or a wrong nonce; the others
+# name how the hold ended, see ``kv_connector.producer.pull_ledger``).
+PullErrorCode = Literal["unknown", "expired", "released", "preempted", "aborted", "closed", "failed"]
+
+
+class PullFetch(_Msg, tag="pull_fetch", frozen=True):
+    """Consumer -> producer rank: this rank's share of a sample, by its handle's names."""
+
+    request_id: RequestId
+    nonce: PullNonce
+
+
+class PullShare(_Msg, tag="pull_share", frozen=True):
+    """Producer rank -> consumer: the sample's manifest, and where this rank's share lies
+    in its cache: block ``first_block + i`` of the sample is cache block ``block_ids[i]``,
+    at ``cache_addr + block_ids[i] * manifest.block_bytes`` in the memory the NIXL metadata
+    of the handshake registers; ``checksum``: the share's, as ``wire.integrity`` says."""
+
+    manifest: Manifest
+    rank: Rank
+    world_size: WorldSize
+    first_block: BlockIndex
+    block_ids: Annotated[list[BlockIndex], msgspec.Meta(max_length=MAX_BLOCKS)]
+    cache_addr: NonNegInt
+    cache_bytes: PosInt
+    mem_type: MemType
+    device_id: NonNegInt
+    checksum: Checksum | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        want = stripe(self.manifest.num_blocks, self.rank, self.world_size)
+        if range(self.first_block, self.first_block + len(self.block_ids)) != want:
+            raise ValueError(f"a share of blocks from {self.first_block} is not rank {self.rank}'s {want}")
+        if self.cache_addr + self.cache_bytes > 1 << 64:
+            raise ValueError("the cache does not fit in a 64-bit address space")
+        bb = self.manifest.block_bytes
+        if any((b + 1) * bb > self.cache_bytes for b in self.block_ids):
+            raise ValueError(f"a block id lies outside the cache's {self.cache_bytes} bytes")
+
+
+class PullRelease(_Msg, tag="pull_release", frozen=True):
+    """Consumer -> producer rank: done with the sample; its blocks may be freed."""
+
+    request_id: RequestId
+    nonce: PullNonce
+
+
+class PullReleased(_Msg, tag="pull_released", frozen=True):
+    """Producer rank -> consumer: the sample was released."""
+
+    request_id: RequestId
+
+
+class PullError(_Msg, tag="pull_error", frozen=True):
+    """Producer rank -> consumer: no share of this sample, and why."""
+
+    request_id: RequestId
+    code: PullErrorCode
+    message: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+
+
 Message = (
     Hello
     | Challenge
@@ -346,6 +397,11 @@ Message = (
     | WriteDone
     | Rewrite
     | ShareDigest
+    | PullFetch
+    | PullShare
+    | PullRelease
+    | PullReleased
+    | PullError
 )
 
 _encoder = msgspec.msgpack.Encoder()

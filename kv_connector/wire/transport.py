@@ -74,8 +74,19 @@ class Transport(Protocol):
         delivered to the peer after the data landed."""
         ...
 
+    def read(
+        self,
+        peer: str,
+        local: Region,
+        remote: Region,
+        spans: Sequence[tuple[int, int, int]] | np.ndarray,
+    ) -> Transfer:
+        """Post one READ of (local offset, remote offset, length) rows from the peer's
+        ``remote`` region into ``local`` (pull delivery)."""
+        ...
+
     def poll(self, xfer: Transfer) -> bool:
-        """True once the WRITE completed; raises ``TransportError`` if it failed."""
+        """True once the WRITE (or READ) completed; raises ``TransportError`` if it failed."""
         ...
 
     def notifications(self) -> list[tuple[str, bytes]]:

@@ -1,0 +1,220 @@
+"""The pull ledger: every sample one rank holds for consumers to READ (pull delivery),
+from the step that computed it to its release, expiry or end, as a state machine. Pure
+logic (no nixl, sockets, threads or clocks: times are passed in). The shells (the
+rank's pull endpoint, ``producer.pull_server``, and the worker side) feed it what
+happened and do what it answers.
+
+States of a sample (``HoldState``):
+
+    HELD -- release ---> RELEASED   (the consumer read it and let it go)
+    HELD -- expire ----> EXPIRED    (not released within ``pull_timeout_s`` of its
+                                     request's finish: its handle went out then)
+    HELD -- preempt ---> PREEMPTED  (vLLM reuses its blocks for another request)
+    HELD -- abort -----> ABORTED    (its request was aborted; nobody got its handle)
+    HELD -- close -----> CLOSED     (the engine shuts down)
+    (none) -- fail ----> FAILED     (its blocks could not be found: never held)
+
+A sample that leaves HELD is remembered (boundedly) in its end state, so a late fetch or
+release is answered with why ("expired", "released", ...), never with data.
+
+Invariants (tests name the one they prove):
+  P1  Data only while HELD: ``fetch`` returns a sample's record only while it is held,
+      with its nonce, before its deadline; in every other case it raises ``PullRefused``
+      with the reason, and returns nothing.
+  P2  A wrong nonce is answered exactly as an unknown request ("unknown"): a forged or
+      stale handle learns nothing, not even whether the request exists.
+  P3  Every held sample leaves HELD exactly once (release, expiry, preemption, abort or
+      close) and is then reported by ``take_freed`` exactly once: its blocks are given
+      back to vLLM once, and never while a consumer may still be served from them.
+  P4  A sample past its deadline is never served, whether or not ``expire`` ran since.
+      The deadline runs from the request's finish (``finished``), when its handle goes
+      out: a long generation does not eat a consumer's time.
+  P5  What is remembered of ended samples is bounded (``remember``); a forgotten one
+      answers "unknown".
+  P6  A request is held at most once at a time: holding one already held is the shell's
+      bug (``IllegalTransition``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kv_connector.wire.protocol import Manifest, PullErrorCode
+
+REMEMBER = 4096  # ended samples remembered, to say why they are gone
+
+
+class HoldState(enum.Enum):
+    HELD = "held"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    PREEMPTED = "preempted"
+    ABORTED = "aborted"
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+_WHY: dict[HoldState, str] = {
+    HoldState.RELEASED: "was released already",
+    HoldState.EXPIRED: "expired: not released within pull_timeout_s, its blocks were freed",
+    HoldState.PREEMPTED: "was preempted by vLLM before it was fetched: its blocks hold another request now",
+    HoldState.ABORTED: "was aborted",
+    HoldState.CLOSED: "is gone: the producer shut down",
+    HoldState.FAILED: "failed",
+}
+
+
+class IllegalTransition(RuntimeError):
+    """The shell asked for a transition the sample's state does not allow."""
+
+
+class PullRefused(Exception):
+    """A fetch or release that gets no data: ``code`` says why (the wire's ``PullError``)."""
+
+    def __init__(self, code: PullErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code: PullErrorCode = code
+        self.message = message
+
+
+@dataclass
+class Held:
+    """A sample one rank holds: ``block_ids`` are the cache blocks of all the sample's
+    blocks in order, ``share`` the range of them this rank serves; ``checksum`` the
+    share's digest once the shell computed it (lazily, on the first fetch)."""
+
+    request_id: str
+    nonce: str
+    manifest: Manifest
+    block_ids: list[int]
+    share: range
+    deadline: float
+    checksum: int | None = None
+    fetches: int = 0
+
+
+class PullLedger:
+    def __init__(self, timeout_s: float, remember: int = REMEMBER) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"pull_timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.remember = remember
+        self._held: dict[str, Held] = {}
+        # request id -> (nonce, how its hold ended, why)
+        self._ended: OrderedDict[str, tuple[str, HoldState, str]] = OrderedDict()
+        self._freed: set[str] = set()
+        self.served = 0  # fetches answered with data
+
+    # ------------------------------------------------------------- producer side
+    def hold(
+        self, request_id: str, nonce: str, manifest: Manifest, block_ids: list[int], share: range, now: float
+    ) -> None:
+        """The step computed the sample: hold it for ``timeout_s`` (P6)."""
+        if request_id in self._held:
+            raise IllegalTransition(f"request {request_id} is held already")
+        self._ended.pop(request_id, None)
+        self._held[request_id] = Held(request_id, nonce, manifest, list(block_ids), share, math.inf)
+
+    def finished(self, request_ids: Iterable[str], now: float) -> None:
+        """These requests finished (their handles are out): their clocks start (P4)."""
+        for rid in request_ids:
+            h = self._held.get(rid)
+            if h is not None and h.deadline == math.inf:
+                h.deadline = now + self.timeout_s
+
+    def fail(self, request_id: str, nonce: str, why: str) -> None:
+        """The sample could not be held (``why``): a fetch says so."""
+        if request_id in self._held:
+            self._end(request_id, HoldState.FAILED, why)
+        else:
+            self._remember(request_id, nonce, HoldState.FAILED, why)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def expire(self, now: float) -> list[str]:
+        """Samples past their deadline end (P3, P4); returns their request ids (to log)."""
+        gone = [rid for rid, h in self._held.items() if now >= h.deadline]
+        for rid in gone:
+            self._end(rid, HoldState.EXPIRED)
+        return gone
+
+    def preempt(self, request_ids: Iterable[str]) -> list[str]:
+        """vLLM is about to reuse these requests' blocks: the held ones end (P1, P3)."""
+        return self._end_all(request_ids, HoldState.PREEMPTED)
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """These requests were aborted: the held ones end."""
+        return self._end_all(request_ids, HoldState.ABORTED)
+
+    def close(self) -> list[str]:
+        """The engine shuts down: every held sample ends."""
+        return self._end_all(list(self._held), HoldState.CLOSED)
+
+    def take_freed(self) -> set[str]:
+        """Samples that left HELD since the last call, each once (P3)."""
+        out, self._freed = self._freed, set()
+        return out
+
+    # ------------------------------------------------------------- consumer side
+    def check(self, request_id: str, nonce: str, now: float) -> Held:
+        """The sample's record while it is held (P1, P2, P4), without serving it."""
+        return self._live(request_id, nonce, now)
+
+    def fetch(self, request_id: str, nonce: str, now: float) -> Held:
+        """The sample's record for a consumer holding its handle (P1, P2, P4)."""
+        h = self._live(request_id, nonce, now)
+        h.fetches += 1
+        self.served += 1
+        return h
+
+    def release(self, request_id: str, nonce: str, now: float) -> None:
+        """The consumer is done with the sample: it ends (P3). Releasing one that
+        expired, or releasing twice, raises ``PullRefused`` saying so."""
+        self._live(request_id, nonce, now)
+        self._end(request_id, HoldState.RELEASED)
+
+    def set_checksum(self, request_id: str, nonce: str, value: int) -> None:
+        h = self._held.get(request_id)
+        if h is not None and h.nonce == nonce:
+            h.checksum = value
+
+    # ------------------------------------------------------------------ helpers
+    def _live(self, request_id: str, nonce: str, now: float) -> Held:
+        h = self._held.get(request_id)
+        if h is not None and h.nonce == nonce:
+            if now < h.deadline:
+                return h
+            self._end(request_id, HoldState.EXPIRED)
+        ended = self._ended.get(request_id)
+        if ended is not None and ended[0] == nonce:
+            _, state, why = ended
+            raise PullRefused(state.value, f"sample {request_id} {why}")  # type: ignore[arg-type]
+        raise PullRefused("unknown", f"this producer holds no sample {request_id} under that handle")
+
+    def _end_all(self, request_ids: Iterable[str], state: HoldState) -> list[str]:
+        gone = [rid for rid in request_ids if rid in self._held]
+        for rid in gone:
+            self._end(rid, state)
+        return gone
+
+    def _end(self, request_id: str, state: HoldState, why: str = "") -> None:
+        h = self._held.pop(request_id)
+        self._freed.add(request_id)
+        self._remember(request_id, h.nonce, state, why or _WHY[state])
+
+    def _remember(self, request_id: str, nonce: str, state: HoldState, why: str) -> None:
+        self._ended[request_id] = (nonce, state, why)
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > self.remember:
+            self._ended.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def held_blocks(self) -> int:
+        return sum(len(h.block_ids) for h in self._held.values())

@@ -1,0 +1,346 @@
+"""One rank's pull endpoint (pull delivery), a thin I/O shell around its ledger
+(``producer.pull_ledger.PullLedger``).
+
+The rank registers the cache-only layer's tensor with its own NIXL agent once (no copy,
+no staging) and listens on ``pull_listen``. The engine's thread ``hold``s each sample
+the step computed; a consumer connects (one thread per connection), runs the handshake
+of ``wire.handshake`` as the reader's side of it (so with a shared secret both ends
+prove it before this rank's NIXL metadata, sent once per connection, leaves the node),
+then asks for samples by their handle's names: ``PullFetch`` is answered with the
+manifest and where this rank's share lies in the cache (``PullShare``), which the
+consumer READs itself; ``PullRelease`` ends the hold. The engine's thread takes what
+ended (``take_freed``) and reports it finished to vLLM, which frees the blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kv_connector.producer.pull_ledger import PullLedger, PullRefused
+from kv_connector.sender.hasher import share_checksum
+from kv_connector.sender.jobs import Job
+from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address
+from kv_connector.wire.identity import make_identity
+from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.transport import Transport
+
+log = logging.getLogger(__name__)
+
+PROGRESS_S = 0.0002  # how often the agent makes progress while a consumer may be reading
+MAX_CONNECTIONS = 256  # consumers served at once (a DataLoader worker holds one per rank)
+REQUEST_FRAME = 4 << 10  # what a consumer may send after its handshake
+IDLE_POLL_S = 0.5  # how often a connection's thread looks whether the endpoint closed
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class PullServer:
+    """Serves one rank's share of held samples to consumers that READ them.
+
+    ``cache``: the cache-only layer's tensor, [num_blocks, ...] in ``layout``, registered
+    with ``transport`` (a ``NixlTransport`` by default) once. ``listen``: (host, port) to
+    bind (port 0: any free one, held from binding on); ``address`` names it.
+    ``timeout_s``: a held sample not released this long after its request ``finished``
+    ends (expired).
+    ``checksum``: send each share's XXH3-64 (``wire.integrity``) for the consumer to check.
+    """
+
+    def __init__(
+        self,
+        cache: torch.Tensor,
+        layout: BlockLayout,
+        layer_ids: Sequence[int],
+        producer_id: str,
+        rank: int,
+        world_size: int,
+        listen: tuple[str, int],
+        timeout_s: float,
+        checksum: bool = True,
+        secret: bytes | None = None,
+        transport: Transport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        secret = secret if secret is not None else auth.load_secret()
+        host, port = listen
+        if not secret and not is_loopback(host):
+            raise ValueError(
+                f"a pull endpoint on {host} without a shared secret would let anyone who reaches it "
+                "read this producer's cache: set KV_CONNECTOR_SECRET or KV_CONNECTOR_SECRET_FILE "
+                '(the consumers need the same), or keep "pull_listen" on loopback'
+            )
+        self.layout = layout
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.producer_id = producer_id
+        self.rank, self.world_size = rank, world_size
+        self.num_cache_blocks = cache.shape[0]
+        self._secret = secret
+        self._clock = clock
+        self._checksum = checksum
+        nbytes = cache.numel() * cache.element_size()
+        if cache.stride(0) * cache.element_size() != layout.block_bytes:
+            raise ValueError(f"cache blocks are not {layout.block_bytes} bytes apart")
+        self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
+        )
+        self._sock = socket.create_server((host, port))
+        try:
+            if transport is None:
+                from kv_connector.wire.nixl_transport import NixlTransport
+
+                transport = NixlTransport(f"{producer_id}-pull-r{rank}-{os.getpid()}")
+            self._transport = transport
+            self._region = transport.register(cache)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.address = format_address(*self._sock.getsockname()[:2])
+        self._me = handshake.ProducerIdentity(
+            producer_id, rank, world_size, transport.name, layout.block_bytes, self._region.mem_type
+        )
+        self._lock = threading.Lock()  # guards the ledger and the connections
+        self._ledger = PullLedger(timeout_s)
+        self._conns: set[FramedConnection] = set()
+        self._closed = False
+        # consumers that fetched and did not release yet: they may be reading, and a READ
+        # moves only while this rank's agent makes progress (it has no progress thread)
+        self._reading = 0
+        self._wake = threading.Event()
+        self._progress = threading.Thread(
+            target=self._make_progress, name=f"hs-pull-r{rank}-nixl", daemon=True
+        )
+        self._progress.start()
+        self._sock.settimeout(IDLE_POLL_S)
+        self._thread = threading.Thread(target=self._accept, name=f"hs-pull-r{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- engine side
+    def hold(
+        self,
+        request_id: str,
+        nonce: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        sample_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Hold a computed sample for consumers: ``block_ids`` are the cache blocks of its
+        tokens in block-table order. ``ValueError`` if it cannot be served (its id, its
+        identity, its blocks): nothing is held then."""
+        problem = protocol.request_id_problem(request_id)
+        if problem is not None:
+            raise ValueError(problem)
+        ident = make_identity(sample_id, metadata)
+        n = self.layout.blocks_for(len(token_ids))
+        if len(block_ids) < n:
+            raise ValueError(f"{request_id}: {len(token_ids)} tokens need {n} blocks, got {len(block_ids)}")
+        blocks = [int(b) for b in block_ids[:n]]
+        if any(not 0 <= b < self.num_cache_blocks for b in blocks):
+            raise ValueError(f"{request_id}: a block id outside the cache's {self.num_cache_blocks}")
+        manifest = protocol.Manifest(
+            request_id=request_id,
+            token_ids=[int(t) for t in token_ids],
+            layer_ids=self.layer_ids,
+            geometry=self.layout,
+            num_blocks=n,
+            sample_id=ident.sample_id,
+            metadata=ident.metadata_json,
+        )
+        share = stripe(n, self.rank, self.world_size)
+        with self._lock:
+            self._ledger.hold(request_id, nonce, manifest, blocks, share, self._clock())
+
+    def finished(self, request_ids: Iterable[str]) -> None:
+        """These requests finished in vLLM (their handles are out): ``timeout_s`` starts."""
+        with self._lock:
+            self._ledger.finished(request_ids, self._clock())
+
+    def fail(self, request_id: str, nonce: str, why: str) -> None:
+        """The sample could not be held; a consumer asking for it is told ``why``."""
+        with self._lock:
+            self._ledger.fail(request_id, nonce, f"could not be captured: {why}")
+
+    def preempt(self, request_ids: Iterable[str]) -> list[str]:
+        """vLLM reuses these requests' blocks from this step on: their holds end."""
+        with self._lock:
+            return self._ledger.preempt(request_ids)
+
+    def drop(self, request_ids: Iterable[str]) -> list[str]:
+        """These requests were aborted: their holds end."""
+        with self._lock:
+            return self._ledger.abort(request_ids)
+
+    def take_freed(self) -> set[str]:
+        """Samples whose hold ended since the last call (expired ones are logged by name):
+        their blocks may go back to vLLM."""
+        with self._lock:
+            expired = self._ledger.expire(self._clock())
+            freed = self._ledger.take_freed()
+        for rid in expired:
+            log.warning(
+                "pull: sample %s was not released within pull_timeout_s (%.0f s): its blocks are freed",
+                rid,
+                self._ledger.timeout_s,
+            )
+        return freed
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return len(self._ledger)
+
+    def close(self) -> None:
+        """Stop serving: every hold ends, every connection closes, the memory is
+        deregistered."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ended = self._ledger.close()
+            conns, self._conns = list(self._conns), set()
+        if ended:
+            log.info("pull: %d samples still held at shutdown are dropped", len(ended))
+        for c in conns:
+            c.close()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._progress.join(timeout=5)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._transport.close()
+
+    # ------------------------------------------------------------ consumer side
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)
+                continue
+            conn = FramedConnection(sock, send_timeout=10.0)
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if not full and not self._closed:
+                    self._conns.add(conn)
+            if full or self._closed:
+                log.warning(
+                    "pull: refusing a connection from %s: %d consumers connected", peer, MAX_CONNECTIONS
+                )
+                conn.close()
+                continue
+            name = f"hs-pull-r{self.rank}-conn"
+            threading.Thread(target=self._serve, args=(conn, str(peer[0])), name=name, daemon=True).start()
+
+    def _serve(self, conn: FramedConnection, peer: str) -> None:
+        outstanding = 0  # shares served on this connection and not released since
+        try:
+            try:
+                handshake.as_producer(conn, self._me, self._secret, self._transport.metadata)
+            except (handshake.HandshakeError, ProtocolError, TimeoutError, ConnectionClosed, OSError) as e:
+                log.warning("pull: a consumer at %s failed the handshake: %s", peer, e)
+                return
+            conn.max_frame = REQUEST_FRAME
+            while not self._closed:
+                try:
+                    msg = conn.receive_one(IDLE_POLL_S)
+                except TimeoutError:
+                    continue
+                answer = self._answer(msg)
+                if isinstance(answer, protocol.PullShare):
+                    outstanding += 1
+                    self._reading_changed(+1)
+                elif isinstance(msg, protocol.PullRelease) and outstanding:
+                    outstanding -= 1
+                    self._reading_changed(-1)
+                conn.send(answer)
+        except (ConnectionClosed, OSError):
+            pass  # the consumer went away
+        except ProtocolError as e:
+            log.warning("pull: dropping the consumer at %s: %s", peer, e)
+            with contextlib.suppress(OSError):
+                conn.send(protocol.Refuse(code="protocol", message=str(e)[:4000]))
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(conn)
+            if outstanding:
+                self._reading_changed(-outstanding)
+
+    def _reading_changed(self, delta: int) -> None:
+        with self._lock:
+            self._reading += delta
+            if self._reading > 0:
+                self._wake.set()
+
+    def _make_progress(self) -> None:
+        while not self._closed:
+            if not self._wake.wait(IDLE_POLL_S):
+                continue
+            with self._lock:
+                if self._reading <= 0:
+                    self._wake.clear()
+                    continue
+            self._transport.notifications()  # makes UCX progress for the consumers' READs
+            time.sleep(PROGRESS_S)
+
+    def _answer(
+        self, msg: protocol.Message
+    ) -> protocol.PullShare | protocol.PullReleased | protocol.PullError:
+        if isinstance(msg, protocol.PullRelease):
+            try:
+                with self._lock:
+                    self._ledger.release(msg.request_id, msg.nonce, self._clock())
+            except PullRefused as e:
+                return protocol.PullError(request_id=msg.request_id, code=e.code, message=e.message)
+            return protocol.PullReleased(request_id=msg.request_id)
+        if not isinstance(msg, protocol.PullFetch):
+            raise ProtocolError(f"expected a pull request, got {type(msg).__name__}")
+        rid, nonce = msg.request_id, msg.nonce
+        try:
+            with self._lock:
+                h = self._ledger.fetch(rid, nonce, self._clock())
+            digest = h.checksum
+            if self._checksum and digest is None and len(h.share):
+                digest = share_checksum(self._raw, Job(rid, h.manifest, h.block_ids, h.share, 0.0))
+                with self._lock:
+                    # computed from the blocks while they were still held: still held now,
+                    # so they were not given back to vLLM meanwhile
+                    self._ledger.check(rid, nonce, self._clock())
+                    self._ledger.set_checksum(rid, nonce, digest)
+        except PullRefused as e:
+            return protocol.PullError(request_id=rid, code=e.code, message=e.message)
+        r = self._region
+        return protocol.PullShare(
+            manifest=h.manifest,
+            rank=self.rank,
+            world_size=self.world_size,
+            first_block=h.share.start,
+            block_ids=[h.block_ids[j] for j in h.share],
+            cache_addr=r.addr,
+            cache_bytes=r.nbytes,
+            mem_type=r.mem_type,
+            device_id=r.device_id,
+            checksum=digest if self._checksum and len(h.share) else None,
+        )

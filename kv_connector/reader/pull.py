@@ -1,0 +1,401 @@
+"""The pull client: fetch one sample by its handle, READing its blocks with NIXL straight
+from the producer's cache (pull delivery; the producer runs with ``"delivery": "pull"``).
+
+``PullClient.fetch(handle)`` (the handle string, or the whole ``kv_transfer_params`` of
+the producer's response) asks each rank of the producer for its share of the sample
+(``PullFetch``: the manifest and where the share lies in the rank's cache), READs every
+share into one run of its receive pool, checks each share against its checksum and the
+states for NaN/Inf and all-zero tokens (``reader.values``), releases the sample on every
+rank (the producer frees its blocks), and returns a ``reader.lease.Sample``: a view of the
+pool on lease, as the push reader hands out, whose pages return when it is released or
+collected.
+
+The client owns one NIXL agent and one receive pool registered once, both made on first
+use: a client is picklable until then (and after: a copy starts afresh), so a DataLoader
+can ship it to spawned workers. It keeps one authenticated control connection per
+producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
+both ends prove it before any NIXL metadata moves); one that breaks (a producer
+restarted) is made and handshaken again once per request. Thread-safe: several fetches
+may be in flight, from several threads or from one ``fetch_many``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_connector.reader.lease import Lease, Sample, leased_view, sample_view
+from kv_connector.reader.pool import PagePool, PoolTooSmall
+from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks, handle_of
+from kv_connector.reader.values import find_bad_values
+from kv_connector.wire import protocol
+from kv_connector.wire.handle import HandleError, PullHandle, decode_handle
+from kv_connector.wire.identity import decode_metadata
+from kv_connector.wire.integrity import sample_checksum
+from kv_connector.wire.layout import pages_for
+from kv_connector.wire.transport import Region, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POOL_BYTES = 128 << 20
+FETCH_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Pending:
+    handle: PullHandle
+    shares: list[protocol.PullShare]
+    pages: range
+    xfers: list[Any]
+
+
+class PullClient:
+    """Fetches pulled samples (see the module's docstring).
+
+    ``pool_bytes``: the receive pool (samples on lease and in flight share it).
+    ``secret``: the shared secret for the handshakes (default ``KV_CONNECTOR_SECRET`` or
+    ``KV_CONNECTOR_SECRET_FILE``; none: unauthenticated, loopback only on the producer).
+    ``check_values``: refuse samples with NaN/Inf or all-zero tokens (on by default).
+    ``timeout_s``: how long one fetch may take, connecting and reading included.
+    ``copy``: hand samples out as copies (their pages return at once) instead of leases.
+    """
+
+    def __init__(
+        self,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        secret: bytes | None = None,
+        check_values: bool = True,
+        timeout_s: float = FETCH_TIMEOUT_S,
+        copy: bool = False,
+        name: str | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        if pool_bytes < PAGE_BYTES:
+            raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.pool_bytes = pool_bytes
+        self.check_values = check_values
+        self.timeout_s = timeout_s
+        self.copy = copy
+        self._secret = secret
+        self._name = name
+        self._given_transport = transport
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()  # guards the pool, the peers and the agent
+        self._transport: Transport | None = None
+        self._region: Region | None = None
+        self._pool: PagePool | None = None
+        self._pool_np: np.ndarray | None = None
+        self._links: ProducerLinks | None = None
+        self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "pool_bytes": self.pool_bytes,
+            "check_values": self.check_values,
+            "timeout_s": self.timeout_s,
+            "copy": self.copy,
+            "secret": self._secret,
+            "name": self._name,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ public
+    def fetch(self, handle: str | Mapping[str, Any], release: bool = True) -> Sample:
+        """The sample named by ``handle`` (or a response's ``kv_transfer_params``), read,
+        checked and released at its producer; ``FetchError`` saying why not. With
+        ``release=False`` the producer keeps holding it until ``release(handle)`` (or its
+        ``pull_timeout_s``)."""
+        return self._finish(self._start(handle), release)
+
+    def fetch_many(self, handles: Iterable[str | Mapping[str, Any]]) -> list[Sample | FetchError]:
+        """Several samples with their READs in flight together; each a ``Sample`` or the
+        ``FetchError`` of that one."""
+        started: list[_Pending | FetchError] = []
+        for h in handles:
+            try:
+                started.append(self._start(h))
+            except FetchError as e:
+                started.append(e)
+        out: list[Sample | FetchError] = []
+        for p in started:
+            if isinstance(p, FetchError):
+                out.append(p)
+                continue
+            try:
+                out.append(self._finish(p))
+            except FetchError as e:
+                out.append(e)
+        return out
+
+    def release(self, handle: str | Mapping[str, Any]) -> None:
+        """Let the producer free the sample's blocks (``fetch`` did already, on success; a
+        sample released or gone already is no error)."""
+        h = self._decode(handle)
+        self._ensure()
+        self._release_all(h, quiet=True)
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = self._links, None
+            transport, self._transport = self._transport, None
+        if links is not None:
+            links.close()
+        if transport is not None:
+            transport.close()
+
+    def __enter__(self) -> PullClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ fetching
+    def _decode(self, handle: str | Mapping[str, Any]) -> PullHandle:
+        try:
+            return decode_handle(handle_of(handle))
+        except HandleError as e:
+            raise FetchError("handle", str(e)) from None
+
+    def _start(self, handle: str | Mapping[str, Any]) -> _Pending:
+        h = self._decode(handle)
+        self._ensure()
+        shares: list[protocol.PullShare] = []
+        try:
+            for rank, endpoint in enumerate(h.endpoints):
+                reply = self._ask_rank(
+                    h, rank, endpoint, protocol.PullFetch(request_id=h.request_id, nonce=h.nonce)
+                )
+                if isinstance(reply, protocol.PullError):
+                    raise FetchError(reply.code, reply.message)
+                if not isinstance(reply, protocol.PullShare):
+                    raise FetchError("protocol", f"expected a share, got {type(reply).__name__}")
+                if (
+                    reply.rank != rank
+                    or reply.world_size != h.world_size
+                    or reply.manifest.request_id != h.request_id
+                ):
+                    raise FetchError("protocol", f"rank {rank} answered for another sample or rank")
+                if shares and reply.manifest != shares[0].manifest:
+                    raise FetchError("protocol", f"rank {rank}'s manifest differs from rank 0's")
+                shares.append(reply)
+            pages = self._take_pages(h, shares[0].manifest)
+        except FetchError:
+            self._release_all(h, quiet=True)
+            raise
+        xfers = []
+        try:
+            for s in shares:
+                if s.block_ids:
+                    xfers.append(self._post_read(h, s, pages))
+        except FetchError:
+            self._settle(xfers)
+            self._give_back(h, pages)
+            self._release_all(h, quiet=True)
+            raise
+        return _Pending(h, shares, pages, xfers)
+
+    def _finish(self, p: _Pending, release: bool = True) -> Sample:
+        h, m = p.handle, p.shares[0].manifest
+        try:
+            self._wait(p)
+            assert self._pool_np is not None
+            base = p.pages.start * PAGE_BYTES
+            for s in p.shares:
+                blocks = range(s.first_block, s.first_block + len(s.block_ids))
+                if (
+                    s.checksum is not None
+                    and sample_checksum(self._pool_np.data, base, m, blocks) != s.checksum
+                ):
+                    raise FetchError(
+                        "checksum",
+                        f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
+                        "(its blocks changed while being read: expired?)",
+                    )
+            if self.check_values:
+                run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
+                problem = find_bad_values(sample_view(run, m), m.layer_ids)
+                if problem is not None:
+                    raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
+        except FetchError:
+            self._give_back(h, p.pages)
+            self._release_all(h, quiet=True)
+            raise
+        if release:
+            unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
+            self._release_all(h, quiet=not unchecked)
+        return self._hand_out(h, m, p.pages)
+
+    def _hand_out(self, h: PullHandle, m: protocol.Manifest, pages: range) -> Sample:
+        assert self._pool_np is not None
+        base = pages.start * PAGE_BYTES
+        key = (h.producer_id, h.request_id)
+        lease = Lease(key, lambda _k: self._give_back(h, pages))
+        if self.copy:
+            run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
+            view = sample_view(run, m)
+            hidden = torch.empty(view.shape, dtype=view.dtype)  # contiguous [T, L, H]
+            hidden.copy_(view)
+            del run, view
+            lease.release()
+            sample_lease = None
+        else:
+            hidden = leased_view(self._pool_np, base, m, lease)
+            sample_lease = lease
+        return Sample(
+            request_id=m.request_id,
+            token_ids=torch.tensor(m.token_ids, dtype=torch.int64),
+            hidden_states=hidden,
+            layer_ids=tuple(m.layer_ids),
+            producer_id=h.producer_id,
+            lease=sample_lease,
+            sample_id=m.sample_id,
+            metadata=decode_metadata(m.metadata),
+        )
+
+    # ------------------------------------------------------------------ pool
+    def _ensure(self) -> None:
+        with self._lock:
+            if self._transport is not None:
+                return
+            transport = self._given_transport
+            if transport is None:
+                from kv_connector.wire.nixl_transport import NixlTransport
+
+                transport = NixlTransport(self.name)
+            num_pages = self.pool_bytes // PAGE_BYTES
+            tensor = torch.empty(num_pages * PAGE_BYTES, dtype=torch.uint8)
+            self._region = transport.register(tensor)
+            self._pool_tensor = tensor
+            self._pool_np = tensor.numpy()
+            self._pool = PagePool(num_pages)
+            self._links = ProducerLinks(
+                self.name, self._secret, self.timeout_s, self._lock, transport, self._region
+            )
+            self._transport = transport
+
+    def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
+        n = pages_for(m.geometry.sample_bytes(m.num_blocks), PAGE_BYTES)
+        key = (h.producer_id, h.request_id, h.nonce)
+        deadline = time.monotonic() + self.timeout_s
+        collected = False
+        while True:
+            with self._lock:
+                assert self._pool is not None
+                try:
+                    self._pool.request(key, n)
+                except PoolTooSmall as e:
+                    raise FetchError("pool", f"{e} (PullClient pool_bytes={self.pool_bytes})") from None
+                except ValueError as e:
+                    raise FetchError("pool", f"sample {h.request_id} is being fetched already: {e}") from None
+                # nobody else waits (each request is made and cancelled under the lock)
+                got = dict(self._pool.grantable())
+                if key in got:
+                    return got[key]
+                self._pool.cancel(key)
+            if time.monotonic() >= deadline:
+                raise FetchError(
+                    "pool",
+                    f"no room for sample {h.request_id} in the pool for {self.timeout_s:.0f} s: release the "
+                    "samples you hold (sample.release(), or drop their tensors), or raise pool_bytes",
+                )
+            if not collected:
+                gc.collect()  # leases whose tensors are only in reference cycles
+                collected = True
+            time.sleep(0.002)
+
+    def _give_back(self, h: PullHandle, pages: range) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.release((h.producer_id, h.request_id, h.nonce), pages)
+
+    # ------------------------------------------------------------------ transfers
+    def _post_read(self, h: PullHandle, s: protocol.PullShare, pages: range) -> Any:
+        m = s.manifest
+        g, nb = m.geometry, m.num_blocks
+        base = pages.start * PAGE_BYTES
+        spans = []
+        for i, block in enumerate(s.block_ids):
+            j = s.first_block + i
+            for src, dst, n in g.arranged_spans(nb, j):
+                spans.append((base + dst, block * g.block_bytes + src, n))
+        assert self._links is not None
+        peer = self._links.agent(h.endpoints[s.rank])
+        remote = Region(s.cache_addr, s.cache_bytes, s.mem_type, s.device_id)
+        with self._lock:
+            assert self._transport is not None and self._region is not None
+            try:
+                return self._transport.read(peer, self._region, remote, spans)
+            except TransportError as e:
+                raise FetchError(
+                    "transfer", f"cannot read sample {h.request_id} from rank {s.rank}: {e}"
+                ) from None
+
+    def _wait(self, p: _Pending) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        waiting = list(p.xfers)
+        while waiting:
+            with self._lock:
+                assert self._transport is not None
+                try:
+                    waiting = [x for x in waiting if not self._transport.poll(x)]
+                except TransportError as e:
+                    self._settle(waiting)
+                    raise FetchError(
+                        "transfer", f"reading sample {p.handle.request_id} failed: {e}"
+                    ) from None
+            if waiting and time.monotonic() >= deadline:
+                self._settle(waiting)
+                raise FetchError(
+                    "timeout", f"reading sample {p.handle.request_id} took over {self.timeout_s} s"
+                )
+            if waiting:
+                time.sleep(0.0001)
+
+    def _settle(self, xfers: list[Any]) -> None:
+        """Wait (boundedly) for posted READs to end before their pages are reused."""
+        deadline = time.monotonic() + self.timeout_s
+        for x in xfers:
+            while time.monotonic() < deadline:
+                with self._lock:
+                    try:
+                        if self._transport is None or self._transport.poll(x):
+                            break
+                    except TransportError:
+                        break
+
+    # ------------------------------------------------------------------ control
+    def _release_all(self, h: PullHandle, quiet: bool) -> None:
+        for rank, endpoint in enumerate(h.endpoints):
+            try:
+                reply = self._ask_rank(
+                    h, rank, endpoint, protocol.PullRelease(request_id=h.request_id, nonce=h.nonce)
+                )
+            except FetchError as e:
+                if not quiet:
+                    raise
+                log.debug("releasing %s at rank %d: %s", h.request_id, rank, e)
+                continue
+            if isinstance(reply, protocol.PullError) and not quiet and reply.code != "released":
+                raise FetchError(reply.code, reply.message)
+
+    def _ask_rank(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
+        assert self._links is not None
+        return self._links.ask(h, rank, endpoint, msg)
+
+
+__all__ = ["FetchError", "PullClient", "handle_of"]

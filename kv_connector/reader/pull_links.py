@@ -1,0 +1,203 @@
+"""The pull client's control connections: one per producer rank's endpoint, made on
+first use, handshaken in the reader's role (``wire.handshake``: with a shared secret both
+ends prove it before the rank's NIXL metadata, loaded here into the client's agent,
+moves), checked to be the producer and rank the handle names, and made again once when
+it breaks (a producer restarted). ``FetchError`` is what a fetch raises."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kv_connector.wire import auth, protocol
+from kv_connector.wire.control import ConnectionClosed, FramedConnection
+from kv_connector.wire.handle import PullHandle
+from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, ReaderHandshake
+from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.transport import Region, Transport, TransportError
+
+PAGE_BYTES = 64 << 10  # the client's pool pages (announced in its Welcome)
+
+
+class FetchError(RuntimeError):
+    """A sample could not be fetched. ``code``: "expired", "unknown", "released",
+    "preempted", "aborted", "closed", "failed" (the producer's answer), "handle" (not a
+    handle), "auth" (the handshake), "connect", "checksum", "values", "pool", "timeout",
+    "transfer" or "protocol"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def handle_of(handle: str | Mapping[str, Any]) -> str:
+    """The handle string in ``handle`` or in a response's ``kv_transfer_params``."""
+    if isinstance(handle, Mapping):
+        h = handle.get("handle")
+        if h is None:
+            record = handle.get("hidden_states")
+            why = record.get("error") if isinstance(record, Mapping) else None
+            raise FetchError("handle", f"no handle in kv_transfer_params ({why or 'not pull delivery?'})")
+        return str(h)
+    return handle
+
+
+@dataclass
+class _Peer:
+    """The control connection to one producer rank and its NIXL agent."""
+
+    endpoint: str
+    conn: FramedConnection
+    agent: str
+    lock: threading.Lock
+    producer: tuple[str, int, int]  # producer id, rank, world size (its Hello)
+
+
+class ProducerLinks:
+    """The client's connections to producer ranks, by endpoint (thread-safe)."""
+
+    def __init__(
+        self,
+        name: str,
+        secret: bytes | None,
+        timeout_s: float,
+        lock: threading.Lock,
+        transport: Transport,
+        region: Region,
+    ) -> None:
+        self.name = name
+        self.timeout_s = timeout_s
+        self._secret = secret
+        self._lock = lock  # the client's: guards the agent
+        self._transport: Transport | None = transport
+        self._region: Region | None = region
+        self._peers: dict[str, _Peer] = {}
+
+    def agent(self, endpoint: str) -> str:
+        """The NIXL name of the rank at ``endpoint`` (connected by an ``ask``)."""
+        with self._lock:
+            return self._peers[endpoint].agent
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for p in peers:
+            p.conn.close()
+
+    def ask(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
+        """One request and its answer on the rank's connection; a broken connection is made
+        again (a producer restarted) once."""
+        for attempt in (0, 1):
+            peer = self._peer(h, rank, endpoint)
+            try:
+                with peer.lock:
+                    peer.conn.send(msg)
+                    return peer.conn.receive_one(self.timeout_s)
+            except (ConnectionClosed, OSError, TimeoutError, ProtocolError) as e:
+                self._drop_peer(endpoint, peer)
+                if attempt or isinstance(e, (TimeoutError, ProtocolError)):
+                    raise FetchError("connect", f"the producer's rank {rank} at {endpoint}: {e}") from None
+        raise AssertionError("unreachable")
+
+    def _drop_peer(self, endpoint: str, peer: _Peer) -> None:
+        with self._lock:
+            if self._peers.get(endpoint) is peer:
+                del self._peers[endpoint]
+                if self._transport is not None:
+                    self._transport.remove_peer(peer.agent)
+        peer.conn.close()
+
+    def _peer(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+        if peer is not None:
+            if peer.producer != (h.producer_id, rank, h.world_size):
+                raise FetchError("unknown", _not_the_handles(endpoint, peer.producer, h, rank))
+            return peer
+        peer = self._connect(h, rank, endpoint)
+        with self._lock:
+            old = self._peers.get(endpoint)
+            if old is None:
+                self._peers[endpoint] = peer
+                return peer
+        peer.conn.close()  # another thread connected meanwhile
+        return old
+
+    def _connect(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
+        """Connect and run the handshake in the reader's role; load the rank's metadata."""
+        secret = self._secret if self._secret is not None else auth.load_secret()
+        try:
+            conn = FramedConnection.connect(endpoint, timeout=min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
+        except OSError as e:
+            raise FetchError(
+                "connect", f"cannot reach the producer's rank {rank} at {endpoint}: {e}"
+            ) from None
+        try:
+            return self._handshake(conn, h, rank, endpoint, secret)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _handshake(
+        self, conn: FramedConnection, h: PullHandle, rank: int, endpoint: str, secret: bytes | None
+    ) -> _Peer:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        hs = ReaderHandshake(secret, time.monotonic())
+        where = f"the producer's rank {rank} at {endpoint}"
+        try:
+            conn.max_frame = hs.frame_limit
+            hello = conn.receive_one(deadline - time.monotonic())
+            if not isinstance(hello, protocol.Hello):
+                raise FetchError("protocol", f"{where} sent a {type(hello).__name__} instead of its Hello")
+            producer = (hello.producer_id, hello.rank, hello.world_size)
+            if producer != (h.producer_id, rank, h.world_size):
+                raise FetchError("unknown", _not_the_handles(endpoint, producer, h, rank))
+            conn.send(hs.on_hello(hello, None, False))
+            conn.max_frame = hs.frame_limit
+            a = conn.receive_one(max(0.0, deadline - time.monotonic()))
+            if isinstance(a, protocol.Refuse):
+                raise FetchError("auth", f"{where} refused the handshake: {a.message}")
+            if not isinstance(a, protocol.Auth):
+                raise FetchError("protocol", f"{where} sent a {type(a).__name__} instead of its Auth")
+            hs.on_auth(a)
+            with self._lock:
+                assert self._transport is not None and self._region is not None
+                try:
+                    agent = self._transport.add_peer(a.agent_metadata)
+                except TransportError as e:
+                    raise FetchError("protocol", f"{where}: its NIXL metadata does not load: {e}") from None
+                region = self._region
+                me = self._transport.name
+            welcome = protocol.Welcome(
+                reader_id=self.name,
+                agent_name=me,
+                agent_metadata=b"",  # the producer never initiates a transfer
+                pool_addr=region.addr,
+                pool_bytes=region.nbytes,
+                page_bytes=PAGE_BYTES,
+                num_pages=region.nbytes // PAGE_BYTES,
+                mem_type=region.mem_type,
+                device_id=region.device_id,
+                proof=bytes(32),
+            )
+            conn.send(hs.welcome(welcome))
+            conn.mac = hs.session()
+        except ProtocolError as e:
+            code = "auth" if "authentication" in str(e) else "protocol"
+            raise FetchError(code, f"{where}: {e}") from None
+        except (ConnectionClosed, OSError, TimeoutError) as e:
+            raise FetchError("connect", f"{where} closed the handshake: {e}") from None
+        conn.max_frame = protocol.MAX_FRAME_BYTES
+        return _Peer(endpoint, conn, agent, threading.Lock(), producer)
+
+
+def _not_the_handles(endpoint: str, producer: tuple[str, int, int], h: PullHandle, rank: int) -> str:
+    pid, r, world = producer
+    return (
+        f"{endpoint} serves producer {pid} rank {r}/{world}, not the handle's {h.producer_id} rank "
+        f"{rank}/{h.world_size} (a stale handle?)"
+    )

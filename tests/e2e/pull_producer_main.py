@@ -1,0 +1,62 @@
+"""A real producer in pull mode: vLLM (CPU build, in-process engine) with
+extract_hidden_states and HiddenStatesConnector, ``"delivery": "pull"``. Runs generate()
+on the prompts of its JSON spec, prints one JSON line with each prompt's
+kv_transfer_params, then serves its samples while answering commands on stdin, one a
+line: "step" (a few engine steps, which report released and expired samples to vLLM;
+prints vLLM's KV cache usage and the requests it still holds) and "quit"."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=spec.get("max_model_len", 2048),
+        max_num_batched_tokens=2048,
+        max_num_seqs=spec.get("max_num_seqs", 16),
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 128 << 20),
+        enforce_eager=True,
+        block_size=spec.get("block_size"),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec["layer_ids"]}},
+        },
+        kv_transfer_config={
+            "kv_connector": "HiddenStatesConnector",
+            "kv_connector_module_path": "kv_connector.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"delivery": "pull", **spec.get("extra", {})},
+        },
+    )
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in spec["max_tokens"]]
+    outs = llm.generate(prompts, params)
+    print(json.dumps({"outputs": [o.kv_transfer_params for o in outs]}), flush=True)
+    sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        for _ in range(3):
+            llm.llm_engine.step()
+            time.sleep(0.02)
+        state = {"kv_usage": sched.kv_cache_manager.usage, "held": sorted(sched.requests)}
+        print(json.dumps(state), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

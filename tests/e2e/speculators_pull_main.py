@@ -1,0 +1,72 @@
+"""speculators' side of tests/e2e/test_speculators_pull.py, in a process of its own whose
+PYTHONPATH holds speculators (``.venv/speculators-site-packages``):
+
+    speculators_pull_main.py DATA_DIR ENDPOINT OUT_FILE
+
+registers our backend by importing ``kv_connector.speculators`` (twice: harmless), builds
+its transfer as speculators' trainer does (``add_train_args``, ``from_train_args``), and
+runs speculators' own ``create_train_val_loaders(..., on_missing="generate",
+num_workers=2)`` against the vLLM server at ENDPOINT: every batch of both loaders, each
+row cut out of its packed batch by its document id. What each row got (its tokens, the
+auxiliary and the verifier's last states) goes to OUT_FILE (safetensors, keyed by the
+row's index in the dataset), and a JSON line to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+TOTAL_SEQ_LEN = 2048
+HIDDEN = 128
+
+
+def main() -> int:
+    data_dir, endpoint, out_file = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    import torch
+    from datasets import load_from_disk
+    from hs_connectors.transfer import HiddenStatesBackend
+    from safetensors.torch import save_file
+    from speculators.train.dataloader import create_train_val_loaders
+
+    importlib.import_module("kv_connector.speculators")
+    importlib.reload(importlib.import_module("kv_connector.speculators"))  # imported twice: harmless
+    backend = HiddenStatesBackend.registry["kv-hidden-states"]
+    parser = argparse.ArgumentParser()
+    backend.add_train_args(parser)
+    backend.add_train_args(parser)  # the trainer and a launcher may both add them
+    transfer = backend.from_train_args(parser.parse_args(["--kv-hs-pool-mib", "16"]), str(data_dir))
+    train, val = create_train_val_loaders(
+        data_path=str(data_dir), total_seq_len=TOTAL_SEQ_LEN, hidden_states_dtype=torch.float32,
+        transfer=transfer, vllm_endpoint=endpoint, on_missing="generate", verifier_name_or_path=None,
+        request_timeout=120.0, max_retries=2, generation_validation_retries=2,
+        max_consecutive_generation_failures=5, hidden_size=HIDDEN, num_target_layers=3, num_workers=2,
+        prefetch_factor=2, preprocess=None, train_data_ratio=0.75,
+    )  # fmt: skip
+    rows = load_from_disk(str(data_dir))
+    index = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
+    tensors: dict[str, torch.Tensor] = {}
+    errors = 0
+    for loader in (train, val):
+        for batch in loader:
+            errors += int(batch["error_records"])
+            docs = batch["document_ids"][0]
+            for d in range(int(docs.max()) + 1):
+                at = docs == d
+                ids = batch["input_ids"][0][at]
+                i = index[tuple(ids.tolist())]  # KeyError: tokens that are no row's
+                tensors[f"{i}.input_ids"] = ids.clone()
+                tensors[f"{i}.hidden_states"] = batch["hidden_states"][0][at].clone()
+                tensors[f"{i}.verifier_last_hidden_states"] = batch["verifier_last_hidden_states"][0][
+                    at
+                ].clone()
+    save_file(tensors, str(out_file))
+    print(json.dumps({"rows": sorted({int(k.split(".")[0]) for k in tensors}), "errors": errors}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Pull delivery through real vLLM (CPU build): ``LLM.generate`` with ``"delivery":
+"pull"`` holds each finished request's blocks; this process fetches every sample by the
+handle in its kv_transfer_params with ``reader.pull.PullClient`` (NIXL READs straight
+from vLLM's cache), and checks its tokens and states against transformers. Afterwards vLLM
+holds no KV block; a sample never fetched is freed by ``pull_timeout_s`` and then
+answers "expired"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.wire.handle import decode_handle
+from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LAYER_IDS = [1, 2, 4]
+BLOCK = 128
+PULL_TIMEOUT_S = 25.0
+
+
+class PullProducer:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "e2e" / "pull_producer_main.py"), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        )
+        self.lines: list[str] = []  # what it printed besides its JSON lines (vLLM's log, ours)
+
+    def first(self) -> dict[str, Any]:
+        return self._answer()
+
+    def step(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith("{"):
+                out: dict[str, Any] = json.loads(line)
+                return out
+            self.lines.append(line)
+        raise AssertionError(f"producer died: {self.stop()[-5000:]}")
+
+    def stop(self) -> str:
+        if self.proc.poll() is not None:
+            return self.proc.stderr.read() if self.proc.stderr else ""
+        try:
+            out, err = self.proc.communicate("quit\n", timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+        return "".join(self.lines) + out + err
+
+
+def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
+    tiny_llama: Path, llama_reference: Reference
+) -> None:
+    lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 300, 45]
+    prompts = prompts_of(lengths, seed=24)
+    never = len(prompts)  # one more prompt, never fetched: the timeout frees it
+    prompts.append(prompts_of([200], seed=25)[0])
+    spec = {
+        "model": str(tiny_llama),
+        "layer_ids": LAYER_IDS,
+        "block_size": BLOCK,
+        "prompts": prompts,
+        "max_tokens": [1, 3, 1, 2, 1, 4, 1],
+        "extra": {"pull_timeout_s": PULL_TIMEOUT_S},
+    }
+    producer = PullProducer(spec)
+    try:
+        outputs = producer.first()["outputs"]
+        t_done = time.monotonic()
+        params = outputs[:never]
+        for p in outputs:
+            assert p["hidden_states"]["status"] == "ready" and p["hidden_states"]["delivery"] == "pull", p
+            assert set(p) == {"handle", "hidden_states"} and len(p["handle"]) < 300
+        with PullClient(pool_bytes=16 << 20) as client:
+            samples = [client.fetch(params[0])]  # one, then the rest in flight together
+            many = client.fetch_many(params[1:])
+            assert not any(isinstance(s, FetchError) for s in many), many
+            samples += [s for s in many if not isinstance(s, FetchError)]
+            worst = 0.0
+            for i, s in enumerate(samples):
+                assert s.token_ids.tolist() == prompts[i]
+                assert s.hidden_states.shape == (len(prompts[i]), len(LAYER_IDS), 128)
+                assert s.request_id == decode_handle(params[i]["handle"]).request_id
+                err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
+                assert err < 1e-4, (i, err)
+                worst = max(worst, err)
+                s.release()
+            print(f"{len(samples)} samples, worst relative error {worst:.2e}")
+            with pytest.raises(FetchError) as e:
+                client.fetch(params[2])  # released: its blocks may hold anything now
+            assert e.value.code == "released"
+            # every fetched sample's blocks go back to vLLM; the one never fetched holds
+            # its blocks until pull_timeout_s, then it is freed too
+            state = producer.step()
+            assert state["held"] == [outputs[never]["hidden_states"]["request_id"]], state
+            assert state["kv_usage"] > 0
+            while time.monotonic() < t_done + PULL_TIMEOUT_S + 60 and state["held"]:
+                time.sleep(1.0)
+                state = producer.step()
+            assert state == {"kv_usage": 0.0, "held": []}, state
+            assert time.monotonic() >= t_done + PULL_TIMEOUT_S - 5
+            with pytest.raises(FetchError) as e:
+                client.fetch(outputs[never])
+            assert e.value.code == "expired"
+    finally:
+        log = producer.stop()
+    assert "was not released within pull_timeout_s" in log, log[-3000:]
+
+
+def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample(
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+) -> None:
+    """TP=2 behind the OpenAI server: the handle names both ranks' endpoints, each serves
+    its stripe of the blocks, the client gathers them into one sample; afterwards vLLM's
+    kv_cache_usage_perc is back to 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.api_server import ApiServer, tail
+    from tests.e2e.test_speculators_pull import kv_cache_usage
+
+    prompts = prompts_of([1, BLOCK, BLOCK + 1, 300, 700], seed=26)
+    with (
+        ApiServer(
+            tiny_llama,
+            {"delivery": "pull"},
+            LAYER_IDS,
+            tmp_path,
+            args=["--block-size", str(BLOCK), "--tensor-parallel-size", "2"],
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        ) as server,
+        ThreadPoolExecutor(len(prompts)) as pool,
+    ):
+        body = {"model": str(tiny_llama), "max_tokens": 1, "temperature": 0}
+        responses = list(
+            pool.map(lambda p: server.http.post_json("/v1/completions", {**body, "prompt": p}), prompts)
+        )
+        params = [r["kv_transfer_params"] for r in responses]
+        assert all(len(decode_handle(p["handle"]).endpoints) == 2 for p in params), params
+        with PullClient() as client:
+            for i, s in enumerate(client.fetch_many(params)):
+                assert not isinstance(s, FetchError), (i, s)
+                assert s.token_ids.tolist() == prompts[i]
+                err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
+                assert err < 1e-4, (i, err)
+        usage = kv_cache_usage(server)
+        for _ in range(30):
+            if usage == 0:
+                break
+            time.sleep(0.5)
+            usage = kv_cache_usage(server)
+        assert usage == 0.0, tail(server.log)
+        # a client that gives up mid-generation: vLLM aborts the request after its prompt
+        # was captured; nobody gets its handle, and its hold ends at once (not at the timeout)
+        with pytest.raises(OSError):
+            server.http.post_json(
+                "/v1/completions",
+                {**body, "prompt": prompts[3], "max_tokens": 1900, "ignore_eos": True},
+                timeout=3,
+            )
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 60 and (usage := kv_cache_usage(server)) != 0:
+            time.sleep(0.5)
+        assert usage == 0.0, tail(server.log)
+        assert "Aborted request" in server.log.read_text() or "abort" in server.log.read_text().lower()
+
+
+def test_preempted_requests_fail_by_name_and_the_rest_arrive_exact(
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+) -> None:
+    """A KV budget too small for the batch makes vLLM preempt running requests whose
+    prompts were captured: their holds end before the step that reuses their blocks, their
+    responses say "failed" (preempted) with no handle; every other sample, fetched as its
+    response arrives (held samples take KV blocks), is exact; afterwards vLLM holds no
+    block."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.api_server import ApiServer, tail
+    from tests.e2e.test_speculators_pull import kv_cache_usage
+
+    prompts = prompts_of([200, 150, 250, 180, 220, 130, 240, 170], seed=41)
+    # 11 blocks of 128 tokens: the prompts and 120 outputs each overflow it
+    args = ["--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(5 << 20), "--max-model-len", "640"]
+    with (
+        ApiServer(tiny_llama, {"delivery": "pull"}, LAYER_IDS, tmp_path, args=args) as server,
+        PullClient() as client,
+    ):
+        body = {"model": str(tiny_llama), "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+
+        def run(i: int) -> tuple[dict[str, Any], Any]:
+            answer = server.http.post_json("/v1/completions", {**body, "prompt": prompts[i]})
+            params = answer["kv_transfer_params"]
+            if params["hidden_states"]["status"] != "ready":
+                return params, None
+            s = client.fetch(params)  # at once: a held sample takes KV blocks
+            assert s.token_ids.tolist() == prompts[i]
+            states = s.hidden_states.clone()
+            s.release()
+            return params, states
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(run, range(len(prompts))))
+        failed = [p for p, states in results if states is None]
+        errs = [
+            relative_error(states, llama_reference.states(prompts[i], LAYER_IDS))
+            for i, (_, states) in enumerate(results)
+            if states is not None
+        ]
+        assert failed, "vLLM preempted no captured request: make the KV budget smaller"
+        for p in failed:
+            assert "handle" not in p and "preempted" in p["hidden_states"]["error"], p
+        assert errs and max(errs) < 1e-4, errs
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 30 and (usage := kv_cache_usage(server)) != 0:
+            time.sleep(0.5)
+        assert usage == 0.0, tail(server.log)
+        assert "preempted by vLLM before a consumer fetched it" in server.log.read_text()
+    print(f"{len(failed)} preempted, {len(errs)} delivered")

@@ -1,0 +1,151 @@
+"""speculators 0.9.0 trains online from our producer in pull delivery, end to end: vLLM's
+OpenAI server (CPU build) with ``"delivery": "pull"``, speculators' own
+``create_train_val_loaders(..., on_missing="generate", num_workers=2)`` with our backend
+("kv-hidden-states", ``kv_connector.speculators``) over a dataset in speculators' format.
+Every row's tokens are exact and its states equal the transformers model's; nothing is
+written to disk; afterwards the server's ``vllm:kv_cache_usage_perc`` is back to 0 (every
+sample was released). The server is also asked directly: its response carries the handle
+at the top of ``kv_transfer_params`` and the "ready" record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
+from tests.e2e.api_server import ApiServer, tail
+from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
+from tests.e2e.test_speculators import speculators_site
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LAYER_IDS = [1, 2, 4]  # auxiliary layers 1, 2; the verifier's last state: layer 4 of 4
+HIDDEN = 128
+LENGTHS = [1, 7, 127, 128, 129, 300, 45, 600]
+SPEC_MAIN = REPO / "tests" / "e2e" / "speculators_main.py"
+PULL_MAIN = REPO / "tests" / "e2e" / "speculators_pull_main.py"
+UDS_SITE = REPO / "tests" / "e2e" / "uds_site"
+
+
+def kv_cache_usage(server: ApiServer) -> float:
+    for line in server.http.get_text("/metrics").splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:kv_cache_usage_perc in /metrics")
+
+
+def files_under(path: Path) -> set[Path]:
+    return {p for p in path.rglob("*")}
+
+
+def test_speculators_dataloader_trains_from_pulled_samples(
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+) -> None:
+    site = speculators_site()
+    rows = prompts_of(LENGTHS, seed=31)
+    data = tmp_path / "data"
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(site)])}
+    subprocess.run(
+        [sys.executable, str(SPEC_MAIN), "write", str(data), str(tmp_path / "rows.json")],
+        env=env, check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    before = files_under(data)
+    out_file = tmp_path / "loaded.safetensors"
+    with ApiServer(
+        tiny_llama, {"delivery": "pull"}, LAYER_IDS, tmp_path, args=["--block-size", "128"]
+    ) as server:
+        # the server's own answer, asked directly
+        resp = server.http.post_json(
+            "/v1/completions",
+            {"model": str(tiny_llama), "prompt": rows[2], "max_tokens": 1, "temperature": 0},
+        )
+        params = resp["kv_transfer_params"]
+        assert params["hidden_states"]["status"] == "ready" and decode_handle(params["handle"])
+        h = decode_handle(params["handle"])
+        with PullClient(secret=b"not the producer's") as stranger, pytest.raises(FetchError) as e:
+            stranger.fetch(params)  # a consumer whose secret the producer does not share
+        assert e.value.code == "auth"
+        with PullClient() as client:
+            with pytest.raises(FetchError) as e:
+                client.fetch(PullHandle(h.producer_id, h.request_id, make_nonce(), h.endpoints).encode())
+            assert e.value.code == "unknown"  # a forged handle: no data, and nothing freed
+            direct = client.fetch(params)
+            assert direct.token_ids.tolist() == rows[2]
+            with pytest.raises(FetchError) as e:
+                client.fetch(params)
+            assert e.value.code == "released"
+
+        proc = subprocess.run(
+            [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file)],
+            env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
+                 "KV_TEST_OPENAI_UDS": str(server.socket_path)},
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
+        report = json.loads(proc.stdout.splitlines()[-1])
+        usage = kv_cache_usage(server)
+        for _ in range(30):  # the last releases reach vLLM within an engine step or two
+            if usage == 0:
+                break
+            time.sleep(0.5)
+            usage = kv_cache_usage(server)
+    assert report == {"rows": list(range(len(rows))), "errors": 0}, report
+    assert usage == 0.0
+    assert files_under(data) == before  # nothing written: no hidden_states directory, no file
+    loaded = load_file(str(out_file))
+    worst = 0.0
+    for i, tokens in enumerate(rows):
+        want = llama_reference.states(tokens, LAYER_IDS)  # [T, 3, H], fp32
+        t = len(tokens)
+        assert loaded[f"{i}.input_ids"].tolist() == tokens
+        aux, last = loaded[f"{i}.hidden_states"], loaded[f"{i}.verifier_last_hidden_states"]
+        assert aux.shape == (t, 2 * HIDDEN) and last.shape == (t, HIDDEN)
+        errs = (relative_error(aux.view(t, 2, HIDDEN), want[:, :2]), relative_error(last, want[:, 2]))
+        assert max(errs) < 1e-4, (i, t, errs)
+        worst = max(worst, *errs)
+    print(f"{len(rows)} rows through speculators' DataLoader, worst relative error {worst:.2e}")
+
+
+BACKEND_CHECK = """
+import argparse, json
+import kv_connector.speculators as ks
+import importlib; importlib.reload(ks); ks.register()  # imported and registered again: harmless
+from hs_connectors.transfer import HiddenStatesBackend
+b = HiddenStatesBackend.registry["kv-hidden-states"]
+p = argparse.ArgumentParser(); b.add_launch_args(p); b.add_launch_args(p)
+cfg = b.build_kv_transfer_config(p.parse_args(["--kv-hs-pull-timeout-s", "30"]))
+from kv_connector.producer.options import ConnectorOptions
+o = ConnectorOptions.parse(cfg["kv_connector_extra_config"])
+t = b.from_train_args(argparse.Namespace(), "/nonexistent")
+print(json.dumps({"cfg": cfg, "pull": o.pull, "timeout": o.pull_timeout_s,
+                  "cached": t.get_cached(0), "names": sorted(HiddenStatesBackend.registry)}))
+"""
+
+
+@pytest.mark.e2e
+def test_the_backend_registers_once_builds_the_producers_config_and_runs_speculators_cli() -> None:
+    site = speculators_site()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(site)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", BACKEND_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["pull"] and got["timeout"] == 30.0 and got["cached"] is None
+    assert got["cfg"]["kv_connector"] == "HiddenStatesConnector" and got["cfg"]["kv_role"] == "kv_producer"
+    assert got["names"] == ["file", "fp8", "kv-hidden-states", "mooncake"]
+    cli = subprocess.run(
+        [sys.executable, "-m", "kv_connector.speculators", "train", "--help"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "{file,fp8,mooncake,kv-hidden-states}" in cli.stdout and "--kv-hs-pool-mib" in cli.stdout

@@ -1,0 +1,65 @@
+"""A real producer side of pull delivery in its own process, without vLLM: a deterministic
+cache tensor, one ``PullServer`` per rank (each with its own NIXL agent, as each
+tensor-parallel rank has), the samples of its JSON spec held in them. It prints one JSON
+line with each sample's handle, then answers commands on stdin, one a line: "poll" (the
+engine's step: prints the request ids each rank freed since, and how many it holds),
+"quit"."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kv_connector.producer.pull_server import PullServer
+from kv_connector.wire.handle import PullHandle, make_nonce
+from kv_connector.wire.layout import BlockLayout
+from tests.integration.common import make_cache, token_ids
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    layout = BlockLayout(**spec["layout"])
+    cache = make_cache(layout, spec["num_cache_blocks"], spec["seed"], finite=True)
+    world = spec.get("world_size", 1)
+    producer_id = spec.get("producer_id", "producer")
+    servers = [
+        PullServer(
+            cache,
+            layout,
+            spec["layer_ids"],
+            producer_id,
+            rank,
+            world,
+            ("127.0.0.1", 0),
+            spec.get("timeout_s", 300.0),
+            checksum=spec.get("checksum", True),
+        )
+        for rank in range(world)
+    ]
+    endpoints = [s.address for s in servers]
+    handles = {}
+    for s in spec["samples"]:
+        rid, nonce = s["request_id"], make_nonce()
+        for server in servers:
+            server.hold(rid, nonce, token_ids(rid, s["num_tokens"]), s["block_ids"], s.get("sample_id"))
+        handles[rid] = PullHandle(producer_id, rid, nonce, endpoints).encode()
+    for server in servers:
+        server.finished(handles)  # as vLLM's finish does: the handles are out, the clocks start
+    print(json.dumps({"handles": handles, "endpoints": endpoints}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "poll":
+            freed = [sorted(s.take_freed()) for s in servers]
+            print(json.dumps({"freed": freed, "held": [s.held for s in servers]}), flush=True)
+        elif cmd == "quit":
+            break
+    for server in servers:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

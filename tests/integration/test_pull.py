@@ -1,0 +1,269 @@
+"""Pull delivery between real processes over real NIXL, without vLLM: a producer process
+holds samples in one ``PullServer`` per rank (``pull_producer_main.py``), this process
+fetches them with ``reader.pull.PullClient``, READing the blocks straight from the
+producer's cache. Byte-exact samples, TP shares gathered into one sample, releases that
+free the producer's blocks, the timeout, and the errors a consumer must see clearly: an
+expired, released, forged or stale handle, an unauthenticated peer."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
+from kv_connector.wire.layout import BlockLayout
+from tests.integration.common import REPO, child_env, expected_states, layout_dict, make_cache, token_ids
+
+pytestmark = pytest.mark.integration
+
+LAYER_IDS = [1, 2, 4]
+NUM_CACHE_BLOCKS = 48
+SEED = 7
+
+
+class Producer:
+    """The producer process: ``handles`` of its samples; ``poll()`` runs an engine step."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str | None] | None = None) -> None:
+        self.spec = spec
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "integration" / "pull_producer_main.py"), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(env),
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            _, err = self.proc.communicate(timeout=30)
+            raise AssertionError(f"producer died: {err[-3000:]}")
+        first = json.loads(line)
+        self.handles: dict[str, str] = first["handles"]
+        self.endpoints: list[str] = first["endpoints"]
+
+    def poll(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("poll\n")
+        self.proc.stdin.flush()
+        result: dict[str, Any] = json.loads(self.proc.stdout.readline())
+        return result
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            try:
+                _, err = self.proc.communicate("quit\n", timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                _, err = self.proc.communicate()
+            return err
+        return ""
+
+
+def samples_spec(n: int, layout: BlockLayout, seed: int = 3) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        tokens = rng.choice(
+            [1, layout.block_size - 1, layout.block_size, layout.block_size + 1, 3 * layout.block_size + 5]
+        )
+        nb = layout.blocks_for(tokens)
+        out.append(
+            {
+                "request_id": f"req-{i}",
+                "num_tokens": tokens,
+                "block_ids": rng.sample(range(NUM_CACHE_BLOCKS), nb),
+            }
+        )
+    return out
+
+
+def spec_of(layout: BlockLayout, samples: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return dict(
+        layout=layout_dict(layout), num_cache_blocks=NUM_CACHE_BLOCKS, seed=SEED, layer_ids=LAYER_IDS,
+        samples=samples, **extra,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def producers() -> Iterator[list[Producer]]:
+    started: list[Producer] = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+LTH = BlockLayout("LTH", 16, 3, 32, "float32")
+TLH = BlockLayout("TLH", 16, 3, 32, "bfloat16")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
+def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
+    layout: BlockLayout, world: int, producers: list[Producer]
+) -> None:
+    samples = samples_spec(6, layout)
+    p = Producer(spec_of(layout, samples, world_size=world))
+    producers.append(p)
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
+    with PullClient(pool_bytes=4 << 20) as client:
+        pickle.loads(pickle.dumps(client))  # picklable before first use (DataLoader workers)
+        for s in samples[:3]:  # one at a time
+            got = client.fetch(p.handles[s["request_id"]])
+            assert got.token_ids.tolist() == token_ids(s["request_id"], s["num_tokens"])
+            want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
+            assert got.hidden_states.dtype == want.dtype and torch.equal(got.hidden_states, want)
+            assert got.layer_ids == tuple(LAYER_IDS) and got.producer_id == "producer"
+            got.release()
+        # the rest with their READs in flight together, given as kv_transfer_params
+        many = client.fetch_many([{"handle": p.handles[s["request_id"]]} for s in samples[3:]])
+        for s, got in zip(samples[3:], many, strict=True):
+            assert not isinstance(got, FetchError), got
+            want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
+            assert torch.equal(got.hidden_states, want)
+        assert pickle.loads(pickle.dumps(client)).name != ""  # and after
+    polled = p.poll()
+    assert polled["held"] == [0] * world
+    assert [sorted(f) for f in polled["freed"]] == [sorted(s["request_id"] for s in samples)] * world
+    # released: a second fetch gets no data, and says why
+    with PullClient() as client, pytest.raises(FetchError) as e:
+        client.fetch(p.handles["req-0"])
+    assert e.value.code == "released"
+
+
+def test_a_sample_never_released_is_freed_by_the_timeout_and_then_expired(producers: list[Producer]) -> None:
+    samples = samples_spec(2, LTH)
+    p = Producer(spec_of(LTH, samples, timeout_s=1.5))
+    producers.append(p)
+    with PullClient() as client:
+        first = client.fetch(p.handles["req-0"])  # released at once: not the timeout's
+        first.release()
+        deadline_passed = False
+        for _ in range(100):
+            polled = p.poll()
+            if "req-1" in polled["freed"][0]:
+                deadline_passed = True
+                break
+            import time
+
+            time.sleep(0.1)
+        assert deadline_passed and polled["held"] == [0]
+        with pytest.raises(FetchError) as e:
+            client.fetch(p.handles["req-1"])
+        assert e.value.code == "expired" and "pull_timeout_s" in e.value.message
+    assert "req-1 was not released within pull_timeout_s" in p.stop()
+
+
+def test_forged_and_stale_handles_get_a_clear_error_and_no_data(producers: list[Producer]) -> None:
+    samples = samples_spec(1, LTH)
+    p = Producer(spec_of(LTH, samples))
+    producers.append(p)
+    real = decode_handle(p.handles["req-0"])
+    with PullClient() as client:
+        forged = PullHandle(real.producer_id, real.request_id, make_nonce(), real.endpoints).encode()
+        with pytest.raises(FetchError) as e:
+            client.fetch(forged)  # the right request, a guessed nonce
+        assert e.value.code == "unknown"
+        with pytest.raises(FetchError) as e:
+            client.fetch(PullHandle(real.producer_id, "req-9", real.nonce, real.endpoints).encode())
+        assert e.value.code == "unknown"
+        with pytest.raises(FetchError) as e:
+            client.fetch(PullHandle("someone-else", real.request_id, real.nonce, real.endpoints).encode())
+        assert e.value.code == "unknown" and "stale handle" in e.value.message
+        for junk in (
+            "not a handle",
+            p.handles["req-0"][:-9],
+            {"hidden_states": {"status": "failed", "error": "x"}},
+        ):
+            with pytest.raises(FetchError) as e:
+                client.fetch(junk)
+            assert e.value.code == "handle"
+        # the forged attempts freed nothing: the real handle still works
+        assert client.fetch(p.handles["req-0"]).token_ids.tolist() == token_ids(
+            "req-0", samples[0]["num_tokens"]
+        )
+    assert p.poll()["held"] == [0]
+
+
+def test_a_restarted_producer_is_handshaken_again_and_its_old_handles_fail(producers: list[Producer]) -> None:
+    first = Producer(spec_of(LTH, samples_spec(2, LTH)))
+    producers.append(first)
+    with PullClient() as client:
+        client.fetch(first.handles["req-0"]).release()
+        old = first.handles["req-1"]
+        first.stop()
+        again = Producer(spec_of(LTH, samples_spec(2, LTH, seed=4), producer_id="producer"))
+        producers.append(again)
+        with pytest.raises(FetchError) as e:
+            client.fetch(old)  # its endpoint is gone
+        assert e.value.code == "connect"
+        got = client.fetch(again.handles["req-1"])  # a new agent, a new handshake
+        assert got.token_ids.tolist() == token_ids("req-1", samples_spec(2, LTH, seed=4)[1]["num_tokens"])
+
+
+@pytest.mark.parametrize("client_secret", [None, "wrong"])
+def test_a_consumer_without_the_producers_secret_is_refused(
+    client_secret: str | None, producers: list[Producer]
+) -> None:
+    p = Producer(spec_of(LTH, samples_spec(1, LTH)), env={"KV_CONNECTOR_SECRET": "s3cret"})
+    producers.append(p)
+    secret = client_secret.encode() if client_secret else None
+    with PullClient(secret=secret) as client, pytest.raises(FetchError) as e:
+        if secret is None:
+            import os
+
+            assert "KV_CONNECTOR_SECRET" not in os.environ
+        client.fetch(p.handles["req-0"])
+    assert e.value.code == "auth"
+    with PullClient(secret=b"s3cret") as client:  # the same sample, with the secret
+        assert client.fetch(p.handles["req-0"]).request_id == "req-0"
+
+
+def test_a_producer_with_a_secret_is_refused_by_a_consumer_expecting_none(producers: list[Producer]) -> None:
+    """The other way round: the consumer has a secret, the producer none."""
+    p = Producer(spec_of(LTH, samples_spec(1, LTH)), env={"KV_CONNECTOR_SECRET": None})
+    producers.append(p)
+    with PullClient(secret=b"mine") as client, pytest.raises(FetchError) as e:
+        client.fetch(p.handles["req-0"])
+    assert e.value.code == "auth"
+
+
+KILLED_CONSUMER = """
+import os, signal, sys
+from kv_connector.reader.pull import PullClient
+s = PullClient().fetch(sys.argv[1], release=False)  # read, checked, still held at the producer
+print(s.request_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # a DataLoader worker killed before its release
+"""
+
+
+def test_a_sample_read_by_a_consumer_killed_before_its_release_is_freed_by_the_timeout(
+    producers: list[Producer],
+) -> None:
+    import time
+
+    p = Producer(spec_of(LTH, samples_spec(1, LTH), timeout_s=12.0))
+    producers.append(p)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CONSUMER, p.handles["req-0"]],
+        capture_output=True, text=True, timeout=120, env=child_env({"PYTHONPATH": str(REPO)}),
+    )  # fmt: skip
+    assert proc.returncode == -9 and proc.stdout.strip() == "req-0", proc.stderr[-3000:]
+    assert p.poll() == {"freed": [[]], "held": [1]}  # its death released nothing
+    while time.monotonic() < t0 + 60 and p.poll()["held"] != [0]:
+        time.sleep(0.2)
+    assert p.poll()["held"] == [0]
+    with PullClient() as client, pytest.raises(FetchError) as e:
+        client.fetch(p.handles["req-0"])
+    assert e.value.code == "expired"
