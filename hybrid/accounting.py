@@ -28,14 +28,20 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
 )
 
 from hybrid import versions
 from hybrid.host import cpu_isa
-from hybrid.shapes import HybridShape
-from hybrid.spec import SupplementedKVCacheConfig, attention_group_index, plan_kv_cache_configs
+from hybrid.shapes import FULL, SLIDING, HybridShape
+from hybrid.spec import (
+    NoAttentionGroupError,
+    SupplementedKVCacheConfig,
+    attention_group_index,
+    plan_kv_cache_configs,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,12 +73,15 @@ class Setup:
     platform: str = "cuda"
     prefix_caching: bool = True
     block_size: int | None = None
+    sample_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if self.budget_bytes <= 0 or self.max_model_len <= 0:
             raise ValueError("budget and max model length must be positive")
+        if self.sample_tokens <= 0:
+            raise ValueError(f"sample tokens must be positive, got {self.sample_tokens}")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block size must be positive, got {self.block_size}")
 
@@ -91,9 +100,11 @@ class Figures:
     """One approach's figures. ``bytes_per_block`` counts every tensor (groups and
     supplementary); ``hidden_state_bytes_per_block`` is what the hidden states cost per
     attention block (vLLM's approach: the pool blocks its own group spends on one
-    attention block's tokens); ``token_capacity`` is vLLM's count of tokens of requests
-    ``max_model_len`` long that fit (``num_blocks / blocks per request * max_model_len``,
-    blocks per request summed over every group as its scheduler allocates them)."""
+    attention block's tokens; a model with no attention group: per hidden-state block);
+    ``token_capacity`` is vLLM's count of tokens of requests ``max_model_len`` long that
+    fit (``num_blocks / blocks per request * max_model_len``, blocks per request summed
+    over every group as its scheduler allocates them). ``shipping``: what one sample of
+    ``Setup.sample_tokens`` tokens costs the connector (``shipping_figures``)."""
 
     block_size: int = 0
     num_blocks: int = 0
@@ -105,6 +116,7 @@ class Figures:
     blocks_per_request: int = 0
     groups: list[GroupFigures] = field(default_factory=list)
     supplementary: list[dict[str, Any]] = field(default_factory=list)
+    shipping: dict[str, Any] = field(default_factory=dict)
     refused: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -154,7 +166,7 @@ def engine_config(shape: HybridShape, setup: Setup, extraction: bool = True) -> 
             # target keeps the dtype asked for. Figures for CUDA must not depend on
             # where the report runs.
             vllm_config.cache_config.mamba_ssm_cache_dtype = cast(Any, shape.mamba_ssm_dtype or "auto")
-        align_block_size(vllm_config, setup.platform, setup.block_size)
+        align_block_size(vllm_config, setup.platform, setup.block_size, bool(shape.linear_attention_layers))
         yield vllm_config
 
 
@@ -172,10 +184,13 @@ def attention_backend(platform: str) -> tuple[type[AttentionBackend], int]:
     return CPUAttentionBackend, 128
 
 
-def align_block_size(vllm_config: VllmConfig, platform: str, block_size: int | None = None) -> None:
+def align_block_size(
+    vllm_config: VllmConfig, platform: str, block_size: int | None = None, state_layers: bool = True
+) -> None:
     """Set the attention block size (and the state page padding) the way vLLM's
     platform does at engine start for a hybrid model, starting from ``block_size``
-    (the target's, when given) or the platform's default."""
+    (the target's, when given) or the platform's default; a model without state
+    layers (``state_layers`` False: gpt-oss) keeps that block."""
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
     from vllm.platforms.interface import Platform
@@ -186,7 +201,8 @@ def align_block_size(vllm_config: VllmConfig, platform: str, block_size: int | N
     cache.block_size = block_size or default_block
     cache.mamba_page_size_padded = None
     with set_current_vllm_config(vllm_config):
-        Platform._align_hybrid_block_size(vllm_config, backend)
+        if state_layers:
+            Platform._align_hybrid_block_size(vllm_config, backend)
         layouts = get_supported_kv_cache_layouts([backend, CacheOnlyAttentionBackend])
     cache.kv_cache_layout = layouts[0].name
 
@@ -195,28 +211,49 @@ def layer_specs(vllm_config: VllmConfig, shape: HybridShape, platform: str) -> d
     """Every layer's spec as the model's layers report it (MambaBase and Attention
     ``get_kv_cache_spec``), plus the cache-only layer when extraction is on."""
     from vllm.config.vllm import set_current_vllm_config
-    from vllm.model_executor.models import ModelRegistry
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.worker.utils import customize_attention_spec
 
     model_config = vllm_config.model_config
     cache = vllm_config.cache_config
-    # an IsHybrid model class: its state shapes and dtypes, as its layers compute them
-    model_cls: Any = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)[0]
     backend, _ = attention_backend(platform)
+    kv = dict(
+        block_size=cache.block_size,
+        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=model_config.get_head_size(),
+        dtype=kv_cache_dtype_str_to_dtype(cache.cache_dtype, model_config),
+    )
     with set_current_vllm_config(vllm_config):
-        attention = customize_attention_spec(
+        attention = customize_attention_spec(backend, FullAttentionSpec(**kv))  # type: ignore[arg-type]
+        sliding = customize_attention_spec(
             backend,
-            FullAttentionSpec(
-                block_size=cache.block_size,
-                num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
-                head_size=model_config.get_head_size(),
-                dtype=kv_cache_dtype_str_to_dtype(cache.cache_dtype, model_config),
-            ),
+            SlidingWindowSpec(**kv, sliding_window=max(shape.sliding_window, 1)),  # type: ignore[arg-type]
         )
+    state = state_spec(vllm_config) if shape.linear_attention_layers else None
+    specs: dict[str, KVCacheSpec] = {}
+    for i, kind in enumerate(shape.layer_types):
+        if kind == FULL:
+            specs[f"model.layers.{i}.self_attn.attn"] = attention
+        elif kind == SLIDING:
+            specs[f"model.layers.{i}.self_attn.attn"] = sliding
+        else:
+            assert state is not None
+            specs[f"model.layers.{i}.linear_attn"] = state
+    if vllm_config.speculative_config is not None:
+        specs.update(cache_only_specs(vllm_config))
+    return specs
+
+
+def state_spec(vllm_config: VllmConfig) -> MambaSpec:
+    """A gated-delta-net layer's spec, its state shapes and dtypes as the model's
+    (IsHybrid) class computes them."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    model_config, cache = vllm_config.model_config, vllm_config.cache_config
+    model_cls: Any = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)[0]
     assert cache.mamba_block_size is not None
-    mamba = MambaSpec(
+    return MambaSpec(
         shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
         dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
         block_size=cache.mamba_block_size,
@@ -225,15 +262,6 @@ def layer_specs(vllm_config: VllmConfig, shape: HybridShape, platform: str) -> d
         mamba_cache_mode=cache.mamba_cache_mode,
         num_speculative_blocks=0 if cache.use_replayssm else vllm_config.num_speculative_tokens,
     )
-    specs: dict[str, KVCacheSpec] = {}
-    for i, kind in enumerate(shape.layer_types):
-        if kind == "full_attention":
-            specs[f"model.layers.{i}.self_attn.attn"] = attention
-        else:
-            specs[f"model.layers.{i}.linear_attn"] = mamba
-    if vllm_config.speculative_config is not None:
-        specs.update(cache_only_specs(vllm_config))
-    return specs
 
 
 def cache_only_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
@@ -250,13 +278,22 @@ def cache_only_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
     return {str(layer.layer_name): layer.get_kv_cache_spec(vllm_config) for layer in layers}
 
 
-def figures(vllm_config: VllmConfig, config: KVCacheConfig, hidden_token_bytes: int) -> Figures:
-    """Read an approach's figures off the KV cache config vLLM (or the design) built."""
+def figures(
+    vllm_config: VllmConfig,
+    config: KVCacheConfig,
+    hidden_token_bytes: int,
+    ship: tuple[int, int, str] | None = None,
+) -> Figures:
+    """Read an approach's figures off the KV cache config vLLM (or the design) built;
+    with ``ship`` (captured layers, sample tokens, platform), its shipping figures."""
     from vllm.v1.core import kv_cache_utils as kcu
 
     groups = config.kv_cache_groups
     regular = [g for g in groups if not isinstance(_layer_spec(g.kv_cache_spec), HiddenStateCacheSpec)]
-    att = regular[attention_group_index(regular)]
+    try:
+        att = regular[attention_group_index(regular)]
+    except NoAttentionGroupError:  # a state-only model: its hidden-state group's block, or its state's
+        att = ([g for g in groups if g not in regular] or groups)[0]
     fig = Figures(block_size=att.kv_cache_spec.block_size, num_blocks=config.num_blocks)
     pool_bytes = versions.pool_bytes_per_block(vllm_config, groups)
     fig.bytes_per_block = pool_bytes
@@ -290,7 +327,49 @@ def figures(vllm_config: VllmConfig, config: KVCacheConfig, hidden_token_bytes: 
         fig.bytes_per_block += config.supplementary_bytes_per_block
         fig.hidden_state_bytes_per_block = config.supplementary_bytes_per_block
     fig.token_capacity, fig.max_concurrency = kcu.get_kv_cache_capacity(vllm_config, config)
+    if ship is not None:
+        fig.shipping = shipping_figures(vllm_config, config, pool_bytes, *ship)
     return fig
+
+
+def shipping_figures(
+    vllm_config: VllmConfig, config: KVCacheConfig, pool_bytes: int, layers: int, tokens: int, platform: str
+) -> dict[str, Any]:
+    """What one sample of ``tokens`` tokens costs the connector: the hidden states'
+    blocks, each ``pitch`` bytes from the next (one page; a whole pool block in a
+    block-outermost layout; more than the block's data when vLLM padded it), the NIXL
+    descriptors the sender posts when no two blocks are consecutive (one per block in
+    the GPU's TLH order, one per layer and block in the CPU's LTH order; consecutive
+    dense TLH blocks merge into one), the bytes shipped, and the cache memory the
+    sample's hidden states hold until shipped: a supplementary tensor's pages, or, in
+    a group of its own, whole pool blocks (no other group can use a block it holds)."""
+    if isinstance(config, SupplementedKVCacheConfig) and config.supplementary_specs:
+        spec: KVCacheSpec = next(iter(config.supplementary_specs.values()))
+        pitch = held = spec.page_size_bytes
+    else:
+        (group,) = [
+            g
+            for g in config.kv_cache_groups
+            if isinstance(_layer_spec(g.kv_cache_spec), HiddenStateCacheSpec)
+        ]
+        spec = _layer_spec(group.kv_cache_spec)
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        pitch = pool_bytes if layout.is_block_outermost else spec.page_size_bytes
+        held = pool_bytes
+    assert isinstance(spec, HiddenStateCacheSpec)
+    token_bytes = spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+    blocks = cdiv(tokens, spec.block_size)
+    return {
+        "sample_tokens": tokens,
+        "block_tokens": spec.block_size,
+        "block_data_bytes": spec.block_size * token_bytes,
+        "block_pitch_bytes": pitch,
+        "padded": pitch != spec.block_size * token_bytes,
+        "blocks": blocks,
+        "descriptors_at_most": blocks * (1 if platform == "cuda" else layers),
+        "bytes_shipped": tokens * token_bytes,
+        "cache_bytes_held": blocks * held,
+    }
 
 
 def _layer_spec(spec: KVCacheSpec) -> KVCacheSpec:
@@ -298,9 +377,15 @@ def _layer_spec(spec: KVCacheSpec) -> KVCacheSpec:
 
 
 def approach(
-    vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], budget: int, hidden_token_bytes: int, ours: bool
+    vllm_config: VllmConfig,
+    specs: dict[str, KVCacheSpec],
+    budget: int,
+    hidden_token_bytes: int,
+    ours: bool,
+    ship: tuple[int, int, str] | None = None,
 ) -> Figures:
-    """Figures of vLLM's approach (``ours=False``) or of the design, at ``budget``."""
+    """Figures of vLLM's approach (``ours=False``) or of the design, at ``budget``; a
+    model the design leaves to vLLM (no full-attention group) gets vLLM's figures."""
     try:
         if ours:
             (config,) = plan_kv_cache_configs(vllm_config, [dict(specs)], [budget])
@@ -308,7 +393,7 @@ def approach(
             (config,) = versions.kv_cache_configs(vllm_config, [dict(specs)], [budget])
     except ValueError as e:
         return Figures(refused=str(e).split(". Try")[0])
-    return figures(vllm_config, config, hidden_token_bytes)
+    return figures(vllm_config, config, hidden_token_bytes, ship)
 
 
 def compare(shape: HybridShape, setup: Setup) -> dict[str, Any]:
@@ -316,8 +401,9 @@ def compare(shape: HybridShape, setup: Setup) -> dict[str, Any]:
     token_bytes = shape.hidden_state_token_bytes(len(setup.layer_ids))
     with engine_config(shape, setup) as cfg:
         specs = layer_specs(cfg, shape, setup.platform)
-        vllm = approach(cfg, specs, setup.budget_bytes, token_bytes, ours=False)
-        ours = approach(cfg, specs, setup.budget_bytes, token_bytes, ours=True)
+        ship = (len(setup.layer_ids), setup.sample_tokens, setup.platform)
+        vllm = approach(cfg, specs, setup.budget_bytes, token_bytes, ours=False, ship=ship)
+        ours = approach(cfg, specs, setup.budget_bytes, token_bytes, ours=True, ship=ship)
         info = {
             "model": shape.architecture,
             "layers": list(setup.layer_ids),
@@ -344,6 +430,8 @@ def compare(shape: HybridShape, setup: Setup) -> dict[str, Any]:
             cfg, layer_specs(cfg, shape, setup.platform), setup.budget_bytes, token_bytes, ours=False
         )
     none.hidden_state_bytes_needed_per_block = 0
+    # the design leaves a model without a full-attention group to vLLM's grouping
+    info["ours_is"] = "supplementary tensor" if ours.supplementary else "vLLM's own grouping"
     info["ours_over_vllm"] = (
         round(ours.token_capacity / vllm.token_capacity, 3) if vllm.token_capacity else None
     )

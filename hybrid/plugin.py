@@ -21,9 +21,10 @@ differs), and nothing else:
 ``HIDDEN_STATES_SUPPLEMENTARY``: unset or ``auto`` installs on the supported versions;
 on any other it installs nothing but a watcher of the engine core's
 ``get_kv_cache_configs`` that, for a hybrid model only, logs once that it refuses and
-names the supported versions (dense models: nothing above DEBUG). ``1`` installs and
-raises on another version; ``0`` turns it off. ``register()`` is idempotent and
-``unregister()`` restores vLLM's functions.
+names the supported versions (dense models: nothing above DEBUG); a model without a
+full-attention layer (Mamba-only) is handed to vLLM's own grouping with one log line.
+``1`` installs, raises on another version and refuses such a model; ``0`` turns it off.
+``register()`` is idempotent and ``unregister()`` restores vLLM's functions.
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ def _plan(original: Any) -> Any:
     ) -> Any:
         announce()
         configs = plan_kv_cache_configs(
-            vllm_config, kv_cache_specs, available_memory, original, global_kv_cache_groups
+            vllm_config,
+            kv_cache_specs,
+            available_memory,
+            original,
+            global_kv_cache_groups,
+            fallback=mode() == "auto",
         )
         if any(isinstance(c, SupplementedKVCacheConfig) for c in configs):
             check_combination(vllm_config)
@@ -74,7 +80,7 @@ def _group(original: Any) -> Any:
     from hybrid.spec import plan_kv_cache_groups
 
     def get_global_kv_cache_groups(vllm_config: Any, kv_cache_specs: Any) -> Any:
-        return plan_kv_cache_groups(vllm_config, kv_cache_specs, original)
+        return plan_kv_cache_groups(vllm_config, kv_cache_specs, original, fallback=mode() == "auto")
 
     setattr(get_global_kv_cache_groups, ORIGINAL, original)
     return get_global_kv_cache_groups

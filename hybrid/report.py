@@ -1,6 +1,9 @@
 """``python -m hybrid.report --config CONFIG.json --layers 2,24,45,47 --budget-gib 20``:
-the KV cache of a hybrid model with hidden-state extraction, vLLM's own-group approach
-next to the supplementary-tensor design, as one JSON object on stdout.
+the KV cache of a hybrid model (Qwen3-Next, Qwen3.5, linear-attention-only) or a
+mixed-window one (gpt-oss) with hidden-state extraction, vLLM's own-group approach next
+to the supplementary-tensor design (or the fallback to vLLM's grouping a model without a
+full-attention group gets), and what one sample costs to ship (``shipping``: blocks,
+descriptors, bytes), as one JSON object on stdout.
 
 Runs on CPU without weights; ``--config`` is a config.json file or a model directory.
 """
@@ -50,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         "tokens'); default: what vLLM's alignment picks for --platform",
     )
     ap.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=2048,
+        help="tokens of the sample whose shipping cost is reported (default 2048)",
+    )
+    ap.add_argument(
         "--no-prefix-caching", action="store_true", help="mamba cache mode 'none' instead of 'align'"
     )
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's log (INFO) on stderr")
@@ -69,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             platform=args.platform,
             prefix_caching=not args.no_prefix_caching,
             block_size=args.block_size,
+            sample_tokens=args.sample_tokens,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"hybrid.report: {e}", file=sys.stderr)
@@ -77,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     s = result["setup"]
     print(
         f"hybrid.report: {s['platform']} target, attention block {s['attention_block_size']} tokens "
-        f"({s['block_size_from']}), SSM state {s['ssm_state_dtype']}; this host's CPU: {s['host_cpu']}",
+        f"({s['block_size_from']}), SSM state {s['ssm_state_dtype']}; this host's CPU: {s['host_cpu']}; "
+        f"ours: {s['ours_is']}",
         file=sys.stderr,
     )
     print(json.dumps(result))

@@ -3,9 +3,10 @@ arithmetic of the supplementary-tensor design: pure logic, no vllm, torch or nix
 
 A hybrid model (Qwen3-Next, Qwen3.5) interleaves gated-delta-net linear-attention layers,
 whose cache is a fixed-size recurrent state per request, with full-attention layers,
-whose cache grows by one page per ``block_size`` tokens. ``HybridShape`` holds the fields
-of config.json that decide those caches' sizes; everything else (MoE, vocabulary, vision
-tower) is ignored.
+whose cache grows by one page per ``block_size`` tokens. A mixed-window model (gpt-oss)
+interleaves sliding-window layers with full-attention ones. ``HybridShape`` holds the
+fields of config.json that decide those caches' sizes; everything else (MoE,
+vocabulary, vision tower) is ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Any
 
 FULL = "full_attention"
 LINEAR = "linear_attention"
-_LAYER_TYPES = (FULL, LINEAR)
+SLIDING = "sliding_attention"
+_LAYER_TYPES = (FULL, LINEAR, SLIDING)
+_LINEAR_FIELDS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 _DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -31,9 +40,13 @@ def dtype_bytes(dtype: str) -> int:
 class HybridShape:
     """What decides a hybrid model's cache sizes, as config.json states it.
 
-    ``layer_types[i]`` is ``"full_attention"`` or ``"linear_attention"``;
-    ``mamba_ssm_dtype`` is the recurrent state's dtype when the config pins it (Qwen3.5
-    does; vLLM then uses it for the state cache), else None (the model dtype).
+    ``layer_types[i]`` is ``"full_attention"``, ``"linear_attention"`` or
+    ``"sliding_attention"`` (a window of ``sliding_window`` tokens); the ``linear_*``
+    fields matter (and must be positive) only with linear layers, ``sliding_window``
+    only with sliding ones. A model mixes linear with attention layers or sliding with
+    full ones, not all three. ``mamba_ssm_dtype`` is the recurrent state's dtype when the
+    config pins it (Qwen3.5 does; vLLM then uses it for the state cache), else None
+    (the model dtype).
     """
 
     architecture: str
@@ -42,14 +55,15 @@ class HybridShape:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
     max_position_embeddings: int
     dtype: str
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     mamba_ssm_dtype: str | None = None
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.layer_types) - set(_LAYER_TYPES))
@@ -57,18 +71,12 @@ class HybridShape:
             raise ValueError(f"unknown layer types {bad}; expected {_LAYER_TYPES}")
         if not self.layer_types:
             raise ValueError("the model has no layers")
-        for name in (
-            "hidden_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-            "max_position_embeddings",
-        ):
+        if self.linear_attention_layers and self.sliding_attention_layers:
+            raise ValueError("linear and sliding-window layers in one model: not a shape this report knows")
+        needed = ["hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"]
+        needed += [*_LINEAR_FIELDS] if self.linear_attention_layers else []
+        needed += ["sliding_window"] if self.sliding_attention_layers else []
+        for name in (*needed, "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         dtype_bytes(self.dtype)
@@ -86,6 +94,10 @@ class HybridShape:
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def sliding_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
 
     def hidden_state_token_bytes(self, num_captured_layers: int) -> int:
         """Bytes one token's captured states take: ``[num_captured_layers, hidden]``."""
@@ -108,6 +120,7 @@ class HybridShape:
         heads = int(_need(text, "num_attention_heads"))
         hidden = int(_need(text, "hidden_size"))
         own_dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        linear = {f: int(_need(text, f)) for f in _LINEAR_FIELDS} if LINEAR in types else {}
         return cls(
             architecture=str(archs[0]),
             hidden_size=hidden,
@@ -115,24 +128,49 @@ class HybridShape:
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads", heads)),
             head_dim=int(text.get("head_dim") or hidden // heads),
-            linear_num_key_heads=int(_need(text, "linear_num_key_heads")),
-            linear_num_value_heads=int(_need(text, "linear_num_value_heads")),
-            linear_key_head_dim=int(_need(text, "linear_key_head_dim")),
-            linear_value_head_dim=int(_need(text, "linear_value_head_dim")),
-            linear_conv_kernel_dim=int(_need(text, "linear_conv_kernel_dim")),
             max_position_embeddings=int(_need(text, "max_position_embeddings")),
             dtype=str(dtype or own_dtype),
             mamba_ssm_dtype=text.get("mamba_ssm_dtype"),
+            sliding_window=int(_need(text, "sliding_window")) if SLIDING in types else 0,
+            **linear,
         )
 
     def standin_config(self) -> dict[str, Any]:
         """A Qwen3-Next config.json with this cache shape, for building vLLM's config of a
-        model whose own vLLM module cannot be imported here (Qwen3.5 needs torchvision).
+        model whose own vLLM module cannot be imported here (Qwen3.5 needs torchvision);
+        a gpt-oss one for a mixed-window model.
 
         Qwen3.5's and Qwen3-Next's vLLM classes compute their gated-delta-net states
         and attention pages with the same calls on these fields, so every cache spec is
         the same; the MoE fields are the smallest valid ones (no weights are built)."""
         n = self.num_layers
+        if self.sliding_attention_layers:
+            return {
+                "architectures": ["GptOssForCausalLM"],
+                "model_type": "gpt_oss",
+                "hidden_size": self.hidden_size,
+                "num_hidden_layers": n,
+                "layer_types": list(self.layer_types),
+                "sliding_window": self.sliding_window,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim,
+                "max_position_embeddings": self.max_position_embeddings,
+                "intermediate_size": 8,
+                "num_local_experts": 2,
+                "num_experts_per_tok": 1,
+                "vocab_size": 1024,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 32.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "original_max_position_embeddings": 4096,
+                },
+                "torch_dtype": self.dtype,
+                "tie_word_embeddings": False,
+            }
         return {
             "architectures": ["Qwen3NextForCausalLM"],
             "model_type": "qwen3_next",
@@ -167,7 +205,10 @@ class HybridShape:
 
 def _need(config: Mapping[str, Any], key: str) -> Any:
     if key not in config or config[key] is None:
-        raise ValueError(f"config.json has no {key!r}: is this a hybrid (Qwen3-Next / Qwen3.5) model?")
+        raise ValueError(
+            f"config.json has no {key!r}: is this a hybrid (Qwen3-Next / Qwen3.5) or mixed-window "
+            "(gpt-oss) model?"
+        )
     return config[key]
 
 

@@ -7,6 +7,13 @@ coordinator never sees it. It is re-blocked to the block size of the model's
 full-attention group and addressed with that group's block table and slot mapping; its
 tensor holds ``num_blocks`` pages, and the budget pays for one page of it per block:
 ``num_blocks = budget // (bytes per block of the groups + sum of supplementary pages)``.
+
+It applies to every model whose layers vLLM splits into several KV cache groups (state
+layers beside attention, as Qwen3-Next; sliding-window beside full attention, as
+gpt-oss), where vLLM would give the cache-only layer a group of its own with a page
+padded to the common page. A model with no full-attention layer (Mamba-only,
+linear-attention-only) has no block table to lend: it keeps vLLM's own grouping
+(``fallback``, auto mode), or is refused when the design is forced on.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    UniformTypeKVCacheSpecs,
     is_full_attention_spec,
     replace_as,
 )
@@ -95,10 +103,18 @@ def split_supplementary_specs(
     return regular, supplementary
 
 
-def is_hybrid(specs: Mapping[str, KVCacheSpec]) -> bool:
-    """Whether these (regular) specs mix state layers with attention: the models the
-    supplementary design is for. Dense models keep vLLM's own handling."""
-    return any(isinstance(s, MambaSpec) for s in specs.values())
+def needs_own_group(specs: Mapping[str, KVCacheSpec]) -> bool:
+    """Whether the design applies to these (regular) specs: they mix state layers with
+    attention (Qwen3-Next), or layers that are not one uniform type (sliding-window
+    beside full attention, gpt-oss), and vLLM would give the cache-only layer a KV cache
+    group of its own. A dense model of one attention type (Llama, Qwen3) keeps vLLM's own
+    handling: the cache-only layer joins its one group, blocks of the same size, nothing
+    padded. (A model whose every layer slides keeps it too: vLLM gives the cache-only
+    layer a padded group of its own there, which the connector ships by its pitch, and
+    there is no full-attention block table to lend.)"""
+    if any(isinstance(s, MambaSpec) for s in specs.values()):
+        return True
+    return bool(specs) and UniformTypeKVCacheSpecs.from_specs(dict(specs)) is None
 
 
 def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
@@ -112,21 +128,53 @@ def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     raise NoAttentionGroupError(
         f"the supplementary hidden-state tensor needs a full-attention KV cache group to share its "
-        f"block table, and this model has none (groups: {kinds}); run it with "
-        "HIDDEN_STATES_SUPPLEMENTARY=0 to use vLLM's own grouping"
+        f"block table, and this model has none (groups: {kinds}); {NO_ATTENTION_FIX}"
     )
 
 
+NO_ATTENTION_FIX = "leave HIDDEN_STATES_SUPPLEMENTARY unset (auto) or set it to 0 to use vLLM's own grouping"
+_fell_back = False
+
+
+def _no_attention_layer(regular: Mapping[str, KVCacheSpec], fallback: bool) -> bool:
+    """Whether these regular specs lack a full-attention layer (then vLLM's grouping
+    has no full-attention group): raises ``NoAttentionGroupError`` unless ``fallback``,
+    which logs once per process why vLLM's own grouping applies."""
+    global _fell_back
+    if any(is_full_attention_spec(s) for s in regular.values()):
+        return False
+    kinds = sorted({type(s).__name__ for s in regular.values()})
+    why = (
+        "the supplementary hidden-state tensor needs a full-attention KV cache group to share its "
+        f"block table, and this model has none (layers: {kinds})"
+    )
+    if not fallback:
+        raise NoAttentionGroupError(f"{why}; {NO_ATTENTION_FIX}")
+    if not _fell_back:
+        _fell_back = True
+        log.info(
+            "hybrid supplementary tensors: not used for this model, vLLM's own grouping applies (the "
+            "hidden-state layer gets a KV cache group of its own, its page padded to the common page; "
+            "see python -m hybrid.report): %s",
+            why,
+        )
+    return True
+
+
 def supplemented(
-    kv_cache_specs: Sequence[Mapping[str, KVCacheSpec]],
+    kv_cache_specs: Sequence[Mapping[str, KVCacheSpec]], fallback: bool = True
 ) -> list[tuple[dict[str, KVCacheSpec], dict[str, CacheOnlySpec]]] | None:
-    """Each worker's (regular, supplementary) specs when the design applies (a hybrid
-    model with a cache-only layer), else None: vLLM's own handling."""
+    """Each worker's (regular, supplementary) specs when the design applies (a model
+    ``needs_own_group`` with a cache-only layer and a full-attention layer), else None:
+    vLLM's own handling. A model without a full-attention layer gets None when
+    ``fallback`` (auto mode; one log line says why), else ``NoAttentionGroupError``."""
     split = [split_supplementary_specs(specs) for specs in kv_cache_specs]
     merged_regular: dict[str, KVCacheSpec] = {}
     for regular, _ in split:
         merged_regular.update(regular)
-    if not any(supp for _, supp in split) or not is_hybrid(merged_regular):
+    if not any(supp for _, supp in split) or not needs_own_group(merged_regular):
+        return None
+    if _no_attention_layer(merged_regular, fallback):
         return None
     return split
 
@@ -135,10 +183,11 @@ def plan_kv_cache_groups(
     vllm_config: VllmConfig,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     get_global_kv_cache_groups: GetGlobalKVCacheGroups,
+    fallback: bool = True,
 ) -> list[KVCacheGroupSpec]:
     """vLLM 0.33's ``get_global_kv_cache_groups`` (the engine core groups before it
     sizes) with the cache-only layers left out: they join no group."""
-    split = supplemented(kv_cache_specs)
+    split = supplemented(kv_cache_specs, fallback)
     if split is None:
         return get_global_kv_cache_groups(vllm_config, kv_cache_specs)
     return get_global_kv_cache_groups(vllm_config, [regular for regular, _ in split])
@@ -150,10 +199,14 @@ def plan_kv_cache_configs(
     available_memory: list[int],
     get_kv_cache_configs: GetKVCacheConfigs | None = None,
     global_kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+    fallback: bool = True,
 ) -> list[KVCacheConfig]:
     """``get_kv_cache_configs`` with the cache-only layers as supplementary tensors.
 
-    Models without a cache-only layer, and dense models, go to vLLM unchanged. Otherwise
+    Models without a cache-only layer, and dense models of one attention type
+    (``needs_own_group``), go to vLLM unchanged. So does a model with no full-attention
+    layer when ``fallback`` (auto mode; one log line says why); without it, that model
+    raises ``NoAttentionGroupError``. Otherwise
     the cache-only layers are split out, vLLM groups and sizes the rest with each
     worker's memory reduced to exactly what its blocks cost without them, and each
     worker's config comes back as a ``SupplementedKVCacheConfig``.
@@ -163,7 +216,7 @@ def plan_kv_cache_configs(
     vLLM 0.33's groups, as its engine core passes them (used when they leave the
     cache-only layers out; regrouped here when they hold them).
     """
-    split = supplemented(kv_cache_specs)
+    split = supplemented(kv_cache_specs, fallback)
     if split is None:
         return versions.kv_cache_configs(
             vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups, get_kv_cache_configs

@@ -1,5 +1,7 @@
-"""Build deterministic tiny random models (no hub): dense Llama / Qwen3, and a hybrid
-Qwen3-Next (gated-delta-net linear attention + full attention, MoE).
+"""Build deterministic tiny random models (no hub): dense Llama / Qwen3, a hybrid
+Qwen3-Next (gated-delta-net linear attention + full attention, MoE), a Qwen3-Next whose
+layers are all linear attention (no full-attention layer at all), and a gpt-oss
+(sliding-window and full attention alternating, MoE with attention sinks).
 
 python -m scripts.make_tiny_model --family llama --out /tmp/tiny-llama
 """
@@ -50,6 +52,40 @@ TINY_QWEN3_NEXT: dict[str, Any] = dict(
 )
 
 
+# Every layer linear attention: a state-only model (no full-attention KV cache group).
+TINY_QWEN3_NEXT_LINEAR: dict[str, Any] = dict(
+    TINY_QWEN3_NEXT,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 4,
+)
+
+# gpt-oss: layers 0, 2 slide over a 32-token window, 1, 3 attend to everything (vLLM
+# applies the window to even layers; transformers reads layer_types: the same here).
+TINY_GPT_OSS: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=32,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": TINY_DENSE,
+    "qwen3": TINY_DENSE,
+    "qwen3_next": TINY_QWEN3_NEXT,
+    "qwen3_next_linear": TINY_QWEN3_NEXT_LINEAR,
+    "gpt_oss": TINY_GPT_OSS,
+}
+
+
 def build_tiny_model(
     out: str | os.PathLike[str],
     family: str = "llama",
@@ -71,17 +107,19 @@ def build_tiny_model(
     if marker.exists() and json.loads(marker.read_text()) == stamp:
         return out
 
-    params = {**(TINY_QWEN3_NEXT if family == "qwen3_next" else TINY_DENSE), **overrides}
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
+    params = {**FAMILIES[family], **overrides}
     if family == "llama":
         config: Any = transformers.LlamaConfig(**params)
     elif family == "qwen3":
         config = transformers.Qwen3Config(
             head_dim=params["hidden_size"] // params["num_attention_heads"], **params
         )
-    elif family == "qwen3_next":
+    elif family in ("qwen3_next", "qwen3_next_linear"):
         config = transformers.Qwen3NextConfig(**params)
     else:
-        raise ValueError(f"unknown family {family!r}; expected llama, qwen3 or qwen3_next")
+        config = transformers.GptOssConfig(**params)
     config.torch_dtype = dtype
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
@@ -94,7 +132,7 @@ def build_tiny_model(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="llama", choices=["llama", "qwen3", "qwen3_next"])
+    ap.add_argument("--family", default="llama", choices=sorted(FAMILIES))
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")

@@ -86,7 +86,8 @@ class WorkerSide:
         self.layer_name = next(iter(layers))
         self.cache = cache = kv_caches[self.layer_name]
         hidden = self.vllm_config.model_config.get_hidden_size()
-        layout, block_size = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
+        view = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
+        layout, block_size = view.layout, view.block_size
         block_layout = BlockLayout(
             layout,
             block_size,
@@ -102,6 +103,16 @@ class WorkerSide:
         self.recorder = BlockRecorder(block_size)
         self.checks = SlotChecks(block_size)
         atexit.register(self.shutdown)
+        if view.padded(len(self.layer_ids), hidden):
+            log.warning(
+                "the cache-only layer's blocks of %d tokens (%d bytes) lie %d bytes apart (vLLM pads its "
+                "KV cache group's page to the other groups'): each block is one descriptor of its own, "
+                "and %.1f%% of its memory is padding",
+                block_size,
+                block_layout.block_bytes,
+                view.block_pitch * cache.element_size(),
+                100 * (1 - block_layout.block_bytes / (view.block_pitch * cache.element_size())),
+            )
         if self.options.pull:
             self.pull = PullServer(
                 cache,

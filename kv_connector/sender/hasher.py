@@ -54,17 +54,25 @@ class Hasher:
         self._thread.join(timeout=5)
 
 
-def share_checksum(raw: torch.Tensor, job: Job, stage: bool | None = None) -> int:
+def cache_blocks(raw: torch.Tensor, block_bytes: int, pitch: int) -> torch.Tensor:
+    """The cache's bytes ``raw`` (a flat uint8 view, block i at ``i * pitch``) as
+    ``[num_blocks, block_bytes]``, the padding between blocks left out."""
+    return raw.as_strided(((raw.numel() - block_bytes) // pitch + 1, block_bytes), (pitch, 1))
+
+
+def share_checksum(raw: torch.Tensor, job: Job, stage: bool | None = None, pitch: int | None = None) -> int:
     """XXH3-64 of ``job``'s manifest and share of its sample's bytes (``integrity``), read from the
-    cache's bytes ``raw`` (a flat uint8 view). A host cache is hashed in place; a device
-    cache's share is staged to host memory once (``stage`` forces either path)."""
+    cache's bytes ``raw`` (a flat uint8 view, blocks ``pitch`` bytes apart, one block by
+    default). A host cache is hashed in place; a device cache's share is staged to host
+    memory once (``stage`` forces either path)."""
     m = job.manifest
+    pitch = pitch or m.block_bytes
     spans_of, head = spans_of_sample(m), manifest_bytes(m)
     if not (raw.device.type != "cpu" if stage is None else stage):
-        offsets = ((j, job.block_ids[j] * m.block_bytes) for j in job.share)
+        offsets = ((j, job.block_ids[j] * pitch) for j in job.share)
         return block_checksum(raw.numpy().data, offsets, spans_of, head)
     idx = torch.tensor([job.block_ids[j] for j in job.share], device=raw.device)
-    host = raw.view(-1, m.block_bytes).index_select(0, idx).cpu().view(-1)
+    host = cache_blocks(raw, m.block_bytes, pitch).index_select(0, idx).cpu().view(-1)
     staged = ((j, i * m.block_bytes) for i, j in enumerate(job.share))
     return block_checksum(host.numpy().data, staged, spans_of, head)
 
@@ -88,13 +96,14 @@ def _own_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
-def share_block_digest(raw: torch.Tensor, job: Job) -> int:
+def share_block_digest(raw: torch.Tensor, job: Job, pitch: int | None = None) -> int:
     """The checksum of ``job``'s share over its block digests (``block_digest``), computed
-    where the cache's bytes ``raw`` (a flat uint8 view) are; 8 bytes per block reach the
-    host."""
+    where the cache's bytes ``raw`` (a flat uint8 view, blocks ``pitch`` bytes apart, one
+    block by default) are; 8 bytes per block reach the host."""
     m = job.manifest
     g = m.geometry
-    cache = raw.view(getattr(torch, g.dtype)).view(-1, *g.block_shape())
+    blocks = cache_blocks(raw, m.block_bytes, pitch or m.block_bytes)
+    cache = blocks.view(getattr(torch, g.dtype)).view(-1, *g.block_shape())
     with _own_stream(raw.device):
         digests = cache_block_digests(cache, m, job.block_ids, job.share)
     return share_digest(m, job.share, digests)

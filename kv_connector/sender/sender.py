@@ -99,6 +99,11 @@ class HiddenStatesSender:
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         self.num_cache_blocks = cache.shape[0]
+        # blocks are dense inside and ``block_pitch`` bytes apart: one block, or a page
+        # vLLM padded (the padding is never shipped)
+        self.block_pitch = (
+            cache.stride(0) * cache.element_size() if cache.shape[0] > 1 else layout.block_bytes
+        )
         self._raw = self._flat(cache)
         # how XXH3 reads a share: None stages a device cache's shares to host memory, not a
         # host one's; True or False forces either path (a testing hook: the GPU path on CPU)
@@ -109,7 +114,7 @@ class HiddenStatesSender:
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
         self.agent_name = transport.name
-        self._local = local = transport.register(cache)
+        self._local = local = transport.register(self._raw)  # the blocks' extent
         self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
         self._gates: dict[str, ReadyGate] = {}  # held jobs' gates (``ship``'s ``ready``)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
@@ -125,6 +130,7 @@ class HiddenStatesSender:
             config.rank,
             lambda f: self._loop.tell_reader(f),
             cache.device,
+            block_pitch=self.block_pitch,
         )
         me = handshake.ProducerIdentity(
             config.producer_id,
@@ -280,7 +286,7 @@ class HiddenStatesSender:
                 f"the cache has {cache.shape[0]} blocks after the wake, {self.num_cache_blocks} before"
             )
         raw = self._flat(cache)
-        self._local = self._transport.register(cache)
+        self._local = self._transport.register(raw)
         self._writer.set_local(self._local)
         self._raw = raw
         self._asleep = None
@@ -309,16 +315,22 @@ class HiddenStatesSender:
         return bool(self._gates)
 
     def _flat(self, cache: torch.Tensor) -> torch.Tensor:
-        """The cache's bytes as one flat uint8 tensor (blocks are dense from data_ptr)."""
-        block_stride = cache.stride(0) * cache.element_size()
-        nbytes = cache.numel() * cache.element_size()
-        if block_stride != self.layout.block_bytes or nbytes != cache.shape[0] * self.layout.block_bytes:
+        """The cache's bytes as one flat uint8 tensor, block i at ``i * block_pitch``, from
+        the first block's start to the last one's end (what is registered)."""
+        nb, bb, pitch = cache.shape[0], self.layout.block_bytes, self.block_pitch
+        stride = cache.stride(0) * cache.element_size() if nb > 1 else pitch
+        nbytes = (nb - 1) * pitch + bb
+        start = cache.storage_offset() * cache.element_size()
+        held = cache.numel() * cache.element_size()
+        if held != nb * bb or stride != pitch or pitch < bb:
             raise ValueError(
-                f"cache tensor blocks are {block_stride} bytes apart and it holds {nbytes} "
-                f"bytes; the layout says blocks of {self.layout.block_bytes}"
+                f"cache tensor of {nb} blocks, {stride} bytes apart, holds {held} bytes; the "
+                f"layout says dense blocks of {bb}, {pitch} bytes apart"
             )
+        if start + nbytes > cache.untyped_storage().nbytes():
+            raise ValueError(f"cache tensor's {nb} blocks of pitch {pitch} run past its storage")
         return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
+            cache.untyped_storage(), start, (nbytes,), (1,)
         )
 
     def take_finished(self) -> set[str]:
@@ -368,9 +380,9 @@ class HiddenStatesSender:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
         if self.config.checksum is ShareChecksum.BLOCKS:
-            value = share_block_digest(self._raw, job)
+            value = share_block_digest(self._raw, job, self.block_pitch)
         else:
-            value = share_checksum(self._raw, job, self.stage_digest)
+            value = share_checksum(self._raw, job, self.stage_digest, self.block_pitch)
         with self._lock:
             self._ledger.hashed(time.perf_counter() - t0)
         return value

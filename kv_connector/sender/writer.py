@@ -21,6 +21,7 @@ from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.jobs import Failure, Job, JobState
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.wire import protocol
+from kv_connector.wire.layout import merge_runs
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 if TYPE_CHECKING:
@@ -41,9 +42,11 @@ class ShareWriter:
         rank: int,
         tell_reader: Callable[[Failure], None],
         device: torch.device | None = None,
+        block_pitch: int | None = None,
     ) -> None:
         self._device = device
         self._transport = transport
+        self._block_pitch = block_pitch  # bytes from one cache block to the next; None: dense
         self._local = local
         self._ledger = ledger
         self._lock = lock
@@ -118,16 +121,18 @@ class ShareWriter:
 
     def spans(self, job: Job) -> np.ndarray:
         """(cache offset, pool offset, length) of every piece of the job's share: each
-        block where ``BlockLayout.arranged_spans`` puts it in the granted run."""
+        block where ``BlockLayout.arranged_spans`` puts it in the granted run, pieces that
+        continue each other on both sides merged into one (``merge_runs``)."""
         m, grant = job.manifest, job.grant
         assert grant is not None
         g, nb = m.geometry, m.num_blocks
+        pitch = self._block_pitch or g.block_bytes
         base = grant.first_page * self.page_bytes
-        rows = [
-            (job.block_ids[j] * g.block_bytes + src, base + dst, n)
+        rows = merge_runs(
+            (job.block_ids[j] * pitch + src, base + dst, n)
             for j in job.share
             for src, dst, n in g.arranged_spans(nb, j)
-        ]
+        )
         return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
     def _post(self, job: Job) -> None:

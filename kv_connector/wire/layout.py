@@ -15,8 +15,8 @@ blocks layer by layer, [L, T, H] in memory, a strided [T, L, H] view.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Annotated, Literal, get_args
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Literal, NamedTuple, get_args
 
 import msgspec
 
@@ -145,17 +145,34 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ]
 
 
+class CacheView(NamedTuple):
+    """What the producer reads off the cache-only layer's tensor: the order inside a
+    block, the block size, and ``block_pitch``, the elements from one block's start to
+    the next. The pitch is one block when blocks are dense, more when vLLM pads each
+    block to a page shared with other KV cache groups (models mixing sliding-window and
+    full attention, Mamba-only models, block-outermost layouts): the padding is never
+    shipped, and only dense blocks can be merged into one descriptor."""
+
+    layout: Layout
+    block_size: int
+    block_pitch: int
+
+    def padded(self, num_layers: int, hidden_size: int) -> bool:
+        return self.block_pitch != self.block_size * num_layers * hidden_size
+
+
 def layout_from_view(
     shape: Sequence[int], strides: Sequence[int], num_layers: int, hidden_size: int
-) -> tuple[Layout, int]:
-    """(layout, block_size) of the cache-only layer's tensor, read from its view.
+) -> CacheView:
+    """(layout, block_size, block_pitch) of the cache-only layer's tensor, read from its view.
 
     vLLM's cache-only layer indexes its cache as [num_blocks, num_layers, block_size,
     hidden] (it writes ``cache[slot // shape[2], :, slot % shape[2]]``); the memory
     behind that view is "LTH" when contiguous (the CPU backend) and "TLH" when the view
     is a permutation of [num_blocks, block_size, num_layers, hidden] (the GPU "LBNHC"
     layout). A plain [num_blocks, block_size, num_layers, hidden] tensor is also read as
-    "TLH". Blocks must be dense: ``strides[0]`` is one block.
+    "TLH". Each block must be dense inside; blocks may lie further apart than one block
+    (``strides[0]``, the pitch, is at least one block), never closer.
     """
     if len(shape) != 4 or len(strides) != 4 or shape[3] != hidden_size or strides[3] != 1:
         raise ValueError(
@@ -178,12 +195,28 @@ def layout_from_view(
         raise ValueError(
             f"cache-only tensor of shape {tuple(shape)} has no dimension of {num_layers} captured layers"
         )
-    if strides[0] != bs * num_layers * H:
+    if strides[0] < bs * num_layers * H and shape[0] > 1:
         raise ValueError(
-            f"cache-only tensor blocks are {strides[0]} elements apart, not one block "
-            f"({bs * num_layers * H}): blocks are not dense"
+            f"cache-only tensor blocks are {strides[0]} elements apart, less than one block "
+            f"({bs * num_layers * H}): blocks overlap"
         )
-    return layout, bs
+    return CacheView(layout, bs, max(strides[0], bs * num_layers * H))
+
+
+def merge_runs(rows: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(source offset, destination offset, length) rows with every row that continues
+    the previous one on both sides folded into it: consecutive dense blocks of a TLH
+    cache, written one after the other into a sample's run, become one descriptor.
+    Padded blocks never continue each other, so they stay one row each."""
+    out: list[tuple[int, int, int]] = []
+    for src, dst, n in rows:
+        if out:
+            s0, d0, n0 = out[-1]
+            if s0 + n0 == src and d0 + n0 == dst:
+                out[-1] = (s0, d0, n0 + n)
+                continue
+        out.append((src, dst, n))
+    return out
 
 
 def pages_for(nbytes: int, page_bytes: int) -> int:

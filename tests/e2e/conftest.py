@@ -64,7 +64,8 @@ class Reference:
             lambda mod, args, out: last.append(out[0] if isinstance(out, tuple) else out)
         )
         try:
-            out = self.model(torch.tensor([token_ids]), output_hidden_states=True)
+            # no cache: transformers builds none for a model without attention layers
+            out = self.model(torch.tensor([token_ids]), output_hidden_states=True, use_cache=False)
         finally:
             hook.remove()
         rows = [last[0][0] if k == self.num_layers else out.hidden_states[k][0] for k in layer_ids]

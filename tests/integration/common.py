@@ -43,9 +43,13 @@ def plan(sizes: list[int], seed: int, layout: BlockLayout) -> list[dict[str, Any
 
 
 def check(
-    samples: dict[str, Sample], spec_samples: list[dict[str, Any]], layout: BlockLayout, seed: int
+    samples: dict[str, Sample],
+    spec_samples: list[dict[str, Any]],
+    layout: BlockLayout,
+    seed: int,
+    pad_bytes: int = 0,
 ) -> None:
-    cache = make_cache(layout, NUM_CACHE_BLOCKS, seed)
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, seed, pad_bytes=pad_bytes)
     assert set(samples) == {s["request_id"] for s in spec_samples}
     for s in spec_samples:
         got = samples[s["request_id"]]
@@ -63,16 +67,22 @@ def collect(reader: HiddenStatesReader, n: int, timeout: float = 60) -> dict[str
     return got
 
 
-def make_cache(layout: BlockLayout, num_blocks: int, seed: int, finite: bool = False) -> torch.Tensor:
+def make_cache(
+    layout: BlockLayout, num_blocks: int, seed: int, finite: bool = False, pad_bytes: int = 0
+) -> torch.Tensor:
     """[num_blocks, *block_shape] of random bits (every byte pattern, NaNs included), or
-    with ``finite`` random normal values (what the reader CLI's value check accepts)."""
+    with ``finite`` random normal values (what the reader CLI's value check accepts).
+    ``pad_bytes``: blocks lie ``block_bytes + pad_bytes`` apart, as in a KV cache group
+    whose page vLLM padded, the padding random bits too (never to be shipped)."""
     g = torch.Generator().manual_seed(seed)
     if finite:
         values = torch.randn(num_blocks, *layout.block_shape(), generator=g)
+        assert not pad_bytes, "finite values of a padded cache: not needed yet"
         return values.to(getattr(torch, layout.dtype))
-    nbytes = num_blocks * layout.block_bytes
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-    return raw.view(getattr(torch, layout.dtype)).view(num_blocks, *layout.block_shape())
+    pitch = layout.block_bytes + pad_bytes
+    raw = torch.randint(0, 256, (num_blocks * pitch,), dtype=torch.uint8, generator=g)
+    blocks = raw.view(num_blocks, pitch)[:, : layout.block_bytes]
+    return blocks.view(getattr(torch, layout.dtype)).view(num_blocks, *layout.block_shape())
 
 
 def token_ids(request_id: str, n: int) -> list[int]:

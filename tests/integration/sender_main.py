@@ -25,7 +25,9 @@ from tests.integration.faulty_transport import FaultyTransport
 def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = BlockLayout(**spec["layout"])
-    cache = make_cache(layout, spec["num_cache_blocks"], spec["seed"], spec.get("finite", False))
+    cache = make_cache(
+        layout, spec["num_cache_blocks"], spec["seed"], spec.get("finite", False), spec.get("pad_bytes", 0)
+    )
     for s in spec["samples"]:  # fault injection: states that are not
         poison = s.get("poison")
         first = cache[s["block_ids"][0]]

@@ -25,6 +25,33 @@ def test_samples_of_every_boundary_size_arrive_byte_exact(layout: BlockLayout, s
     assert all(s.layer_ids == tuple(range(layout.num_layers)) for s in got.values())
 
 
+@pytest.mark.parametrize(
+    ("layout", "pad_bytes", "digests"),
+    [
+        (CPU_LAYOUT, 4096, False),
+        (GPU_LAYOUT, 1000, True),
+        # gpt-oss-like: 1-token blocks in pages padded past their data
+        (BlockLayout("TLH", 1, 4, 96, "bfloat16"), 4 * 96 * 2 // 3, True),
+    ],
+    ids=["cpu-LTH-fp32", "gpu-TLH-bf16", "tlh-1-token-blocks"],
+)
+def test_blocks_in_padded_pages_arrive_without_their_padding(
+    layout: BlockLayout, pad_bytes: int, digests: bool, senders: Senders
+) -> None:
+    """vLLM pads the hidden-state group's page to the other groups' when a model mixes
+    kinds of layer and the design cannot lend it a block table: blocks lie a page apart,
+    more than one block; the samples carry their data, byte-exact, checked end to end."""
+    bs = layout.block_size
+    samples = plan([1, bs, bs + 1, 7 * bs + 5, 2 * bs - 1, 40], seed=3, layout=layout)
+    with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
+        # XXH3 through the staging path a GPU cache takes, or block digests
+        got, res = senders.deliver(
+            reader, layout, 3, samples, pad_bytes=pad_bytes, block_digests=digests, stage_checksum=not digests
+        )
+    assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
+    check(got, samples, layout, seed=3, pad_bytes=pad_bytes)
+
+
 def test_more_samples_than_the_pool_holds_are_throttled_not_lost(senders: Senders) -> None:
     layout = CPU_LAYOUT
     rng = random.Random(5)

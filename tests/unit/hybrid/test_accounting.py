@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,19 +194,40 @@ def test_split_keeps_regular_specs_and_unpads_the_cache_only_page(
     assert CacheOnlySpec.of(spec, 544).page_size_bytes == 544 * 4 * 2048 * 2
 
 
-def test_a_model_without_attention_group_is_refused(
-    qwen3_next_config: tuple[Any, dict[str, Any], HybridShape],
+def test_a_model_without_attention_group_falls_back_to_vllm_in_auto_mode(
+    qwen3_next_config: tuple[Any, dict[str, Any], HybridShape], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hybrid.spec import NoAttentionGroupError, attention_group_index, plan_kv_cache_configs
-    from hybrid.versions import kv_cache_groups
+    """A state-only model (Mamba-only, linear-attention-only) has no block table to
+    lend: auto mode gives vLLM's own configs unchanged and says why; the design forced
+    on refuses it by name."""
+    from hybrid import spec
+    from hybrid.spec import (
+        NoAttentionGroupError,
+        SupplementedKVCacheConfig,
+        attention_group_index,
+        plan_kv_cache_configs,
+    )
+    from hybrid.versions import kv_cache_configs, kv_cache_groups
 
     cfg, specs, _ = qwen3_next_config
     state_only = {n: s for n, s in specs.items() if "self_attn" not in n}
     groups = kv_cache_groups(cfg, [{n: s for n, s in state_only.items() if "cache_only" not in n}])
     with pytest.raises(NoAttentionGroupError, match="full-attention"):
         attention_group_index(groups)
-    with pytest.raises(NoAttentionGroupError):
-        plan_kv_cache_configs(cfg, [state_only], [BUDGET])
+    with pytest.raises(NoAttentionGroupError, match="has none"):
+        plan_kv_cache_configs(cfg, [state_only], [BUDGET], fallback=False)
+    budget = 10 * BUDGET  # vLLM's own grouping needs ~144 GiB for one 262144-token request
+    spec._fell_back = False  # the line is logged once per process
+    with caplog.at_level(logging.INFO, logger="vllm.hybrid.spec"):
+        (ours,) = plan_kv_cache_configs(cfg, [dict(state_only)], [budget])
+    (theirs,) = kv_cache_configs(cfg, [dict(state_only)], [budget])
+    assert not isinstance(ours, SupplementedKVCacheConfig)
+    assert ours.num_blocks == theirs.num_blocks
+    assert [(g.layer_names, g.kv_cache_spec) for g in ours.kv_cache_groups] == [
+        (g.layer_names, g.kv_cache_spec) for g in theirs.kv_cache_groups
+    ]
+    (line,) = [r.getMessage() for r in caplog.records if "own grouping applies" in r.getMessage()]
+    assert "has none" in line and "MambaSpec" in line
 
 
 def test_dense_models_go_to_vllm_unchanged(

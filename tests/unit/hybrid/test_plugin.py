@@ -172,7 +172,7 @@ def test_supplementary_tensor_is_allocated_beside_vllms(tiny: tuple[Any, Any, di
     assert bs == tiny_cpu_block() and config.supplementary_group == 3
     hs = caches[name]
     assert tuple(hs.shape) == (n, 3, bs, 128) and hs.dtype == torch.bfloat16
-    assert layout_from_view(hs.shape, hs.stride(), 3, 128) == ("LTH", bs)
+    assert layout_from_view(hs.shape, hs.stride(), 3, 128)[:2] == ("LTH", bs)
     assert hs.untyped_storage().nbytes() == n * bs * 3 * 128 * 2
     # vLLM's own cache write at slot b * bs + o lands in block b, position o
     slots = torch.tensor([2 * bs + 5, 7 * bs + bs - 1])
@@ -210,3 +210,35 @@ def test_drafter_takes_the_supplementary_group(tiny: tuple[Any, Any, dict[str, A
     stranger = SimpleNamespace(attn_layer_names=["cache_only_layers.9"], kv_cache_gid=-1)
     with pytest.raises(ValueError, match="not in any KV cache group"):
         validate(stranger, config)
+
+
+@pytest.mark.parametrize(("switch", "falls_back"), [("auto", True), ("", True), ("1", False)])
+def test_the_switch_decides_what_a_model_without_attention_group_gets(
+    clean: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    tiny: tuple[Any, Any, dict[str, Any]],
+    switch: str,
+    falls_back: bool,
+) -> None:
+    """The engine core's patched planner: auto mode hands a state-only model to vLLM's
+    own grouping; the design forced on refuses it by name."""
+    import vllm.v1.engine.core as core
+
+    from hybrid.spec import NoAttentionGroupError, SupplementedKVCacheConfig
+
+    cfg, _, specs = tiny
+    state_only = {n: s for n, s in specs.items() if "self_attn" not in n}
+    monkeypatch.setenv(plugin.ENV, switch)
+    plugin.register()
+    planner = vars(core)["get_kv_cache_configs"]
+    if not falls_back:
+        with pytest.raises(NoAttentionGroupError, match="has none"):
+            planner(cfg, [dict(state_only)], [32 << 20], *_groups(cfg, [state_only]))
+        return
+    (config,) = planner(cfg, [dict(state_only)], [32 << 20], *_groups(cfg, [state_only]))
+    (theirs,) = clean["get_kv_cache_configs"](
+        cfg, [dict(state_only)], [32 << 20], *_groups(cfg, [state_only])
+    )
+    assert not isinstance(config, SupplementedKVCacheConfig)
+    assert config.num_blocks == theirs.num_blocks
+    assert [g.layer_names for g in config.kv_cache_groups] == [g.layer_names for g in theirs.kv_cache_groups]

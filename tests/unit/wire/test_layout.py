@@ -11,6 +11,7 @@ from kv_connector.wire.layout import (
     BlockLayout,
     blocks_for_tokens,
     layout_from_view,
+    merge_runs,
     pages_for,
     stripe,
 )
@@ -85,20 +86,45 @@ def test_block_layout_bytes_and_shape() -> None:
 def test_layout_is_read_from_the_view_strides() -> None:
     L, bs, H = 3, 128, 64
     # CPU: the layer's view [nb, L, bs, H] is contiguous.
-    assert layout_from_view((10, L, bs, H), (L * bs * H, bs * H, H, 1), L, H) == ("LTH", bs)
+    assert layout_from_view((10, L, bs, H), (L * bs * H, bs * H, H, 1), L, H) == ("LTH", bs, L * bs * H)
     # GPU: the same view over [nb, bs, L, H] memory.
-    assert layout_from_view((10, L, 16, H), (16 * L * H, H, L * H, 1), L, H) == ("TLH", 16)
+    assert layout_from_view((10, L, 16, H), (16 * L * H, H, L * H, 1), L, H) == ("TLH", 16, 16 * L * H)
     # A plain [nb, bs, L, H] tensor.
-    assert layout_from_view((10, 16, L, H), (16 * L * H, L * H, H, 1), L, H) == ("TLH", 16)
+    assert layout_from_view((10, 16, L, H), (16 * L * H, L * H, H, 1), L, H) == ("TLH", 16, 16 * L * H)
     # num_layers == block_size: the view convention decides, strides tell the memory order.
-    assert layout_from_view((10, 4, 4, H), (16 * H, 4 * H, H, 1), 4, H) == ("LTH", 4)
-    assert layout_from_view((10, 4, 4, H), (16 * H, H, 4 * H, 1), 4, H) == ("TLH", 4)
+    assert layout_from_view((10, 4, 4, H), (16 * H, 4 * H, H, 1), 4, H) == ("LTH", 4, 16 * H)
+    assert layout_from_view((10, 4, 4, H), (16 * H, H, 4 * H, 1), 4, H) == ("TLH", 4, 16 * H)
     with pytest.raises(ValueError, match="captured layers"):
         layout_from_view((10, 5, 6, H), (30 * H, 6 * H, H, 1), L, H)
     with pytest.raises(ValueError, match="hidden_size"):
         layout_from_view((10, L, 16, 32), (L * 16 * 32, 16 * 32, 32, 1), L, H)
-    with pytest.raises(ValueError, match="not dense"):
-        layout_from_view((10, L, bs, H), (2 * L * bs * H, bs * H, H, 1), L, H)
+    with pytest.raises(ValueError, match="overlap"):
+        layout_from_view((10, L, bs, H), (L * bs * H // 2, bs * H, H, 1), L, H)
+
+
+def test_padded_blocks_are_read_with_their_pitch() -> None:
+    """vLLM pads the hidden-state group's page to the other groups' (gpt-oss-20b's
+    shape, 4 captured layers of 2880 in bf16: 1-token blocks, 23,040 bytes of data in
+    pages of 32,768): the pitch is the page, the block stays its data."""
+    L, H = 4, 2880
+    page = 32768 // 2  # elements
+    view = layout_from_view((100, L, 1, H), (page, H, H, 1), L, H)
+    assert view == ("LTH", 1, page) and view.padded(L, H)
+    assert not layout_from_view((100, L, 1, H), (L * H, H, H, 1), L, H).padded(L, H)
+    g = BlockLayout("TLH", 1, L, H, "bfloat16")
+    assert g.block_bytes == 23040
+
+
+def test_merge_runs_folds_dense_consecutive_blocks_only() -> None:
+    bb = 1000
+    dense = [(b * bb, j * bb, bb) for j, b in enumerate([7, 8, 9, 3, 4])]
+    assert merge_runs(dense) == [(7 * bb, 0, 3 * bb), (3 * bb, 3 * bb, 2 * bb)]
+    padded = [(b * 1500, j * bb, bb) for j, b in enumerate([7, 8, 9])]
+    assert merge_runs(padded) == padded
+    # LTH: a block's layers go to rows nb apart in the run, never merged across layers
+    lth = [(7 * bb + layer * 250, layer * 500, 250) for layer in range(4)]
+    assert merge_runs(lth) == lth
+    assert merge_runs([]) == []
 
 
 def test_blocks_for_tokens_follows_the_slot_mapping() -> None:
