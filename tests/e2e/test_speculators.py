@@ -108,7 +108,8 @@ def test_speculators_loads_every_row_the_driver_and_the_reader_cli_produced(
             print(err[-3000:])
             assert driver.returncode == 0, f"{err[-4000:]}\n{tail(server.log)}"
             summary = json.loads(out.splitlines()[-1])
-            assert cli.wait(timeout=120) == 0, cli.communicate()[1][-3000:]
+            _, cli_err = cli.communicate(timeout=120)  # closes its pipes (ResourceWarning otherwise)
+            assert cli.returncode == 0, cli_err[-3000:]
             # run again on the same rows (as JSON lines): every row is there, nothing is sent
             jsonl = tmp_path / "rows.jsonl"
             jsonl.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
