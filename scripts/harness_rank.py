@@ -78,6 +78,12 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         prod.kv.copy_(
             torch.randn(prod.kv.shape, generator=torch.Generator().manual_seed(rank)).to(prod.kv.dtype)
         )
+    # every reachable reader reached, and its link reported to the scheduler side, before
+    # the first admission: each harness rank runs its own replica of the scheduler side,
+    # and replicas that saw different readers up would route round robin differently (vLLM
+    # runs one scheduler for all ranks). A reader that stays gone lets this end at the timeout.
+    prod.worker.wait_connected(extra["connect_timeout_s"])
+    prod.step()
     if tp > 1:  # start the clock together: a sample completes only when every rank's share landed
         torch.distributed.barrier()
     pending = [(r["id"], r["tokens"]) for r in spec["requests"]]

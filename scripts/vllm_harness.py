@@ -189,6 +189,7 @@ class ProducerRank:
             ],
             kv_cache_groups=[KVCacheGroupSpec([self.layer_name], spec)],
         )
+        self.world_size = vllm_config.parallel_config.world_size
         self.scheduler = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cfg)
         self.worker = connector_cls(vllm_config, KVConnectorRole.WORKER, kv_cfg)
         self.worker.register_kv_caches({self.layer_name: self.kv})
@@ -222,6 +223,20 @@ class ProducerRank:
             self.step()
             time.sleep(0.005)
         self.reqs[request_id] = _Req(req, blocks, len(token_ids))
+
+    def _as_every_rank(self, meta: Any) -> Any:
+        """This rank's report as its scheduler side would get it from vLLM, which merges
+        every rank's: in TP each harness rank runs its own replica of the scheduler side and
+        sees only its own worker, so its link changes stand for every rank's (the ranks are
+        alike and all reach the same readers); without this a TP scheduler waits for links
+        of ranks it never hears from, and admits nothing."""
+        world = self.world_size
+        report = getattr(meta, "report", None)
+        if world > 1 and report is not None and report.links:
+            report.links = [
+                type(link)(link.reader, r, link.error) for link in report.links for r in range(world)
+            ]
+        return meta
 
     def step(self, chunk: int | None = None) -> StepResult:
         """One engine step: schedule up to ``chunk`` tokens of each unfinished request,
@@ -279,7 +294,7 @@ class ProducerRank:
         stats = self.worker.get_kv_connector_stats() if self.metrics else None
         report = KVConnectorOutput(
             finished_sending=set(sent or ()) or None,
-            kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+            kv_connector_worker_meta=self._as_every_rank(self.worker.build_connector_worker_meta()),
         )
         self.worker.clear_connector_metadata()
         result = StepResult(finished_sending=set(sent or ()))
