@@ -107,7 +107,14 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         {"reader": reader, "bytes": st.bytes, "write_s": st.write_s}
         for reader, st in zip(spec["readers"], prod.worker.sender_stats(), strict=True)
     ]
-    failures = prod.worker.recent_failures()
+    # a sample fails on the workers (its sender) or at admission (its reader stayed
+    # unreachable: it ran without shipping, and only its kv_transfer_params say so)
+    failures = {
+        rid: p["hidden_states"]["error"]
+        for rid, p in params.items()
+        if p["hidden_states"]["status"] == "failed"
+    }
+    failures.update(prod.worker.recent_failures())
     prod.shutdown()
     return {
         "rank": rank,
