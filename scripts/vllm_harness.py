@@ -196,6 +196,7 @@ class ProducerRank:
         self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is vLLM's null block
         self.reqs: dict[str, _Req] = {}
         self._finished_last_step: set[str] = set()
+        self._carried: list[StepResult] = []
         self.fill = fill
         # take the connector's stats every step on both roles, as vLLM does (its metrics on)
         self.metrics = metrics
@@ -220,7 +221,8 @@ class ProducerRank:
         while self.scheduler.get_num_new_matched_tokens(req, 0)[0] is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{request_id} not admitted within 60 s")
-            self.step()
+            # steps taken while this request waits finish others: keep what they said
+            self._carried.append(self.step())
             time.sleep(0.005)
         self.reqs[request_id] = _Req(req, blocks, len(token_ids))
 
@@ -317,6 +319,10 @@ class ProducerRank:
             r2 = self.reqs.pop(rid, None)
             if r2 is not None:
                 self.free.extend(r2.block_ids)
+        for earlier in self._carried:  # steps taken inside add(), reported with this one
+            result.finished_sending |= earlier.finished_sending
+            result.kv_transfer_params = {**earlier.kv_transfer_params, **result.kv_transfer_params}
+        self._carried.clear()
         return result
 
     def shutdown(self) -> None:
