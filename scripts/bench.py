@@ -1,65 +1,126 @@
-"""``make bench``: every ratio of the producer-connector and data-path issues, measured
-side by side in one run. The last line printed is one JSON object.
+"""``make bench``: every ratio of the producer-connector, data-path and pull issues, each
+from alternating pairs run back to back in one process tree (``scripts.paired``: a warm-up
+pair not counted, then at least 5 pairs, A B then B A ...), reported as the median of the
+pair ratios with its min and max (``"d": 0.93, "d_range": [0.88, 0.97]``). The last line
+printed is one JSON object; the first and the last name the machine and its load.
 
-  a/c   tiny-model prefill tokens/s with extraction + connector + reader, over the same
-        vLLM without extraction;
-  a/a0  the same over vLLM with extraction and no connector (the connector's own cost);
-  e/b   the data path's ceiling (our connector's worker side driven with real vLLM
-        objects, no model compute, GPU-sized states, into a reader that takes every
-        sample on lease) over vLLM's ExampleHiddenStatesConnector into /dev/shm;
-  d     e's bytes/s (checksums on, metrics on) over a raw NIXL WRITE of the same blocks;
-  checksum_throughput_ratio  e with checksums over e without;
-  metrics_throughput_ratio   e with metrics on (the connector's stats every step on both
-        roles, the reader's endpoint scraped every second) over e with them off;
+  a_over_c   tiny-model prefill tokens/s with extraction + connector + reader, over the
+             same vLLM without extraction;
+  a_over_a0  the same over vLLM with extraction and no connector (the connector's own cost);
+  e_over_b   the data path's ceiling (our connector's worker side driven with real vLLM
+             objects, no model compute, GPU-sized states, into a reader that takes every
+             sample on lease) over vLLM's ExampleHiddenStatesConnector into /dev/shm;
+  d          e's bytes/s (checksums on, metrics on) over a raw NIXL WRITE of the same blocks;
+  cpu_over_raw  e's CPU seconds per GB (both processes' rusage) over the raw WRITE's;
+  checksum_throughput_ratio  e with XXH3 checksums over e without;
+  metrics_throughput_ratio   e with metrics on over e with them off;
   step_ms / metadata_bytes   the connector's cost per engine step at 256 decoding
-        requests with output tokens, at 2k and 32k context;
-  reader_rss_mib  the reader's resident memory during e (its pool, plus the rest).
-  values_check_GB_per_s  the reader's optional NaN/Inf/all-zero check on one thread, over
-        a sample of e's shape as the reader hands it out.
+             requests with output tokens, at 2k and 32k context;
+  reader_rss_mib  the reader process's peak resident memory in e (its pool, torch, NIXL);
+  values_check_GB_per_s  the reader's optional NaN/Inf/all-zero check on one thread.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from typing import Any
+
+from scripts.paired import Spread, machine_state
+
+# figure -> (">=" or "<=", target), checked on the medians
+TARGETS: dict[str, tuple[str, float]] = {
+    "d": (">=", 0.9),
+    "checksum_throughput_ratio": (">=", 0.9),
+    "a_over_c": (">=", 0.95),
+    "a_over_a0": (">=", 0.97),
+    "e_over_b": (">=", 1.5),
+    "cpu_over_raw": ("<=", 1.3),
+    "pull_over_file": (">=", 1.5),
+    "pull_read_over_raw": (">=", 0.9),
+}
+
+
+def flatten(figures: dict[str, Any], digits: int = 3) -> dict[str, Any]:
+    """A Spread becomes ``key: median`` and ``key_range: [min, max]``."""
+    out: dict[str, Any] = {}
+    for key, value in figures.items():
+        if isinstance(value, Spread):
+            out[key], out[f"{key}_range"] = value.rounded(digits)
+        else:
+            out[key] = value
+    return out
+
+
+def missed(summary: dict[str, Any]) -> list[str]:
+    """The targets a median missed (figures this run did not measure are not counted)."""
+    out = []
+    for key, (op, target) in TARGETS.items():
+        if key not in summary:
+            continue
+        value = summary[key]
+        if (op == ">=" and value < target) or (op == "<=" and value > target):
+            out.append(f"{key} {value} (target {op} {target})")
+    if "reader_rss_beyond_torch_mib" in summary:
+        limit = summary["reader_pool_mib"] + 256  # the reader's own memory: its pool plus 256 MiB
+        if summary["reader_rss_beyond_torch_mib"] > limit:
+            out.append(
+                f"reader_rss_beyond_torch_mib {summary['reader_rss_beyond_torch_mib']} (target <= {limit})"
+            )
+    return out
 
 
 def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from scripts import bench_datapath, bench_model, bench_step
-    from scripts.env_report import describe
 
+    start = machine_state()
+    print("machine at start:", json.dumps(start), flush=True)
     t0 = time.time()
     model = bench_model.main()
-    print("model-level:", json.dumps(model, indent=1), flush=True)
+    print("model-level:", json.dumps(flatten(model)), flush=True)
     datapath = bench_datapath.main()
-    print("data path:", json.dumps(datapath, indent=1), flush=True)
+    print("data path:", json.dumps(flatten(datapath)), flush=True)
     steps = bench_step.main()
-    print("per step:", json.dumps(steps, indent=1), flush=True)
-    summary = {
-        "a_over_c": round(model["a_over_c"], 3),
-        "a_over_a0": round(model["a_over_a0"], 3),
-        "e_over_b": round(datapath["e_over_b"], 3),
-        "d": round(datapath["d"], 3),
-        "checksum_throughput_ratio": round(datapath["checksum_throughput_ratio"], 3),
-        "metrics_throughput_ratio": round(datapath["metrics_throughput_ratio"], 3),
-        "a_tokens_per_s": round(model["a_extract_connector_reader"]["tokens_per_s"]),
-        "c_tokens_per_s": round(model["c_no_extraction"]["tokens_per_s"]),
-        "e_tokens_per_s": round(datapath["e_ours"]["tokens_per_s"]),
-        "e_GB_per_s": round(datapath["e_ours"]["GB_per_s"], 3),
-        "b_tokens_per_s": round(datapath["b_example_shm"]["tokens_per_s"]),
-        "raw_nixl_GB_per_s": round(datapath["r_raw_nixl"]["GB_per_s"], 3),
-        "a0_tokens_per_s": round(model["a0_extract_no_connector"]["tokens_per_s"]),
-        "step_ms": {k: round(v["step_ms"], 3) for k, v in steps.items()},
-        "metadata_bytes": {k: int(v["metadata_bytes"]) for k, v in steps.items()},
-        "reader_rss_mib": round(datapath["e_ours"]["reader_rss_mib"]),
-        "reader_pool_mib": round(datapath["e_ours"]["reader_pool_mib"]),
-        "values_check_GB_per_s": round(datapath["values_check"]["GB_per_s"], 2),
-        "host": describe(),
-        "seconds": round(time.time() - t0, 1),
+    print("per step:", json.dumps(steps), flush=True)
+    e_final = datapath["e_final"]
+    figures: dict[str, Any] = {
+        "a_over_c": model["a_over_c"],
+        "a_over_a0": model["a_over_a0"],
+        "e_over_b": datapath["e_over_b"],
+        "d": datapath["d"],
+        "checksum_throughput_ratio": datapath["checksum_throughput_ratio"],
+        "metrics_throughput_ratio": datapath["metrics_throughput_ratio"],
+        "cpu_over_raw": datapath["cpu_over_raw"],
+        "cpu_s_per_GB": datapath["cpu_s_per_GB"],
+        "raw_cpu_s_per_GB": datapath["raw_cpu_s_per_GB"],
+        "a_tokens_per_s": model["a_tokens_per_s"],
+        "c_tokens_per_s": model["c_tokens_per_s"],
+        "a0_tokens_per_s": model["a0_tokens_per_s"],
+        "e_GB_per_s": datapath["e_GB_per_s"],
+        "raw_nixl_GB_per_s": datapath["raw_nixl_GB_per_s"],
+        "b_tokens_per_s": datapath["b_tokens_per_s"],
     }
+    summary = flatten(figures)
+    summary.update(
+        {
+            "step_ms": {k: round(v["step_ms"], 3) for k, v in steps.items()},
+            "metadata_bytes": {k: int(v["metadata_bytes"]) for k, v in steps.items()},
+            "reader_rss_mib": round(e_final["reader_rss_mib"]),
+            "reader_rss_beyond_torch_mib": round(e_final["reader_rss_beyond_torch_mib"]),
+            "reader_pool_mib": round(e_final["reader_pool_mib"]),
+            "values_check_GB_per_s": round(datapath["values_check"]["GB_per_s"], 2),
+        }
+    )
+    summary["missed"] = missed(summary)
+    end = machine_state()
+    summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}
+    del summary["machine"]["load_avg"]
+    summary["seconds"] = round(time.time() - t0, 1)
+    print("machine at end:", json.dumps(end), file=sys.stdout, flush=True)
     print(json.dumps(summary), flush=True)
 
 

@@ -1,20 +1,24 @@
-"""Data-path ceiling, measured side by side in one run on GPU-sized states
-(4 captured layers x hidden 4096, bf16: 32 KiB per token), with no model compute:
+"""Data-path ceiling on GPU-sized states (4 captured layers x hidden 4096, bf16: 32 KiB
+per token), with no model compute, every ratio from alternating pairs (``scripts.paired``):
 
   e: our connector's worker side driven with real vLLM objects (scripts.vllm_harness)
-     into a HiddenStatesReader in another process that copies every sample out;
+     into a HiddenStatesReader in another process that takes every sample on lease;
   b: vLLM's ExampleHiddenStatesConnector driven the same way, writing safetensors files
      to /dev/shm (a minimal CPU-safe subclass: the stock one needs CUDA);
-  r: a raw NIXL WRITE of the same blocks from the same registered cache into another
-     process's registered memory on the same link (no protocol, no copy-out).
+  r: a raw NIXL WRITE of the same blocks from the same kind of registered cache into
+     another process's registered memory (no protocol, no hand-out).
 
-Prints e/b and d = e's bytes/s over r's. e runs with metrics on (the connector's
-stats taken every step on both roles as vLLM does, the reader serving its metrics and
-scraped every second); e without metrics gives the side-by-side figure
-``metrics_throughput_ratio``.
-Also what the reader's optional values check (``reader.values``: NaN/Inf, all-zero
-tokens) costs per sample of the same shape, beside the XXH3 checksum's pass over the
-same bytes.
+Each arm is a pair of long-lived processes (producer, consumer) started once; a round is
+one measurement on command, so a pair costs the transfer, not vLLM's import. Every round
+reports the CPU seconds both processes spent in it (their own rusage), which on a shared
+machine is far steadier than bytes per second.
+
+Figures: d = e's bytes/s over r's; cpu_over_raw = e's CPU seconds per GB over r's;
+checksum_throughput_ratio = e over e without checksums; metrics_throughput_ratio = e
+(the connector's stats taken every step on both roles as vLLM does, the reader's endpoint
+scraped every second) over e with metrics off; e_over_b. Also what the reader's optional
+values check (``reader.values``: NaN/Inf, all-zero tokens) costs per sample of the same
+shape, beside the XXH3 checksum's pass over the same bytes.
 """
 
 from __future__ import annotations
@@ -22,29 +26,111 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import time
+import traceback
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scripts.paired import Pairs, Run, Spread, cpu_seconds, memory_mib, run_pairs
+
 LAYERS = [1, 2, 3, 4]
 HIDDEN = 4096
 BLOCK = 128  # vLLM's CPU block size
+TOKEN_BYTES = len(LAYERS) * HIDDEN * 2
+
+
+# ------------------------------------------------------------------ arms in processes
+class ArmProcess:
+    """One arm in a process of its own (spawned: vLLM's global state is per process),
+    built once; ``round()`` runs one measurement there and returns its ``Run`` and the
+    arm's own extras; ``close()`` ends it and returns what the arm reports at the end."""
+
+    def __init__(self, cls_name: str, *args: Any) -> None:
+        self.name = cls_name
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_arm, args=(cls_name, child, *args))
+        self._proc.start()
+        self._ready = False
+
+    def ready(self) -> ArmProcess:
+        if not self._ready:
+            self._answer()
+            self._ready = True
+        return self
+
+    def _answer(self) -> Any:
+        while not self._conn.poll(1.0):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"{self.name} died (exit code {self._proc.exitcode})")
+        status, payload = self._conn.recv()
+        if status == "error":
+            raise RuntimeError(f"{self.name} failed:\n{payload}")
+        return payload
+
+    def round(self) -> Run:
+        self.ready()
+        self._conn.send("round")
+        got: dict[str, float] = self._answer()
+        return Run(got.pop("seconds"), got.pop("units"), got.pop("nbytes"), got.pop("cpu_s"), got)
+
+    def close(self) -> dict[str, float]:
+        try:
+            self.ready()
+            self._conn.send("stop")
+            final: dict[str, float] = self._answer()
+            return final
+        finally:
+            self._proc.join(60)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+
+def _serve_arm(cls_name: str, conn: Any, *args: Any) -> None:
+    try:
+        arm = globals()[cls_name](*args)
+        conn.send(("ok", None))
+        while (cmd := conn.recv()) != "stop":
+            assert cmd == "round", cmd
+            conn.send(("ok", arm.round()))
+        conn.send(("ok", arm.close()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def one_round(cls_name: str, *args: Any) -> dict[str, float]:
+    """Build an arm in its own process, run one round, close it: the round's figures and
+    the arm's closing report in one dict (what the arms' tests check)."""
+    arm = ArmProcess(cls_name, *args)
+    try:
+        run = arm.round()
+    except BaseException:
+        arm._proc.kill()
+        raise
+    final = arm.close()
+    return {
+        "seconds": run.seconds, "tokens": run.units, "bytes": run.nbytes, "cpu_s": run.cpu_s,
+        **run.detail, **final,
+    }  # fmt: skip
 
 
 # ------------------------------------------------------------------ reader process (e)
-def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True, checked: bool = True) -> None:
+def _reader_proc(conn: Any, pool_bytes: int, metrics: bool = True, checked: bool = True) -> None:
     """A trainer that takes every sample on lease and lets it go at the next one (what
     ``for sample in reader`` does with a sample the loop body does not keep); with
     ``metrics``, the reader serves its metrics and a scraper reads them every second
     (Prometheus' default is every 15 s). Unless ``checked``, it accepts shares without a
-    checksum (the no-checksum arm; by default a reader refuses them from host caches)."""
-    import resource
+    checksum (the no-checksum arm; by default a reader refuses them from host caches).
+    Takes ("take", n) commands: n samples, then (end time, bytes, CPU seconds spent)."""
     import threading
 
+    base = memory_mib()  # python and torch, which a trainer's process holds anyway
     from kv_connector.datagen.httpclient import Server
     from kv_connector.reader import HiddenStatesReader
 
@@ -66,32 +152,23 @@ def _reader_proc(conn: Any, n: int, pool_bytes: int, metrics: bool = True, check
         scraper = threading.Thread(target=scrape, daemon=True)
         if metrics:
             scraper.start()
-        nbytes = 0
-        for s in reader.samples(n, timeout=300):
-            nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
+        while (cmd := conn.recv())[0] == "take":
+            c0 = cpu_seconds()
+            nbytes = 0
+            for s in reader.samples(cmd[1], timeout=300):
+                nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
+                last = s
+            last.let_go()
+            conn.send((time.time(), nbytes, cpu_seconds() - c0))
         stop.set()
         stats = reader.stats().as_dict()
         stats["scrapes"] = scrapes[0]
-        stats["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        conn.send((time.time(), nbytes, stats))
-
-
-# ------------------------------------------------------------------ raw target process (r)
-def _raw_target_proc(conn: Any, pool_bytes: int, expected: int) -> None:
-    from kv_connector.wire.nixl_transport import NixlTransport
-
-    t = NixlTransport(f"raw-target-{os.getpid()}")
-    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
-    region = t.register(pool)
-    conn.send((t.metadata, region.addr, region.nbytes))
-    peer_md = conn.recv()
-    t.add_peer(peer_md)
-    got = 0
-    while got < expected:
-        got += len(t.notifications())
-    conn.send(time.time())
-    conn.recv()
-    t.close()
+        # VmHWM, not ru_maxrss: a spawned child's ru_maxrss starts at its parent's
+        mem = memory_mib()
+        stats["rss_mib"] = mem["peak"]
+        stats["rss_beyond_torch_mib"] = mem["peak"] - (base["anon"] + base["file"] + base["shmem"])
+        stats.update({f"rss_{k}_mib": v for k, v in mem.items() if k != "peak"})
+        conn.send(stats)
 
 
 def _drive(rank: Any, n_req: int, tokens: int, prefix: str = "q") -> float:
@@ -112,61 +189,84 @@ def _drive(rank: Any, n_req: int, tokens: int, prefix: str = "q") -> float:
     return t0
 
 
-def bench_ours(
-    model_dir: Path,
-    n_req: int,
-    tokens: int,
-    num_blocks: int,
-    pool_bytes: int,
-    checksum: str = "xxh3",
-    metrics: bool = True,
-) -> dict[str, float]:
-    from kv_connector.connector import HiddenStatesConnector
-    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+class OursArm:
+    """e: our connector's worker side (real vLLM objects, no model) into a reader process."""
 
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    proc = ctx.Process(target=_reader_proc, args=(b, n_req + 1, pool_bytes, metrics, checksum != "none"))
-    proc.start()
-    address = a.recv()
-    cfg = engine_config(
-        model_dir,
-        LAYERS,
-        {
-            "kv_connector": "HiddenStatesConnector",
-            "kv_connector_module_path": "kv_connector.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"consumer_address": address, "checksum": checksum},
-        },
-    )
-    _vllm_worker = start_worker(cfg)
-    rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK, metrics=metrics)
-    rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
-    assert rank.worker.wait_connected(30)
-    # warm-up request: connection set-up and first-touch out of the timing
-    _drive(rank, 1, tokens, prefix="warmup")
-    t0 = _drive(rank, n_req, tokens)
-    failed = rank.worker.recent_failures()
-    if failed:  # the reader would wait for samples that never come
-        proc.kill()
-        raise RuntimeError(f"{len(failed)} requests failed, e.g. {next(iter(failed.items()))}")
-    t_end, nbytes, reader_stats = a.recv()
-    nbytes -= tokens * len(LAYERS) * HIDDEN * 2  # the warm-up sample
-    proc.join(30)
-    sender_stats = rank.worker.sender_stats()[0].as_dict()
-    rank.shutdown()
-    return {
-        "seconds": t_end - t0,
-        "bytes": float(nbytes),
-        "tokens": float(n_req * tokens),
-        "reader_copy_out_s": reader_stats["copy_s"],
-        "reader_rss_mib": reader_stats["rss_mib"],
-        "reader_verify_s": reader_stats["verify_s"],
-        "sender_write_s": sender_stats["write_s"],
-        "sender_checksum_s": sender_stats["checksum_s"],
-        "steps_with_stats": float(rank.steps_with_stats),
-        "reader_scrapes": float(reader_stats["scrapes"]),
-    }
+    def __init__(
+        self,
+        model_dir: Path,
+        n_req: int,
+        tokens: int,
+        num_blocks: int,
+        pool_bytes: int,
+        checksum: str = "xxh3",
+        metrics: bool = True,
+    ) -> None:
+        from kv_connector.connector import HiddenStatesConnector
+        from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+
+        self.n_req, self.tokens, self.pool_bytes = n_req, tokens, pool_bytes
+        ctx = mp.get_context("spawn")
+        self.conn, b = ctx.Pipe()
+        self.proc = ctx.Process(target=_reader_proc, args=(b, pool_bytes, metrics, checksum != "none"))
+        self.proc.start()
+        address = self.conn.recv()
+        cfg = engine_config(
+            model_dir,
+            LAYERS,
+            {
+                "kv_connector": "HiddenStatesConnector",
+                "kv_connector_module_path": "kv_connector.connector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"consumer_address": address, "checksum": checksum},
+            },
+        )
+        self._vllm_worker = start_worker(cfg)
+        self.rank = ProducerRank(
+            cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK, metrics=metrics
+        )
+        self.rank.kv.copy_(torch.randn(self.rank.kv.shape, dtype=torch.bfloat16))
+        assert self.rank.worker.wait_connected(30)
+        self.rounds = 0
+        self._take(1, "warmup")  # connection set-up and first touch out of the timing
+
+    def _take(self, n: int, prefix: str) -> tuple[float, float, float, float, float]:
+        self.conn.send(("take", n))
+        c0 = cpu_seconds()
+        t0 = _drive(self.rank, n, self.tokens, prefix=prefix)
+        failed = self.rank.worker.recent_failures()
+        if failed:  # the reader would wait for samples that never come
+            self.proc.kill()
+            raise RuntimeError(f"{len(failed)} requests failed, e.g. {next(iter(failed.items()))}")
+        t_end, nbytes, reader_cpu = self.conn.recv()
+        return t0, t_end, nbytes, cpu_seconds() - c0, reader_cpu
+
+    def round(self) -> dict[str, float]:
+        self.rounds += 1
+        t0, t_end, nbytes, producer_cpu, reader_cpu = self._take(self.n_req, f"r{self.rounds}-")
+        return {
+            "seconds": t_end - t0, "units": float(self.n_req * self.tokens), "nbytes": float(nbytes),
+            "cpu_s": producer_cpu + reader_cpu, "producer_cpu_s": producer_cpu, "reader_cpu_s": reader_cpu,
+        }  # fmt: skip
+
+    def close(self) -> dict[str, float]:
+        sender_stats = self.rank.worker.sender_stats()[0].as_dict()
+        steps_with_stats = self.rank.steps_with_stats
+        self.rank.shutdown()  # first, so that it does not try to reach the closed reader
+        self.conn.send(("stop",))
+        reader_stats = self.conn.recv()
+        self.proc.join(30)
+        return {
+            "reader_copy_out_s": reader_stats["copy_s"],
+            "reader_rss_mib": reader_stats["rss_mib"],
+            **{f"reader_{k}": v for k, v in reader_stats.items() if k.startswith("rss_")},
+            "reader_pool_mib": self.pool_bytes / (1 << 20),
+            "reader_verify_s": reader_stats["verify_s"],
+            "reader_scrapes": float(reader_stats["scrapes"]),
+            "sender_write_s": sender_stats["write_s"],
+            "sender_checksum_s": sender_stats["checksum_s"],
+            "steps_with_stats": float(steps_with_stats),
+        }
 
 
 def _cpu_example_connector() -> type:
@@ -210,11 +310,14 @@ def _cpu_example_connector() -> type:
     return CpuExampleHiddenStatesConnector
 
 
-def bench_example(model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> dict[str, float]:
-    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+class ExampleArm:
+    """b: vLLM's ExampleHiddenStatesConnector (made CPU-safe) into files on /dev/shm."""
 
-    out_dir = Path(tempfile.mkdtemp(prefix="hs-example-", dir="/dev/shm"))
-    try:
+    def __init__(self, model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> None:
+        from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+
+        self.n_req, self.tokens = n_req, tokens
+        self.out_dir = Path(tempfile.mkdtemp(prefix="hs-example-", dir="/dev/shm"))
         cls = _cpu_example_connector()
         cfg = engine_config(
             model_dir,
@@ -222,74 +325,123 @@ def bench_example(model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> 
             {
                 "kv_connector": "ExampleHiddenStatesConnector",
                 "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(out_dir)},
+                "kv_connector_extra_config": {"shared_storage_path": str(self.out_dir)},
             },
         )
-        _vllm_worker = start_worker(cfg)
-        rank = ProducerRank(cfg, cls, num_blocks=num_blocks, block_size=BLOCK)
-        rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
-        _drive(rank, 1, tokens, prefix="warmup")
-        t0 = _drive(rank, n_req, tokens)
-        for fut in list(rank.worker._req_futures.values()):
+        self._vllm_worker = start_worker(cfg)
+        self.rank = ProducerRank(cfg, cls, num_blocks=num_blocks, block_size=BLOCK)
+        self.rank.kv.copy_(torch.randn(self.rank.kv.shape, dtype=torch.bfloat16))
+        self.rounds = 0
+        self._write(1, "warmup")
+
+    def _write(self, n: int, prefix: str) -> float:
+        c0 = cpu_seconds()
+        t0 = _drive(self.rank, n, self.tokens, prefix=prefix)
+        for fut in list(self.rank.worker._req_futures.values()):
             fut.result()
-        rank.worker._executor.shutdown(wait=True)
-        t1 = time.time()
-        files = [f for f in out_dir.iterdir() if f.suffix == ".safetensors"]
-        assert len(files) == n_req + 1, len(files)
-        nbytes = n_req * tokens * len(LAYERS) * HIDDEN * 2
-        return {"seconds": t1 - t0, "bytes": float(nbytes), "tokens": float(n_req * tokens)}
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        seconds = time.time() - t0
+        files = [f for f in self.out_dir.rglob("*.safetensors")]
+        assert len(files) == n, (len(files), n)
+        for f in files:
+            f.unlink()
+        self.cpu_s = cpu_seconds() - c0
+        return seconds
+
+    def round(self) -> dict[str, float]:
+        self.rounds += 1
+        seconds = self._write(self.n_req, f"r{self.rounds}-")
+        return {
+            "seconds": seconds, "units": float(self.n_req * self.tokens),
+            "nbytes": float(self.n_req * self.tokens * TOKEN_BYTES), "cpu_s": self.cpu_s,
+        }  # fmt: skip
+
+    def close(self) -> dict[str, float]:
+        self.rank.worker._executor.shutdown(wait=True)
+        shutil.rmtree(self.out_dir, ignore_errors=True)
+        return {}
 
 
-def bench_raw(n_req: int, tokens: int, num_blocks: int, in_flight: int) -> dict[str, float]:
-    """Raw NIXL: WRITE each request's blocks (scattered in a cache of the same shape)
-    into pages of another process's registered pool, ``in_flight`` requests at a time."""
-    import numpy as np
-
+# ------------------------------------------------------------------ raw NIXL (r)
+def _raw_target_proc(conn: Any, pool_bytes: int) -> None:
+    """Registers a pool, then on ("expect", n) polls until n WRITEs notified and answers
+    (end time, CPU seconds spent)."""
     from kv_connector.wire.nixl_transport import NixlTransport
 
-    block_bytes = BLOCK * len(LAYERS) * HIDDEN * 2
-    nb = -(-tokens // BLOCK)
-    pool_bytes = in_flight * nb * block_bytes
-    cache = torch.randn(num_blocks, len(LAYERS), BLOCK, HIDDEN, dtype=torch.bfloat16)
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    proc = ctx.Process(target=_raw_target_proc, args=(b, pool_bytes, n_req + 1))
-    proc.start()
-    md, addr, size = a.recv()
-    t = NixlTransport(f"raw-init-{os.getpid()}")
-    local = t.register(cache)
-    a.send(t.metadata)
-    peer = t.add_peer(md)
-    from kv_connector.wire.transport import Region
-
-    remote = Region(addr, size, "DRAM", 0)
-
-    def spans(i: int) -> Any:
-        blocks = [(i * nb + k) % (num_blocks - 1) + 1 for k in range(nb)]
-        slot = i % in_flight
-        return np.array(
-            [(bl * block_bytes, (slot * nb + k) * block_bytes, block_bytes) for k, bl in enumerate(blocks)]
-        )
-
-    # warm-up
-    x = t.write(peer, local, remote, spans(0), b"w")
-    while not t.poll(x):
-        pass
-    t0 = time.time()
-    live: list[Any] = []
-    i = 1
-    while i <= n_req or live:
-        while i <= n_req and len(live) < in_flight:
-            live.append(t.write(peer, local, remote, spans(i), b"n"))
-            i += 1
-        live = [x for x in live if not t.poll(x)]
-    t_end = a.recv()
-    a.send("bye")
-    proc.join(30)
+    t = NixlTransport(f"raw-target-{os.getpid()}")
+    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
+    region = t.register(pool)
+    conn.send((t.metadata, region.addr, region.nbytes))
+    t.add_peer(conn.recv())
+    while (cmd := conn.recv())[0] == "expect":
+        c0 = cpu_seconds()
+        got = 0
+        while got < cmd[1]:
+            got += len(t.notifications())
+        conn.send((time.time(), cpu_seconds() - c0))
     t.close()
-    return {"seconds": t_end - t0, "bytes": float(n_req * nb * block_bytes), "tokens": float(n_req * tokens)}
+
+
+class RawArm:
+    """r: raw NIXL WRITEs of each request's scattered blocks into pages of another
+    process's registered pool, ``in_flight`` requests at a time."""
+
+    def __init__(self, n_req: int, tokens: int, num_blocks: int, in_flight: int) -> None:
+        from kv_connector.wire.nixl_transport import NixlTransport
+        from kv_connector.wire.transport import Region
+
+        self.n_req, self.tokens, self.num_blocks, self.in_flight = n_req, tokens, num_blocks, in_flight
+        self.block_bytes = BLOCK * TOKEN_BYTES
+        self.nb = -(-tokens // BLOCK)
+        pool_bytes = in_flight * self.nb * self.block_bytes
+        self.cache = torch.randn(num_blocks, len(LAYERS), BLOCK, HIDDEN, dtype=torch.bfloat16)
+        ctx = mp.get_context("spawn")
+        self.conn, b = ctx.Pipe()
+        self.proc = ctx.Process(target=_raw_target_proc, args=(b, pool_bytes))
+        self.proc.start()
+        md, addr, size = self.conn.recv()
+        self.t = NixlTransport(f"raw-init-{os.getpid()}")
+        self.local = self.t.register(self.cache)
+        self.conn.send(self.t.metadata)
+        self.peer = self.t.add_peer(md)
+        self.remote = Region(addr, size, "DRAM", 0)
+        self.next = 0
+        self._writes(1)  # warm-up: connection set-up
+
+    def _spans(self, i: int) -> Any:
+        import numpy as np
+
+        nb, bb = self.nb, self.block_bytes
+        blocks = [(i * nb + k) % (self.num_blocks - 1) + 1 for k in range(nb)]
+        slot = i % self.in_flight
+        return np.array([(bl * bb, (slot * nb + k) * bb, bb) for k, bl in enumerate(blocks)])
+
+    def _writes(self, n: int) -> tuple[float, float, float]:
+        self.conn.send(("expect", n))
+        c0 = cpu_seconds()
+        t0 = time.time()
+        live: list[Any] = []
+        end = self.next + n
+        while self.next < end or live:
+            while self.next < end and len(live) < self.in_flight:
+                live.append(self.t.write(self.peer, self.local, self.remote, self._spans(self.next), b"n"))
+                self.next += 1
+            live = [x for x in live if not self.t.poll(x)]
+        t_end, target_cpu = self.conn.recv()
+        return t_end - t0, cpu_seconds() - c0, target_cpu
+
+    def round(self) -> dict[str, float]:
+        seconds, init_cpu, target_cpu = self._writes(self.n_req)
+        return {
+            "seconds": seconds, "units": float(self.n_req * self.tokens),
+            "nbytes": float(self.n_req * self.nb * self.block_bytes), "cpu_s": init_cpu + target_cpu,
+            "producer_cpu_s": init_cpu, "reader_cpu_s": target_cpu,
+        }  # fmt: skip
+
+    def close(self) -> dict[str, float]:
+        self.conn.send(("stop",))
+        self.proc.join(30)
+        self.t.close()
+        return {}
 
 
 def bench_values_check(tokens: int, rounds: int = 5) -> dict[str, float]:
@@ -332,7 +484,7 @@ def _run(fn_name: str, conn: Any, *args: Any) -> None:
 
 
 def isolated(fn_name: str, *args: Any) -> dict[str, float]:
-    """Run one measurement in a fresh process (vLLM's global state is per process)."""
+    """Run one function in a fresh process."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     p = ctx.Process(target=_run, args=(fn_name, b, *args))
@@ -345,70 +497,70 @@ def isolated(fn_name: str, *args: Any) -> dict[str, float]:
     return res
 
 
-def main(n_req: int = 48, tokens: int = 2048, rounds: int = 2) -> dict[str, Any]:
+def _say(text: str) -> None:
+    print(f"[bench_datapath {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def main(n_req: int = 48, tokens: int = 2048, pairs: int = 5) -> dict[str, Any]:
     from scripts.vllm_harness import config_only_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-"))
     model = config_only_model(work / "wide-llama", HIDDEN, num_layers=4)
     nb = -(-tokens // BLOCK)
     num_blocks = 4 * nb + 1
-    pool = 4 * nb * BLOCK * len(LAYERS) * HIDDEN * 2
-    # Interleaved, best of `rounds` each: this host is shared and noisy, and a ratio is
-    # only worth something if both sides saw the same machine.
-    runs: dict[str, list[dict[str, float]]] = {"e": [], "e0": [], "em": [], "r": []}
-    for _ in range(rounds):
-        runs["r"].append(isolated("bench_raw", n_req, tokens, num_blocks, 4))
-        runs["e"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool))
-        runs["e0"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool, "none"))
-        runs["em"].append(isolated("bench_ours", model, n_req, tokens, num_blocks, pool, "xxh3", False))
-    b = isolated("bench_example", model, n_req, tokens, num_blocks)
-    shutil.rmtree(work, ignore_errors=True)
-    e, e0, em, r = (max(runs[k], key=lambda m: m["bytes"] / m["seconds"]) for k in ("e", "e0", "em", "r"))
-    out: dict[str, Any] = {}
-    named = (
-        ("e_ours", e),
-        ("e_ours_no_checksum", e0),
-        ("e_ours_no_metrics", em),
-        ("b_example_shm", b),
-        ("r_raw_nixl", r),
-    )
-    for name, m in named:
-        out[name] = {
-            "tokens_per_s": m["tokens"] / m["seconds"],
-            "GB_per_s": m["bytes"] / m["seconds"] / 1e9,
-            "seconds": m["seconds"],
-        }
-    out["all_rounds_GB_per_s"] = {
-        k: [round(m["bytes"] / m["seconds"] / 1e9, 3) for m in v] for k, v in runs.items()
+    pool = 4 * nb * BLOCK * TOKEN_BYTES
+    arms = {
+        "e": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool),
+        "e0": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "none"),
+        "em": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "xxh3", False),
+        "r": ArmProcess("RawArm", n_req, tokens, num_blocks, 4),
+        "b": ArmProcess("ExampleArm", model, n_req, tokens, num_blocks),
     }
-    # where our time goes (both include the warm-up sample): the reader's copy-out (none:
-    # samples are handed out on lease) and the producer's WRITEs
-    out["e_ours"]["reader_copy_out_s"] = e["reader_copy_out_s"]
-    out["e_ours"]["sender_write_s"] = e["sender_write_s"]
-    # the checksums' cost: the producer's XXH3 (its own thread) and the reader's check
-    out["e_ours"]["sender_checksum_s"] = e["sender_checksum_s"]
-    out["e_ours"]["reader_verify_s"] = e["reader_verify_s"]
-    # the reader's resident memory: its pool, plus what it needs besides
-    out["e_ours"]["reader_rss_mib"] = e["reader_rss_mib"]
-    out["e_ours"]["reader_pool_mib"] = pool / (1 << 20)
-    out["checksum_throughput_ratio"] = (
-        out["e_ours"]["tokens_per_s"] / out["e_ours_no_checksum"]["tokens_per_s"]
-    )
-    # metrics on (e) over off: the connector's stats every step, the reader scraped every second
-    out["e_ours"]["steps_with_stats"] = e["steps_with_stats"]
-    out["e_ours"]["reader_scrapes"] = e["reader_scrapes"]
-    out["metrics_throughput_ratio"] = out["e_ours"]["tokens_per_s"] / out["e_ours_no_metrics"]["tokens_per_s"]
-    out["e_over_b"] = out["e_ours"]["tokens_per_s"] / out["b_example_shm"]["tokens_per_s"]
-    # the reader's optional values check, per sample of e's shape, and beside e's time per sample
+    finals: dict[str, dict[str, float]] = {}
+    try:
+        for arm in arms.values():
+            arm.ready()
+        _say(f"arms ready; {pairs} pairs per ratio, {n_req} samples of {tokens} tokens a round")
+        e = arms["e"]
+        measured: dict[str, Pairs] = {}
+        for other in ("r", "e0", "em", "b"):
+            measured[other] = run_pairs(e.round, arms[other].round, pairs)
+            _say(f"e vs {other}: {[round(x, 3) for x in measured[other].ratio().values]}")
+    finally:
+        for name, arm in arms.items():
+            try:
+                finals[name] = arm.close()
+            except Exception as exc:  # report it, and close the others
+                _say(f"closing {name}: {exc}")
+        shutil.rmtree(work, ignore_errors=True)
+
+    def gb(r: Run) -> float:
+        return r.gb_per_s
+
+    def per_gb(r: Run) -> float:
+        return r.cpu_s_per_gb
+
+    d = measured["r"]
+    e_runs = [r for p in measured.values() for r in p.a]
+    out: dict[str, Any] = {
+        "d": d.ratio(gb),
+        "cpu_over_raw": d.ratio(per_gb),
+        "checksum_throughput_ratio": measured["e0"].ratio(),
+        "metrics_throughput_ratio": measured["em"].ratio(),
+        "e_over_b": measured["b"].ratio(),
+        "e_GB_per_s": Spread.of([gb(r) for r in e_runs]),
+        "e_tokens_per_s": Spread.of([r.rate for r in e_runs]),
+        "raw_nixl_GB_per_s": d.each("b", gb),
+        "b_tokens_per_s": measured["b"].each("b"),
+        "e0_GB_per_s": measured["e0"].each("b", gb),
+        "cpu_s_per_GB": Spread.of([per_gb(r) for r in e_runs]),
+        "raw_cpu_s_per_GB": d.each("b", per_gb),
+    }
+    for end in ("producer", "reader"):
+        key = f"{end}_cpu_s"
+        out[f"{end}_cpu_s_per_GB"] = Spread.of([r.detail[key] / (r.nbytes / 1e9) for r in e_runs])
+        out[f"raw_{end}_cpu_s_per_GB"] = Spread.of([r.detail[key] / (r.nbytes / 1e9) for r in d.b])
+    out["e_final"] = finals.get("e", {})
     vc = isolated("bench_values_check", tokens)
-    vc["share_of_e_per_sample"] = vc["ms_per_sample_cpu_layout"] / 1e3 / (e["seconds"] / n_req)
     out["values_check"] = vc
-    out["d"] = out["e_ours"]["GB_per_s"] / out["r_raw_nixl"]["GB_per_s"]
     return out
-
-
-if __name__ == "__main__":
-    import json
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(json.dumps(main(), indent=1))

@@ -1,12 +1,14 @@
 """What the connector costs the producer, on a tiny model, prefill only:
 
-  a:  vLLM with extract_hidden_states + HiddenStatesConnector + a reader in another
+  a:  vLLM with extract_hidden_states + HiddenStatesConnector + a reader in the bench's
       process taking every sample (timed until the last sample is taken);
   a0: vLLM with extract_hidden_states and no connector (what extraction costs vLLM
       itself: a/a0 is the connector's own overhead);
   c:  the same vLLM without extraction and without a connector.
 
-Each runs in a fresh process with the in-process engine; a warm-up batch runs first.
+Each arm is one long-lived producer process (the in-process engine, built once, a warm-up
+batch run) that runs the same batch of prompts each time it is told to; the ratios come
+from alternating pairs (``scripts.paired``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from scripts.paired import Run, cpu_seconds, run_pairs
 
 LAYER_IDS = [1, 2, 4]
 
@@ -58,71 +62,128 @@ def _producer(spec: dict[str, Any]) -> None:
     warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warmup"]]
     llm.generate(warm, params, use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    t0 = time.time()
-    llm.generate(prompts, params, use_tqdm=False)
-    t1 = time.time()
-    print(json.dumps({"t0": t0, "t1": t1}), flush=True)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        c0, t0 = cpu_seconds(), time.time()
+        llm.generate(prompts, params, use_tqdm=False)
+        t1 = time.time()
+        print(json.dumps({"t0": t0, "t1": t1, "cpu_s": cpu_seconds() - c0}), flush=True)
 
 
-def run(
-    model: Path,
-    prompts: list[list[int]],
-    warmup: list[list[int]],
-    extract: bool,
-    batch_tokens: int,
-    connector: bool | None = None,
-) -> dict[str, float]:
-    from kv_connector.reader import HiddenStatesReader
+class ModelArm:
+    """One producer process, built once; ``round()`` runs the prompts once more."""
 
-    connector = extract if connector is None else connector
-    reader = HiddenStatesReader(pool_bytes=256 << 20) if connector else None
-    times: list[float] = []
-    n_expected = len(prompts) + len(warmup)
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        prompts: list[list[int]],
+        warmup: list[list[int]],
+        extract: bool,
+        batch_tokens: int,
+        connector: bool,
+    ) -> None:
+        from kv_connector.reader import HiddenStatesReader
 
-    def consume() -> None:
-        assert reader is not None
-        for _ in reader.samples(n_expected, timeout=600):
-            times.append(time.time())
+        self.name = name
+        self.tokens = float(sum(map(len, prompts)))
+        self.n_prompts = len(prompts)
+        self.reader = HiddenStatesReader(pool_bytes=256 << 20) if connector else None
+        spec = {
+            "model": str(model),
+            "prompts": prompts,
+            "warmup": warmup,
+            "extract": extract,
+            "connector": connector,
+            "batch_tokens": batch_tokens,
+            "address": self.reader.address if self.reader else "",
+        }
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(spec, f)
+        self.spec_path = f.name
+        self.log: IO[str] = tempfile.NamedTemporaryFile("w+", suffix=f"-{name}.log")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "scripts.bench_model", "--producer", f.name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self._started = False
+        if self.reader is not None:  # the warm-up batch's samples
+            self._consume(len(warmup))
 
-    th = threading.Thread(target=consume, daemon=True)
-    if reader is not None:
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                got: dict[str, Any] = json.loads(line)
+                return got
+        self.log.seek(0)
+        raise RuntimeError(f"producer {self.name} ended:\n{self.log.read()[-4000:]}")
+
+    def _consume(self, n: int) -> list[float]:
+        assert self.reader is not None
+        times: list[float] = []
+
+        def take() -> None:
+            assert self.reader is not None
+            for _ in self.reader.samples(n, timeout=600):
+                times.append(time.time())
+
+        th = threading.Thread(target=take, daemon=True)
         th.start()
-    spec = {
-        "model": str(model),
-        "prompts": prompts,
-        "warmup": warmup,
-        "extract": extract,
-        "connector": connector,
-        "batch_tokens": batch_tokens,
-        "address": reader.address if reader else "",
-    }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_model", "--producer", f.name],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    os.unlink(f.name)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"producer failed:\n{proc.stderr[-4000:]}")
-    res = json.loads(lines[-1])
-    end = res["t1"]
-    if reader is not None:
-        th.join(timeout=600)
-        reader.close()
-        if len(times) != n_expected:
-            raise RuntimeError(f"reader got {len(times)} of {n_expected} samples")
-        end = max(end, times[-1])
-    tokens = sum(map(len, prompts))
-    return {"seconds": end - res["t0"], "tokens": float(tokens), "tokens_per_s": tokens / (end - res["t0"])}
+        self._taker = th
+        return times
+
+    def ready(self) -> ModelArm:
+        if not self._started:
+            self._line()
+            if self.reader is not None:
+                self._taker.join(600)
+            self._started = True
+        return self
+
+    def round(self) -> Run:
+        self.ready()
+        times = self._consume(self.n_prompts) if self.reader is not None else []
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        res = self._line()
+        end = res["t1"]
+        if self.reader is not None:
+            self._taker.join(600)
+            if len(times) != self.n_prompts:
+                raise RuntimeError(f"reader got {len(times)} of {self.n_prompts} samples")
+            end = max(end, times[-1])
+        # generate()'s own time, and how long the last samples took to arrive after it
+        detail = {"generate_s": res["t1"] - res["t0"], "tail_s": end - res["t1"]}
+        # cpu_s: the producer process's CPU seconds in generate() (the engine and, in a, the
+        # connector's threads; the reader's process is not counted)
+        return Run(end - res["t0"], self.tokens, cpu_s=res["cpu_s"], detail=detail)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if self.reader is not None:
+            self.reader.close()
+        self.log.close()
+        os.unlink(self.spec_path)
 
 
-def main(
-    n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, rounds: int = 2
-) -> dict[str, Any]:
+def _say(text: str) -> None:
+    print(f"[bench_model {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def main(n_prompts: int = 64, length: int = 1024, batch_tokens: int = 4096, pairs: int = 5) -> dict[str, Any]:
     from scripts.make_tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-model-"))
@@ -130,27 +191,29 @@ def main(
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 1024) for _ in range(length)] for _ in range(n_prompts)]
     warmup = [[rng.randrange(1, 1024) for _ in range(length)] for _ in range(4)]
-    # Interleaved, best of `rounds` each: this host is shared and noisy, and the ratio is
-    # only worth something if both sides saw the same machine.
-    cs, a0s, as_ = [], [], []
-    for _ in range(rounds):
-        cs.append(run(model, prompts, warmup, extract=False, batch_tokens=batch_tokens))
-        a0s.append(run(model, prompts, warmup, extract=True, batch_tokens=batch_tokens, connector=False))
-        as_.append(run(model, prompts, warmup, extract=True, batch_tokens=batch_tokens))
-    c = max(cs, key=lambda r: r["tokens_per_s"])
-    a0 = max(a0s, key=lambda r: r["tokens_per_s"])
-    a = max(as_, key=lambda r: r["tokens_per_s"])
+    arms = {
+        "c": ModelArm("c", model, prompts, warmup, False, batch_tokens, False),
+        "a0": ModelArm("a0", model, prompts, warmup, True, batch_tokens, False),
+        "a": ModelArm("a", model, prompts, warmup, True, batch_tokens, True),
+    }
+    try:
+        for arm in arms.values():
+            arm.ready()
+        _say(f"producers ready; {pairs} pairs per ratio, {n_prompts} prompts of {length} tokens a round")
+        a = arms["a"]
+        over_c = run_pairs(a.round, arms["c"].round, pairs)
+        _say(f"a vs c: {[round(x, 3) for x in over_c.ratio().values]}")
+        over_a0 = run_pairs(a.round, arms["a0"].round, pairs)
+        _say(f"a vs a0: {[round(x, 3) for x in over_a0.ratio().values]}")
+    finally:
+        for arm in arms.values():
+            arm.close()
     return {
-        "a_extract_connector_reader": a,
-        "a0_extract_no_connector": a0,
-        "c_no_extraction": c,
-        "a_over_c": a["tokens_per_s"] / c["tokens_per_s"],
-        "a_over_a0": a["tokens_per_s"] / a0["tokens_per_s"],
-        "all_rounds_tokens_per_s": {
-            "a": [r["tokens_per_s"] for r in as_],
-            "a0": [r["tokens_per_s"] for r in a0s],
-            "c": [r["tokens_per_s"] for r in cs],
-        },
+        "a_over_c": over_c.ratio(),
+        "a_over_a0": over_a0.ratio(),
+        "a_tokens_per_s": over_c.each("a"),
+        "c_tokens_per_s": over_c.each("b"),
+        "a0_tokens_per_s": over_a0.each("b"),
     }
 
 
@@ -159,4 +222,5 @@ if __name__ == "__main__":
         _producer(json.loads(Path(sys.argv[2]).read_text()))
     else:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        print(json.dumps(main(), indent=1))
+        out = main()
+        print(json.dumps({k: v.rounded() for k, v in out.items()}, indent=1))

@@ -168,7 +168,7 @@ def check_write(total_mib: int = 1024, chunk_mib: int = 64) -> dict[str, Any]:
     chunk, n = chunk_mib << 20, total_mib // chunk_mib
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    proc = ctx.Process(target=_raw_target_proc, args=(b, total_mib << 20, n + 1))
+    proc = ctx.Process(target=_raw_target_proc, args=(b, total_mib << 20))
     proc.start()
     try:
         src = torch.randint(0, 256, (total_mib << 20,), dtype=torch.uint8, device="cuda")
@@ -180,17 +180,19 @@ def check_write(total_mib: int = 1024, chunk_mib: int = 64) -> dict[str, Any]:
         remote = Region(addr, nbytes, "DRAM", 0)
 
         def write_all(count: int) -> float:
+            a.send(("expect", count))
             t0 = time.perf_counter()
             spans = [[(i * chunk, i * chunk, chunk)] for i in range(count)]
             xfers = [t.write(peer, local, remote, one, b"x") for one in spans]
             while xfers:
                 xfers = [x for x in xfers if not t.poll(x)]
-            return time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            a.recv()  # the target saw every notification
+            return seconds
 
         write_all(1)  # warm-up: connection and registration caches
         seconds = write_all(n)
-        a.recv()  # the target saw every notification
-        a.send(None)
+        a.send(("stop",))
         t.close()
     finally:
         proc.join(timeout=30)

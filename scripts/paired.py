@@ -17,7 +17,7 @@ import os
 import platform
 import resource
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ class Run:
     units: float  # what the arm's rate counts: tokens, rows
     nbytes: float = 0.0  # bytes moved, where the arm moves bytes
     cpu_s: float = 0.0  # CPU seconds (user + system) of every process of the arm
+    detail: Mapping[str, float] = field(default_factory=dict)  # the arm's own breakdown
 
     def __post_init__(self) -> None:
         if self.seconds <= 0:
@@ -110,9 +111,17 @@ def cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def memory_mib() -> dict[str, float]:
+    """This process's resident memory now, by kind (Linux's /proc/self/status): anonymous
+    (its own heap, its buffers), file-backed (the shared libraries' pages it touched, which
+    every process using the same libraries shares) and shared memory; and the peak."""
+    out: dict[str, float] = {}
+    names = {"VmHWM": "peak", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in names:
+            out[names[key]] = int(value.split()[0]) / 1024
+    return out
 
 
 def machine_state() -> dict[str, object]:

@@ -29,14 +29,30 @@ def test_the_data_path_arm_delivers_every_byte(
     nb = -(-TOKENS // bd.BLOCK)
     pool = 2 * nb * bd.BLOCK * len(bd.LAYERS) * bd.HIDDEN * 2
     try:
-        m = bd.isolated("bench_ours", model, N_REQ, TOKENS, 2 * nb + 1, pool, checksum, checksum == "xxh3")
+        m = bd.one_round("OursArm", model, N_REQ, TOKENS, 2 * nb + 1, pool, checksum, checksum == "xxh3")
     finally:
         shutil.rmtree(tmp_path / "wide-llama", ignore_errors=True)
     assert m["bytes"] == N_REQ * TOKENS * len(bd.LAYERS) * bd.HIDDEN * 2
     assert m["tokens"] == N_REQ * TOKENS
     assert m["seconds"] > 0
+    assert m["cpu_s"] == pytest.approx(m["producer_cpu_s"] + m["reader_cpu_s"])
+    assert m["producer_cpu_s"] > 0 and m["reader_cpu_s"] > 0
+    assert m["reader_rss_mib"] >= m["reader_pool_mib"]
     assert (m["sender_checksum_s"] > 0) == (checksum != "none")
     assert (m["reader_verify_s"] > 0) == (checksum != "none")
     kind = {"xxh3": "XXH3 of the bytes", "blocks": "block digests", "none": "none"}[checksum]
     out, err = capfd.readouterr()
     assert f"checksum: {kind}, shipping to" in out + err  # the worker's start-up line (vLLM's logger)
+
+
+def test_the_raw_and_example_arms_move_what_they_claim(tmp_path: Path) -> None:
+    from scripts.vllm_harness import config_only_model
+
+    nb = -(-TOKENS // bd.BLOCK)
+    raw = bd.one_round("RawArm", N_REQ, TOKENS, 2 * nb + 1, 2)
+    assert raw["bytes"] == N_REQ * nb * bd.BLOCK * bd.TOKEN_BYTES  # whole blocks, as the arm WRITEs them
+    assert raw["cpu_s"] > 0 and raw["seconds"] > 0
+    model = config_only_model(tmp_path / "wide-llama", bd.HIDDEN, num_layers=4)
+    example = bd.one_round("ExampleArm", model, N_REQ, TOKENS, 2 * nb + 1)
+    assert example["bytes"] == N_REQ * TOKENS * bd.TOKEN_BYTES
+    assert example["tokens"] == N_REQ * TOKENS
