@@ -20,6 +20,7 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
     7: ``Manifest.sample_id``/``metadata`` (``wire.identity``), covered by the checksum.
     8: ``Hello.digest``: "xxh3" over bytes or "blocks" (``wire.block_digest``).
     9: pull delivery: ``PullFetch``/``PullShare``, ``PullRelease``/``PullReleased``, ``PullError``.
+    10: ``PullShare.digest``: which ``ShareChecksum`` its checksum is ("xxh3" or "blocks").
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import msgspec
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -338,7 +339,9 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     """Producer rank -> consumer: the sample's manifest, and where this rank's share lies
     in its cache: block ``first_block + i`` of the sample is cache block ``block_ids[i]``,
     at ``cache_addr + block_ids[i] * manifest.block_bytes`` in the memory the NIXL metadata
-    of the handshake registers; ``checksum``: the share's, as ``wire.integrity`` says."""
+    of the handshake registers; ``checksum``: the share's (None: checksums off), computed
+    as ``digest`` says: XXH3-64 over its bytes (``wire.integrity``) or over its block
+    digests (``wire.block_digest``, taken where the cache is)."""
 
     manifest: Manifest
     rank: Rank
@@ -350,6 +353,7 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     mem_type: MemType
     device_id: NonNegInt
     checksum: Checksum | None = None
+    digest: ShareChecksum = ShareChecksum.XXH3
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:

@@ -269,3 +269,24 @@ def test_the_new_refuse_codes_travel() -> None:
     for code in ("timeout", "limit", "preempted", "unchecked"):
         msg = protocol.Refuse(code=code, message="m", request_id="r")  # type: ignore[arg-type]
         assert protocol.decode(protocol.encode(msg)) == msg
+
+
+def test_a_pull_share_says_which_checksum_it_carries() -> None:
+    """``PullShare.digest`` names the kind of its checksum (version 10); a share from an
+    older build, without it, reads as XXH3; an unknown kind is refused by decoding."""
+    share = protocol.PullShare(
+        manifest=manifest(), rank=0, world_size=1, first_block=0, block_ids=[3, 5], cache_addr=4096,
+        cache_bytes=8 * GEOMETRY.block_bytes, mem_type="VRAM", device_id=1, checksum=(1 << 64) - 1,
+        digest=protocol.ShareChecksum.BLOCKS,
+    )  # fmt: skip
+    back = protocol.decode(protocol.encode(share))
+    assert back == share and isinstance(back, protocol.PullShare)
+    assert back.digest is protocol.ShareChecksum.BLOCKS
+    fields = msgspec.msgpack.decode(protocol.encode(share))
+    assert fields["digest"] == "blocks"
+    del fields["digest"]
+    older = protocol.decode(msgspec.msgpack.encode(fields))
+    assert isinstance(older, protocol.PullShare) and older.digest is protocol.ShareChecksum.XXH3
+    with pytest.raises(ProtocolError, match="digest"):
+        protocol.decode(msgspec.msgpack.encode({**fields, "digest": "md5"}))
+    assert protocol.PROTOCOL_VERSION == 10
