@@ -19,9 +19,21 @@ from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.records import Action, Verify
 from kv_connector.wire.block_digest import sample_block_digests, share_digest
 from kv_connector.wire.integrity import sample_checksum
-from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.protocol import Manifest, ShareChecksum
 
 log = logging.getLogger("kv_connector.reader.reader")
+
+
+def pool_checksum(pool: memoryview, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+    """The checksum of a share (``blocks``, indices in the sample) recomputed from a pool
+    whose run of the sample starts at byte ``base``, as ``kind`` says: XXH3-64 of its
+    bytes (``integrity``), or of its block digests recomputed on CPU (``block_digest``).
+    The push reader's check and the pull client's."""
+    if kind is ShareChecksum.BLOCKS:
+        n = m.geometry.sample_bytes(m.num_blocks)
+        states = sample_view(torch.frombuffer(pool, dtype=torch.uint8, offset=base, count=n), m)
+        return share_digest(m, blocks, sample_block_digests(states, m, blocks))
+    return sample_checksum(pool, base, m, blocks)
 
 
 class ShareChecker:
@@ -64,13 +76,7 @@ class ShareChecker:
             assert page_bytes is not None
             base, manifest, blocks = s.pages.start * page_bytes, s.manifest, sorted(share.blocks)
         t0 = time.perf_counter()
-        if v.checksum is ShareChecksum.BLOCKS:
-            n = manifest.geometry.sample_bytes(manifest.num_blocks)
-            raw = torch.frombuffer(self._pool, dtype=torch.uint8, offset=base, count=n)
-            states = sample_view(raw, manifest)
-            got = share_digest(manifest, blocks, sample_block_digests(states, manifest, blocks))
-        else:
-            got = sample_checksum(self._pool, base, manifest, blocks)
+        got = pool_checksum(self._pool, base, manifest, blocks, v.checksum)
         ok, seconds = got == v.digest, time.perf_counter() - t0
         with self._lock:
             self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic(), seconds))

@@ -4,7 +4,9 @@ from the producer's cache (pull delivery; the producer runs with ``"delivery": "
 ``PullClient.fetch(handle)`` (the handle string, or the whole ``kv_transfer_params`` of
 the producer's response) asks each rank of the producer for its share of the sample
 (``PullFetch``: the manifest and where the share lies in the rank's cache), READs every
-share into one run of its receive pool, checks each share against its checksum and the
+share into one run of its receive pool, checks each share against its checksum (of the
+kind its ``PullShare.digest`` names: XXH3 of the bytes, or block digests recomputed from
+the pool as the push reader does, ``reader.checker.pool_checksum``) and the
 states for NaN/Inf and all-zero tokens (``reader.values``), releases the sample on every
 rank (the producer frees its blocks), and returns a ``reader.lease.Sample``: a view of the
 pool on lease, as the push reader hands out, whose pages return when it is released or
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_connector.reader.checker import pool_checksum
 from kv_connector.reader.lease import Lease, Sample, leased_view, sample_view
 from kv_connector.reader.pool import PagePool, PoolTooSmall
 from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks, handle_of
@@ -40,7 +43,6 @@ from kv_connector.reader.values import find_bad_values
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle
 from kv_connector.wire.identity import decode_metadata
-from kv_connector.wire.integrity import sample_checksum
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.transport import Region, Transport, TransportError
 
@@ -216,15 +218,15 @@ class PullClient:
             assert self._pool_np is not None
             base = p.pages.start * PAGE_BYTES
             for s in p.shares:
-                blocks = range(s.first_block, s.first_block + len(s.block_ids))
+                blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
                 if (
                     s.checksum is not None
-                    and sample_checksum(self._pool_np.data, base, m, blocks) != s.checksum
+                    and pool_checksum(self._pool_np.data, base, m, blocks, s.digest) != s.checksum
                 ):
                     raise FetchError(
                         "checksum",
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
-                        "(its blocks changed while being read: expired?)",
+                        f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
             if self.check_values:
                 run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
