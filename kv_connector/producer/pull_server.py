@@ -26,14 +26,15 @@ from typing import Any
 
 import torch
 
+from kv_connector.common.device import on_device
 from kv_connector.producer.pull_ledger import PullLedger, PullRefused
-from kv_connector.sender.hasher import share_checksum
+from kv_connector.sender.hasher import share_block_digest, share_checksum
 from kv_connector.sender.jobs import Job
-from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout, stripe
-from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,11 @@ class PullServer:
     bind (port 0: any free one, held from binding on); ``address`` names it.
     ``timeout_s``: a held sample not released this long after its request ``finished``
     ends (expired).
-    ``checksum``: send each share's XXH3-64 (``wire.integrity``) for the consumer to check.
+    ``checksum``: how each share's checksum, sent for the consumer to check against the
+    bytes it READ, is computed (``ChecksumOption.resolve``, as push does): ``XXH3`` over
+    the share's bytes (``wire.integrity``; a GPU cache's share is staged to host memory
+    for it), ``BLOCKS`` from per-block digests computed where the cache is
+    (``wire.block_digest``: nothing staged, 8 bytes per block reach the host); None: none.
     """
 
     def __init__(
@@ -74,13 +79,17 @@ class PullServer:
         world_size: int,
         listen: tuple[str, int],
         timeout_s: float,
-        checksum: bool = True,
+        checksum: ShareChecksum | None = ShareChecksum.XXH3,
         secret: bytes | None = None,
         transport: Transport | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         secret = secret if secret is not None else auth.load_secret()
         host, port = listen
+        if checksum is ShareChecksum.BLOCKS and not block_digest.supported(layout):
+            raise ValueError(
+                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} is not"
+            )
         if not secret and not is_loopback(host):
             raise ValueError(
                 f"a pull endpoint on {host} without a shared secret would let anyone who reaches it "
@@ -114,7 +123,13 @@ class PullServer:
             raise
         self.address = format_address(*self._sock.getsockname()[:2])
         self._me = handshake.ProducerIdentity(
-            producer_id, rank, world_size, transport.name, layout.block_bytes, self._region.mem_type
+            producer_id,
+            rank,
+            world_size,
+            transport.name,
+            layout.block_bytes,
+            self._region.mem_type,
+            checksum or ShareChecksum.XXH3,
         )
         self._lock = threading.Lock()  # guards the ledger and the connections
         self._ledger = PullLedger(timeout_s)
@@ -255,6 +270,7 @@ class PullServer:
 
     def _serve(self, conn: FramedConnection, peer: str) -> None:
         outstanding = 0  # shares served on this connection and not released since
+        on_device(self._raw.device)  # block digests are computed on the cache's GPU here
         try:
             try:
                 handshake.as_producer(conn, self._me, self._secret, self._transport.metadata)
@@ -322,8 +338,8 @@ class PullServer:
             with self._lock:
                 h = self._ledger.fetch(rid, nonce, self._clock())
             digest = h.checksum
-            if self._checksum and digest is None and len(h.share):
-                digest = share_checksum(self._raw, Job(rid, h.manifest, h.block_ids, h.share, 0.0))
+            if self._checksum is not None and digest is None and len(h.share):
+                digest = self._share_checksum(Job(rid, h.manifest, h.block_ids, h.share, 0.0))
                 with self._lock:
                     # computed from the blocks while they were still held: still held now,
                     # so they were not given back to vLLM meanwhile
@@ -342,5 +358,14 @@ class PullServer:
             cache_bytes=r.nbytes,
             mem_type=r.mem_type,
             device_id=r.device_id,
-            checksum=digest if self._checksum and len(h.share) else None,
+            checksum=digest if self._checksum is not None and len(h.share) else None,
+            digest=self._checksum or ShareChecksum.XXH3,
         )
+
+    def _share_checksum(self, job: Job) -> int:
+        """The checksum of this rank's share, read from the cache while it is held: block
+        digests on the cache's device (nothing staged), or XXH3 of its bytes. The handle
+        is out only once the step that wrote the blocks returned, so they are written."""
+        if self._checksum is ShareChecksum.BLOCKS:
+            return share_block_digest(self._raw, job)
+        return share_checksum(self._raw, job)

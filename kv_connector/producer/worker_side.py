@@ -123,11 +123,11 @@ class WorkerSide:
                 world,
                 pull_endpoint(self.options.pull_listen, rank),
                 self.options.pull_timeout_s,
-                checksum=share_checksum is not None,
+                checksum=share_checksum,
             )
             log.info(
                 "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
-                "pull delivery: serving at %s, samples held up to %.0f s",
+                "checksum: %s, pull delivery: serving at %s, samples held up to %.0f s",
                 rank,
                 world,
                 self.layer_name,
@@ -136,6 +136,7 @@ class WorkerSide:
                 layout,
                 block_layout.dtype,
                 block_layout.block_bytes,
+                checksum,
                 self.pull.address,
                 self.options.pull_timeout_s,
             )

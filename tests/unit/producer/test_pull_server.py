@@ -1,0 +1,114 @@
+"""The pull server's checksums, without NIXL or a consumer: a stand-in transport, the
+server's answer to a ``PullFetch`` built directly. Its checksum is the kind the
+connector's ``checksum`` option resolves to (as push's), the share says which, and the
+consumer's recomputation from the bytes it would READ matches; block digests are taken
+from the cache where it is, never staged."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import torch
+
+from kv_connector.producer import pull_server
+from kv_connector.producer.options import ChecksumOption
+from kv_connector.producer.pull_server import PullServer
+from kv_connector.reader.checker import pool_checksum
+from kv_connector.wire import protocol
+from kv_connector.wire.handle import make_nonce
+from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.transport import Region, Transport
+
+NUM_BLOCKS = 12
+LTH = BlockLayout("LTH", 16, 3, 8, "float32")
+TLH = BlockLayout("TLH", 16, 3, 8, "bfloat16")
+
+
+class StandIn:
+    """Registers memory by its address; moves nothing."""
+
+    name = "stand-in"
+    metadata = b"meta"
+
+    def register(self, tensor: torch.Tensor) -> Region:
+        return Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), "DRAM", 0)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def server(cache: torch.Tensor, layout: BlockLayout, checksum: ShareChecksum | None, **kw: Any) -> PullServer:
+    return PullServer(
+        cache, layout, [1, 2, 3], "p", kw.pop("rank", 0), kw.pop("world", 1), ("127.0.0.1", 0), 60.0,
+        checksum=checksum, secret=b"", transport=cast(Transport, StandIn()),
+    )  # fmt: skip
+
+
+def cache_of(layout: BlockLayout) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(NUM_BLOCKS, *layout.block_shape(), generator=g).to(getattr(torch, layout.dtype))
+
+
+def read(cache: torch.Tensor, share: protocol.PullShare) -> memoryview:
+    """The pool run a consumer READs this share into (as ``PullClient._post_read``)."""
+    m = share.manifest
+    g = m.geometry
+    src = cache.view(-1).view(torch.uint8).numpy()
+    pool = np.zeros(g.sample_bytes(m.num_blocks), dtype=np.uint8)
+    for i, block in enumerate(share.block_ids):
+        for s, d, n in g.arranged_spans(m.num_blocks, share.first_block + i):
+            pool[d : d + n] = src[block * g.block_bytes + s : block * g.block_bytes + s + n]
+    return pool.data
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
+@pytest.mark.parametrize("option", list(ChecksumOption), ids=lambda o: o.value)
+def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_agrees(
+    option: ChecksumOption, layout: BlockLayout, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kind = option.resolve(False, layout)  # a host cache: "auto" is XXH3 here
+    assert kind is {"auto": ShareChecksum.XXH3, "xxh3": ShareChecksum.XXH3, "blocks": ShareChecksum.BLOCKS,
+                    "none": None}[option.value]  # fmt: skip
+    if kind is ShareChecksum.BLOCKS:  # nothing is staged to host memory (nor hashed as bytes)
+        monkeypatch.setattr(pull_server, "share_checksum", None)
+    cache = cache_of(layout)
+    nonce, tokens, blocks = make_nonce(), list(range(3 * layout.block_size + 5)), [9, 2, 7, 4]
+    for rank in range(world):
+        s = server(cache, layout, kind, rank=rank, world=world)
+        try:
+            assert s._me.digest is (kind or ShareChecksum.XXH3)  # what its Hello says
+            s.hold("req-1", nonce, tokens, blocks)
+            share = s._answer(protocol.PullFetch(request_id="req-1", nonce=nonce))
+            again = s._answer(protocol.PullFetch(request_id="req-1", nonce=nonce))  # taken once, kept
+        finally:
+            s.close()
+        assert isinstance(share, protocol.PullShare) and share == again
+        assert share.digest is (kind or ShareChecksum.XXH3)
+        assert protocol.decode(protocol.encode(share)) == share
+        mine = list(stripe(4, rank, world))
+        assert share.block_ids == [blocks[j] for j in mine]
+        if kind is None:
+            assert share.checksum is None
+            continue
+        pool = read(cache, share)
+        assert share.checksum == pool_checksum(pool, 0, share.manifest, mine, share.digest)
+        other = ShareChecksum.XXH3 if kind is ShareChecksum.BLOCKS else ShareChecksum.BLOCKS
+        assert share.checksum != pool_checksum(pool, 0, share.manifest, mine, other)
+        _, first, _ = layout.arranged_spans(4, mine[0])[0]  # where the share's first block lands
+        np.frombuffer(pool, dtype=np.uint8)[first + 3] ^= 1  # one bit of it
+        assert share.checksum != pool_checksum(pool, 0, share.manifest, mine, share.digest)
+
+
+def test_block_digests_of_rows_that_are_not_whole_words_are_refused() -> None:
+    odd = BlockLayout("LTH", 16, 3, 3, "bfloat16")  # a row of 6 bytes
+    with pytest.raises(ValueError, match="whole 8-byte words"):
+        server(cache_of(odd), odd, ShareChecksum.BLOCKS)
+    with pytest.raises(ValueError, match="whole 8-byte words"):
+        ChecksumOption.BLOCKS.resolve(False, odd)
