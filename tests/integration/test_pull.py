@@ -3,7 +3,8 @@ holds samples in one ``PullServer`` per rank (``pull_producer_main.py``), this p
 fetches them with ``reader.pull.PullClient``, READing the blocks straight from the
 producer's cache. Byte-exact samples, TP shares gathered into one sample, releases that
 free the producer's blocks, the timeout, and the errors a consumer must see clearly: an
-expired, released, forged or stale handle, an unauthenticated peer."""
+expired, released, forged or stale handle, an unauthenticated peer, a share that does not
+match its checksum (XXH3 of its bytes, or block digests taken where the cache is)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from typing import Any
 import pytest
 import torch
 
+from kv_connector.reader import checker
 from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.wire import protocol
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
-from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.layout import BlockLayout, stripe
 from tests.integration.common import REPO, child_env, expected_states, layout_dict, make_cache, token_ids
 
 pytestmark = pytest.mark.integration
@@ -58,6 +61,13 @@ class Producer:
         self.proc.stdin.flush()
         result: dict[str, Any] = json.loads(self.proc.stdout.readline())
         return result
+
+    def garble(self, request_id: str) -> None:
+        """Change the first state of the sample's first block in the producer's cache."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"garble {request_id}\n")
+        self.proc.stdin.flush()
+        assert json.loads(self.proc.stdout.readline()) == "garbled"
 
     def stop(self) -> str:
         if self.proc.poll() is None:
@@ -267,3 +277,61 @@ def test_a_sample_read_by_a_consumer_killed_before_its_release_is_freed_by_the_t
     with PullClient() as client, pytest.raises(FetchError) as e:
         client.fetch(p.handles["req-0"])
     assert e.value.code == "expired"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
+def test_block_digests_taken_where_the_cache_is_are_verified_by_the_client(
+    layout: BlockLayout, world: int, monkeypatch: pytest.MonkeyPatch, producers: list[Producer]
+) -> None:
+    """The checksum a GPU cache gets by default (block digests computed with torch where
+    the cache is, nothing staged), forced on a CPU cache as push's tests do: every share
+    says so and the client recomputes the block digests from the bytes it READ."""
+    samples = samples_spec(6, layout, seed=5)
+    p = Producer(spec_of(layout, samples, world_size=world, checksum="blocks"))
+    producers.append(p)
+    checked: list[str] = []
+    real = checker.sample_block_digests
+
+    def counting(states: torch.Tensor, m: protocol.Manifest, blocks: list[int]) -> list[int]:
+        checked.append(m.request_id)
+        return real(states, m, blocks)
+
+    monkeypatch.setattr(checker, "sample_block_digests", counting)
+    monkeypatch.setattr(checker, "sample_checksum", None)  # never called: no share is XXH3
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
+    with PullClient(pool_bytes=4 << 20) as client:
+        got = client.fetch_many([p.handles[s["request_id"]] for s in samples])
+    for s, sample in zip(samples, got, strict=True):
+        assert not isinstance(sample, FetchError), sample
+        want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
+        assert torch.equal(sample.hidden_states, want)
+    shares = [
+        s["request_id"]
+        for s in samples
+        for r in range(world)
+        if stripe(layout.blocks_for(s["num_tokens"]), r, world)  # an empty share has no checksum
+    ]
+    assert sorted(checked) == sorted(shares)
+    assert p.poll()["held"] == [0] * world
+
+
+@pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
+def test_a_block_garbled_after_its_digest_was_taken_fails_the_fetch_by_name(
+    checksum: str, producers: list[Producer]
+) -> None:
+    """A block that changes in the cache after its share's checksum was taken (as when
+    vLLM reuses it): the next fetch READs the new bytes, they do not match, and the fetch
+    fails naming the sample, whichever kind of checksum the producer sends."""
+    samples = samples_spec(2, TLH, seed=6)
+    p = Producer(spec_of(TLH, samples, checksum=checksum))
+    producers.append(p)
+    with PullClient() as client:
+        first = client.fetch(p.handles["req-0"], release=False)  # the checksum is taken, kept
+        first.release()
+        p.garble("req-0")
+        with pytest.raises(FetchError) as e:
+            client.fetch(p.handles["req-0"])
+        assert e.value.code == "checksum" and "sample req-0" in e.value.message
+        assert checksum in e.value.message
+        assert client.fetch(p.handles["req-1"]).request_id == "req-1"  # the others still arrive
