@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kv_connector.producer import slot_check
-from kv_connector.producer.planning import BlockRecorder, StepSlice
+from kv_connector.producer.planning import BlockRecorder, StepExpect, StepSlice
 
 BS = 4
 
@@ -65,7 +65,7 @@ def test_a_correct_step_opens_its_gate_and_a_step_without_slots_is_a_barrier_onl
     rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
     expected, _ = rec.expect([StepSlice("a", 2, 5, (1, 8))])
     gate = checks.add(torch.tensor([-1, *_slots([1, 8], 2, 5)]), expected)  # a padded row first
-    barrier = checks.add(None, [])
+    barrier = checks.add(None, StepExpect())
     device_busy[0] = False
     assert gate.poll("a") == (True, None)
     assert barrier.poll("a") == (True, None)
