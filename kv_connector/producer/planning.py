@@ -251,6 +251,48 @@ def check_slots(slots: Sequence[int], expected: Sequence[Expected], block_size: 
     return errors
 
 
+@dataclass
+class StepExpect:
+    """Where a step's slices must have been written, for ``check_step``. A slice of one
+    position (a decode step) is kept as its expected slot alone, the common case that must
+    stay cheap: it passes ``check_slots`` exactly when that slot is non-negative and in the
+    slot mapping (the slot's offset is its position's, its block is the table's). Longer
+    slices are kept as ``Expected``."""
+
+    # one-position slices: (request_id, position, block index, cache block), and their slots
+    singles: list[tuple[str, int, int, int]] = field(default_factory=list)
+    firsts: list[int] = field(default_factory=list)
+    spans: list[Expected] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.firsts or self.spans)
+
+    def __len__(self) -> int:
+        return len(self.firsts) + len(self.spans)
+
+    def expected(self) -> list[Expected]:
+        """Every slice as an ``Expected`` (the one-position ones first)."""
+        return [Expected(rid, p, 1, j, (b,)) for rid, p, j, b in self.singles] + self.spans
+
+
+def check_step(slots: Sequence[int], expect: StepExpect, block_size: int) -> dict[str, str]:
+    """``check_slots`` for a step's ``StepExpect``: the same failures, with the same
+    messages. The one-position slices are checked at once against the set of slots
+    written; only those not found go through ``check_slots`` (for their message)."""
+    errors = check_slots(slots, expect.spans, block_size) if expect.spans else {}
+    firsts = expect.firsts
+    if firsts:
+        written = set(slots)
+        if min(firsts) < 0 or not written.issuperset(firsts):
+            bad = [
+                Expected(rid, p, 1, j, (b,))
+                for (rid, p, j, b), x in zip(expect.singles, firsts, strict=True)
+                if x < 0 or x not in written
+            ]
+            errors.update(check_slots(slots, bad, block_size))
+    return errors
+
+
 class BlockRecorder:
     """Worker side: the cache block of each position of each request, read from the slot
     mapping the cache-only layer wrote with, in units of the cache tensor's own block
@@ -267,36 +309,41 @@ class BlockRecorder:
         self._blocks.pop(request_id, None)
         self._tables.pop(request_id, None)
 
-    def table(self, sl: StepSlice) -> list[int]:
-        """The request's block table with this slice's part of it applied."""
-        table = self._tables.setdefault(sl.request_id, [])
-        if sl.blocks_from > len(table):
-            raise SlotMismatch(
-                f"{sl.request_id}: block table from {sl.blocks_from}, the worker has {len(table)}"
-            )
-        del table[sl.blocks_from :]
-        table.extend(sl.block_ids)
-        return table
-
-    def expect(self, slices: Sequence[StepSlice]) -> tuple[list[Expected], dict[str, str]]:
+    def expect(self, slices: Sequence[StepSlice]) -> tuple[StepExpect, dict[str, str]]:
         """Apply each slice's part of its block table (in step order, when the step runs)
-        and say where its positions must have been written, for ``check_slots`` once the
+        and say where its positions must have been written, for ``check_step`` once the
         step's slot mapping is on the host; returns those, and {request_id: error} for
-        slices whose table is already wrong."""
+        slices whose table is already wrong. Runs on the engine's thread every step, for
+        every running request: kept to a few operations per slice."""
         bs = self.block_size
-        out: list[Expected] = []
+        out = StepExpect()
+        singles, firsts, spans = out.singles, out.firsts, out.spans
+        tables = self._tables
         errors: dict[str, str] = {}
         for sl in slices:
-            try:
-                table = self.table(sl)
-            except SlotMismatch as e:
-                errors[sl.request_id] = str(e)
-                continue
-            j0, j1 = sl.start // bs, (sl.start + sl.num_tokens - 1) // bs
+            rid = sl.request_id
+            table = tables.get(rid)
+            if table is None:
+                table = tables[rid] = []
+            frm = sl.blocks_from
+            if frm != len(table) or sl.block_ids:  # the plan sends a change of its table
+                if frm > len(table):
+                    errors[rid] = f"{rid}: block table from {frm}, the worker has {len(table)}"
+                    continue
+                del table[frm:]
+                table.extend(sl.block_ids)
+            start, n = sl.start, sl.num_tokens
+            j0 = start // bs
             if j0 >= len(table):
-                errors[sl.request_id] = f"position {sl.start} has no block in the block table"
+                errors[rid] = f"position {start} has no block in the block table"
                 continue
-            out.append(Expected(sl.request_id, sl.start, sl.num_tokens, j0, tuple(table[j0 : j1 + 1])))
+            if n == 1:
+                b = table[j0]
+                singles.append((rid, start, j0, b))
+                firsts.append(b * bs + start % bs)
+            else:
+                j1 = (start + n - 1) // bs
+                spans.append(Expected(rid, start, n, j0, tuple(table[j0 : j1 + 1])))
         return out, errors
 
     def record(self, slots: Sequence[int], slices: Sequence[StepSlice]) -> dict[str, str]:
@@ -304,10 +351,10 @@ class BlockRecorder:
         blocks they wrote; returns {request_id: error} for slices that do not match."""
         if not slices:
             return {}
-        expected, errors = self.expect(slices)
-        found = check_slots(slots, expected, self.block_size)
+        expect, errors = self.expect(slices)
+        found = check_step(slots, expect, self.block_size)
         errors.update(found)
-        for e in expected:
+        for e in expect.expected():
             if e.request_id not in found:
                 rec = self._blocks.setdefault(e.request_id, {})
                 rec.update((e.first_block + k, b) for k, b in enumerate(e.blocks))

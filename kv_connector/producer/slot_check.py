@@ -5,7 +5,7 @@ wrote the hidden states) the worker side hands ``SlotChecks.add`` the slot mappi
 cache-only layer wrote with: on a GPU it is copied to pinned host memory asynchronously
 and an event is recorded after the copy, on the engine's stream (so after the drafter);
 on CPU a stand-in that is always done takes its place and the same code runs. A step is
-checked (``planning.check_slots``) once its event is done, in step order, by whoever asks
+checked (``planning.check_step``) once its event is done, in step order, by whoever asks
 first: the worker side at its next hook, or a sender thread asking a ``StepGate`` whether
 a request's blocks may be read. Until then nothing reads them: the sender holds the
 request's job (no credit request, no digest, no WRITE).
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kv_connector.producer.planning import Expected, check_slots
+from kv_connector.producer.planning import StepExpect, check_step
 
 
 class DeviceEvent(Protocol):
@@ -42,7 +42,7 @@ class _Step:
     seq: int
     done: DeviceEvent
     slots: torch.Tensor | None  # on the host once ``done``
-    expected: list[Expected]
+    expected: StepExpect
 
 
 class SlotChecks:
@@ -58,7 +58,7 @@ class SlotChecks:
         self._settled = -1  # the last step checked
         self._news: dict[str, str] = {}  # failures found since ``settle`` last returned them
 
-    def add(self, slots: torch.Tensor | None, expected: list[Expected]) -> StepGate:
+    def add(self, slots: torch.Tensor | None, expected: StepExpect) -> StepGate:
         """The step that just ran (on the calling thread, after its drafter): its slot
         mapping (None when the step wrote no slots) and where its slices must be."""
         if slots is not None and slots.is_cuda:
@@ -103,7 +103,7 @@ class SlotChecks:
             if step.slots is None or not step.expected:
                 continue
             slots: Sequence[int] = step.slots.tolist()
-            for rid, why in check_slots(slots, step.expected, self.block_size).items():
+            for rid, why in check_step(slots, step.expected, self.block_size).items():
                 if rid not in self.failed:
                     self.failed[rid] = why
                     self._news[rid] = why

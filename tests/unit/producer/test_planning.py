@@ -27,6 +27,8 @@ from kv_connector.producer.planning import (
     SlotMismatch,
     StepPlan,
     StepSlice,
+    check_slots,
+    check_step,
 )
 from kv_connector.producer.request_table import RequestTable
 
@@ -673,3 +675,57 @@ def test_a_decode_step_plan_does_not_grow_with_the_block_table() -> None:
     assert len(step.slices) == 256 and all(sl.block_ids == () for sl in step.slices)
     grow = planner.plan([], [running("r0", 256 * bs + 1, [9999])], {"r0": 1})
     assert grow.slices == [StepSlice("r0", 256 * bs + 1, 1, (9999,), 256)]
+
+
+@settings(max_examples=150)
+@given(
+    data=st.data(),
+    num=st.integers(1, 12),
+    recorder_bs=st.sampled_from([4, 16]),
+)
+def test_check_step_fails_exactly_the_slices_check_slots_fails_with_the_same_messages(
+    data: st.DataObject, num: int, recorder_bs: int
+) -> None:
+    """The step check's shortcut for one-position slices (a set of the slots written) is
+    ``check_slots`` itself: same requests failed, same words, whatever is wrong."""
+    bs = recorder_bs
+    rec = BlockRecorder(bs)
+    slices, slots = [], []
+    for i in range(num):
+        table = data.draw(st.lists(st.integers(0, 40), min_size=4, max_size=4, unique=True))
+        start = data.draw(st.integers(0, 4 * bs - 1))
+        n = data.draw(st.sampled_from([1, 1, 1, min(3, 4 * bs - start), 4 * bs - start]))
+        slices.append(StepSlice(f"r{i}", start, n, tuple(table)))
+        rows = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        how = data.draw(st.sampled_from(["ok", "ok", "pad", "shift", "other", "drop", "last"]))
+        k = data.draw(st.integers(0, n - 1))
+        if how == "pad":
+            rows[k] = -1
+        elif how == "shift":
+            rows[k] += 1
+        elif how == "other":
+            rows[k] = data.draw(st.integers(0, 41 * bs))
+        elif how == "drop":
+            rows = rows[:k]
+        elif how == "last":
+            rows = [*rows[:k], (table[(start + k) // bs] + 1) * bs + (start + k) % bs, *rows[k + 1 :]]
+        slots.append(rows)
+    order = data.draw(st.permutations(range(num)))  # the runner's rows need not follow the plan
+    flat = [-1, *(x for i in order for x in slots[i]), -1]
+    expect, errors = rec.expect(slices)
+    assert errors == {}
+    assert len(expect) == num
+    assert check_step(flat, expect, bs) == check_slots(flat, expect.expected(), bs)
+
+
+def test_expect_keeps_a_one_position_slice_s_block_when_its_table_changes_before_the_check() -> None:
+    """On a GPU a step is checked after later steps changed the tables: each step is
+    checked against the table it ran with."""
+    rec = BlockRecorder(BS)
+    first, _ = rec.expect([StepSlice("r", 17, 1, (3, 5))])
+    later, _ = rec.expect([StepSlice("r", 0, 1, (9,), blocks_from=0)])  # reset: a new table
+    assert check_step([5 * BS + 1], first, BS) == {}
+    assert check_step([9 * BS + 1], first, BS) == {
+        "r": f"positions 17..17 were not written where the block table puts them with block size {BS}"
+    }
+    assert check_step([9 * BS], later, BS) == {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kv_connector.producer import slot_check
-from kv_connector.producer.planning import BlockRecorder, StepSlice
+from kv_connector.producer.planning import BlockRecorder, StepExpect, StepSlice
 
 BS = 4
 
@@ -65,7 +65,7 @@ def test_a_correct_step_opens_its_gate_and_a_step_without_slots_is_a_barrier_onl
     rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
     expected, _ = rec.expect([StepSlice("a", 2, 5, (1, 8))])
     gate = checks.add(torch.tensor([-1, *_slots([1, 8], 2, 5)]), expected)  # a padded row first
-    barrier = checks.add(None, [])
+    barrier = checks.add(None, StepExpect())
     device_busy[0] = False
     assert gate.poll("a") == (True, None)
     assert barrier.poll("a") == (True, None)
@@ -78,3 +78,48 @@ def test_on_the_host_a_step_is_checked_at_once() -> None:
     gate = checks.add(torch.tensor(_slots([2, 4], 0, 6)), expected)
     assert checks.settle() == {"a": "block 1 was written to cache block 4, the block table says 5"}
     assert gate.poll("a")[0]
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    ["other-block", "other-offset", "padding", "neighbour-slot", "long-later-block"],
+)
+def test_one_wrong_slot_among_many_decoding_requests_is_found_and_named(
+    device_busy: list[bool], wrong: str
+) -> None:
+    """256 requests decoding (one position each, some starting a new block this step) and
+    one longer slice, in a shuffled slot mapping: exactly the request written to the
+    wrong place fails, with the words ``check_slots`` uses."""
+    rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
+    tables = {f"r{i}": [3 * i + 1, 3 * i + 2] for i in range(256)}
+    rec.expect([StepSlice(rid, 0, 1, (t[0],)) for rid, t in tables.items()])  # block 0 sent before
+    pos = {rid: 2 + (i % 3) for i, rid in enumerate(tables)}  # position 4 starts block 1, sent now
+    new_block = {rid: (t[1],) if pos[rid] == 4 else () for rid, t in tables.items()}
+    slices = [StepSlice(rid, pos[rid], 1, new_block[rid], blocks_from=1) for rid in tables]
+    long_table = [900, 901, 902]
+    slices.append(StepSlice("long", 2, 7, tuple(long_table)))
+    rows = {rid: [t[pos[rid] // BS] * BS + pos[rid] % BS] for rid, t in tables.items()}
+    rows["long"] = _slots(long_table, 2, 7)
+    victim, why = "r100", "positions 3..3 were not written where the block table puts them with block size 4"
+    if wrong == "other-block":
+        rows[victim] = [777 * BS]
+    elif wrong == "other-offset":
+        rows[victim] = [rows[victim][0] + 1]
+    elif wrong == "padding":
+        rows[victim] = [-1]
+    elif wrong == "neighbour-slot":  # the very slot another request (at position 3 too) wrote
+        rows[victim] = list(rows["r1"])
+    else:
+        victim, why = "long", "block 1 was written to cache block 903, the block table says 901"
+        rows["long"] = _slots([900, 903, 902], 2, 7)
+    order = sorted(rows, key=lambda rid: hash((rid, wrong)))
+    flat = torch.tensor([-1, *(x for rid in order for x in rows[rid]), -1])
+    expected, errors = rec.expect(slices)
+    assert errors == {} and len(expected) == 257
+    gate = checks.add(flat, expected)
+    device_busy[0] = False
+    news = checks.settle()
+    assert set(news) == {victim}
+    assert news[victim] == why
+    assert gate.poll(victim) == (True, why)
+    assert all(gate.poll(rid) == (True, None) for rid in tables if rid not in news)
