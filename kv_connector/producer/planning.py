@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import blocks_for, blocks_for_tokens
@@ -275,22 +277,62 @@ class StepExpect:
         return [Expected(rid, p, 1, j, (b,)) for rid, p, j, b in self.singles] + self.spans
 
 
-def check_step(slots: Sequence[int], expect: StepExpect, block_size: int) -> dict[str, str]:
+def check_step(slots: Sequence[int] | np.ndarray, expect: StepExpect, block_size: int) -> dict[str, str]:
     """``check_slots`` for a step's ``StepExpect``: the same failures, with the same
     messages. The one-position slices are checked at once against the set of slots
-    written; only those not found go through ``check_slots`` (for their message)."""
-    errors = check_slots(slots, expect.spans, block_size) if expect.spans else {}
+    written, the longer ones by comparing their rows with the slots their table gives
+    (``_spans_off``); only those that do not pass go through ``check_slots`` (for their
+    message). ``slots``: the step's slot mapping on the host (a list, or an int array)."""
+    arr = np.asarray(slots, dtype=np.int64)
+    listed: list[int] = []  # the slots as Python ints, made when a Python path needs them
+    errors: dict[str, str] = {}
+    if expect.spans:
+        off = _spans_off(arr, expect.spans, block_size)
+        if off:
+            listed = arr.tolist()
+            errors.update(check_slots(listed, off, block_size))
     firsts = expect.firsts
     if firsts:
-        written = set(slots)
+        listed = listed or arr.tolist()
+        written = set(listed)
         if min(firsts) < 0 or not written.issuperset(firsts):
             bad = [
                 Expected(rid, p, 1, j, (b,))
                 for (rid, p, j, b), x in zip(expect.singles, firsts, strict=True)
                 if x < 0 or x not in written
             ]
-            errors.update(check_slots(slots, bad, block_size))
+            errors.update(check_slots(listed, bad, block_size))
     return errors
+
+
+def _spans_off(slots: np.ndarray, spans: Sequence[Expected], bs: int) -> list[Expected]:
+    """The slices ``check_slots`` may fail: each slice passes there exactly when the rows
+    from the (last) row holding its first slot hold, one for one, the slots its table
+    gives its positions. With no slot written twice that row is the only one, so a slice
+    whose rows equal those slots passes; every other slice is returned (all of them when
+    a slot was written twice: ``check_slots`` decides those alone). A few array operations
+    per slice instead of a Python loop over its tokens (a prefill chunk has thousands)."""
+    order = np.argsort(slots, kind="stable")
+    ranked = slots[order]
+    if bool(np.any((ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0))):
+        return list(spans)
+    off: list[Expected] = []
+    for e in spans:
+        first = e.blocks[0] * bs + e.start % bs
+        k = int(np.searchsorted(ranked, first))
+        if k >= len(ranked) or ranked[k] != first:
+            off.append(e)
+            continue
+        row, n = int(order[k]), e.num_tokens
+        pos = np.arange(e.start, e.start + n, dtype=np.int64)
+        j = pos // bs - e.first_block
+        if n < 1 or row + n > len(slots) or j[0] < 0 or j[-1] >= len(e.blocks):
+            off.append(e)
+            continue
+        want = np.asarray(e.blocks, dtype=np.int64)[j] * bs + pos % bs
+        if not np.array_equal(slots[row : row + n], want):
+            off.append(e)
+    return off
 
 
 class BlockRecorder:

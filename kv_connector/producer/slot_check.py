@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,8 +101,7 @@ class SlotChecks:
             self._settled = step.seq
             if step.slots is None or not step.expected:
                 continue
-            slots: Sequence[int] = step.slots.tolist()
-            for rid, why in check_step(slots, step.expected, self.block_size).items():
+            for rid, why in check_step(step.slots.numpy(), step.expected, self.block_size).items():
                 if rid not in self.failed:
                     self.failed[rid] = why
                     self._news[rid] = why
