@@ -11,7 +11,10 @@ each) in scattered blocks, held again every round; the consumer does both arms, 
 one into a registered buffer of the client's pool size, ``IN_FLIGHT`` READs at a time.
 During the raw arm the producer's own progress thread polls as it does while a consumer
 reads (this NIXL runs without a progress thread). Each arm also reports the CPU seconds
-per GB of both processes (their rusage over the round).
+per GB of both processes (their rusage over the round), and the milliseconds per sample of
+the client's checks measured in the consumer. ``read_unchecked`` is the same pairing with
+the checks off at both ends (producer ``checksum=False``, client ``check_values=False``):
+what the protocol itself costs over the raw READ.
 
 ``pull_over_file``: rows/s through speculators' own DataLoader
 (``create_train_val_loaders(..., on_missing="generate", num_workers=2)``) with our
@@ -22,7 +25,10 @@ its safetensors files to a temporary directory on local disk (``tempfile``'s def
 /tmp). Both servers run the same flags: a Llama of hidden 4096 whose compute is tiny (1
 attention head of dim 64, intermediate size 64, 4 layers, vocabulary 1024, random
 weights: ``--load-format dummy``), bf16, 4 captured layers (1, 2, 3 and the last, 4),
-2048-token rows, block 128. A round is one epoch of ``ROWS`` rows.
+2048-token rows, block 128. A round is one epoch of ``ROWS`` rows. The profile says where
+a row's time goes: the server's request time (queue, prefill) from its /metrics, and the
+DataLoader workers' time in the transfer's ``get_generated`` and ``delete``
+(``scripts.bench_pull_transfer`` times the backend's transfer).
 
 ``python -m scripts.bench_pull`` prints progress to stderr and the result JSON as its
 last stdout line. Every process it starts is stopped before it returns.
@@ -59,7 +65,7 @@ BLOCK = 128
 TOKENS = 2048
 SAMPLES = 24  # samples per round of pull_read_over_raw
 IN_FLIGHT = 4  # samples in flight (the client's pool holds this many)
-ROWS = 32  # rows per round of pull_over_file
+ROWS = 12  # rows per round of pull_over_file
 PAIRS = 5
 WARMUP = 1
 SERVER_KV_BYTES = 1 << 30
@@ -250,8 +256,35 @@ def _consumer_proc(conn: Any, pool_bytes: int, in_flight: int, check_values: boo
         t1 = time.perf_counter()
         return t1 - t0, moved, paired.cpu_seconds() - c0, [d for _, d in sorted(digests)]
 
+    def profile(tokens: int, hidden: int) -> dict[str, float]:
+        """Milliseconds per sample of the client's two checks (best of 3): the XXH3 of the
+        bytes (``wire.integrity``'s hash; the producer hashes the share once more on its side
+        before answering) and the values check, beside a plain copy of the same bytes."""
+        import xxhash
+
+        from kv_connector.reader.values import find_bad_values
+
+        x = torch.empty(tokens, len(LAYER_IDS), hidden, dtype=torch.bfloat16).uniform_(0.5, 1.5)
+        y = torch.empty_like(x)
+        raw_bytes = x.view(torch.uint8).numpy().reshape(-1).data
+
+        def best(fn: Callable[[], object]) -> float:
+            fn()
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return round(min(times) * 1e3, 2)
+
+        return {
+            "xxh3_ms": best(lambda: xxhash.xxh3_64_intdigest(raw_bytes)),
+            "values_check_ms": best(lambda: find_bad_values(x, LAYER_IDS)),
+            "copy_ms": best(lambda: y.copy_(x)),
+        }
+
     try:
-        _serve_commands(conn, {"setup": setup, "pull": pull, "raw": read_raw})
+        _serve_commands(conn, {"setup": setup, "pull": pull, "raw": read_raw, "profile": profile})
     finally:
         client.close()
         raw.close()
@@ -374,8 +407,12 @@ def _spread(values: list[float]) -> dict[str, Any]:
 def bench_read(pairs: int = PAIRS, warmup: int = WARMUP, **kw: Any) -> dict[str, Any]:
     b = PullVsRaw(**kw)
     try:
-        log(f"pull vs raw READ: {len(b.info['blocks'])} samples of {b.tokens} tokens per round")
+        checks = "on" if kw.get("checks", True) else "off (no checksum, no values check)"
+        n = len(b.info["blocks"])
+        log(f"pull vs raw READ: {n} samples of {b.tokens} tokens per round, checks {checks}")
         p = paired.run_pairs(b.pull, b.raw, pairs=pairs, warmup=warmup)
+        assert b.consumer is not None
+        prof = b.consumer.call("profile", b.tokens, kw.get("hidden", HIDDEN))
     finally:
         b.close()
 
@@ -401,6 +438,12 @@ def bench_read(pairs: int = PAIRS, warmup: int = WARMUP, **kw: Any) -> dict[str,
         "samples_per_round": len(b.info["blocks"]),
         "sample_MiB": round(p.a[0].nbytes / len(b.info["blocks"]) / (1 << 20), 1),
         "in_flight": kw.get("in_flight", IN_FLIGHT),
+        "checks": kw.get("checks", True),
+        "ms_per_sample": {
+            "pull": round(statistics.median(r.seconds for r in p.a) / len(b.info["blocks"]) * 1e3, 2),
+            "raw": round(statistics.median(r.seconds for r in p.b) / len(b.info["blocks"]) * 1e3, 2),
+            **prof,
+        },
         "layout": f"TLH (GPU), bf16, 4 layers x hidden {kw.get('hidden', HIDDEN)}, block {BLOCK}",
     }
 
@@ -528,6 +571,17 @@ class Loader:
     def ready(self) -> None:
         self._ask("ready")
 
+    def spawn(self) -> None:
+        """Start the DataLoader's workers (answered by ``spawned``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("spawn\n")
+        self.proc.stdin.flush()
+
+    def spawned(self) -> None:
+        assert self.proc.stdout is not None
+        if not self.proc.stdout.readline():
+            raise RuntimeError(f"the {self.backend} loader died ({self.proc.wait()})")
+
     def round(self) -> paired.Run:
         before = self.server.metrics()
         r = self._ask("round")
@@ -538,6 +592,7 @@ class Loader:
         prof.update({f"workers_{k}_s": v for k, v in r["workers_s"].items()})
         prof["round_s"] = r["seconds"]
         self.profile.append(prof)
+        log(f"{self.backend}: {r['rows']} rows in {r['seconds']:.1f} s")
         return paired.Run(r["seconds"], r["rows"], r["bytes"], r["cpu_s"])
 
     def stop(self) -> None:
@@ -593,6 +648,10 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
             break
         if cmd == "ready":
             print(json.dumps({"ready": True}), flush=True)
+            continue
+        if cmd == "spawn":  # start the (persistent) workers: one batch, the epoch left
+            next(iter(train))
+            print(json.dumps({"spawned": True}), flush=True)
             continue
         got = errors = 0
         read_log(timings)
@@ -658,6 +717,12 @@ def servers_and_loaders(work: Path, rows: int = ROWS) -> Iterator[tuple[Loader, 
         for ld in loaders:
             ld.ready()
         wait_healthy(started)
+        t0 = time.monotonic()
+        for ld in loaders:  # both at once: the workers' start-up is most of a first round
+            ld.spawn()
+        for ld in loaders:
+            ld.spawned()
+        log(f"DataLoader workers started in {time.monotonic() - t0:.0f} s")
         yield loaders[0], loaders[1]
     finally:
         for ld in loaders:
@@ -703,6 +768,10 @@ def main() -> dict[str, Any]:
     out: dict[str, Any] = {"machine_start": paired.machine_state()}
     out["read"] = bench_read()
     log(f"pull_read_over_raw {out['read']['pull_read_over_raw']} in {time.monotonic() - t0:.0f} s")
+    # the same with the integrity checks off at both ends (no XXH3, no values check): what
+    # the protocol itself costs over the raw READ (diagnostic; fewer pairs)
+    out["read_unchecked"] = bench_read(pairs=3, checks=False)
+    log(f"unchecked: {out['read_unchecked']['pull_read_over_raw']} in {time.monotonic() - t0:.0f} s")
     out["loader"] = bench_loader()
     log(f"pull_over_file {out['loader']['pull_over_file']} in {time.monotonic() - t0:.0f} s")
     out["pull_read_over_raw"] = out["read"]["pull_read_over_raw"]
