@@ -56,7 +56,8 @@ from typing import Any
 from scripts import paired
 
 REPO = Path(__file__).resolve().parents[1]
-SPECULATORS_SITE = REPO / ".venv" / "speculators-site-packages"
+# where scripts/setup_env.sh installs speculators (as tests/e2e/test_speculators.py finds it)
+SPECULATORS_SITE = Path(os.environ.get("SPECULATORS_SITE") or Path(sys.prefix) / "speculators-site-packages")
 UDS_SITE = REPO / "tests" / "e2e" / "uds_site"  # openai clients over the server's Unix socket
 
 HIDDEN = 4096
