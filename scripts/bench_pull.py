@@ -523,6 +523,14 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)  # its engine and workers, if any are left
         if self.proc.poll() is None:
             self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the group is empty (its children reaped)
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        log(f"server {self.name}: processes of its group {self.proc.pid} still there after 30 s")
 
 
 def wait_healthy(servers: list[Server], deadline_s: float = SERVER_START_S) -> None:
