@@ -13,7 +13,7 @@ fetches the row's sample by the ``handle`` in the server's ``kv_transfer_params`
 READing it from the producer's cache, checks it, releases it at the producer, and
 returns what speculators' ``FileTransfer`` loads from ``hs_<i>.safetensors``: ``token_ids``
 int64 [T] and ``hidden_states`` [T, L, H] in the producer's dtype. ``delete(handle)``
-releases (a sample ``get_generated`` returned is released already).
+releases (a sample ``get_generated`` returned is released already: nothing to do).
 
 The only module that imports speculators' packages; it is optional (the rest of
 kv_connector never needs it).
@@ -28,13 +28,14 @@ from typing import Any
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
-from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.reader.pull import FetchError, PullClient, handle_of
 
 BACKEND = "kv-hidden-states"
 DEFAULT_POOL_MIB = 256
 DEFAULT_FETCH_TIMEOUT_S = 60.0
 DEFAULT_PULL_LISTEN = "127.0.0.1"
 DEFAULT_PULL_TIMEOUT_S = 300.0
+MAX_REMEMBERED = 4096  # handles released by get_generated, remembered for delete()
 
 
 class KvHiddenStatesTransfer(HiddenStatesTransfer):
@@ -44,6 +45,7 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self, pool_mib: int = DEFAULT_POOL_MIB, fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
     ) -> None:
         self.client = PullClient(pool_bytes=pool_mib << 20, timeout_s=fetch_timeout_s, copy=True)
+        self._released: set[str] = set()  # by get_generated: delete() need not ask the producer
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         return None  # nothing is stored: every row is generated
@@ -53,9 +55,15 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         contiguous) of the sample the server's ``kv_transfer_params`` name; raises
         ``FetchError`` saying why not (speculators retries the row)."""
         sample = self.client.fetch(hs_transfer_params)
+        if len(self._released) >= MAX_REMEMBERED:
+            self._released.clear()  # forgotten ones are only released once more (harmless)
+        self._released.add(handle_of(hs_transfer_params))
         return {"token_ids": sample.token_ids, "hidden_states": sample.hidden_states}
 
     def delete(self, handle: str) -> None:
+        if handle in self._released:  # released when it was fetched: no round trip
+            self._released.discard(handle)
+            return
         self.client.release(handle)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kv_connector.reader.checker import pool_checksum
-from kv_connector.reader.lease import Lease, Sample, leased_view, sample_view
+from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.pool import PagePool, PoolTooSmall
 from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks, handle_of
 from kv_connector.reader.values import find_bad_values
@@ -49,6 +49,7 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 log = logging.getLogger(__name__)
 
 DEFAULT_POOL_BYTES = 128 << 20
+COPY_BUFFERS_MIN_BYTES = 64 << 20  # copies' buffers kept for reuse: the pool's size, or this
 FETCH_TIMEOUT_S = 60.0
 
 
@@ -101,6 +102,9 @@ class PullClient:
         self._pool: PagePool | None = None
         self._pool_np: np.ndarray | None = None
         self._links: ProducerLinks | None = None
+        # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
+        # costs more in page faults than the copy itself)
+        self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
         self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
 
     def __getstate__(self) -> dict[str, Any]:
@@ -250,7 +254,8 @@ class PullClient:
         if self.copy:
             run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
             view = sample_view(run, m)
-            hidden = torch.empty(view.shape, dtype=view.dtype)  # contiguous [T, L, H]
+            nbytes = view.numel() * view.element_size()
+            hidden = self._copies.take(nbytes).view(view.dtype).view(view.shape)  # contiguous [T, L, H]
             hidden.copy_(view)
             del run, view
             lease.release()

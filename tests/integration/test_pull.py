@@ -151,6 +151,31 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
     assert e.value.code == "released"
 
 
+@pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
+def test_copying_mode_hands_out_contiguous_copies_in_reused_buffers(
+    layout: BlockLayout, producers: list[Producer]
+) -> None:
+    samples = samples_spec(6, layout)
+    p = Producer(spec_of(layout, samples))
+    producers.append(p)
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
+    kept = []
+    with PullClient(pool_bytes=1 << 20, copy=True) as client:
+        for i, s in enumerate(samples):
+            got = client.fetch(p.handles[s["request_id"]])
+            assert not got.leased and got.hidden_states.is_contiguous()  # a copy: no lease
+            want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
+            assert torch.equal(got.hidden_states, want)
+            if i < 2:
+                kept.append((got.hidden_states, want))  # held: its buffer is not reused
+            del got
+        made = client._copies.allocated
+    assert made < len(samples)  # buffers of samples let go were used again
+    for hidden, want in kept:  # what is held was never overwritten by later samples
+        assert torch.equal(hidden, want)
+    assert p.poll()["held"] == [0]
+
+
 def test_a_sample_never_released_is_freed_by_the_timeout_and_then_expired(producers: list[Producer]) -> None:
     samples = samples_spec(2, LTH)
     p = Producer(spec_of(LTH, samples, timeout_s=1.5))
