@@ -17,7 +17,12 @@ printed is one JSON object; the first and the last name the machine and its load
   step_ms / metadata_bytes   the connector's cost per engine step at 256 decoding
              requests with output tokens, at 2k and 32k context;
   reader_rss_mib  the reader process's peak resident memory in e (its pool, torch, NIXL);
-  values_check_GB_per_s  the reader's optional NaN/Inf/all-zero check on one thread.
+  values_check_GB_per_s  the reader's optional NaN/Inf/all-zero check on one thread;
+  pull_read_over_raw  the pull client's fetch GB/s (checks on) over a raw NIXL READ of the
+             same blocks between the same two processes (``scripts.bench_pull``), and
+             ``pull_read_unchecked_over_raw`` the same with the checks off;
+  pull_over_file  rows/s through speculators' DataLoader with our pull backend over its
+             file backend, same server settings.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def missed(summary: dict[str, Any]) -> list[str]:
 def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from scripts import bench_datapath, bench_model, bench_step
+    from scripts import bench_datapath, bench_model, bench_pull, bench_step
 
     start = machine_state()
     print("machine at start:", json.dumps(start), flush=True)
@@ -86,6 +91,8 @@ def main() -> None:
     print("data path:", json.dumps(flatten(datapath)), flush=True)
     steps = bench_step.main()
     print("per step:", json.dumps(steps), flush=True)
+    pull = bench_pull.main()
+    print("pull:", json.dumps(pull), flush=True)
     e_final = datapath["e_final"]
     figures: dict[str, Any] = {
         "a_over_c": model["a_over_c"],
@@ -105,6 +112,11 @@ def main() -> None:
         "b_tokens_per_s": datapath["b_tokens_per_s"],
     }
     summary = flatten(figures)
+    summary["pull_read_over_raw"] = pull["read"]["pull_read_over_raw"]
+    summary["pull_read_over_raw_range"] = pull["read"]["range"]
+    summary["pull_read_unchecked_over_raw"] = pull["read_unchecked"]["pull_read_over_raw"]
+    summary["pull_over_file"] = pull["loader"]["pull_over_file"]
+    summary["pull_over_file_range"] = pull["loader"]["range"]
     summary.update(
         {
             "step_ms": {k: round(v["step_ms"], 3) for k, v in steps.items()},
