@@ -160,6 +160,10 @@ class PullLedger:
         out, self._freed = self._freed, set()
         return out
 
+    def holding(self, request_id: str) -> Held | None:
+        """The record of a sample held now (whatever its clock says), or None."""
+        return self._held.get(request_id)
+
     # ------------------------------------------------------------- consumer side
     def check(self, request_id: str, nonce: str, now: float) -> Held:
         """The sample's record while it is held (P1, P2, P4), without serving it."""

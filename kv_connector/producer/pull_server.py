@@ -14,7 +14,9 @@ ended (``take_freed``) and reports it finished to vLLM, which frees the blocks.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -28,7 +30,7 @@ import torch
 
 from kv_connector.common.device import on_device
 from kv_connector.producer.pull_ledger import PullLedger, PullRefused
-from kv_connector.sender.hasher import share_block_digest, share_checksum
+from kv_connector.sender.hasher import Hasher, share_block_digest, share_checksum
 from kv_connector.sender.jobs import Job
 from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address
@@ -131,8 +133,11 @@ class PullServer:
             self._region.mem_type,
             checksum or ShareChecksum.XXH3,
         )
-        self._lock = threading.Lock()  # guards the ledger and the connections
+        self._lock = threading.Lock()  # guards the ledger, the connections and the hashing
         self._ledger = PullLedger(timeout_s)
+        self._prehash = checksum is ShareChecksum.XXH3 and cache.device.type == "cpu"
+        self._hasher: Hasher | None = None  # started on the first finished sample
+        self._hashing: dict[tuple[str, str], concurrent.futures.Future[int]] = {}
         self._conns: set[FramedConnection] = set()
         self._closed = False
         # consumers that fetched and did not release yet: they may be reading, and a READ
@@ -184,9 +189,39 @@ class PullServer:
             self._ledger.hold(request_id, nonce, manifest, blocks, share, self._clock())
 
     def finished(self, request_ids: Iterable[str]) -> None:
-        """These requests finished in vLLM (their handles are out): ``timeout_s`` starts."""
+        """These requests finished in vLLM (their handles are out): ``timeout_s`` starts,
+        and on a host cache their shares' checksums are taken in the background."""
+        rids = list(request_ids)
+        started: list[tuple[str, str, concurrent.futures.Future[int]]] = []
         with self._lock:
-            self._ledger.finished(request_ids, self._clock())
+            self._ledger.finished(rids, self._clock())
+            if not self._prehash or self._closed:
+                return
+            for rid in rids:
+                h = self._ledger.holding(rid)
+                if h is None or h.checksum is not None or not len(h.share) or (rid, h.nonce) in self._hashing:
+                    continue
+                if self._hasher is None:
+                    self._hasher = Hasher(f"hs-pull-r{self.rank}-hash")
+                job = Job(rid, h.manifest, h.block_ids, h.share, 0.0)
+                fut = self._hasher.submit(functools.partial(self._share_checksum, job))
+                self._hashing[(rid, h.nonce)] = fut
+                started.append((rid, h.nonce, fut))
+        for rid, nonce, fut in started:  # outside the lock: a done future calls back at once
+            fut.add_done_callback(functools.partial(self._hashed, rid, nonce))
+
+    def _hashed(self, rid: str, nonce: str, fut: concurrent.futures.Future[int]) -> None:
+        """A share's checksum taken in the background: kept if the sample is still held
+        (its blocks were not given back to vLLM while they were read)."""
+        with self._lock:
+            self._hashing.pop((rid, nonce), None)
+            if fut.exception() is not None:
+                return  # a fetch takes it again, and says what fails
+            try:
+                self._ledger.check(rid, nonce, self._clock())
+            except PullRefused:
+                return
+            self._ledger.set_checksum(rid, nonce, fut.result())
 
     def fail(self, request_id: str, nonce: str, why: str) -> None:
         """The sample could not be held; a consumer asking for it is told ``why``."""
@@ -238,6 +273,8 @@ class PullServer:
         self._wake.set()
         self._thread.join(timeout=5)
         self._progress.join(timeout=5)
+        if self._hasher is not None:
+            self._hasher.close()
         with contextlib.suppress(OSError):
             self._sock.close()
         self._transport.close()
@@ -337,9 +374,13 @@ class PullServer:
         try:
             with self._lock:
                 h = self._ledger.fetch(rid, nonce, self._clock())
+                pending = self._hashing.get((rid, nonce))
             digest = h.checksum
             if self._checksum is not None and digest is None and len(h.share):
-                digest = self._share_checksum(Job(rid, h.manifest, h.block_ids, h.share, 0.0))
+                if pending is not None and pending.exception() is None:
+                    digest = pending.result()  # taken since the request finished
+                else:
+                    digest = self._share_checksum(Job(rid, h.manifest, h.block_ids, h.share, 0.0))
                 with self._lock:
                     # computed from the blocks while they were still held: still held now,
                     # so they were not given back to vLLM meanwhile

@@ -112,3 +112,49 @@ def test_block_digests_of_rows_that_are_not_whole_words_are_refused() -> None:
         server(cache_of(odd), odd, ShareChecksum.BLOCKS)
     with pytest.raises(ValueError, match="whole 8-byte words"):
         ChecksumOption.BLOCKS.resolve(False, odd)
+
+
+def test_a_finished_sample_is_hashed_in_the_background_once_and_a_fetch_waits_for_that(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a host cache the share's XXH3 is taken on the server's own thread once the
+    request finished (while its response travels), not by the fetch: a fetch that comes
+    while it runs waits for it, and nothing is hashed twice."""
+    import threading
+
+    calls: list[str] = []
+    gate = threading.Event()
+    real = pull_server.share_checksum
+
+    def hashing(raw: torch.Tensor, job: Any) -> int:
+        calls.append(threading.current_thread().name)
+        assert gate.wait(10)
+        return real(raw, job)
+
+    monkeypatch.setattr(pull_server, "share_checksum", hashing)
+    cache = cache_of(TLH)
+    s = server(cache, TLH, ShareChecksum.XXH3)
+    try:
+        nonces = {rid: make_nonce() for rid in ("a", "b")}
+        for i, (rid, nonce) in enumerate(nonces.items()):
+            s.hold(rid, nonce, list(range(2 * TLH.block_size)), [3 + 2 * i, 4 + 2 * i])
+        s.finished(["a"])  # "b" has not finished: its handle is not out, nothing is taken yet
+        answers: list[Any] = []
+        ask_a = protocol.PullFetch("a", nonces["a"])
+        fetch = threading.Thread(target=lambda: answers.append(s._answer(ask_a)))
+        fetch.start()
+        fetch.join(0.2)
+        assert fetch.is_alive() and calls == ["hs-pull-r0-hash"]  # the fetch waits for the hash
+        gate.set()
+        fetch.join(10)
+        share = answers[0]
+        assert isinstance(share, protocol.PullShare)
+        assert share.checksum == pool_checksum(read(cache, share), 0, share.manifest, [0, 1], share.digest)
+        assert s._answer(protocol.PullFetch("a", nonces["a"])) == share
+        assert calls == ["hs-pull-r0-hash"]  # taken once
+        late = s._answer(protocol.PullFetch("b", nonces["b"]))  # fetched before its finish: taken here
+        assert isinstance(late, protocol.PullShare) and late.checksum is not None
+        assert calls == ["hs-pull-r0-hash", threading.current_thread().name]
+    finally:
+        gate.set()
+        s.close()
