@@ -18,11 +18,14 @@ can ship it to spawned workers. It keeps one authenticated control connection pe
 producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
 both ends prove it before any NIXL metadata moves); one that breaks (a producer
 restarted) is made and handshaken again once per request. Thread-safe: several fetches
-may be in flight, from several threads or from one ``fetch_many``.
+may be in flight, from several threads or from one ``fetch_many``, which checks each
+sample on a thread of its own while it READs the next (a READ copies on the thread that
+posts it; the checks, XXH3 and the values check, run without the GIL).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import threading
@@ -105,6 +108,7 @@ class PullClient:
         # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
         # costs more in page faults than the copy itself)
         self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
+        self._checker: concurrent.futures.ThreadPoolExecutor | None = None  # fetch_many's, made on use
         self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
 
     def __getstate__(self) -> dict[str, Any]:
@@ -130,11 +134,18 @@ class PullClient:
 
     def fetch_many(self, handles: Iterable[str | Mapping[str, Any]]) -> list[Sample | FetchError]:
         """Several samples with their READs in flight together; each a ``Sample`` or the
-        ``FetchError`` of that one."""
-        started: list[_Pending | FetchError] = []
+        ``FetchError`` of that one. Each sample is checked and released on the client's
+        checker thread while the next one is asked for and READ on this one."""
+        with self._lock:
+            if self._checker is None:
+                self._checker = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"{self.name}-check"
+                )
+            checker = self._checker
+        started: list[concurrent.futures.Future[Sample] | FetchError] = []
         for h in handles:
             try:
-                started.append(self._start(h))
+                started.append(checker.submit(self._finish, self._start(h)))
             except FetchError as e:
                 started.append(e)
         out: list[Sample | FetchError] = []
@@ -143,7 +154,7 @@ class PullClient:
                 out.append(p)
                 continue
             try:
-                out.append(self._finish(p))
+                out.append(p.result())
             except FetchError as e:
                 out.append(e)
         return out
@@ -156,6 +167,10 @@ class PullClient:
         self._release_all(h, quiet=True)
 
     def close(self) -> None:
+        with self._lock:
+            checker, self._checker = self._checker, None
+        if checker is not None:
+            checker.shutdown(wait=True)
         with self._lock:
             links, self._links = self._links, None
             transport, self._transport = self._transport, None

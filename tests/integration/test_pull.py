@@ -120,8 +120,20 @@ TLH = BlockLayout("TLH", 16, 3, 32, "bfloat16")
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
 def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
-    layout: BlockLayout, world: int, producers: list[Producer]
+    layout: BlockLayout, world: int, producers: list[Producer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import threading
+
+    from kv_connector.reader import pull
+
+    checked_on: list[str] = []
+    real_check = pull.find_bad_values
+
+    def values_check(*args: Any) -> Any:
+        checked_on.append(threading.current_thread().name)
+        return real_check(*args)
+
+    monkeypatch.setattr(pull, "find_bad_values", values_check)
     samples = samples_spec(6, layout)
     p = Producer(spec_of(layout, samples, world_size=world))
     producers.append(p)
@@ -136,7 +148,10 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
             assert got.layer_ids == tuple(LAYER_IDS) and got.producer_id == "producer"
             got.release()
         # the rest with their READs in flight together, given as kv_transfer_params
+        assert checked_on == [threading.current_thread().name] * 3
         many = client.fetch_many([{"handle": p.handles[s["request_id"]]} for s in samples[3:]])
+        # checked on the client's checker thread while the next one was READ on this one
+        assert checked_on[3:] == [f"{client.name}-check_0"] * 3
         for s, got in zip(samples[3:], many, strict=True):
             assert not isinstance(got, FetchError), got
             want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
