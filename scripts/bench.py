@@ -127,6 +127,19 @@ def main() -> None:
             "values_check_GB_per_s": round(datapath["values_check"]["GB_per_s"], 2),
         }
     )
+    # where the time goes (medians over the counted rounds): the data path's CPU seconds per
+    # GB by end, with checksums and without; the model-level arm's generate() and tail
+    summary["profile"] = {
+        key: datapath[key].rounded()[0]
+        for key in (
+            "producer_cpu_s_per_GB", "reader_cpu_s_per_GB", "e0_producer_cpu_s_per_GB",
+            "e0_reader_cpu_s_per_GB", "e0_cpu_s_per_GB", "raw_producer_cpu_s_per_GB",
+            "raw_reader_cpu_s_per_GB",
+        )
+    }  # fmt: skip
+    summary["profile"].update(
+        {key: model[key].rounded()[0] for key in ("a_generate_s", "a0_generate_s", "a_tail_s")}
+    )
     summary["missed"] = missed(summary)
     end = machine_state()
     summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}

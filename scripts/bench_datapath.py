@@ -466,7 +466,7 @@ def _say(text: str) -> None:
     print(f"[bench_datapath {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def main(n_req: int = 48, tokens: int = 2048, pairs: int = 5) -> dict[str, Any]:
+def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
     from scripts.vllm_harness import config_only_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-"))
@@ -520,10 +520,14 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 5) -> dict[str, Any]:
         "e0_GB_per_s": measured["e0"].each("b", gb),
         "cpu_s_per_GB": Spread.of([per_gb(r) for r in e_runs]),
         "raw_cpu_s_per_GB": d.each("b", per_gb),
+        "e0_cpu_s_per_GB": measured["e0"].each("b", per_gb),
     }
     for end in ("producer", "reader"):
         key = f"{end}_cpu_s"
         out[f"{end}_cpu_s_per_GB"] = Spread.of([r.detail[key] / (r.nbytes / 1e9) for r in e_runs])
+        out[f"e0_{end}_cpu_s_per_GB"] = Spread.of(
+            [r.detail[key] / (r.nbytes / 1e9) for r in measured["e0"].b]
+        )
         out[f"raw_{end}_cpu_s_per_GB"] = Spread.of([r.detail[key] / (r.nbytes / 1e9) for r in d.b])
     out["e_final"] = finals.get("e", {})
     vc = isolated("bench_values_check", tokens)
