@@ -2,7 +2,7 @@
 warm-up pair, the median ratio with its min and max):
 
 ``pull_read_over_raw``: our ``PullClient`` fetching samples by their handles (several in
-flight, ``fetch_many``: the control round trips, the producer's XXH3 and the client's
+flight, ``fetch_iter``: the control round trips, the producer's XXH3 and the client's
 check of it, the values check, each sample taken and let go) over a raw NIXL READ of the
 same block spans between the same two processes (no protocol, no checks), in GB/s. The
 producer is a ``PullServer`` over a cache tensor (no vLLM) at GPU-like shape: 4 captured
@@ -220,16 +220,15 @@ def _consumer_proc(conn: Any, pool_bytes: int, in_flight: int, check_values: boo
     def pull(handles: list[str], verify: bool) -> tuple[float, int, float, list[str]]:
         moved, digests = 0, []
         c0, t0 = paired.cpu_seconds(), time.perf_counter()
-        for k in range(0, len(handles), in_flight):
-            for s in client.fetch_many(handles[k : k + in_flight]):
-                if isinstance(s, FetchError):
-                    raise s
-                hs = s.hidden_states
-                moved += -(-hs.shape[0] // BLOCK) * state["block_bytes"]  # what was READ: whole blocks
-                if verify:
-                    digests.append(_digest(hs.contiguous().view(torch.uint8).numpy().reshape(-1)))
-                del hs
-                s.release()
+        for s in client.fetch_iter(handles, in_flight):  # in_flight READs ahead, checks beside them
+            if isinstance(s, FetchError):
+                raise s
+            hs = s.hidden_states
+            moved += -(-hs.shape[0] // BLOCK) * state["block_bytes"]  # what was READ: whole blocks
+            if verify:
+                digests.append(_digest(hs.contiguous().view(torch.uint8).numpy().reshape(-1)))
+            del hs
+            s.release()
         t1 = time.perf_counter()
         return t1 - t0, moved, paired.cpu_seconds() - c0, digests
 

@@ -18,20 +18,21 @@ can ship it to spawned workers. It keeps one authenticated control connection pe
 producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
 both ends prove it before any NIXL metadata moves); one that breaks (a producer
 restarted) is made and handshaken again once per request. Thread-safe: several fetches
-may be in flight, from several threads or from one ``fetch_many``, which checks each
-sample on a thread of its own while it READs the next (a READ copies on the thread that
+may be in flight, from several threads or from one ``fetch_many`` or ``fetch_iter``, which
+check each sample on a thread of its own while they READ the next (a READ copies on the thread that
 posts it; the checks, XXH3 and the values check, run without the GIL).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import gc
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,30 +135,49 @@ class PullClient:
 
     def fetch_many(self, handles: Iterable[str | Mapping[str, Any]]) -> list[Sample | FetchError]:
         """Several samples with their READs in flight together; each a ``Sample`` or the
-        ``FetchError`` of that one. Each sample is checked and released on the client's
-        checker thread while the next one is asked for and READ on this one."""
+        ``FetchError`` of that one (``fetch_iter`` with every one in flight)."""
+        return list(self.fetch_iter(handles, in_flight=None))
+
+    def fetch_iter(
+        self, handles: Iterable[str | Mapping[str, Any]], in_flight: int | None = 4
+    ) -> Iterator[Sample | FetchError]:
+        """The samples of ``handles`` in their order, each a ``Sample`` or the
+        ``FetchError`` of that one, with up to ``in_flight`` of them asked for and READ
+        ahead (None: all). Each is checked and released on the client's checker thread
+        while the next ones are READ on this one. The pool must hold ``in_flight``
+        samples besides those you keep: release each before taking the next (a plain
+        ``for`` loop whose body drops the sample does)."""
+        if in_flight is not None and in_flight < 1:
+            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
         with self._lock:
             if self._checker is None:
-                self._checker = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix=f"{self.name}-check"
-                )
+                self._checker = concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-check")
             checker = self._checker
-        started: list[concurrent.futures.Future[Sample] | FetchError] = []
-        for h in handles:
-            try:
-                started.append(checker.submit(self._finish, self._start(h)))
-            except FetchError as e:
-                started.append(e)
-        out: list[Sample | FetchError] = []
-        for p in started:
-            if isinstance(p, FetchError):
-                out.append(p)
-                continue
-            try:
-                out.append(p.result())
-            except FetchError as e:
-                out.append(e)
-        return out
+        pending: collections.deque[concurrent.futures.Future[Sample] | FetchError] = collections.deque()
+        try:
+            for h in handles:
+                try:
+                    pending.append(checker.submit(self._finish, self._start(h)))
+                except FetchError as e:
+                    pending.append(e)
+                if in_flight is not None and len(pending) >= in_flight:
+                    yield self._outcome(pending.popleft())
+            while pending:
+                yield self._outcome(pending.popleft())
+        finally:  # left early: the samples read ahead give their pages back
+            for p in pending:
+                got = self._outcome(p)
+                if isinstance(got, Sample):
+                    got.release()
+
+    @staticmethod
+    def _outcome(p: concurrent.futures.Future[Sample] | FetchError) -> Sample | FetchError:
+        if isinstance(p, FetchError):
+            return p
+        try:
+            return p.result()
+        except FetchError as e:
+            return e
 
     def release(self, handle: str | Mapping[str, Any]) -> None:
         """Let the producer free the sample's blocks (``fetch`` did already, on success; a

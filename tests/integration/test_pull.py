@@ -166,6 +166,45 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
     assert e.value.code == "released"
 
 
+def test_fetch_iter_streams_with_a_pool_of_exactly_its_reads_ahead_and_gives_pages_back_when_left(
+    producers: list[Producer],
+) -> None:
+    """``fetch_iter`` keeps ``in_flight`` samples asked for and READ ahead in a pool that
+    holds just that many (each one the loop drops returns its pages before the next READ),
+    in the order of the handles; a loop left early gives the samples read ahead back."""
+    from kv_connector.reader.pull_links import PAGE_BYTES
+
+    samples = samples_spec(8, LTH)
+    assert all(LTH.sample_bytes(LTH.blocks_for(s["num_tokens"])) <= PAGE_BYTES for s in samples)
+    p = Producer(spec_of(LTH, samples))
+    producers.append(p)
+    cache = make_cache(LTH, NUM_CACHE_BLOCKS, SEED, finite=True)
+    handles = [p.handles[s["request_id"]] for s in samples]
+    with PullClient(pool_bytes=2 * PAGE_BYTES, timeout_s=5) as client:  # two samples, no more
+        got_ids = []
+        for s, got in zip(samples[:6], client.fetch_iter(handles[:6], in_flight=2), strict=True):
+            assert not isinstance(got, FetchError), got
+            assert torch.equal(
+                got.hidden_states, expected_states(cache, LTH, s["block_ids"], s["num_tokens"])
+            )
+            got_ids.append(got.request_id)
+            got.release()
+        assert got_ids == [s["request_id"] for s in samples[:6]]
+        stream = client.fetch_iter(handles[6:], in_flight=2)
+        first = next(stream)  # the second is read ahead, holding the pool's other page
+        assert not isinstance(first, FetchError)
+        stream.close()  # left early
+        first.release()
+        with pytest.raises(ValueError, match="in_flight"):
+            next(client.fetch_iter(handles, in_flight=0))
+        # both pages are free again: two samples at once fit (without the read-ahead one's
+        # page back, the second would wait for it and fail after timeout_s)
+        more = Producer(spec_of(LTH, samples_spec(2, LTH, seed=9), producer_id="again"))
+        producers.append(more)
+        pair = client.fetch_many(list(more.handles.values()))
+        assert all(not isinstance(x, FetchError) for x in pair), pair
+
+
 @pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
 def test_copying_mode_hands_out_contiguous_copies_in_reused_buffers(
     layout: BlockLayout, producers: list[Producer]
