@@ -188,9 +188,7 @@ def _say(text: str) -> None:
     print(f"[bench_model {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def main(
-    n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pairs: int = 7
-) -> dict[str, Any]:
+def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pairs: int = 7) -> dict[str, Any]:
     from scripts.make_tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-model-"))
