@@ -330,10 +330,11 @@ class ExampleArm:
 def _raw_target_proc(conn: Any, pool_bytes: int) -> None:
     """Registers a pool, then on ("expect", n) polls until n WRITEs notified and answers
     (end time, CPU seconds spent)."""
+    from kv_connector.common.memory import host_memory
     from kv_connector.wire.nixl_transport import NixlTransport
 
     t = NixlTransport(f"raw-target-{os.getpid()}")
-    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
+    pool = torch.from_numpy(host_memory(pool_bytes))  # the same kind of memory as the reader's pool
     region = t.register(pool)
     conn.send((t.metadata, region.addr, region.nbytes))
     t.add_peer(conn.recv())

@@ -206,9 +206,11 @@ def _consumer_proc(conn: Any, pool_bytes: int, in_flight: int, check_values: boo
     from kv_connector.wire.transport import Region
 
     client = PullClient(pool_bytes=pool_bytes, check_values=check_values)
+    from kv_connector.common.memory import host_memory
+
     raw = NixlTransport(f"bench-raw-{os.getpid()}")
-    buf = torch.empty(pool_bytes, dtype=torch.uint8)
-    buf_np = buf.numpy()
+    buf_np = host_memory(pool_bytes)  # the same kind of memory as the client's pool
+    buf = torch.from_numpy(buf_np)
     local = raw.register(buf)
     state: dict[str, Any] = {}
 

@@ -17,8 +17,6 @@ it is made, never fresh zeroed memory per sample.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import sys
 import threading
 import weakref
@@ -28,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_connector.common.memory import host_memory
 from kv_connector.wire.protocol import Manifest
 
 Key = tuple[str, str]
-HUGE_PAGE_MIN_BYTES = 2 << 20
 MIN_BUFFER = 64 << 10  # copy buffers come in powers of two from this size
 
 
@@ -201,20 +199,6 @@ def leased_view(pool: np.ndarray, base: int, m: Manifest, lease: Lease) -> torch
     return sample_view(raw, m)
 
 
-def _anonymous(nbytes: int) -> np.ndarray:
-    """Memory for a copy buffer, advised to use transparent huge pages, faulted in now."""
-    if nbytes < HUGE_PAGE_MIN_BYTES:
-        buf = np.empty(nbytes, dtype=np.uint8)
-    else:
-        mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):
-                mem.madvise(mmap.MADV_HUGEPAGE)
-        buf = np.frombuffer(mem, dtype=np.uint8)
-    buf.fill(0)  # fault it in once, here, not per sample
-    return buf
-
-
 class CopyBuffers:
     """Reused output buffers for the copying mode, at most ``max_bytes`` kept."""
 
@@ -237,7 +221,7 @@ class CopyBuffers:
             else:
                 self._kept -= size
         if buf is None:
-            buf = _anonymous(size)
+            buf = host_memory(size)  # huge pages, faulted in once
         arr = buf[:nbytes]
         weakref.finalize(arr, self._give_back, buf)
         return torch.from_numpy(arr)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_connector.common.memory import host_memory
 from kv_connector.reader.checker import pool_checksum
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.pool import PagePool, PoolTooSmall
@@ -320,10 +321,9 @@ class PullClient:
 
                 transport = NixlTransport(self.name)
             num_pages = self.pool_bytes // PAGE_BYTES
-            tensor = torch.empty(num_pages * PAGE_BYTES, dtype=torch.uint8)
-            self._region = transport.register(tensor)
-            self._pool_tensor = tensor
-            self._pool_np = tensor.numpy()
+            pool = host_memory(num_pages * PAGE_BYTES)  # huge pages where the kernel offers them
+            self._region = transport.register(torch.from_numpy(pool))
+            self._pool_np = pool
             self._pool = PagePool(num_pages)
             self._links = ProducerLinks(
                 self.name, self._secret, self.timeout_s, self._lock, transport, self._region

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kv_connector.common.memory import host_memory
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
 from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
 from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
@@ -225,8 +226,8 @@ class HiddenStatesReader:
                 raise
         if not secret:
             log.warning("no shared secret: producers are not authenticated (listening on %s)", self.address)
-        self._pool_tensor = torch.zeros(pool_bytes, dtype=torch.uint8)
-        self._pool_np = self._pool_tensor.numpy()
+        self._pool_np = host_memory(pool_bytes)  # huge pages where the kernel offers them
+        self._pool_tensor = torch.from_numpy(self._pool_np)
         self._copies = CopyBuffers(max_bytes=max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
         try:
             if transport is None:
