@@ -13,7 +13,12 @@ one measurement on command, so a pair costs the transfer, not vLLM's import. Eve
 reports the CPU seconds both processes spent in it (their own rusage), which on a shared
 machine is far steadier than bytes per second.
 
+  rc: r with XXH3 at both ends (each sample hashed from the cache as its WRITE is posted,
+     and from the pool as it lands, each on a thread of its own): the ceiling of d and
+     of the checksum ratio on this machine for any design that checks every byte.
+
 Figures: d = e's bytes/s over r's; cpu_over_raw = e's CPU seconds per GB over r's;
+xxh3_ceiling = rc over r;
 checksum_throughput_ratio = e over e without checksums; metrics_throughput_ratio = e
 (the connector's stats taken every step on both roles as vLLM does, the reader's endpoint
 scraped every second) over e with metrics off; e_over_b. Also what the reader's optional
@@ -30,6 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -327,42 +333,74 @@ class ExampleArm:
 
 
 # ------------------------------------------------------------------ raw NIXL (r)
-def _raw_target_proc(conn: Any, pool_bytes: int) -> None:
-    """Registers a pool, then on ("expect", n) polls until n WRITEs notified and answers
-    (end time, CPU seconds spent)."""
+def _raw_target_proc(conn: Any, pool_bytes: int, checks: bool = False) -> None:
+    """Registers a pool, then on ("expect", n, sample_bytes) polls until n WRITEs notified
+    and answers (end time, CPU seconds spent). With ``checks``, each landed sample (the
+    slot its notification names) is hashed (XXH3) on a thread of its own, as the reader's
+    checker does, and the answer waits for the last hash."""
+    import queue
+    import threading
+
+    import xxhash
+
     from kv_connector.common.memory import host_memory
     from kv_connector.wire.nixl_transport import NixlTransport
 
     t = NixlTransport(f"raw-target-{os.getpid()}")
-    pool = torch.from_numpy(host_memory(pool_bytes))  # the same kind of memory as the reader's pool
-    region = t.register(pool)
+    buf = host_memory(pool_bytes)  # the same kind of memory as the reader's pool
+    region = t.register(torch.from_numpy(buf))
     conn.send((t.metadata, region.addr, region.nbytes))
     t.add_peer(conn.recv())
+    landed: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    hashed = threading.Semaphore(0)
+
+    def check() -> None:
+        while (item := landed.get()) is not None:
+            at, n = item
+            xxhash.xxh3_64_intdigest(buf[at : at + n].data)
+            hashed.release()
+
+    checker = threading.Thread(target=check, daemon=True)
+    checker.start()
     while (cmd := conn.recv())[0] == "expect":
         c0 = cpu_seconds()
         got = 0
         while got < cmd[1]:
-            got += len(t.notifications())
+            for _peer, msg in t.notifications():
+                got += 1
+                if checks:
+                    landed.put((int(msg) * cmd[2], cmd[2]))
+        for _ in range(cmd[1] if checks else 0):
+            hashed.acquire()
         conn.send((time.time(), cpu_seconds() - c0))
+    landed.put(None)
     t.close()
 
 
 class RawArm:
     """r: raw NIXL WRITEs of each request's scattered blocks into pages of another
-    process's registered pool, ``in_flight`` requests at a time."""
+    process's registered pool, ``in_flight`` requests at a time. With ``checks`` (rc), both
+    ends also hash every sample with XXH3 on a thread of their own, the initiator from its
+    cache as each WRITE is posted and the target from its pool as each lands: the least
+    any design with a full checksum at both ends pays on this machine (no protocol, no
+    credits), the ceiling of e over r."""
 
-    def __init__(self, n_req: int, tokens: int, num_blocks: int, in_flight: int) -> None:
+    def __init__(
+        self, n_req: int, tokens: int, num_blocks: int, in_flight: int, checks: bool = False
+    ) -> None:
         from kv_connector.wire.nixl_transport import NixlTransport
         from kv_connector.wire.transport import Region
 
         self.n_req, self.tokens, self.num_blocks, self.in_flight = n_req, tokens, num_blocks, in_flight
+        self.checks = checks
         self.block_bytes = BLOCK * TOKEN_BYTES
         self.nb = -(-tokens // BLOCK)
         pool_bytes = in_flight * self.nb * self.block_bytes
         self.cache = torch.randn(num_blocks, len(LAYERS), BLOCK, HIDDEN, dtype=torch.bfloat16)
+        self._hasher = ThreadPoolExecutor(1) if checks else None
         ctx = mp.get_context("spawn")
         self.conn, b = ctx.Pipe()
-        self.proc = ctx.Process(target=_raw_target_proc, args=(b, pool_bytes))
+        self.proc = ctx.Process(target=_raw_target_proc, args=(b, pool_bytes, checks))
         self.proc.start()
         md, addr, size = self.conn.recv()
         self.t = NixlTransport(f"raw-init-{os.getpid()}")
@@ -373,25 +411,46 @@ class RawArm:
         self.next = 0
         self._writes(1)  # warm-up: connection set-up
 
+    def _blocks(self, i: int) -> list[int]:
+        return [(i * self.nb + k) % (self.num_blocks - 1) + 1 for k in range(self.nb)]
+
     def _spans(self, i: int) -> Any:
         import numpy as np
 
         nb, bb = self.nb, self.block_bytes
-        blocks = [(i * nb + k) % (self.num_blocks - 1) + 1 for k in range(nb)]
         slot = i % self.in_flight
-        return np.array([(bl * bb, (slot * nb + k) * bb, bb) for k, bl in enumerate(blocks)])
+        return np.array([(bl * bb, (slot * nb + k) * bb, bb) for k, bl in enumerate(self._blocks(i))])
+
+    def _hash(self, i: int) -> int:
+        import xxhash
+
+        raw = self.cache.view(-1).view(torch.uint8).numpy()
+        h = xxhash.xxh3_64()
+        for bl in self._blocks(i):
+            h.update(raw[bl * self.block_bytes : (bl + 1) * self.block_bytes].data)
+        return int(h.intdigest())
 
     def _writes(self, n: int) -> tuple[float, float, float]:
-        self.conn.send(("expect", n))
+        sample_bytes = self.nb * self.block_bytes
+        self.conn.send(("expect", n, sample_bytes))
         c0 = cpu_seconds()
         t0 = time.time()
         live: list[Any] = []
+        hashes = []
         end = self.next + n
         while self.next < end or live:
             while self.next < end and len(live) < self.in_flight:
-                live.append(self.t.write(self.peer, self.local, self.remote, self._spans(self.next), b"n"))
+                if self._hasher is not None:
+                    hashes.append(self._hasher.submit(self._hash, self.next))
+                slot = str(self.next % self.in_flight).encode()
+                live.append(self.t.write(self.peer, self.local, self.remote, self._spans(self.next), slot))
                 self.next += 1
-            live = [x for x in live if not self.t.poll(x)]
+            still = [x for x in live if not self.t.poll(x)]
+            if still and len(still) == len(live):
+                time.sleep(0)  # nothing completed: let the hashing thread have the GIL, do not spin
+            live = still
+        for h in hashes:
+            h.result()
         t_end, target_cpu = self.conn.recv()
         return t_end - t0, cpu_seconds() - c0, target_cpu
 
@@ -407,6 +466,8 @@ class RawArm:
         self.conn.send(("stop",))
         self.proc.join(30)
         self.t.close()
+        if self._hasher is not None:
+            self._hasher.shutdown()
         return {}
 
 
@@ -480,6 +541,7 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
         "e0": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "none"),
         "em": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "xxh3", False),
         "r": ArmProcess("RawArm", n_req, tokens, num_blocks, 4),
+        "rc": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, True),
         "b": ArmProcess("ExampleArm", model, n_req, tokens, num_blocks),
     }
     finals: dict[str, dict[str, float]] = {}
@@ -492,6 +554,9 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
         for other in ("r", "e0", "em", "b"):
             measured[other] = run_pairs(e.round, arms[other].round, pairs)
             _say(f"e vs {other}: {[round(x, 3) for x in measured[other].ratio().values]}")
+        # the machine's ceiling for e over r: raw WRITEs with XXH3 at both ends, no protocol
+        measured["rc"] = run_pairs(arms["rc"].round, arms["r"].round, pairs)
+        _say(f"rc vs r: {[round(x, 3) for x in measured['rc'].ratio().values]}")
     finally:
         for name, arm in arms.items():
             try:
@@ -507,7 +572,7 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
         return r.cpu_s_per_gb
 
     d = measured["r"]
-    e_runs = [r for p in measured.values() for r in p.a]
+    e_runs = [r for name, p in measured.items() if name != "rc" for r in p.a]
     out: dict[str, Any] = {
         "d": d.ratio(gb),
         "cpu_over_raw": d.ratio(per_gb),
@@ -522,6 +587,7 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
         "cpu_s_per_GB": Spread.of([per_gb(r) for r in e_runs]),
         "raw_cpu_s_per_GB": d.each("b", per_gb),
         "e0_cpu_s_per_GB": measured["e0"].each("b", per_gb),
+        "xxh3_ceiling": measured["rc"].ratio(gb),
     }
     for end in ("producer", "reader"):
         key = f"{end}_cpu_s"

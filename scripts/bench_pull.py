@@ -16,6 +16,12 @@ the client's checks measured in the consumer. ``read_unchecked`` is the same pai
 the checks off at both ends (producer ``checksum=False``, client ``check_values=False``):
 what the protocol itself costs over the raw READ.
 
+``checked_raw_over_raw``: the same raw READs with the client's checks (XXH3 and the values
+check of each sample on a thread of its own as its READ completes) while the producer
+hashes its samples in the background, as the server does, over the plain raw READs: the
+least any design with those checks pays on this machine (no protocol), the ceiling of
+``pull_read_over_raw``.
+
 ``pull_over_file``: rows/s through speculators' own DataLoader
 (``create_train_val_loaders(..., on_missing="generate", num_workers=2)``) with our
 ``kv-hidden-states`` backend against a vLLM OpenAI server in pull delivery, over the same
@@ -50,6 +56,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +167,27 @@ def _producer_proc(conn: Any, samples: int, tokens: int, hidden: int, seed: int,
     def poll() -> tuple[int, int]:
         return len(server.take_freed()), server.held
 
-    def raw(begin: bool) -> None:
+    def raw(begin: bool, hashed: bool = False) -> None:
         # the server's own progress thread polls while consumers read; the raw READs get
-        # the same (this NIXL has no progress thread: a target that never polls stalls)
+        # the same (this NIXL has no progress thread: a target that never polls stalls);
+        # ``hashed``: the samples are hashed (XXH3) on a thread of their own from now on,
+        # as the server hashes each share it holds in the background
         server._reading_changed(+1 if begin else -1)
+        if begin and hashed:
+            import threading
+
+            import xxhash
+
+            raw_bytes = cache.view(-1).view(torch.uint8).numpy()
+            bb = layout.block_bytes
+
+            def hash_all() -> None:
+                for bl in blocks:
+                    h = xxhash.xxh3_64()
+                    for b in bl:
+                        h.update(raw_bytes[b * bb : (b + 1) * bb].data)
+
+            threading.Thread(target=hash_all, daemon=True).start()
 
     def digests() -> list[str]:
         """Each sample's bytes as [T, L, H] (its blocks in order, its tokens only)."""
@@ -234,19 +258,39 @@ def _consumer_proc(conn: Any, pool_bytes: int, in_flight: int, check_values: boo
         t1 = time.perf_counter()
         return t1 - t0, moved, paired.cpu_seconds() - c0, digests
 
-    def read_raw(blocks: list[list[int]], tokens: int, verify: bool) -> tuple[float, int, float, list[str]]:
+    checker = ThreadPoolExecutor(1)
+
+    def check(at: int, tokens: int, hidden: int) -> None:
+        """What the client checks of a sample: XXH3 of its bytes and the values check."""
+        import xxhash
+
+        from kv_connector.reader.values import find_bad_values
+
+        row = len(LAYER_IDS) * hidden * 2
+        xxhash.xxh3_64_intdigest(buf_np[at : at + tokens * row].data)
+        states = buf[at : at + tokens * row].view(torch.bfloat16).view(tokens, len(LAYER_IDS), hidden)
+        assert find_bad_values(states, LAYER_IDS) is None
+
+    def read_raw(
+        blocks: list[list[int]], tokens: int, verify: bool, checks: bool = False
+    ) -> tuple[float, int, float, list[str]]:
+        """Plain READs of each sample's blocks, ``in_flight`` at a time; with ``checks``,
+        each sample is checked as the client checks it (``check``) on a thread of its own
+        once its READ completed, and its slot is read into again only after that."""
         bb = state["block_bytes"]
         sample_bytes = len(blocks[0]) * bb
         slots = pool_bytes // sample_bytes
         if slots < 1:
             raise ValueError("the buffer holds no sample")
         row = sample_bytes // (len(blocks[0]) * BLOCK)
+        hidden = row // (len(LAYER_IDS) * 2)
+        checking: list[tuple[Any, int]] = []
         moved, digests = 0, []
         live: list[tuple[Any, int, int]] = []  # (transfer, sample, slot)
         free = list(range(min(slots, in_flight)))
         c0, t0 = paired.cpu_seconds(), time.perf_counter()
         i = 0
-        while i < len(blocks) or live:
+        while i < len(blocks) or live or checking:
             while i < len(blocks) and free:
                 slot = free.pop()
                 at = slot * sample_bytes
@@ -260,10 +304,21 @@ def _consumer_proc(conn: Any, pool_bytes: int, in_flight: int, check_values: boo
                     if verify:
                         at = slot * sample_bytes
                         digests.append((j, _digest(buf_np[at : at + tokens * row])))
-                    free.append(slot)
+                    if checks:
+                        checking.append((checker.submit(check, slot * sample_bytes, tokens, hidden), slot))
+                    else:
+                        free.append(slot)
                 else:
                     still.append((x, j, slot))
             live = still
+            if checking and not live and (not free or i >= len(blocks)):
+                checking[0][0].result()  # nothing to READ until a check ends: wait, do not spin
+            for f, slot in [c for c in checking if c[0].done()]:
+                f.result()
+                checking.remove((f, slot))
+                free.append(slot)
+        for f, _slot in checking:
+            f.result()
         t1 = time.perf_counter()
         return t1 - t0, moved, paired.cpu_seconds() - c0, [d for _, d in sorted(digests)]
 
@@ -297,6 +352,7 @@ def _consumer_proc(conn: Any, pool_bytes: int, in_flight: int, check_values: boo
     try:
         _serve_commands(conn, {"setup": setup, "pull": pull, "raw": read_raw, "profile": profile})
     finally:
+        checker.shutdown()
         client.close()
         raw.close()
 
@@ -363,10 +419,9 @@ class PullVsRaw:
         except BaseException:
             self.close()
             raise
-        self.cpu: dict[str, dict[str, list[float]]] = {
-            arm: {"producer": [], "consumer": []} for arm in ("pull", "raw")
-        }
-        self.gb: dict[str, list[float]] = {"pull": [], "raw": []}
+        arms = ("pull", "raw", "raw_checked")
+        self.cpu: dict[str, dict[str, list[float]]] = {arm: {"producer": [], "consumer": []} for arm in arms}
+        self.gb: dict[str, list[float]] = {arm: [] for arm in arms}
 
     def _record(self, arm: str, secs: float, nbytes: int, ccpu: float, pcpu: float) -> paired.Run:
         self.cpu[arm]["consumer"].append(ccpu)
@@ -388,20 +443,25 @@ class PullVsRaw:
             raise RuntimeError("fetched bytes differ from the producer's cache")
         return self._record("pull", secs, nbytes, ccpu, p1 - p0)
 
-    def raw(self) -> paired.Run:
+    def raw(self, checks: bool = False) -> paired.Run:
+        """Plain READs; with ``checks`` (the ceiling arm), the producer hashes its samples in
+        the background and the consumer checks each as the client does."""
         assert self.consumer is not None
-        self.producer.call("raw", True)
+        self.producer.call("raw", True, checks)
         try:
             p0 = self.producer.call("cpu")
             secs, nbytes, ccpu, digests = self.consumer.call(
-                "raw", self.info["blocks"], self.tokens, self.verify
+                "raw", self.info["blocks"], self.tokens, self.verify, checks
             )
             p1 = self.producer.call("cpu")
         finally:
             self.producer.call("raw", False)
         if self.verify and digests != self.expected:
             raise RuntimeError("raw READ bytes differ from the producer's cache")
-        return self._record("raw", secs, nbytes, ccpu, p1 - p0)
+        return self._record("raw_checked" if checks else "raw", secs, nbytes, ccpu, p1 - p0)
+
+    def raw_checked(self) -> paired.Run:
+        return self.raw(checks=True)
 
     def close(self) -> None:
         if self.consumer is not None:
@@ -418,10 +478,13 @@ def _spread(values: list[float]) -> dict[str, Any]:
 def bench_read(pairs: int = PAIRS, warmup: int = WARMUP, **kw: Any) -> dict[str, Any]:
     b = PullVsRaw(**kw)
     try:
-        checks = "on" if kw.get("checks", True) else "off (no checksum, no values check)"
+        checks_on = kw.get("checks", True)
+        checks = "on" if checks_on else "off (no checksum, no values check)"
         n = len(b.info["blocks"])
         log(f"pull vs raw READ: {n} samples of {b.tokens} tokens per round, checks {checks}")
         p = paired.run_pairs(b.pull, b.raw, pairs=pairs, warmup=warmup)
+        # the machine's ceiling: raw READs with the same checks at both ends, no protocol
+        c = paired.run_pairs(b.raw_checked, b.raw, pairs=pairs, warmup=warmup) if checks_on else None
         assert b.consumer is not None
         prof = b.consumer.call("profile", b.tokens, kw.get("hidden", HIDDEN))
     finally:
@@ -441,9 +504,12 @@ def bench_read(pairs: int = PAIRS, warmup: int = WARMUP, **kw: Any) -> dict[str,
 
     ratio = p.ratio(lambda r: r.gb_per_s)
     med, rng = ratio.rounded()
+    ceiling = c.ratio(lambda r: r.gb_per_s).rounded() if c is not None else None
     return {
         "pull_read_over_raw": med,
         "range": rng,
+        "checked_raw_over_raw": ceiling[0] if ceiling else None,
+        "checked_raw_range": ceiling[1] if ceiling else None,
         "pull": arm("pull", p.a),
         "raw": arm("raw", p.b),
         "samples_per_round": len(b.info["blocks"]),

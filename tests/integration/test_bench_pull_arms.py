@@ -23,13 +23,14 @@ def test_both_arms_read_every_byte_of_the_cache(checks: bool) -> None:
     b = bp.PullVsRaw(samples=SAMPLES, tokens=TOKENS, hidden=HIDDEN, in_flight=2, verify=True, checks=checks)
     try:
         assert len(b.expected) == SAMPLES  # each sample's bytes, from the producer's cache
-        runs = [arm() for arm in (b.pull, b.raw, b.raw, b.pull)]  # digests compared inside
+        arms = (b.pull, b.raw, b.raw, b.pull, b.raw_checked)  # digests compared inside
+        runs = [arm() for arm in arms]
     finally:
         b.close()
     for run in runs:
         assert run.nbytes == SAMPLES * 3 * block_bytes  # whole blocks READ, as both arms do
         assert run.units == SAMPLES * TOKENS and run.seconds > 0 and run.cpu_s > 0
-    assert all(len(v) == 2 for arm in b.cpu.values() for v in arm.values())
+    assert [len(b.cpu[arm]["consumer"]) for arm in ("pull", "raw", "raw_checked")] == [2, 2, 1]
     assert not b.producer.proc.is_alive()
     assert b.consumer is not None and not b.consumer.proc.is_alive()
 
@@ -37,6 +38,8 @@ def test_both_arms_read_every_byte_of_the_cache(checks: bool) -> None:
 def test_the_read_figure_comes_from_pairs() -> None:
     out = bp.bench_read(pairs=1, warmup=0, samples=2, tokens=TOKENS, hidden=HIDDEN, in_flight=2)
     assert out["pull_read_over_raw"] > 0 and out["range"][0] <= out["pull_read_over_raw"] <= out["range"][1]
+    ceiling = out["checked_raw_over_raw"]  # raw READs with the client's checks, over plain ones
+    assert ceiling > 0 and out["checked_raw_range"][0] <= ceiling <= out["checked_raw_range"][1]
     for arm in ("pull", "raw"):
         assert out[arm]["GB_per_s"]["median"] > 0
         assert set(out[arm]["cpu_s_per_GB"]) == {"consumer", "producer"}
