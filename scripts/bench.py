@@ -28,7 +28,10 @@ printed is one JSON object; the first and the last name the machine and its load
              the checksum ratio, raw WRITEs with XXH3 at both ends (no protocol) over
              plain raw WRITEs (``xxh3_ceiling``); for pull_read_over_raw, raw READs with
              the client's checks while the producer hashes, over plain raw READs
-             (``checked_raw_over_raw``). A target above its ceiling is out of reach here.
+             (``checked_raw_over_raw``); for pull_over_file, the DataLoader with the pull
+             backend less its data (nothing READ, copied or checked) over the file
+             backend (``manifest_only_over_file``). A target above its ceiling is out of
+             reach here.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ CEILINGS: dict[str, str] = {
     "d": "xxh3_ceiling",
     "checksum_throughput_ratio": "xxh3_ceiling",
     "pull_read_over_raw": "checked_raw_over_raw",
+    "pull_over_file": "manifest_only_over_file",
 }
 
 
@@ -163,6 +167,8 @@ def main() -> None:
         "xxh3_ceiling_range": datapath["xxh3_ceiling"].rounded()[1],
         "checked_raw_over_raw": pull["read"]["checked_raw_over_raw"],
         "checked_raw_range": pull["read"]["checked_raw_range"],
+        "manifest_only_over_file": pull["loader"]["manifest_only_over_file"],
+        "manifest_only_range": pull["loader"]["manifest_only_range"],
     }
     summary["missed"] = missed(summary)
     end = machine_state()

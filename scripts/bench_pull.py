@@ -36,6 +36,12 @@ a row's time goes: the server's request time (queue, prefill) from its /metrics,
 DataLoader workers' time in the transfer's ``get_generated`` and ``delete``
 (``scripts.bench_pull_transfer`` times the backend's transfer).
 
+``manifest_only_over_file``: the same DataLoader with the pull backend less its data
+(``scripts.bench_pull_transfer.ManifestOnly``: the row's manifest asked for, the sample
+released, a constant tensor of its shape returned; nothing READ, copied or checked) over
+the file backend: speculators' own work per row and the server's, around a transfer that
+costs nothing, the ceiling of ``pull_over_file`` on this machine.
+
 ``python -m scripts.bench_pull`` prints progress to stderr and the result JSON as its
 last stdout line. Every process it starts is stopped before it returns.
 """
@@ -74,6 +80,7 @@ TOKENS = 2048
 SAMPLES = 24  # samples per round of pull_read_over_raw
 IN_FLIGHT = 4  # samples in flight (the client's pool holds this many)
 ROWS = 12  # rows per round of pull_over_file
+NULL_ARM = "manifest-only"  # the loader arm of the pull backend less its data
 PAIRS = 5
 WARMUP = 1
 SERVER_KV_BYTES = 1 << 30
@@ -573,12 +580,16 @@ class Server:
             raise RuntimeError(f"server {self.name} exited ({self.proc.returncode}):\n{self.tail()}")
         return self.socket.exists() and Http(f"unix:{self.socket}").healthy()
 
-    def metrics(self) -> dict[str, float]:
-        """The request-time sums this profile reads from vLLM's /metrics."""
+    def metrics_text(self) -> str:
+        """vLLM's /metrics, as text."""
         from kv_connector.datagen.httpclient import Server as Http
 
+        return str(Http(f"unix:{self.socket}").get_text("/metrics"))
+
+    def metrics(self) -> dict[str, float]:
+        """The request-time sums this profile reads from vLLM's /metrics."""
         out: dict[str, float] = {}
-        for line in Http(f"unix:{self.socket}").get_text("/metrics").splitlines():
+        for line in self.metrics_text().splitlines():
             name = line.split("{", 1)[0]
             if name in SERVER_METRICS:
                 out[SERVER_METRICS[name]] = out.get(SERVER_METRICS[name], 0.0) + float(line.rsplit(" ", 1)[1])
@@ -709,14 +720,16 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
     ds = Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "seq_len": [TOKENS] * len(ids)})
     ds.set_format(type="torch")
     ds.save_to_disk(str(data))
-    b = HiddenStatesBackend.registry[backend]
+    manifest_only = backend == NULL_ARM  # the pull backend less its data (the ceiling arm)
+    b = HiddenStatesBackend.registry["kv-hidden-states" if manifest_only else backend]
     parser = argparse.ArgumentParser()
     b.add_train_args(parser)
     argv = ["--hidden-states-path", hs_dir] if backend == "file" else []
-    from scripts.bench_pull_transfer import TimedTransfer, read_log
+    from scripts.bench_pull_transfer import ManifestOnly, TimedTransfer, read_log
 
     timings = data.parent / f"{data.name}-timings.txt"
-    transfer = TimedTransfer(b.from_train_args(parser.parse_args(argv), str(data)), timings)
+    inner = b.from_train_args(parser.parse_args(argv), str(data))
+    transfer = TimedTransfer(ManifestOnly(inner) if manifest_only else inner, timings)
     train, _val = create_train_val_loaders(
         data_path=str(data), total_seq_len=TOKENS, hidden_states_dtype=torch.bfloat16,
         transfer=transfer, vllm_endpoint="http://localhost/v1", on_missing="generate",
@@ -763,8 +776,9 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
 
 
 @contextlib.contextmanager
-def servers_and_loaders(work: Path, rows: int = ROWS) -> Iterator[tuple[Loader, Loader]]:
-    """Both servers (started together) and a loader for each; all stopped on exit."""
+def servers_and_loaders(work: Path, rows: int = ROWS) -> Iterator[tuple[Loader, Loader, Loader]]:
+    """Both servers (started together) and a loader for each, and the manifest-only loader
+    (``scripts.bench_pull_transfer.ManifestOnly``) on the pull server; all stopped on exit."""
     model = tiny_compute_model(work / "tiny-compute-llama")
     out_dir = work / "example-out"  # the file server's safetensors files (local disk)
     (work / "hs-cache").mkdir()  # the file backend's cache directory: empty, every row generated
@@ -799,6 +813,7 @@ def servers_and_loaders(work: Path, rows: int = ROWS) -> Iterator[tuple[Loader, 
         )
         loaders.append(Loader("kv-hidden-states", work / "data-pull", started[0], None, rows))
         loaders.append(Loader("file", work / "data-file", started[1], work / "hs-cache", rows))
+        loaders.append(Loader(NULL_ARM, work / "data-null", started[0], None, rows))
         for ld in loaders:
             ld.ready()
         wait_healthy(started)
@@ -808,7 +823,7 @@ def servers_and_loaders(work: Path, rows: int = ROWS) -> Iterator[tuple[Loader, 
         for ld in loaders:
             ld.spawned()
         log(f"DataLoader workers started in {time.monotonic() - t0:.0f} s")
-        yield loaders[0], loaders[1]
+        yield loaders[0], loaders[1], loaders[2]
     finally:
         for ld in loaders:
             ld.stop()
@@ -819,31 +834,38 @@ def servers_and_loaders(work: Path, rows: int = ROWS) -> Iterator[tuple[Loader, 
 def bench_loader(pairs: int = PAIRS, warmup: int = WARMUP, rows: int = ROWS) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hs-bench-pull-"))
     try:
-        with servers_and_loaders(work, rows) as (pull, file):
+        with servers_and_loaders(work, rows) as (pull, file, null):
             log(f"DataLoader rounds of {rows} rows of {TOKENS} tokens")
             p = paired.run_pairs(pull.round, file.round, pairs=pairs, warmup=warmup)
             log(f"profile: pull {pull.profile[-1]}, file {file.profile[-1]}")
+            # the ceiling: the pull backend with nothing read, over the file backend
+            c = paired.run_pairs(null.round, file.round, pairs=pairs, warmup=0)
+            log(f"manifest-only over file: {[round(x, 3) for x in c.ratio().values]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratio = p.ratio()
     med, rng = ratio.rounded()
+    ceiling, ceiling_rng = c.ratio().rounded()
 
-    def per_row(ld: Loader) -> dict[str, Any]:
-        """Where a row's time goes (medians over the counted rounds, seconds per row):
-        the server's request time (queue + prefill, from its /metrics) and the workers'
-        get_generated and delete, beside the round's wall time per row (2 workers)."""
-        rounds = ld.profile[-pairs:]
+    def per_row(ld: Loader, first: int = warmup) -> dict[str, Any]:
+        """Where a row's time goes (medians over the counted rounds of the first pairing
+        it is in, seconds per row): the server's request time (queue + prefill, from its
+        /metrics) and the workers' get_generated and delete, beside the round's wall time
+        per row (2 workers)."""
+        rounds = ld.profile[first : first + pairs]
         return {k: round(statistics.median(r.get(k, 0.0) for r in rounds) / rows, 4) for k in rounds[0]}
 
     return {
         "pull_over_file": med,
         "range": rng,
+        "manifest_only_over_file": ceiling,
+        "manifest_only_range": ceiling_rng,
         "pull_rows_per_s": _spread([r.rate for r in p.a]),
         "file_rows_per_s": _spread([r.rate for r in p.b]),
         "pull_GB_per_s": _spread([r.gb_per_s for r in p.a]),
         "file_GB_per_s": _spread([r.gb_per_s for r in p.b]),
         "rows_per_round": rows,
-        "profile_s_per_row": {"pull": per_row(pull), "file": per_row(file)},
+        "profile_s_per_row": {"pull": per_row(pull), "file": per_row(file), NULL_ARM: per_row(null, 0)},
         "file_output_dir": f"{work}/example-out (local disk, {tempfile.gettempdir()})",
     }
 

@@ -180,6 +180,14 @@ class PullClient:
         except FetchError as e:
             return e
 
+    def manifest(self, handle: str | Mapping[str, Any]) -> protocol.Manifest:
+        """What ``handle`` names, without reading it: the sample's manifest (token ids,
+        layer ids, block geometry, sample id and metadata), as its producer's rank 0 holds
+        it. The producer keeps holding the sample: ``fetch`` or ``release`` it after."""
+        h = self._decode(handle)
+        self._ensure()
+        return self._share_of(h, 0).manifest
+
     def release(self, handle: str | Mapping[str, Any]) -> None:
         """Let the producer free the sample's blocks (``fetch`` did already, on success; a
         sample released or gone already is no error)."""
@@ -218,20 +226,8 @@ class PullClient:
         self._ensure()
         shares: list[protocol.PullShare] = []
         try:
-            for rank, endpoint in enumerate(h.endpoints):
-                reply = self._ask_rank(
-                    h, rank, endpoint, protocol.PullFetch(request_id=h.request_id, nonce=h.nonce)
-                )
-                if isinstance(reply, protocol.PullError):
-                    raise FetchError(reply.code, reply.message)
-                if not isinstance(reply, protocol.PullShare):
-                    raise FetchError("protocol", f"expected a share, got {type(reply).__name__}")
-                if (
-                    reply.rank != rank
-                    or reply.world_size != h.world_size
-                    or reply.manifest.request_id != h.request_id
-                ):
-                    raise FetchError("protocol", f"rank {rank} answered for another sample or rank")
+            for rank in range(len(h.endpoints)):
+                reply = self._share_of(h, rank)
                 if shares and reply.manifest != shares[0].manifest:
                     raise FetchError("protocol", f"rank {rank}'s manifest differs from rank 0's")
                 shares.append(reply)
@@ -250,6 +246,21 @@ class PullClient:
             self._release_all(h, quiet=True)
             raise
         return _Pending(h, shares, pages, xfers)
+
+    def _share_of(self, h: PullHandle, rank: int) -> protocol.PullShare:
+        """Rank ``rank``'s answer to a ``PullFetch`` of the sample: its share, checked to be
+        of this sample and rank; ``FetchError`` saying why not."""
+        reply = self._ask_rank(
+            h, rank, h.endpoints[rank], protocol.PullFetch(request_id=h.request_id, nonce=h.nonce)
+        )
+        if isinstance(reply, protocol.PullError):
+            raise FetchError(reply.code, reply.message)
+        if not isinstance(reply, protocol.PullShare):
+            raise FetchError("protocol", f"expected a share, got {type(reply).__name__}")
+        ours = reply.rank == rank and reply.world_size == h.world_size
+        if not ours or reply.manifest.request_id != h.request_id:
+            raise FetchError("protocol", f"rank {rank} answered for another sample or rank")
+        return reply
 
     def _finish(self, p: _Pending, release: bool = True) -> Sample:
         h, m = p.handle, p.shares[0].manifest

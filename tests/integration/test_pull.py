@@ -230,6 +230,25 @@ def test_copying_mode_hands_out_contiguous_copies_in_reused_buffers(
     assert p.poll()["held"] == [0]
 
 
+def test_a_manifest_is_read_without_the_states_and_the_sample_stays_held(producers: list[Producer]) -> None:
+    samples = samples_spec(2, LTH)
+    p = Producer(spec_of(LTH, samples, world_size=2))
+    producers.append(p)
+    with PullClient() as client:
+        m = client.manifest(p.handles["req-0"])
+        assert m.request_id == "req-0" and m.num_tokens == samples[0]["num_tokens"]
+        assert m.token_ids == token_ids("req-0", samples[0]["num_tokens"]) and m.layer_ids == LAYER_IDS
+        assert p.poll()["held"] == [2, 2]  # nothing read, nothing released
+        got = client.fetch(p.handles["req-0"])  # still there to fetch
+        assert torch.equal(got.token_ids, torch.tensor(m.token_ids))
+        del got
+        client.release(p.handles["req-1"])
+        with pytest.raises(FetchError) as e:
+            client.manifest(p.handles["req-1"])
+        assert e.value.code == "released"
+    assert p.poll()["held"] == [0, 0]
+
+
 def test_a_sample_never_released_is_freed_by_the_timeout_and_then_expired(producers: list[Producer]) -> None:
     samples = samples_spec(2, LTH)
     p = Producer(spec_of(LTH, samples, timeout_s=1.5))
