@@ -18,7 +18,8 @@ machine is far steadier than bytes per second.
      of the checksum ratio on this machine for any design that checks every byte.
 
 Figures: d = e's bytes/s over r's; cpu_over_raw = e's CPU seconds per GB over r's;
-xxh3_ceiling = rc over r;
+xxh3_ceiling = rc over r, xxh3_cpu_floor = rc's CPU seconds per GB over r's (the least
+cpu_over_raw can be for a design that checks every byte);
 checksum_throughput_ratio = e over e without checksums; metrics_throughput_ratio = e
 (the connector's stats taken every step on both roles as vLLM does, the reader's endpoint
 scraped every second) over e with metrics off; e_over_b. Also what the reader's optional
@@ -588,6 +589,7 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
         "raw_cpu_s_per_GB": d.each("b", per_gb),
         "e0_cpu_s_per_GB": measured["e0"].each("b", per_gb),
         "xxh3_ceiling": measured["rc"].ratio(gb),
+        "xxh3_cpu_floor": measured["rc"].ratio(per_gb),
     }
     for end in ("producer", "reader"):
         key = f"{end}_cpu_s"
