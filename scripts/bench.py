@@ -24,7 +24,8 @@ printed is one JSON object; the first and the last name the machine and its load
   pull_over_file  rows/s through speculators' DataLoader with our pull backend over its
              file backend, same server settings.
 
-  ceilings   what this machine allows any design, measured in the same run: for d and
+  ceilings   what this machine allows any design, measured in the same run: for a_over_c,
+             vLLM's own cost of extraction (``a0_over_c``, paired); for d and
              the checksum ratio, raw WRITEs with XXH3 at both ends (no protocol) over
              plain raw WRITEs (``xxh3_ceiling``; their CPU seconds per GB over the plain
              ones', ``xxh3_cpu_floor``, is the floor of cpu_over_raw); for pull_read_over_raw, raw READs with
@@ -76,6 +77,7 @@ CEILINGS: dict[str, str] = {
     "pull_read_over_raw": "checked_raw_over_raw",
     "pull_over_file": "manifest_only_over_file",
     "cpu_over_raw": "xxh3_cpu_floor",
+    "a_over_c": "a0_over_c",
 }
 
 
@@ -166,6 +168,8 @@ def main() -> None:
         {key: model[key].rounded()[0] for key in ("a_generate_s", "a0_generate_s", "a_tail_s")}
     )
     summary["ceilings"] = {
+        "a0_over_c": model["a0_over_c"].rounded()[0],
+        "a0_over_c_range": model["a0_over_c"].rounded()[1],
         "xxh3_ceiling": datapath["xxh3_ceiling"].rounded()[0],
         "xxh3_ceiling_range": datapath["xxh3_ceiling"].rounded()[1],
         "xxh3_cpu_floor": datapath["xxh3_cpu_floor"].rounded()[0],

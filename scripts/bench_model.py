@@ -6,6 +6,9 @@
       itself: a/a0 is the connector's own overhead);
   c:  the same vLLM without extraction and without a connector.
 
+a0 over c, paired too, is vLLM's own cost of extraction: the most a over c can be with a
+connector that costs nothing (the ceiling of ``a_over_c`` on this machine).
+
 Each arm is one long-lived producer process (the in-process engine, built once, a warm-up
 batch run) that runs the same batch of prompts each time it is told to; the ratios come
 from alternating pairs (``scripts.paired``). A round is 96 prompts of 1024 tokens (about
@@ -210,12 +213,16 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pair
         _say(f"a vs c: {[round(x, 3) for x in over_c.ratio().values]}")
         over_a0 = run_pairs(a.round, arms["a0"].round, pairs)
         _say(f"a vs a0: {[round(x, 3) for x in over_a0.ratio().values]}")
+        # vLLM's own cost of extraction, no connector: the most a_over_c can be
+        a0_c = run_pairs(arms["a0"].round, arms["c"].round, pairs)
+        _say(f"a0 vs c: {[round(x, 3) for x in a0_c.ratio().values]}")
     finally:
         for arm in arms.values():
             arm.close()
     return {
         "a_over_c": over_c.ratio(),
         "a_over_a0": over_a0.ratio(),
+        "a0_over_c": a0_c.ratio(),
         "a_tokens_per_s": over_c.each("a"),
         "c_tokens_per_s": over_c.each("b"),
         "a0_tokens_per_s": over_a0.each("b"),
