@@ -361,8 +361,8 @@ def _raw_target_proc(conn: Any, pool_bytes: int, checks: bool = False) -> None:
             xxhash.xxh3_64_intdigest(buf[at : at + n].data)
             hashed.release()
 
-    checker = threading.Thread(target=check, daemon=True)
-    checker.start()
+    if checks:
+        threading.Thread(target=check, daemon=True).start()
     while (cmd := conn.recv())[0] == "expect":
         c0 = cpu_seconds()
         got = 0
@@ -393,7 +393,6 @@ class RawArm:
         from kv_connector.wire.transport import Region
 
         self.n_req, self.tokens, self.num_blocks, self.in_flight = n_req, tokens, num_blocks, in_flight
-        self.checks = checks
         self.block_bytes = BLOCK * TOKEN_BYTES
         self.nb = -(-tokens // BLOCK)
         pool_bytes = in_flight * self.nb * self.block_bytes
