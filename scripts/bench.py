@@ -168,12 +168,13 @@ def main() -> None:
         {key: model[key].rounded()[0] for key in ("a_generate_s", "a0_generate_s", "a_tail_s")}
     )
     summary["ceilings"] = {
-        "a0_over_c": model["a0_over_c"].rounded()[0],
-        "a0_over_c_range": model["a0_over_c"].rounded()[1],
-        "xxh3_ceiling": datapath["xxh3_ceiling"].rounded()[0],
-        "xxh3_ceiling_range": datapath["xxh3_ceiling"].rounded()[1],
-        "xxh3_cpu_floor": datapath["xxh3_cpu_floor"].rounded()[0],
-        "xxh3_cpu_floor_range": datapath["xxh3_cpu_floor"].rounded()[1],
+        **flatten(
+            {
+                "a0_over_c": model["a0_over_c"],
+                "xxh3_ceiling": datapath["xxh3_ceiling"],
+                "xxh3_cpu_floor": datapath["xxh3_cpu_floor"],
+            }
+        ),
         "checked_raw_over_raw": pull["read"]["checked_raw_over_raw"],
         "checked_raw_range": pull["read"]["checked_raw_range"],
         "manifest_only_over_file": pull["loader"]["manifest_only_over_file"],

@@ -422,13 +422,12 @@ class RawArm:
         return np.array([(bl * bb, (slot * nb + k) * bb, bb) for k, bl in enumerate(self._blocks(i))])
 
     def _hash(self, i: int) -> int:
-        import xxhash
+        from kv_connector.wire.integrity import block_checksum
 
-        raw = self.cache.view(-1).view(torch.uint8).numpy()
-        h = xxhash.xxh3_64()
-        for bl in self._blocks(i):
-            h.update(raw[bl * self.block_bytes : (bl + 1) * self.block_bytes].data)
-        return int(h.intdigest())
+        raw = self.cache.view(-1).view(torch.uint8).numpy().data
+        bb = self.block_bytes
+        offsets = ((k, bl * bb) for k, bl in enumerate(self._blocks(i)))
+        return block_checksum(raw, offsets, lambda _j: [(0, bb)])  # whole blocks, as the arm WRITEs them
 
     def _writes(self, n: int) -> tuple[float, float, float]:
         sample_bytes = self.nb * self.block_bytes

@@ -183,16 +183,14 @@ def _producer_proc(conn: Any, samples: int, tokens: int, hidden: int, seed: int,
         if begin and hashed:
             import threading
 
-            import xxhash
+            from kv_connector.wire.integrity import block_checksum
 
-            raw_bytes = cache.view(-1).view(torch.uint8).numpy()
+            raw_bytes = cache.view(-1).view(torch.uint8).numpy().data
             bb = layout.block_bytes
 
             def hash_all() -> None:
                 for bl in blocks:
-                    h = xxhash.xxh3_64()
-                    for b in bl:
-                        h.update(raw_bytes[b * bb : (b + 1) * bb].data)
+                    block_checksum(raw_bytes, ((k, b * bb) for k, b in enumerate(bl)), lambda _j: [(0, bb)])
 
             threading.Thread(target=hash_all, daemon=True).start()
 
