@@ -2,7 +2,9 @@
 collectors it is given (its own registry, so several readers in one process never mix).
 
 It listens on ``HOST:PORT`` (port 0: a free one, which ``address`` then names: nothing
-is picked and bound later) or on a TCP socket the caller already bound.
+is picked and bound later) or on a TCP socket the caller already bound. prometheus_client
+is imported when a server is made: a reader without metrics (and the GPU check's device
+tier, on a machine without it) never needs it.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import socket
 import threading
 from collections.abc import Iterable
 from http.server import ThreadingHTTPServer
-
-from prometheus_client.exposition import MetricsHandler
-from prometheus_client.registry import Collector, CollectorRegistry
+from typing import TYPE_CHECKING
 
 from kv_connector.wire.control import format_address, parse_address
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
 
 
 class MetricsAddressError(OSError):
@@ -28,6 +31,9 @@ class _Server(ThreadingHTTPServer):
 
 class MetricsServer:
     def __init__(self, listen: str | socket.socket, collectors: Iterable[Collector] = ()) -> None:
+        from prometheus_client.exposition import MetricsHandler
+        from prometheus_client.registry import CollectorRegistry
+
         self.registry = CollectorRegistry()
         for c in collectors:
             self.registry.register(c)
