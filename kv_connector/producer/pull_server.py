@@ -348,6 +348,7 @@ class PullServer:
                 self._wake.set()
 
     def _make_progress(self) -> None:
+        on_device(self._raw.device)  # it drives the agent holding a GPU cache's registration
         while not self._closed:
             if not self._wake.wait(IDLE_POLL_S):
                 continue
