@@ -1,7 +1,14 @@
-"""The GPU check: one command for a machine with a CUDA GPU, vLLM's CUDA build (0.32 or
-0.33) and the NIXL wheel for its torch (docs/usage.md), from a checkout of this project:
+"""The GPU check, in two tiers (docs/usage.md, "GPU check"):
 
-    python -m scripts.gpu_check [--model DIR] [--prompts N] [--tokens T] [--only NAME,...]
+    python -m scripts.gpu_check --tier device [--device cpu] [--plan]
+    python -m scripts.gpu_check [--tier vllm] [--model DIR] [--prompts N] [--tokens T] [--only NAME,...]
+
+The device tier (``scripts.gpu.device_tier``) needs only torch with CUDA and the carried
+NIXL and msgspec wheels: our integrity record, step path and NIXL transfers on a GPU,
+without vLLM. It fits the GPU machine we are sometimes lent.
+
+The vLLM tier, below, needs a machine with a CUDA GPU, vLLM's CUDA build (0.32 or 0.33)
+and the NIXL wheel for its torch.
 
 Each check runs in a process of its own (a fresh engine, the GPU's memory back between
 them) and reports ``{"ok": true, ...figures}`` or ``{"ok": false, "error": ...}``; one JSON
@@ -13,8 +20,9 @@ line at the end holds them all:
                    output_hidden_states (fp32, on the host)
   hybrid           the same on a tiny Qwen3-Next (bf16) with the hybrid plugin, which must
                    say its supplementary tensor is active
-  block_digests    ``scripts.gpu_block_digest``: the GPU's block digests bit for bit
-                   against the reader's CPU reference, and their cost
+  block_digests    ``scripts.gpu.integrity`` (also the device tier's first check): the
+                   GPU's block digests bit for bit against the reader's CPU reference,
+                   and their cost
   write            VRAM -> DRAM WRITE GB/s: NixlTransport from a registered GPU tensor
                    into another process's registered host memory
   extraction_cost  generate() time of vLLM with extract_hidden_states and this connector
@@ -23,8 +31,8 @@ line at the end holds them all:
                    benchmarks/benchmark_hidden_state_extraction.py measures; upstream
                    claims within 10%)
 
-It has not run yet: no machine of this project has had a GPU and vLLM's CUDA build
-(docs/benchmarks.md). Without a GPU it refuses at once.
+The vLLM tier has not run yet: no machine of this project has had a GPU and vLLM's CUDA
+build (docs/benchmarks.md). Without a GPU either tier refuses at once.
 """
 
 from __future__ import annotations
@@ -149,11 +157,9 @@ def check_pipeline(family: str, work: Path) -> dict[str, Any]:
 
 
 def check_block_digests() -> dict[str, Any]:
-    from scripts import gpu_block_digest
+    from scripts.gpu import integrity
 
-    out: dict[str, Any] = {"cases_bit_exact": gpu_block_digest.agreement()}
-    out.update(gpu_block_digest.cost())
-    return out
+    return integrity.check(torch.device("cuda"))
 
 
 def check_write(total_mib: int = 1024, chunk_mib: int = 64) -> dict[str, Any]:
@@ -280,7 +286,16 @@ def part(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    tier = argparse.ArgumentParser(add_help=False)
+    tier.add_argument("--tier", choices=["device", "vllm"], default="vllm")
+    known, rest = tier.parse_known_args()
+    if known.tier == "device":
+        from scripts.gpu import device_tier
+
+        device_tier.main(rest)
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tier", choices=["device", "vllm"], default="vllm", help="which tier (see above)")
     ap.add_argument("--model", help="model for extraction_cost (default: the tiny Llama)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1024)

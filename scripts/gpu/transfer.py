@@ -1,0 +1,407 @@
+"""Check c of the device tier: NIXL between two processes, from a cache on ``device``.
+
+Through the package's own pieces that need no vLLM:
+
+- push: ``HiddenStatesSender`` WRITEs samples from a registered "cache" tensor on the
+  device into another process's ``HiddenStatesReader`` host pool;
+- pull: another process's ``PullServer`` holds samples in a registered cache on the
+  device, and this process's ``PullClient`` READs them into its host pool.
+
+Each is checked byte for byte (both processes build the same cache from one seed; the
+receiving one compares every sample with its own copy), then timed on samples of whole
+blocks against raw NIXL transfers of the same blocks between the same two processes
+(a raw WRITE into, or READ from, registered memory, no protocol, no checks): ``d`` is
+ours over raw. The checksum is what the connector's default resolves to for the cache
+(``ChecksumOption("auto")``).
+
+Run with ``UCX_PROTO_INFO=y`` (the device tier sets it) UCX prints the protocols it
+selects; ``ucx_transports`` reads the transports out of that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_connector.producer.options import ChecksumOption
+from kv_connector.wire.layout import BlockLayout
+
+PRODUCER = "gpu-check"
+SEED = 11
+IN_FLIGHT = 4  # raw transfers in flight, as fetch_iter's default
+
+
+@dataclass(frozen=True)
+class Size:
+    """What one check moves: a cache of ``cache_blocks`` blocks, ``samples`` timed
+    samples of ``tokens`` tokens each (whole blocks) on random blocks of it."""
+
+    hidden: int
+    layers: int
+    block: int
+    cache_blocks: int
+    tokens: int
+    samples: int
+
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout("TLH", self.block, self.layers, self.hidden, "bfloat16")
+
+    @property
+    def sample_bytes(self) -> int:
+        return self.layout.blocks_for(self.tokens) * self.layout.block_bytes
+
+
+GPU_SIZE = Size(hidden=4096, layers=4, block=16, cache_blocks=1024, tokens=1024, samples=48)  # 32 MiB samples
+CPU_SIZE = Size(hidden=256, layers=4, block=16, cache_blocks=64, tokens=128, samples=8)
+CHECKED_TOKENS = (1, 15, 16, 17, 300)  # the byte-for-byte round: partial last blocks too
+
+
+def make_cache(size: Size) -> torch.Tensor:
+    """The cache both processes build: finite bf16 states, [blocks, block, layers, hidden]."""
+    gen = torch.Generator().manual_seed(SEED)
+    shape = (size.cache_blocks, size.block, size.layers, size.hidden)
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+
+
+def plan(size: Size, tokens: Iterable[int], tag: str) -> list[tuple[str, int, list[int]]]:
+    """(request id, tokens, blocks) per sample, on random blocks of the cache."""
+    rng = random.Random(f"{tag}-{size}")
+    out = []
+    for i, n in enumerate(tokens):
+        nb = size.layout.blocks_for(n)
+        out.append((f"{tag}{i}", n, rng.sample(range(size.cache_blocks), nb)))
+    return out
+
+
+def token_ids(n: int) -> list[int]:
+    return [(7 * k + 3) % 1000 for k in range(n)]
+
+
+def expected(cache: torch.Tensor, size: Size, n: int, blocks: list[int]) -> torch.Tensor:
+    return cache[torch.tensor(blocks)].reshape(-1, size.layers, size.hidden)[:n]
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got = got.cpu()
+    return got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def raw_spans(size: Size, samples: list[tuple[str, int, list[int]]], i: int) -> np.ndarray:
+    """(cache offset, pool offset, length) rows of sample ``i``'s whole blocks, into pool
+    slot ``i % IN_FLIGHT`` (the raw transfers' own placement)."""
+    bb, base = size.layout.block_bytes, (i % IN_FLIGHT) * size.sample_bytes
+    return np.array([(b * bb, base + k * bb, bb) for k, b in enumerate(samples[i][2])], dtype=np.int64)
+
+
+def _host_pool(nbytes: int) -> torch.Tensor:
+    from kv_connector.common.memory import host_memory
+
+    return torch.from_numpy(host_memory(nbytes))
+
+
+def _spawn(target: Callable[..., None], *args: Any) -> tuple[Connection, Any]:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(there, *args), daemon=True)
+    proc.start()
+    return here, proc
+
+
+def _stop(conn: Connection, proc: Any) -> None:
+    with contextlib.suppress(OSError):  # it may have died already
+        conn.send(("stop",))
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
+
+
+def _answer(conn: Connection, timeout: float = 600) -> Any:
+    """The child's next answer; a child's failure comes back as ("error", why)."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no answer within {timeout:.0f} s")
+    got = conn.recv()
+    if isinstance(got, tuple) and got and got[0] == "error":
+        raise RuntimeError(f"the other process failed: {got[1]}")
+    return got
+
+
+# ---------------------------------------------------------------------------- push
+def _reader_proc(conn: Connection, size: Size) -> None:
+    """The consumer of push: a HiddenStatesReader, and a raw NIXL target pool."""
+    try:
+        from kv_connector.reader import HiddenStatesReader
+        from kv_connector.wire.nixl_transport import NixlTransport
+
+        cache = make_cache(size)
+        raw = NixlTransport(f"gpu-check-raw-target-{os.getpid()}")
+        pool = _host_pool(IN_FLIGHT * size.sample_bytes)
+        region = raw.register(pool)
+        with HiddenStatesReader(pool_bytes=max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes)) as reader:
+            conn.send((reader.address, raw.metadata, region.addr, region.nbytes))
+            while (cmd := conn.recv())[0] != "stop":
+                if cmd[0] == "check":  # every sample against this process's own copy
+                    wrong = []
+                    for _ in cmd[1]:
+                        s = reader.get(timeout=300)
+                        _rid, n, blocks = next(x for x in cmd[1] if x[0] == s.request_id)
+                        if not same(s.hidden_states, expected(cache, size, n, blocks)):
+                            wrong.append(s.request_id)
+                        s.release()
+                    conn.send({"compared": len(cmd[1]), "wrong": wrong})
+                elif cmd[0] == "take":  # as a trainer that lets each sample go at the next
+                    for s in reader.samples(cmd[1], timeout=300):
+                        s.release()
+                    conn.send(time.time())
+                elif cmd[0] == "raw":
+                    raw.add_peer(cmd[1])
+                    conn.send("ok")
+                elif cmd[0] == "expect":  # raw WRITEs: their notifications
+                    got = 0
+                    while got < cmd[1]:
+                        got += len(raw.notifications())
+                    conn.send(time.time())
+        raw.close()
+    except Exception as e:  # the parent reports it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _ship_all(sender: Any, samples: list[tuple[str, int, list[int]]], timeout: float = 300) -> None:
+    from kv_connector.wire.identity import make_identity
+
+    for rid, n, blocks in samples:
+        sender.ship(rid, token_ids(n), blocks, make_identity(None, None))
+    want, done = {s[0] for s in samples}, set[str]()
+    deadline = time.monotonic() + timeout
+    while done != want:
+        done |= sender.take_finished()
+        failed = sender.take_failed()
+        if failed:
+            rid, f = next(iter(failed.items()))
+            raise AssertionError(f"{len(failed)} samples failed, {rid}: {f.why}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(want - done)} samples not acknowledged within {timeout:.0f} s")
+        time.sleep(0.0005)
+
+
+def push(device: torch.device, size: Size) -> dict[str, Any]:
+    from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+    from kv_connector.wire.nixl_transport import NixlTransport
+    from kv_connector.wire.transport import Region
+
+    conn, proc = _spawn(_reader_proc, size)
+    try:
+        address, raw_md, pool_addr, pool_bytes = _answer(conn)
+        cache = make_cache(size).to(device)
+        layout = size.layout
+        checksum = ChecksumOption("auto").resolve(cache.is_cuda, layout)
+        cfg = SenderConfig(consumer_address=address, producer_id=PRODUCER, checksum=checksum)
+        sender = HiddenStatesSender(cfg, cache, layout, list(range(size.layers)))
+        if not sender.connected.wait(60):
+            raise TimeoutError(f"the sender did not connect to the reader: {sender.link_error}")
+        checked = plan(size, CHECKED_TOKENS, "check")
+        conn.send(("check", checked))
+        _ship_all(sender, checked)
+        verdict = _answer(conn)
+        if verdict["wrong"]:
+            raise AssertionError(f"samples that landed different from the cache: {verdict['wrong']}")
+        timed = plan(size, [size.tokens] * size.samples, "push")
+        conn.send(("take", 1))
+        _ship_all(sender, plan(size, [size.tokens], "warm"))  # not timed
+        _answer(conn)
+        conn.send(("take", len(timed)))
+        t0 = time.time()
+        _ship_all(sender, timed)
+        ours_s = _answer(conn) - t0
+        sender.close()
+
+        t = NixlTransport(f"gpu-check-raw-init-{os.getpid()}")
+        local = t.register(cache)
+        peer = t.add_peer(raw_md)
+        conn.send(("raw", t.metadata))
+        _answer(conn)
+        remote = Region(pool_addr, pool_bytes, "DRAM", 0)
+
+        def writes(samples: list[tuple[str, int, list[int]]]) -> float:
+            conn.send(("expect", len(samples)))
+            t0 = time.time()
+            live: list[Any] = []
+            for i in range(len(samples)):
+                while len(live) >= IN_FLIGHT:
+                    live = [x for x in live if not t.poll(x)]
+                live.append(t.write(peer, local, remote, raw_spans(size, samples, i), b"w"))
+            while live:
+                live = [x for x in live if not t.poll(x)]
+            return float(_answer(conn)) - t0
+
+        writes(plan(size, [size.tokens], "warm"))
+        raw_s = writes(timed)
+        t.close()
+    finally:
+        _stop(conn, proc)
+    nbytes = len(timed) * size.sample_bytes
+    return {
+        "checksum": checksum.name if checksum else None,
+        "samples_compared": verdict["compared"],
+        "bytes": nbytes,
+        "ours_GBps": nbytes / ours_s / 1e9,
+        "raw_write_GBps": nbytes / raw_s / 1e9,
+        "d": raw_s / ours_s,
+        "cache_mem": local.mem_type,
+    }
+
+
+# ---------------------------------------------------------------------------- pull
+def _producer_proc(conn: Connection, size: Size, device: str) -> None:
+    """The producer of pull: a PullServer over a cache on ``device``, and a raw agent
+    with the same cache registered."""
+    try:
+        from kv_connector.producer.pull_server import PullServer
+        from kv_connector.wire.handle import PullHandle, make_nonce
+        from kv_connector.wire.nixl_transport import NixlTransport
+
+        cache = make_cache(size).to(device)
+        checksum = ChecksumOption("auto").resolve(cache.is_cuda, size.layout)
+        layer_ids = list(range(size.layers))
+        server = PullServer(cache, size.layout, layer_ids, PRODUCER, 0, 1, ("127.0.0.1", 0), 600.0, checksum)
+        raw = NixlTransport(f"gpu-check-raw-source-{os.getpid()}")
+        region = raw.register(cache)
+        conn.send(
+            (checksum.name if checksum else None, raw.metadata, region.addr, region.nbytes, region.device_id)
+        )
+        while True:
+            while not conn.poll(0.001):
+                raw.notifications()  # progress for raw READs from this agent's memory
+                server.take_freed()
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "hold":
+                handles = []
+                for rid, n, blocks in cmd[1]:
+                    nonce = make_nonce()
+                    server.hold(rid, nonce, token_ids(n), blocks)
+                    handles.append(PullHandle(PRODUCER, rid, nonce, [server.address]).encode())
+                server.finished([s[0] for s in cmd[1]])
+                conn.send(handles)
+            elif cmd[0] == "raw":
+                raw.add_peer(cmd[1])
+                conn.send("ok")
+        server.close()
+        raw.close()
+    except Exception as e:  # the parent reports it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def pull(device: torch.device, size: Size) -> dict[str, Any]:
+    from kv_connector.reader.pull import FetchError, PullClient
+    from kv_connector.wire.nixl_transport import NixlTransport
+    from kv_connector.wire.transport import Region
+
+    conn, proc = _spawn(_producer_proc, size, str(device))
+    try:
+        checksum, raw_md, cache_addr, cache_bytes, dev = _answer(conn)
+        cache = make_cache(size)
+        client = PullClient(pool_bytes=max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes))
+        checked = plan(size, CHECKED_TOKENS, "check")
+        conn.send(("hold", checked))
+        wrong = []
+        for (rid, n, blocks), handle in zip(checked, _answer(conn), strict=True):
+            with client.fetch(handle) as s:
+                if not same(s.hidden_states, expected(cache, size, n, blocks)):
+                    wrong.append(rid)
+        if wrong:
+            raise AssertionError(f"samples read different from the cache: {wrong}")
+
+        def fetch_all(samples: list[tuple[str, int, list[int]]]) -> float:
+            conn.send(("hold", samples))
+            handles = _answer(conn)
+            t0 = time.time()
+            for s in client.fetch_iter(handles, in_flight=IN_FLIGHT):
+                if isinstance(s, FetchError):
+                    raise AssertionError(f"a fetch failed: {s}")
+                s.release()
+            return time.time() - t0
+
+        timed = plan(size, [size.tokens] * size.samples, "pull")
+        fetch_all(plan(size, [size.tokens], "warm"))
+        ours_s = fetch_all(timed)
+        client.close()
+
+        t = NixlTransport(f"gpu-check-raw-reader-{os.getpid()}")
+        pool = _host_pool(IN_FLIGHT * size.sample_bytes)
+        local = t.register(pool)
+        peer = t.add_peer(raw_md)
+        conn.send(("raw", t.metadata))
+        _answer(conn)
+        remote = Region(cache_addr, cache_bytes, "VRAM" if device.type == "cuda" else "DRAM", dev)
+
+        def reads(samples: list[tuple[str, int, list[int]]]) -> float:
+            t0 = time.time()
+            live: list[Any] = []
+            for i in range(len(samples)):
+                while len(live) >= IN_FLIGHT:
+                    live = [x for x in live if not t.poll(x)]
+                # raw_spans gives (cache, pool, n); a READ takes (local, remote, n)
+                spans = raw_spans(size, samples, i)[:, [1, 0, 2]]
+                live.append(t.read(peer, local, remote, spans))
+            while live:
+                live = [x for x in live if not t.poll(x)]
+            return time.time() - t0
+
+        reads(plan(size, [size.tokens], "warm"))
+        raw_s = reads(timed)
+        t.close()
+    finally:
+        _stop(conn, proc)
+    nbytes = len(timed) * size.sample_bytes
+    return {
+        "checksum": checksum,
+        "samples_compared": len(checked),
+        "bytes": nbytes,
+        "ours_GBps": nbytes / ours_s / 1e9,
+        "raw_read_GBps": nbytes / raw_s / 1e9,
+        "d": raw_s / ours_s,
+        "cache_mem": remote.mem_type,
+    }
+
+
+def check(device: torch.device, size: Size) -> dict[str, Any]:
+    return {"size": asdict(size), "push": push(device, size), "pull": pull(device, size)}
+
+
+_TITLE = re.compile(r"\|\s*(remote memory (?:write|read)[^|]*?)\s*\|")
+# a row: "| 8K..inf | zero-copy | 50% on cuda_ipc/cuda and ... |"
+_ROW = re.compile(r"\|\s*[0-9][0-9A-Za-z.]*\s*\|[^|]*\|\s*([^|]+?)\s*\|\s*$")
+_TRANSPORT = re.compile(r"[a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+")  # "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"
+
+
+def ucx_transports(log: str) -> dict[str, list[str]]:
+    """From UCX's protocol tables (``UCX_PROTO_INFO=y``): for each remote-memory operation
+    UCX selected a protocol for ("remote memory write by ucp_put* from cuda memory to
+    host", ...), the transports it uses ("cuda_copy/cuda", "cma/memory", ...)."""
+    out: dict[str, set[str]] = {}
+    title: str | None = None
+    for line in log.splitlines():
+        if m := _TITLE.search(line):
+            title = m.group(1)
+            continue
+        if title is None:
+            continue
+        if m := _ROW.search(line):
+            out.setdefault(title, set()).update(_TRANSPORT.findall(m.group(1)))
+        elif "Range" not in line and "+--" not in line and "|" in line:
+            title = None
+    return {k: sorted(v) for k, v in sorted(out.items())}
