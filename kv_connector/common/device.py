@@ -1,5 +1,6 @@
 """Which GPU a thread works on: ``on_device`` at the start of every thread that touches
-a CUDA cache or drives a NIXL agent holding a VRAM registration.
+a CUDA cache or drives a NIXL agent holding a VRAM registration; and ``to_host``, a
+tensor brought to host memory where a consumer needs it there (a file).
 
 A new Python thread has no CUDA device of its own: its first CUDA call makes a context on
 GPU 0, whatever the rank's GPU is (a stray context, and memory, on another rank's GPU),
@@ -17,3 +18,17 @@ def on_device(device: torch.device | None) -> None:
     device (a CPU cache never initializes CUDA)."""
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory: ``t`` itself when it is there; else one copy, queued on its
+    device's current stream after the work before it, into pinned memory, waited for by an
+    event of that copy alone (the device's other streams go on). Contiguous."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record(torch.cuda.current_stream(t.device))
+    done.synchronize()  # type: ignore[no-untyped-call]
+    return out

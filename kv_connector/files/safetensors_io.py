@@ -7,7 +7,8 @@ block layout is a strided view, and copying it whole first would cost a pass and
 sample-sized buffer. A contiguous tensor is written as it lies; a strided one is
 gathered a bounded chunk of rows at a time through one reused buffer. The file is
 written under a temporary name, fsynced and renamed, so a file under its final name is
-always whole.
+always whole. A tensor on a GPU (a reader whose pool is there) is copied to the host once
+(``common.device.to_host``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+
+from kv_connector.common.device import to_host
 
 _DTYPES = {
     torch.float32: "F32",
@@ -42,6 +45,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
     if t.numel() == 0:
         return
+    t = to_host(t)  # a sample from a pool on a GPU: one copy to the host
     if t.is_contiguous():
         f.write(t.reshape(-1).view(torch.uint8).numpy().data)
         return

@@ -6,15 +6,17 @@ the producer's response) asks each rank of the producer for its share of the sam
 (``PullFetch``: the manifest and where the share lies in the rank's cache), READs every
 share into one run of its receive pool, checks each share against its checksum (of the
 kind its ``PullShare.digest`` names: XXH3 of the bytes, or block digests recomputed from
-the pool as the push reader does, ``reader.checker.pool_checksum``) and the
+the pool as the push reader does, ``reader.pool_memory``) and the
 states for NaN/Inf and all-zero tokens (``reader.values``), releases the sample on every
 rank (the producer frees its blocks), and returns a ``reader.lease.Sample``: a view of the
 pool on lease, as the push reader hands out, whose pages return when it is released or
 collected.
 
 The client owns one NIXL agent and one receive pool registered once, both made on first
-use: a client is picklable until then (and after: a copy starts afresh), so a DataLoader
-can ship it to spawned workers. It keeps one authenticated control connection per
+use (the pool in host memory, or with ``pool_device="cuda:N"`` on that GPU, registered as
+VRAM, where samples land, are checked and handed out: ``reader.pool_memory``): a client
+is picklable until then (and after: a copy starts afresh), so a DataLoader can ship it to
+spawned workers. It keeps one authenticated control connection per
 producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
 both ends prove it before any NIXL metadata moves); one that breaks (a producer
 restarted) is made and handshaken again once per request. Thread-safe: several fetches
@@ -36,15 +38,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from kv_connector.common.memory import host_memory
-from kv_connector.reader.checker import pool_checksum
-from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
+from kv_connector.common.device import on_device
+from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.pool import PagePool, PoolTooSmall
+from kv_connector.reader.pool_memory import PoolMemory, device_of, make_pool, register_pool
 from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks, handle_of
-from kv_connector.reader.values import find_bad_values
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle
 from kv_connector.wire.identity import decode_metadata
@@ -75,6 +75,9 @@ class PullClient:
     ``check_values``: refuse samples with NaN/Inf or all-zero tokens (on by default).
     ``timeout_s``: how long one fetch may take, connecting and reading included.
     ``copy``: hand samples out as copies (their pages return at once) instead of leases.
+    ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
+    that GPU (``PoolDeviceError`` at once when CUDA or the GPU is missing; a NIXL that
+    cannot register GPU memory is named at the first fetch, when the pool is made).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class PullClient:
         copy: bool = False,
         name: str | None = None,
         transport: Transport | None = None,
+        pool_device: str | None = None,
     ) -> None:
         if pool_bytes < PAGE_BYTES:
             raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
@@ -95,6 +99,8 @@ class PullClient:
         self.check_values = check_values
         self.timeout_s = timeout_s
         self.copy = copy
+        self.pool_device = pool_device
+        self._device = device_of(pool_device) if pool_device is not None else torch.device("cpu")
         self._secret = secret
         self._name = name
         self._given_transport = transport
@@ -105,7 +111,7 @@ class PullClient:
         self._transport: Transport | None = None
         self._region: Region | None = None
         self._pool: PagePool | None = None
-        self._pool_np: np.ndarray | None = None
+        self._memory: PoolMemory | None = None
         self._links: ProducerLinks | None = None
         # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
         # costs more in page faults than the copy itself)
@@ -121,6 +127,7 @@ class PullClient:
             "copy": self.copy,
             "secret": self._secret,
             "name": self._name,
+            "pool_device": self.pool_device,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -152,7 +159,9 @@ class PullClient:
             raise ValueError(f"in_flight must be at least 1, got {in_flight}")
         with self._lock:
             if self._checker is None:
-                self._checker = concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-check")
+                self._checker = concurrent.futures.ThreadPoolExecutor(
+                    1, f"{self.name}-check", initializer=on_device, initargs=(self._device,)
+                )
             checker = self._checker
         pending: collections.deque[concurrent.futures.Future[Sample] | FetchError] = collections.deque()
         try:
@@ -266,22 +275,19 @@ class PullClient:
         h, m = p.handle, p.shares[0].manifest
         try:
             self._wait(p)
-            assert self._pool_np is not None
+            memory = self._memory
+            assert memory is not None
             base = p.pages.start * PAGE_BYTES
             for s in p.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
-                if (
-                    s.checksum is not None
-                    and pool_checksum(self._pool_np.data, base, m, blocks, s.digest) != s.checksum
-                ):
+                if s.checksum is not None and memory.checksum(base, m, blocks, s.digest) != s.checksum:
                     raise FetchError(
                         "checksum",
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
                         f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
             if self.check_values:
-                run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
-                problem = find_bad_values(sample_view(run, m), m.layer_ids)
+                problem = memory.bad_values(base, m)
                 if problem is not None:
                     raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
         except FetchError:
@@ -294,21 +300,16 @@ class PullClient:
         return self._hand_out(h, m, p.pages)
 
     def _hand_out(self, h: PullHandle, m: protocol.Manifest, pages: range) -> Sample:
-        assert self._pool_np is not None
+        memory = self._memory
+        assert memory is not None
         base = pages.start * PAGE_BYTES
         key = (h.producer_id, h.request_id)
-        lease = Lease(key, lambda _k: self._give_back(h, pages))
+        lease = Lease(key, memory.ordered(lambda _k: self._give_back(h, pages)))
         if self.copy:
-            run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
-            view = sample_view(run, m)
-            nbytes = view.numel() * view.element_size()
-            hidden = self._copies.take(nbytes).view(view.dtype).view(view.shape)  # contiguous [T, L, H]
-            hidden.copy_(view)
-            del run, view
-            lease.release()
+            hidden = memory.copy_out(base, m, lease, self._copies)  # contiguous [T, L, H]; pages back
             sample_lease = None
         else:
-            hidden = leased_view(self._pool_np, base, m, lease)
+            hidden = memory.leased(base, m, lease)
             sample_lease = lease
         return Sample(
             request_id=m.request_id,
@@ -332,9 +333,9 @@ class PullClient:
 
                 transport = NixlTransport(self.name)
             num_pages = self.pool_bytes // PAGE_BYTES
-            pool = host_memory(num_pages * PAGE_BYTES)  # huge pages where the kernel offers them
-            self._region = transport.register(torch.from_numpy(pool))
-            self._pool_np = pool
+            memory = make_pool(num_pages * PAGE_BYTES, self.pool_device)
+            self._region = register_pool(transport, memory)
+            self._memory = memory
             self._pool = PagePool(num_pages)
             self._links = ProducerLinks(
                 self.name, self._secret, self.timeout_s, self._lock, transport, self._region
@@ -347,6 +348,8 @@ class PullClient:
         deadline = time.monotonic() + self.timeout_s
         collected = False
         while True:
+            assert self._memory is not None
+            self._memory.fences.settle()  # leases whose GPU work is done give their pages back
             with self._lock:
                 assert self._pool is not None
                 try:

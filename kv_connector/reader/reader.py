@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kv_connector.common.memory import host_memory
-from kv_connector.reader.lease import CopyBuffers, Lease, Sample, leased_view, sample_view
+from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
+from kv_connector.reader.pool_memory import device_of, make_pool, register_pool
 from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
 from kv_connector.reader.server import ReaderServer, round_page
 from kv_connector.reader.stats import PoolState, ReaderStats
-from kv_connector.reader.values import find_bad_values
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, parse_address
 from kv_connector.wire.identity import decode_metadata
@@ -121,6 +120,11 @@ class ReaderConfig:
     tokens that are zero in every layer (``reader.values``; a pass over the sample on the
     user's thread, in the ``get`` that reaches it); a bad sample is logged by name and
     refused to its producer (``reject``), never handed out.
+    ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
+    that GPU, registered as VRAM: samples land there and are views there, checked there
+    (``reader.pool_memory``), and their pages return in stream order. ``"cpu"`` runs that
+    device code on host memory (what CI tests). ``PoolDeviceError`` when CUDA or the GPU
+    is missing or full.
     """
 
     listen: str | socket.socket = "127.0.0.1:0"
@@ -136,6 +140,7 @@ class ReaderConfig:
     insecure: bool = False
     metrics_address: str | socket.socket | None = None
     check_values: bool = False
+    pool_device: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -155,6 +160,8 @@ class ReaderConfig:
             raise ValueError(f"max_leases must be positive, got {self.max_leases}")
         if self.pool_bytes <= 0:
             raise ValueError(f"pool_bytes must be positive, got {self.pool_bytes}")
+        if self.pool_device is not None:
+            device_of(self.pool_device)  # PoolDeviceError naming what is missing, before anything is made
         if self.page_bytes is not None:
             page_bytes = round_page(self.page_bytes)
             if page_bytes > self.pool_bytes:
@@ -226,16 +233,15 @@ class HiddenStatesReader:
                 raise
         if not secret:
             log.warning("no shared secret: producers are not authenticated (listening on %s)", self.address)
-        self._pool_np = host_memory(pool_bytes)  # huge pages where the kernel offers them
-        self._pool_tensor = torch.from_numpy(self._pool_np)
         self._copies = CopyBuffers(max_bytes=max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
         try:
+            self._memory = make_pool(pool_bytes, config.pool_device)
             if transport is None:
                 from kv_connector.wire.nixl_transport import NixlTransport
 
                 transport = NixlTransport(self.reader_id)
             self._transport = transport
-            region = transport.register(self._pool_tensor)
+            region = register_pool(transport, self._memory)
         except Exception:
             lsock.close()
             raise
@@ -244,7 +250,7 @@ class HiddenStatesReader:
         self._closed = False
         self._server = ReaderServer(
             lsock, transport, region, self._ledger, self._lock, secret, self.reader_id, self._ready.put,
-            self._pool_np.data,
+            self._memory,
         )  # fmt: skip
         self._server.start()
         self.metrics: MetricsServer | None = None
@@ -257,10 +263,11 @@ class HiddenStatesReader:
                 raise
             self.metrics_address = self.metrics.address
         log.info(
-            "hidden-states reader %s listening on %s, pool %.1f MiB%s%s",
+            "hidden-states reader %s listening on %s, pool %.1f MiB on %s%s%s",
             self.reader_id,
             self.address,
             pool_bytes / (1 << 20),
+            self._memory.device if config.pool_device is not None else "the host",
             ", handshake authenticated" if secret else "",
             f", metrics on {self.metrics.url}" if self.metrics else "",
         )
@@ -391,9 +398,7 @@ class HiddenStatesReader:
             assert rec.pages is not None and self._ledger.page_bytes is not None
             m, base = rec.manifest, rec.pages.start * self._ledger.page_bytes
         t0 = time.perf_counter()
-        run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
-        problem = find_bad_values(sample_view(run, m), m.layer_ids)
-        del run
+        problem = self._memory.bad_values(base, m)
         with self._lock:
             self._ledger.values_checked(time.perf_counter() - t0)
             if problem is None:
@@ -416,20 +421,15 @@ class HiddenStatesReader:
             assert got is not None and rec.pages is not None and self._ledger.page_bytes is not None
             self._server.perform(got[1])
             base = rec.pages.start * self._ledger.page_bytes
-        lease = Lease(key, self._server.release)
+        lease = Lease(key, self._memory.ordered(self._server.release))
         if copy:
             t0 = time.perf_counter()
-            run = torch.from_numpy(self._pool_np[base : base + m.geometry.sample_bytes(m.num_blocks)])
-            view = sample_view(run, m)
-            hidden = self._copies.take(nbytes).view(view.dtype).view(view.shape)
-            hidden.copy_(view)
-            del run, view
-            lease.release()  # copied: its pages go back now
+            hidden = self._memory.copy_out(base, m, lease, self._copies)  # its pages go back
             lease = None  # type: ignore[assignment]
             with self._lock:
                 self._ledger.copied(time.perf_counter() - t0)
         else:
-            hidden = leased_view(self._pool_np, base, m, lease)
+            hidden = self._memory.leased(base, m, lease)
         return Sample(
             request_id=m.request_id,
             token_ids=torch.tensor(m.token_ids, dtype=torch.int64),

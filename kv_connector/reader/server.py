@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kv_connector.common.poller import Poller
 from kv_connector.reader.checker import ShareChecker
 from kv_connector.reader.ledger import ReaderLedger
+from kv_connector.reader.pool_memory import PoolMemory
 from kv_connector.reader.producers import PeerId
 from kv_connector.reader.records import Action, Key, Log, Ready, Send, Verify
 from kv_connector.wire import protocol
@@ -75,7 +76,7 @@ class ReaderServer:
         secret: bytes | None,
         reader_id: str,
         on_ready: Callable[[Key], None],
-        pool: memoryview,
+        pool: PoolMemory,
     ) -> None:
         self._lsock = lsock
         self._transport = transport
@@ -93,6 +94,7 @@ class ReaderServer:
         self._wake_lock = threading.Lock()
         self._released: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._checker = ShareChecker(pool, ledger, lock, self.perform)
+        self._fences = pool.fences  # lease ends waiting for a GPU's queued work
         self._last_lease_log = 0.0
         self._conns: dict[PeerId, _Conn] = {}
         self._by_agent: dict[str, _Conn] = {}  # connected and departing producers' agents
@@ -194,6 +196,8 @@ class ReaderServer:
         while not self._closed:
             with self._lock:
                 due = self._ledger.expecting_writes or self._ledger.departing
+            # lease ends waiting for a GPU's queued work are looked at within the busy poll
+            due = due or self._fences.waiting > 0
             # writers need our progress to finish: poll tightly while WRITEs are due
             try:
                 events = self._sel.select(self._poller.timeout(due))
@@ -226,6 +230,7 @@ class ReaderServer:
 
     def take_releases(self) -> None:
         """Return the pages of the leases that ended (call with the lock held)."""
+        self._fences.settle()
         now = time.monotonic()
         while True:
             try:

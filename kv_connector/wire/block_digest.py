@@ -152,6 +152,32 @@ def sample_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]
     return out
 
 
+def states_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> list[int]:
+    """The same digests from a sample's ``[T, layers, hidden]`` view with torch ops where it
+    lies (a reader's pool on a GPU), in chunks of at most ``CHUNK_BYTES``: the producer's
+    arithmetic (``digests_of_blocks``) over the sample's blocks instead of the cache's."""
+    g = m.geometry
+    bs, last = g.block_size, m.num_blocks - 1
+    share = sorted(share)
+    full = [j for j in share if j != last]
+    out: dict[int, int] = {}
+    if full:
+        head = states[: last * bs]
+        blocks = head.view(last, bs, *head.shape[1:])  # [blocks, block_size, L, H]: splits one dim
+        chunk = max(1, CHUNK_BYTES // g.block_bytes)
+        for i in range(0, len(full), chunk):
+            js = full[i : i + chunk]
+            idx = torch.tensor(js, device=states.device)
+            d = digests_of_blocks(blocks.index_select(0, idx)).cpu().tolist()
+            out.update(zip(js, d, strict=True))
+    if last in share:
+        tail = states[last * bs : m.num_tokens].unsqueeze(0)  # [1, valid tokens, L, H]
+        x = as_words(tail)
+        w = weights(bs, x.shape[2], x.shape[3], x.device)[: x.shape[1]]
+        out[last] = int((x * w).sum().cpu())
+    return [out[j] for j in share]
+
+
 def share_digest(m: Manifest, share: Iterable[int], digests: list[int]) -> int:
     """XXH3-64 of the manifest's bytes, the tag, and each (block index, digest) in order."""
     h = xxhash.xxh3_64(manifest_bytes(m))

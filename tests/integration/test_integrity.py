@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector.reader import HiddenStatesReader, Sample, checker
+from kv_connector.reader import HiddenStatesReader, Sample, pool_memory
 from kv_connector.reader.ledger import MAX_REWRITES
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import stripe
@@ -185,14 +185,14 @@ def test_block_digests_computed_where_the_cache_is_match_at_the_reader(
     on CPU memory: every share matches, the reader really checked, the bytes are exact."""
     samples = plan([1, 16, 17, 45], seed=16, layout=layout)
     checked: list[str] = []  # the reader recomputed block digests (the Hello said so), not bytes
-    real = checker.sample_block_digests
+    real = pool_memory.sample_block_digests
 
     def counting(states: torch.Tensor, m: protocol.Manifest, blocks: list[int]) -> list[int]:
         checked.append(m.request_id)
         return real(states, m, blocks)
 
-    monkeypatch.setattr(checker, "sample_block_digests", counting)
-    monkeypatch.setattr(checker, "sample_checksum", None)  # never called
+    monkeypatch.setattr(pool_memory, "sample_block_digests", counting)
+    monkeypatch.setattr(pool_memory, "sample_checksum", None)  # never called
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
         procs = [
             senders.ship(reader, layout, 16, samples, producer_id="p", rank=r, world_size=world_size,

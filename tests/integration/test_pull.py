@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector.reader import checker
+from kv_connector.reader import pool_memory
 from kv_connector.reader.pull import FetchError, PullClient
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
@@ -124,16 +124,16 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
 ) -> None:
     import threading
 
-    from kv_connector.reader import pull
+    from kv_connector.reader import pool_memory  # where the pool's values check looks it up
 
     checked_on: list[str] = []
-    real_check = pull.find_bad_values
+    real_check = pool_memory.find_bad_values
 
     def values_check(*args: Any) -> Any:
         checked_on.append(threading.current_thread().name)
         return real_check(*args)
 
-    monkeypatch.setattr(pull, "find_bad_values", values_check)
+    monkeypatch.setattr(pool_memory, "find_bad_values", values_check)
     samples = samples_spec(6, layout)
     p = Producer(spec_of(layout, samples, world_size=world))
     producers.append(p)
@@ -389,14 +389,14 @@ def test_block_digests_taken_where_the_cache_is_are_verified_by_the_client(
     p = Producer(spec_of(layout, samples, world_size=world, checksum="blocks"))
     producers.append(p)
     checked: list[str] = []
-    real = checker.sample_block_digests
+    real = pool_memory.sample_block_digests
 
     def counting(states: torch.Tensor, m: protocol.Manifest, blocks: list[int]) -> list[int]:
         checked.append(m.request_id)
         return real(states, m, blocks)
 
-    monkeypatch.setattr(checker, "sample_block_digests", counting)
-    monkeypatch.setattr(checker, "sample_checksum", None)  # never called: no share is XXH3
+    monkeypatch.setattr(pool_memory, "sample_block_digests", counting)
+    monkeypatch.setattr(pool_memory, "sample_checksum", None)  # never called: no share is XXH3
     cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
     with PullClient(pool_bytes=4 << 20) as client:
         got = client.fetch_many([p.handles[s["request_id"]] for s in samples])

@@ -20,6 +20,7 @@ from kv_connector.wire.block_digest import (
     cache_block_digests,
     sample_block_digests,
     share_digest,
+    states_block_digests,
     weights,
 )
 from kv_connector.wire.integrity import manifest_bytes
@@ -84,6 +85,9 @@ def test_cache_and_pool_agree_with_the_reference(layout: str, dtype: str, num_to
     want = [reference(raw, m, block_ids, j) for j in share]
     assert cache_block_digests(typed_cache(raw, m), m, block_ids, share) == want
     assert sample_block_digests(sample_view(run, m), m, share) == want
+    assert states_block_digests(sample_view(run, m), m, share) == want  # a reader's pool on a device
+    odd = share[1::2]  # a rank's share: its own blocks, last one partly filled or not
+    assert states_block_digests(sample_view(run, m), m, odd) == [want[j] for j in odd]
     # the share's checksum: the manifest's bytes, the tag, (index, digest) per block
     body = b"".join(struct.pack("<Iq", j, d) for j, d in zip(share, want, strict=True))
     assert share_digest(m, share, want) == xxhash.xxh3_64_intdigest(manifest_bytes(m) + TAG + body)
@@ -96,6 +100,7 @@ def test_gathers_in_chunks_give_the_same_digests(layout: str, monkeypatch: pytes
     whole = cache_block_digests(typed_cache(raw, m), m, block_ids, share)
     monkeypatch.setattr("kv_connector.wire.block_digest.CHUNK_BYTES", 1)  # one block per gather
     assert cache_block_digests(typed_cache(raw, m), m, block_ids, share) == whole
+    assert states_block_digests(sample_view(landed(layout, "bfloat16", 30, bs=4)[3], m), m, share) == whole
     # a rank's share is its own blocks, in block order, whatever order it names them in
     odd = [5, 1, 3]
     assert cache_block_digests(typed_cache(raw, m), m, block_ids, odd) == [whole[j] for j in sorted(odd)]

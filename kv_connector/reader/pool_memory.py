@@ -1,0 +1,321 @@
+"""A receive pool's memory: where transfers land, what the checks read, what samples view.
+
+Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull client's
+``pool_device``:
+
+- ``HostPool`` (``pool_device=None``, the default): host memory in transparent huge pages
+  (``common.memory``); shares are checked in place with xxhash and numpy on the host; a
+  sample is a numpy-backed view whose collection ends its lease.
+- ``DevicePool`` (``pool_device="cuda:N"``): memory on the trainer's GPU, registered with
+  NIXL as VRAM, so a producer's WRITE (push) or the trainer's READ (pull) lands where
+  training runs: no host staging, no copy in the trainer. The checks run with torch where
+  the pool is, on a stream of the pool's own (they never queue behind the training step):
+  block digests (what a producer with a GPU cache sends) and the values screen on the
+  GPU; XXH3 (what a producer with a host cache sends) after one copy of the sample to
+  the host. A lease ends in stream order: when a sample is released or its last view is
+  collected, an event is recorded on the releasing thread's current stream, and the pages
+  return to producers only once the work queued before it is done (``Fences``), so a
+  kernel still reading a sample never sees the next one land. Work on other streams must
+  be synchronized by the user before letting a sample go (as with torch's own memory).
+  On a host device (``pool_device="cpu"``) the same code runs on memory torch allocates:
+  what CI tests; ``None`` is the host pool tuned for CPUs.
+
+Nothing here imports nixl or touches sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+from kv_connector.common.memory import host_memory
+from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
+from kv_connector.reader.values import find_bad_values
+from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
+from kv_connector.wire.integrity import sample_checksum
+from kv_connector.wire.protocol import Manifest, ShareChecksum
+from kv_connector.wire.transport import Region, Transport, TransportError
+
+
+class PoolDeviceError(ValueError):
+    """The pool cannot live on the device asked for (no CUDA, no such GPU, no room)."""
+
+
+class DeviceEvent(Protocol):
+    def query(self) -> bool: ...
+
+
+class _Done:
+    """Where work runs on the host, it is done when the call returns."""
+
+    def query(self) -> bool:
+        return True
+
+
+class Fences:
+    """Lease ends waiting for the device work queued before them (stream order). On a
+    host device every end is done at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._lock = threading.RLock()  # a collector may end a lease inside ``settle``
+        self._waiting: list[tuple[DeviceEvent, Callable[[], None]]] = []
+
+    def _event(self) -> DeviceEvent:
+        if self.device.type != "cuda":
+            return _Done()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def add(self, done: Callable[[], None], event: DeviceEvent | None = None) -> None:
+        """Call ``done`` once the work queued so far on this thread's stream is done (or
+        ``event``, when given, says so)."""
+        event = event if event is not None else self._event()
+        if event.query():
+            done()
+            return
+        with self._lock:
+            self._waiting.append((event, done))
+
+    def settle(self) -> int:
+        """Call the ends whose work is done (in any order: streams finish independently);
+        returns how many still wait."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, []  # ends added meanwhile go to the new list
+        ready: list[tuple[DeviceEvent, Callable[[], None]]] = []
+        left: list[tuple[DeviceEvent, Callable[[], None]]] = []
+        for e, d in waiting:
+            (ready if e.query() else left).append((e, d))
+        with self._lock:
+            self._waiting[:0] = left
+        for _e, done in ready:
+            done()
+        return self.waiting
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+
+class PoolMemory(Protocol):
+    """What the reader and the pull client need of their pool's memory."""
+
+    device: torch.device
+    tensor: torch.Tensor  # uint8 [nbytes], registered with the transport once
+    fences: Fences
+
+    def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+        """A share's checksum (``blocks``: indices in the sample) recomputed from the run of
+        the sample at byte ``base``, as ``kind`` says."""
+        ...
+
+    def bad_values(self, base: int, m: Manifest) -> str | None:
+        """``reader.values.find_bad_values`` of the sample at ``base``."""
+        ...
+
+    def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+        """The sample's [T, L, H] view; ``lease`` ends when no tensor sharing it is left
+        (made with ``ordered``, it ends in stream order)."""
+        ...
+
+    def copy_out(self, base: int, m: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
+        """The sample copied out of the pool (on the pool's device, contiguous; on the host
+        into one of ``copies``' reused buffers); ``lease`` ends once the copy no longer
+        needs the pages."""
+        ...
+
+    def ordered(self, release: Callable[[Key], None]) -> Callable[[Key], None]:
+        """``release`` (a lease's end: its pages go back) made to wait for the device work
+        queued on the ending thread's stream before it (``Fences``); as it is on the host."""
+        ...
+
+
+def pool_checksum(pool: memoryview, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+    """The checksum of a share (``blocks``, indices in the sample) recomputed from host
+    memory whose run of the sample starts at byte ``base``, as ``kind`` says: XXH3-64 of
+    its bytes (``integrity``), or of its block digests recomputed on the host
+    (``block_digest``)."""
+    if kind is ShareChecksum.BLOCKS:
+        n = m.geometry.sample_bytes(m.num_blocks)
+        states = sample_view(torch.frombuffer(pool, dtype=torch.uint8, offset=base, count=n), m)
+        return share_digest(m, blocks, sample_block_digests(states, m, blocks))
+    return sample_checksum(pool, base, m, blocks)
+
+
+def run_of(tensor: torch.Tensor, base: int, m: Manifest) -> torch.Tensor:
+    """The uint8 bytes of a sample's run in a pool tensor."""
+    return tensor[base : base + m.geometry.sample_bytes(m.num_blocks)]
+
+
+class HostPool:
+    """Host memory in huge pages, checked in place on the host."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.device = torch.device("cpu")
+        self._np = host_memory(nbytes)  # huge pages where the kernel offers them
+        self.tensor = torch.from_numpy(self._np)
+        self.fences = Fences(self.device)
+
+    def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+        return pool_checksum(self._np.data, base, m, blocks, kind)
+
+    def bad_values(self, base: int, m: Manifest) -> str | None:
+        return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids)
+
+    def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+        return leased_view(self._np, base, m, lease)
+
+    def ordered(self, release: Callable[[Key], None]) -> Callable[[Key], None]:
+        return release  # the host's work is done when the call that ends a lease returns
+
+    def copy_out(self, base: int, m: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
+        view = sample_view(run_of(self.tensor, base, m), m)
+        hidden = copies.take(view.numel() * view.element_size()).view(view.dtype).view(view.shape)
+        hidden.copy_(view)
+        del view
+        lease.release()  # copied: its pages go back now
+        return hidden
+
+
+class _DeviceRange:
+    """A range of device memory as CUDA's array interface describes it: a tensor made from
+    it keeps this object alive, so its collection says no view of the range is left."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,  # no stream: the pages' bytes are already where NIXL put them
+        }
+
+
+def device_of(pool_device: str | torch.device) -> torch.device:
+    """The device a pool may live on, or ``PoolDeviceError`` naming what is missing."""
+    try:
+        device = torch.device(pool_device)
+    except (RuntimeError, TypeError) as e:
+        raise PoolDeviceError(f"pool_device {pool_device!r} is not a device: {e}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise PoolDeviceError(f"pool_device {pool_device!r}: a pool lives in host memory or on a CUDA GPU")
+    if not torch.cuda.is_available():
+        raise PoolDeviceError(
+            f"pool_device {pool_device!r} needs CUDA, and torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); leave pool_device unset "
+            "for a host pool"
+        )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise PoolDeviceError(
+            f"pool_device {pool_device!r}: this process sees {torch.cuda.device_count()} GPU(s)"
+        )
+    return torch.device("cuda", index)
+
+
+class DevicePool:
+    """Pool memory on ``device`` (a GPU, or the host for CI), checked with torch there."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        try:
+            self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            free, total = torch.cuda.mem_get_info(device)
+            raise PoolDeviceError(
+                f"no room for a {nbytes / (1 << 20):.0f} MiB pool on {device}: {free / (1 << 20):.0f} MiB "
+                f"free of {total / (1 << 20):.0f} MiB; lower pool_bytes, or make the pool before "
+                "training takes the memory"
+            ) from None
+        self.fences = Fences(device)
+        self._np = self.tensor.numpy() if device.type == "cpu" else None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+    @contextlib.contextmanager
+    def _side(self) -> Iterator[None]:
+        """The pool's own stream for its checks: they never wait behind training's kernels."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            yield
+
+    def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+        run = run_of(self.tensor, base, m)
+        with self._side():
+            if kind is ShareChecksum.BLOCKS:
+                return share_digest(m, blocks, states_block_digests(sample_view(run, m), m, blocks))
+            host = run.cpu()  # XXH3 reads host bytes: one copy of the sample
+        return sample_checksum(host.numpy().data, 0, m, blocks)
+
+    def bad_values(self, base: int, m: Manifest) -> str | None:
+        with self._side():
+            return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids)
+
+    def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+        n = m.geometry.sample_bytes(m.num_blocks)
+        span: object
+        if self._np is not None:
+            span = self._np[base : base + n]  # a new array object
+            raw = torch.from_numpy(span)  # its storage keeps ``span`` alive, as every view's does
+        else:
+            span = _DeviceRange(self.tensor.data_ptr() + base, n)
+            raw = torch.as_tensor(span, device=self.device)  # shares the pool's memory, keeps ``span``
+        weakref.finalize(span, lease.release)
+        return sample_view(raw, m)
+
+    def copy_out(self, base: int, m: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
+        view = sample_view(run_of(self.tensor, base, m), m)
+        hidden = torch.empty(view.shape, dtype=view.dtype, device=self.device)
+        hidden.copy_(view)  # queued on this thread's stream: the pages go back after it
+        del view
+        lease.release()
+        return hidden
+
+    def ordered(self, release: Callable[[Key], None]) -> Callable[[Key], None]:
+        return lambda key: self.fences.add(functools.partial(release, key))
+
+
+def register_pool(transport: Transport, pool: PoolMemory) -> Region:
+    """Register ``pool``'s memory with ``transport`` once; for a pool on a GPU, a refusal
+    says that NIXL must be a CUDA build matching torch's."""
+    try:
+        return transport.register(pool.tensor)
+    except TransportError as e:
+        if pool.device.type != "cuda":
+            raise
+        raise TransportError(
+            f"NIXL cannot register the pool's {pool.tensor.numel() / (1 << 20):.0f} MiB on "
+            f"{pool.device} ({e}): "
+            f"a GPU pool needs NIXL built for CUDA, the wheel for torch's CUDA {torch.version.cuda} "
+            "(nixl-cu13 for CUDA 13, nixl-cu12 for CUDA 12), with UCX's CUDA transports"
+        ) from e
+
+
+def make_pool(nbytes: int, pool_device: str | torch.device | None) -> PoolMemory:
+    """The pool for ``pool_device`` (None: the host pool)."""
+    if pool_device is None:
+        return HostPool(nbytes)
+    return DevicePool(nbytes, device_of(pool_device))
+
+
+__all__ = [
+    "DevicePool",
+    "Fences",
+    "HostPool",
+    "PoolDeviceError",
+    "PoolMemory",
+    "device_of",
+    "make_pool",
+    "pool_checksum",
+    "register_pool",
+]

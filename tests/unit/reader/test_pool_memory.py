@@ -1,0 +1,212 @@
+"""A receive pool on a device (``reader.pool_memory``), as far as it runs on CPU tensors:
+the device pool's checks agree with the host pool's on the same bytes, leases end through
+the pool's stream-order fences (explicitly, by collection, after a copy), a fence holds
+an end until its event is done, and a device that cannot hold a pool is refused by name
+before anything is made."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import threading
+
+import pytest
+import torch
+
+from kv_connector.reader.lease import CopyBuffers, Lease, sample_view
+from kv_connector.reader.pool_memory import (
+    DevicePool,
+    Fences,
+    HostPool,
+    PoolDeviceError,
+    device_of,
+    make_pool,
+    run_of,
+)
+from kv_connector.wire import protocol
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import ShareChecksum
+
+POOL = 1 << 20
+BASE = 4096
+
+
+class Later:
+    """An event that is done once told so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def manifest(layout: str, dtype: str, tokens: int) -> protocol.Manifest:
+    g = BlockLayout(layout, 16, 3, 64, dtype)  # type: ignore[arg-type]
+    return protocol.Manifest(
+        request_id="r",
+        token_ids=list(range(tokens)),
+        layer_ids=[2, 5, 7],
+        geometry=g,
+        num_blocks=g.blocks_for(tokens),
+    )
+
+
+def both_pools(m: protocol.Manifest, seed: int = 0) -> tuple[HostPool, DevicePool]:
+    """A host pool and a device pool (on the host) holding the same sample at BASE."""
+    host, dev = HostPool(POOL), DevicePool(POOL, torch.device("cpu"))
+    n = m.geometry.sample_bytes(m.num_blocks)
+    states = torch.randn(n // 4, generator=torch.Generator().manual_seed(seed)).view(torch.uint8)
+    for pool in (host, dev):
+        pool.tensor[BASE : BASE + n] = states[:n]
+    return host, dev
+
+
+@pytest.mark.parametrize("layout", ["LTH", "TLH"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("tokens", [1, 15, 16, 17, 100])
+def test_the_device_pool_checks_what_the_host_pool_checks(layout: str, dtype: str, tokens: int) -> None:
+    m = manifest(layout, dtype, tokens)
+    host, dev = both_pools(m)
+    blocks = list(range(m.num_blocks))
+    for kind in (ShareChecksum.BLOCKS, ShareChecksum.XXH3):
+        for share in (blocks, blocks[::2]):
+            assert dev.checksum(BASE, m, share, kind) == host.checksum(BASE, m, share, kind)
+    # one byte changed in the last valid token changes both kinds, in both pools
+    view = sample_view(run_of(dev.tensor, BASE, m), m)
+    before = {k: dev.checksum(BASE, m, blocks, k) for k in ShareChecksum}
+    view[-1, -1, -1] += 1
+    assert all(dev.checksum(BASE, m, blocks, k) != before[k] for k in ShareChecksum)
+
+
+def test_the_device_pool_screens_values_as_the_host_pool_does() -> None:
+    m = manifest("LTH", "float32", 40)
+    host, dev = both_pools(m)
+    assert dev.bad_values(BASE, m) is None and host.bad_values(BASE, m) is None
+    for pool in (host, dev):
+        view = sample_view(run_of(pool.tensor, BASE, m), m)
+        view[3, 1, 0] = float("nan")
+        view[20].zero_()
+    assert dev.bad_values(BASE, m) == host.bad_values(BASE, m)
+    problem = dev.bad_values(BASE, m)
+    assert problem is not None and "token 3 (layer ids 5)" in problem and "token 20" in problem
+
+
+def test_a_lease_ends_through_the_fences_when_released_collected_or_copied() -> None:
+    m = manifest("TLH", "bfloat16", 33)
+    _, dev = both_pools(m)
+    ended: list[str] = []
+
+    def lease(name: str) -> Lease:
+        return Lease(("p", name), dev.ordered(lambda key: ended.append(key[1])))
+
+    la = lease("released")
+    view = dev.leased(BASE, m, la)
+    assert view.shape == (33, 3, 64) and view.data_ptr() == dev.tensor.data_ptr() + BASE  # no copy
+    la.release()
+    assert ended == ["released"]  # on the host the work is done: at once
+    del view
+    gc.collect()
+    assert ended == ["released"]  # a lease ends once
+
+    lb = lease("collected")
+    view = dev.leased(BASE, m, lb)
+    part = view[1:4]  # a view of the view keeps the lease
+    del view
+    gc.collect()
+    assert ended == ["released"]
+    del part
+    gc.collect()
+    assert ended == ["released", "collected"]
+
+    lc = lease("copied")
+    copy = dev.copy_out(BASE, m, lc, CopyBuffers(0))
+    assert ended[-1] == "copied" and copy.is_contiguous()
+    assert copy.data_ptr() != dev.tensor.data_ptr() + BASE
+    assert torch.equal(copy.view(torch.int16), sample_view(run_of(dev.tensor, BASE, m), m).view(torch.int16))
+
+
+def test_a_fenced_end_waits_for_its_event_and_ends_in_any_order() -> None:
+    fences = Fences(torch.device("cpu"))
+    first, second = Later(), Later()
+    ended: list[str] = []
+    fences.add(lambda: ended.append("first"), first)
+    fences.add(lambda: ended.append("second"), second)
+    assert fences.settle() == 2 and ended == [] and fences.waiting == 2
+    second.done = True  # streams finish independently
+    assert fences.settle() == 1 and ended == ["second"]
+    first.done = True
+    assert fences.settle() == 0 and ended == ["second", "first"]
+    fences.add(lambda: ended.append("now"))  # the host's work is done: at once
+    assert ended[-1] == "now" and fences.waiting == 0
+
+
+def test_an_end_added_while_fences_settle_is_not_lost() -> None:
+    """A collector may end a lease on the very thread that settles (inside an end)."""
+    fences = Fences(torch.device("cpu"))
+    ended: list[str] = []
+    outer, inner = Later(), Later()
+
+    def outer_end() -> None:
+        ended.append("outer")
+        fences.add(lambda: ended.append("inner"), inner)
+
+    fences.add(outer_end, outer)
+    outer.done = True
+    assert fences.settle() == 1 and ended == ["outer"]  # the inner end waits for its event
+    inner.done = True
+    assert fences.settle() == 0 and ended == ["outer", "inner"]
+
+
+def test_fences_take_ends_from_several_threads() -> None:
+    fences = Fences(torch.device("cpu"))
+    events = [Later() for _ in range(200)]
+    ended: list[int] = []
+    lock = threading.Lock()
+
+    def end(i: int) -> None:
+        with lock:
+            ended.append(i)
+
+    def add_every_fourth(k: int) -> None:
+        for i in range(k, 200, 4):
+            fences.add(functools.partial(end, i), events[i])
+
+    threads = [threading.Thread(target=add_every_fourth, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert fences.waiting == 200
+    for e in events:
+        e.done = True
+    assert fences.settle() == 0 and sorted(ended) == list(range(200))
+
+
+def test_a_device_that_cannot_hold_a_pool_is_refused_by_name() -> None:
+    assert device_of("cpu") == torch.device("cpu")
+    assert isinstance(make_pool(POOL, None), HostPool)
+    assert isinstance(make_pool(POOL, "cpu"), DevicePool)
+    with pytest.raises(PoolDeviceError, match="not a device"):
+        device_of("graphics card")
+    with pytest.raises(PoolDeviceError, match="host memory or on a CUDA GPU"):
+        device_of("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(PoolDeviceError, match=r"needs CUDA, and torch.cuda.is_available\(\) is False"):
+            device_of("cuda:0")
+    else:
+        with pytest.raises(PoolDeviceError, match="GPU"):
+            device_of(f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_reader_or_client_asked_for_a_gpu_pool_without_cuda_is_refused_before_anything_is_made() -> None:
+    from kv_connector.reader import HiddenStatesReader, ReaderConfig
+    from kv_connector.reader.pull import PullClient
+
+    with pytest.raises(PoolDeviceError, match="needs CUDA"):
+        ReaderConfig(pool_device="cuda:0")
+    with pytest.raises(PoolDeviceError, match="needs CUDA"):
+        HiddenStatesReader(pool_device="cuda")
+    with pytest.raises(PoolDeviceError, match="needs CUDA"):
+        PullClient(pool_device="cuda:0")
