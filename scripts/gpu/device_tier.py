@@ -15,8 +15,11 @@ in the one JSON line printed at the end (8 minutes at most in all):
               ``torch.cuda.set_sync_debug_mode("error")`` (``scripts.gpu.step_path``)
   nixl        c: push and pull between two processes through our sender, reader, pull
               server and pull client from a registered GPU cache into host pools, byte for
-              byte, GB/s against raw NIXL WRITE / READ of the same blocks, and the UCX
-              transports used (``scripts.gpu.transfer``)
+              byte, GB/s against raw NIXL WRITE / READ of the same blocks, the time from
+              a sample's finish to its tensor being usable, and the UCX transports used
+              (``scripts.gpu.transfer``)
+  gpu_pool    the same into pools on the GPU (``pool_device``): VRAM to VRAM, against
+              raw NIXL VRAM to VRAM, every sample's tensor on the GPU
 
 ``--device cpu`` runs the same checks on host tensors (CI does, to keep the tier
 runnable); its figures say nothing about a GPU. ``--plan`` fetches the wheels that must
@@ -43,7 +46,7 @@ from scripts.gpu import carry
 
 REPO = Path(__file__).resolve().parents[2]
 # check -> (what it needs seconds for at most, on a GPU)
-LIMITS_S = {"integrity": 120, "step_path": 90, "nixl": 240}
+LIMITS_S = {"integrity": 90, "step_path": 60, "nixl": 180, "gpu_pool": 150}
 CHECKS = list(LIMITS_S)
 NEEDS = ["nixl", "msgspec", "xxhash", "numpy"]  # besides torch
 
@@ -85,6 +88,7 @@ def run_check(name: str, device: torch.device) -> dict[str, Any]:
     """One check, in this process."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" names one GPU
     if name == "integrity":
         from scripts.gpu import integrity
 
@@ -98,12 +102,18 @@ def run_check(name: str, device: torch.device) -> dict[str, Any]:
 
         size = transfer.GPU_SIZE if device.type == "cuda" else transfer.CPU_SIZE
         return transfer.check(device, size)
+    if name == "gpu_pool":
+        from scripts.gpu import transfer
+
+        size = transfer.GPU_SIZE if device.type == "cuda" else transfer.CPU_SIZE
+        return transfer.check(device, size, pool_device=str(device))
     raise SystemExit(f"unknown check {name!r}; the checks are {', '.join(CHECKS)}")
 
 
 def spawn_check(name: str, device: str, env: dict[str, str], limit_s: float) -> dict[str, Any]:
     """``run_check`` in a new process: its result, the UCX transports it used (nixl)."""
-    env = {**env, "UCX_PROTO_INFO": "y"} if name == "nixl" else env
+    transfers = name in ("nixl", "gpu_pool")
+    env = {**env, "UCX_PROTO_INFO": "y"} if transfers else env
     cmd = [sys.executable, "-m", "scripts.gpu.device_tier", "--check", name, "--device", device]
     t0 = time.monotonic()
     try:
@@ -115,7 +125,7 @@ def spawn_check(name: str, device: str, env: dict[str, str], limit_s: float) -> 
     if proc.returncode != 0 or not lines:
         return {"ok": False, "error": (proc.stderr or proc.stdout).strip()[-3000:]}
     out: dict[str, Any] = {"ok": True, **json.loads(lines[-1]), "seconds": time.monotonic() - t0}
-    if name == "nixl":
+    if transfers:
         from scripts.gpu.transfer import ucx_transports
 
         out["ucx_transports"] = ucx_transports(proc.stdout)

@@ -7,12 +7,17 @@ Through the package's own pieces that need no vLLM:
 - pull: another process's ``PullServer`` holds samples in a registered cache on the
   device, and this process's ``PullClient`` READs them into its host pool.
 
+With ``pool_device`` the receiving pools (ours and the raw transfers') are on that device
+(the trainer's GPU: VRAM to VRAM), and each sample's tensor must be there.
+
 Each is checked byte for byte (both processes build the same cache from one seed; the
 receiving one compares every sample with its own copy), then timed on samples of whole
 blocks against raw NIXL transfers of the same blocks between the same two processes
 (a raw WRITE into, or READ from, registered memory, no protocol, no checks): ``d`` is
-ours over raw. The checksum is what the connector's default resolves to for the cache
-(``ChecksumOption("auto")``).
+ours over raw. Then eight samples one at a time: the time from a sample's finish (push: the
+sender is handed it; pull: its handle is out) to its tensor being usable by the training
+loop (handed out, the work queued on its device before done). The checksum is what the
+connector's default resolves to for the cache (``ChecksumOption("auto")``).
 
 Run with ``UCX_PROTO_INFO=y`` (the device tier sets it) UCX prints the protocols it
 selects; ``ucx_transports`` reads the transports out of that.
@@ -105,10 +110,29 @@ def raw_spans(size: Size, samples: list[tuple[str, int, list[int]]], i: int) -> 
     return np.array([(b * bb, base + k * bb, bb) for k, b in enumerate(samples[i][2])], dtype=np.int64)
 
 
-def _host_pool(nbytes: int) -> torch.Tensor:
+def _raw_pool(nbytes: int, pool_device: str | None) -> torch.Tensor:
+    """The raw transfers' landing memory: of the kind our pool is (host or device)."""
+    if pool_device is not None:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=pool_device)
     from kv_connector.common.memory import host_memory
 
     return torch.from_numpy(host_memory(nbytes))
+
+
+def _usable(t: torch.Tensor) -> None:
+    """Work queued on the sample's device before it is done: the training loop may use it."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return sorted(seconds)[len(seconds) // 2] * 1e3
+
+
+def _landed_where_asked(landed_on: str, pool_device: str | None) -> None:
+    want = torch.device(pool_device or "cpu")
+    if torch.device(landed_on) != want:
+        raise AssertionError(f"a sample's tensor is on {landed_on}, its pool was asked on {want}")
 
 
 def _spawn(target: Callable[..., None], *args: Any) -> tuple[Connection, Any]:
@@ -139,18 +163,22 @@ def _answer(conn: Connection, timeout: float = 600) -> Any:
 
 
 # ---------------------------------------------------------------------------- push
-def _reader_proc(conn: Connection, size: Size) -> None:
-    """The consumer of push: a HiddenStatesReader, and a raw NIXL target pool."""
+def _reader_proc(conn: Connection, size: Size, pool_device: str | None) -> None:
+    """The consumer of push: a HiddenStatesReader, and a raw NIXL target pool, both in
+    host memory or on ``pool_device``."""
     try:
         from kv_connector.reader import HiddenStatesReader
         from kv_connector.wire.nixl_transport import NixlTransport
 
         cache = make_cache(size)
         raw = NixlTransport(f"gpu-check-raw-target-{os.getpid()}")
-        pool = _host_pool(IN_FLIGHT * size.sample_bytes)
+        pool = _raw_pool(IN_FLIGHT * size.sample_bytes, pool_device)
         region = raw.register(pool)
-        with HiddenStatesReader(pool_bytes=max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes)) as reader:
-            conn.send((reader.address, raw.metadata, region.addr, region.nbytes))
+        pool_bytes = max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes)
+        with HiddenStatesReader(pool_bytes=pool_bytes, pool_device=pool_device) as reader:
+            conn.send(
+                (reader.address, raw.metadata, region.addr, region.nbytes, region.mem_type, region.device_id)
+            )
             while (cmd := conn.recv())[0] != "stop":
                 if cmd[0] == "check":  # every sample against this process's own copy
                     wrong = []
@@ -165,6 +193,10 @@ def _reader_proc(conn: Connection, size: Size) -> None:
                     for s in reader.samples(cmd[1], timeout=300):
                         s.release()
                     conn.send(time.time())
+                elif cmd[0] == "one":  # when the next sample is usable by the training loop
+                    with reader.get(timeout=300) as s:
+                        _usable(s.hidden_states)
+                        conn.send((time.time(), str(s.hidden_states.device)))
                 elif cmd[0] == "raw":
                     raw.add_peer(cmd[1])
                     conn.send("ok")
@@ -196,14 +228,14 @@ def _ship_all(sender: Any, samples: list[tuple[str, int, list[int]]], timeout: f
         time.sleep(0.0005)
 
 
-def push(device: torch.device, size: Size) -> dict[str, Any]:
+def push(device: torch.device, size: Size, pool_device: str | None = None) -> dict[str, Any]:
     from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
 
-    conn, proc = _spawn(_reader_proc, size)
+    conn, proc = _spawn(_reader_proc, size, pool_device)
     try:
-        address, raw_md, pool_addr, pool_bytes = _answer(conn)
+        address, raw_md, pool_addr, pool_bytes, pool_mem, pool_dev = _answer(conn)
         cache = make_cache(size).to(device)
         layout = size.layout
         checksum = ChecksumOption("auto").resolve(cache.is_cuda, layout)
@@ -225,14 +257,22 @@ def push(device: torch.device, size: Size) -> dict[str, Any]:
         t0 = time.time()
         _ship_all(sender, timed)
         ours_s = _answer(conn) - t0
+        latency, landed_on = [], ""
+        for one in plan(size, [size.tokens] * 8, "one"):  # finished -> usable, one at a time
+            conn.send(("one",))
+            t0 = time.time()
+            _ship_all(sender, [one])
+            t_usable, landed_on = _answer(conn)
+            latency.append(t_usable - t0)
         sender.close()
+        _landed_where_asked(landed_on, pool_device)
 
         t = NixlTransport(f"gpu-check-raw-init-{os.getpid()}")
         local = t.register(cache)
         peer = t.add_peer(raw_md)
         conn.send(("raw", t.metadata))
         _answer(conn)
-        remote = Region(pool_addr, pool_bytes, "DRAM", 0)
+        remote = Region(pool_addr, pool_bytes, pool_mem, pool_dev)
 
         def writes(samples: list[tuple[str, int, list[int]]]) -> float:
             conn.send(("expect", len(samples)))
@@ -260,6 +300,9 @@ def push(device: torch.device, size: Size) -> dict[str, Any]:
         "raw_write_GBps": nbytes / raw_s / 1e9,
         "d": raw_s / ours_s,
         "cache_mem": local.mem_type,
+        "pool_mem": pool_mem,
+        "sample_device": landed_on,
+        "finish_to_usable_ms_median": _median_ms(latency),
     }
 
 
@@ -305,7 +348,7 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def pull(device: torch.device, size: Size) -> dict[str, Any]:
+def pull(device: torch.device, size: Size, pool_device: str | None = None) -> dict[str, Any]:
     from kv_connector.reader.pull import FetchError, PullClient
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
@@ -314,7 +357,8 @@ def pull(device: torch.device, size: Size) -> dict[str, Any]:
     try:
         checksum, raw_md, cache_addr, cache_bytes, dev = _answer(conn)
         cache = make_cache(size)
-        client = PullClient(pool_bytes=max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes))
+        client_pool = max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes)
+        client = PullClient(pool_bytes=client_pool, pool_device=pool_device)
         checked = plan(size, CHECKED_TOKENS, "check")
         conn.send(("hold", checked))
         wrong = []
@@ -338,10 +382,20 @@ def pull(device: torch.device, size: Size) -> dict[str, Any]:
         timed = plan(size, [size.tokens] * size.samples, "pull")
         fetch_all(plan(size, [size.tokens], "warm"))
         ours_s = fetch_all(timed)
+        latency, landed_on = [], ""
+        for one in plan(size, [size.tokens] * 8, "one"):  # handle out -> usable, one at a time
+            conn.send(("hold", [one]))
+            (handle,) = _answer(conn)
+            t0 = time.time()
+            with client.fetch(handle) as s:
+                _usable(s.hidden_states)
+                latency.append(time.time() - t0)
+                landed_on = str(s.hidden_states.device)
         client.close()
+        _landed_where_asked(landed_on, pool_device)
 
         t = NixlTransport(f"gpu-check-raw-reader-{os.getpid()}")
-        pool = _host_pool(IN_FLIGHT * size.sample_bytes)
+        pool = _raw_pool(IN_FLIGHT * size.sample_bytes, pool_device)
         local = t.register(pool)
         peer = t.add_peer(raw_md)
         conn.send(("raw", t.metadata))
@@ -375,11 +429,20 @@ def pull(device: torch.device, size: Size) -> dict[str, Any]:
         "raw_read_GBps": nbytes / raw_s / 1e9,
         "d": raw_s / ours_s,
         "cache_mem": remote.mem_type,
+        "pool_mem": local.mem_type,
+        "sample_device": landed_on,
+        "fetch_to_usable_ms_median": _median_ms(latency),
     }
 
 
-def check(device: torch.device, size: Size) -> dict[str, Any]:
-    return {"size": asdict(size), "push": push(device, size), "pull": pull(device, size)}
+def check(device: torch.device, size: Size, pool_device: str | None = None) -> dict[str, Any]:
+    """Push and pull from a cache on ``device`` into pools in host memory, or on
+    ``pool_device`` (the trainer's GPU)."""
+    return {
+        "size": asdict(size),
+        "push": push(device, size, pool_device),
+        "pull": pull(device, size, pool_device),
+    }
 
 
 _TITLE = re.compile(r"\|\s*(remote memory (?:write|read)[^|]*?)\s*\|")

@@ -1,5 +1,5 @@
-"""The GPU check's device tier, run here on host tensors (``--device cpu``): the same code
-the GPU machine runs, with real NIXL between processes, in a Python that cannot import
+"""The GPU check's device tier, run here on host tensors (``--device cpu``; its GPU pools
+are the device-pool code on host memory): the same code the GPU machine runs, with real NIXL between processes, in a Python that cannot import
 vLLM, prometheus_client or transformers (what the GPU machine lacks), and the set of
 files that must travel there, measured against the device tool's 64 MiB."""
 
@@ -55,14 +55,21 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
     b = out["step_path"]
     assert b["ok"] and "the block table says" in b["wrong_slots_caught"]
     assert b["tokens_compared"] == 160  # a 102, b 22, c 2, d 34 positions read back
-    # c: push and pull each compared every sample and timed both sides
-    c = out["nixl"]
-    for mode, raw in (("push", "raw_write_GBps"), ("pull", "raw_read_GBps")):
-        assert c[mode]["samples_compared"] == 5
-        assert c[mode]["ours_GBps"] > 0 and c[mode][raw] > 0 and c[mode]["d"] > 0
-        assert c[mode]["cache_mem"] == "DRAM"
-    assert any("remote memory write" in op for op in c["ucx_transports"]), c["ucx_transports"]
-    assert all(ts for ts in c["ucx_transports"].values())
+    # c, and the same into pools on the device (here the host): push and pull each compared
+    # every sample, timed both sides, and timed a sample from its finish to usable
+    for name in ("nixl", "gpu_pool"):
+        c = out[name]
+        assert c["ok"], c
+        for mode, raw, usable in (
+            ("push", "raw_write_GBps", "finish_to_usable_ms_median"),
+            ("pull", "raw_read_GBps", "fetch_to_usable_ms_median"),
+        ):
+            assert c[mode]["samples_compared"] == 5
+            assert c[mode]["ours_GBps"] > 0 and c[mode][raw] > 0 and c[mode]["d"] > 0
+            assert c[mode]["cache_mem"] == "DRAM" and c[mode]["pool_mem"] == "DRAM"
+            assert c[mode]["sample_device"] == "cpu" and c[mode][usable] > 0
+        assert any("remote memory write" in op for op in c["ucx_transports"]), c["ucx_transports"]
+        assert all(ts for ts in c["ucx_transports"].values())
 
 
 def test_the_carry_set_fits_what_the_device_tool_carries() -> None:
