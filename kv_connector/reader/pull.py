@@ -76,8 +76,9 @@ class PullClient:
     ``timeout_s``: how long one fetch may take, connecting and reading included.
     ``copy``: hand samples out as copies (their pages return at once) instead of leases.
     ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
-    that GPU (``PoolDeviceError`` at once when CUDA or the GPU is missing; a NIXL that
-    cannot register GPU memory is named at the first fetch, when the pool is made).
+    that GPU (``PoolDeviceError`` at once when CUDA or the GPU is missing, a
+    ``TransportError`` naming the wheel when NIXL does not import for this torch's CUDA; a
+    NIXL that cannot register GPU memory is named at the first fetch, when the pool is made).
     """
 
     def __init__(
@@ -101,6 +102,10 @@ class PullClient:
         self.copy = copy
         self.pool_device = pool_device
         self._device = device_of(pool_device) if pool_device is not None else torch.device("cpu")
+        if self._device.type == "cuda" and transport is None:
+            from kv_connector.wire.nixl_transport import require_nixl
+
+            require_nixl()  # a GPU pool without a NIXL for this torch's CUDA: say so now
         self._secret = secret
         self._name = name
         self._given_transport = transport

@@ -56,6 +56,12 @@ def _nixl() -> Any:
     return nixl_agent, nixl_agent_config
 
 
+def require_nixl() -> None:
+    """``TransportError`` naming the wheel to install unless NIXL imports here (for a
+    user who must know when an object is made, before its agent is)."""
+    _nixl()
+
+
 def _quiet_nixl_logger() -> None:
     """NIXL's Python logger prints INFO lines to stdout; keep stdout for our programs'
     output: its lines go to stderr, and below WARNING only when NIXL_LOG_LEVEL asks."""
