@@ -2,11 +2,12 @@
 
 Each sample becomes one file (``reader.naming``: ``OUT/<producer_id>/<request_id>.safetensors``
 by default, ``OUT/hs_<row>.safetensors`` with ``--layout speculators``) holding
-``hidden_states`` [num_tokens, num_layers, hidden] (producer dtype) and ``token_ids``
-[num_tokens] int64, and in its metadata the request, producer and sample ids, the
-sample's metadata (JSON) and the layer ids. It is written from the sample's view of the
-pool under a temporary name in ``OUT/.tmp/``, fsynced and renamed, so a file under its
-final name is always whole; then its key goes into the delivery journal
+``hidden_states`` [num_tokens, num_layers, hidden] (producer dtype; with ``--fp8``
+float8_e4m3fn beside float32 ``hidden_states_scales``, speculators' fp8 layout:
+``files.fp8``) and ``token_ids`` [num_tokens] int64, and in its metadata the request,
+producer and sample ids, the sample's metadata (JSON) and the layer ids. It is written from
+the sample's view of the pool under a temporary name in ``OUT/.tmp/``, fsynced and renamed,
+so a file under its final name is always whole; then its key goes into the delivery journal
 (``reader.journal``), and only then is the producer acknowledged.
 
 A sample that cannot be taken is refused to its producer with the reason, and the CLI
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kv_connector.files.console import RunMonitor
+from kv_connector.files.fp8 import SCALES_KEY, Fp8Scale, quantize
 from kv_connector.files.journal import Journal, JournalLocked
 from kv_connector.files.naming import UNNAMED, FileLayout, sample_path
 from kv_connector.files.safetensors_io import write_atomically
@@ -80,16 +82,23 @@ def file_metadata(sample: Sample) -> dict[str, str]:
 
 
 def write_sample(
-    path: Path, sample: Sample, tmp_dir: Path | None = None, fsync: Callable[[int], None] = os.fsync
+    path: Path,
+    sample: Sample,
+    tmp_dir: Path | None = None,
+    fsync: Callable[[int], None] = os.fsync,
+    fp8: Fp8Scale | None = None,
 ) -> Path:
-    """Write one sample atomically, from its view of the pool; returns the final path."""
-    return write_atomically(
-        path,
-        {"hidden_states": sample.hidden_states, "token_ids": sample.token_ids},
-        file_metadata(sample),
-        tmp_dir,
-        fsync,
-    )
+    """Write one sample atomically, from its view of the pool (with ``fp8``, quantized in
+    speculators' fp8 layout, ``files.fp8``); returns the final path."""
+    meta = file_metadata(sample)
+    if fp8 is None:
+        tensors = {"hidden_states": sample.hidden_states, "token_ids": sample.token_ids}
+    else:
+        states, scales = quantize(sample.hidden_states, fp8)
+        tensors = {"hidden_states": states, SCALES_KEY: scales, "token_ids": sample.token_ids}
+        meta["fp8_scale"] = fp8.value
+        meta["dtype"] = str(sample.hidden_states.dtype).removeprefix("torch.")  # before quantizing
+    return write_atomically(path, tensors, meta, tmp_dir, fsync)
 
 
 class SampleFiles:
@@ -104,8 +113,10 @@ class SampleFiles:
         journal: Journal,
         check: bool,
         monitor: RunMonitor | None = None,
+        fp8: Fp8Scale | None = None,
     ) -> None:
         self.reader, self.out, self.layout, self.journal, self.check = reader, out, layout, journal, check
+        self.fp8 = fp8  # write speculators' fp8 layout, with scales per token (or layer)
         self.monitor = monitor  # file metrics and the progress line, if any
         self.tmp = out / TMP_DIR
         self._dirs: set[Path] = {out, self.tmp}
@@ -125,7 +136,8 @@ class SampleFiles:
         path = self.out / rel
         try:
             self._ensure_dir(path.parent)
-            write_sample(path, sample, self.tmp, self.monitor.files.fsync if self.monitor else os.fsync)
+            fsync = self.monitor.files.fsync if self.monitor else os.fsync
+            write_sample(path, sample, self.tmp, fsync, self.fp8)
         except Exception as e:
             if not per_sample(e):
                 raise DiskError(f"cannot write {path}: {e}") from e
@@ -197,6 +209,16 @@ def _parser() -> argparse.ArgumentParser:
         default=FileLayout.DEFAULT.value,
         help="default: OUT/<producer_id>/<request_id>.safetensors; speculators: OUT/hs_<sample_id>"
         ".safetensors for integer sample ids (what speculators' ArrowDataset reads), others in OUT/unnamed/",
+    )
+    ap.add_argument(
+        "--fp8",
+        nargs="?",
+        const=Fp8Scale.TOKEN.value,
+        choices=[x.value for x in Fp8Scale],
+        default=None,
+        help="write hidden_states as float8_e4m3fn with float32 hidden_states_scales, speculators' fp8 "
+        "layout (its FP8Transfer reads it): one scale per token (--fp8, --fp8 token) or per token and "
+        "layer (--fp8 layer: lower error where captured layers' magnitudes differ); half of bf16's bytes",
     )
     ap.add_argument(
         "--check-values",
@@ -326,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if reader.metrics_address is not None:
         print(reader.metrics_address, flush=True)
     monitor = RunMonitor(reader)  # the progress line, file metrics, the summary at exit
-    files = SampleFiles(reader, out, FileLayout(args.layout), journal, args.check_values, monitor)
+    fp8 = Fp8Scale(args.fp8) if args.fp8 is not None else None
+    files = SampleFiles(reader, out, FileLayout(args.layout), journal, args.check_values, monitor, fp8)
     n = 0
     try:
         with reader:

@@ -10,6 +10,12 @@ test's own process and vLLM's keep their environment.
                                                     (on_missing="raise") and its own file
                                                     checks; what it loaded goes to OUT_FILE
                                                     (safetensors), a JSON report to stdout
+    speculators_main.py fp8 HS_DIR ORIG_FILE       each row of ORIG_FILE ("<row>.hidden_states"
+                                                    as the producer had them) through
+                                                    hs_connectors.FP8Transfer.get_cached, and
+                                                    each file's fp8 bytes against
+                                                    fp8_utils.quantize_tensor_to_fp8 of the
+                                                    original; a JSON report to stdout
 """
 
 from __future__ import annotations
@@ -66,8 +72,40 @@ def load(data_dir: Path, out_file: Path) -> dict[str, object]:
     return {"rows": n, "existing": existing, "corrupt": corrupt, "unavailable": unavailable}
 
 
+def fp8(hs_dir: Path, orig_file: Path) -> dict[str, object]:
+    import torch
+    from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+    from hs_connectors.transfer import FP8Transfer
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    originals = load_file(str(orig_file))
+    rows = sorted(int(k.split(".")[0]) for k in originals)
+    transfer = FP8Transfer(hs_dir, dequantize_dtype=torch.bfloat16)
+    report: dict[str, object] = {"rows": len(rows), "byte_exact": [], "within_tolerance": [], "scales": []}
+    for i in rows:
+        want = originals[f"{i}.hidden_states"]
+        got = transfer.get_cached(i)
+        assert got is not None and SCALES_KEY not in got, f"row {i}"
+        assert got["hidden_states"].dtype == torch.bfloat16 and got["hidden_states"].shape == want.shape
+        close = torch.allclose(got["hidden_states"].float(), want.float(), atol=0.5, rtol=0.1)  # its tests'
+        report["within_tolerance"].append(close)  # type: ignore[union-attr]
+        with safe_open(str(hs_dir / f"hs_{i}.safetensors"), "pt") as f:
+            stored, scales = f.get_tensor("hidden_states"), f.get_tensor(SCALES_KEY)
+        ref, ref_scales = quantize_tensor_to_fp8(want)
+        exact = torch.equal(stored.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(
+            scales, ref_scales
+        )
+        report["byte_exact"].append(exact)  # type: ignore[union-attr]
+        report["scales"].append(list(scales.shape))  # type: ignore[union-attr]
+    return report
+
+
 def main() -> int:
     cmd, data_dir = sys.argv[1], Path(sys.argv[2])
+    if cmd == "fp8":
+        print(json.dumps(fp8(data_dir, Path(sys.argv[3]))), flush=True)
+        return 0
     if cmd == "write":
         write(data_dir, json.loads(Path(sys.argv[3]).read_text()))
         return 0
