@@ -22,7 +22,10 @@ printed is one JSON object; the first and the last name the machine and its load
              same blocks between the same two processes (``scripts.bench_pull``), and
              ``pull_read_unchecked_over_raw`` the same with the checks off;
   pull_over_file  rows/s through speculators' DataLoader with our pull backend over its
-             file backend, same server settings.
+             file backend, same server settings;
+  fp8        the reader CLI's fp8 files (``scripts.bench_fp8``): rows/s over bf16 files
+             (paired), bytes per row of each, and each scaling's worst relative error per
+             captured layer on a real-looking sample.
 
   ceilings   what this machine allows any design, measured in the same run: for a_over_c,
              vLLM's own cost of extraction (``a0_over_c``, paired); for d and
@@ -107,7 +110,7 @@ def missed(summary: dict[str, Any]) -> list[str]:
 def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from scripts import bench_datapath, bench_model, bench_pull, bench_step
+    from scripts import bench_datapath, bench_fp8, bench_model, bench_pull, bench_step
 
     start = machine_state()
     print("machine at start:", json.dumps(start), flush=True)
@@ -120,6 +123,8 @@ def main() -> None:
     print("per step:", json.dumps(steps), flush=True)
     pull = bench_pull.main()
     print("pull:", json.dumps(pull), flush=True)
+    fp8 = bench_fp8.main()
+    print("fp8 files:", json.dumps(fp8), flush=True)
     e_final = datapath["e_final"]
     figures: dict[str, Any] = {
         "a_over_c": model["a_over_c"],
@@ -180,6 +185,7 @@ def main() -> None:
         "manifest_only_over_file": pull["loader"]["manifest_only_over_file"],
         "manifest_only_range": pull["loader"]["manifest_only_range"],
     }
+    summary["fp8"] = {**fp8["writer"], "worst_relative_error": fp8["error"]}
     summary["missed"] = missed(summary)
     end = machine_state()
     summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}
