@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kv_connector.common.device import on_device
 from kv_connector.common.poller import Poller
 from kv_connector.reader.checker import ShareChecker
 from kv_connector.reader.ledger import ReaderLedger
@@ -95,6 +96,7 @@ class ReaderServer:
         self._released: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._checker = ShareChecker(pool, ledger, lock, self.perform)
         self._fences = pool.fences  # lease ends waiting for a GPU's queued work
+        self._device = pool.device
         self._last_lease_log = 0.0
         self._conns: dict[PeerId, _Conn] = {}
         self._by_agent: dict[str, _Conn] = {}  # connected and departing producers' agents
@@ -193,6 +195,7 @@ class ReaderServer:
 
     # ------------------------------------------------------------ the loop
     def _run(self) -> None:
+        on_device(self._device)  # it drives the agent holding a GPU pool's registration (UCX's CUDA IPC)
         while not self._closed:
             with self._lock:
                 due = self._ledger.expecting_writes or self._ledger.departing

@@ -102,3 +102,44 @@ def test_a_host_cache_never_sets_a_device(set_device_calls: Calls) -> None:
     finally:
         h.close()
     assert set_device_calls == []
+
+
+class _PoolOn:
+    """What the reader's threads read of a pool: its device and its fences."""
+
+    def __init__(self, device: torch.device) -> None:
+        from kv_connector.reader.pool_memory import Fences
+
+        self.device = device
+        self.fences = Fences(torch.device("cpu"))
+
+
+def test_the_readers_serving_and_checking_threads_set_a_gpu_pools_device_first(
+    set_device_calls: Calls,
+) -> None:
+    """A pool on a GPU (``pool_device``): the thread that drives the NIXL agent holding its
+    registration, and the one that checks shares where they lie, make its GPU theirs."""
+    import socket
+
+    from kv_connector.reader.ledger import ReaderLedger
+    from kv_connector.reader.server import ReaderServer
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.setblocking(False)
+    server = ReaderServer(
+        lsock,
+        object(),
+        Region(0, 1, "VRAM", 1),
+        ReaderLedger(),
+        threading.RLock(),
+        None,
+        "r",  # type: ignore[arg-type]
+        lambda key: None,
+        _PoolOn(GPU1),  # type: ignore[arg-type]
+    )
+    try:
+        server.start()
+        assert _wait_for(set_device_calls, "hs-reader-check") == [GPU1]
+        assert _wait_for(set_device_calls, server.thread.name) == [GPU1]
+    finally:
+        server.close()
