@@ -229,7 +229,12 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.get_finished(finished_req_ids), None
+        # with a drafter, vLLM asks this before wait_for_save: the requests this step's plan
+        # ships (output tokens, shipped at their finish) are followed already
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        plan = meta.plan if isinstance(meta, HiddenStatesConnectorMetadata) else None
+        shipping = {o.request_id for o in plan.ships} if plan is not None else set()
+        return self._worker.get_finished(finished_req_ids, shipping), None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None

@@ -238,6 +238,8 @@ class WorkerSide:
             self.pull.hold(
                 order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata
             )
+            if order.request_id in self._finished_by_scheduler:  # told first (output tokens)
+                self.pull.finished([order.request_id])
         else:
             sender = self._sender_of(order.reader)
             sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate)
@@ -319,15 +321,18 @@ class WorkerSide:
             len(failed),
         )
 
-    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+    def get_finished(self, finished_req_ids: set[str], shipping: set[str] | None = None) -> set[str] | None:
+        """``shipping``: the requests this step's plan ships and ``wait_for_save`` has not
+        yet (vLLM asks this first when a drafter runs): a request that ships its output
+        tokens is shipped in the step that also tells the workers it finished."""
         if not self._serving:
             return None
-        # only requests this worker shipped or failed wait for their finish here; the
-        # rest (never shipped: aborted, or failed at admission) must not pile up
+        # only requests this worker shipped or failed, or ships this step, wait for their
+        # finish here; the rest (never shipped: aborted, or failed at admission) must not pile up
         if self.checks is not None:
             for rid, why in self.checks.settle().items():
                 self._fail_unshipped(rid, why)
-        followed = self._shipped | self._done
+        followed = self._shipped | self._done | (shipping or set())
         self._finished_by_scheduler |= finished_req_ids & followed
         for rid in finished_req_ids - followed:
             self._failed.pop(rid, None)

@@ -69,6 +69,31 @@ def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_re
     check_against_reference(got, result, prompts, llama_reference, with_output={2, 3})
 
 
+def test_output_tokens_of_a_request_that_finishes_while_others_run_free_their_blocks(
+    tiny_llama: Path, llama_reference: Reference
+) -> None:
+    """A request shipping its output tokens is shipped in the step that also tells the
+    workers it finished; with a drafter (extract_hidden_states), vLLM asks for finished
+    transfers before the step's shipping: the finish must still be followed, or vLLM holds
+    the request's blocks for ever. Here it finishes while a longer request still decodes."""
+    prompts = prompts_of([40, 200, 9], seed=13)
+    with HiddenStatesReader() as reader:
+        spec = dict(
+            model=str(tiny_llama),
+            address=reader.address,
+            layer_ids=LAYER_IDS,
+            block_size=BLOCK,
+            prompts=prompts,
+            max_tokens=[3, 12, 2],
+            with_output=[0, 2],  # they finish while the second decodes
+            inprocess=True,
+            drain_steps=3,
+        )
+        got, result, _ = run_and_collect(reader, spec, len(prompts))
+    check_against_reference(got, result, prompts, llama_reference, with_output={0, 2})
+    assert result["held_requests"] == [] and result["kv_usage"] == 0.0, result
+
+
 def test_unsorted_layer_ids_label_each_slice_with_its_layer(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
