@@ -163,8 +163,6 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                     'kv_connector_extra_config.consumer_address is for "delivery": "push"; pull delivery has '
                     "no reader (consumers fetch each sample by its handle)"
                 )
-            if self.include_output_tokens:
-                raise ValueError('include_output_tokens is not supported with "delivery": "pull" yet')
             try:
                 pull_endpoint(self.pull_listen, 0)
             except ValueError as e:

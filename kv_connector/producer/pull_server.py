@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kv_connector.common.device import on_device
-from kv_connector.producer.pull_ledger import PullLedger, PullRefused
+from kv_connector.producer.pull_ledger import Held, PullLedger, PullRefused
 from kv_connector.sender.hasher import Hasher, share_block_digest, share_checksum
 from kv_connector.sender.jobs import Job
 from kv_connector.wire import auth, block_digest, handshake, protocol
@@ -45,6 +45,9 @@ PROGRESS_S = 0.0002  # how often the agent makes progress while a consumer may b
 MAX_CONNECTIONS = 256  # consumers served at once (a DataLoader worker holds one per rank)
 REQUEST_FRAME = 4 << 10  # what a consumer may send after its handshake
 IDLE_POLL_S = 0.5  # how often a connection's thread looks whether the endpoint closed
+# a fetch may come before its sample is held: a request that ships its output tokens is
+# held in the engine step after its response (and handle) went out
+HOLD_WAIT_S = 5.0
 
 
 def is_loopback(host: str) -> bool:
@@ -134,6 +137,7 @@ class PullServer:
             checksum or ShareChecksum.XXH3,
         )
         self._lock = threading.Lock()  # guards the ledger, the connections and the hashing
+        self._held = threading.Condition(self._lock)  # a sample was held (fetches may wait for it)
         self._ledger = PullLedger(timeout_s)
         self._prehash = checksum is ShareChecksum.XXH3 and cache.device.type == "cpu"
         self._hasher: Hasher | None = None  # started on the first finished sample
@@ -187,6 +191,7 @@ class PullServer:
         share = stripe(n, self.rank, self.world_size)
         with self._lock:
             self._ledger.hold(request_id, nonce, manifest, blocks, share, self._clock())
+            self._held.notify_all()
 
     def finished(self, request_ids: Iterable[str]) -> None:
         """These requests finished in vLLM (their handles are out): ``timeout_s`` starts,
@@ -264,6 +269,7 @@ class PullServer:
             if self._closed:
                 return
             self._closed = True
+            self._held.notify_all()
             ended = self._ledger.close()
             conns, self._conns = list(self._conns), set()
         if ended:
@@ -374,7 +380,7 @@ class PullServer:
         rid, nonce = msg.request_id, msg.nonce
         try:
             with self._lock:
-                h = self._ledger.fetch(rid, nonce, self._clock())
+                h = self._fetch_held(rid, nonce)
                 pending = self._hashing.get((rid, nonce))
             digest = h.checksum
             if self._checksum is not None and digest is None and len(h.share):
@@ -403,6 +409,21 @@ class PullServer:
             checksum=digest if self._checksum is not None and len(h.share) else None,
             digest=self._checksum or ShareChecksum.XXH3,
         )
+
+    def _fetch_held(self, rid: str, nonce: str) -> Held:
+        """The ledger's answer to a fetch (call with the lock held), waiting up to
+        ``HOLD_WAIT_S`` for a sample not held yet: one whose request ships its output tokens
+        is held in the engine step after its handle went out. A wrong nonce waits the same
+        (P2: it is answered exactly as an unknown request)."""
+        deadline = time.monotonic() + HOLD_WAIT_S
+        while True:
+            try:
+                return self._ledger.fetch(rid, nonce, self._clock())
+            except PullRefused as e:
+                left = deadline - time.monotonic()
+                if e.code != "unknown" or self._closed or left <= 0:
+                    raise
+                self._held.wait(left)
 
     def _share_checksum(self, job: Job) -> int:
         """The checksum of this rank's share, read from the cache while it is held: block

@@ -97,8 +97,6 @@ class SchedulerSide:
         self.book.add(rid)
         if self.options.pull:
             self.requests.ensure(rid).nonce = make_nonce()
-            if include and bad is None:
-                bad = 'include_output_tokens is not supported with "delivery": "pull" yet'
         problem = request_id_problem(rid) or bad
         if problem is not None:  # refused alone, at admission: never its connection
             self.book.refuse(rid, problem)

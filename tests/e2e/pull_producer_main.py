@@ -1,7 +1,7 @@
 """A real producer in pull mode: vLLM (CPU build, in-process engine) with
 extract_hidden_states and HiddenStatesConnector, ``"delivery": "pull"``. Runs generate()
 on the prompts of its JSON spec, prints one JSON line with each prompt's
-kv_transfer_params, then serves its samples while answering commands on stdin, one a
+kv_transfer_params and generated token ids, then serves its samples while answering commands on stdin, one a
 line: "step" (a few engine steps, which report released and expired samples to vLLM;
 prints vLLM's KV cache usage and the requests it still holds) and "quit"."""
 
@@ -45,7 +45,15 @@ def main() -> int:
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in spec["max_tokens"]]
     outs = llm.generate(prompts, params)
-    print(json.dumps({"outputs": [o.kv_transfer_params for o in outs]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "outputs": [o.kv_transfer_params for o in outs],
+                "generated": [list(o.outputs[0].token_ids) for o in outs],
+            }
+        ),
+        flush=True,
+    )
     sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
     for line in sys.stdin:
         if line.strip() == "quit":

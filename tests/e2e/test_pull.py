@@ -128,12 +128,51 @@ def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
     assert "was not released within pull_timeout_s" in log, log[-3000:]
 
 
+def test_output_tokens_in_pull_mode_are_exact_over_the_whole_sequence(
+    tiny_llama: Path, llama_reference: Reference
+) -> None:
+    """``include_output_tokens`` in pull delivery: the sample of a request that generated
+    is held in the engine step after its response went out (the in-process engine takes
+    that step when asked: here "step"; a server's engine takes it at once), and holds the
+    states of its prompt and of every generated token but the last (never forwarded),
+    exact against transformers over that whole sequence."""
+    prompts = prompts_of([5, BLOCK - 2, 300], seed=27)
+    max_tokens = [1, 4, 9]
+    spec = {
+        "model": str(tiny_llama),
+        "layer_ids": LAYER_IDS,
+        "block_size": BLOCK,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "extra": {"include_output_tokens": True},
+    }
+    producer = PullProducer(spec)
+    try:
+        first = producer.first()
+        assert all(p["hidden_states"]["status"] == "ready" for p in first["outputs"]), first
+        producer.step()  # the step that holds what request_finished shipped
+        with PullClient(pool_bytes=16 << 20) as client:
+            for prompt, n, params, generated in zip(
+                prompts, max_tokens, first["outputs"], first["generated"], strict=True
+            ):
+                s = client.fetch(params)
+                want = prompt + generated[:-1]
+                assert len(generated) == n and s.token_ids.tolist() == want
+                err = relative_error(s.hidden_states, llama_reference.states(want, LAYER_IDS))
+                assert err < 1e-4, (len(prompt), n, err)
+                s.release()
+        state = producer.step()
+        assert state["held"] == [] and state["kv_usage"] == 0.0, state
+    finally:
+        producer.stop()
+
+
 def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample(
     tiny_llama: Path, llama_reference: Reference, tmp_path: Path
 ) -> None:
     """TP=2 behind the OpenAI server: the handle names both ranks' endpoints, each serves
-    its stripe of the blocks, the client gathers them into one sample; afterwards vLLM's
-    kv_cache_usage_perc is back to 0."""
+    its stripe of the blocks, the client gathers them into one sample, output tokens
+    included when a request asks; afterwards vLLM's kv_cache_usage_perc is back to 0."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.api_server import ApiServer, tail
@@ -157,12 +196,33 @@ def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample
         )
         params = [r["kv_transfer_params"] for r in responses]
         assert all(len(decode_handle(p["handle"]).endpoints) == 2 for p in params), params
+        # and requests that ship their output tokens: held in the step after their response
+        with_output = {
+            **body,
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": {"include_output_tokens": True},
+        }
+        generated = list(
+            pool.map(
+                lambda p: server.http.post_json("/v1/completions", {**with_output, "prompt": p}), prompts[:3]
+            )
+        )
         with PullClient() as client:
             for i, s in enumerate(client.fetch_many(params)):
                 assert not isinstance(s, FetchError), (i, s)
                 assert s.token_ids.tolist() == prompts[i]
                 err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
                 assert err < 1e-4, (i, err)
+            for i, r in enumerate(generated):  # fetched as soon as each response is here
+                out = r["choices"][0]["token_ids"]
+                s = client.fetch(r["kv_transfer_params"])
+                want = prompts[i] + out[:-1]
+                assert len(out) == 5 and s.token_ids.tolist() == want, (i, out)
+                err = relative_error(s.hidden_states, llama_reference.states(want, LAYER_IDS))
+                assert err < 1e-4, (i, "with output tokens", err)
+                s.release()
         usage = kv_cache_usage(server)
         for _ in range(30):
             if usage == 0:

@@ -160,12 +160,13 @@ def test_pull_options_need_no_reader_and_refuse_push_only_keys() -> None:
         ({"consumer_address": "127.0.0.1:1"}, "push"),
         ({"pull_timeout_s": 0}, "pull_timeout_s"),
         ({"pull_listen": "h:x"}, "pull_listen"),
-        ({"include_output_tokens": True}, "include_output_tokens"),
     ):
         with pytest.raises(ValueError, match=match):
             ConnectorOptions.parse({"delivery": "pull", **bad})
     with pytest.raises(ValueError, match="delivery"):
         ConnectorOptions.parse({"delivery": "carrier pigeon"})
+    # output tokens are held in the step after the response: fetches wait for them
+    assert ConnectorOptions.parse({"delivery": "pull", "include_output_tokens": True}).include_output_tokens
     assert pull_endpoint("127.0.0.1", 3) == ("127.0.0.1", 0)
     assert pull_endpoint("10.0.0.1:7000", 2) == ("10.0.0.1", 7002)
     assert pull_endpoint("::1", 0) == ("::1", 0) and pull_endpoint("[::1]:9", 1) == ("::1", 10)

@@ -158,3 +158,34 @@ def test_a_finished_sample_is_hashed_in_the_background_once_and_a_fetch_waits_fo
     finally:
         gate.set()
         s.close()
+
+
+def test_a_fetch_that_comes_before_its_hold_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request shipping its output tokens is held in the engine step after its handle
+    went out: a fetch asked first waits for the hold (``HOLD_WAIT_S``) and gets the share;
+    one never held, or with a wrong nonce, is answered "unknown" after the same wait."""
+    import threading
+    import time
+
+    monkeypatch.setattr(pull_server, "HOLD_WAIT_S", 0.5)
+    cache = cache_of(TLH)
+    nonce, tokens, blocks = make_nonce(), list(range(20)), [3, 5]
+    s = server(cache, TLH, ShareChecksum.XXH3)
+    try:
+        answers: list[Any] = []
+        early = threading.Thread(
+            target=lambda: answers.append(s._answer(protocol.PullFetch(request_id="late", nonce=nonce)))
+        )
+        early.start()
+        time.sleep(0.1)
+        assert answers == []  # waiting
+        s.hold("late", nonce, tokens, blocks)
+        early.join(timeout=5)
+        assert isinstance(answers[0], protocol.PullShare) and answers[0].block_ids == blocks
+        for rid, n in (("never", nonce), ("late", make_nonce())):
+            t0 = time.monotonic()
+            got = s._answer(protocol.PullFetch(request_id=rid, nonce=n))
+            assert isinstance(got, protocol.PullError) and got.code == "unknown"
+            assert time.monotonic() - t0 >= 0.45  # the same wait for both (P2)
+    finally:
+        s.close()
