@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.integration.common import Senders
+
+if TYPE_CHECKING:
+    from tests.integration.test_pull import Producer
 
 
 @pytest.fixture
@@ -18,3 +22,13 @@ def senders() -> Iterator[Senders]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture
+def producers() -> Iterator[list[Producer]]:
+    """Pull producer processes (``tests.integration.test_pull.Producer``) a test started:
+    each is stopped when the test ends."""
+    started: list[Producer] = []
+    yield started
+    for p in started:
+        p.stop()

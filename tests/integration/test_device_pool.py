@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,14 +28,6 @@ from tests.integration.common import (
 from tests.integration.test_pull import LAYER_IDS, NUM_CACHE_BLOCKS, SEED, Producer, samples_spec, spec_of
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def producers() -> Iterator[list[Producer]]:
-    started: list[Producer] = []
-    yield started
-    for p in started:
-        p.stop()
 
 
 @pytest.mark.parametrize(

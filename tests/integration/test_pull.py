@@ -13,7 +13,6 @@ import pickle
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -103,14 +102,6 @@ def spec_of(layout: BlockLayout, samples: list[dict[str, Any]], **extra: Any) ->
         layout=layout_dict(layout), num_cache_blocks=NUM_CACHE_BLOCKS, seed=SEED, layer_ids=LAYER_IDS,
         samples=samples, **extra,
     )  # fmt: skip
-
-
-@pytest.fixture
-def producers() -> Iterator[list[Producer]]:
-    started: list[Producer] = []
-    yield started
-    for p in started:
-        p.stop()
 
 
 LTH = BlockLayout("LTH", 16, 3, 32, "float32")
