@@ -7,6 +7,7 @@ from kv_connector.reader.dataset import HiddenStatesDataset
 from kv_connector.reader.lease import Sample, SampleReleased
 from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S
 from kv_connector.reader.metrics_server import MetricsAddressError
+from kv_connector.reader.pool_memory import PoolDeviceError
 from kv_connector.reader.reader import (
     HiddenStatesReader,
     LeaseLimitError,
@@ -26,6 +27,7 @@ __all__ = [
     "HiddenStatesReader",
     "LeaseLimitError",
     "MetricsAddressError",
+    "PoolDeviceError",
     "PoolState",
     "ProducerTotals",
     "ReaderClosed",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 from kv_connector.common.device import on_device
 from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.pool_memory import PoolMemory, pool_checksum
+from kv_connector.reader.pool_memory import PoolMemory
 from kv_connector.reader.records import Action, Verify
 
 log = logging.getLogger("kv_connector.reader.reader")
@@ -66,6 +66,3 @@ class ShareChecker:
         ok, seconds = got == v.digest, time.perf_counter() - t0
         with self._lock:
             self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic(), seconds))
-
-
-__all__ = ["ShareChecker", "pool_checksum"]  # pool_checksum: the host check, where tests and tools knew it

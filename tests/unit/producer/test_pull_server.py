@@ -15,7 +15,7 @@ import torch
 from kv_connector.producer import pull_server
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.producer.pull_server import PullServer
-from kv_connector.reader.checker import pool_checksum
+from kv_connector.reader.pool_memory import pool_checksum
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe
