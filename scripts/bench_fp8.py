@@ -76,7 +76,7 @@ def _writer_arm(out: Path, rows: list[torch.Tensor], fp8: Fp8Scale | None) -> An
     return run
 
 
-def writer(rows: int = 12, tokens: int = 2048, pairs: int = 5, where: Path | None = None) -> dict[str, Any]:
+def writer(rows: int = 8, tokens: int = 1024, pairs: int = 5, where: Path | None = None) -> dict[str, Any]:
     """fp8 files (one scale per token) over bf16 files: rows/s and bytes per row, paired."""
     data = [real_looking(tokens, seed=i) for i in range(rows)]
     base = Path(tempfile.mkdtemp(prefix="bench-fp8-", dir=where))
