@@ -140,7 +140,8 @@ def install(dest: Path = CARRY_DIR) -> Path:
     if stamp.exists():
         return site
     site.mkdir(parents=True, exist_ok=True)
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+    pip += ["--no-cache-dir", "--target", str(site)]
     proc = subprocess.run([*pip, *map(str, files.values())], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"gpu_check: pip could not install the wheels ({proc.stderr.strip()[-300:]}); unpacking them")
