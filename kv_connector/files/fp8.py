@@ -26,7 +26,9 @@ SCALES_KEY = "hidden_states_scales"  # speculators' name for the scales tensor
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12
-CHUNK_ELEMENTS = 1 << 24  # float32 temporaries of at most 64 MiB
+# float32 temporaries of 4 MiB: each pass over a chunk stays in cache (a 32 MiB bf16 sample
+# quantized on one core here: 118 ms in 64 MiB chunks, 26 ms in these)
+CHUNK_ELEMENTS = 1 << 20
 
 
 class Fp8Scale(str, enum.Enum):
