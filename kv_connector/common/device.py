@@ -10,6 +10,8 @@ IPC off for it (vLLM's NixlConnector sets the device in its threads for that rea
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 
@@ -18,6 +20,21 @@ def on_device(device: torch.device | None) -> None:
     device (a CPU cache never initializes CUDA)."""
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+class DeviceEvent(Protocol):
+    """A CUDA event, or a stand-in where the work ran on the host."""
+
+    def query(self) -> bool:
+        """True once the work recorded before it is done."""
+        ...
+
+
+class HostDone:
+    """The stand-in for a CUDA event where the work ran on the host: always done."""
+
+    def query(self) -> bool:
+        return True
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

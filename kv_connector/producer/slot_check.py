@@ -16,24 +16,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.producer.planning import StepExpect, check_step
-
-
-class DeviceEvent(Protocol):
-    def query(self) -> bool:
-        """True once the work recorded before it is done."""
-        ...
-
-
-class HostDone:
-    """The stand-in for a CUDA event where the step ran on the host: always done."""
-
-    def query(self) -> bool:
-        return True
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.common.memory import host_memory
 from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
 from kv_connector.reader.values import find_bad_values
@@ -47,17 +48,6 @@ class PoolDeviceError(ValueError):
     """The pool cannot live on the device asked for (no CUDA, no such GPU, no room)."""
 
 
-class DeviceEvent(Protocol):
-    def query(self) -> bool: ...
-
-
-class _Done:
-    """Where work runs on the host, it is done when the call returns."""
-
-    def query(self) -> bool:
-        return True
-
-
 class Fences:
     """Lease ends waiting for the device work queued before them (stream order). On a
     host device every end is done at once."""
@@ -69,7 +59,7 @@ class Fences:
 
     def _event(self) -> DeviceEvent:
         if self.device.type != "cuda":
-            return _Done()
+            return HostDone()  # work on the host is done when the call returns
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
