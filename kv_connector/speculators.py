@@ -7,13 +7,23 @@ producer in pull delivery, no file system and no store between them.
 registered (speculators reads the registry when its config module is imported), e.g.
 ``python -m kv_connector.speculators train --hidden-states-backend kv-hidden-states ...``.
 
-Each DataLoader worker gets the transfer (``KvHiddenStatesTransfer``) pickled; its
-``PullClient`` makes its NIXL agent and receive pool on first use. ``get_generated``
-fetches the row's sample by the ``handle`` in the server's ``kv_transfer_params``,
-READing it from the producer's cache, checks it, releases it at the producer, and
-returns what speculators' ``FileTransfer`` loads from ``hs_<i>.safetensors``: ``token_ids``
-int64 [T] and ``hidden_states`` [T, L, H] in the producer's dtype. ``delete(handle)``
-releases (a sample ``get_generated`` returned is released already: nothing to do).
+Where the fetching happens (``--kv-hs-fetch-agent``, ``FetchMode``):
+
+- ``rank`` (the default): one fetch agent per trainer rank (``reader.fetch_agent``), a
+  process the rank starts when the transfer is first pickled into its DataLoader's
+  workers (or first used): the rank's only NIXL agent and only registered pool. Each
+  worker gets the agent's address pickled, maps the agent's pool, and copies each row
+  out of it once; the agent READs, checks and releases. A worker that dies has its
+  leases freed; the agent ends with the rank.
+- ``worker``: each DataLoader worker makes a ``PullClient`` of its own (its own NIXL
+  agent and pool) on first use.
+
+``get_generated`` fetches the row's sample by the ``handle`` in the server's
+``kv_transfer_params``, READing it from the producer's cache, checks it, releases it at
+the producer, and returns what speculators' ``FileTransfer`` loads from
+``hs_<i>.safetensors``: ``token_ids`` int64 [T] and ``hidden_states`` [T, L, H] in the
+producer's dtype. ``delete(handle)`` releases (a sample ``get_generated`` returned is
+released already: nothing to do).
 
 The only module that imports speculators' packages; it is optional (the rest of
 kv_connector never needs it).
@@ -22,30 +32,100 @@ kv_connector never needs it).
 from __future__ import annotations
 
 import argparse
+import enum
 import sys
 from typing import Any
 
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
+from kv_connector.reader.agent_client import AgentClient, FetchAgentProcess
 from kv_connector.reader.pull import FetchError, PullClient, handle_of
 
 BACKEND = "kv-hidden-states"
-DEFAULT_POOL_MIB = 256
+DEFAULT_POOL_MIB = 256  # each worker's, in worker mode
+DEFAULT_RANK_POOL_MIB = 1024  # the rank's one pool, in rank mode (12 workers' pools were 3 GiB)
 DEFAULT_FETCH_TIMEOUT_S = 60.0
 DEFAULT_PULL_LISTEN = "127.0.0.1"
 DEFAULT_PULL_TIMEOUT_S = 300.0
 MAX_REMEMBERED = 4096  # handles released by get_generated, remembered for delete()
 
 
+class FetchMode(enum.Enum):
+    """Where a trainer rank's rows are fetched."""
+
+    RANK = "rank"  # one fetch agent (one NIXL agent, one pool) shared by the rank's workers
+    WORKER = "worker"  # a PullClient (a NIXL agent and a pool) in each DataLoader worker
+
+
 class KvHiddenStatesTransfer(HiddenStatesTransfer):
-    """One trainer process's (or DataLoader worker's) side: fetches pulled samples."""
+    """One trainer rank's side (and, pickled, each DataLoader worker's): fetches pulled
+    samples, through the rank's fetch agent or a client of the worker's own (``mode``).
+    ``pool_mib``: the rank agent's pool, or each worker's (default: 1024 and 256)."""
 
     def __init__(
-        self, pool_mib: int = DEFAULT_POOL_MIB, fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+        self,
+        pool_mib: int | None = None,
+        fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
+        mode: FetchMode | str = FetchMode.RANK,
+        agent_address: str | None = None,
     ) -> None:
-        self.client = PullClient(pool_bytes=pool_mib << 20, timeout_s=fetch_timeout_s, copy=True)
+        self.mode = FetchMode(mode)
+        default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
+        self.pool_mib = pool_mib if pool_mib is not None else default
+        if self.pool_mib < 1:
+            raise ValueError(f"pool_mib must be at least 1, got {self.pool_mib}")
+        self.fetch_timeout_s = fetch_timeout_s
+        self.agent: FetchAgentProcess | None = None  # the rank's, in the process that started it
+        self._address = agent_address
+        self._client: PullClient | AgentClient | None = None
         self._released: set[str] = set()  # by get_generated: delete() need not ask the producer
+
+    @property
+    def agent_address(self) -> str:
+        """The rank's fetch agent's address (the agent is started now if it is not yet)."""
+        if self._address is None:
+            self.agent = FetchAgentProcess(pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s)
+            self._address = self.agent.address
+        return self._address
+
+    @property
+    def client(self) -> PullClient | AgentClient:
+        """What fetches in this process (made on first use)."""
+        if self._client is None:
+            if self.mode is FetchMode.WORKER:
+                self._client = PullClient(
+                    pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s, copy=True
+                )
+            else:
+                self._client = AgentClient(self.agent_address, timeout_s=self.fetch_timeout_s)
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        # into a DataLoader worker: in rank mode the agent's address (started now, once)
+        address = self.agent_address if self.mode is FetchMode.RANK else None
+        return {
+            "pool_mib": self.pool_mib,
+            "fetch_timeout_s": self.fetch_timeout_s,
+            "mode": self.mode.value,
+            "agent_address": address,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def setup(self) -> None:
+        self.client  # noqa: B018 - made here, in the worker, before the first row
+
+    def close(self) -> None:
+        """Close this process's client and, in the rank that started it, the fetch agent."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+            self._address = None
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         return None  # nothing is stored: every row is generated
@@ -80,8 +160,23 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
 
     @staticmethod
     def add_train_args(parser: argparse.ArgumentParser) -> None:
-        _add(parser, "--kv-hs-pool-mib", type=int, default=DEFAULT_POOL_MIB,
-             help="each DataLoader worker's receive pool, in MiB (a row must fit)")  # fmt: skip
+        modes = [m.value for m in FetchMode]
+        _add(
+            parser,
+            "--kv-hs-fetch-agent",
+            choices=modes,
+            default=FetchMode.RANK.value,
+            help="rank: one fetch agent (one NIXL agent, one pool) per trainer rank, shared by its "
+            "DataLoader workers through shared memory; worker: a client in each worker",
+        )
+        _add(
+            parser,
+            "--kv-hs-pool-mib",
+            type=int,
+            default=None,
+            help=f"the receive pool in MiB: the rank agent's (default {DEFAULT_RANK_POOL_MIB}) or, with "
+            f"--kv-hs-fetch-agent worker, each worker's (default {DEFAULT_POOL_MIB}); a row must fit",
+        )
         _add(parser, "--kv-hs-fetch-timeout-s", type=float, default=DEFAULT_FETCH_TIMEOUT_S,
              help="how long one row's fetch may take")  # fmt: skip
 
@@ -95,9 +190,11 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
 
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> KvHiddenStatesTransfer:
+        pool_mib = getattr(args, "kv_hs_pool_mib", None)
         return KvHiddenStatesTransfer(
-            pool_mib=int(getattr(args, "kv_hs_pool_mib", DEFAULT_POOL_MIB)),
+            pool_mib=None if pool_mib is None else int(pool_mib),
             fetch_timeout_s=float(getattr(args, "kv_hs_fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)),
+            mode=FetchMode(getattr(args, "kv_hs_fetch_agent", FetchMode.RANK.value)),
         )
 
     @staticmethod
@@ -123,7 +220,14 @@ def register() -> None:
 if __name__ != "__main__":  # run as a program, main() registers the importable module's classes
     register()
 
-__all__ = ["BACKEND", "FetchError", "KvHiddenStatesBackend", "KvHiddenStatesTransfer", "register"]
+__all__ = [
+    "BACKEND",
+    "FetchError",
+    "FetchMode",
+    "KvHiddenStatesBackend",
+    "KvHiddenStatesTransfer",
+    "register",
+]
 
 
 def main(argv: list[str] | None = None) -> None:

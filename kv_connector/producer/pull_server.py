@@ -316,10 +316,17 @@ class PullServer:
         on_device(self._raw.device)  # block digests are computed on the cache's GPU here
         try:
             try:
-                handshake.as_producer(conn, self._me, self._secret, self._transport.metadata)
+                welcome = handshake.as_producer(conn, self._me, self._secret, self._transport.metadata)
             except (handshake.HandshakeError, ProtocolError, TimeoutError, ConnectionClosed, OSError) as e:
                 log.warning("pull: a consumer at %s failed the handshake: %s", peer, e)
                 return
+            log.info(
+                "pull: rank %d serves consumer agent %s (a %d MiB pool) at %s",
+                self.rank,
+                welcome.agent_name,
+                welcome.pool_bytes >> 20,
+                peer,
+            )
             conn.max_frame = REQUEST_FRAME
             while not self._closed:
                 try:

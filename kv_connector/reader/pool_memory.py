@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 
 from kv_connector.common.device import DeviceEvent, HostDone
-from kv_connector.common.memory import host_memory
+from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
 from kv_connector.reader.values import find_bad_values
 from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
@@ -146,11 +146,16 @@ def run_of(tensor: torch.Tensor, base: int, m: Manifest) -> torch.Tensor:
 
 
 class HostPool:
-    """Host memory in huge pages, checked in place on the host."""
+    """Host memory in huge pages, checked in place on the host. ``shared``: in a memory
+    file other processes can map (``fd``; a rank's fetch agent, ``reader.fetch_agent``)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, shared: bool = False) -> None:
         self.device = torch.device("cpu")
-        self._np = host_memory(nbytes)  # huge pages where the kernel offers them
+        self.fd: int | None = None
+        if shared:
+            self._np, self.fd = shared_host_memory(nbytes)
+        else:
+            self._np = host_memory(nbytes)  # huge pages where the kernel offers them
         self.tensor = torch.from_numpy(self._np)
         self.fences = Fences(self.device)
 
@@ -291,10 +296,13 @@ def register_pool(transport: Transport, pool: PoolMemory) -> Region:
         ) from e
 
 
-def make_pool(nbytes: int, pool_device: str | torch.device | None) -> PoolMemory:
-    """The pool for ``pool_device`` (None: the host pool)."""
+def make_pool(nbytes: int, pool_device: str | torch.device | None, shared: bool = False) -> PoolMemory:
+    """The pool for ``pool_device`` (None: the host pool; ``shared``: one other processes
+    can map)."""
     if pool_device is None:
-        return HostPool(nbytes)
+        return HostPool(nbytes, shared)
+    if shared:
+        raise PoolDeviceError("a pool shared with other processes lives in host memory (pool_device=None)")
     return DevicePool(nbytes, device_of(pool_device))
 
 

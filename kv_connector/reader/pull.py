@@ -79,6 +79,8 @@ class PullClient:
     that GPU (``PoolDeviceError`` at once when CUDA or the GPU is missing, a
     ``TransportError`` naming the wheel when NIXL does not import for this torch's CUDA; a
     NIXL that cannot register GPU memory is named at the first fetch, when the pool is made).
+    ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``): what
+    a rank's fetch agent serves its DataLoader workers from (``reader.fetch_agent``).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class PullClient:
         name: str | None = None,
         transport: Transport | None = None,
         pool_device: str | None = None,
+        shared_pool: bool = False,
     ) -> None:
         if pool_bytes < PAGE_BYTES:
             raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
@@ -101,6 +104,7 @@ class PullClient:
         self.timeout_s = timeout_s
         self.copy = copy
         self.pool_device = pool_device
+        self.shared_pool = shared_pool
         self._device = device_of(pool_device) if pool_device is not None else torch.device("cpu")
         if self._device.type == "cuda" and transport is None:
             from kv_connector.wire.nixl_transport import require_nixl
@@ -133,12 +137,32 @@ class PullClient:
             "secret": self._secret,
             "name": self._name,
             "pool_device": self.pool_device,
+            "shared_pool": self.shared_pool,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ public
+    def open(self) -> None:
+        """Make the NIXL agent and register the pool now (the first fetch does otherwise)."""
+        self._ensure()
+
+    @property
+    def pool_fd(self) -> int | None:
+        """The shared pool's memory file (``shared_pool=True``, once open), else None."""
+        return getattr(self._memory, "fd", None)
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of the pool registered with NIXL (0 before the first use)."""
+        return 0 if self._region is None else self._region.nbytes
+
+    def pool_offset(self, tensor: torch.Tensor) -> int:
+        """Where ``tensor``'s first element lies in the pool, in bytes from its start."""
+        assert self._memory is not None, "the client has no pool yet"
+        return tensor.data_ptr() - self._memory.tensor.data_ptr()
+
     def fetch(self, handle: str | Mapping[str, Any], release: bool = True) -> Sample:
         """The sample named by ``handle`` (or a response's ``kv_transfer_params``), read,
         checked and released at its producer; ``FetchError`` saying why not. With
@@ -338,7 +362,7 @@ class PullClient:
 
                 transport = NixlTransport(self.name)
             num_pages = self.pool_bytes // PAGE_BYTES
-            memory = make_pool(num_pages * PAGE_BYTES, self.pool_device)
+            memory = make_pool(num_pages * PAGE_BYTES, self.pool_device, self.shared_pool)
             self._region = register_pool(transport, memory)
             self._memory = memory
             self._pool = PagePool(num_pages)

@@ -1,15 +1,18 @@
 """speculators' side of tests/e2e/test_speculators_pull.py, in a process of its own whose
 PYTHONPATH holds speculators (``.venv/speculators-site-packages``):
 
-    speculators_pull_main.py DATA_DIR ENDPOINT OUT_FILE
+    speculators_pull_main.py DATA_DIR ENDPOINT OUT_FILE [NUM_WORKERS [FETCH_AGENT]]
 
 registers our backend by importing ``kv_connector.speculators`` (twice: harmless), builds
 its transfer as speculators' trainer does (``add_train_args``, ``from_train_args``), and
 runs speculators' own ``create_train_val_loaders(..., on_missing="generate",
-num_workers=2)`` against the vLLM server at ENDPOINT: every batch of both loaders, each
-row cut out of its packed batch by its document id. What each row got (its tokens, the
-auxiliary and the verifier's last states) goes to OUT_FILE (safetensors, keyed by the
-row's index in the dataset), and a JSON line to stdout.
+num_workers=NUM_WORKERS)`` (default 2; ``--kv-hs-fetch-agent FETCH_AGENT``, default
+rank) against the vLLM server at ENDPOINT: every batch of both loaders, each row cut out
+of its packed batch by its document id. What each row got (its tokens, the auxiliary and
+the verifier's last states) goes to OUT_FILE (safetensors, keyed by the row's index in
+the dataset), and a JSON line to stdout, with what made NIXL agents while the workers
+were alive: the processes under this one that mapped NIXL's UCX plugin, and the rank's
+fetch agent's own counts.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,8 +28,40 @@ TOTAL_SEQ_LEN = 2048
 HIDDEN = 128
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (by their parents in /proc)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def nixl_agents(pids: list[int]) -> list[int]:
+    """Which of ``pids`` made a NIXL agent (its UCX backend's plugin is mapped)."""
+    out = []
+    for pid in pids:
+        try:
+            if "libplugin_UCX" in Path(f"/proc/{pid}/maps").read_text():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
 def main() -> int:
     data_dir, endpoint, out_file = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    num_workers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    mode = sys.argv[5] if len(sys.argv) > 5 else "rank"
     import torch
     from datasets import load_from_disk
     from hs_connectors.transfer import HiddenStatesBackend
@@ -38,13 +74,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     backend.add_train_args(parser)
     backend.add_train_args(parser)  # the trainer and a launcher may both add them
-    transfer = backend.from_train_args(parser.parse_args(["--kv-hs-pool-mib", "16"]), str(data_dir))
+    argv = ["--kv-hs-pool-mib", "16", "--kv-hs-fetch-agent", mode]
+    transfer = backend.from_train_args(parser.parse_args(argv), str(data_dir))
     train, val = create_train_val_loaders(
         data_path=str(data_dir), total_seq_len=TOTAL_SEQ_LEN, hidden_states_dtype=torch.float32,
         transfer=transfer, vllm_endpoint=endpoint, on_missing="generate", verifier_name_or_path=None,
         request_timeout=120.0, max_retries=2, generation_validation_retries=2,
-        max_consecutive_generation_failures=5, hidden_size=HIDDEN, num_target_layers=3, num_workers=2,
-        prefetch_factor=2, preprocess=None, train_data_ratio=0.75,
+        max_consecutive_generation_failures=5, hidden_size=HIDDEN, num_target_layers=3,
+        num_workers=num_workers, prefetch_factor=2, preprocess=None, train_data_ratio=0.75,
     )  # fmt: skip
     rows = load_from_disk(str(data_dir))
     index = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
@@ -63,8 +100,24 @@ def main() -> int:
                 tensors[f"{i}.verifier_last_hidden_states"] = batch["verifier_last_hidden_states"][0][
                     at
                 ].clone()
+    under = descendants(os.getpid())  # the persistent workers are alive still, and the agent
+    agents = nixl_agents([os.getpid(), *under])
+    stats = transfer.client.stats() if mode == "rank" else None
     save_file(tensors, str(out_file))
-    print(json.dumps({"rows": sorted({int(k.split(".")[0]) for k in tensors}), "errors": errors}), flush=True)
+    report = {
+        "rows": sorted({int(k.split(".")[0]) for k in tensors}),
+        "errors": errors,
+        "processes": len(under),
+        "nixl_agent_pids": agents,
+        "agent": None if stats is None else {
+            "pid": stats.pid,
+            "name": stats.agent_name,
+            "registered_bytes": stats.registered_bytes,
+            "fetched": stats.fetched,
+            "leases_held": stats.leases_held,
+        },
+    }
+    print(json.dumps(report), flush=True)
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -46,9 +47,14 @@ def files_under(path: Path) -> set[Path]:
     return {p for p in path.rglob("*")}
 
 
+@pytest.mark.parametrize(("mode", "workers"), [("rank", 12), ("worker", 2)])
 def test_speculators_dataloader_trains_from_pulled_samples(
-    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path, mode: str, workers: int
 ) -> None:
+    """With the rank's fetch agent (the default) and speculators' default 12 workers, one
+    NIXL agent (one registered pool) serves the rank: the producer serves one consumer
+    agent besides this test's own client, and no worker maps NIXL's UCX plugin; with a
+    client per worker, at most one agent per worker."""
     site = speculators_site()
     rows = prompts_of(LENGTHS, seed=31)
     data = tmp_path / "data"
@@ -75,6 +81,7 @@ def test_speculators_dataloader_trains_from_pulled_samples(
             stranger.fetch(params)  # a consumer whose secret the producer does not share
         assert e.value.code == "auth"
         with PullClient() as client:
+            own_agent = client.name
             with pytest.raises(FetchError) as e:
                 client.fetch(PullHandle(h.producer_id, h.request_id, make_nonce(), h.endpoints).encode())
             assert e.value.code == "unknown"  # a forged handle: no data, and nothing freed
@@ -85,7 +92,8 @@ def test_speculators_dataloader_trains_from_pulled_samples(
             assert e.value.code == "released"
 
         proc = subprocess.run(
-            [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file)],
+            [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file),
+             str(workers), mode],
             env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
                  "KV_TEST_OPENAI_UDS": str(server.socket_path)},
             capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -98,7 +106,18 @@ def test_speculators_dataloader_trains_from_pulled_samples(
                 break
             time.sleep(0.5)
             usage = kv_cache_usage(server)
-    assert report == {"rows": list(range(len(rows))), "errors": 0}, report
+        served = set(re.findall(r"serves consumer agent (\S+) \(a (\d+) MiB pool\)", server.log.read_text()))
+    assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
+    assert report["processes"] >= workers  # the workers were alive when counted
+    consumers = {name for name, _mib in served} - {own_agent}
+    if mode == "rank":
+        agent = report["agent"]
+        assert report["nixl_agent_pids"] == [agent["pid"]], report  # one process made a NIXL agent
+        assert consumers == {agent["name"]} and (agent["name"], "16") in served  # one agent, one pool
+        assert agent["registered_bytes"] == 16 << 20 and agent["leases_held"] == 0
+        assert agent["fetched"] >= len(rows)
+    else:
+        assert 1 <= len(consumers) <= workers and len(report["nixl_agent_pids"]) == len(consumers), report
     assert usage == 0.0
     assert files_under(data) == before  # nothing written: no hidden_states directory, no file
     loaded = load_file(str(out_file))

@@ -1,0 +1,340 @@
+"""The rank's side of its fetch agent (``reader.fetch_agent``): ``FetchAgentProcess``
+starts the agent and holds it (the agent ends when the rank does), and ``AgentClient``
+fetches through it, from any thread or process of the rank (a DataLoader worker gets it
+pickled: its address only).
+
+``AgentClient.fetch(handle)`` asks the agent for the sample (the agent READs it into its
+pool, checks it and releases it at the producer), maps the agent's pool once per process
+(the memory file comes over the socket), copies the sample out (the one copy: the
+tensor is the caller's, contiguous [T, L, H]) and tells the agent its pages may go back.
+Each thread has a connection of its own; a process's connections share one mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import kv_connector
+from kv_connector.common.memory import map_shared
+from kv_connector.reader.agent_wire import (
+    AGENT_VERSION,
+    AgentAsk,
+    AgentDone,
+    AgentFailed,
+    AgentFetch,
+    AgentHello,
+    AgentMessage,
+    AgentOk,
+    AgentRelease,
+    AgentSample,
+    AgentStats,
+    FrameReader,
+    frame,
+)
+from kv_connector.reader.lease import CopyBuffers, Sample
+from kv_connector.reader.pull_links import FetchError, handle_of
+
+AGENT_START_TIMEOUT_S = 120.0  # importing torch and NIXL, registering the pool
+DEFAULT_AGENT_POOL_BYTES = 1 << 30  # shared by every worker of the rank (12 per-worker pools were 3 GiB)
+
+
+class FetchAgentError(RuntimeError):
+    """The fetch agent could not be started, or is gone."""
+
+
+class FetchAgentProcess:
+    """A rank's fetch agent, started by ``start()`` (or on first use of ``address``) in a
+    process of its own and ended by ``close()`` or by the end of this process."""
+
+    def __init__(
+        self,
+        pool_bytes: int = DEFAULT_AGENT_POOL_BYTES,
+        timeout_s: float = 60.0,
+        check_values: bool = True,
+        secret: bytes | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.pool_bytes = pool_bytes
+        self.timeout_s = timeout_s
+        self.check_values = check_values
+        self._secret = secret
+        self._name = name
+        self._proc: subprocess.Popen[str] | None = None
+        self._dir: str | None = None
+        self._address: str | None = None
+        self._lock = threading.Lock()
+        self.pid: int | None = None
+
+    @property
+    def address(self) -> str:
+        """Where the agent serves (started now if it is not yet)."""
+        self.start()
+        assert self._address is not None
+        return self._address
+
+    def start(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                if self._proc.poll() is not None:
+                    code = self._proc.returncode
+                    raise FetchAgentError(f"the fetch agent (pid {self.pid}) exited with {code}")
+                return
+            self._dir = tempfile.mkdtemp(prefix="kv-fetch-agent-")  # only this user can enter it
+            config = {
+                "socket_dir": self._dir,
+                "pool_bytes": self.pool_bytes,
+                "timeout_s": self.timeout_s,
+                "check_values": self.check_values,
+                "secret_hex": None if self._secret is None else self._secret.hex(),
+                "name": self._name,
+            }
+            root = str(Path(kv_connector.__file__).resolve().parent.parent)
+            paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kv_connector.reader.fetch_agent"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(config) + "\n")
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], AGENT_START_TIMEOUT_S)
+            line = proc.stdout.readline() if ready else ""
+            said: dict[str, Any] = json.loads(line) if line.strip() else {}
+            if "address" not in said:
+                proc.kill()
+                proc.wait()
+                silent = f"no answer in {AGENT_START_TIMEOUT_S:.0f} s (exit {proc.returncode})"
+                why = said.get("error") or silent
+                raise FetchAgentError(f"the fetch agent did not start: {why}")
+            self._proc, self._address, self.pid = proc, str(said["address"]), int(said["pid"])
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the agent (its clients' fetches fail 'closed' from then on)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is None:
+                return
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+            if self._dir is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self._dir, "agent.sock"))
+                with contextlib.suppress(OSError):
+                    os.rmdir(self._dir)
+
+    def __enter__(self) -> FetchAgentProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a FetchAgentProcess stays with its rank: pickle AgentClient(agent.address) instead")
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, hello: AgentHello, reader: FrameReader) -> None:
+        self.sock = sock
+        self.hello = hello
+        self.reader = reader
+
+    def ask(self, msg: AgentMessage, timeout: float) -> AgentMessage:
+        self.sock.sendall(frame(msg))
+        return self.receive(timeout)
+
+    def receive(self, timeout: float) -> AgentMessage:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.reader.next()
+            if got is not None:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the fetch agent did not answer in {timeout:.0f} s")
+            self.sock.settimeout(left)
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("the fetch agent closed the connection")
+            self.reader.feed(data)
+
+
+class AgentClient:
+    """Fetches pulled samples through a rank's fetch agent at ``address`` (see the
+    module's docstring). Picklable (its address travels; connections are made on use).
+    ``timeout_s`` bounds one fetch beyond the agent's own timeout."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._reset()
+
+    def _reset(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._pool: torch.Tensor | None = None  # the agent's pool, mapped here (uint8)
+        self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # a thread's ends with the thread
+        self._copies = CopyBuffers(max_bytes=64 << 20)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ public
+    def fetch(self, handle: str | Mapping[str, Any], release: bool = True) -> Sample:
+        """The sample named by ``handle`` (or a response's ``kv_transfer_params``), read
+        and checked by the agent, released at its producer (unless ``release=False``) and
+        copied out of the agent's pool; ``FetchError`` saying why not ("agent" when the
+        agent cannot be reached)."""
+        conn = self._conn()
+        got = self._ask(conn, AgentFetch(handle_of(handle), release), self.timeout_s * 2)
+        if isinstance(got, AgentFailed):
+            raise FetchError(got.code, got.message)
+        if not isinstance(got, AgentSample):
+            raise FetchError("protocol", f"the fetch agent answered {type(got).__name__}")
+        try:
+            hidden = self._copy_out(got)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.sock.sendall(frame(AgentDone(got.lease)))  # the pages go back
+        return Sample(
+            request_id=got.request_id,
+            token_ids=torch.tensor(got.token_ids, dtype=torch.int64),
+            hidden_states=hidden,
+            layer_ids=tuple(got.layer_ids),
+            producer_id=got.producer_id,
+            sample_id=got.sample_id,
+            metadata=got.metadata,
+        )
+
+    def release(self, handle: str | Mapping[str, Any]) -> None:
+        """Let the producer free the sample's blocks (a sample released or gone already is
+        no error)."""
+        got = self._ask(self._conn(), AgentRelease(handle_of(handle)), self.timeout_s)
+        if isinstance(got, AgentFailed) and got.code != "released":
+            raise FetchError(got.code, got.message)
+        if not isinstance(got, AgentOk | AgentFailed):
+            raise FetchError("protocol", f"the fetch agent answered {type(got).__name__}")
+
+    def stats(self) -> AgentStats:
+        """The agent's counts (its pid, its one NIXL agent, its registration, its clients)."""
+        got = self._ask(self._conn(), AgentAsk(), self.timeout_s)
+        if not isinstance(got, AgentStats):
+            raise FetchError("protocol", f"the fetch agent answered {type(got).__name__}")
+        return got
+
+    def close(self) -> None:
+        """Close this process's connections (their leases, if any, end)."""
+        with self._lock:
+            conns, self._conns = list(self._conns), weakref.WeakSet()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.sock.close()
+        self._local = threading.local()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _ask(self, conn: _Conn, msg: AgentMessage, timeout: float) -> AgentMessage:
+        try:
+            return conn.ask(msg, timeout)
+        except (OSError, ValueError) as e:  # a broken connection: the next call makes a new one
+            self._drop(conn)
+            raise FetchError("agent", f"the fetch agent at {self.address}: {e}") from None
+
+    def _drop(self, conn: _Conn) -> None:
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        with self._lock:
+            self._conns.discard(conn)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    def _conn(self) -> _Conn:
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout_s)
+            sock.connect(self.address)
+            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
+            reader = FrameReader()
+            reader.feed(data)
+            pending = _Conn(sock, AgentHello(0, 0, "", 0), reader)
+            hello = pending.receive(self.timeout_s)
+        except (OSError, ValueError) as e:
+            sock.close()
+            raise FetchError("agent", f"cannot reach the fetch agent at {self.address}: {e}") from None
+        try:
+            if not isinstance(hello, AgentHello) or hello.version != AGENT_VERSION or len(fds) != 1:
+                sock.close()
+                why = f"did not say hello as version {AGENT_VERSION} with its pool"
+                raise FetchError("agent", f"the fetch agent at {self.address} {why}")
+            with self._lock:
+                if self._pool is None:
+                    self._pool = torch.from_numpy(map_shared(fds[0], hello.pool_bytes))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        conn = _Conn(sock, hello, reader)
+        weakref.finalize(conn, sock.close)  # a thread that ends closes its connection
+        with self._lock:
+            self._conns.add(conn)
+        self._local.conn = conn
+        return conn
+
+    def _copy_out(self, s: AgentSample) -> torch.Tensor:
+        pool = self._pool
+        assert pool is not None
+        dtype = getattr(torch, s.dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if s.offset % itemsize or s.offset < 0:
+            raise FetchError("protocol", f"the fetch agent placed sample {s.request_id} at {s.offset}")
+        typed = pool[: pool.numel() - pool.numel() % itemsize].view(dtype)
+        start = s.offset // itemsize
+        last = start + sum((n - 1) * st for n, st in zip(s.shape, s.stride, strict=True) if n > 0)
+        if len(s.shape) != 3 or min(s.stride, default=0) < 0 or last >= typed.numel():
+            raise FetchError("protocol", f"the fetch agent placed sample {s.request_id} outside its pool")
+        view = typed.as_strided(s.shape, s.stride, start)
+        nbytes = int(np.prod(s.shape)) * itemsize
+        out = self._copies.take(nbytes).view(dtype).view(s.shape)
+        out.copy_(view)
+        return out
+
+
+__all__ = ["DEFAULT_AGENT_POOL_BYTES", "AgentClient", "FetchAgentError", "FetchAgentProcess"]

@@ -1,0 +1,155 @@
+"""What a rank's fetch agent (``reader.fetch_agent``) and its clients (``reader.agent_client``)
+say to each other over a Unix socket: length-prefixed msgpack frames of the messages below.
+
+    client                                   agent
+    (connects)                          <-   AgentHello(pool_bytes), the pool's memory file
+                                             attached (SCM_RIGHTS)
+    AgentFetch(handle)                  ->
+                                        <-   AgentSample(lease, where it lies in the pool)
+                                             or AgentFailed(code, message)
+    (copies the sample out of the pool)
+    AgentDone(lease)                    ->   (no answer: the pages go back)
+    AgentRelease(handle)                ->
+                                        <-   AgentOk or AgentFailed
+    AgentAsk()                          ->
+                                        <-   AgentStats
+
+A client's leases end with its connection, however it ends. Pure: msgspec and bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+AGENT_VERSION = 1
+MAX_AGENT_FRAME = 16 << 20  # a sample's token ids and metadata, with room
+_LEN = struct.Struct(">I")
+
+
+class _AgentMsg(msgspec.Struct, tag_field="t", frozen=True):
+    pass
+
+
+class AgentHello(_AgentMsg, tag="hello", frozen=True):
+    version: int
+    pool_bytes: int
+    agent_name: str
+    pid: int
+
+
+class AgentFetch(_AgentMsg, tag="fetch", frozen=True):
+    handle: str
+    release: bool = True  # let the producer free the sample once it is read and checked
+
+
+class AgentRelease(_AgentMsg, tag="release", frozen=True):
+    handle: str
+
+
+class AgentDone(_AgentMsg, tag="done", frozen=True):
+    lease: int
+
+
+class AgentAsk(_AgentMsg, tag="ask", frozen=True):
+    pass
+
+
+class AgentSample(_AgentMsg, tag="sample", frozen=True):
+    lease: int
+    request_id: str
+    producer_id: str
+    sample_id: str
+    token_ids: list[int]
+    layer_ids: list[int]
+    metadata: dict[str, Any]
+    dtype: str  # torch's name: "bfloat16", "float32", ...
+    shape: list[int]  # [T, L, H]
+    stride: list[int]  # in elements
+    offset: int  # bytes from the pool's start to element [0, 0, 0]
+
+
+class AgentFailed(_AgentMsg, tag="failed", frozen=True):
+    code: str
+    message: str
+
+
+class AgentOk(_AgentMsg, tag="ok", frozen=True):
+    pass
+
+
+class AgentStats(_AgentMsg, tag="stats", frozen=True):
+    """What one agent holds and did: one NIXL agent (``agent_name``), one pool registered
+    (``registered_bytes``), the clients connected now, samples handed out and failed, the
+    leases held now and those freed because their client went away."""
+
+    pid: int
+    agent_name: str
+    registered_bytes: int
+    connections: int
+    clients_seen: int
+    fetched: int
+    failed: int
+    leases_held: int
+    freed_by_disconnect: int
+
+
+AgentMessage = (
+    AgentHello | AgentFetch | AgentRelease | AgentDone | AgentAsk
+    | AgentSample | AgentFailed | AgentOk | AgentStats
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AgentMessage)
+
+
+def frame(msg: _AgentMsg) -> bytes:
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Frames out of a byte stream, fed as it arrives."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next(self) -> AgentMessage | None:
+        """The next whole message, or None until more bytes come; ``ValueError`` for a
+        frame over the limit or a malformed one."""
+        if len(self._buf) < _LEN.size:
+            return None
+        (n,) = _LEN.unpack_from(self._buf)
+        if n > MAX_AGENT_FRAME:
+            raise ValueError(f"a frame of {n} bytes (at most {MAX_AGENT_FRAME})")
+        if len(self._buf) < _LEN.size + n:
+            return None
+        body = bytes(self._buf[_LEN.size : _LEN.size + n])
+        del self._buf[: _LEN.size + n]
+        try:
+            msg: AgentMessage = _decoder.decode(body)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"a malformed message: {e}") from None
+        return msg
+
+
+__all__ = [
+    "AGENT_VERSION",
+    "AgentAsk",
+    "AgentDone",
+    "AgentFailed",
+    "AgentFetch",
+    "AgentHello",
+    "AgentMessage",
+    "AgentOk",
+    "AgentRelease",
+    "AgentSample",
+    "AgentStats",
+    "FrameReader",
+    "frame",
+]

@@ -1,0 +1,243 @@
+"""A trainer rank's fetch agent: one process that owns the rank's only NIXL agent and its
+only registered receive pool, and fetches pulled samples for every DataLoader worker (or
+thread, or process) of the rank.
+
+    rank (the trainer's process)  --starts-->  fetch agent (this module, a process)
+      DataLoader worker 0..N-1    --Unix socket (reader.agent_wire)-->  fetch agent
+      each worker maps the agent's pool (a memory file passed over the socket)
+
+The agent READs a sample once, with a ``PullClient`` whose pool lies in a memory file
+(``shared_pool=True``), checks and releases it at the producer as ``PullClient.fetch``
+does, and tells the asking client where the sample lies in the pool; the client copies
+it out (the one copy) and says it is done, and the pages go back. A client that goes away
+(a worker killed) has its leases ended when its connection closes. The agent ends when the
+rank does: it reads its standard input, which the rank holds, and exits at its end (the
+rank exiting, however it exits, closes it).
+
+Run by ``agent_client.FetchAgentProcess`` as ``python -m kv_connector.reader.fetch_agent``:
+its configuration comes as one JSON line on standard input, and it answers with one JSON
+line on standard output (``{"address": ...}`` once it serves, or ``{"error": ...}``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kv_connector.reader.agent_wire import (
+    AGENT_VERSION,
+    AgentAsk,
+    AgentDone,
+    AgentFailed,
+    AgentFetch,
+    AgentHello,
+    AgentMessage,
+    AgentOk,
+    AgentRelease,
+    AgentSample,
+    AgentStats,
+    FrameReader,
+    frame,
+)
+from kv_connector.reader.lease import Sample
+from kv_connector.reader.pull import FetchError, PullClient
+
+log = logging.getLogger("kv_connector.fetch_agent")
+
+SOCKET_NAME = "agent.sock"
+MAX_CLIENTS = 1024
+
+
+@dataclass
+class AgentConfig:
+    """How the rank configures its agent (the JSON line on standard input)."""
+
+    socket_dir: str
+    pool_bytes: int
+    timeout_s: float
+    check_values: bool = True
+    secret_hex: str | None = None  # None: the client's default (KV_CONNECTOR_SECRET...)
+    name: str | None = None
+
+
+class FetchAgent:
+    """Serves fetches from one ``PullClient`` with a shared pool to every client that
+    connects to ``address`` (a Unix socket in a directory only this user can enter)."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        secret = bytes.fromhex(config.secret_hex) if config.secret_hex is not None else None
+        self.client = PullClient(
+            pool_bytes=config.pool_bytes,
+            secret=secret,
+            check_values=config.check_values,
+            timeout_s=config.timeout_s,
+            name=config.name,
+            shared_pool=True,
+        )
+        self.client.open()  # the one NIXL agent and the one registration, now
+        self.address = str(Path(config.socket_dir) / SOCKET_NAME)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.address)
+        self._sock.listen(MAX_CLIENTS)
+        self._lock = threading.Lock()
+        self._next_lease = 0
+        self._closed = False
+        counts = ("connections", "clients_seen", "fetched", "failed", "leases_held", "freed_by_disconnect")
+        self._counts = dict.fromkeys(counts, 0)
+        self._thread = threading.Thread(target=self._accept, name="fetch-agent-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info(
+            "fetch agent %d: NIXL agent %s, %d MiB pool registered, serving at %s",
+            os.getpid(),
+            self.client.name,
+            self.client.registered_bytes >> 20,
+            self.address,
+        )
+
+    def stats(self) -> AgentStats:
+        with self._lock:
+            return AgentStats(
+                pid=os.getpid(),
+                agent_name=self.client.name,
+                registered_bytes=self.client.registered_bytes,
+                **self._counts,
+            )
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.address)
+        self.client.close()
+
+    # ------------------------------------------------------------------ serving
+    def _count(self, key: str, delta: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += delta
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="fetch-agent-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        leases: dict[int, Sample] = {}
+        self._count("connections")
+        self._count("clients_seen")
+        try:
+            pool_fd = self.client.pool_fd
+            assert pool_fd is not None
+            hello = AgentHello(AGENT_VERSION, self.client.registered_bytes, self.client.name, os.getpid())
+            socket.send_fds(conn, [frame(hello)], [pool_fd])
+            reader = FrameReader()
+            while True:
+                msg = reader.next()
+                if msg is None:
+                    data = conn.recv(1 << 16)
+                    if not data:
+                        return
+                    reader.feed(data)
+                    continue
+                answer = self._answer(msg, leases)
+                if answer is not None:
+                    conn.sendall(frame(answer))
+        except (OSError, ValueError) as e:
+            log.debug("fetch agent: a client went away: %s", e)
+        finally:
+            conn.close()
+            self._count("connections", -1)
+            if leases:
+                log.info("fetch agent: a client went away holding %d samples: pages back", len(leases))
+                self._count("freed_by_disconnect", len(leases))
+                self._count("leases_held", -len(leases))
+                for s in leases.values():
+                    s.release()
+
+    def _answer(self, msg: AgentMessage, leases: dict[int, Sample]) -> AgentMessage | None:
+        if isinstance(msg, AgentFetch):
+            return self._fetch(msg, leases)
+        if isinstance(msg, AgentDone):
+            s = leases.pop(msg.lease, None)
+            if s is not None:
+                s.release()
+                self._count("leases_held", -1)
+            return None
+        if isinstance(msg, AgentRelease):
+            try:
+                self.client.release(msg.handle)
+            except FetchError as e:
+                return AgentFailed(e.code, str(e))
+            return AgentOk()
+        if isinstance(msg, AgentAsk):
+            return self.stats()
+        raise ValueError(f"a client sent {type(msg).__name__}")
+
+    def _fetch(self, msg: AgentFetch, leases: dict[int, Sample]) -> AgentMessage:
+        try:
+            s = self.client.fetch(msg.handle, release=msg.release)
+        except FetchError as e:
+            self._count("failed")
+            return AgentFailed(e.code, e.message)
+        hidden = s.hidden_states
+        with self._lock:
+            self._next_lease += 1
+            lease = self._next_lease
+            self._counts["fetched"] += 1
+            self._counts["leases_held"] += 1
+        leases[lease] = s
+        return AgentSample(
+            lease=lease,
+            request_id=s.request_id,
+            producer_id=s.producer_id,
+            sample_id=s.sample_id,
+            token_ids=s.token_ids.tolist(),
+            layer_ids=list(s.layer_ids),
+            metadata=s.metadata,
+            dtype=str(hidden.dtype).removeprefix("torch."),
+            shape=list(hidden.shape),
+            stride=list(hidden.stride()),
+            offset=self.client.pool_offset(hidden),
+        )
+
+
+def _say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = AgentConfig(**json.loads(sys.stdin.readline()))
+        agent = FetchAgent(config)
+    except Exception as e:  # said to the rank, which raises it
+        _say({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    agent.start()
+    _say({"address": agent.address, "pid": os.getpid(), "agent_name": agent.client.name})
+    try:
+        while sys.stdin.readline():  # the rank holds the other end; it ends when the rank does
+            pass
+    finally:
+        log.info("fetch agent %d: the rank is gone or closed it: %s", os.getpid(), agent.stats())
+        agent.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
