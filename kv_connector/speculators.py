@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 import sys
+import uuid
 from typing import Any
 
 import torch
@@ -56,6 +58,12 @@ class FetchMode(enum.Enum):
 
     RANK = "rank"  # one fetch agent (one NIXL agent, one pool) shared by the rank's workers
     WORKER = "worker"  # a PullClient (a NIXL agent and a pool) in each DataLoader worker
+
+
+def agent_name(mode: FetchMode) -> str:
+    """The NIXL agent's name, as producers log the consumers they serve: the mode and the
+    pid of the process that made it (the rank's, for its fetch agent; a worker's)."""
+    return f"kvhs-{mode.value}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class KvHiddenStatesTransfer(HiddenStatesTransfer):
@@ -85,7 +93,9 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
     def agent_address(self) -> str:
         """The rank's fetch agent's address (the agent is started now if it is not yet)."""
         if self._address is None:
-            self.agent = FetchAgentProcess(pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s)
+            self.agent = FetchAgentProcess(
+                pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s, name=agent_name(self.mode)
+            )
             self._address = self.agent.address
         return self._address
 
@@ -95,7 +105,10 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         if self._client is None:
             if self.mode is FetchMode.WORKER:
                 self._client = PullClient(
-                    pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s, copy=True
+                    pool_bytes=self.pool_mib << 20,
+                    timeout_s=self.fetch_timeout_s,
+                    copy=True,
+                    name=agent_name(self.mode),
                 )
             else:
                 self._client = AgentClient(self.agent_address, timeout_s=self.fetch_timeout_s)

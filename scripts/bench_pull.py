@@ -53,6 +53,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -67,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts import paired
+from scripts.proc_tree import descendants, made_a_nixl_agent, spawned_workers
 
 REPO = Path(__file__).resolve().parents[1]
 # where scripts/setup_env.sh installs speculators (as tests/e2e/test_speculators.py finds it)
@@ -79,7 +81,9 @@ BLOCK = 128
 TOKENS = 2048
 SAMPLES = 24  # samples per round of pull_read_over_raw
 IN_FLIGHT = 4  # samples in flight (the client's pool holds this many)
-ROWS = 12  # rows per round of pull_over_file
+ROWS = 24  # rows per round of pull_over_file
+WORKERS = 12  # DataLoader workers per loader (one trainer rank): speculators' default
+SERVED = re.compile(r"serves consumer agent (kvhs-[a-z]+-(\d+)-[0-9a-f]+) \(a (\d+) MiB pool\)")
 NULL_ARM = "manifest-only"  # the loader arm of the pull backend less its data
 PAIRS = 5
 WARMUP = 1
@@ -637,19 +641,29 @@ class Loader:
     """speculators' DataLoader in a process of its own (``loader_main``), one epoch of the
     train split per ``round()``."""
 
-    def __init__(self, backend: str, data: Path, server: Server, hs_dir: Path | None, rows: int) -> None:
+    def __init__(
+        self,
+        backend: str,
+        data: Path,
+        server: Server,
+        hs_dir: Path | None,
+        rows: int,
+        workers: int = WORKERS,
+        fetch_agent: str = "rank",
+    ) -> None:
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(SPECULATORS_SITE)]),
             "KV_TEST_OPENAI_UDS": str(server.socket),
         }
-        args = [str(data), backend, str(hs_dir or ""), str(rows)]
+        args = [str(data), backend, str(hs_dir or ""), str(rows), str(workers), fetch_agent]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "scripts.bench_pull", "loader", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO, text=True,
         )  # fmt: skip
         self.backend, self.server = backend, server
+        self.name = backend if backend != "kv-hidden-states" else f"pull ({fetch_agent})"
         self.profile: list[dict[str, float]] = []
 
     def _ask(self, cmd: str) -> dict[str, Any]:
@@ -658,7 +672,7 @@ class Loader:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {self.backend} loader died ({self.proc.wait()})")
+            raise RuntimeError(f"the {self.name} loader died ({self.proc.wait()})")
         out: dict[str, Any] = json.loads(line)
         return out
 
@@ -676,17 +690,36 @@ class Loader:
         if not self.proc.stdout.readline():
             raise RuntimeError(f"the {self.backend} loader died ({self.proc.wait()})")
 
+    def consumers(self) -> dict[str, Any]:
+        """What fetches for this loader (one trainer rank): the processes under it that
+        made a NIXL agent, and the consumer agents the producer says it served for it
+        (named by the pid that made them, ``kv_connector.speculators.agent_name``) with the
+        pool each registered."""
+        tree = self._ask("count")
+        pids = {tree["pid"], *tree["descendants"]}
+        served: dict[str, int] = {}
+        for line in self.server.log_path.read_text(errors="replace").splitlines():
+            m = SERVED.search(line)
+            if m and int(m.group(2)) in pids:
+                served[m.group(1)] = int(m.group(3))
+        return {
+            "nixl_agent_processes": len(tree["nixl_agent_pids"]),
+            "consumer_agents": len(served),
+            "registered_mib": sum(served.values()),
+            "workers": len(tree["workers"]),
+        }
+
     def round(self) -> paired.Run:
         before = self.server.metrics()
         r = self._ask("round")
         after = self.server.metrics()
         if r["errors"] or r["rows"] != r["expected"]:
-            raise RuntimeError(f"{self.backend}: a round gave {r}")
+            raise RuntimeError(f"{self.name}: a round gave {r}")
         prof = {k: v - before.get(k, 0.0) for k, v in after.items()}
         prof.update({f"workers_{k}_s": v for k, v in r["workers_s"].items()})
         prof["round_s"] = r["seconds"]
         self.profile.append(prof)
-        log(f"{self.backend}: {r['rows']} rows in {r['seconds']:.1f} s")
+        log(f"{self.name}: {r['rows']} rows in {r['seconds']:.1f} s")
         return paired.Run(r["seconds"], r["rows"], r["bytes"], r["cpu_s"])
 
     def stop(self) -> None:
@@ -700,9 +733,11 @@ class Loader:
                 self.proc.wait(timeout=30)
 
 
-def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
+def loader_main(data: Path, backend: str, hs_dir: str, rows: int, workers: int, fetch_agent: str) -> int:
     """The DataLoader process (PYTHONPATH holds speculators): writes a dataset of ``rows``
-    train rows (plus one val row) and answers "ready", "round" and "quit" on stdin."""
+    train rows (plus one val row) and answers "ready", "spawn", "round", "count" and
+    "quit" on stdin, with ``workers`` DataLoader workers (the pull backend's
+    ``--kv-hs-fetch-agent fetch_agent``)."""
     import argparse
 
     import torch
@@ -722,18 +757,18 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
     b = HiddenStatesBackend.registry["kv-hidden-states" if manifest_only else backend]
     parser = argparse.ArgumentParser()
     b.add_train_args(parser)
-    argv = ["--hidden-states-path", hs_dir] if backend == "file" else []
+    argv = ["--hidden-states-path", hs_dir] if backend == "file" else ["--kv-hs-fetch-agent", fetch_agent]
     from scripts.bench_pull_transfer import ManifestOnly, TimedTransfer, read_log
 
     timings = data.parent / f"{data.name}-timings.txt"
     inner = b.from_train_args(parser.parse_args(argv), str(data))
-    transfer = TimedTransfer(ManifestOnly(inner) if manifest_only else inner, timings)
+    transfer = TimedTransfer(ManifestOnly() if manifest_only else inner, timings)
     train, _val = create_train_val_loaders(
         data_path=str(data), total_seq_len=TOKENS, hidden_states_dtype=torch.bfloat16,
         transfer=transfer, vllm_endpoint="http://localhost/v1", on_missing="generate",
         verifier_name_or_path=None, request_timeout=120.0, max_retries=2,
         generation_validation_retries=2, max_consecutive_generation_failures=5,
-        hidden_size=HIDDEN, num_target_layers=len(LAYER_IDS) - 1, num_workers=2, prefetch_factor=2,
+        hidden_size=HIDDEN, num_target_layers=len(LAYER_IDS) - 1, num_workers=workers, prefetch_factor=2,
         preprocess=None, train_data_ratio=(rows + 0.5) / (rows + 1),
     )  # fmt: skip
     row_bytes = TOKENS * len(LAYER_IDS) * HIDDEN * 2
@@ -744,6 +779,17 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
             break
         if cmd == "ready":
             print(json.dumps({"ready": True}), flush=True)
+            continue
+        if cmd == "count":  # the processes under this one, and which made a NIXL agent
+            under = descendants(os.getpid())
+            agents = [p for p in [os.getpid(), *under] if made_a_nixl_agent(p)]
+            tree = {
+                "pid": os.getpid(),
+                "descendants": under,
+                "nixl_agent_pids": agents,
+                "workers": spawned_workers(under),
+            }
+            print(json.dumps(tree), flush=True)
             continue
         if cmd == "spawn":  # start the (persistent) workers: one batch, the epoch left
             next(iter(train))
@@ -765,7 +811,7 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
                     "errors": errors,
                     "bytes": float(got * row_bytes),
                     "cpu_s": paired.cpu_seconds() - c0,  # this process only (not its workers)
-                    "workers_s": read_log(timings),  # summed over both workers
+                    "workers_s": read_log(timings),  # summed over the workers
                 }
             ),
             flush=True,
@@ -774,82 +820,94 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int) -> int:
 
 
 @contextlib.contextmanager
-def servers_and_loaders(work: Path, rows: int = ROWS) -> Iterator[tuple[Loader, Loader, Loader]]:
-    """Both servers (started together) and a loader for each, and the manifest-only loader
-    (``scripts.bench_pull_transfer.ManifestOnly``) on the pull server; all stopped on exit."""
+def servers(work: Path) -> Iterator[tuple[Server, Server]]:
+    """Both servers (started together): ours in pull delivery, and the file backend's
+    (vLLM's example connector made CPU-safe); both stopped on exit."""
     model = tiny_compute_model(work / "tiny-compute-llama")
     out_dir = work / "example-out"  # the file server's safetensors files (local disk)
-    (work / "hs-cache").mkdir()  # the file backend's cache directory: empty, every row generated
     started: list[Server] = []
-    loaders: list[Loader] = []
     try:
-        started.append(
-            Server(
-                "pull",
-                model,
-                {
-                    "kv_connector": "HiddenStatesConnector",
-                    "kv_connector_module_path": "kv_connector.connector",
-                    "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"delivery": "pull"},
-                },
-                work,
-            )
-        )
-        started.append(
-            Server(
-                "file",
-                model,
-                {
-                    "kv_connector": "CpuExampleHiddenStatesConnector",
-                    "kv_connector_module_path": "scripts.cpu_example_connector",
-                    "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"shared_storage_path": str(out_dir)},
-                },
-                work,
-            )
-        )
-        loaders.append(Loader("kv-hidden-states", work / "data-pull", started[0], None, rows))
-        loaders.append(Loader("file", work / "data-file", started[1], work / "hs-cache", rows))
-        loaders.append(Loader(NULL_ARM, work / "data-null", started[0], None, rows))
-        for ld in loaders:
-            ld.ready()
+        ours = {
+            "kv_connector": "HiddenStatesConnector",
+            "kv_connector_module_path": "kv_connector.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"delivery": "pull"},
+        }
+        started.append(Server("pull", model, ours, work))
+        example = {
+            "kv_connector": "CpuExampleHiddenStatesConnector",
+            "kv_connector_module_path": "scripts.cpu_example_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(out_dir)},
+        }
+        started.append(Server("file", model, example, work))
         wait_healthy(started)
-        t0 = time.monotonic()
-        for ld in loaders:  # both at once: the workers' start-up is most of a first round
-            ld.spawn()
-        for ld in loaders:
-            ld.spawned()
-        log(f"DataLoader workers started in {time.monotonic() - t0:.0f} s")
-        yield loaders[0], loaders[1], loaders[2]
+        yield started[0], started[1]
     finally:
-        for ld in loaders:
-            ld.stop()
         for s in started:
             s.stop()
 
 
-def bench_loader(pairs: int = PAIRS, warmup: int = WARMUP, rows: int = ROWS) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="hs-bench-pull-"))
+@contextlib.contextmanager
+def loaders(*made: Loader) -> Iterator[tuple[Loader, ...]]:
+    """Loaders with their workers started (all at once: the workers' start-up is most of
+    a first round); stopped on exit."""
     try:
-        with servers_and_loaders(work, rows) as (pull, file, null):
-            log(f"DataLoader rounds of {rows} rows of {TOKENS} tokens")
-            p = paired.run_pairs(pull.round, file.round, pairs=pairs, warmup=warmup)
-            log(f"profile: pull {pull.profile[-1]}, file {file.profile[-1]}")
-            # the ceiling: the pull backend with nothing read, over the file backend
-            c = paired.run_pairs(null.round, file.round, pairs=pairs, warmup=0)
-            log(f"manifest-only over file: {[round(x, 3) for x in c.ratio().values]}")
+        for ld in made:
+            ld.ready()
+        t0 = time.monotonic()
+        for ld in made:
+            ld.spawn()
+        for ld in made:
+            ld.spawned()
+        names = ', '.join(ld.name for ld in made)
+        log(f"{names}: DataLoader workers started in {time.monotonic() - t0:.0f} s")
+        yield made
+    finally:
+        for ld in made:
+            ld.stop()
+
+
+def bench_loader(pairs: int = PAIRS, warmup: int = WARMUP, rows: int = ROWS) -> dict[str, Any]:
+    """Three pairings, each with only its two loaders alive (12 workers each): our pull
+    backend with the rank's fetch agent over the same with a client per worker (and what
+    each runs: NIXL agents, the pools the producer served); over the file backend; and
+    the manifest-only ceiling over the file backend."""
+    work = Path(tempfile.mkdtemp(prefix="hs-bench-pull-"))
+    (work / "hs-cache").mkdir()  # the file backend's cache directory: empty, every row generated
+    try:
+        with servers(work) as (pull_server, file_server):
+            log(f"DataLoader rounds of {rows} rows of {TOKENS} tokens, {WORKERS} workers per loader")
+
+            def pull_loader(mode: str) -> Loader:
+                data = work / f"data-{mode}"
+                return Loader("kv-hidden-states", data, pull_server, None, rows, fetch_agent=mode)
+
+            with loaders(pull_loader("rank"), pull_loader("worker")) as (rank, worker):
+                counts = {"rank": rank.consumers(), "worker": worker.consumers()}
+                log(f"what fetches for one rank: {counts}")
+                a = paired.run_pairs(rank.round, worker.round, pairs=pairs, warmup=warmup)
+                log(f"rank agent over per-worker clients: {[round(x, 3) for x in a.ratio().values]}")
+                worker.stop()  # two loaders of 12 workers alive at a time, not three
+                file_loader = Loader("file", work / "data-file", file_server, work / "hs-cache", rows)
+                with loaders(file_loader):
+                    p = paired.run_pairs(rank.round, file_loader.round, pairs=pairs, warmup=warmup)
+                    log(f"profile: pull {rank.profile[-1]}, file {file_loader.profile[-1]}")
+                    rank.stop()  # the ceiling: the pull backend with nothing read, over the file backend
+                    with loaders(Loader(NULL_ARM, work / "data-null", pull_server, None, rows)) as (null,):
+                        c = paired.run_pairs(null.round, file_loader.round, pairs=pairs, warmup=warmup)
+                        log(f"manifest-only over file: {[round(x, 3) for x in c.ratio().values]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ratio = p.ratio()
-    med, rng = ratio.rounded()
+    med, rng = p.ratio().rounded()
     ceiling, ceiling_rng = c.ratio().rounded()
+    agent_ratio, agent_rng = a.ratio().rounded()
 
     def per_row(ld: Loader, first: int = warmup) -> dict[str, Any]:
         """Where a row's time goes (medians over the counted rounds of the first pairing
         it is in, seconds per row): the server's request time (queue + prefill, from its
-        /metrics) and the workers' get_generated and delete, beside the round's wall time
-        per row (2 workers)."""
+        /metrics) and the workers' get_generated and delete (summed over the workers),
+        beside the round's wall time per row."""
         rounds = ld.profile[first : first + pairs]
         return {k: round(statistics.median(r.get(k, 0.0) for r in rounds) / rows, 4) for k in rounds[0]}
 
@@ -858,12 +916,19 @@ def bench_loader(pairs: int = PAIRS, warmup: int = WARMUP, rows: int = ROWS) -> 
         "range": rng,
         "manifest_only_over_file": ceiling,
         "manifest_only_range": ceiling_rng,
+        "rank_agent_over_worker_clients": agent_ratio,
+        "rank_agent_range": agent_rng,
+        "per_rank": counts,
+        "workers": WORKERS,
+        "rank_rows_per_s": _spread([r.rate for r in a.a]),
+        "worker_rows_per_s": _spread([r.rate for r in a.b]),
         "pull_rows_per_s": _spread([r.rate for r in p.a]),
         "file_rows_per_s": _spread([r.rate for r in p.b]),
         "pull_GB_per_s": _spread([r.gb_per_s for r in p.a]),
         "file_GB_per_s": _spread([r.gb_per_s for r in p.b]),
         "rows_per_round": rows,
-        "profile_s_per_row": {"pull": per_row(pull), "file": per_row(file), NULL_ARM: per_row(null, 0)},
+        # the pull loader's rounds over the file backend follow its pairing with the worker clients
+        "profile_s_per_row": {"pull": per_row(rank, 2 * warmup + pairs), "file": per_row(file_loader)},
         "file_output_dir": f"{work}/example-out (local disk, {tempfile.gettempdir()})",
     }
 
@@ -894,5 +959,6 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     signal.signal(signal.SIGTERM, _exit_on_term)
     if len(sys.argv) > 1 and sys.argv[1] == "loader":
-        sys.exit(loader_main(Path(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])))
+        a = sys.argv
+        sys.exit(loader_main(Path(a[2]), a[3], a[4], int(a[5]), int(a[6]), a[7]))
     print(json.dumps(main()), flush=True)

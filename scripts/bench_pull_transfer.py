@@ -49,8 +49,11 @@ class ManifestOnly(HiddenStatesTransfer):
     row's shape, nothing READ, copied or checked. What speculators' DataLoader does per
     row around a transfer that costs nothing: the ceiling of ``pull_over_file``."""
 
-    def __init__(self, inner: Any) -> None:
-        self.client = inner.client  # the pull backend's PullClient
+    def __init__(self) -> None:
+        from kv_connector.reader.pull import PullClient
+        from kv_connector.reader.pull_links import PAGE_BYTES
+
+        self.client = PullClient(pool_bytes=PAGE_BYTES)  # asks for manifests only: nothing lands
         self._states: torch.Tensor | None = None
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:

@@ -28,36 +28,6 @@ TOTAL_SEQ_LEN = 2048
 HIDDEN = 128
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` (by their parents in /proc)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def nixl_agents(pids: list[int]) -> list[int]:
-    """Which of ``pids`` made a NIXL agent (its UCX backend's plugin is mapped)."""
-    out = []
-    for pid in pids:
-        try:
-            if "libplugin_UCX" in Path(f"/proc/{pid}/maps").read_text():
-                out.append(pid)
-        except OSError:
-            continue
-    return out
-
-
 def main() -> int:
     data_dir, endpoint, out_file = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     num_workers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
@@ -100,8 +70,10 @@ def main() -> int:
                 tensors[f"{i}.verifier_last_hidden_states"] = batch["verifier_last_hidden_states"][0][
                     at
                 ].clone()
+    from scripts.proc_tree import descendants, made_a_nixl_agent
+
     under = descendants(os.getpid())  # the persistent workers are alive still, and the agent
-    agents = nixl_agents([os.getpid(), *under])
+    agents = [p for p in [os.getpid(), *under] if made_a_nixl_agent(p)]
     stats = transfer.client.stats() if mode == "rank" else None
     save_file(tensors, str(out_file))
     report = {

@@ -1,7 +1,10 @@
-"""``scripts.bench_pull``'s ``pull_over_file`` arms at a tiny size: both vLLM servers (our
+"""``scripts.bench_pull``'s DataLoader arms at a tiny size: both vLLM servers (our
 connector in pull delivery; vLLM's ExampleHiddenStatesConnector made CPU-safe, writing
-files) and speculators' own DataLoader on each, plus the manifest-only arm (the pull
-backend less its data) on the pull server, one round of a few rows per arm. Every row
+files) and speculators' own DataLoader on each (ours with the rank's fetch agent and with
+a client per worker), plus the manifest-only arm (the pull backend less its data) on the
+pull server, one round of a few rows per arm, and what fetches for each loader (one
+trainer rank): the NIXL agents its processes made and the consumer agents the producer
+served it. Every row
 arrives (speculators checks each row's tokens and values itself and counts the rows it
 could not get), the file arm's files are deleted as the file backend does, the pull
 server holds nothing after either pull arm, the profile is read from both servers and
@@ -22,29 +25,45 @@ from tests.e2e.test_speculators import speculators_site
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROWS = 2
+WORKERS = 2
 
 
-def test_both_loader_arms_deliver_every_row(tmp_path: Path) -> None:
+def test_every_loader_arm_delivers_every_row_and_counts_what_fetches(tmp_path: Path) -> None:
     speculators_site()  # skips without speculators
     work = Path(tempfile.mkdtemp(dir=tmp_path))
-    with bp.servers_and_loaders(work, ROWS) as (pull, file, null):
-        runs = [pull.round(), file.round(), null.round()]
-        procs = [pull.proc, file.proc, null.proc, pull.server.proc, file.server.proc]
-        leftovers = sorted(p.name for p in (work / "example-out").glob("*.safetensors"))
-        held = [
-            line
-            for line in pull.server.metrics_text().splitlines()
-            if line.startswith("vllm:kv_cache_usage_perc")
+    (work / "hs-cache").mkdir()
+    with bp.servers(work) as (pull_server, file_server):
+        made = [
+            bp.Loader("kv-hidden-states", work / "d-rank", pull_server, None, ROWS, WORKERS, "rank"),
+            bp.Loader("kv-hidden-states", work / "d-worker", pull_server, None, ROWS, WORKERS, "worker"),
+            bp.Loader("file", work / "d-file", file_server, work / "hs-cache", ROWS, WORKERS),
+            bp.Loader(bp.NULL_ARM, work / "d-null", pull_server, None, ROWS, WORKERS),
         ]
+        with bp.loaders(*made) as arms:
+            runs = [ld.round() for ld in arms]
+            counts = [ld.consumers() for ld in arms]
+            procs = [ld.proc for ld in arms]
+        procs += [pull_server.proc, file_server.proc]
+        leftovers = sorted(p.name for p in (work / "example-out").glob("*.safetensors"))
+        metrics = pull_server.metrics_text().splitlines()
+        held = [line for line in metrics if line.startswith("vllm:kv_cache_usage_perc")]
     assert held and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in held)  # every row released
-    for run, ld in zip(runs, (pull, file, null), strict=True):
+    for run, ld in zip(runs, arms, strict=True):
         assert run.units == ROWS and run.nbytes == ROWS * bp.TOKENS * len(bp.LAYER_IDS) * bp.HIDDEN * 2
         prof = ld.profile[-1]
         assert prof["server_request_s"] > 0 and prof["server_prefill_s"] > 0
         assert prof["workers_get_generated_s"] > 0 and "workers_delete_s" in prof
+    rank, worker, file, _null = counts
+    # the rank's fetch agent: one process made a NIXL agent, the producer served one, one pool
+    one = {"nixl_agent_processes": 1, "consumer_agents": 1, "registered_mib": 1024, "workers": WORKERS}
+    assert rank == one
+    # a client per worker: one agent per worker that fetched, each with its own pool
+    assert 1 <= worker["consumer_agents"] == worker["nixl_agent_processes"] <= WORKERS, worker
+    assert worker["registered_mib"] == 256 * worker["consumer_agents"] and worker["workers"] == WORKERS
+    assert file["consumer_agents"] == 0 and file["nixl_agent_processes"] == 0
     assert leftovers == []  # each row's file was read and deleted
     for p in procs:
         assert p.poll() is not None
-    for server in (pull.server, file.server):  # their process groups are empty
+    for server in (pull_server, file_server):  # their process groups are empty
         with pytest.raises(ProcessLookupError):
             os.killpg(server.proc.pid, 0)

@@ -30,3 +30,21 @@ def test_figures_not_measured_are_not_counted_and_the_reader_memory_bound_is_che
     over = {"reader_rss_beyond_torch_mib": 600, "reader_pool_mib": 256}
     assert missed(over) == ["reader_rss_beyond_torch_mib 600 (target <= 512)"]
     assert missed({**over, "reader_rss_beyond_torch_mib": 500}) == []
+
+
+def test_pull_over_file_within_five_percent_of_its_ceiling_and_one_agent_per_rank() -> None:
+    ceilings = {"manifest_only_over_file": 1.1}
+    assert missed({"pull_over_file": 1.06, "ceilings": ceilings}) == []
+    assert missed({"pull_over_file": 1.02, "ceilings": ceilings}) == [
+        "pull_over_file 1.02 (target: within 5% of its ceiling 1.1)"
+    ]
+    assert missed({"pull_over_file": 0.98, "ceilings": {"manifest_only_over_file": 1.0}}) == [
+        "pull_over_file 0.98 (target >= 1.0; this machine's ceiling 1.0)"
+    ]
+    one = {"nixl_agent_processes": 1, "consumer_agents": 1, "registered_mib": 1024, "workers": 12}
+    assert missed({"per_rank": {"rank": one}}) == []
+    twelve = {**one, "nixl_agent_processes": 12, "consumer_agents": 12}
+    assert missed({"per_rank": {"rank": twelve}})[0].startswith("per_rank.rank")
+    assert missed({"rank_agent_over_worker_clients": 0.97}) == [
+        "rank_agent_over_worker_clients 0.97 (target >= 1.0)"
+    ]
