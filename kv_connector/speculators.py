@@ -190,16 +190,30 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
             help=f"the receive pool in MiB: the rank agent's (default {DEFAULT_RANK_POOL_MIB}) or, with "
             f"--kv-hs-fetch-agent worker, each worker's (default {DEFAULT_POOL_MIB}); a row must fit",
         )
-        _add(parser, "--kv-hs-fetch-timeout-s", type=float, default=DEFAULT_FETCH_TIMEOUT_S,
-             help="how long one row's fetch may take")  # fmt: skip
+        _add(
+            parser,
+            "--kv-hs-fetch-timeout-s",
+            type=float,
+            default=DEFAULT_FETCH_TIMEOUT_S,
+            help="how long one row's fetch may take",
+        )
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
-        _add(parser, "--kv-hs-pull-listen", default=DEFAULT_PULL_LISTEN,
-             help="where each vLLM rank serves its samples, HOST or HOST:PORT (a non-loopback "
-                  "address needs KV_CONNECTOR_SECRET on both ends)")  # fmt: skip
-        _add(parser, "--kv-hs-pull-timeout-s", type=float, default=DEFAULT_PULL_TIMEOUT_S,
-             help="a sample not released by then is freed (a fetch then fails 'expired')")  # fmt: skip
+        _add(
+            parser,
+            "--kv-hs-pull-listen",
+            default=DEFAULT_PULL_LISTEN,
+            help="where each vLLM rank serves its samples, HOST or HOST:PORT (a non-loopback "
+            "address needs KV_CONNECTOR_SECRET on both ends)",
+        )
+        _add(
+            parser,
+            "--kv-hs-pull-timeout-s",
+            type=float,
+            default=DEFAULT_PULL_TIMEOUT_S,
+            help="a sample not released by then is freed (a fetch then fails 'expired')",
+        )
 
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> KvHiddenStatesTransfer:

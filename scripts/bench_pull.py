@@ -23,15 +23,24 @@ least any design with those checks pays on this machine (no protocol), the ceili
 ``pull_read_over_raw``.
 
 ``pull_over_file``: rows/s through speculators' own DataLoader
-(``create_train_val_loaders(..., on_missing="generate", num_workers=2)``) with our
-``kv-hidden-states`` backend against a vLLM OpenAI server in pull delivery, over the same
+(``create_train_val_loaders(..., on_missing="generate", num_workers=12)``, speculators'
+default) with our ``kv-hidden-states`` backend (the rank's fetch agent, its default)
+against a vLLM OpenAI server in pull delivery, over the same
 with speculators' ``file`` backend against an identical server whose connector is vLLM's
 ExampleHiddenStatesConnector made CPU-safe (``scripts.cpu_example_connector``), writing
 its safetensors files to a temporary directory on local disk (``tempfile``'s default,
 /tmp). Both servers run the same flags: a Llama of hidden 4096 whose compute is tiny (1
 attention head of dim 64, intermediate size 64, 4 layers, vocabulary 1024, random
 weights: ``--load-format dummy``), bf16, 4 captured layers (1, 2, 3 and the last, 4),
-2048-token rows, block 128. A round is one epoch of ``ROWS`` rows. The profile says where
+``ROW_TOKENS``-token rows (16 MiB each), block 128. A round is one epoch of ``ROWS`` rows.
+Two loaders (one trainer rank each) are alive at a time.
+
+``rank_agent_over_worker_clients``: the same DataLoader on the same pull server, the
+rank's one fetch agent (``--kv-hs-fetch-agent rank``) over a client per worker
+(``worker``), rows/s; and for each, what fetches for the rank (``Loader.consumers``): the
+processes that made a NIXL agent (``scripts.proc_tree``), the consumer agents the
+producer logged serving the rank's processes with the pool each registered, and the
+rank's processes' memory (PSS). The profile says where
 a row's time goes: the server's request time (queue, prefill) from its /metrics, and the
 DataLoader workers' time in the transfer's ``get_generated`` and ``delete``
 (``scripts.bench_pull_transfer`` times the backend's transfer).
@@ -43,7 +52,8 @@ the file backend: speculators' own work per row and the server's, around a trans
 costs nothing, the ceiling of ``pull_over_file`` on this machine.
 
 ``python -m scripts.bench_pull`` prints progress to stderr and the result JSON as its
-last stdout line. Every process it starts is stopped before it returns.
+last stdout line (``--loader``: the DataLoader pairings only; ``--read``: the READ
+pairings only). Every process it starts is stopped before it returns.
 """
 
 from __future__ import annotations
@@ -68,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts import paired
-from scripts.proc_tree import descendants, made_a_nixl_agent, spawned_workers
+from scripts.proc_tree import descendants, made_a_nixl_agent, pss_mib, spawned_workers
 
 REPO = Path(__file__).resolve().parents[1]
 # where scripts/setup_env.sh installs speculators (as tests/e2e/test_speculators.py finds it)
@@ -81,8 +91,14 @@ BLOCK = 128
 TOKENS = 2048
 SAMPLES = 24  # samples per round of pull_read_over_raw
 IN_FLIGHT = 4  # samples in flight (the client's pool holds this many)
-ROWS = 24  # rows per round of pull_over_file
+ROWS = 96  # rows per round of the DataLoader pairings
+LOADER_PAIRS = 7  # rounds of a dozen seconds, two cores shared by 12 workers, a server and the rank
+WORKER_POOL_MIB = 64  # the per-worker clients' pools here: 4 rows (12 x the default 256 does not fit beside)
 WORKERS = 12  # DataLoader workers per loader (one trainer rank): speculators' default
+# tokens per DataLoader row: 16 MiB rows, so that two loaders of 12 workers and a server fit
+# this machine's 23 GiB (at 64 MiB rows the per-worker clients' loader alone holds 8.9 GiB,
+# the fetch agent's 6.8 GiB; at 32 MiB rows both and the server still ran out of memory)
+ROW_TOKENS = 512
 SERVED = re.compile(r"serves consumer agent (kvhs-[a-z]+-(\d+)-[0-9a-f]+) \(a (\d+) MiB pool\)")
 NULL_ARM = "manifest-only"  # the loader arm of the pull backend less its data
 PAIRS = 5
@@ -650,6 +666,7 @@ class Loader:
         rows: int,
         workers: int = WORKERS,
         fetch_agent: str = "rank",
+        pool_mib: int | None = None,
     ) -> None:
         env = {
             **os.environ,
@@ -658,6 +675,7 @@ class Loader:
             "KV_TEST_OPENAI_UDS": str(server.socket),
         }
         args = [str(data), backend, str(hs_dir or ""), str(rows), str(workers), fetch_agent]
+        args.append(str(pool_mib or 0))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "scripts.bench_pull", "loader", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO, text=True,
@@ -707,6 +725,7 @@ class Loader:
             "consumer_agents": len(served),
             "registered_mib": sum(served.values()),
             "workers": len(tree["workers"]),
+            "memory_mib": tree["pss_mib"],  # the rank's processes' proportional set size
         }
 
     def round(self) -> paired.Run:
@@ -733,7 +752,9 @@ class Loader:
                 self.proc.wait(timeout=30)
 
 
-def loader_main(data: Path, backend: str, hs_dir: str, rows: int, workers: int, fetch_agent: str) -> int:
+def loader_main(
+    data: Path, backend: str, hs_dir: str, rows: int, workers: int, fetch_agent: str, pool_mib: int
+) -> int:
     """The DataLoader process (PYTHONPATH holds speculators): writes a dataset of ``rows``
     train rows (plus one val row) and answers "ready", "spawn", "round", "count" and
     "quit" on stdin, with ``workers`` DataLoader workers (the pull backend's
@@ -748,9 +769,9 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int, workers: int, 
     import kv_connector.speculators  # noqa: F401  registers kv-hidden-states
 
     rng = random.Random(11)
-    ids = [[rng.randrange(1024) for _ in range(TOKENS)] for _ in range(rows + 1)]
-    masks = [[1] * TOKENS for _ in ids]
-    ds = Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "seq_len": [TOKENS] * len(ids)})
+    ids = [[rng.randrange(1024) for _ in range(ROW_TOKENS)] for _ in range(rows + 1)]
+    masks = [[1] * ROW_TOKENS for _ in ids]
+    ds = Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "seq_len": [ROW_TOKENS] * len(ids)})
     ds.set_format(type="torch")
     ds.save_to_disk(str(data))
     manifest_only = backend == NULL_ARM  # the pull backend less its data (the ceiling arm)
@@ -758,20 +779,22 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int, workers: int, 
     parser = argparse.ArgumentParser()
     b.add_train_args(parser)
     argv = ["--hidden-states-path", hs_dir] if backend == "file" else ["--kv-hs-fetch-agent", fetch_agent]
+    if pool_mib and backend != "file":
+        argv += ["--kv-hs-pool-mib", str(pool_mib)]
     from scripts.bench_pull_transfer import ManifestOnly, TimedTransfer, read_log
 
     timings = data.parent / f"{data.name}-timings.txt"
     inner = b.from_train_args(parser.parse_args(argv), str(data))
     transfer = TimedTransfer(ManifestOnly() if manifest_only else inner, timings)
     train, _val = create_train_val_loaders(
-        data_path=str(data), total_seq_len=TOKENS, hidden_states_dtype=torch.bfloat16,
+        data_path=str(data), total_seq_len=ROW_TOKENS, hidden_states_dtype=torch.bfloat16,
         transfer=transfer, vllm_endpoint="http://localhost/v1", on_missing="generate",
         verifier_name_or_path=None, request_timeout=120.0, max_retries=2,
         generation_validation_retries=2, max_consecutive_generation_failures=5,
         hidden_size=HIDDEN, num_target_layers=len(LAYER_IDS) - 1, num_workers=workers, prefetch_factor=2,
         preprocess=None, train_data_ratio=(rows + 0.5) / (rows + 1),
     )  # fmt: skip
-    row_bytes = TOKENS * len(LAYER_IDS) * HIDDEN * 2
+    row_bytes = ROW_TOKENS * len(LAYER_IDS) * HIDDEN * 2
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "quit":
@@ -788,6 +811,7 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int, workers: int, 
                 "descendants": under,
                 "nixl_agent_pids": agents,
                 "workers": spawned_workers(under),
+                "pss_mib": round(sum(pss_mib(p) for p in [os.getpid(), *under])),
             }
             print(json.dumps(tree), flush=True)
             continue
@@ -819,30 +843,39 @@ def loader_main(data: Path, backend: str, hs_dir: str, rows: int, workers: int, 
     return 0
 
 
-@contextlib.contextmanager
-def servers(work: Path) -> Iterator[tuple[Server, Server]]:
-    """Both servers (started together): ours in pull delivery, and the file backend's
-    (vLLM's example connector made CPU-safe); both stopped on exit."""
-    model = tiny_compute_model(work / "tiny-compute-llama")
-    out_dir = work / "example-out"  # the file server's safetensors files (local disk)
-    started: list[Server] = []
-    try:
-        ours = {
+def server_configs(work: Path) -> dict[str, dict[str, Any]]:
+    """Each server's --kv-transfer-config: ours in pull delivery, and the file backend's
+    (vLLM's example connector made CPU-safe, writing to ``work/example-out``)."""
+    return {
+        "pull": {
             "kv_connector": "HiddenStatesConnector",
             "kv_connector_module_path": "kv_connector.connector",
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"delivery": "pull"},
-        }
-        started.append(Server("pull", model, ours, work))
-        example = {
+        },
+        "file": {
             "kv_connector": "CpuExampleHiddenStatesConnector",
             "kv_connector_module_path": "scripts.cpu_example_connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(out_dir)},
-        }
-        started.append(Server("file", model, example, work))
+            "kv_connector_extra_config": {"shared_storage_path": str(work / "example-out")},
+        },
+    }
+
+
+@contextlib.contextmanager
+def servers(work: Path, *names: str) -> Iterator[tuple[Server, ...]]:
+    """The servers named (default both, "pull" and "file"), started together and healthy;
+    stopped on exit."""
+    model = work / "tiny-compute-llama"
+    if not model.exists():
+        tiny_compute_model(model)
+    configs = server_configs(work)
+    started: list[Server] = []
+    try:
+        for name in names or ("pull", "file"):
+            started.append(Server(name, model, configs[name], work))
         wait_healthy(started)
-        yield started[0], started[1]
+        yield tuple(started)
     finally:
         for s in started:
             s.stop()
@@ -868,7 +901,7 @@ def loaders(*made: Loader) -> Iterator[tuple[Loader, ...]]:
             ld.stop()
 
 
-def bench_loader(pairs: int = PAIRS, warmup: int = WARMUP, rows: int = ROWS) -> dict[str, Any]:
+def bench_loader(pairs: int = LOADER_PAIRS, warmup: int = WARMUP, rows: int = ROWS) -> dict[str, Any]:
     """Three pairings, each with only its two loaders alive (12 workers each): our pull
     backend with the rank's fetch agent over the same with a client per worker (and what
     each runs: NIXL agents, the pools the producer served); over the file backend; and
@@ -876,27 +909,31 @@ def bench_loader(pairs: int = PAIRS, warmup: int = WARMUP, rows: int = ROWS) -> 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-pull-"))
     (work / "hs-cache").mkdir()  # the file backend's cache directory: empty, every row generated
     try:
-        with servers(work) as (pull_server, file_server):
-            log(f"DataLoader rounds of {rows} rows of {TOKENS} tokens, {WORKERS} workers per loader")
+        with servers(work, "pull") as (pull_server,):
+            log(f"DataLoader rounds of {rows} rows of {ROW_TOKENS} tokens, {WORKERS} workers per loader")
 
-            def pull_loader(mode: str) -> Loader:
+            def pull_loader(mode: str, pool_mib: int | None = None) -> Loader:
                 data = work / f"data-{mode}"
-                return Loader("kv-hidden-states", data, pull_server, None, rows, fetch_agent=mode)
+                return Loader(
+                    "kv-hidden-states", data, pull_server, None, rows, fetch_agent=mode, pool_mib=pool_mib
+                )
 
-            with loaders(pull_loader("rank"), pull_loader("worker")) as (rank, worker):
-                counts = {"rank": rank.consumers(), "worker": worker.consumers()}
-                log(f"what fetches for one rank: {counts}")
+            with loaders(pull_loader("rank"), pull_loader("worker", WORKER_POOL_MIB)) as (rank, worker):
                 a = paired.run_pairs(rank.round, worker.round, pairs=pairs, warmup=warmup)
                 log(f"rank agent over per-worker clients: {[round(x, 3) for x in a.ratio().values]}")
-                worker.stop()  # two loaders of 12 workers alive at a time, not three
-                file_loader = Loader("file", work / "data-file", file_server, work / "hs-cache", rows)
-                with loaders(file_loader):
-                    p = paired.run_pairs(rank.round, file_loader.round, pairs=pairs, warmup=warmup)
-                    log(f"profile: pull {rank.profile[-1]}, file {file_loader.profile[-1]}")
-                    rank.stop()  # the ceiling: the pull backend with nothing read, over the file backend
-                    with loaders(Loader(NULL_ARM, work / "data-null", pull_server, None, rows)) as (null,):
-                        c = paired.run_pairs(null.round, file_loader.round, pairs=pairs, warmup=warmup)
-                        log(f"manifest-only over file: {[round(x, 3) for x in c.ratio().values]}")
+                counts = {"rank": rank.consumers(), "worker": worker.consumers()}
+                log(f"what fetches for one rank: {counts}")
+                worker.stop()  # two loaders of 12 workers and two servers do not fit 23 GiB: one at a time
+                with servers(work, "file") as (file_server,):
+                    file_loader = Loader("file", work / "data-file", file_server, work / "hs-cache", rows)
+                    with loaders(file_loader):
+                        p = paired.run_pairs(rank.round, file_loader.round, pairs=pairs, warmup=warmup)
+                        log(f"profile: pull {rank.profile[-1]}, file {file_loader.profile[-1]}")
+                        rank.stop()  # the ceiling: the pull backend with nothing read, over the file backend
+                        null_loader = Loader(NULL_ARM, work / "data-null", pull_server, None, rows)
+                        with loaders(null_loader) as (null,):
+                            c = paired.run_pairs(null.round, file_loader.round, pairs=pairs, warmup=warmup)
+                            log(f"manifest-only over file: {[round(x, 3) for x in c.ratio().values]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med, rng = p.ratio().rounded()
@@ -960,5 +997,10 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _exit_on_term)
     if len(sys.argv) > 1 and sys.argv[1] == "loader":
         a = sys.argv
-        sys.exit(loader_main(Path(a[2]), a[3], a[4], int(a[5]), int(a[6]), a[7]))
+        sys.exit(loader_main(Path(a[2]), a[3], a[4], int(a[5]), int(a[6]), a[7], int(a[8])))
+    if sys.argv[1:] in (["--loader"], ["--read"]):  # one part only: the DataLoader pairings, or the READs
+        start = paired.machine_state()
+        part = bench_loader() if sys.argv[1] == "--loader" else bench_read()
+        print(json.dumps({**part, "machine_start": start, "machine_end": paired.machine_state()}))
+        sys.exit(0)
     print(json.dumps(main()), flush=True)

@@ -46,3 +46,16 @@ def spawned_workers(pids: list[int]) -> list[int]:
         if b"spawn_main" in cmd:
             out.append(pid)
     return out
+
+
+def pss_mib(pid: int) -> float:
+    """Process ``pid``'s proportional set size in MiB (its share of memory it shares with
+    others, counted once over them all); 0 for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

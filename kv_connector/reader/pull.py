@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 DEFAULT_POOL_BYTES = 128 << 20
 COPY_BUFFERS_MIN_BYTES = 64 << 20  # copies' buffers kept for reuse: the pool's size, or this
 FETCH_TIMEOUT_S = 60.0
+POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005  # a READ polled after 50 us, then at most every 0.5 ms
 
 
 @dataclass
@@ -433,6 +434,7 @@ class PullClient:
     def _wait(self, p: _Pending) -> None:
         deadline = time.monotonic() + self.timeout_s
         waiting = list(p.xfers)
+        pause = POLL_FIRST_S  # then doubling: many fetches in flight (a fetch agent's) must not spin
         while waiting:
             with self._lock:
                 assert self._transport is not None
@@ -449,7 +451,8 @@ class PullClient:
                     "timeout", f"reading sample {p.handle.request_id} took over {self.timeout_s} s"
                 )
             if waiting:
-                time.sleep(0.0001)
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_MAX_S)
 
     def _settle(self, xfers: list[Any]) -> None:
         """Wait (boundedly) for posted READs to end before their pages are reused."""

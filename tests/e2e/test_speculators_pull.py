@@ -145,8 +145,13 @@ cfg = b.build_kv_transfer_config(p.parse_args(["--kv-hs-pull-timeout-s", "30"]))
 from kv_connector.producer.options import ConnectorOptions
 o = ConnectorOptions.parse(cfg["kv_connector_extra_config"])
 t = b.from_train_args(argparse.Namespace(), "/nonexistent")
+tp = argparse.ArgumentParser(); b.add_train_args(tp)
+w = b.from_train_args(tp.parse_args(["--kv-hs-fetch-agent", "worker"]), "/nonexistent")
+r = b.from_train_args(tp.parse_args(["--kv-hs-pool-mib", "64"]), "/nonexistent")
 print(json.dumps({"cfg": cfg, "pull": o.pull, "timeout": o.pull_timeout_s,
-                  "cached": t.get_cached(0), "names": sorted(HiddenStatesBackend.registry)}))
+                  "cached": t.get_cached(0), "names": sorted(HiddenStatesBackend.registry),
+                  "modes": [t.mode.value, w.mode.value, r.mode.value],
+                  "pools": [t.pool_mib, w.pool_mib, r.pool_mib], "started": t.agent is not None}))
 """
 
 
@@ -162,9 +167,13 @@ def test_the_backend_registers_once_builds_the_producers_config_and_runs_specula
     assert got["pull"] and got["timeout"] == 30.0 and got["cached"] is None
     assert got["cfg"]["kv_connector"] == "HiddenStatesConnector" and got["cfg"]["kv_role"] == "kv_producer"
     assert got["names"] == ["file", "fp8", "kv-hidden-states", "mooncake"]
+    # the rank's fetch agent by default (a 1 GiB pool for the rank), started only when needed
+    assert got["modes"] == ["rank", "worker", "rank"] and got["pools"] == [1024, 256, 64]
+    assert got["started"] is False
     cli = subprocess.run(
         [sys.executable, "-m", "kv_connector.speculators", "train", "--help"],
         env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "{file,fp8,mooncake,kv-hidden-states}" in cli.stdout and "--kv-hs-pool-mib" in cli.stdout
+    assert "--kv-hs-fetch-agent" in cli.stdout
