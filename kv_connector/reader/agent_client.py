@@ -166,9 +166,14 @@ class _Conn:
         self.sock = sock
         self.hello = hello
         self.reader = reader
+        self.pid = os.getpid()  # a forked child makes its own (a connection is one conversation)
+
+    def send(self, msg: AgentMessage, timeout: float) -> None:
+        self.sock.settimeout(timeout)  # not what the last receive left of its deadline
+        self.sock.sendall(frame(msg))
 
     def ask(self, msg: AgentMessage, timeout: float) -> AgentMessage:
-        self.sock.sendall(frame(msg))
+        self.send(msg, timeout)
         return self.receive(timeout)
 
     def receive(self, timeout: float) -> AgentMessage:
@@ -225,8 +230,8 @@ class AgentClient:
         try:
             hidden = self._copy_out(got)
         finally:
-            with contextlib.suppress(OSError):
-                conn.sock.sendall(frame(AgentDone(got.lease)))  # the pages go back
+            with contextlib.suppress(OSError):  # if it fails, the agent ends the lease with the connection
+                conn.send(AgentDone(got.lease), self.timeout_s)  # the pages go back
         return Sample(
             request_id=got.request_id,
             token_ids=torch.tensor(got.token_ids, dtype=torch.int64),
@@ -287,7 +292,12 @@ class AgentClient:
     def _conn(self) -> _Conn:
         conn: _Conn | None = getattr(self._local, "conn", None)
         if conn is not None:
-            return conn
+            if conn.pid == os.getpid():
+                return conn
+            self._reset()  # forked: the parent's connections and mapping are not this process's
+        return self._connect()
+
+    def _connect(self) -> _Conn:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.timeout_s)

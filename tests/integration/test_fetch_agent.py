@@ -262,3 +262,32 @@ def test_frames_round_trip_and_bounds() -> None:
     with pytest.raises(ValueError, match="frame of"):
         r.next()
     assert isinstance(AgentSample, type) and json.dumps(msg.handle)
+
+
+def _fetch_in_child(client: AgentClient, handle: str, out: Any) -> None:
+    try:
+        s = client.fetch(handle)
+        out.put((s.request_id, s.hidden_states.shape[0], client.stats().connections))
+    except BaseException as e:  # said to the parent
+        out.put(repr(e))
+
+
+def test_a_forked_child_makes_its_own_connection(producers: list[Producer]) -> None:
+    import multiprocessing
+
+    samples = samples_spec(2, TLH, seed=6)
+    p = Producer(spec_of(TLH, samples))
+    producers.append(p)
+    with FetchAgentProcess(pool_bytes=1 << 20) as agent:
+        client = AgentClient(agent.address, timeout_s=30)
+        assert client.fetch(p.handles["req-0"]).request_id == "req-0"  # this thread's connection made
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_fetch_in_child, args=(client, p.handles["req-1"], out))
+        child.start()
+        got = out.get(timeout=60)
+        child.join(30)
+        # the child did not talk over the parent's connection: it made its own (2 connected)
+        assert got == ("req-1", samples[1]["num_tokens"], 2), got
+        assert client.stats().fetched == 2
+        client.close()
