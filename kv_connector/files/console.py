@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TextIO
 
 from kv_connector.files.progress import RateWindow, Reading
-from kv_connector.reader import FileStats, HiddenStatesReader
+from kv_connector.files.stats import FileStats
+from kv_connector.reader import HiddenStatesReader
 
 log = logging.getLogger("kv_connector.reader")
 
@@ -161,7 +162,7 @@ class RunMonitor:
         self.reader = reader
         self.files = FileLog()
         if reader.metrics is not None:
-            from kv_connector.reader.metrics import FilesCollector
+            from kv_connector.files.metrics import FilesCollector
 
             reader.metrics.register(FilesCollector(self.files.snapshot))
         self.printer = ProgressPrinter(lambda: reading_of(reader, self.files.snapshot()), stream).start()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from kv_connector.reader import FileStats, PoolState, ReaderStats
+from kv_connector.files.stats import FileStats
+from kv_connector.reader import PoolState, ReaderStats
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kv_connector.producer.options import Sharding
 from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.producer.worker_report import LinkChange
-from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.outcome import SampleStatus
 
 NOT_REPORTED = "no worker has reported a connection yet"

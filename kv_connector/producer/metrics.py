@@ -32,7 +32,7 @@ from kv_connector.producer.step_stats import (
     LevelBook,
     Observed,
 )
-from kv_connector.sender.failure import FailureReason
+from kv_connector.wire.failure import FailureReason
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import ipaddress
 import logging
 import os
 import socket
@@ -33,7 +32,7 @@ from kv_connector.producer.pull_ledger import Held, PullLedger, PullRefused
 from kv_connector.sender.hasher import Hasher, share_block_digest, share_checksum
 from kv_connector.sender.jobs import Job
 from kv_connector.wire import auth, block_digest, handshake, protocol
-from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address
+from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address, is_loopback
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
@@ -48,15 +47,6 @@ IDLE_POLL_S = 0.5  # how often a connection's thread looks whether the endpoint 
 # a fetch may come before its sample is held: a request that ships its output tokens is
 # held in the engine step after its response (and handle) went out
 HOLD_WAIT_S = 5.0
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
 
 
 class PullServer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kv_connector.sender.failure import SampleFailure
+from kv_connector.wire.failure import SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 
 

@@ -14,7 +14,7 @@ from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlann
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
-from kv_connector.sender.failure import FailureReason
+from kv_connector.wire.failure import FailureReason
 from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.identity import NO_IDENTITY, IdentityError, identity_of
 from kv_connector.wire.outcome import SampleOutcome, SampleStatus

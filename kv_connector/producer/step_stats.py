@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypedDict, TypeVar
 
 from kv_connector.common.observe import quantile
-from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.stats import SenderMetrics, SenderStats
+from kv_connector.wire.failure import FailureReason
 
 PREFIX = "vllm:hidden_states_"  # vLLM unregisters only "vllm:*" collectors between loggers
 SCHEDULER_SOURCE = "scheduler"

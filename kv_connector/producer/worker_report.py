@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kv_connector.sender.failure import SampleFailure
+from kv_connector.wire.failure import SampleFailure
 
 
 class LinkChange(NamedTuple):

@@ -17,10 +17,10 @@ from kv_connector.producer.pull_server import PullServer
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
+from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.layout import BlockLayout, layout_from_view
 from kv_connector.wire.protocol import ShareChecksum
 

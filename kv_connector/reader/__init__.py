@@ -16,13 +16,12 @@ from kv_connector.reader.reader import (
     refuse_open_listen,
 )
 from kv_connector.reader.records import AckMode, RequireChecksum
-from kv_connector.reader.stats import FileStats, PoolState, ProducerTotals, ReaderStats
+from kv_connector.reader.stats import PoolState, ProducerTotals, ReaderStats
 from kv_connector.reader.values import find_bad_values
 
 __all__ = [
     "SAMPLE_TIMEOUT_S",
     "AckMode",
-    "FileStats",
     "HiddenStatesDataset",
     "HiddenStatesReader",
     "LeaseLimitError",

@@ -48,7 +48,8 @@ from kv_connector.reader.agent_wire import (
     frame,
 )
 from kv_connector.reader.lease import CopyBuffers, Sample
-from kv_connector.reader.pull_links import FetchError, handle_of
+from kv_connector.reader.pull_links import FetchError
+from kv_connector.wire.handle import HandleError, handle_of
 
 AGENT_START_TIMEOUT_S = 120.0  # importing torch and NIXL, registering the pool
 DEFAULT_AGENT_POOL_BYTES = 1 << 30  # shared by every worker of the rank (12 per-worker pools were 3 GiB)
@@ -161,6 +162,13 @@ class FetchAgentProcess:
         raise TypeError("a FetchAgentProcess stays with its rank: pickle AgentClient(agent.address) instead")
 
 
+def _handle(handle: str | Mapping[str, Any]) -> str:
+    try:
+        return handle_of(handle)
+    except HandleError as e:
+        raise FetchError("handle", str(e)) from None
+
+
 class _Conn:
     def __init__(self, sock: socket.socket, hello: AgentHello, reader: FrameReader) -> None:
         self.sock = sock
@@ -222,7 +230,7 @@ class AgentClient:
         copied out of the agent's pool; ``FetchError`` saying why not ("agent" when the
         agent cannot be reached)."""
         conn = self._conn()
-        got = self._ask(conn, AgentFetch(handle_of(handle), release), self.timeout_s * 2)
+        got = self._ask(conn, AgentFetch(_handle(handle), release), self.timeout_s * 2)
         if isinstance(got, AgentFailed):
             raise FetchError(got.code, got.message)
         if not isinstance(got, AgentSample):
@@ -245,7 +253,7 @@ class AgentClient:
     def release(self, handle: str | Mapping[str, Any]) -> None:
         """Let the producer free the sample's blocks (a sample released or gone already is
         no error)."""
-        got = self._ask(self._conn(), AgentRelease(handle_of(handle)), self.timeout_s)
+        got = self._ask(self._conn(), AgentRelease(_handle(handle)), self.timeout_s)
         if isinstance(got, AgentFailed) and got.code != "released":
             raise FetchError(got.code, got.message)
         if not isinstance(got, AgentOk | AgentFailed):

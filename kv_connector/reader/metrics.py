@@ -1,7 +1,8 @@
 """The reader's Prometheus metrics, made at scrape time from its typed snapshots
-(``HiddenStatesReader.stats()``, ``pool_state()``, ``producers_connected()``, and the
-CLI's ``FileStats``): nothing is recorded for them on the data path beyond the ledger's
-own counters. Served by ``kv_connector.reader.metrics_server``.
+(``HiddenStatesReader.stats()``, ``pool_state()``, ``producers_connected()``): nothing
+is recorded for them on the data path beyond the ledger's own counters. Served by
+``kv_connector.reader.metrics_server`` (with the file CLI's, ``files.metrics``, when it
+runs).
 
 Every name starts with ``hidden_states_reader_``; counters get ``_total`` in the text.
 """
@@ -9,7 +10,7 @@ Every name starts with ``hidden_states_reader_``; counters get ``_total`` in the
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -17,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kv_connector.common.observe import Histogram
-from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
+from kv_connector.reader.stats import PoolState, ReaderStats
 
 PREFIX = "hidden_states_reader_"
 
@@ -68,17 +69,25 @@ HANDOUT = Spec(
 )
 PRODUCERS = Spec(PREFIX + "producers_connected", "Producers with at least one rank connected.")
 RANKS = Spec(PREFIX + "producer_ranks_connected", "Ranks connected, by producer.")
-FILES = Spec(PREFIX + "files_written", "Sample files written, fsynced and renamed into place (CLI).")
-FILE_BYTES = Spec(PREFIX + "file_bytes", "Bytes of the sample files written (CLI).")
-FSYNC = Spec(PREFIX + "fsync_seconds", "Each fsync of a sample file or of its directory (CLI).")
-
 ALL = (
-    SAMPLES, TOKENS, BYTES, POOL_PAGES, PAGE_BYTES, WAITING, CHECKSUM_FAILURES, REFUSED, DROPPED,
-    CONNECTIONS_REFUSED, RESENDS, HANDOUT, PRODUCERS, RANKS, FILES, FILE_BYTES, FSYNC,
-)  # fmt: skip
+    SAMPLES,
+    TOKENS,
+    BYTES,
+    POOL_PAGES,
+    PAGE_BYTES,
+    WAITING,
+    CHECKSUM_FAILURES,
+    REFUSED,
+    DROPPED,
+    CONNECTIONS_REFUSED,
+    RESENDS,
+    HANDOUT,
+    PRODUCERS,
+    RANKS,
+)
 
 
-def _histogram(spec: Spec, h: Histogram) -> HistogramMetricFamily:
+def histogram_family(spec: Spec, h: Histogram) -> HistogramMetricFamily:
     buckets = [("+Inf" if le == float("inf") else repr(le), n) for le, n in h.cumulative()]
     return HistogramMetricFamily(spec.name, spec.doc, buckets=buckets, sum_value=h.total)
 
@@ -121,7 +130,7 @@ def reader_families(stats: ReaderStats, pool: PoolState, producers: Mapping[str,
         CounterMetricFamily(DROPPED.name, DROPPED.doc, value=stats.dropped),
         CounterMetricFamily(CONNECTIONS_REFUSED.name, CONNECTIONS_REFUSED.doc, value=connections),
         CounterMetricFamily(RESENDS.name, RESENDS.doc, value=stats.resends_acked),
-        _histogram(HANDOUT, stats.handout_latency),
+        histogram_family(HANDOUT, stats.handout_latency),
         GaugeMetricFamily(PRODUCERS.name, PRODUCERS.doc, value=len(producers)),
     ]
     ranks = GaugeMetricFamily(RANKS.name, RANKS.doc, labels=["producer"])
@@ -129,15 +138,6 @@ def reader_families(stats: ReaderStats, pool: PoolState, producers: Mapping[str,
         ranks.add_metric([pid], n)
     out.append(ranks)
     return out
-
-
-def file_families(files: FileStats) -> list[Metric]:
-    """The CLI's files."""
-    return [
-        CounterMetricFamily(FILES.name, FILES.doc, value=files.files),
-        CounterMetricFamily(FILE_BYTES.name, FILE_BYTES.doc, value=files.bytes),
-        _histogram(FSYNC, files.fsync),
-    ]
 
 
 class ReaderView(Protocol):
@@ -159,13 +159,3 @@ class ReaderCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         r = self._reader
         return reader_families(r.stats(), r.pool_state(), r.producers_connected())
-
-
-class FilesCollector(Collector):
-    """Collects the CLI's file metrics at each scrape, from ``snapshot()``."""
-
-    def __init__(self, snapshot: Callable[[], FileStats]) -> None:
-        self._snapshot = snapshot
-
-    def collect(self) -> Iterable[Metric]:
-        return file_families(self._snapshot())

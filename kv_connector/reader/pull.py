@@ -44,9 +44,9 @@ from kv_connector.common.device import on_device
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.pool import PagePool, PoolTooSmall
 from kv_connector.reader.pool_memory import PoolMemory, device_of, make_pool, register_pool
-from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks, handle_of
+from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
 from kv_connector.wire import protocol
-from kv_connector.wire.handle import HandleError, PullHandle, decode_handle
+from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.transport import Region, Transport, TransportError

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from kv_connector.wire import auth, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
@@ -32,18 +30,6 @@ class FetchError(RuntimeError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
-
-
-def handle_of(handle: str | Mapping[str, Any]) -> str:
-    """The handle string in ``handle`` or in a response's ``kv_transfer_params``."""
-    if isinstance(handle, Mapping):
-        h = handle.get("handle")
-        if h is None:
-            record = handle.get("hidden_states")
-            why = record.get("error") if isinstance(record, Mapping) else None
-            raise FetchError("handle", f"no handle in kv_transfer_params ({why or 'not pull delivery?'})")
-        return str(h)
-    return handle
 
 
 @dataclass

@@ -8,7 +8,6 @@ when the lease ends."""
 from __future__ import annotations
 
 import gc
-import ipaddress
 import logging
 import queue
 import socket
@@ -28,7 +27,7 @@ from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleSta
 from kv_connector.reader.server import ReaderServer, round_page
 from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.wire import auth
-from kv_connector.wire.control import format_address, parse_address
+from kv_connector.wire.control import format_address, is_loopback, parse_address
 from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.transport import Transport
 
@@ -57,17 +56,9 @@ def listen_socket(listen: str | socket.socket) -> socket.socket:
     return sock
 
 
-def is_loopback(host: str) -> bool:
-    """Only this machine can reach ``host`` (a bound address)."""
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
 def refuse_open_listen(host: str, address: str) -> None:
     """``ValueError`` unless ``host`` is loopback (call when there is no secret)."""
-    if not is_loopback(host) and host != "localhost":
+    if not is_loopback(host):
         raise ValueError(
             f"listening on {address} without a shared secret would let anyone who reaches it write "
             "into this reader's memory: set KV_CONNECTOR_SECRET or KV_CONNECTOR_SECRET_FILE (the "

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_connector.common.observe import OPERATION_BUCKETS_S, WAIT_BUCKETS_S, Histogram
+from kv_connector.common.observe import WAIT_BUCKETS_S, Histogram
 
 
 @dataclass
@@ -114,15 +114,3 @@ class PoolState:
     quarantined: int = 0
     waiting: int = 0
 
-
-@dataclass
-class FileStats:
-    """The reader CLI's files: written (whole, renamed into place) and their bytes; the
-    fsyncs of files and of their directory."""
-
-    files: int = 0
-    bytes: int = 0
-    fsync: Histogram = field(default_factory=lambda: Histogram(OPERATION_BUCKETS_S))
-
-    def snapshot(self) -> FileStats:
-        return FileStats(self.files, self.bytes, self.fsync.snapshot())

@@ -58,11 +58,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kv_connector.sender.failure import FailureReason, SampleFailure
-from kv_connector.sender.failure import refused as failure_reason_of
 from kv_connector.sender.jobs import DigestState, Failure, FrozenJob, IllegalJobTransition, Job, JobState
 from kv_connector.sender.stats import SenderMeter, SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
+from kv_connector.wire.failure import FailureReason, SampleFailure
+from kv_connector.wire.failure import refused as failure_reason_of
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
-from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.hasher import Hasher
 from kv_connector.sender.jobs import Failure, FrozenJob, Job
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
 from kv_connector.wire import handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
+from kv_connector.wire.failure import FailureReason
 from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.transport import Region, Transport, TransportError
 

@@ -16,7 +16,6 @@ from typing import Protocol
 
 import torch
 
-from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.hasher import share_block_digest, share_checksum
 from kv_connector.sender.jobs import Job
 from kv_connector.sender.ledger import SendLedger
@@ -24,6 +23,7 @@ from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import SETTLE_S, ShareWriter
 from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import ShareChecksum

@@ -17,10 +17,10 @@ import numpy as np
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import Poller
-from kv_connector.sender.failure import FailureReason
 from kv_connector.sender.jobs import Failure, Job, JobState
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.wire import protocol
+from kv_connector.wire.failure import FailureReason
 from kv_connector.wire.layout import merge_runs
 from kv_connector.wire.transport import Region, Transport, TransportError
 

@@ -4,6 +4,7 @@ session's MAC once the handshake set one), and address parsing."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import select
 import socket
 import struct
@@ -23,6 +24,16 @@ class ConnectionClosed(Exception):
 
 class OutputFull(Exception):
     """A peer stopped reading: more than ``max_out`` bytes wait to be sent to it."""
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach ``host`` (a bound address, or "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_address(text: str) -> tuple[str, int]:

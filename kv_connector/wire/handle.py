@@ -17,7 +17,8 @@ from __future__ import annotations
 import base64
 import binascii
 import secrets
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import msgspec
 
@@ -61,6 +62,19 @@ _decoder = msgspec.msgpack.Decoder(PullHandle)
 
 def make_nonce() -> str:
     return secrets.token_hex(16)
+
+
+def handle_of(handle: str | Mapping[str, Any]) -> str:
+    """The handle string in ``handle`` or in a response's ``kv_transfer_params``;
+    ``HandleError`` (saying why, as the record says) when the params carry none."""
+    if isinstance(handle, Mapping):
+        h = handle.get("handle")
+        if h is None:
+            record = handle.get("hidden_states")
+            why = record.get("error") if isinstance(record, Mapping) else None
+            raise HandleError(f"no handle in kv_transfer_params ({why or 'not pull delivery?'})")
+        return str(h)
+    return handle
 
 
 def decode_handle(text: object) -> PullHandle:

@@ -21,10 +21,10 @@ import msgspec
 from hypothesis import strategies as st
 
 from kv_connector.reader import HiddenStatesReader
-from kv_connector.sender.failure import SampleFailure
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire import auth, handshake, protocol
 from kv_connector.wire.control import FramedConnection, parse_address
+from kv_connector.wire.failure import SampleFailure
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.nixl_transport import NixlTransport as Transport
 from kv_connector.wire.protocol import ProtocolError

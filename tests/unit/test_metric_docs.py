@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kv_connector.files import metrics as files_metrics
 from kv_connector.producer.step_stats import COUNTERS, FAILED, GAUGES, HISTOGRAMS
 from kv_connector.reader import metrics as reader_metrics
-from kv_connector.sender.failure import FailureReason
+from kv_connector.wire.failure import FailureReason
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_every_metric_is_documented() -> None:
     usage = (REPO / "docs" / "usage.md").read_text()
     names = [m.name for m in (*COUNTERS.values(), FAILED, *HISTOGRAMS.values(), *GAUGES.values())]
-    names += [m.name for m in reader_metrics.ALL]
+    names += [m.name for m in (*reader_metrics.ALL, *files_metrics.ALL)]
     assert [n for n in names if n not in usage] == []
     quoted = set(usage.split("`"))
     assert {r.value for r in FailureReason} <= quoted

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kv_connector.producer.delivery import DeliveryBook, Router
-from kv_connector.sender.failure import FailureReason, SampleFailure
+from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.outcome import SampleStatus
 
 

@@ -21,10 +21,10 @@ from kv_connector.producer.step_stats import (
     merge,
     summary,
 )
-from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
+from kv_connector.wire.failure import FailureReason, SampleFailure
 from tests.unit.sender.test_ledger import PAGE, POOL, grant, post, submit, to_writing
 
 

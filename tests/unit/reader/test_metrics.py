@@ -8,10 +8,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kv_connector.files.metrics import FilesCollector
+from kv_connector.files.stats import FileStats
 from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.metrics import FilesCollector, ReaderCollector
+from kv_connector.reader.metrics import ReaderCollector
 from kv_connector.reader.records import Verify
-from kv_connector.reader.stats import FileStats, PoolState, ReaderStats
+from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
 from tests.unit.reader.test_ledger import PAGE, connected, credit, hand_out, hello, land, ledger, sends
 

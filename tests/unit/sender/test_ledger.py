@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_connector.sender as wing
-from kv_connector.sender.failure import FailureReason, SampleFailure
 from kv_connector.sender.jobs import DigestState, FrozenJob, IllegalJobTransition, JobState
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.stats import SenderObservations
 from kv_connector.wire import protocol
+from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import ProtocolError
 
