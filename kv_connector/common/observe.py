@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 WAIT_BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0, 120.0,
-)  # fmt: skip
+)
 # for operations of a few microseconds to a few seconds (a WRITE, an fsync)
 OPERATION_BUCKETS_S: tuple[float, ...] = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0,
-)  # fmt: skip
+)
 
 OBSERVATIONS_LIMIT = 10_000  # raw values kept between two drains; more are counted, not kept
 

@@ -57,11 +57,11 @@ class SampleBook:
 
     def awaited(self, producer_id: str, rank: int) -> bool:
         """Is a WRITE of this producer rank awaited (granted, not landed)?"""
-        return any(
-            key[0] == producer_id and s.pages is not None and rank in s.shares and s.shares[rank].blocks
-            and not s.shares[rank].landed
-            for key, s in self.samples.items()
-        )  # fmt: skip
+        for (pid, _request), s in self.samples.items():
+            share = s.shares.get(rank) if pid == producer_id and s.pages is not None else None
+            if share is not None and share.blocks and not share.landed:
+                return True
+        return False
 
     def incomplete_of(self, producer_id: str) -> list[SampleRecord]:
         """The producer's samples waiting for pages or for their shares."""

@@ -24,7 +24,7 @@ from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
 from kv_connector.reader.pool_memory import device_of, make_pool, register_pool
 from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
-from kv_connector.reader.server import ReaderServer, round_page
+from kv_connector.reader.server import ReaderServer, ServerParts, round_page
 from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
@@ -239,10 +239,18 @@ class HiddenStatesReader:
         self._lock = threading.RLock()
         self._ready: queue.Queue[Key | None] = queue.Queue()
         self._closed = False
-        self._server = ReaderServer(
-            lsock, transport, region, self._ledger, self._lock, secret, self.reader_id, self._ready.put,
-            self._memory,
-        )  # fmt: skip
+        parts = ServerParts(
+            listen=lsock,
+            transport=transport,
+            region=region,
+            ledger=self._ledger,
+            lock=self._lock,
+            pool=self._memory,
+            secret=secret,
+            reader_id=self.reader_id,
+            on_ready=self._ready.put,
+        )
+        self._server = ReaderServer(parts)
         self._server.start()
         self.metrics: MetricsServer | None = None
         self.metrics_address: str | None = None

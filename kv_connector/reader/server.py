@@ -63,30 +63,37 @@ class _Conn:
         return f"{h.producer_id}/rank{h.rank}@{self.addr}" if h else self.addr
 
 
+@dataclass(frozen=True)
+class ServerParts:
+    """What the reader hands its serving thread: the listening socket, the transport and
+    the pool's registration, the ledger and the lock the user's side shares with it, the
+    pool's memory, the shared secret, the reader's id, and where a ready sample goes."""
+
+    listen: socket.socket
+    transport: Transport
+    region: Region
+    ledger: ReaderLedger
+    lock: threading.RLock
+    pool: PoolMemory
+    secret: bytes | None
+    reader_id: str
+    on_ready: Callable[[Key], None]
+
+
 class ReaderServer:
     """Serves the reader's connections and notifications on a thread of its own. Every
-    touch of the ledger happens under ``lock``, which the user's side shares."""
+    touch of the ledger happens under ``parts.lock``, which the user's side shares."""
 
-    def __init__(
-        self,
-        lsock: socket.socket,
-        transport: Transport,
-        region: Region,
-        ledger: ReaderLedger,
-        lock: threading.RLock,
-        secret: bytes | None,
-        reader_id: str,
-        on_ready: Callable[[Key], None],
-        pool: PoolMemory,
-    ) -> None:
+    def __init__(self, parts: ServerParts) -> None:
+        lsock, ledger, pool = parts.listen, parts.ledger, parts.pool
         self._lsock = lsock
-        self._transport = transport
-        self._region = region
+        self._transport = parts.transport
+        self._region = parts.region
         self._ledger = ledger
-        self._lock = lock
-        self._secret = secret
-        self.reader_id = reader_id
-        self._on_ready = on_ready
+        self._lock = lock = parts.lock
+        self._secret = parts.secret
+        self.reader_id = parts.reader_id
+        self._on_ready = parts.on_ready
         self._sel = selectors.DefaultSelector()
         self._sel.register(lsock, selectors.EVENT_READ, None)
         self._wake_r, self._wake_w = os.pipe()

@@ -88,10 +88,8 @@ class SenderMeter:
     def mark(self, in_flight: int) -> tuple[int, ...]:
         """The fingerprint of what ``take`` reports (see ``SendLedger.metrics_mark``)."""
         st = self.stats
-        return (
-            st.requests, st.bytes, st.writes, st.rewrites, st.write_retries, st.reconnects, in_flight,
-            len(self._write_latency) + len(self._credit_wait),
-        )  # fmt: skip
+        counts = (st.requests, st.bytes, st.writes, st.rewrites, st.write_retries, st.reconnects)
+        return (*counts, in_flight, len(self._write_latency) + len(self._credit_wait))
 
     def take(self, in_flight: int) -> SenderMetrics:
         """A snapshot of the counters, the observations since the last take, the jobs in

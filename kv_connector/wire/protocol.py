@@ -149,10 +149,8 @@ class Welcome(_Msg, tag="welcome", frozen=True):
 
     def binding(self) -> bytes:
         """What the reader's proof covers: every field but the proof."""
-        fields = [
-            self.reader_id, self.agent_name, self.agent_metadata, self.pool_addr, self.pool_bytes,
-            self.page_bytes, self.num_pages, self.mem_type, self.device_id,
-        ]  # fmt: skip
+        names = ("reader_id", "agent_name", "agent_metadata", "pool_addr", "pool_bytes", "page_bytes")
+        fields = [getattr(self, n) for n in (*names, "num_pages", "mem_type", "device_id")]
         return msgspec.msgpack.encode(fields)
 
 

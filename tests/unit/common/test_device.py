@@ -122,21 +122,22 @@ def test_the_readers_serving_and_checking_threads_set_a_gpu_pools_device_first(
     import socket
 
     from kv_connector.reader.ledger import ReaderLedger
-    from kv_connector.reader.server import ReaderServer
+    from kv_connector.reader.server import ReaderServer, ServerParts
 
     lsock = socket.create_server(("127.0.0.1", 0))
     lsock.setblocking(False)
-    server = ReaderServer(
-        lsock,
-        object(),
-        Region(0, 1, "VRAM", 1),
-        ReaderLedger(),
-        threading.RLock(),
-        None,
-        "r",  # type: ignore[arg-type]
-        lambda key: None,
-        _PoolOn(GPU1),  # type: ignore[arg-type]
+    parts = ServerParts(
+        listen=lsock,
+        transport=object(),  # type: ignore[arg-type]
+        region=Region(0, 1, "VRAM", 1),
+        ledger=ReaderLedger(),
+        lock=threading.RLock(),
+        pool=_PoolOn(GPU1),  # type: ignore[arg-type]
+        secret=None,
+        reader_id="r",
+        on_ready=lambda key: None,
     )
+    server = ReaderServer(parts)
     try:
         server.start()
         assert _wait_for(set_device_calls, "hs-reader-check") == [GPU1]
