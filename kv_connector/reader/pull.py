@@ -59,6 +59,11 @@ FETCH_TIMEOUT_S = 60.0
 POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005  # a READ polled after 50 us, then at most every 0.5 ms
 
 
+def byte_of(pages: range) -> int:
+    """Where a run of the pool's pages starts, in bytes."""
+    return pages.start * PAGE_BYTES
+
+
 @dataclass
 class _Pending:
     handle: PullHandle
@@ -307,7 +312,7 @@ class PullClient:
             self._wait(p)
             memory = self._memory
             assert memory is not None
-            base = p.pages.start * PAGE_BYTES
+            base = byte_of(p.pages)
             for s in p.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
                 if s.checksum is not None and memory.checksum(base, m, blocks, s.digest) != s.checksum:
@@ -332,7 +337,7 @@ class PullClient:
     def _hand_out(self, h: PullHandle, m: protocol.Manifest, pages: range) -> Sample:
         memory = self._memory
         assert memory is not None
-        base = pages.start * PAGE_BYTES
+        base = byte_of(pages)
         key = (h.producer_id, h.request_id)
         lease = Lease(key, memory.ordered(lambda _k: self._give_back(h, pages)))
         if self.copy:
@@ -413,7 +418,7 @@ class PullClient:
     def _post_read(self, h: PullHandle, s: protocol.PullShare, pages: range) -> Any:
         m = s.manifest
         g, nb = m.geometry, m.num_blocks
-        base = pages.start * PAGE_BYTES
+        base = byte_of(pages)
         spans = []
         for i, block in enumerate(s.block_ids):
             j = s.first_block + i
@@ -457,6 +462,7 @@ class PullClient:
     def _settle(self, xfers: list[Any]) -> None:
         """Wait (boundedly) for posted READs to end before their pages are reused."""
         deadline = time.monotonic() + self.timeout_s
+        pause = POLL_FIRST_S
         for x in xfers:
             while time.monotonic() < deadline:
                 with self._lock:
@@ -465,6 +471,8 @@ class PullClient:
                             break
                     except TransportError:
                         break
+                time.sleep(pause)  # not a spin: a READ that fails may take its time to end
+                pause = min(2 * pause, POLL_MAX_S)
 
     # ------------------------------------------------------------------ control
     def _release_all(self, h: PullHandle, quiet: bool) -> None:

@@ -6,10 +6,13 @@ nixl, sockets, threads or clocks."""
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import Grant, Manifest
+
+log = logging.getLogger("kv_connector.sender")
 
 
 class IllegalJobTransition(RuntimeError):
@@ -101,3 +104,10 @@ class Failure:
     # the handle of a WRITE still in flight when the job failed: the shell polls it to
     # its end (the transport releases it then), nobody else does
     xfer: object | None = field(default=None, compare=False, repr=False)
+
+
+def log_failed(*failures: Failure | None) -> None:
+    """One error line per failed request, the same wherever a job fails (None: none)."""
+    for f in failures:
+        if f is not None:
+            log.error("request %s failed: %s", f.request_id, f.why)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
 from kv_connector.sender.hasher import Hasher
-from kv_connector.sender.jobs import Failure, FrozenJob, Job
+from kv_connector.sender.jobs import Failure, FrozenJob, Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
 from kv_connector.wire import handshake, protocol
@@ -209,17 +209,22 @@ class SenderLoop:
 
     def _leave(self, why: str) -> None:
         """Paused while connected: settle the WRITEs in flight, forget the reader."""
+        self._disconnect(why)
+        log.info("rank %d left the reader at %s: %s", self.rank, self.address, why)
+
+    def _disconnect(self, why: str) -> int:
+        """Let the WRITEs in flight settle, fail the jobs that cannot be resent, close the
+        connection and forget the reader; returns how many requests will be resent."""
         self._writer.settle()
         with self._lock:
-            _, failures = self._ledger.connection_lost(time.monotonic())
-        for f in failures:
-            log.error("request %s failed: %s", f.request_id, f.why)
+            resend, failures = self._ledger.connection_lost(time.monotonic())
+        log_failed(*failures)
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         self.connected.clear()
         self.link_error = why
-        log.info("rank %d left the reader at %s: %s", self.rank, self.address, why)
+        return resend
 
     def _park(self) -> None:
         why = self._pause
@@ -234,16 +239,7 @@ class SenderLoop:
     def _on_lost(self, e: BaseException) -> None:
         """The connection broke: let WRITEs in flight settle, forget the reader, and mark
         every unacknowledged request for resending after reconnecting."""
-        self._writer.settle()
-        with self._lock:
-            resend, failures = self._ledger.connection_lost(time.monotonic())
-        for f in failures:
-            log.error("request %s failed: %s", f.request_id, f.why)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        self.connected.clear()
-        self.link_error = f"lost the connection: {e}"
+        resend = self._disconnect(f"lost the connection: {e}")
         self._expire(str(e))  # a reader that keeps breaking the protocol must not keep jobs forever
         where = self.address
         if resend:
@@ -300,8 +296,7 @@ class SenderLoop:
     def _expire(self, why: str) -> None:
         with self._lock:
             late = self._ledger.expire(time.monotonic(), why, self.address)
-        for f in late:
-            log.error("request %s failed: %s", f.request_id, f.why)
+        log_failed(*late)
 
     def _handshake(self) -> None:
         budget = min(handshake.HANDSHAKE_TIMEOUT_S, max(self.connect_timeout_s, 1.0))
@@ -348,7 +343,7 @@ class SenderLoop:
                             code="preempted",
                         )
                     if failure is not None:
-                        log.error("request %s failed: %s", failure.request_id, failure.why)
+                        log_failed(failure)
                         self.tell_reader(failure)
                     return
                 if again:
@@ -367,7 +362,7 @@ class SenderLoop:
             case protocol.Refuse():
                 with self._lock:
                     refused = self._ledger.on_refuse(msg)
-                log.error("request %s failed: %s", refused.request_id, refused.why)
+                log_failed(refused)
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
 
@@ -410,7 +405,7 @@ class SenderLoop:
             with self._lock:
                 self._ledger.digest_ready(request_id, value)
         if failure is not None:
-            log.error("request %s failed: %s", failure.request_id, failure.why)
+            log_failed(failure)
             self.tell_reader(failure)
         self.wake()
 
@@ -423,8 +418,8 @@ class SenderLoop:
         self._next_deadline_check = now + 0.5
         with self._lock:
             late = self._ledger.expire_granted(now, self.sample_timeout_s)
+        log_failed(*late)
         for f in late:
-            log.error("request %s failed: %s", f.request_id, f.why)
             self.tell_reader(f)
 
     def tell_reader(self, failure: Failure) -> None:
@@ -446,5 +441,4 @@ class SenderLoop:
     def _fail_all(self, why: str) -> None:
         with self._lock:
             failures = self._ledger.fail_all(why)
-        for f in failures:
-            log.error("request %s failed: %s", f.request_id, why)
+        log_failed(*failures)

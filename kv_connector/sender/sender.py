@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from kv_connector.sender.hasher import share_block_digest, share_checksum
-from kv_connector.sender.jobs import Job
+from kv_connector.sender.jobs import Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
@@ -236,8 +236,8 @@ class HiddenStatesSender:
             time.sleep(0.0005)
         with self._lock:
             failures = self._ledger.freeze(request_ids)
+        log_failed(*failures)
         for f in failures:
-            log.error("request %s failed: %s", f.request_id, f.why)
             self._loop.tell_reader(f)
         return [f.request_id for f in failures]
 
@@ -260,8 +260,8 @@ class HiddenStatesSender:
             rids = [j.request_id for j in self._ledger.jobs()]
             fails = (self._ledger.fail(rid, why, FailureReason.ASLEEP, code="preempted") for rid in rids)
             failures = [f for f in fails if f is not None]
+        log_failed(*failures)
         for f in failures:
-            log.error("request %s failed: %s", f.request_id, f.why)
             self._loop.tell_reader(f)  # a WRITE in flight is polled to its end by the writer
         if not self._loop.pause(self._asleep, SETTLE_S + 5.0) or not self._loop.hasher_idle(SETTLE_S):
             log.error("rank %d: the sender did not settle before sleeping", self.config.rank)

@@ -17,7 +17,7 @@ import numpy as np
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import Poller
-from kv_connector.sender.jobs import Failure, Job, JobState
+from kv_connector.sender.jobs import Failure, Job, JobState, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason
@@ -238,5 +238,5 @@ class ShareWriter:
         if failure is None:
             log.warning("rank %d: WRITE of %s failed in NIXL (%s); posting it again", self._rank, rid, e)
             return
-        log.error("request %s failed: %s", rid, failure.why)
+        log_failed(failure)
         self._tell_reader(failure)
