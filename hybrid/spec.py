@@ -133,14 +133,30 @@ def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
 
 
 NO_ATTENTION_FIX = "leave HIDDEN_STATES_SUPPLEMENTARY unset (auto) or set it to 0 to use vLLM's own grouping"
-_fell_back = False
+
+
+class OncePerProcess:
+    """Whether something was said in this process yet (``reset()``: as if not)."""
+
+    def __init__(self) -> None:
+        self._said = False
+
+    def first(self) -> bool:
+        """True the first time it is asked (after ``reset``), False after."""
+        said, self._said = self._said, True
+        return not said
+
+    def reset(self) -> None:
+        self._said = False
+
+
+FALLBACK_LOGGED = OncePerProcess()  # the line saying vLLM's own grouping applies
 
 
 def _no_attention_layer(regular: Mapping[str, KVCacheSpec], fallback: bool) -> bool:
     """Whether these regular specs lack a full-attention layer (then vLLM's grouping
     has no full-attention group): raises ``NoAttentionGroupError`` unless ``fallback``,
     which logs once per process why vLLM's own grouping applies."""
-    global _fell_back
     if any(is_full_attention_spec(s) for s in regular.values()):
         return False
     kinds = sorted({type(s).__name__ for s in regular.values()})
@@ -150,8 +166,7 @@ def _no_attention_layer(regular: Mapping[str, KVCacheSpec], fallback: bool) -> b
     )
     if not fallback:
         raise NoAttentionGroupError(f"{why}; {NO_ATTENTION_FIX}")
-    if not _fell_back:
-        _fell_back = True
+    if FALLBACK_LOGGED.first():
         log.info(
             "hybrid supplementary tensors: not used for this model, vLLM's own grouping applies (the "
             "hidden-state layer gets a KV cache group of its own, its page padded to the common page; "

@@ -147,6 +147,11 @@ class PullServer:
         self._thread.start()
 
     # ------------------------------------------------------------- engine side
+    @property
+    def digest(self) -> ShareChecksum:
+        """The kind of checksum this rank's shares carry (what its Hello says)."""
+        return self._me.digest
+
     def hold(
         self,
         request_id: str,
@@ -323,7 +328,7 @@ class PullServer:
                     msg = conn.receive_one(IDLE_POLL_S)
                 except TimeoutError:
                     continue
-                answer = self._answer(msg)
+                answer = self.answer(msg)
                 if isinstance(answer, protocol.PullShare):
                     outstanding += 1
                     self._reading_changed(+1)
@@ -362,9 +367,11 @@ class PullServer:
             self._transport.notifications()  # makes UCX progress for the consumers' READs
             time.sleep(PROGRESS_S)
 
-    def _answer(
+    def answer(
         self, msg: protocol.Message
     ) -> protocol.PullShare | protocol.PullReleased | protocol.PullError:
+        """The answer to one consumer request (``PullFetch`` or ``PullRelease``), as a
+        connection's thread sends it; ``ProtocolError`` for any other message."""
         if isinstance(msg, protocol.PullRelease):
             try:
                 with self._lock:

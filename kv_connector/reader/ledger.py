@@ -170,6 +170,14 @@ class ReaderLedger:
     def departing(self) -> bool:
         return self.producers.departing
 
+    def ready(self, producer_id: str | None = None) -> list[Key]:
+        """Samples complete and checked, not yet handed out (of ``producer_id``, if given)."""
+        return [
+            k
+            for k, s in self.samples.items()
+            if s.state is SampleState.VERIFIED and (producer_id is None or k[0] == producer_id)
+        ]
+
     def leases(self) -> list[SampleRecord]:
         """The samples on lease to the user, oldest first."""
         return self._book.leases()

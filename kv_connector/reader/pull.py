@@ -164,6 +164,12 @@ class PullClient:
         """Bytes of the pool registered with NIXL (0 before the first use)."""
         return 0 if self._region is None else self._region.nbytes
 
+    @property
+    def copies_made(self) -> int:
+        """Buffers made for samples handed out as copies (``copy=True``): reused once a
+        copy is collected, so this stays at the number in use at once."""
+        return self._copies.allocated
+
     def pool_offset(self, tensor: torch.Tensor) -> int:
         """Where ``tensor``'s first element lies in the pool, in bytes from its start."""
         assert self._memory is not None, "the client has no pool yet"

@@ -333,6 +333,18 @@ class HiddenStatesReader:
                 self._ledger.reject((sample.producer_id, sample.request_id), why, time.monotonic())
             )
 
+    @property
+    def copies_made(self) -> int:
+        """Buffers made for samples handed out as copies (``copy=True``): reused once a
+        copy is collected, so this stays at the number in use at once."""
+        return self._copies.allocated
+
+    def ready_samples(self, producer_id: str | None = None) -> list[tuple[str, str]]:
+        """The (producer id, request id) of the samples complete and checked, not yet
+        taken (of ``producer_id`` only, when given)."""
+        with self._lock:
+            return self._ledger.ready(producer_id)
+
     def stats(self) -> ReaderStats:
         """A snapshot of this reader's counters."""
         with self._lock:

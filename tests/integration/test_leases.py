@@ -163,7 +163,7 @@ def test_the_copying_mode_keeps_samples_beyond_the_pool_in_reused_buffers(sender
             assert not s.leased and s.hidden_states.is_contiguous()
             got[s.request_id] = s
         check(got, [x for x in samples if x["request_id"] in got], LAYOUT, 46)
-        assert reader._copies.allocated == 6
+        assert reader.copies_made == 6
         got.clear()
         del s
         gc.collect()
@@ -171,7 +171,7 @@ def test_the_copying_mode_keeps_samples_beyond_the_pool_in_reused_buffers(sender
             s = reader.get(timeout=30)
             got[s.request_id] = s
         check(got, [x for x in samples if x["request_id"] in got], LAYOUT, 46)
-        assert reader._copies.allocated == 6
+        assert reader.copies_made == 6
         assert finish_sender(proc)["rc"] == 0
 
 

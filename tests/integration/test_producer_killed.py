@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from kv_connector.reader.records import SampleState
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
@@ -96,12 +95,7 @@ class Checker:
 
 def complete_keys(reader: HiddenStatesReader, producer_id: str) -> set[str]:
     """Samples of ``producer_id`` the reader holds complete, not yet taken (its own state)."""
-    with reader._lock:
-        return {
-            k[1]
-            for k, p in reader._ledger.samples.items()
-            if k[0] == producer_id and p.state is SampleState.VERIFIED
-        }
+    return {request_id for _producer, request_id in reader.ready_samples(producer_id)}
 
 
 def assert_pool_idle(reader: HiddenStatesReader) -> None:

@@ -214,7 +214,7 @@ def test_copying_mode_hands_out_contiguous_copies_in_reused_buffers(
             if i < 2:
                 kept.append((got.hidden_states, want))  # held: its buffer is not reused
             del got
-        made = client._copies.allocated
+        made = client.copies_made
     assert made < len(samples)  # buffers of samples let go were used again
     for hidden, want in kept:  # what is held was never overwritten by later samples
         assert torch.equal(hidden, want)

@@ -217,7 +217,7 @@ def test_a_model_without_attention_group_falls_back_to_vllm_in_auto_mode(
     with pytest.raises(NoAttentionGroupError, match="has none"):
         plan_kv_cache_configs(cfg, [state_only], [BUDGET], fallback=False)
     budget = 10 * BUDGET  # vLLM's own grouping needs ~144 GiB for one 262144-token request
-    spec._fell_back = False  # the line is logged once per process
+    spec.FALLBACK_LOGGED.reset()  # the line is logged once per process
     with caplog.at_level(logging.INFO, logger="vllm.hybrid.spec"):
         (ours,) = plan_kv_cache_configs(cfg, [dict(state_only)], [budget])
     (theirs,) = kv_cache_configs(cfg, [dict(state_only)], [budget])

@@ -83,10 +83,10 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
     for rank in range(world):
         s = server(cache, layout, kind, rank=rank, world=world)
         try:
-            assert s._me.digest is (kind or ShareChecksum.XXH3)  # what its Hello says
+            assert s.digest is (kind or ShareChecksum.XXH3)  # what its Hello says
             s.hold("req-1", nonce, tokens, blocks)
-            share = s._answer(protocol.PullFetch(request_id="req-1", nonce=nonce))
-            again = s._answer(protocol.PullFetch(request_id="req-1", nonce=nonce))  # taken once, kept
+            share = s.answer(protocol.PullFetch(request_id="req-1", nonce=nonce))
+            again = s.answer(protocol.PullFetch(request_id="req-1", nonce=nonce))  # taken once, kept
         finally:
             s.close()
         assert isinstance(share, protocol.PullShare) and share == again
@@ -141,7 +141,7 @@ def test_a_finished_sample_is_hashed_in_the_background_once_and_a_fetch_waits_fo
         s.finished(["a"])  # "b" has not finished: its handle is not out, nothing is taken yet
         answers: list[Any] = []
         ask_a = protocol.PullFetch("a", nonces["a"])
-        fetch = threading.Thread(target=lambda: answers.append(s._answer(ask_a)))
+        fetch = threading.Thread(target=lambda: answers.append(s.answer(ask_a)))
         fetch.start()
         fetch.join(0.2)
         assert fetch.is_alive() and calls == ["hs-pull-r0-hash"]  # the fetch waits for the hash
@@ -150,9 +150,9 @@ def test_a_finished_sample_is_hashed_in_the_background_once_and_a_fetch_waits_fo
         share = answers[0]
         assert isinstance(share, protocol.PullShare)
         assert share.checksum == pool_checksum(read(cache, share), 0, share.manifest, [0, 1], share.digest)
-        assert s._answer(protocol.PullFetch("a", nonces["a"])) == share
+        assert s.answer(protocol.PullFetch("a", nonces["a"])) == share
         assert calls == ["hs-pull-r0-hash"]  # taken once
-        late = s._answer(protocol.PullFetch("b", nonces["b"]))  # fetched before its finish: taken here
+        late = s.answer(protocol.PullFetch("b", nonces["b"]))  # fetched before its finish: taken here
         assert isinstance(late, protocol.PullShare) and late.checksum is not None
         assert calls == ["hs-pull-r0-hash", threading.current_thread().name]
     finally:
@@ -174,7 +174,7 @@ def test_a_fetch_that_comes_before_its_hold_waits_for_it(monkeypatch: pytest.Mon
     try:
         answers: list[Any] = []
         early = threading.Thread(
-            target=lambda: answers.append(s._answer(protocol.PullFetch(request_id="late", nonce=nonce)))
+            target=lambda: answers.append(s.answer(protocol.PullFetch(request_id="late", nonce=nonce)))
         )
         early.start()
         time.sleep(0.1)
@@ -184,7 +184,7 @@ def test_a_fetch_that_comes_before_its_hold_waits_for_it(monkeypatch: pytest.Mon
         assert isinstance(answers[0], protocol.PullShare) and answers[0].block_ids == blocks
         for rid, n in (("never", nonce), ("late", make_nonce())):
             t0 = time.monotonic()
-            got = s._answer(protocol.PullFetch(request_id=rid, nonce=n))
+            got = s.answer(protocol.PullFetch(request_id=rid, nonce=n))
             assert isinstance(got, protocol.PullError) and got.code == "unknown"
             assert time.monotonic() - t0 >= 0.45  # the same wait for both (P2)
     finally:
