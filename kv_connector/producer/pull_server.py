@@ -29,12 +29,12 @@ import torch
 
 from kv_connector.common.device import on_device
 from kv_connector.producer.pull_ledger import Held, PullLedger, PullRefused
-from kv_connector.sender.hasher import Hasher, share_block_digest, share_checksum
-from kv_connector.sender.jobs import Job
+from kv_connector.sender.cache_blocks import CacheBlocks
+from kv_connector.sender.hasher import Hasher
 from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address, is_loopback
 from kv_connector.wire.identity import make_identity
-from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 from kv_connector.wire.transport import Transport
 
@@ -95,16 +95,11 @@ class PullServer:
         self.layer_ids = [int(i) for i in layer_ids]
         self.producer_id = producer_id
         self.rank, self.world_size = rank, world_size
-        self.num_cache_blocks = cache.shape[0]
         self._secret = secret
         self._clock = clock
         self._checksum = checksum
-        nbytes = cache.numel() * cache.element_size()
-        if cache.stride(0) * cache.element_size() != layout.block_bytes:
-            raise ValueError(f"cache blocks are not {layout.block_bytes} bytes apart")
-        self._raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
-            cache.untyped_storage(), cache.storage_offset() * cache.element_size(), (nbytes,), (1,)
-        )
+        # its blocks, read only through here; a padded page's padding is never read
+        self.blocks = CacheBlocks(cache, layout)
         self._sock = socket.create_server((host, port))
         try:
             if transport is None:
@@ -112,7 +107,7 @@ class PullServer:
 
                 transport = NixlTransport(f"{producer_id}-pull-r{rank}-{os.getpid()}")
             self._transport = transport
-            self._region = transport.register(cache)
+            self._region = transport.register(self.blocks.raw)
         except BaseException:
             self._sock.close()
             raise
@@ -164,28 +159,12 @@ class PullServer:
         """Hold a computed sample for consumers: ``block_ids`` are the cache blocks of its
         tokens in block-table order. ``ValueError`` if it cannot be served (its id, its
         identity, its blocks): nothing is held then."""
-        problem = protocol.request_id_problem(request_id)
-        if problem is not None:
-            raise ValueError(problem)
         ident = make_identity(sample_id, metadata)
-        n = self.layout.blocks_for(len(token_ids))
-        if len(block_ids) < n:
-            raise ValueError(f"{request_id}: {len(token_ids)} tokens need {n} blocks, got {len(block_ids)}")
-        blocks = [int(b) for b in block_ids[:n]]
-        if any(not 0 <= b < self.num_cache_blocks for b in blocks):
-            raise ValueError(f"{request_id}: a block id outside the cache's {self.num_cache_blocks}")
-        manifest = protocol.Manifest(
-            request_id=request_id,
-            token_ids=[int(t) for t in token_ids],
-            layer_ids=self.layer_ids,
-            geometry=self.layout,
-            num_blocks=n,
-            sample_id=ident.sample_id,
-            metadata=ident.metadata_json,
+        s = self.blocks.share_of(
+            request_id, token_ids, block_ids, self.layer_ids, ident, self.rank, self.world_size
         )
-        share = stripe(n, self.rank, self.world_size)
         with self._lock:
-            self._ledger.hold(request_id, nonce, manifest, blocks, share, self._clock())
+            self._ledger.hold(request_id, nonce, s.manifest, s.block_ids, s.share, self._clock())
             self._held.notify_all()
 
     def finished(self, request_ids: Iterable[str]) -> None:
@@ -203,8 +182,7 @@ class PullServer:
                     continue
                 if self._hasher is None:
                     self._hasher = Hasher(f"hs-pull-r{self.rank}-hash")
-                job = Job(rid, h.manifest, h.block_ids, h.share, 0.0)
-                fut = self._hasher.submit(functools.partial(self._share_checksum, job))
+                fut = self._hasher.submit(functools.partial(self._share_checksum, h))
                 self._hashing[(rid, h.nonce)] = fut
                 started.append((rid, h.nonce, fut))
         for rid, nonce, fut in started:  # outside the lock: a done future calls back at once
@@ -308,7 +286,7 @@ class PullServer:
 
     def _serve(self, conn: FramedConnection, peer: str) -> None:
         outstanding = 0  # shares served on this connection and not released since
-        on_device(self._raw.device)  # block digests are computed on the cache's GPU here
+        on_device(self.blocks.device)  # block digests are computed on the cache's GPU here
         try:
             try:
                 welcome = handshake.as_producer(conn, self._me, self._secret, self._transport.metadata)
@@ -356,7 +334,7 @@ class PullServer:
                 self._wake.set()
 
     def _make_progress(self) -> None:
-        on_device(self._raw.device)  # it drives the agent holding a GPU cache's registration
+        on_device(self.blocks.device)  # it drives the agent holding a GPU cache's registration
         while not self._closed:
             if not self._wake.wait(IDLE_POLL_S):
                 continue
@@ -391,7 +369,7 @@ class PullServer:
                 if pending is not None and pending.exception() is None:
                     digest = pending.result()  # taken since the request finished
                 else:
-                    digest = self._share_checksum(Job(rid, h.manifest, h.block_ids, h.share, 0.0))
+                    digest = self._share_checksum(h)
                 with self._lock:
                     # computed from the blocks while they were still held: still held now,
                     # so they were not given back to vLLM meanwhile
@@ -408,6 +386,7 @@ class PullServer:
             block_ids=[h.block_ids[j] for j in h.share],
             cache_addr=r.addr,
             cache_bytes=r.nbytes,
+            block_pitch=self.blocks.pitch,
             mem_type=r.mem_type,
             device_id=r.device_id,
             checksum=digest if self._checksum is not None and len(h.share) else None,
@@ -429,10 +408,9 @@ class PullServer:
                     raise
                 self._held.wait(left)
 
-    def _share_checksum(self, job: Job) -> int:
-        """The checksum of this rank's share, read from the cache while it is held: block
-        digests on the cache's device (nothing staged), or XXH3 of its bytes. The handle
-        is out only once the step that wrote the blocks returned, so they are written."""
-        if self._checksum is ShareChecksum.BLOCKS:
-            return share_block_digest(self._raw, job)
-        return share_checksum(self._raw, job)
+    def _share_checksum(self, h: Held) -> int:
+        """The checksum of this rank's share, read from the cache while it is held
+        (``CacheBlocks.record``). The handle is out only once the step that wrote the
+        blocks returned, so they are written."""
+        assert self._checksum is not None
+        return self.blocks.record(self._checksum, h)

@@ -429,7 +429,7 @@ class PullClient:
         for i, block in enumerate(s.block_ids):
             j = s.first_block + i
             for src, dst, n in g.arranged_spans(nb, j):
-                spans.append((base + dst, block * g.block_bytes + src, n))
+                spans.append((base + dst, block * s.pitch + src, n))
         assert self._links is not None
         peer = self._links.agent(h.endpoints[s.rank])
         remote = Region(s.cache_addr, s.cache_bytes, s.mem_type, s.device_id)

@@ -16,16 +16,16 @@ from typing import Protocol
 
 import torch
 
-from kv_connector.sender.hasher import share_block_digest, share_checksum
+from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.sender.jobs import Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import SETTLE_S, ShareWriter
-from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire import auth, handshake
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
-from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.transport import Transport
 
@@ -98,23 +98,15 @@ class HiddenStatesSender:
         self.layer_ids = list(layer_ids)
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
-        self.num_cache_blocks = cache.shape[0]
-        # blocks are dense inside and ``block_pitch`` bytes apart: one block, or a page
-        # vLLM padded (the padding is never shipped)
-        self.block_pitch = (
-            cache.stride(0) * cache.element_size() if cache.shape[0] > 1 else layout.block_bytes
-        )
-        self._raw = self._flat(cache)
-        # how XXH3 reads a share: None stages a device cache's shares to host memory, not a
-        # host one's; True or False forces either path (a testing hook: the GPU path on CPU)
-        self.stage_digest: bool | None = None
+        # its blocks, read only through here (``stage``: a testing hook, see CacheBlocks)
+        self.blocks = CacheBlocks(cache, layout)
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
         self.agent_name = transport.name
-        self._local = local = transport.register(self._raw)  # the blocks' extent
+        self._local = local = transport.register(self.blocks.raw)  # the blocks' extent
         self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
         self._gates: dict[str, ReadyGate] = {}  # held jobs' gates (``ship``'s ``ready``)
         self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
@@ -130,7 +122,7 @@ class HiddenStatesSender:
             config.rank,
             lambda f: self._loop.tell_reader(f),
             cache.device,
-            block_pitch=self.block_pitch,
+            block_pitch=self.blocks.pitch,
         )
         me = handshake.ProducerIdentity(
             config.producer_id,
@@ -186,30 +178,12 @@ class HiddenStatesSender:
         fails fails by name (``take_failed``)."""
         if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
             raise SenderError(self._loop.dead or self._asleep or "the sender is closed")
-        problem = protocol.request_id_problem(request_id)
-        if problem is not None:
-            raise ValueError(problem)
-        n_blocks = self.layout.blocks_for(len(token_ids))
-        if len(block_ids) < n_blocks:
-            raise ValueError(
-                f"{request_id}: {len(token_ids)} tokens need {n_blocks} blocks, got {len(block_ids)}"
-            )
-        blocks = [int(b) for b in block_ids[:n_blocks]]
-        for b in blocks:
-            if not 0 <= b < self.num_cache_blocks:
-                raise ValueError(f"{request_id}: block id {b} outside the cache's {self.num_cache_blocks}")
-        manifest = protocol.Manifest(
-            request_id=request_id,
-            token_ids=[int(t) for t in token_ids],
-            layer_ids=self.layer_ids,
-            geometry=self.layout,
-            num_blocks=n_blocks,
-            sample_id=identity.sample_id,
-            metadata=identity.metadata_json,
+        c = self.config
+        s = self.blocks.share_of(
+            request_id, token_ids, block_ids, self.layer_ids, identity, c.rank, c.world_size
         )
-        share = stripe(n_blocks, self.config.rank, self.config.world_size)
         with self._lock:
-            self._ledger.submit(request_id, manifest, blocks, share, time.monotonic())
+            self._ledger.submit(request_id, s.manifest, s.block_ids, s.share, time.monotonic())
             self._ledger.hold(request_id, ready is not None)
         if ready is not None:
             self._gates[request_id] = ready  # the sender's thread opens it (``_open_gates``)
@@ -266,7 +240,7 @@ class HiddenStatesSender:
         if not self._loop.pause(self._asleep, SETTLE_S + 5.0) or not self._loop.hasher_idle(SETTLE_S):
             log.error("rank %d: the sender did not settle before sleeping", self.config.rank)
         self._transport.deregister(self._local)
-        self._raw = torch.empty(0, dtype=torch.uint8, device=self._raw.device)  # the old memory's last view
+        self.blocks.release()  # the old memory's last view
         log.info(
             "rank %d asleep: %d requests failed, the cache's %d bytes deregistered",
             self.config.rank,
@@ -281,14 +255,9 @@ class HiddenStatesSender:
         registration from the handshake. Idempotent."""
         if self._asleep is None:
             return
-        if cache.shape[0] != self.num_cache_blocks:
-            raise ValueError(
-                f"the cache has {cache.shape[0]} blocks after the wake, {self.num_cache_blocks} before"
-            )
-        raw = self._flat(cache)
-        self._local = self._transport.register(raw)
+        self.blocks.rebind(cache)
+        self._local = self._transport.register(self.blocks.raw)
         self._writer.set_local(self._local)
-        self._raw = raw
         self._asleep = None
         self._loop.resume()
         log.info("rank %d awake: the cache is registered again at %#x", self.config.rank, self._local.addr)
@@ -313,25 +282,6 @@ class HiddenStatesSender:
             if failure is not None:
                 log.error("request %s: %s; its hidden states will not be shipped", rid, why)
         return bool(self._gates)
-
-    def _flat(self, cache: torch.Tensor) -> torch.Tensor:
-        """The cache's bytes as one flat uint8 tensor, block i at ``i * block_pitch``, from
-        the first block's start to the last one's end (what is registered)."""
-        nb, bb, pitch = cache.shape[0], self.layout.block_bytes, self.block_pitch
-        stride = cache.stride(0) * cache.element_size() if nb > 1 else pitch
-        nbytes = (nb - 1) * pitch + bb
-        start = cache.storage_offset() * cache.element_size()
-        held = cache.numel() * cache.element_size()
-        if held != nb * bb or stride != pitch or pitch < bb:
-            raise ValueError(
-                f"cache tensor of {nb} blocks, {stride} bytes apart, holds {held} bytes; the "
-                f"layout says dense blocks of {bb}, {pitch} bytes apart"
-            )
-        if start + nbytes > cache.untyped_storage().nbytes():
-            raise ValueError(f"cache tensor's {nb} blocks of pitch {pitch} run past its storage")
-        return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
-            cache.untyped_storage(), start, (nbytes,), (1,)
-        )
 
     def take_finished(self) -> set[str]:
         """Request ids the reader acknowledged since the last call."""
@@ -379,10 +329,8 @@ class HiddenStatesSender:
     def _share_checksum(self, job: Job) -> int:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
-        if self.config.checksum is ShareChecksum.BLOCKS:
-            value = share_block_digest(self._raw, job, self.block_pitch)
-        else:
-            value = share_checksum(self._raw, job, self.stage_digest, self.block_pitch)
+        assert self.config.checksum is not None
+        value = self.blocks.record(self.config.checksum, job)
         with self._lock:
             self._ledger.hashed(time.perf_counter() - t0)
         return value

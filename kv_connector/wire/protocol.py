@@ -336,10 +336,12 @@ class PullFetch(_Msg, tag="pull_fetch", frozen=True):
 class PullShare(_Msg, tag="pull_share", frozen=True):
     """Producer rank -> consumer: the sample's manifest, and where this rank's share lies
     in its cache: block ``first_block + i`` of the sample is cache block ``block_ids[i]``,
-    at ``cache_addr + block_ids[i] * manifest.block_bytes`` in the memory the NIXL metadata
-    of the handshake registers; ``checksum``: the share's (None: checksums off), computed
-    as ``digest`` says: XXH3-64 over its bytes (``wire.integrity``) or over its block
-    digests (``wire.block_digest``, taken where the cache is)."""
+    at ``cache_addr + block_ids[i] * pitch`` in the memory the NIXL metadata of the
+    handshake registers (``pitch``: ``block_pitch``, the bytes from one cache block to the
+    next, more than a block where vLLM padded the page; None: ``manifest.block_bytes``);
+    ``checksum``: the share's (None: checksums off), computed as ``digest`` says: XXH3-64
+    over its bytes (``wire.integrity``) or over its block digests (``wire.block_digest``,
+    taken where the cache is)."""
 
     manifest: Manifest
     rank: Rank
@@ -352,6 +354,11 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     device_id: NonNegInt
     checksum: Checksum | None = None
     digest: ShareChecksum = ShareChecksum.XXH3
+    block_pitch: PosInt | None = None
+
+    @property
+    def pitch(self) -> int:
+        return self.block_pitch or self.manifest.block_bytes
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -362,7 +369,9 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
         if self.cache_addr + self.cache_bytes > 1 << 64:
             raise ValueError("the cache does not fit in a 64-bit address space")
         bb = self.manifest.block_bytes
-        if any((b + 1) * bb > self.cache_bytes for b in self.block_ids):
+        if self.pitch < bb:
+            raise ValueError(f"cache blocks {self.pitch} bytes apart cannot hold blocks of {bb}")
+        if any(b * self.pitch + bb > self.cache_bytes for b in self.block_ids):
             raise ValueError(f"a block id lies outside the cache's {self.cache_bytes} bytes")
 
 

@@ -75,14 +75,17 @@ def make_cache(
     ``pad_bytes``: blocks lie ``block_bytes + pad_bytes`` apart, as in a KV cache group
     whose page vLLM padded, the padding random bits too (never to be shipped)."""
     g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, layout.dtype)
     if finite:
-        values = torch.randn(num_blocks, *layout.block_shape(), generator=g)
-        assert not pad_bytes, "finite values of a padded cache: not needed yet"
-        return values.to(getattr(torch, layout.dtype))
+        values = torch.randn(num_blocks, *layout.block_shape(), generator=g).to(dtype)
+        if not pad_bytes:
+            return values
     pitch = layout.block_bytes + pad_bytes
     raw = torch.randint(0, 256, (num_blocks * pitch,), dtype=torch.uint8, generator=g)
     blocks = raw.view(num_blocks, pitch)[:, : layout.block_bytes]
-    return blocks.view(getattr(torch, layout.dtype)).view(num_blocks, *layout.block_shape())
+    if finite:
+        blocks.copy_(values.reshape(num_blocks, -1).view(torch.uint8))
+    return blocks.view(dtype).view(num_blocks, *layout.block_shape())
 
 
 def token_ids(request_id: str, n: int) -> list[int]:

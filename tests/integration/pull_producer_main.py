@@ -25,7 +25,9 @@ from tests.integration.common import make_cache, token_ids
 def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = BlockLayout(**spec["layout"])
-    cache = make_cache(layout, spec["num_cache_blocks"], spec["seed"], finite=True)
+    cache = make_cache(
+        layout, spec["num_cache_blocks"], spec["seed"], finite=True, pad_bytes=spec.get("pad_bytes", 0)
+    )
     world = spec.get("world_size", 1)
     producer_id = spec.get("producer_id", "producer")
     checksum = ChecksumOption(spec.get("checksum", "auto")).resolve(cache.is_cuda, layout)

@@ -58,7 +58,7 @@ def main() -> int:
     )
     sender = HiddenStatesSender(cfg, cache, layout, layer_ids, transport=transport)
     if spec.get("stage_checksum"):
-        sender.stage_digest = True  # checksum through the GPU cache's staging path, on CPU memory
+        sender.blocks.stage = True  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
     for s in spec["samples"]:
         sender.ship(

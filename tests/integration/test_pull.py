@@ -406,6 +406,29 @@ def test_block_digests_taken_where_the_cache_is_are_verified_by_the_client(
 
 
 @pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
+@pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
+def test_blocks_in_padded_pages_are_read_without_their_padding(
+    layout: BlockLayout, checksum: str, producers: list[Producer]
+) -> None:
+    """A cache whose blocks lie in pages vLLM padded to its other groups' page size (a
+    hybrid model's cache-only layer in vLLM's own grouping): each share says its blocks'
+    pitch, the client READs each block from its page's start and never the padding, and
+    the checksum (taken over the same blocks by the module push uses) matches."""
+    samples = samples_spec(4, layout, seed=8)
+    pad = 3 * layout.block_bytes + 40  # not a whole number of blocks
+    p = Producer(spec_of(layout, samples, world_size=2, checksum=checksum, pad_bytes=pad))
+    producers.append(p)
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True, pad_bytes=pad)
+    with PullClient(pool_bytes=4 << 20) as client:
+        got = client.fetch_many([p.handles[s["request_id"]] for s in samples])
+    for s, sample in zip(samples, got, strict=True):
+        assert not isinstance(sample, FetchError), sample
+        want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
+        assert torch.equal(sample.hidden_states, want)
+    assert p.poll()["held"] == [0, 0]
+
+
+@pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
 def test_a_block_garbled_after_its_digest_was_taken_fails_the_fetch_by_name(
     checksum: str, producers: list[Producer]
 ) -> None:

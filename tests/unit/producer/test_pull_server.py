@@ -16,6 +16,7 @@ from kv_connector.producer import pull_server
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.producer.pull_server import PullServer
 from kv_connector.reader.pool_memory import pool_checksum
+from kv_connector.sender import cache_blocks
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -63,7 +64,7 @@ def read(cache: torch.Tensor, share: protocol.PullShare) -> memoryview:
     pool = np.zeros(g.sample_bytes(m.num_blocks), dtype=np.uint8)
     for i, block in enumerate(share.block_ids):
         for s, d, n in g.arranged_spans(m.num_blocks, share.first_block + i):
-            pool[d : d + n] = src[block * g.block_bytes + s : block * g.block_bytes + s + n]
+            pool[d : d + n] = src[block * share.pitch + s : block * share.pitch + s + n]
     return pool.data
 
 
@@ -77,7 +78,7 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
     assert kind is {"auto": ShareChecksum.XXH3, "xxh3": ShareChecksum.XXH3, "blocks": ShareChecksum.BLOCKS,
                     "none": None}[option.value]  # fmt: skip
     if kind is ShareChecksum.BLOCKS:  # nothing is staged to host memory (nor hashed as bytes)
-        monkeypatch.setattr(pull_server, "share_checksum", None)
+        monkeypatch.setattr(cache_blocks, "share_checksum", None)
     cache = cache_of(layout)
     nonce, tokens, blocks = make_nonce(), list(range(3 * layout.block_size + 5)), [9, 2, 7, 4]
     for rank in range(world):
@@ -124,14 +125,14 @@ def test_a_finished_sample_is_hashed_in_the_background_once_and_a_fetch_waits_fo
 
     calls: list[str] = []
     gate = threading.Event()
-    real = pull_server.share_checksum
+    real = cache_blocks.share_checksum
 
-    def hashing(raw: torch.Tensor, job: Any) -> int:
+    def hashing(raw: torch.Tensor, job: Any, *how: Any) -> int:
         calls.append(threading.current_thread().name)
         assert gate.wait(10)
-        return real(raw, job)
+        return real(raw, job, *how)
 
-    monkeypatch.setattr(pull_server, "share_checksum", hashing)
+    monkeypatch.setattr(cache_blocks, "share_checksum", hashing)
     cache = cache_of(TLH)
     s = server(cache, TLH, ShareChecksum.XXH3)
     try:

@@ -1,0 +1,191 @@
+"""How the producer reads a sample from its cache, in both delivery modes: the
+cache-only layer's tensor as blocks (dense inside, ``pitch`` bytes apart: one block, or
+a page vLLM padded to its other groups' page size), its bytes as one flat view from the
+first block's start to the last one's end (what NIXL registers: push's WRITEs and pull's
+READs both address block ``i`` at ``i * pitch``; the padding is never shipped), a rank's
+share of a sample (``share_of``: its manifest, blocks and stripe), and the share's
+integrity record read from those blocks where they are (``CacheBlocks.record``).
+
+The sender (push) and the pull server (pull) read a sample's blocks only through here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kv_connector.sender.hasher import own_stream
+from kv_connector.wire import protocol
+from kv_connector.wire.block_digest import cache_block_digests, share_digest
+from kv_connector.wire.identity import SampleIdentity
+from kv_connector.wire.integrity import block_checksum, manifest_bytes, spans_of_sample
+from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.protocol import Manifest, ShareChecksum
+
+
+class ShareOf(Protocol):
+    """A rank's share of a sample: ``block_ids`` the cache blocks of all the sample's
+    blocks in order, ``share`` the range of them this rank serves."""
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+    @property
+    def share(self) -> range: ...
+
+
+@dataclass(frozen=True)
+class Share:
+    """``share_of``'s answer (a ``ShareOf``)."""
+
+    manifest: Manifest
+    block_ids: list[int]
+    share: range
+
+
+def pitch_of(cache: torch.Tensor, layout: BlockLayout) -> int:
+    """Bytes from one cache block's start to the next: the tensor's first stride (one
+    block when dense, more where vLLM padded the page), one block for a one-block cache."""
+    return cache.stride(0) * cache.element_size() if cache.shape[0] > 1 else layout.block_bytes
+
+
+def flat_bytes(cache: torch.Tensor, block_bytes: int, pitch: int) -> torch.Tensor:
+    """The cache's bytes as one flat uint8 tensor, block i at ``i * pitch``, from the
+    first block's start to the last one's end; ValueError where the tensor is not dense
+    blocks of ``block_bytes`` that far apart."""
+    nb = cache.shape[0]
+    stride = cache.stride(0) * cache.element_size() if nb > 1 else pitch
+    nbytes = (nb - 1) * pitch + block_bytes
+    start = cache.storage_offset() * cache.element_size()
+    held = cache.numel() * cache.element_size()
+    if held != nb * block_bytes or stride != pitch or pitch < block_bytes:
+        raise ValueError(
+            f"cache tensor of {nb} blocks, {stride} bytes apart, holds {held} bytes; the "
+            f"layout says dense blocks of {block_bytes}, {pitch} bytes apart"
+        )
+    if start + nbytes > cache.untyped_storage().nbytes():
+        raise ValueError(f"cache tensor's {nb} blocks of pitch {pitch} run past its storage")
+    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+        cache.untyped_storage(), start, (nbytes,), (1,)
+    )
+
+
+def blocks_view(raw: torch.Tensor, block_bytes: int, pitch: int) -> torch.Tensor:
+    """The cache's flat bytes ``raw`` (block i at ``i * pitch``) as ``[num_blocks,
+    block_bytes]``, the padding between blocks left out."""
+    return raw.as_strided(((raw.numel() - block_bytes) // pitch + 1, block_bytes), (pitch, 1))
+
+
+def share_checksum(
+    raw: torch.Tensor, job: ShareOf, stage: bool | None = None, pitch: int | None = None
+) -> int:
+    """XXH3-64 of ``job``'s manifest and share of its sample's bytes (``integrity``), read
+    from the cache's flat bytes ``raw`` (blocks ``pitch`` bytes apart, one block by
+    default). A host cache is hashed in place; a device cache's share is staged to host
+    memory once (``stage`` forces either path)."""
+    m = job.manifest
+    pitch = pitch or m.block_bytes
+    spans_of, head = spans_of_sample(m), manifest_bytes(m)
+    if not (raw.device.type != "cpu" if stage is None else stage):
+        offsets = ((j, job.block_ids[j] * pitch) for j in job.share)
+        return block_checksum(raw.numpy().data, offsets, spans_of, head)
+    idx = torch.tensor([job.block_ids[j] for j in job.share], device=raw.device)
+    host = blocks_view(raw, m.block_bytes, pitch).index_select(0, idx).cpu().view(-1)
+    staged = ((j, i * m.block_bytes) for i, j in enumerate(job.share))
+    return block_checksum(host.numpy().data, staged, spans_of, head)
+
+
+def share_block_digest(raw: torch.Tensor, job: ShareOf, pitch: int | None = None) -> int:
+    """The checksum of ``job``'s share over its block digests (``block_digest``), computed
+    where the cache's flat bytes ``raw`` (blocks ``pitch`` bytes apart, one block by
+    default) are, on the calling thread's own stream on a GPU; 8 bytes per block reach
+    the host."""
+    m = job.manifest
+    g = m.geometry
+    blocks = blocks_view(raw, m.block_bytes, pitch or m.block_bytes)
+    cache = blocks.view(getattr(torch, g.dtype)).view(-1, *g.block_shape())
+    with own_stream(raw.device):
+        digests = cache_block_digests(cache, m, job.block_ids, job.share)
+    return share_digest(m, job.share, digests)
+
+
+class CacheBlocks:
+    """The cache-only layer's tensor ``cache`` ([num_blocks, ...] in ``layout``) as a
+    delivery mode reads it: ``raw`` its flat bytes (what is registered), ``pitch``,
+    ``num_blocks``. ``stage``: how XXH3 reads a share: None stages a device cache's
+    shares to host memory and not a host one's; True or False forces either path (a
+    testing hook: the GPU path on CPU)."""
+
+    def __init__(self, cache: torch.Tensor, layout: BlockLayout) -> None:
+        self.layout = layout
+        self.num_blocks = cache.shape[0]
+        self.pitch = pitch_of(cache, layout)
+        self.raw = flat_bytes(cache, layout.block_bytes, self.pitch)
+        self.stage: bool | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    @property
+    def padded(self) -> bool:
+        return self.pitch != self.layout.block_bytes
+
+    def rebind(self, cache: torch.Tensor) -> None:
+        """The cache after vLLM's wake (its memory may have moved): the same blocks."""
+        if cache.shape[0] != self.num_blocks:
+            raise ValueError(
+                f"the cache has {cache.shape[0]} blocks after the wake, {self.num_blocks} before"
+            )
+        self.raw = flat_bytes(cache, self.layout.block_bytes, self.pitch)
+
+    def release(self) -> None:
+        """The cache's memory goes back to vLLM (sleep): keep no view of it."""
+        self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
+
+    def share_of(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        layer_ids: list[int],
+        identity: SampleIdentity,
+        rank: int,
+        world_size: int,
+    ) -> Share:
+        """A computed sample's manifest, its blocks (those its tokens fill, in block-table
+        order) and the stripe of them ``rank`` serves; ValueError where it cannot travel
+        (its id, too few blocks, a block outside the cache): nothing is read then."""
+        problem = protocol.request_id_problem(request_id)
+        if problem is not None:
+            raise ValueError(problem)
+        n = self.layout.blocks_for(len(token_ids))
+        if len(block_ids) < n:
+            raise ValueError(f"{request_id}: {len(token_ids)} tokens need {n} blocks, got {len(block_ids)}")
+        blocks = [int(b) for b in block_ids[:n]]
+        for b in blocks:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"{request_id}: block id {b} outside the cache's {self.num_blocks}")
+        manifest = Manifest(
+            request_id=request_id,
+            token_ids=[int(t) for t in token_ids],
+            layer_ids=layer_ids,
+            geometry=self.layout,
+            num_blocks=n,
+            sample_id=identity.sample_id,
+            metadata=identity.metadata_json,
+        )
+        return Share(manifest, blocks, stripe(n, rank, world_size))
+
+    def record(self, kind: ShareChecksum, share: ShareOf) -> int:
+        """The share's integrity record, read from its blocks where they are: block
+        digests on the cache's device (nothing staged, 8 bytes per block to the host),
+        or XXH3 over its bytes."""
+        if kind is ShareChecksum.BLOCKS:
+            return share_block_digest(self.raw, share, self.pitch)
+        return share_checksum(self.raw, share, self.stage, self.pitch)
