@@ -10,7 +10,6 @@ Load it with
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -279,8 +278,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_connected(self, timeout: float) -> bool:
         """Block until this worker reaches every reader; False after ``timeout`` s."""
         assert self._worker is not None
-        deadline = time.monotonic() + timeout
-        return all(s.connected.wait(max(0.0, deadline - time.monotonic())) for s in self._worker.senders)
+        return self._worker.wait_connected(timeout)
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(

@@ -1,6 +1,8 @@
 """Scheduler side of the connector: admits new requests once their reader is reachable,
 turns each step's SchedulerOutput into a ship plan, holds finished requests' blocks until
-every worker reported them sent, and tells each finished request where its sample stands."""
+every worker reported them sent, and tells each finished request where its sample stands,
+in the words of its delivery mode (``push_mode.PushScheduling`` or
+``pull_mode.PullScheduling``, chosen once from the options' ``delivery``)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,17 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
-from kv_connector.producer.options import ConnectorOptions
+from kv_connector.producer.mode import Finished, SchedulerMode
+from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.producer.pull_mode import PullScheduling
+from kv_connector.producer.push_mode import PushScheduling
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
 from kv_connector.wire.failure import FailureReason
-from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.identity import NO_IDENTITY, IdentityError, identity_of
-from kv_connector.wire.outcome import SampleOutcome, SampleStatus
+from kv_connector.wire.outcome import SampleStatus
 from kv_connector.wire.protocol import request_id_problem
 
 if TYPE_CHECKING:
@@ -26,6 +30,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+SCHEDULER_MODES: dict[Delivery, type[PushScheduling] | type[PullScheduling]] = {
+    Delivery.PUSH: PushScheduling,
+    Delivery.PULL: PullScheduling,
+}
 
 
 def hidden_state_group(kv_cache_config: KVCacheConfig | None, layer_marker: str = "cache_only_layers") -> int:
@@ -79,8 +88,9 @@ class SchedulerSide:
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
         self._readers_up = 0  # readers every rank reaches, recounted when a link changes
         self.world_size = world_size
-        self.endpoints: dict[int, str] = {}  # pull delivery: each rank's endpoint, as reported
-        self._drops: list[str] = []  # pull delivery: aborted requests whose holds must end
+        self.mode: SchedulerMode = SCHEDULER_MODES[options.delivery](
+            options, self.requests, producer_id, world_size
+        )
 
     def on_new_request(self, request: Request) -> None:
         """Follow a new request; a request id that cannot travel, or a bad ``sample_id``
@@ -95,8 +105,7 @@ class SchedulerSide:
             identity, bad = NO_IDENTITY, f"invalid kv_transfer_params: {e}"
         self.planner.add(rid, include_output=include, identity=identity)
         self.book.add(rid)
-        if self.options.pull:
-            self.requests.ensure(rid).nonce = make_nonce()
+        self.mode.on_new_request(rid)
         problem = request_id_problem(rid) or bad
         if problem is not None:  # refused alone, at admission: never its connection
             self.book.refuse(rid, problem)
@@ -118,17 +127,7 @@ class SchedulerSide:
 
     def update(self, report: WorkerReport) -> None:
         """The workers' reports of one step."""
-        if self.options.pull:
-            for rank, address in report.endpoints.items():
-                log.info("rank %d serves pulled samples at %s", rank, address)
-                self.endpoints[rank] = address
-        for reader, rank, error in report.links:
-            if reader in self.options.readers and not self.options.pull:
-                address = reader
-                if error is None:
-                    log.info("rank %d reaches the reader at %s", rank, address)
-                else:
-                    log.warning("rank %d cannot reach the reader at %s: %s", rank, address, error)
+        self.mode.update(report)
         for rid, failure in self.book.update(report.links, report.failures, report.delivered):
             log.error("request %s (already finished) lost its hidden states: %s", rid, failure.why)
         if report.links:
@@ -156,19 +155,16 @@ class SchedulerSide:
             for i, rid in enumerate(c.req_ids)
         ]
         plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
-        plan.drops, self._drops = self._drops, []
+        plan.drops = self.mode.take_drops()
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold the blocks of a shipped request until the workers report it sent; the
-        kv_transfer_params name its sample (request id, and sample id: the request's own
-        when it gave none), say where it is and where it stands: "delivered",
-        "failed" with an "error", or "pending" (on its way)."""
-        if self.options.pull:
-            return self._finished_pull(request, block_ids)
+        """Hold the blocks of a shipped request until the workers report it sent (push) or
+        a consumer released it (pull); its kv_transfer_params name its sample (request id,
+        and sample id: the request's own when it gave none) and say where it stands, as
+        its delivery mode puts it."""
         rid = request.request_id
         rec = self.requests.get(rid)
-        sample_id = (rec.identity if rec is not None else NO_IDENTITY).name_of(rid)
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         self.metrics.waiting(rid, False)
         if hold:
@@ -178,53 +174,17 @@ class SchedulerSide:
         self.book.finish(rid)  # its record goes: later reports about it are late
         if not hold and status is not SampleStatus.FAILED:
             return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
-        return hold, SampleOutcome(
+        done = Finished(
+            request_id=rid,
+            identity=rec.identity if rec is not None else NO_IDENTITY,
+            nonce=rec.nonce if rec is not None else "",
+            hold=hold,
             status=status,
-            producer_id=self.producer_id,
-            request_id=rid,
-            sample_id=sample_id,
-            consumer_address=reader,
             error=error,
-        ).params()
-
-    def _finished_pull(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Pull delivery: hold the blocks of a captured request until a consumer releases
-        its sample (or ``pull_timeout_s`` passes); the kv_transfer_params carry its
-        ``handle`` (top level, where speculators looks) and its record: "ready", or
-        "failed" with an "error"."""
-        rid = request.request_id
-        rec = self.requests.get(rid)
-        sample_id = (rec.identity if rec is not None else NO_IDENTITY).name_of(rid)
-        nonce = rec.nonce if rec is not None else ""
-        hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
-        self.metrics.waiting(rid, False)
-        if hold:
-            self.metrics.holding(rid, len(block_ids))
-        status, error = self.book.outcome(rid)
-        self.book.finish(rid)
-        if not hold and status is not SampleStatus.FAILED:
-            return False, None  # nothing was captured (e.g. aborted before its prompt ran)
-        missing = [r for r in range(self.world_size) if r not in self.endpoints]
-        if getattr(request.status, "name", "") == "FINISHED_ABORTED":
-            status, error = SampleStatus.FAILED, "the request was aborted"
-        elif status is not SampleStatus.FAILED and missing:
-            status, error = SampleStatus.FAILED, f"ranks {missing} reported no pull endpoint"
-        outcome = SampleOutcome(
-            status=SampleStatus.FAILED if status is SampleStatus.FAILED else SampleStatus.READY,
-            producer_id=self.producer_id,
-            request_id=rid,
-            sample_id=sample_id,
-            consumer_address=None,
-            error=error,
-            delivery="pull",
+            reader=reader,
+            aborted=getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED",
         )
-        if outcome.status is SampleStatus.FAILED:
-            if hold:
-                self._drops.append(rid)  # nobody gets its handle: the workers end its hold
-            return hold, outcome.params()
-        endpoints = [self.endpoints[r] for r in range(self.world_size)]
-        handle = PullHandle(self.producer_id, rid, nonce, endpoints).encode()
-        return hold, {"handle": handle, **outcome.params()}
+        return hold, self.mode.request_finished(done)
 
     def sent(self, request_ids: Iterable[str]) -> None:
         """vLLM frees these requests' blocks now (every worker reported them sent)."""

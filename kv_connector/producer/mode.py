@@ -1,0 +1,155 @@
+"""A delivery mode as the producer's adapters see it: what the worker side
+(``worker_side.WorkerSide``) and the scheduler side (``scheduler_side.SchedulerSide``) ask
+of push (``push_mode``: each rank WRITEs every sample into a reader's pool) and of pull
+(``pull_mode``: each rank holds every sample in vLLM's cache until a consumer READs and
+releases it). The adapters keep what both modes share (the plan, the slot checks, the
+requests' records, the delivery book) and hold one mode each, chosen once from the
+options' ``delivery``; no other branch on the mode is left in them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from kv_connector.producer.planning import ShipOrder
+from kv_connector.producer.slot_check import StepGate
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.stats import SenderStats
+from kv_connector.wire.failure import SampleFailure
+from kv_connector.wire.identity import SampleIdentity
+from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.outcome import SampleStatus
+from kv_connector.wire.protocol import ShareChecksum
+
+if TYPE_CHECKING:
+    from kv_connector.producer.step_stats import MetricsSource
+
+
+@dataclass(frozen=True)
+class RankCache:
+    """What a worker mode serves from: this rank's cache-only layer and who it is."""
+
+    cache: torch.Tensor
+    layout: BlockLayout
+    layer_ids: list[int]
+    producer_id: str
+    rank: int
+    world_size: int
+    checksum: ShareChecksum | None  # how each share's integrity record is taken
+
+
+@dataclass
+class Settled:
+    """What a worker mode settled since it was last asked: ``done``, requests whose blocks
+    may go back to vLLM (delivered, failed, released, expired); ``delivered``, those a
+    reader acknowledged; ``failed``, those that failed after they were shipped, and why."""
+
+    done: set[str] = field(default_factory=set)
+    delivered: set[str] = field(default_factory=set)
+    failed: dict[str, SampleFailure] = field(default_factory=dict)
+
+
+class WorkerMode(Protocol):
+    """One rank's delivery of the samples its worker side ships, named after the hooks
+    that call it."""
+
+    def describe(self) -> str:
+        """Where the samples go, for the start-up log line."""
+        ...
+
+    def ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None, told_finished: bool) -> None:
+        """Deliver one computed sample from ``blocks`` (``wait_for_save``); nothing reads
+        them before ``gate`` (None: the step is done and checked) says so.
+        ``told_finished``: the scheduler already said its request finished. ValueError
+        or SenderError: it cannot be delivered (nothing was queued)."""
+        ...
+
+    def refuse(self, order: ShipOrder, why: str) -> None:
+        """The sample will not be delivered (its slots were wrong): a consumer that asks
+        for it is told ``why``."""
+        ...
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        """The scheduler failed these requests at their finish: nobody got their handle."""
+        ...
+
+    def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
+        """vLLM reuses these requests' blocks from this step on (``handle_preemptions``):
+        nothing may read them afterwards. Returns the failures to report now."""
+        ...
+
+    def finished(self, request_ids: set[str]) -> None:
+        """These shipped requests finished in vLLM (``get_finished``)."""
+        ...
+
+    def settle(self) -> Settled:
+        """What settled since the last call (``get_finished``)."""
+        ...
+
+    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
+        """Changes of this rank's links since the last call and the endpoints it serves at
+        (``build_connector_worker_meta``)."""
+        ...
+
+    def sleep(self, why: str, timeout_s: float) -> bool:
+        """vLLM releases the cache's memory (``unregister_kv_caches``): stop reading it.
+        False: this mode keeps serving from it (and is not asleep)."""
+        ...
+
+    def wake(self, cache: torch.Tensor) -> None:
+        """The cache is back, maybe elsewhere (``restore_kv_caches``)."""
+        ...
+
+    def metrics_sources(self) -> Sequence[MetricsSource]:
+        """Where this step's transfer metrics come from (``get_kv_connector_stats``)."""
+        ...
+
+    def stats(self) -> list[SenderStats]:
+        """A snapshot of the counters, one per reader."""
+        ...
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Until every peer this mode needs is reached; False after ``timeout_s``."""
+        ...
+
+    def close(self, drain_timeout_s: float) -> None:
+        """Stop: what is in flight gets up to ``drain_timeout_s``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request the scheduler side saw finish, with what both modes know of it."""
+
+    request_id: str
+    identity: SampleIdentity
+    nonce: str
+    hold: bool  # its blocks are held for its delivery
+    status: SampleStatus
+    error: str  # why it failed ("" unless failed)
+    reader: str | None  # the reader the delivery book bound it to (push)
+    aborted: bool
+
+
+class SchedulerMode(Protocol):
+    """The scheduler side's part of a delivery mode."""
+
+    def on_new_request(self, request_id: str) -> None:
+        """A new request is followed."""
+        ...
+
+    def update(self, report: WorkerReport) -> None:
+        """The workers' report of one step (``update_connector_output``), before the
+        delivery book takes it."""
+        ...
+
+    def take_drops(self) -> list[str]:
+        """Requests whose holds the workers must end this step (``build_connector_meta``)."""
+        ...
+
+    def request_finished(self, done: Finished) -> dict[str, Any]:
+        """The finished request's kv_transfer_params (``request_finished``)."""
+        ...

@@ -1,0 +1,168 @@
+"""Pull delivery: each rank holds every sample in vLLM's cache and serves it from its own
+endpoint (``pull_server.PullServer``) to the consumer that holds its handle, until that
+consumer releases it or ``pull_timeout_s`` passes. The worker part (``PullWorker``)
+holds, ends holds and reports the endpoint; the scheduler part (``PullScheduling``)
+gives each request its nonce, learns the ranks' endpoints and hands out each finished
+request's handle."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kv_connector.producer.mode import Finished, RankCache, Settled
+from kv_connector.producer.options import PULL_ENDPOINTS, ConnectorOptions, pull_endpoint
+from kv_connector.producer.planning import ShipOrder
+from kv_connector.producer.pull_server import PullServer
+from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.slot_check import StepGate
+from kv_connector.producer.step_stats import MetricsSource
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.stats import SenderStats
+from kv_connector.wire.failure import FailureReason, SampleFailure
+from kv_connector.wire.handle import PullHandle, make_nonce
+from kv_connector.wire.outcome import SampleOutcome, SampleStatus
+
+log = logging.getLogger(__name__)
+
+
+class PullWorker:
+    """This rank's pull endpoint."""
+
+    def __init__(self, options: ConnectorOptions, rc: RankCache) -> None:
+        self.options = options
+        self.rank = rc.rank
+        self.server: PullServer | None = PullServer(
+            rc.cache,
+            rc.layout,
+            rc.layer_ids,
+            rc.producer_id,
+            rc.rank,
+            rc.world_size,
+            pull_endpoint(options.pull_listen, rc.rank),
+            options.pull_timeout_s,
+            checksum=rc.checksum,
+        )
+        self._reported = False  # its endpoint was reported to the scheduler
+
+    @property
+    def _server(self) -> PullServer:
+        if self.server is None:
+            raise RuntimeError("the pull endpoint is closed")
+        return self.server
+
+    def describe(self) -> str:
+        return (
+            f"pull delivery: serving at {self._server.address}, samples held up to "
+            f"{self.options.pull_timeout_s:.0f} s"
+        )
+
+    def ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None, told_finished: bool) -> None:
+        """Hold the sample for consumers. It is fetched only after its request finished,
+        steps after the one that wrote it (``gate`` is done by then)."""
+        ident = order.identity
+        s = self._server
+        s.hold(order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata)
+        if told_finished:  # told first (its request ships its output tokens)
+            s.finished([order.request_id])
+
+    def refuse(self, order: ShipOrder, why: str) -> None:
+        self._server.fail(order.request_id, order.nonce, why)
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self._server.drop(request_ids)
+
+    def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
+        """Their holds end now: nothing is read from reused blocks."""
+        why = "preempted by vLLM before a consumer fetched it"
+        failed = self._server.preempt(request_ids)
+        for rid in failed:
+            log.error("request %s: %s", rid, why)
+        return {rid: SampleFailure(FailureReason.PREEMPTED, why) for rid in failed}
+
+    def finished(self, request_ids: set[str]) -> None:
+        self._server.finished(request_ids)  # their handles are out: the clocks start
+
+    def settle(self) -> Settled:
+        return Settled(done=self._server.take_freed())  # released, expired, preempted or aborted
+
+    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
+        if self._reported:
+            return [], {}
+        self._reported = True
+        return [LinkChange(PULL_ENDPOINTS, self.rank, None)], {self.rank: self._server.address}
+
+    def sleep(self, why: str, timeout_s: float) -> bool:
+        return False  # the endpoint keeps its registration (sleep mode is push's)
+
+    def wake(self, cache: torch.Tensor) -> None:
+        pass
+
+    def metrics_sources(self) -> Sequence[MetricsSource]:
+        return []
+
+    def stats(self) -> list[SenderStats]:
+        return []
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return True  # consumers come to it
+
+    def close(self, drain_timeout_s: float) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
+
+
+class PullScheduling:
+    """The scheduler side's part of pull delivery."""
+
+    def __init__(
+        self, options: ConnectorOptions, requests: RequestTable, producer_id: str, world_size: int
+    ) -> None:
+        self.requests = requests
+        self.producer_id = producer_id
+        self.world_size = world_size
+        self.endpoints: dict[int, str] = {}  # each rank's endpoint, as reported
+        self._drops: list[str] = []  # failed at their finish: their holds must end
+
+    def on_new_request(self, request_id: str) -> None:
+        self.requests.ensure(request_id).nonce = make_nonce()
+
+    def update(self, report: WorkerReport) -> None:
+        for rank, address in report.endpoints.items():
+            log.info("rank %d serves pulled samples at %s", rank, address)
+            self.endpoints[rank] = address
+
+    def take_drops(self) -> list[str]:
+        drops, self._drops = self._drops, []
+        return drops
+
+    def request_finished(self, done: Finished) -> dict[str, Any]:
+        """The sample's ``handle`` (top level, where speculators looks) and its record:
+        "ready", or "failed" with an "error"; a failed one's hold ends."""
+        status, error = done.status, done.error
+        missing = [r for r in range(self.world_size) if r not in self.endpoints]
+        if done.aborted:
+            status, error = SampleStatus.FAILED, "the request was aborted"
+        elif status is not SampleStatus.FAILED and missing:
+            status, error = SampleStatus.FAILED, f"ranks {missing} reported no pull endpoint"
+        outcome = SampleOutcome(
+            status=SampleStatus.FAILED if status is SampleStatus.FAILED else SampleStatus.READY,
+            producer_id=self.producer_id,
+            request_id=done.request_id,
+            sample_id=done.identity.name_of(done.request_id),
+            consumer_address=None,
+            error=error,
+            delivery="pull",
+        )
+        if outcome.status is SampleStatus.FAILED:
+            if done.hold:
+                self._drops.append(done.request_id)  # nobody gets its handle: the workers end its hold
+            return outcome.params()
+        endpoints = [self.endpoints[r] for r in range(self.world_size)]
+        handle = PullHandle(self.producer_id, done.request_id, done.nonce, endpoints).encode()
+        return {"handle": handle, **outcome.params()}

@@ -1,0 +1,202 @@
+"""Push delivery: each rank WRITEs every sample into the pool of the reader its request
+was bound to, one ``HiddenStatesSender`` per reader (``sender/``). The worker part
+(``PushWorker``) ships, settles what the readers acknowledged or what failed, and
+suspends the senders while vLLM sleeps; the scheduler part (``PushScheduling``) logs the
+ranks' links and tells each finished request which reader has its sample."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kv_connector.producer.mode import Finished, RankCache, Settled
+from kv_connector.producer.options import ConnectorOptions
+from kv_connector.producer.planning import ShipOrder
+from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.slot_check import StepGate
+from kv_connector.producer.step_stats import MetricsSource
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
+from kv_connector.sender.stats import SenderStats
+from kv_connector.wire.failure import SampleFailure
+from kv_connector.wire.outcome import SampleOutcome
+
+log = logging.getLogger(__name__)
+
+
+class PushWorker:
+    """This rank's senders, one per reader, in the order of the readers."""
+
+    def __init__(self, options: ConnectorOptions, rc: RankCache) -> None:
+        self.options = options
+        self.rank = rc.rank
+        self.senders = [
+            HiddenStatesSender(
+                SenderConfig(
+                    consumer_address=address,
+                    producer_id=rc.producer_id,
+                    rank=rc.rank,
+                    world_size=rc.world_size,
+                    connect_timeout_s=options.connect_timeout_s,
+                    checksum=rc.checksum,
+                    sample_timeout_s=options.sample_timeout_s,
+                ),
+                rc.cache,
+                rc.layout,
+                rc.layer_ids,
+            )
+            for address in options.readers
+        ]
+        self._reported: dict[str, str | None] = {}  # reader -> its last reported link error
+
+    def describe(self) -> str:
+        return f"shipping to {', '.join(self.options.readers)}"
+
+    def ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None, told_finished: bool) -> None:
+        sender = self._sender_of(order.reader)
+        sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate)
+
+    def refuse(self, order: ShipOrder, why: str) -> None:
+        pass  # no reader was told of it: the scheduler's outcome says why
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        pass  # nothing is held for a consumer
+
+    def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
+        """A shipped request's share gets up to ``preempt_timeout_s`` to be safely written
+        (granted, landed, hashed); one that is not by then fails (the reader drops it, the
+        sender reports it at ``settle``). A full or hung reader holds the step no longer."""
+        busy = [rid for rid in request_ids if rid in shipped]
+        if not busy:
+            return {}
+        t0 = time.monotonic()
+        unsafe = sum(s.count_unsafe(busy) for s in self.senders)
+        failed = []
+        for s in self.senders:
+            failed += s.preempt(busy, max(0.0, t0 + self.options.preempt_timeout_s - time.monotonic()))
+        log.info(
+            "rank %d: %d tracked requests preempted, %d shipped ones not yet written; waited %.3f s, "
+            "%d failed (not written within preempt_timeout_s)",
+            self.rank,
+            len(request_ids),
+            unsafe,
+            time.monotonic() - t0,
+            len(failed),
+        )
+        return {}
+
+    def finished(self, request_ids: set[str]) -> None:
+        pass  # a pushed sample's delivery does not wait for its request's finish
+
+    def settle(self) -> Settled:
+        out = Settled()
+        for sender in self.senders:
+            acked = sender.take_finished()
+            out.done |= acked
+            out.delivered |= acked
+            for rid, failure in sender.take_failed().items():
+                out.failed[rid] = failure
+                out.done.add(rid)
+        return out
+
+    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
+        links: list[LinkChange] = []
+        for sender in self.senders:
+            err, reader = sender.link_error, sender.config.consumer_address
+            last = self._reported.get(reader, "")
+            if reader not in self._reported or (last is None) != (err is None):
+                self._reported[reader] = err
+                links.append(LinkChange(reader, self.rank, err))
+        return links, {}
+
+    def sleep(self, why: str, timeout_s: float) -> bool:
+        """Each sender lets its shares in flight be acknowledged for up to ``timeout_s``
+        (one wait for all readers: acks come in parallel), fails the rest by name (their
+        readers drop them), leaves its reader and deregisters the cache."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        failed = [rid for s in self.senders for rid in s.suspend(max(0.0, deadline - time.monotonic()), why)]
+        log.info(
+            "rank %d: asleep after %.3f s; %d requests in flight failed, NIXL registration released",
+            self.rank,
+            time.monotonic() - t0,
+            len(failed),
+        )
+        return True
+
+    def wake(self, cache: torch.Tensor) -> None:
+        for s in self.senders:
+            s.resume(cache)
+
+    def metrics_sources(self) -> Sequence[MetricsSource]:
+        return self.senders
+
+    def stats(self) -> list[SenderStats]:
+        return [s.stats() for s in self.senders]
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        return all(s.connected.wait(max(0.0, deadline - time.monotonic())) for s in self.senders)
+
+    def close(self, drain_timeout_s: float) -> None:
+        senders, self.senders = self.senders, []
+        deadline = time.monotonic() + drain_timeout_s
+        while any(s.unwritten for s in senders) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for s in senders:
+            if s.unwritten:
+                log.error(
+                    "shutting down with %d hidden-state samples not delivered to %s after %.0f s",
+                    s.unwritten,
+                    s.config.consumer_address,
+                    drain_timeout_s,
+                )
+            s.close()
+
+    def _sender_of(self, reader: str | None) -> HiddenStatesSender:
+        """The sender to the reader a sample was bound for (ValueError: none or unknown)."""
+        for s in self.senders:
+            if s.config.consumer_address == reader:
+                return s
+        raise ValueError(f"no sender to the reader {reader!r} (readers: {', '.join(self.options.readers)})")
+
+
+class PushScheduling:
+    """The scheduler side's part of push delivery."""
+
+    def __init__(
+        self, options: ConnectorOptions, requests: RequestTable, producer_id: str, world_size: int
+    ) -> None:
+        self.options = options
+        self.producer_id = producer_id
+
+    def on_new_request(self, request_id: str) -> None:
+        pass
+
+    def update(self, report: WorkerReport) -> None:
+        for reader, rank, error in report.links:
+            if reader not in self.options.readers:
+                continue
+            if error is None:
+                log.info("rank %d reaches the reader at %s", rank, reader)
+            else:
+                log.warning("rank %d cannot reach the reader at %s: %s", rank, reader, error)
+
+    def take_drops(self) -> list[str]:
+        return []
+
+    def request_finished(self, done: Finished) -> dict[str, Any]:
+        """The sample's request id, sample id, reader and status: "delivered", "failed"
+        with an "error", or "pending" (on its way)."""
+        return SampleOutcome(
+            status=done.status,
+            producer_id=self.producer_id,
+            request_id=done.request_id,
+            sample_id=done.identity.name_of(done.request_id),
+            consumer_address=done.reader,
+            error=done.error,
+        ).params()
