@@ -352,16 +352,7 @@ class PullClient:
         else:
             hidden = memory.leased(base, m, lease)
             sample_lease = lease
-        return Sample(
-            request_id=m.request_id,
-            token_ids=torch.tensor(m.token_ids, dtype=torch.int64),
-            hidden_states=hidden,
-            layer_ids=tuple(m.layer_ids),
-            producer_id=h.producer_id,
-            lease=sample_lease,
-            sample_id=m.sample_id,
-            metadata=decode_metadata(m.metadata),
-        )
+        return Sample.of(m, hidden, h.producer_id, decode_metadata(m.metadata), sample_lease)
 
     # ------------------------------------------------------------------ pool
     def _ensure(self) -> None:
