@@ -4,16 +4,9 @@ logic (no nixl, sockets, threads or clocks: times are passed in). The shells (th
 rank's pull endpoint, ``producer.pull_server``, and the worker side) feed it what
 happened and do what it answers.
 
-States of a sample (``HoldState``):
-
-    HELD -- release ---> RELEASED   (the consumer read it and let it go)
-    HELD -- expire ----> EXPIRED    (not released within ``pull_timeout_s`` of its
-                                     request's finish: its handle went out then)
-    HELD -- preempt ---> PREEMPTED  (vLLM reuses its blocks for another request)
-    HELD -- abort -----> ABORTED    (its request was aborted; nobody got its handle)
-    HELD -- close -----> CLOSED     (the engine shuts down)
-    (none) -- fail ----> FAILED     (its blocks could not be found: never held)
-
+The states of a sample (``HoldState``: HELD, then how it ended), the events that move
+it, and the table of its legal transitions are ``hold_states.py``'s; every transition
+goes through that table (``HOLDS.step``), an illegal one raises ``IllegalTransition``.
 A sample that leaves HELD is remembered (boundedly) in its end state, so a late fetch or
 release is answered with why ("expired", "released", ...), never with data.
 
@@ -37,25 +30,17 @@ Invariants (tests name the one they prove):
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kv_connector.producer.hold_states import HOLDS, HoldEvent
+from kv_connector.producer.hold_states import HoldState as HoldState
+from kv_connector.producer.hold_states import IllegalTransition as IllegalTransition
 from kv_connector.wire.protocol import Manifest, PullErrorCode
 
 REMEMBER = 4096  # ended samples remembered, to say why they are gone
-
-
-class HoldState(enum.Enum):
-    HELD = "held"
-    RELEASED = "released"
-    EXPIRED = "expired"
-    PREEMPTED = "preempted"
-    ABORTED = "aborted"
-    CLOSED = "closed"
-    FAILED = "failed"
 
 
 _WHY: dict[HoldState, str] = {
@@ -66,10 +51,6 @@ _WHY: dict[HoldState, str] = {
     HoldState.CLOSED: "is gone: the producer shut down",
     HoldState.FAILED: "failed",
 }
-
-
-class IllegalTransition(RuntimeError):
-    """The shell asked for a transition the sample's state does not allow."""
 
 
 class PullRefused(Exception):
@@ -114,9 +95,10 @@ class PullLedger:
         self, request_id: str, nonce: str, manifest: Manifest, block_ids: list[int], share: range, now: float
     ) -> None:
         """The step computed the sample: hold it for ``timeout_s`` (P6)."""
-        if request_id in self._held:
-            raise IllegalTransition(f"request {request_id} is held already")
-        self._ended.pop(request_id, None)
+        HOLDS.step(
+            HoldState.HELD if request_id in self._held else None, HoldEvent.HOLD, f"request {request_id}"
+        )
+        self._ended.pop(request_id, None)  # a new sample: how an earlier one ended is forgotten
         self._held[request_id] = Held(request_id, nonce, manifest, list(block_ids), share, math.inf)
 
     def finished(self, request_ids: Iterable[str], now: float) -> None:
@@ -129,9 +111,9 @@ class PullLedger:
     def fail(self, request_id: str, nonce: str, why: str) -> None:
         """The sample could not be held (``why``): a fetch says so."""
         if request_id in self._held:
-            self._end(request_id, HoldState.FAILED, why)
+            self._end(request_id, HoldEvent.FAIL, why)
         else:
-            self._remember(request_id, nonce, HoldState.FAILED, why)
+            self._remember(request_id, nonce, HOLDS.step(None, HoldEvent.FAIL), why)
 
     def is_held(self, request_id: str) -> bool:
         return request_id in self._held
@@ -140,20 +122,20 @@ class PullLedger:
         """Samples past their deadline end (P3, P4); returns their request ids (to log)."""
         gone = [rid for rid, h in self._held.items() if now >= h.deadline]
         for rid in gone:
-            self._end(rid, HoldState.EXPIRED)
+            self._end(rid, HoldEvent.EXPIRE)
         return gone
 
     def preempt(self, request_ids: Iterable[str]) -> list[str]:
         """vLLM is about to reuse these requests' blocks: the held ones end (P1, P3)."""
-        return self._end_all(request_ids, HoldState.PREEMPTED)
+        return self._end_all(request_ids, HoldEvent.PREEMPT)
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """These requests were aborted: the held ones end."""
-        return self._end_all(request_ids, HoldState.ABORTED)
+        return self._end_all(request_ids, HoldEvent.ABORT)
 
     def close(self) -> list[str]:
         """The engine shuts down: every held sample ends."""
-        return self._end_all(list(self._held), HoldState.CLOSED)
+        return self._end_all(list(self._held), HoldEvent.CLOSE)
 
     def take_freed(self) -> set[str]:
         """Samples that left HELD since the last call, each once (P3)."""
@@ -180,7 +162,7 @@ class PullLedger:
         """The consumer is done with the sample: it ends (P3). Releasing one that
         expired, or releasing twice, raises ``PullRefused`` saying so."""
         self._live(request_id, nonce, now)
-        self._end(request_id, HoldState.RELEASED)
+        self._end(request_id, HoldEvent.RELEASE)
 
     def set_checksum(self, request_id: str, nonce: str, value: int) -> None:
         h = self._held.get(request_id)
@@ -193,20 +175,22 @@ class PullLedger:
         if h is not None and h.nonce == nonce:
             if now < h.deadline:
                 return h
-            self._end(request_id, HoldState.EXPIRED)
+            self._end(request_id, HoldEvent.EXPIRE)
         ended = self._ended.get(request_id)
         if ended is not None and ended[0] == nonce:
             _, state, why = ended
             raise PullRefused(state.value, f"sample {request_id} {why}")  # type: ignore[arg-type]
         raise PullRefused("unknown", f"this producer holds no sample {request_id} under that handle")
 
-    def _end_all(self, request_ids: Iterable[str], state: HoldState) -> list[str]:
+    def _end_all(self, request_ids: Iterable[str], event: HoldEvent) -> list[str]:
         gone = [rid for rid in request_ids if rid in self._held]
         for rid in gone:
-            self._end(rid, state)
+            self._end(rid, event)
         return gone
 
-    def _end(self, request_id: str, state: HoldState, why: str = "") -> None:
+    def _end(self, request_id: str, event: HoldEvent, why: str = "") -> None:
+        """A held sample ends: HELD -> where ``event`` leads (P3)."""
+        state = HOLDS.step(HoldState.HELD, event, f"request {request_id}")
         h = self._held.pop(request_id)
         self._freed.add(request_id)
         self._remember(request_id, h.nonce, state, why or _WHY[state])

@@ -240,15 +240,7 @@ class AgentClient:
         finally:
             with contextlib.suppress(OSError):  # if it fails, the agent ends the lease with the connection
                 conn.send(AgentDone(got.lease), self.timeout_s)  # the pages go back
-        return Sample(
-            request_id=got.request_id,
-            token_ids=torch.tensor(got.token_ids, dtype=torch.int64),
-            hidden_states=hidden,
-            layer_ids=tuple(got.layer_ids),
-            producer_id=got.producer_id,
-            sample_id=got.sample_id,
-            metadata=got.metadata,
-        )
+        return Sample.of(got, hidden, got.producer_id, got.metadata)
 
     def release(self, handle: str | Mapping[str, Any]) -> None:
         """Let the producer free the sample's blocks (a sample released or gone already is

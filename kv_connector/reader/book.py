@@ -2,14 +2,16 @@
 hold (credits, quarantines; ``pool.py``), and how many samples each producer rank has
 promised and not seen handed out (the bound of R9). It answers the read-only queries
 (a sample's state, the leases, the pool by holder) and moves pages; which transition
-happens, and when, is the ledger's (``ledger.py``). Pure logic."""
+happens, and when, is the ledger's (``ledger.py``); a sample enters and leaves the books
+through the table of ``sample_states.py``. Pure logic."""
 
 from __future__ import annotations
 
 import collections
 
 from kv_connector.reader.pool import PagePool
-from kv_connector.reader.records import IllegalSampleTransition, Key, SampleRecord, SampleState
+from kv_connector.reader.records import Key, SampleRecord
+from kv_connector.reader.sample_states import IllegalSampleTransition, SampleEvent, SampleState, end, step
 from kv_connector.reader.stats import PoolState
 
 
@@ -81,7 +83,9 @@ class SampleBook:
         """A new sample waits in the pool's FIFO for its run of pages (raises
         ``PoolTooSmall`` when it can never fit: it is not admitted then)."""
         assert self.pool is not None
+        state = step(None, SampleEvent.REQUESTED, f"sample {s.key[1]} of {s.key[0]}")
         self.pool.request(s.key, s.num_pages)
+        s.state = state
         self.samples[s.key] = s
 
     def promised(self, producer_id: str, rank: int) -> None:
@@ -104,7 +108,8 @@ class SampleBook:
         granted = []
         for key, pages in self.pool.grantable():
             s = self.samples[key]  # type: ignore[index]
-            s.pages, s.state, s.t_granted = pages, SampleState.GRANTED, now
+            s.move(SampleEvent.GRANTED)
+            s.pages, s.t_granted = pages, now
             granted.append(s)
         return granted
 
@@ -114,16 +119,18 @@ class SampleBook:
         s = self.samples.get(key)
         if s is None or s.state is not SampleState.HANDED_OUT:
             return False
+        end(s.state, SampleEvent.RELEASED, f"sample {key[1]} of {key[0]}")
         del self.samples[key]
         assert self.pool is not None and s.pages is not None
         self.pool.release(key, s.pages)
         return True
 
-    def drop(self, s: SampleRecord, until: float) -> None:
-        """The sample leaves the books before it was handed out (discarded, refused or
-        rejected); it no longer counts against its ranks (R9); pages it was granted stay
-        quarantined until ``until`` (a late WRITE lands unseen, R3)."""
+    def drop(self, s: SampleRecord, until: float, event: SampleEvent) -> None:
+        """The sample leaves the books before it was handed out (``event``: discarded, or
+        refused or rejected); it no longer counts against its ranks (R9); pages it was
+        granted stay quarantined until ``until`` (a late WRITE lands unseen, R3)."""
         assert self.pool is not None
+        end(s.state, event, f"sample {s.key[1]} of {s.key[0]}")
         del self.samples[s.key]
         if s.state is not SampleState.HANDED_OUT:
             self.settle_pending(s)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,6 +54,23 @@ class Lease:
                 return
             self._done = True
         self._release(self.key)
+
+
+class Described(Protocol):
+    """What names a received sample and its tokens: a ``wire.protocol.Manifest`` (the
+    pull client's and the reader's) or an ``agent_wire.AgentSample`` (the agent client's)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def layer_ids(self) -> Sequence[int]: ...
+
+    @property
+    def sample_id(self) -> str | None: ...
 
 
 class SampleReleased(RuntimeError):
@@ -116,6 +133,29 @@ class Sample:
         self._kept = False
         # how many tensors share the pool's memory now: more later means the user made views
         self._views = _views_of(hidden_states) if lease is not None else 0
+
+    @classmethod
+    def of(
+        cls,
+        what: Described,
+        hidden_states: torch.Tensor,
+        producer_id: str,
+        metadata: dict[str, Any],
+        lease: Lease | None = None,
+    ) -> Sample:
+        """The sample ``what`` describes (its request and sample ids, its tokens, its
+        layers), holding ``hidden_states`` on ``lease`` (None: a copy), as every
+        client hands one out."""
+        return cls(
+            request_id=what.request_id,
+            token_ids=torch.tensor(what.token_ids, dtype=torch.int64),
+            hidden_states=hidden_states,
+            layer_ids=tuple(what.layer_ids),
+            producer_id=producer_id,
+            lease=lease,
+            sample_id=what.sample_id,
+            metadata=metadata,
+        )
 
     @property
     def hidden_states(self) -> torch.Tensor:

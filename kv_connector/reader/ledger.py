@@ -9,24 +9,11 @@ not allow raises ``IllegalSampleTransition``. The ledger decides every transitio
 samples and pages are kept in ``book.py``, those delivered in ``delivered.py``, the
 producers in ``producers.py``; ``refusals.py`` ends a sample not to be delivered.
 
-States of a sample (``SampleState``), keyed by (producer id, request id):
-
-    (credit request) ----------------> PROMISED    waits in the pool's FIFO for a run of pages
-    PROMISED   -- pages free --------> GRANTED     every rank's peer gets the Grant
-    GRANTED    -- last share landed -> WRITTEN     every rank registered, every WRITE landed
-    WRITTEN    -- last share checked > VERIFIED    queued for the user (Ready)
-    GRANTED/WRITTEN -- a share fails > GRANTED     that rank writes it again (Rewrite)
-    GRANTED/WRITTEN -- too many -----> refused     never handed out; its producer is told
-    VERIFIED   -- hand_out ----------> HANDED_OUT  on lease to the user: a view of its pages;
-                                                   the producer is acked (or, in manual
-                                                   mode, when the user acks)
-    GRANTED/WRITTEN -- deadline -----> refused     not complete sample_timeout_s after its grant
-    HANDED_OUT -- release -----------> released    its pages return to the pool
-    VERIFIED   -- reject ------------> refused     the consumer will not take it (its values);
-                                                   pages quarantined, its producer told
-    HANDED_OUT -- reject ------------> (stays)     not acked yet (manual mode): its producer
-                                                   is told instead; pages return on release
-    PROMISED/GRANTED/WRITTEN -- producer gone or gave up --> discarded (pages quarantined)
+A sample's states (``SampleState``: PROMISED, GRANTED, WRITTEN, VERIFIED, HANDED_OUT),
+the ends by which it leaves the books (released, refused, discarded) and the one table of
+its legal transitions are ``sample_states.py``'s, which draws them; every transition
+goes through that table (``SampleRecord.move``, ``SampleBook.drop``), so a sample never
+moves where the drawing does not. The ledger decides which event happens, and when.
 
 Each rank's share is checked as soon as it has landed and its digest is known (``Verify``,
 carried out on the reader's checking thread), so a hand-out costs nothing per byte. A
@@ -88,6 +75,7 @@ from kv_connector.reader.records import (
     Share,
 )
 from kv_connector.reader.refusals import Refusals
+from kv_connector.reader.sample_states import SampleEvent
 from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
@@ -343,7 +331,8 @@ class ReaderLedger:
         s = self.samples.get(key)
         if s is None or s.state is not SampleState.VERIFIED:
             return None
-        s.state, s.t_handed_out = SampleState.HANDED_OUT, now
+        s.move(SampleEvent.HANDED_OUT)
+        s.t_handed_out = now
         self._book.settle_pending(s)
         self.stats.handed_out(key[0], s.manifest.num_tokens, nbytes, now - s.t_requested, now)
         self.delivered.remember(key, list(s.peers.values()))

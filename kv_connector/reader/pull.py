@@ -21,14 +21,11 @@ producer rank (``wire.handshake``, the client in the reader's role: with a share
 both ends prove it before any NIXL metadata moves); one that breaks (a producer
 restarted) is made and handshaken again once per request. Thread-safe: several fetches
 may be in flight, from several threads or from one ``fetch_many`` or ``fetch_iter``, which
-check each sample on a thread of its own while they READ the next (a READ copies on the thread that
-posts it; the checks, XXH3 and the values check, run without the GIL).
+check each sample on a thread of its own while they READ the next (``reader.pull_batch``).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import gc
 import logging
 import threading
@@ -40,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kv_connector.common.device import on_device
+from kv_connector.reader import pull_batch
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.pool import PagePool, PoolTooSmall
 from kv_connector.reader.pool_memory import PoolMemory, device_of, make_pool, register_pool
@@ -131,8 +128,8 @@ class PullClient:
         # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
         # costs more in page faults than the copy itself)
         self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
-        self._checker: concurrent.futures.ThreadPoolExecutor | None = None  # fetch_many's, made on use
         self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
+        self._checker = pull_batch.Checker(self.name, self._device)  # fetch_iter's, its thread made on use
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -193,42 +190,10 @@ class PullClient:
         """The samples of ``handles`` in their order, each a ``Sample`` or the
         ``FetchError`` of that one, with up to ``in_flight`` of them asked for and READ
         ahead (None: all). Each is checked and released on the client's checker thread
-        while the next ones are READ on this one. The pool must hold ``in_flight``
-        samples besides those you keep: release each before taking the next (a plain
-        ``for`` loop whose body drops the sample does)."""
-        if in_flight is not None and in_flight < 1:
-            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
-        with self._lock:
-            if self._checker is None:
-                self._checker = concurrent.futures.ThreadPoolExecutor(
-                    1, f"{self.name}-check", initializer=on_device, initargs=(self._device,)
-                )
-            checker = self._checker
-        pending: collections.deque[concurrent.futures.Future[Sample] | FetchError] = collections.deque()
-        try:
-            for h in handles:
-                try:
-                    pending.append(checker.submit(self._finish, self._start(h)))
-                except FetchError as e:
-                    pending.append(e)
-                if in_flight is not None and len(pending) >= in_flight:
-                    yield self._outcome(pending.popleft())
-            while pending:
-                yield self._outcome(pending.popleft())
-        finally:  # left early: the samples read ahead give their pages back
-            for p in pending:
-                got = self._outcome(p)
-                if isinstance(got, Sample):
-                    got.release()
-
-    @staticmethod
-    def _outcome(p: concurrent.futures.Future[Sample] | FetchError) -> Sample | FetchError:
-        if isinstance(p, FetchError):
-            return p
-        try:
-            return p.result()
-        except FetchError as e:
-            return e
+        while the next ones are READ on this one (``reader.pull_batch``). The pool must
+        hold ``in_flight`` samples besides those you keep: release each before taking the
+        next (a plain ``for`` loop whose body drops the sample does)."""
+        return pull_batch.fetch_iter(self._start, self._finish, self._checker, handles, in_flight)
 
     def manifest(self, handle: str | Mapping[str, Any]) -> protocol.Manifest:
         """What ``handle`` names, without reading it: the sample's manifest (token ids,
@@ -246,10 +211,7 @@ class PullClient:
         self._release_all(h, quiet=True)
 
     def close(self) -> None:
-        with self._lock:
-            checker, self._checker = self._checker, None
-        if checker is not None:
-            checker.shutdown(wait=True)
+        self._checker.close()
         with self._lock:
             links, self._links = self._links, None
             transport, self._transport = self._transport, None
@@ -352,16 +314,7 @@ class PullClient:
         else:
             hidden = memory.leased(base, m, lease)
             sample_lease = lease
-        return Sample(
-            request_id=m.request_id,
-            token_ids=torch.tensor(m.token_ids, dtype=torch.int64),
-            hidden_states=hidden,
-            layer_ids=tuple(m.layer_ids),
-            producer_id=h.producer_id,
-            lease=sample_lease,
-            sample_id=m.sample_id,
-            metadata=decode_metadata(m.metadata),
-        )
+        return Sample.of(m, hidden, h.producer_id, decode_metadata(m.metadata), sample_lease)
 
     # ------------------------------------------------------------------ pool
     def _ensure(self) -> None:

@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
 from kv_connector.reader.pool_memory import device_of, make_pool, register_pool
@@ -441,16 +439,7 @@ class HiddenStatesReader:
                 self._ledger.copied(time.perf_counter() - t0)
         else:
             hidden = self._memory.leased(base, m, lease)
-        return Sample(
-            request_id=m.request_id,
-            token_ids=torch.tensor(m.token_ids, dtype=torch.int64),
-            hidden_states=hidden,
-            layer_ids=tuple(m.layer_ids),
-            producer_id=key[0],
-            lease=lease,
-            sample_id=m.sample_id,
-            metadata=decode_metadata(m.metadata),
-        )
+        return Sample.of(m, hidden, key[0], decode_metadata(m.metadata), lease)
 
 
 def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:

@@ -1,9 +1,10 @@
 """What the reader's ledger (``ledger.py``) keeps and answers: the record of a sample
-and of each rank's share of it, the sample's states, the reader's options as types, and
-the actions a shell performs (``Send``, ``Verify``, ``Ready``, ``Log``). A record keeps
-itself consistent (its shares tile the sample, each share's landings and digest, its
-state as shares land and are checked); what happens across samples is the ledger's.
-Pure logic: no nixl, sockets, threads or clocks."""
+and of each rank's share of it, the reader's options as types, and the actions a shell
+performs (``Send``, ``Verify``, ``Ready``, ``Log``). A record keeps itself consistent
+(its shares tile the sample, each share's landings and digest, its state as shares land
+and are checked, moved only through the table of ``sample_states.py``, whose states it
+names here too); what happens across samples is the ledger's. Pure logic: no nixl,
+sockets, threads or clocks."""
 
 from __future__ import annotations
 
@@ -11,22 +12,13 @@ import enum
 from dataclasses import dataclass, field
 
 from kv_connector.reader.producers import PeerId
+from kv_connector.reader.sample_states import IllegalSampleTransition as IllegalSampleTransition
+from kv_connector.reader.sample_states import SampleEvent, step
+from kv_connector.reader.sample_states import SampleState as SampleState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 Key = tuple[str, str]  # (producer id, request id)
-
-
-class IllegalSampleTransition(RuntimeError):
-    """A shell asked for a transition the sample's state does not allow."""
-
-
-class SampleState(enum.Enum):
-    PROMISED = "promised"
-    GRANTED = "granted"
-    WRITTEN = "written"
-    VERIFIED = "verified"
-    HANDED_OUT = "handed_out"
 
 
 class RequireChecksum(enum.Enum):
@@ -127,6 +119,11 @@ class SampleRecord:
     def peers(self) -> dict[int, PeerId]:
         return {r: s.peer for r, s in self.shares.items()}
 
+    def move(self, event: SampleEvent) -> None:
+        """To the state ``event`` leads to (``sample_states``), or
+        ``IllegalSampleTransition`` with nothing changed."""
+        self.state = step(self.state, event, f"sample {self.key[1]} of {self.key[0]}")
+
     def register(self, rank: int, peer: PeerId, blocks: frozenset[int], current: PeerId | None) -> bool:
         """Rank ``rank`` asks for the sample on connection ``peer`` (``current``: the
         connection the rank has now) promising ``blocks``. True for a new share; a rank that
@@ -169,10 +166,10 @@ class SampleRecord:
                 share.checking = share.landing
                 actions.append(Verify(self.key, rank, share.landing, share.digest, checksum))
         if self.all_checked():
-            self.state = SampleState.VERIFIED
+            self.move(SampleEvent.CHECKED)
             actions.append(Ready(self.key))
-        elif self.all_landed():
-            self.state = SampleState.WRITTEN
+        elif self.all_landed() and self.state is SampleState.GRANTED:
+            self.move(SampleEvent.LANDED)
         return actions
 
     def grant(self) -> protocol.Grant:
@@ -182,9 +179,9 @@ class SampleRecord:
 
     def rewrite(self, rank: int) -> None:
         """``rank``'s share failed its check: GRANTED again until it lands anew."""
+        self.move(SampleEvent.CHECK_FAILED)
         share = self.shares[rank]
         share.landed = share.checked = False
-        self.state = SampleState.GRANTED
 
     def missing(self) -> list[int]:
         """The ranks whose share has not landed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kv_connector.reader.book import SampleBook
 from kv_connector.reader.producers import PeerId
 from kv_connector.reader.records import Action, Key, Log, SampleRecord, Send
+from kv_connector.reader.sample_states import SampleEvent
 from kv_connector.reader.stats import ReaderStats
 from kv_connector.wire import protocol
 
@@ -98,12 +99,15 @@ class Refusals:
         actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
         actions += [Send(peer, refuse) for peer in peers]
         if s is not None:
-            self._book.drop(s, until)
+            self._book.drop(s, until, SampleEvent.REFUSED)
         return actions
 
-    def discard(self, s: SampleRecord, until: float, why: str) -> list[Action]:
-        """The sample leaves the books undelivered; its pages are quarantined until ``until``."""
-        self._book.drop(s, until)
+    def discard(
+        self, s: SampleRecord, until: float, why: str, event: SampleEvent = SampleEvent.DISCARDED
+    ) -> list[Action]:
+        """The sample leaves the books undelivered (``event``: discarded, or refused); its
+        pages are quarantined until ``until``."""
+        self._book.drop(s, until, event)
         self._stats.dropped += 1
         return [Log("warning", f"discarded incomplete sample {s.key[1]} of producer {s.key[0]} ({why})")]
 
@@ -114,4 +118,4 @@ class Refusals:
         self._stats.refused += 1
         refuse = protocol.Refuse(code=code, message=why, request_id=s.key[1])
         sends = [Send(p, refuse) for p in s.peers.values()]
-        return [Log("error", why), *sends, *self.discard(s, until, dropped)]
+        return [Log("error", why), *sends, *self.discard(s, until, dropped, SampleEvent.REFUSED)]

@@ -6,23 +6,11 @@ the state does not allow raises ``IllegalJobTransition`` (the shell's bug) or
 ``ProtocolError`` (the reader's: a Grant, Rewrite or Refuse that does not fit). The jobs
 and failures are records of ``jobs.py``; what the ledger counts, ``stats.SenderMeter``.
 
-States of a job (``JobState``), on the current connection to the reader:
-
-    WAITING   -- hold(False) -------> WAITING     (a held job: its step may still run on the
-                                                   device; neither requested nor hashed before)
-    WAITING   -- request_sent ------> REQUESTED   (credit request sent)
-    REQUESTED -- grant -------------> GRANTED     (pages granted; WRITE due)
-    GRANTED   -- write_posted ------> WRITING     (at most one WRITE in flight; its digest
-                                                   rides with it, or follows)
-    GRANTED   -- (empty share) -----> WRITTEN     (this rank has no block of it)
-    WRITING   -- write_completed ---> WRITTEN     (or GRANTED, if a Rewrite came meanwhile)
-    WRITING   -- write_failed ------> GRANTED     (posted again after a backoff)
-    WRITTEN   -- rewrite -----------> GRANTED     (the reader's checksum failed)
-    WRITTEN   -- ack ---------------> finished    (reported once by take_finished)
-    REQUESTED -- ack ---------------> finished    (a resend of a sample the reader has)
-    WRITING   -- ack ---------------> finished once the WRITE completes
-    any       -- connection_lost ---> WAITING     (resent after reconnecting)
-    any       -- failure -----------> failed      (reported once by take_failed)
+A job's states (``JobState``: WAITING, REQUESTED, GRANTED, WRITING, WRITTEN), the ends
+by which it leaves the ledger (finished, failed) and the one table of its legal
+transitions are ``job_states.py``'s, which draws them; every transition goes through
+that table (``job_states.step`` and ``end``), so a job never moves where the drawing does
+not. The ledger decides which event happens, and when.
 
 Failures: the reader refused the request; its WRITE failed ``max_write_attempts``
 times; its digest could not be computed; it waited ``connect_timeout_s`` for a working
@@ -58,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kv_connector.sender.job_states import JobEvent, end, step
 from kv_connector.sender.jobs import DigestState, Failure, FrozenJob, IllegalJobTransition, Job, JobState
 from kv_connector.sender.stats import SenderMeter, SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
@@ -163,7 +152,8 @@ class SendLedger:
     ) -> Job:
         if request_id in self._jobs:
             raise ValueError(f"{request_id} is already being shipped")
-        job = Job(request_id, manifest, block_ids, share, t_submit=now, t_wait=now)
+        state = step(None, JobEvent.SUBMITTED, request_id)
+        job = Job(request_id, manifest, block_ids, share, t_submit=now, state=state, t_wait=now)
         if self.checksum and share:
             job.digest_state = DigestState.NEEDED
         self._jobs[request_id] = job
@@ -175,7 +165,7 @@ class SendLedger:
         REQUESTED). A job's digest is computed once, whatever the connection."""
         due = [j for j in self._jobs.values() if j.state is JobState.WAITING and not j.held]
         for j in due:
-            j.state = JobState.REQUESTED
+            j.state = step(j.state, JobEvent.REQUEST_SENT, j.request_id)
         return due
 
     def digests_due(self) -> list[Job]:
@@ -225,7 +215,7 @@ class SendLedger:
             if j.state is not JobState.GRANTED or now < j.retry_at:
                 continue
             if not j.share:
-                j.state = JobState.WRITTEN
+                j.state = step(j.state, JobEvent.NOTHING_TO_WRITE, j.request_id)
                 continue
             due.append(j)
         return due
@@ -238,9 +228,8 @@ class SendLedger:
         """GRANTED -> WRITING before the transport is called: the WRITE may land, and the
         reader ack it, before the call returns (S3: an Ack then waits for its completion)."""
         job = self.job(request_id)
-        if job.state is not JobState.GRANTED:  # S2, S4
-            raise IllegalJobTransition(f"{request_id}: a WRITE posted in state {job.state.value}")
-        job.state, job.xfer, job.t_write = JobState.WRITING, None, now
+        job.state = step(job.state, JobEvent.WRITE_POSTED, request_id)  # only from GRANTED: S2, S4
+        job.xfer, job.t_write = None, now
         job.digest_owed = notif.digest_follows
 
     def write_started(self, request_id: str, xfer: object) -> bool:
@@ -259,32 +248,30 @@ class SendLedger:
 
     def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
         job = self.job(request_id)
-        if job.state is not JobState.WRITING:
-            raise IllegalJobTransition(f"{request_id}: a WRITE completed in state {job.state.value}")
+        written = step(job.state, JobEvent.WRITE_COMPLETED, request_id)  # only a WRITE in flight
         self._meter.written(nbytes, now - job.t_write)
         job.xfer, job.t_write, job.t_wait = None, now, now  # progress: the wait starts again (S5)
         if job.ack_due:  # S3: the reader acknowledged before this completion was polled
             self._finish(job, now)
         elif job.rewrite_due:  # S4: a Rewrite came while this WRITE was in flight
             job.rewrite_due = False
-            job.state = JobState.GRANTED
+            job.state = step(job.state, JobEvent.REWRITE, request_id)
             self.stats.rewrites += 1
         else:
-            job.state = JobState.WRITTEN
+            job.state = written
 
     def write_failed(self, request_id: str, error: str, now: float) -> Failure | None:
         """A WRITE failed inside the transport: posted again after a backoff, or, after
         ``max_write_attempts`` failures, the job fails (answer: tell the reader)."""
         job = self.job(request_id)
-        if job.state is not JobState.WRITING:
-            raise IllegalJobTransition(f"{request_id}: a WRITE failed in state {job.state.value}")
+        retry = step(job.state, JobEvent.WRITE_FAILED, request_id)  # only a WRITE in flight
         job.xfer = None
         if job.ack_due:  # the reader has the sample: nothing is lost
             self._finish(job, now)
             return None
         job.attempts += 1
         if job.attempts < self.max_write_attempts:
-            job.state = JobState.GRANTED
+            job.state = retry
             job.retry_at = now + self.retry_backoff_s * job.attempts
             self.stats.write_retries += 1
             return None
@@ -306,7 +293,8 @@ class SendLedger:
             raise ProtocolError(f"grant of {grant.num_pages} pages does not fit {m.request_id}")
         if (grant.first_page + grant.num_pages) * page_bytes > pool_bytes:
             raise ProtocolError(f"grant for {m.request_id} names pages outside the reader's pool")
-        job.grant, job.state, job.t_granted = grant, JobState.GRANTED, now
+        job.state = step(job.state, JobEvent.GRANTED, grant.request_id)
+        job.grant, job.t_granted = grant, now
         self._meter.granted(now - job.t_submit)
         self.reader_works(now)
 
@@ -319,7 +307,7 @@ class SendLedger:
         if job.frozen:  # its blocks hold another request's states now (S8): never rewrite
             raise FrozenJob(msg.request_id)
         if job.state is JobState.WRITTEN:
-            job.state = JobState.GRANTED
+            job.state = step(job.state, JobEvent.REWRITE, msg.request_id)
             self.stats.rewrites += 1
             return True
         if job.state is JobState.WRITING:
@@ -341,6 +329,8 @@ class SendLedger:
         return True
 
     def _finish(self, job: Job, now: float) -> None:
+        """The reader acked it (S3): it leaves the ledger, reported once."""
+        end(job.state, JobEvent.ACKED, job.request_id)
         del self._jobs[job.request_id]
         self._finished.append(job.request_id)
         self._meter.acked(now - job.t_write)
@@ -367,7 +357,8 @@ class SendLedger:
         for j in [j for j in self._jobs.values() if j.ack_due]:
             self._finish(j, now)
         for j in self._jobs.values():
-            j.connection_lost()
+            step(j.state, JobEvent.CONNECTION_LOST, j.request_id)  # the table allows it from any state
+            j.connection_lost()  # WAITING, its grant gone
         frozen = [rid for rid, j in self._jobs.items() if j.frozen]
         why = _PREEMPTED + " (the connection was lost before the reader had it)"
         failures = [
@@ -402,9 +393,11 @@ class SendLedger:
         self, request_id: str, why: str, reason: FailureReason, code: protocol.RefuseCode = "write_failed"
     ) -> Failure | None:
         """The job fails with ``why`` for ``reason`` (S1); None if it is not in flight."""
-        job = self._jobs.pop(request_id, None)
+        job = self._jobs.get(request_id)
         if job is None:
             return None
+        end(job.state, JobEvent.FAILED, request_id)
+        del self._jobs[request_id]
         self._failed[request_id] = SampleFailure(reason, why)
         xfer = job.xfer if job.state is JobState.WRITING else None
         return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer)

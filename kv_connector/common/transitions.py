@@ -1,0 +1,56 @@
+"""A state machine's legal transitions as one table: (state, event) -> the state it leads
+to, every pair not in the table illegal. The ledgers' machines (the reader's samples,
+``reader.sample_states``; the sender's jobs, ``sender.job_states``; the pull ledger's
+holds, ``producer.hold_states``) each keep theirs next to their states, and their
+ledgers move a record only through ``Transitions.step``, so the table is what is
+enforced. ``None`` stands for "no record yet": the pairs from it are how a record
+begins. A state with no pair out of it is terminal. Pure: no project imports."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from typing import Generic, TypeVar
+
+S = TypeVar("S", bound=enum.Enum)  # every state the table names, terminal ones included
+E = TypeVar("E", bound=enum.Enum)  # the events
+
+
+class Transitions(Generic[S, E]):
+    """``rules``: (state or None, event) -> the next state; an illegal pair raises what
+    ``illegal`` makes of its message (the machine's own error)."""
+
+    def __init__(self, rules: Mapping[tuple[S | None, E], S], illegal: Callable[[str], Exception]) -> None:
+        self.rules: Mapping[tuple[S | None, E], S] = rules
+        self._illegal = illegal
+
+    def step(self, state: S | None, event: E, what: str = "") -> S:
+        """The state ``event`` leads ``state`` to; the machine's error naming ``what`` (the
+        record), the event and the state when the table has no such transition."""
+        to = self.rules.get((state, event))
+        if to is None:
+            where = "no record" if state is None else f"state {state.value}"
+            raise self._illegal(f"{what + ': ' if what else ''}{event.value} is not allowed in {where}")
+        return to
+
+    def allows(self, state: S | None, event: E) -> bool:
+        return (state, event) in self.rules
+
+    def exits(self, state: S | None) -> dict[E, S]:
+        """The events ``state`` has a transition for, and where each leads."""
+        return {e: to for (s, e), to in self.rules.items() if s == state}
+
+    def reachable(self) -> set[S]:
+        """Every state some run of events leads to from no record."""
+        seen: set[S] = set()
+        todo: list[S | None] = [None]
+        while todo:
+            for to in self.exits(todo.pop()).values():
+                if to not in seen:
+                    seen.add(to)
+                    todo.append(to)
+        return seen
+
+    def terminal(self) -> set[S]:
+        """The states the table leads to and that have no way out."""
+        return {to for to in self.rules.values() if not self.exits(to)}

@@ -1,0 +1,109 @@
+"""The reader's sample machine (``ledger.py`` decides when, ``records.py`` and
+``book.py`` keep the samples): the states of a sample, the events that move it, the ends
+by which it leaves the books, and the one table of its legal transitions. A sample moves
+only through ``step`` (it stays in the books) or ``end`` (it leaves them); a transition
+not in the table raises ``IllegalSampleTransition``. Pure.
+
+States of a sample (``SampleState``), keyed by (producer id, request id), and its ends
+(``SampleEnd``):
+
+    (none)     -- requested ------> PROMISED    its first credit request: it waits in the
+                                                pool's FIFO for a run of pages
+    PROMISED   -- granted --------> GRANTED     pages free: every rank's peer gets the Grant
+    GRANTED    -- landed ---------> WRITTEN     every rank registered, every WRITE landed
+    GRANTED/WRITTEN -- checked ---> VERIFIED    the last share checked: queued for the user
+                                                (from GRANTED when nothing was left to check)
+    GRANTED/WRITTEN -- check_failed -> GRANTED  that rank writes its share again (Rewrite)
+    VERIFIED   -- handed_out -----> HANDED_OUT  on lease to the user: a view of its pages
+    HANDED_OUT -- released -------> released    the lease ended: its pages return to the pool
+    GRANTED/WRITTEN/VERIFIED -- refused -> refused    a share failed too often, came without
+                                                the checksum required, or the sample was
+                                                not complete by its deadline; or the
+                                                consumer rejected it (VERIFIED): its
+                                                producer is told, its pages quarantined
+    PROMISED/GRANTED/WRITTEN -- discarded -> discarded  its producer is gone or gave up:
+                                                its pages quarantined
+
+The ends have no way out: a sample that left the books is gone (a resend of a delivered
+one is acked from ``delivered.py``, never a new record). A reject of a sample handed out
+and not acked yet (manual mode) refuses its producer without moving the sample: its
+pages return on release.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kv_connector.common.transitions import Transitions
+
+
+class IllegalSampleTransition(RuntimeError):
+    """A shell asked for a transition the sample's state does not allow."""
+
+
+class SampleState(enum.Enum):
+    PROMISED = "promised"
+    GRANTED = "granted"
+    WRITTEN = "written"
+    VERIFIED = "verified"
+    HANDED_OUT = "handed_out"
+
+
+class SampleEnd(enum.Enum):
+    """How a sample left the books."""
+
+    RELEASED = "released"
+    REFUSED = "refused"
+    DISCARDED = "discarded"
+
+
+class SampleEvent(enum.Enum):
+    REQUESTED = "requested"
+    GRANTED = "granted"
+    LANDED = "landed"
+    CHECKED = "checked"
+    CHECK_FAILED = "check_failed"
+    HANDED_OUT = "handed_out"
+    RELEASED = "released"
+    REFUSED = "refused"
+    DISCARDED = "discarded"
+
+
+_S, _E, _END = SampleState, SampleEvent, SampleEnd
+
+SAMPLES: Transitions[SampleState | SampleEnd, SampleEvent] = Transitions(
+    {
+        (None, _E.REQUESTED): _S.PROMISED,
+        (_S.PROMISED, _E.GRANTED): _S.GRANTED,
+        (_S.GRANTED, _E.LANDED): _S.WRITTEN,
+        (_S.GRANTED, _E.CHECKED): _S.VERIFIED,
+        (_S.WRITTEN, _E.CHECKED): _S.VERIFIED,
+        (_S.GRANTED, _E.CHECK_FAILED): _S.GRANTED,
+        (_S.WRITTEN, _E.CHECK_FAILED): _S.GRANTED,
+        (_S.VERIFIED, _E.HANDED_OUT): _S.HANDED_OUT,
+        (_S.HANDED_OUT, _E.RELEASED): _END.RELEASED,
+        (_S.GRANTED, _E.REFUSED): _END.REFUSED,
+        (_S.WRITTEN, _E.REFUSED): _END.REFUSED,
+        (_S.VERIFIED, _E.REFUSED): _END.REFUSED,
+        (_S.PROMISED, _E.DISCARDED): _END.DISCARDED,
+        (_S.GRANTED, _E.DISCARDED): _END.DISCARDED,
+        (_S.WRITTEN, _E.DISCARDED): _END.DISCARDED,
+    },
+    IllegalSampleTransition,
+)
+
+
+def step(state: SampleState | None, event: SampleEvent, what: str = "") -> SampleState:
+    """The state ``event`` moves a sample (``what``) in ``state`` to; it stays in the books."""
+    to = SAMPLES.step(state, event, what)
+    if not isinstance(to, SampleState):
+        raise IllegalSampleTransition(f"{what}: {event.value} ends the sample ({to.value})")
+    return to
+
+
+def end(state: SampleState, event: SampleEvent, what: str = "") -> SampleEnd:
+    """How ``event`` ends a sample (``what``) in ``state``: it leaves the books."""
+    to = SAMPLES.step(state, event, what)
+    if not isinstance(to, SampleEnd):
+        raise IllegalSampleTransition(f"{what}: {event.value} does not end the sample ({to.value})")
+    return to
