@@ -476,7 +476,7 @@ def bench_values_check(tokens: int, rounds: int = 5) -> dict[str, float]:
     tensor (the GPU layout); XXH3 over the same bytes for scale. Best of ``rounds``."""
     import xxhash
 
-    from kv_connector.reader.values import find_bad_values
+    from kv_connector.reader import find_bad_values
 
     torch.set_num_threads(1)
     nbytes = tokens * len(LAYERS) * HIDDEN * 2

@@ -76,7 +76,7 @@ class _Consumer:
         import torch
         import xxhash
 
-        from kv_connector.reader.values import find_bad_values
+        from kv_connector.reader import find_bad_values
 
         row = len(LAYER_IDS) * hidden * 2
         xxhash.xxh3_64_intdigest(self.buf_np[at : at + tokens * row].data)
@@ -156,7 +156,7 @@ class _Consumer:
         import torch
         import xxhash
 
-        from kv_connector.reader.values import find_bad_values
+        from kv_connector.reader import find_bad_values
 
         x = torch.empty(tokens, len(LAYER_IDS), hidden, dtype=torch.bfloat16).uniform_(0.5, 1.5)
         y = torch.empty_like(x)
