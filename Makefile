@@ -19,7 +19,7 @@ demo: setup
 	$(BIN)/python -m scripts.demo
 
 test: setup
-	@$(BIN)/python -m scripts.env_report
+	@$(BIN)/python -m scripts.support.env_report
 	EXPECT_VLLM=0.32.0 $(BIN)/python -m pytest -q -rs tests
 	$(MAKE) --no-print-directory test-vllm033
 
@@ -38,7 +38,7 @@ lint: setup
 	$(BIN)/mypy
 
 bench: setup
-	@$(BIN)/python -m scripts.env_report
+	@$(BIN)/python -m scripts.support.env_report
 	$(BIN)/python -m scripts.bench
 
 clean:

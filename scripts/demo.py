@@ -35,7 +35,7 @@ def main() -> None:
     from kv_connector.datagen.httpclient import Server
     from kv_connector.files.console import ProgressPrinter, reading_of
     from kv_connector.reader import HiddenStatesReader, Sample
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(args.out) / "tiny-llama", "llama", seed=0)
     rng = random.Random(0)

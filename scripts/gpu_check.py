@@ -82,7 +82,7 @@ def prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
 
 
 def tiny_model(family: str, work: Path) -> Path:
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     dtype = "bfloat16" if family == "qwen3_next" else "float32"
     return build_tiny_model(work / f"tiny-{family}", family, seed=0, dtype=dtype)
@@ -169,7 +169,7 @@ def check_write(total_mib: int = 1024, chunk_mib: int = 64) -> dict[str, Any]:
 
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
-    from scripts.bench_datapath import _raw_target_proc
+    from scripts.bench.datapath import _raw_target_proc
 
     chunk, n = chunk_mib << 20, total_mib // chunk_mib
     ctx = mp.get_context("spawn")

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", seed=0)
 
@@ -190,7 +190,7 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny hybrid Qwen3-Next (bf16, linear-attention head dim 128: what vLLM's CPU
     build runs), random weights."""
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-qwen3-next"
     return build_tiny_model(out, "qwen3_next", seed=0, dtype="bfloat16")

@@ -70,7 +70,7 @@ def main() -> int:
                 tensors[f"{i}.verifier_last_hidden_states"] = batch["verifier_last_hidden_states"][0][
                     at
                 ].clone()
-    from scripts.proc_tree import descendants, made_a_nixl_agent
+    from scripts.support.proc_tree import descendants, made_a_nixl_agent
 
     under = descendants(os.getpid())  # the persistent workers are alive still, and the agent
     agents = [p for p in [os.getpid(), *under] if made_a_nixl_agent(p)]

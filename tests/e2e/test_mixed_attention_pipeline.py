@@ -39,7 +39,7 @@ GPT_OSS_LENGTHS = [1, 5, WINDOW - 1, WINDOW, WINDOW + 1, 127, 128, 129, 300, 700
 
 @pytest.fixture(scope="module")
 def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {
@@ -142,7 +142,7 @@ LINEAR_LAYERS = [1, 2, 4]
 
 @pytest.fixture(scope="module")
 def tiny_linear_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-qwen3-next-linear"
     return build_tiny_model(out, "qwen3_next_linear", seed=0, dtype="bfloat16")

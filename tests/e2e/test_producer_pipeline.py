@@ -127,7 +127,7 @@ def test_real_tensor_parallel_4_engine_matches_transformers(tmp_path: Path) -> N
     """vLLM's own TP=4 executor (four CPU worker processes, gloo), each rank shipping its
     stripe of every sample; the reader completes a sample only when all four ranks'
     shares landed. ~2 minutes on two cores."""
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny-llama-kv4", "llama", seed=1, num_key_value_heads=4)
     lengths = [1, BLOCK, BLOCK + 1, 300, 700]

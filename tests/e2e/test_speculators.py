@@ -60,7 +60,7 @@ def speculators_site() -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     return build_tiny_model(
         tmp_path_factory.mktemp("models") / "tiny-llama-bf16", "llama", seed=0, dtype="bfloat16"

@@ -33,7 +33,7 @@ HIDDEN = 128
 LENGTHS = [1, 7, 127, 128, 129, 300, 45, 600]
 SPEC_MAIN = REPO / "tests" / "e2e" / "speculators_main.py"
 PULL_MAIN = REPO / "tests" / "e2e" / "speculators_pull_main.py"
-UDS_SITE = REPO / "tests" / "e2e" / "uds_site"
+UDS_SITE = REPO / "scripts" / "support" / "uds_site"
 
 
 def kv_cache_usage(server: ApiServer) -> float:

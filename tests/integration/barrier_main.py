@@ -1,5 +1,5 @@
 """The step barrier, end to end in one process of its own: a real HiddenStatesReader and
-one producer rank driven with real vLLM objects (``scripts.vllm_harness``), whose steps
+one producer rank driven with real vLLM objects (``scripts.support.vllm_harness``), whose steps
 "run on a device" that stays busy until this script lets it (the host stand-in of the
 step's CUDA event says "not done" meanwhile). While it is busy, nothing of a shipped
 request may be read: no credit request, no digest, no WRITE; once it is done the sample
@@ -35,8 +35,8 @@ def main(model_dir: str) -> dict[str, Any]:
     from kv_connector.connector import HiddenStatesConnector
     from kv_connector.producer import slot_check
     from kv_connector.reader import HiddenStatesReader
-    from scripts.harness_rank import sample_states, sample_tokens
-    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+    from scripts.support.harness_rank import sample_states, sample_tokens
+    from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
 
     busy = threading.Event()  # the device is still running the step
     slot_check.HostDone.query = lambda self: not busy.is_set()  # type: ignore[method-assign]

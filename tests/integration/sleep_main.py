@@ -1,6 +1,6 @@
 """Sleep and wake around transfers, in one process of its own: a real HiddenStatesReader
 (NIXL, its own agent) and one producer rank driven with real vLLM objects
-(``scripts.vllm_harness``), whose connector is called as vLLM 0.33's worker calls it at
+(``scripts.support.vllm_harness``), whose connector is called as vLLM 0.33's worker calls it at
 sleep (``unregister_kv_caches``) and wake (``restore_kv_caches``). Between the two the
 cache's memory is remapped (the tensor's storage moves to a new address, as sleep mode may
 map it) and the old memory is overwritten (freed memory reused), so a WRITE or a digest that
@@ -34,8 +34,8 @@ def main(model_dir: str) -> dict[str, Any]:
 
     from kv_connector.connector import HiddenStatesConnector
     from kv_connector.reader import HiddenStatesReader
-    from scripts.harness_rank import sample_states, sample_tokens
-    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+    from scripts.support.harness_rank import sample_states, sample_tokens
+    from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
 
     out: dict[str, Any] = {"events": []}
     taken: dict[str, torch.Tensor] = {}

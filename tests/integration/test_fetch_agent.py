@@ -26,7 +26,7 @@ from kv_connector.reader.agent_client import AgentClient, FetchAgentError, Fetch
 from kv_connector.reader.agent_wire import AgentFetch, AgentHello, AgentSample, FrameReader, frame
 from kv_connector.reader.pull import FetchError
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
-from scripts.proc_tree import made_a_nixl_agent
+from scripts.support.proc_tree import made_a_nixl_agent
 from tests.integration.common import REPO, child_env, expected_states, make_cache, token_ids
 from tests.integration.test_pull import LTH, NUM_CACHE_BLOCKS, SEED, TLH, Producer, samples_spec, spec_of
 
@@ -49,7 +49,7 @@ for h in sys.argv[3:]:
     s = client.fetch(h)
     out[s.request_id] = (s.token_ids, s.hidden_states)
 torch.save(out, sys.argv[2])
-from scripts.proc_tree import made_a_nixl_agent
+from scripts.support.proc_tree import made_a_nixl_agent
 print("made_a_nixl_agent", made_a_nixl_agent(), flush=True)
 """
 

@@ -1,6 +1,6 @@
 """Producers and readers on separate "nodes": network namespaces joined by veth pairs on
 one bridge, UCX over TCP, traffic only inside them. Producer ranks are real processes
-driving HiddenStatesConnector with real vLLM objects (scripts/harness_rank.py); readers
+driving HiddenStatesConnector with real vLLM objects (scripts/support/harness_rank.py); readers
 are the real reader CLI. Every sample must arrive byte-exact, exactly once."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 
 from kv_connector.wire.layout import stripe
-from scripts.harness_rank import sample_states, sample_tokens
-from scripts.netns import Cluster, NetnsUnavailable, Node, check_available
-from scripts.vllm_harness import config_only_model, file_store_init_method
+from scripts.support.harness_rank import sample_states, sample_tokens
+from scripts.support.netns import Cluster, NetnsUnavailable, Node, check_available
+from scripts.support.vllm_harness import config_only_model, file_store_init_method
 
 pytestmark = [pytest.mark.integration, pytest.mark.multinode, pytest.mark.slow]
 
@@ -89,7 +89,7 @@ def start_ranks(
         procs.append(
             cluster.run(
                 node,
-                [sys.executable, "-m", "scripts.harness_rank", str(f)],
+                [sys.executable, "-m", "scripts.support.harness_rank", str(f)],
                 env={
                     **SECRET,
                     "PYTHONPATH": str(REPO),
@@ -225,7 +225,7 @@ def test_a_full_reader_delays_only_its_own_samples(cluster: Cluster, model_dir: 
     # the slow reader's pool holds one sample and its trainer takes nothing for 40 s
     slow_reader = cluster.run(
         slow,
-        [sys.executable, "-m", "scripts.multinode", "--reader-node", f"0.0.0.0:{READER_PORT}",
+        [sys.executable, "-m", "scripts.bench.multinode", "--reader-node", f"0.0.0.0:{READER_PORT}",
          "--samples", "4", "--pool-mib", str(BLOCK_BYTES / (1 << 20)), "--hold-s", "40"],
         env={**SECRET, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
     )  # fmt: skip

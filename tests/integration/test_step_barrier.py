@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.vllm_harness import config_only_model
+from scripts.support.vllm_harness import config_only_model
 from tests.integration.common import run_json_main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kv_connector.connector import check_config
-from scripts.vllm_harness import config_only_model, engine_config
+from scripts.support.vllm_harness import config_only_model, engine_config
 
 KTC = {
     "kv_connector": "HiddenStatesConnector",

@@ -1,7 +1,7 @@
 """The reader CLI's delivery journal: what is added is found after a restart; a torn or
 zeroed last record (power loss mid-append) is cut off or skipped, never merged into the
 next; ids cannot forge each other's records; one writer per directory; 10M records load
-(how fast is measured by scripts/bench_journal.py, not here)."""
+(how fast is measured by scripts/bench/journal.py, not here)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 from hybrid import plugin
 from hybrid.host import cpu_ssm_state_is_float32
 from hybrid.shapes import HybridShape
-from scripts.make_tiny_model import TINY_QWEN3_NEXT
+from scripts.support.make_tiny_model import TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import torch
 
 from hybrid import plugin
 from hybrid.shapes import HybridShape
-from scripts.make_tiny_model import TINY_QWEN3_NEXT
+from scripts.support.make_tiny_model import TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""``scripts.bench_pull``'s DataLoader arms at a tiny size: both vLLM servers (our
+"""``scripts.bench.pull.loader``'s DataLoader arms at a tiny size: both vLLM servers (our
 connector in pull delivery; vLLM's ExampleHiddenStatesConnector made CPU-safe, writing
 files) and speculators' own DataLoader on each (ours with the rank's fetch agent and with
 a client per worker), plus the manifest-only arm (the pull backend less its data) on the
@@ -9,7 +9,7 @@ arrives (speculators checks each row's tokens and values itself and counts the r
 could not get), the file arm's files are deleted as the file backend does, the pull
 server holds nothing after either pull arm, the profile is read from both servers and
 every loader, and nothing is left running. Minutes, not
-seconds (two servers start); the figures themselves are ``python -m scripts.bench_pull``'s."""
+seconds (two servers start); the figures themselves are ``python -m scripts.bench.pull``'s."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_pull as bp
+from scripts.bench.pull.loader import Loader, loaders
+from scripts.bench.pull.servers import servers
+from scripts.bench.pull.shape import HIDDEN, LAYER_IDS, NULL_ARM, ROW_TOKENS
 from tests.e2e.test_speculators import speculators_site
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -32,14 +34,14 @@ def test_every_loader_arm_delivers_every_row_and_counts_what_fetches(tmp_path: P
     speculators_site()  # skips without speculators
     work = Path(tempfile.mkdtemp(dir=tmp_path))
     (work / "hs-cache").mkdir()
-    with bp.servers(work) as (pull_server, file_server):
+    with servers(work) as (pull_server, file_server):
         made = [
-            bp.Loader("kv-hidden-states", work / "d-rank", pull_server, None, ROWS, WORKERS, "rank"),
-            bp.Loader("kv-hidden-states", work / "d-worker", pull_server, None, ROWS, WORKERS, "worker"),
-            bp.Loader("file", work / "d-file", file_server, work / "hs-cache", ROWS, WORKERS),
-            bp.Loader(bp.NULL_ARM, work / "d-null", pull_server, None, ROWS, WORKERS),
+            Loader("kv-hidden-states", work / "d-rank", pull_server, None, ROWS, WORKERS, "rank"),
+            Loader("kv-hidden-states", work / "d-worker", pull_server, None, ROWS, WORKERS, "worker"),
+            Loader("file", work / "d-file", file_server, work / "hs-cache", ROWS, WORKERS),
+            Loader(NULL_ARM, work / "d-null", pull_server, None, ROWS, WORKERS),
         ]
-        with bp.loaders(*made) as arms:
+        with loaders(*made) as arms:
             runs = [ld.round() for ld in arms]
             counts = [ld.consumers() for ld in arms]
             procs = [ld.proc for ld in arms]
@@ -49,7 +51,7 @@ def test_every_loader_arm_delivers_every_row_and_counts_what_fetches(tmp_path: P
         held = [line for line in metrics if line.startswith("vllm:kv_cache_usage_perc")]
     assert held and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in held)  # every row released
     for run, ld in zip(runs, arms, strict=True):
-        assert run.units == ROWS and run.nbytes == ROWS * bp.ROW_TOKENS * len(bp.LAYER_IDS) * bp.HIDDEN * 2
+        assert run.units == ROWS and run.nbytes == ROWS * ROW_TOKENS * len(LAYER_IDS) * HIDDEN * 2
         prof = ld.profile[-1]
         assert prof["server_request_s"] > 0 and prof["server_prefill_s"] > 0
         assert prof["workers_get_generated_s"] > 0 and "workers_delete_s" in prof

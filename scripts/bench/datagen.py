@@ -10,7 +10,7 @@
 
 Each path runs a warm-up batch first. Prints one JSON line.
 
-    python -m scripts.bench_datagen [--rows 256] [--concurrency 32]
+    python -m scripts.bench.datagen [--rows 256] [--concurrency 32]
 """
 
 from __future__ import annotations
@@ -29,27 +29,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYER_IDS = [1, 2, 4]
 BATCH_TOKENS = 2048
 KV_BYTES = 512 << 20
 
 
-def speculative_config() -> dict[str, Any]:
-    return {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
-    }
-
-
 def kv_config(address: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "HiddenStatesConnector",
-        "kv_connector_module_path": "kv_connector.connector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"consumer_address": address},
-    }
+    from scripts.support.vllm_server import connector_config
+
+    return connector_config({"consumer_address": address})
 
 
 def env() -> dict[str, str]:
@@ -83,52 +72,41 @@ def stop(proc: subprocess.Popen[str]) -> str:
 def driver_run(
     model: Path, rows: list[list[int]], warm: list[list[int]], work: Path, conc: int
 ) -> dict[str, Any]:
-    from kv_connector.datagen.httpclient import Server
+    from scripts.support.vllm_server import VllmServer
 
     out = work / "driver-out"
     out.mkdir()
     cli, address, held = start_cli(out, None)
-    sock = work / "api.sock"
-    server_cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-batched-tokens", str(BATCH_TOKENS),
-        "--block-size", "128", "--speculative-config", json.dumps(speculative_config()),
-        "--kv-transfer-config", json.dumps(kv_config(address)), "--uds", str(sock),
-    ]  # fmt: skip
-    log = (work / "server.log").open("wb")
-    server = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    server = VllmServer(
+        model, kv_config(address), LAYER_IDS, work, name="server", dtype="bfloat16",
+        kv_cache_bytes=KV_BYTES, env={"NIXL_LOG_LEVEL": "WARN"}, stop_timeout_s=60.0,
+        args=["--max-num-batched-tokens", str(BATCH_TOKENS), "--block-size", "128"],
+    )  # fmt: skip
     try:
-        http = Server(f"unix:{sock}")
-        deadline = time.monotonic() + 600
-        while not http.healthy():
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{(work / 'server.log').read_text()[-3000:]}")
-            time.sleep(1)
-        results = []
-        for name, data in (("warm", warm), ("rows", rows)):
-            jsonl = work / f"{name}.jsonl"
-            jsonl.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in data))
-            proc = subprocess.run(
-                [sys.executable, "-m", "kv_connector.datagen", "--jsonl", str(jsonl),
-                 "--server", f"unix:{sock}", "--concurrency", str(conc), "--check-dir", str(out),
-                 "--retries", "0"],
-                capture_output=True, text=True, env=env(), cwd=REPO, timeout=1800,
-            )  # fmt: skip
-            if proc.returncode != 0:
-                raise RuntimeError(f"driver failed:\n{proc.stderr[-3000:]}")
-            results.append(json.loads(proc.stdout.splitlines()[-1]))
-        summary: dict[str, Any] = results[-1]
-        return summary
+        server.start()
+        server.wait_healthy(600.0)  # or ServerFailed with its log's tail
+        _drive(work, "warm", warm, server.http.url, out, conc)
+        return _drive(work, "rows", rows, server.http.url, out, conc)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        server.stop()
         stop(cli)
         held.close()
+
+
+def _drive(work: Path, name: str, data: list[list[int]], url: str, out: Path, conc: int) -> dict[str, Any]:
+    """``python -m kv_connector.datagen`` over ``data``: its summary line."""
+    jsonl = work / f"{name}.jsonl"
+    jsonl.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in data))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kv_connector.datagen", "--jsonl", str(jsonl),
+         "--server", url, "--concurrency", str(conc), "--check-dir", str(out),
+         "--retries", "0"],
+        capture_output=True, text=True, env=env(), cwd=REPO, timeout=1800,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"driver failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return result
 
 
 def _generate(spec: dict[str, Any]) -> None:
@@ -137,10 +115,12 @@ def _generate(spec: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from scripts.support.vllm_server import speculative_config
+
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
         enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=BATCH_TOKENS,
-        block_size=128, speculative_config=speculative_config(),
+        block_size=128, speculative_config=speculative_config(LAYER_IDS),
         kv_transfer_config=kv_config(spec["address"]),
     )  # fmt: skip
 
@@ -166,7 +146,7 @@ def generate_run(model: Path, rows: list[list[int]], warm: list[list[int]], work
     spec_file.write_text(json.dumps({"model": str(model), "address": address, "rows": rows, "warm": warm}))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "scripts.bench_datagen", "--generate", str(spec_file)],
+            [sys.executable, "-m", "scripts.bench.datagen", "--generate", str(spec_file)],
             capture_output=True, text=True, env=env(), cwd=REPO, timeout=1800,
         )  # fmt: skip
         if proc.returncode != 0:
@@ -200,7 +180,7 @@ def main() -> None:
     if args.generate is not None:
         _generate(json.loads(Path(args.generate).read_text()))
         return
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-datagen-"))
     try:

@@ -1,4 +1,4 @@
-"""The DataLoader workers' side of ``scripts.bench_pull``: a speculators
+"""The DataLoader workers' side of ``scripts.bench.pull``: a speculators
 ``HiddenStatesTransfer`` that times its wrapped transfer's ``get_generated`` and
 ``delete`` (one line per call appended to a file: each worker is a process of its own),
 and ``ManifestOnly``, the pull backend with nothing read (the ceiling arm). Imports

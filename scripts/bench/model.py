@@ -11,7 +11,7 @@ connector that costs nothing (the ceiling of ``a_over_c`` on this machine).
 
 Each arm is one long-lived producer process (the in-process engine, built once, a warm-up
 batch run) that runs the same batch of prompts each time it is told to; the ratios come
-from alternating pairs (``scripts.paired``). A round is 96 prompts of 1024 tokens (about
+from alternating pairs (``scripts.bench.paired``). A round is 96 prompts of 1024 tokens (about
 half a second on an AMX CPU, where this model prefills ~180k tokens/s; with 192 queued
 prompts vLLM's extraction arms ran 5x slower than without extraction, in vLLM itself).
 The last samples arrive ~35 ms after generate() returns (the connector's queue draining
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from scripts.paired import Run, cpu_seconds, run_pairs
+from scripts.bench.paired import Run, cpu_seconds, run_pairs
 
 LAYER_IDS = [1, 2, 4]
 
@@ -113,7 +113,7 @@ class ModelArm:
         self.spec_path = f.name
         self.log: IO[str] = tempfile.NamedTemporaryFile("w+", suffix=f"-{name}.log")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scripts.bench_model", "--producer", f.name],
+            [sys.executable, "-m", "scripts.bench.model", "--producer", f.name],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -192,7 +192,7 @@ def _say(text: str) -> None:
 
 
 def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pairs: int = 7) -> dict[str, Any]:
-    from scripts.make_tiny_model import build_tiny_model
+    from scripts.support.make_tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-model-"))
     model = build_tiny_model(work / "tiny-llama", "llama", seed=0)

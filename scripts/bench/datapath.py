@@ -1,7 +1,7 @@
 """Data-path ceiling on GPU-sized states (4 captured layers x hidden 4096, bf16: 32 KiB
-per token), with no model compute, every ratio from alternating pairs (``scripts.paired``):
+per token), with no model compute, every ratio from alternating pairs (``scripts.bench.paired``):
 
-  e: our connector's worker side driven with real vLLM objects (scripts.vllm_harness)
+  e: our connector's worker side driven with real vLLM objects (scripts.support.vllm_harness)
      into a HiddenStatesReader in another process that takes every sample on lease;
   b: vLLM's ExampleHiddenStatesConnector driven the same way, writing safetensors files
      to /dev/shm (a minimal CPU-safe subclass: the stock one needs CUDA);
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from scripts.paired import Pairs, Run, Spread, cpu_seconds, memory_mib, run_pairs
+from scripts.bench.paired import Pairs, Run, Spread, cpu_seconds, memory_mib, run_pairs
 
 LAYERS = [1, 2, 3, 4]
 HIDDEN = 4096
@@ -209,7 +209,7 @@ class OursArm:
         metrics: bool = True,
     ) -> None:
         from kv_connector.connector import HiddenStatesConnector
-        from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+        from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
 
         self.n_req, self.tokens, self.pool_bytes = n_req, tokens, pool_bytes
         ctx = mp.get_context("spawn")
@@ -276,8 +276,8 @@ class OursArm:
 
 
 def _cpu_example_connector() -> type:
-    """vLLM's ExampleHiddenStatesConnector made CPU-safe (``scripts.cpu_example_connector``)."""
-    from scripts.cpu_example_connector import CpuExampleHiddenStatesConnector
+    """vLLM's ExampleHiddenStatesConnector made CPU-safe (``scripts.support.cpu_example_connector``)."""
+    from scripts.support.cpu_example_connector import CpuExampleHiddenStatesConnector
 
     return CpuExampleHiddenStatesConnector
 
@@ -286,7 +286,7 @@ class ExampleArm:
     """b: vLLM's ExampleHiddenStatesConnector (made CPU-safe) into files on /dev/shm."""
 
     def __init__(self, model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> None:
-        from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+        from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
 
         self.n_req, self.tokens = n_req, tokens
         self.out_dir = Path(tempfile.mkdtemp(prefix="hs-example-", dir="/dev/shm"))
@@ -476,7 +476,7 @@ def bench_values_check(tokens: int, rounds: int = 5) -> dict[str, float]:
     tensor (the GPU layout); XXH3 over the same bytes for scale. Best of ``rounds``."""
     import xxhash
 
-    from kv_connector.reader.values import find_bad_values
+    from kv_connector.reader import find_bad_values
 
     torch.set_num_threads(1)
     nbytes = tokens * len(LAYERS) * HIDDEN * 2
@@ -528,7 +528,7 @@ def _say(text: str) -> None:
 
 
 def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
-    from scripts.vllm_harness import config_only_model
+    from scripts.support.vllm_harness import config_only_model
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-"))
     model = config_only_model(work / "wide-llama", HIDDEN, num_layers=4)

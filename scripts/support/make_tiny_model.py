@@ -3,7 +3,7 @@ Qwen3-Next (gated-delta-net linear attention + full attention, MoE), a Qwen3-Nex
 layers are all linear attention (no full-attention layer at all), and a gpt-oss
 (sliding-window and full attention alternating, MoE with attention sinks).
 
-python -m scripts.make_tiny_model --family llama --out /tmp/tiny-llama
+python -m scripts.support.make_tiny_model --family llama --out /tmp/tiny-llama
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One tensor-parallel rank of a producer, driven with real vLLM objects and no model:
 
-    python -m scripts.harness_rank SPEC.json
+    python -m scripts.support.harness_rank SPEC.json
 
 The spec names the model directory (a config is enough), the captured layer ids, the TP
 size and this rank, the gloo rendezvous, the readers, and the requests (id and token
@@ -38,7 +38,7 @@ def sample_tokens(request_id: str, num_tokens: int) -> list[int]:
 
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     from kv_connector.connector import HiddenStatesConnector
-    from scripts.vllm_harness import ProducerRank, engine_config, start_worker
+    from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
 
     extra: dict[str, Any] = {
         "consumer_address": spec["readers"],

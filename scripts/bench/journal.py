@@ -1,7 +1,7 @@
 """The reader CLI's delivery journal at scale: how long a reader takes to start with N
 samples already written (open and check the journal), and a lookup's cost, hit and miss.
 
-    python -m scripts.bench_journal [--entries 10000000] [--dir DIR]
+    python -m scripts.bench.journal [--entries 10000000] [--dir DIR]
 
 Prints one JSON line. The journal is built in bulk (``journal.records``) with the
 hashes of real keys for a few samples and random hashes for the rest, then opened the

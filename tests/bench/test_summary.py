@@ -1,9 +1,9 @@
 """``make bench``'s last line names the targets its medians missed, each with the ceiling
-this machine allows where the run measured one (``scripts.bench.missed``)."""
+this machine allows where the run measured one (``scripts.bench.summary.missed``)."""
 
 from __future__ import annotations
 
-from scripts.bench import missed
+from scripts.bench.summary import missed
 
 
 def test_a_missed_target_names_its_ceiling_and_a_met_one_is_not_listed() -> None:

@@ -1,6 +1,6 @@
 """The fp8 file writer (``python -m kv_connector.reader --fp8``), for ``make bench``:
 
-1. Its cost, paired (``scripts.paired``): rows/s and bytes per row of the reader CLI's
+1. Its cost, paired (``scripts.bench.paired``): rows/s and bytes per row of the reader CLI's
    own ``write_sample`` (atomic, fsynced) in speculators' fp8 layout over the same rows
    as bf16 files, into one directory on this machine's disk.
 2. What the two scalings cost in accuracy: per captured layer, the worst relative error
@@ -8,7 +8,7 @@
    scale per token (speculators' layout) and one per token and layer (our variant), on a
    real-looking sample (``real_looking``).
 
-    python -m scripts.bench_fp8          # prints one JSON line
+    python -m scripts.bench.fp8          # prints one JSON line
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from kv_connector.files.cli import write_sample
 from kv_connector.files.fp8 import Fp8Scale, worst_relative_error
 from kv_connector.reader import Sample
-from scripts.paired import Run, cpu_seconds, run_pairs
+from scripts.bench.paired import Run, cpu_seconds, run_pairs
 
 HIDDEN = 4096  # Llama-3.1-8B's
 LAYER_IDS = [2, 16, 29, 32]  # EAGLE-3's captures of a 32-layer target (the last before its norm)

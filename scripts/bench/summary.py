@@ -1,8 +1,9 @@
-"""``make bench``: every ratio of the producer-connector, data-path and pull issues, each
-from alternating pairs run back to back in one process tree (``scripts.paired``: a warm-up
-pair not counted, then at least 5 pairs, A B then B A ...), reported as the median of the
-pair ratios with its min and max (``"d": 0.93, "d_range": [0.88, 0.97]``). The last line
-printed is one JSON object; the first and the last name the machine and its load.
+"""The summary of ``make bench`` (``python -m scripts.bench``): every ratio of the
+producer-connector, data-path and pull issues, each from alternating pairs run back to
+back in one process tree (``scripts.bench.paired``: a warm-up pair not counted, then at
+least 5 pairs, A B then B A ...), reported as the median of the pair ratios with its min
+and max (``"d": 0.93, "d_range": [0.88, 0.97]``). The last line printed is one JSON
+object; the first and the last name the machine and its load.
 
   a_over_c   tiny-model prefill tokens/s with extraction + connector + reader, over the
              same vLLM without extraction;
@@ -19,7 +20,7 @@ printed is one JSON object; the first and the last name the machine and its load
   reader_rss_mib  the reader process's peak resident memory in e (its pool, torch, NIXL);
   values_check_GB_per_s  the reader's optional NaN/Inf/all-zero check on one thread;
   pull_read_over_raw  the pull client's fetch GB/s (checks on) over a raw NIXL READ of the
-             same blocks between the same two processes (``scripts.bench_pull``), and
+             same blocks between the same two processes (``scripts.bench.pull.read``), and
              ``pull_read_unchecked_over_raw`` the same with the checks off;
   pull_over_file  rows/s through speculators' DataLoader (12 workers) with our pull backend
              (the rank's fetch agent) over its file backend, same server settings;
@@ -27,7 +28,7 @@ printed is one JSON object; the first and the last name the machine and its load
              agent over a client (NIXL agent and pool) per worker; ``per_rank``: for each,
              the processes that made a NIXL agent, the consumer agents the producer served
              the rank and the MiB they registered;
-  fp8        the reader CLI's fp8 files (``scripts.bench_fp8``): rows/s over bf16 files
+  fp8        the reader CLI's fp8 files (``scripts.bench.fp8``): rows/s over bf16 files
              (paired), bytes per row of each, and each scaling's worst relative error per
              captured layer on a real-looking sample.
 
@@ -45,13 +46,9 @@ printed is one JSON object; the first and the last name the machine and its load
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 from typing import Any
 
-from scripts.paired import Spread, machine_state
+from scripts.bench.paired import Spread
 
 # figure -> (">=" or "<=", target), checked on the medians
 TARGETS: dict[str, tuple[str, float]] = {
@@ -118,24 +115,26 @@ def missed(summary: dict[str, Any]) -> list[str]:
     return out
 
 
-def main() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from scripts import bench_datapath, bench_fp8, bench_model, bench_pull, bench_step
+def summarise(
+    model: dict[str, Any],
+    datapath: dict[str, Any],
+    steps: dict[str, Any],
+    pull: dict[str, Any],
+    fp8: dict[str, Any],
+) -> dict[str, Any]:
+    """The last line's figures from each arm's result (``main()`` of ``model``,
+    ``datapath``, ``step``, ``pull.run`` and ``fp8``), with the targets they missed."""
+    summary = _figures(model, datapath, steps, pull)
+    summary["profile"] = _profile(model, datapath)
+    summary["ceilings"] = _ceilings(model, datapath, pull)
+    summary["fp8"] = {**fp8["writer"], "worst_relative_error": fp8["error"]}
+    summary["missed"] = missed(summary)
+    return summary
 
-    start = machine_state()
-    print("machine at start:", json.dumps(start), flush=True)
-    t0 = time.time()
-    model = bench_model.main()
-    print("model-level:", json.dumps(flatten(model)), flush=True)
-    datapath = bench_datapath.main()
-    print("data path:", json.dumps(flatten(datapath)), flush=True)
-    steps = bench_step.main()
-    print("per step:", json.dumps(steps), flush=True)
-    pull = bench_pull.main()
-    print("pull:", json.dumps(pull), flush=True)
-    fp8 = bench_fp8.main()
-    print("fp8 files:", json.dumps(fp8), flush=True)
+
+def _figures(
+    model: dict[str, Any], datapath: dict[str, Any], steps: dict[str, Any], pull: dict[str, Any]
+) -> dict[str, Any]:
     e_final = datapath["e_final"]
     figures: dict[str, Any] = {
         "a_over_c": model["a_over_c"],
@@ -173,9 +172,13 @@ def main() -> None:
             "values_check_GB_per_s": round(datapath["values_check"]["GB_per_s"], 2),
         }
     )
-    # where the time goes (medians over the counted rounds): the data path's CPU seconds per
-    # GB by end, with checksums and without; the model-level arm's generate() and tail
-    summary["profile"] = {
+    return summary
+
+
+def _profile(model: dict[str, Any], datapath: dict[str, Any]) -> dict[str, Any]:
+    """Where the time goes (medians over the counted rounds): the data path's CPU seconds
+    per GB by end, with checksums and without; the model-level arm's generate() and tail."""
+    profile = {
         key: datapath[key].rounded()[0]
         for key in (
             "producer_cpu_s_per_GB", "reader_cpu_s_per_GB", "e0_producer_cpu_s_per_GB",
@@ -183,10 +186,14 @@ def main() -> None:
             "raw_reader_cpu_s_per_GB",
         )
     }  # fmt: skip
-    summary["profile"].update(
-        {key: model[key].rounded()[0] for key in ("a_generate_s", "a0_generate_s", "a_tail_s")}
-    )
-    summary["ceilings"] = {
+    profile.update({key: model[key].rounded()[0] for key in ("a_generate_s", "a0_generate_s", "a_tail_s")})
+    return profile
+
+
+def _ceilings(model: dict[str, Any], datapath: dict[str, Any], pull: dict[str, Any]) -> dict[str, Any]:
+    """What this machine allows any design, measured in the same run (``CEILINGS`` names
+    the figure each bounds)."""
+    return {
         **flatten(
             {
                 "a0_over_c": model["a0_over_c"],
@@ -199,15 +206,3 @@ def main() -> None:
         "manifest_only_over_file": pull["loader"]["manifest_only_over_file"],
         "manifest_only_range": pull["loader"]["manifest_only_range"],
     }
-    summary["fp8"] = {**fp8["writer"], "worst_relative_error": fp8["error"]}
-    summary["missed"] = missed(summary)
-    end = machine_state()
-    summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}
-    del summary["machine"]["load_avg"]
-    summary["seconds"] = round(time.time() - t0, 1)
-    print("machine at end:", json.dumps(end), file=sys.stdout, flush=True)
-    print(json.dumps(summary), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -37,7 +37,7 @@ def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]
     from vllm.v1.request import Request
 
     from kv_connector.connector import HiddenStatesConnector
-    from scripts.vllm_harness import ProducerRank, config_only_model, engine_config, start_worker
+    from scripts.support.vllm_harness import ProducerRank, config_only_model, engine_config, start_worker
 
     model = config_only_model(Path(tempfile.mkdtemp()) / "m", HIDDEN, num_layers=2)
     blocks_per_req = -(-(context + steps + 1) // BLOCK)

@@ -1,11 +1,11 @@
-"""``scripts.paired``: the benchmark's pairs alternate their order, the warm-up is not
+"""``scripts.bench.paired``: the benchmark's pairs alternate their order, the warm-up is not
 counted, and a figure is the median of the pair ratios with its min and max."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.paired import Run, Spread, memory_mib, run_pairs
+from scripts.bench.paired import Run, Spread, memory_mib, run_pairs
 
 
 def test_pairs_alternate_and_the_warmup_is_not_counted() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_datapath as bd
+from scripts.bench import datapath as bd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ N_REQ = 3
 def test_the_data_path_arm_delivers_every_byte(
     tmp_path: Path, checksum: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from scripts.vllm_harness import config_only_model
+    from scripts.support.vllm_harness import config_only_model
 
     model = config_only_model(tmp_path / "wide-llama", bd.HIDDEN, num_layers=4)
     nb = -(-TOKENS // bd.BLOCK)
@@ -46,7 +46,7 @@ def test_the_data_path_arm_delivers_every_byte(
 
 
 def test_the_raw_and_example_arms_move_what_they_claim(tmp_path: Path) -> None:
-    from scripts.vllm_harness import config_only_model
+    from scripts.support.vllm_harness import config_only_model
 
     nb = -(-TOKENS // bd.BLOCK)
     for checks in (False, True):  # r, and rc (XXH3 at both ends: the ceiling arm)

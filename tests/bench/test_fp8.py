@@ -1,4 +1,4 @@
-"""``scripts.bench_fp8`` at a tiny size: both arms write real files through the CLI's own
+"""``scripts.bench.fp8`` at a tiny size: both arms write real files through the CLI's own
 writer (fp8 half the bytes of bf16, plus the scales), and the error study reports each
 scaling per captured layer from the sample it builds."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts import bench_fp8
+from scripts.bench import fp8 as bench_fp8
 
 
 def test_the_writer_arms_write_real_files_and_compare_them(tmp_path: Path) -> None:

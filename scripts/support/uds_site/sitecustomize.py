@@ -1,8 +1,8 @@
-"""Test-only: in a process whose PYTHONPATH holds this folder and whose environment names
-``KV_TEST_OPENAI_UDS``, ``openai.OpenAI`` clients talk HTTP over that Unix socket (the
-e2e server listens on one, so no TCP port is picked and released). Python runs a
-``sitecustomize`` at start in every process, DataLoader workers spawned by speculators
-included."""
+"""In a process whose PYTHONPATH holds this folder and whose environment names
+``KV_TEST_OPENAI_UDS``, ``openai.OpenAI`` clients talk HTTP over that Unix socket (vLLM's
+server, ``scripts.support.vllm_server``, listens on one, so no TCP port is picked and
+released). Python runs a ``sitecustomize`` at start in every process, DataLoader workers
+spawned by speculators included. Used by the benchmark's loaders and the e2e tests."""
 
 import os
 

@@ -1,6 +1,6 @@
 """Run a multi-node scenario in network namespaces and print per-rank and total bytes/s.
 
-    python -m scripts.multinode --tp 1,4 --samples 16 --tokens 2048 [--producers 1] [--readers 1]
+    python -m scripts.bench.multinode --tp 1,4 --samples 16 --tokens 2048 [--producers 1] [--readers 1]
 
 For each TP size given, on the same data: every producer rank runs in a namespace of its
 own (its own veth link, as a GPU rank has its own NIC; the ranks of a producer meet over
@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.netns import Cluster
-from scripts.vllm_harness import config_only_model
+from scripts.support.netns import Cluster
+from scripts.support.vllm_harness import config_only_model
 
 LAYERS = [1, 2, 3, 4]
 HIDDEN = 4096
 PORT = 5555
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def reader_node(listen: str, n: int, pool_mib: float, hold_s: float = 0.0) -> None:
@@ -71,7 +71,7 @@ def scenario(
         rnodes = [c.add_node(f"R{i}") for i in range(readers)]
         pnodes = [[c.add_node(f"P{p}r{r}") for r in range(tp)] for p in range(producers)]
         per_reader = samples * producers // readers
-        reader_argv = [sys.executable, "-m", "scripts.multinode", "--reader-node", f"0.0.0.0:{PORT}"]
+        reader_argv = [sys.executable, "-m", "scripts.bench.multinode", "--reader-node", f"0.0.0.0:{PORT}"]
         reader_argv += ["--samples", str(per_reader), "--pool-mib", str(pool_mib)]
         rprocs = [c.run(n, reader_argv, env=env) for n in rnodes]
         for p in rprocs:
@@ -91,7 +91,7 @@ def scenario(
                 f = work / f"tp{tp}-p{pi}-r{r}.json"
                 f.write_text(json.dumps(spec))
                 rank_procs.append(
-                    c.run(node, [sys.executable, "-m", "scripts.harness_rank", str(f)], env=env)
+                    c.run(node, [sys.executable, "-m", "scripts.support.harness_rank", str(f)], env=env)
                 )
         ranks = [_json_line(p, 900) for p in rank_procs]
         reads = [_json_line(p, 300) for p in rprocs]

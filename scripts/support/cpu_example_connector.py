@@ -1,6 +1,6 @@
 """vLLM's ExampleHiddenStatesConnector made CPU-safe, as a module vLLM can load by
 ``kv_connector_module_path`` (``"kv_connector": "CpuExampleHiddenStatesConnector",
-"kv_connector_module_path": "scripts.cpu_example_connector"``).
+"kv_connector_module_path": "scripts.support.cpu_example_connector"``).
 
 The stock connector needs CUDA in two steps: its device-to-host copy (pinned memory on a
 CUDA stream) becomes a plain gather on CPU, and the CUDA event ``get_finished`` polls

@@ -1,26 +1,27 @@
-"""``scripts.bench_pull``'s ``pull_read_over_raw`` arms at a tiny size (real producer and
+"""``scripts.bench.pull.read``'s ``pull_read_over_raw`` arms at a tiny size (real producer and
 consumer processes, real NIXL): each round moves the bytes it claims, byte-exact against
 the producer's cache (the pull arm through ``PullClient``, the raw arm with plain READs),
 a pull round leaves nothing held, both with the integrity checks on and off, and both
-processes are gone afterwards. The figures themselves are ``python -m scripts.bench_pull``'s."""
+processes are gone afterwards. The figures themselves are ``python -m scripts.bench.pull``'s."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts import bench_pull as bp
+from scripts.bench.pull.read import PullVsRaw, bench_read
+from scripts.bench.pull.shape import BLOCK, LAYER_IDS
 
 pytestmark = pytest.mark.integration
 
 HIDDEN = 256
-TOKENS = 3 * bp.BLOCK - 5  # a partly filled last block
+TOKENS = 3 * BLOCK - 5  # a partly filled last block
 SAMPLES = 3
 
 
 @pytest.mark.parametrize("checks", [True, False])
 def test_both_arms_read_every_byte_of_the_cache(checks: bool) -> None:
-    block_bytes = bp.BLOCK * len(bp.LAYER_IDS) * HIDDEN * 2
-    b = bp.PullVsRaw(samples=SAMPLES, tokens=TOKENS, hidden=HIDDEN, in_flight=2, verify=True, checks=checks)
+    block_bytes = BLOCK * len(LAYER_IDS) * HIDDEN * 2
+    b = PullVsRaw(samples=SAMPLES, tokens=TOKENS, hidden=HIDDEN, in_flight=2, verify=True, checks=checks)
     try:
         assert len(b.expected) == SAMPLES  # each sample's bytes, from the producer's cache
         arms = (b.pull, b.raw, b.raw, b.pull, b.raw_checked)  # digests compared inside
@@ -36,7 +37,7 @@ def test_both_arms_read_every_byte_of_the_cache(checks: bool) -> None:
 
 
 def test_the_read_figure_comes_from_pairs() -> None:
-    out = bp.bench_read(pairs=1, warmup=0, samples=2, tokens=TOKENS, hidden=HIDDEN, in_flight=2)
+    out = bench_read(pairs=1, warmup=0, samples=2, tokens=TOKENS, hidden=HIDDEN, in_flight=2)
     assert out["pull_read_over_raw"] > 0 and out["range"][0] <= out["pull_read_over_raw"] <= out["range"][1]
     ceiling = out["checked_raw_over_raw"]  # raw READs with the client's checks, over plain ones
     assert ceiling > 0 and out["checked_raw_range"][0] <= ceiling <= out["checked_raw_range"][1]

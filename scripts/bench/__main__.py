@@ -1,0 +1,50 @@
+"""``make bench``: every arm in turn, each arm's result as a line as it ends, then the
+summary (``scripts.bench.summary``: the figures, their ceilings and the targets missed)
+as one JSON object, the last line printed. The first and the last lines name the machine
+and its load.
+
+    python -m scripts.bench          # about 30 minutes on 2 cores; needs an idle machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from scripts.bench.paired import machine_state
+from scripts.bench.summary import flatten, summarise
+
+
+def main() -> None:
+    argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__).parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from scripts.bench import datapath, fp8, model, step
+    from scripts.bench.pull import run as pull
+
+    start = machine_state()
+    print("machine at start:", json.dumps(start), flush=True)
+    t0 = time.time()
+    model_out = model.main()
+    print("model-level:", json.dumps(flatten(model_out)), flush=True)
+    datapath_out = datapath.main()
+    print("data path:", json.dumps(flatten(datapath_out)), flush=True)
+    steps = step.main()
+    print("per step:", json.dumps(steps), flush=True)
+    pull_out = pull.main()
+    print("pull:", json.dumps(pull_out), flush=True)
+    fp8_out = fp8.main()
+    print("fp8 files:", json.dumps(fp8_out), flush=True)
+    summary = summarise(model_out, datapath_out, steps, pull_out, fp8_out)
+    end = machine_state()
+    summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}
+    del summary["machine"]["load_avg"]
+    summary["seconds"] = round(time.time() - t0, 1)
+    print("machine at end:", json.dumps(end), flush=True)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
