@@ -169,12 +169,12 @@ def check_write(total_mib: int = 1024, chunk_mib: int = 64) -> dict[str, Any]:
 
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
-    from scripts.bench.datapath import _raw_target_proc
+    from scripts.bench.datapath import raw_target_proc
 
     chunk, n = chunk_mib << 20, total_mib // chunk_mib
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    proc = ctx.Process(target=_raw_target_proc, args=(b, total_mib << 20))
+    proc = ctx.Process(target=raw_target_proc, args=(b, total_mib << 20))
     proc.start()
     try:
         src = torch.randint(0, 256, (total_mib << 20,), dtype=torch.uint8, device="cuda")

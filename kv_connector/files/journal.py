@@ -13,7 +13,7 @@ numpy passes and sorts one 64-bit word per record: the top bits of its hash's lo
 with the record's index in the bottom bits (as many as the record count needs), so that
 one sort (numpy's SIMD sort) orders the hashes and still says where each record is. 10M
 records open in about half a second and take 8 bytes each besides the mapped file
-(``scripts/bench_journal.py``). A lookup is a binary search for the hash's top bits and
+(``scripts/bench/journal.py``). A lookup is a binary search for the hash's top bits and
 a comparison of the full 128 bits of the few records found. An exclusive ``flock`` keeps
 a second reader from writing into the same directory.
 """

@@ -36,7 +36,7 @@ from kv_connector.wire.control import ConnectionClosed, FramedConnection, format
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
-from kv_connector.wire.transport import Transport
+from kv_connector.wire.transport import Region, Transport
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,22 @@ class PullServer:
                 self._ledger.timeout_s,
             )
         return freed
+
+    @property
+    def region(self) -> Region:
+        """The cache's registration (its flat bytes, ``CacheBlocks.raw``)."""
+        return self._region
+
+    @property
+    def agent_metadata(self) -> bytes:
+        """This rank's NIXL agent's metadata (what its handshake sends a consumer)."""
+        return self._transport.metadata
+
+    def keep_progress(self, on: bool) -> None:
+        """Make the agent progress as while a consumer reads, for a peer that READs
+        outside this protocol (a benchmark's raw READ): this NIXL has no progress thread
+        of its own. Calls with True and False pair up."""
+        self._reading_changed(+1 if on else -1)
 
     @property
     def held(self) -> int:

@@ -1,5 +1,5 @@
-"""The sender's job machine (``ledger.py`` decides when; the job and its states are
-``jobs.py``'s): the events that move a job, the ends by which it leaves the ledger, and
+"""The sender's job machine (``ledger.py`` decides when; the job is ``jobs.py``'s):
+its states, the events that move a job, the ends by which it leaves the ledger, and
 the one table of its legal transitions. A job moves only through ``step`` (it stays in
 the ledger) or ``end`` (it leaves it, reported once); a transition not in the table
 raises ``IllegalJobTransition``. Pure.
@@ -34,7 +34,18 @@ from __future__ import annotations
 import enum
 
 from kv_connector.common.transitions import Transitions
-from kv_connector.sender.jobs import IllegalJobTransition, JobState
+
+
+class IllegalJobTransition(RuntimeError):
+    """The shell asked for a transition the job's state does not allow."""
+
+
+class JobState(enum.Enum):
+    WAITING = "waiting"
+    REQUESTED = "requested"
+    GRANTED = "granted"
+    WRITING = "writing"
+    WRITTEN = "written"
 
 
 class JobEnd(enum.Enum):

@@ -1,7 +1,7 @@
-"""What the sender's job ledger (``ledger.py``, whose docstring draws the machine) keeps
-and answers: a job (one request of this rank) and its states, the digest of its share,
-the failure the shell reports to the reader, and the ledger's errors. Pure data: no
-nixl, sockets, threads or clocks."""
+"""What the sender's job ledger (``ledger.py``; its machine is drawn and tabled in
+``job_states.py``) keeps and answers: a job (one request of this rank), the digest of
+its share, the failure the shell reports to the reader, and the ledger's errors. Pure
+data: no nixl, sockets, threads or clocks."""
 
 from __future__ import annotations
 
@@ -9,14 +9,11 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
+from kv_connector.sender.job_states import JobState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import Grant, Manifest
 
 log = logging.getLogger("kv_connector.sender")
-
-
-class IllegalJobTransition(RuntimeError):
-    """The shell asked for a transition the job's state does not allow."""
 
 
 class FrozenJob(Exception):
@@ -25,14 +22,6 @@ class FrozenJob(Exception):
     def __init__(self, request_id: str) -> None:
         super().__init__(request_id)
         self.request_id = request_id
-
-
-class JobState(enum.Enum):
-    WAITING = "waiting"
-    REQUESTED = "requested"
-    GRANTED = "granted"
-    WRITING = "writing"
-    WRITTEN = "written"
 
 
 class DigestState(enum.Enum):

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kv_connector.sender.job_states import JobEvent, end, step
-from kv_connector.sender.jobs import DigestState, Failure, FrozenJob, IllegalJobTransition, Job, JobState
+from kv_connector.sender.job_states import IllegalJobTransition, JobEvent, JobState, end, step
+from kv_connector.sender.jobs import DigestState, Failure, FrozenJob, Job
 from kv_connector.sender.stats import SenderMeter, SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason, SampleFailure

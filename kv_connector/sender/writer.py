@@ -17,7 +17,8 @@ import numpy as np
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import Poller
-from kv_connector.sender.jobs import Failure, Job, JobState, log_failed
+from kv_connector.sender.job_states import JobState
+from kv_connector.sender.jobs import Failure, Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason

@@ -334,7 +334,7 @@ class ExampleArm:
 
 
 # ------------------------------------------------------------------ raw NIXL (r)
-def _raw_target_proc(conn: Any, pool_bytes: int, checks: bool = False) -> None:
+def raw_target_proc(conn: Any, pool_bytes: int, checks: bool = False) -> None:
     """Registers a pool, then on ("expect", n, sample_bytes) polls until n WRITEs notified
     and answers (end time, CPU seconds spent). With ``checks``, each landed sample (the
     slot its notification names) is hashed (XXH3) on a thread of its own, as the reader's
@@ -400,7 +400,7 @@ class RawArm:
         self._hasher = ThreadPoolExecutor(1) if checks else None
         ctx = mp.get_context("spawn")
         self.conn, b = ctx.Pipe()
-        self.proc = ctx.Process(target=_raw_target_proc, args=(b, pool_bytes, checks))
+        self.proc = ctx.Process(target=raw_target_proc, args=(b, pool_bytes, checks))
         self.proc.start()
         md, addr, size = self.conn.recv()
         self.t = NixlTransport(f"raw-init-{os.getpid()}")
@@ -524,7 +524,7 @@ def isolated(fn_name: str, *args: Any) -> dict[str, float]:
 
 
 def _say(text: str) -> None:
-    print(f"[bench_datapath {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+    print(f"[bench.datapath {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:

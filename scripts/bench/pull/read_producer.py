@@ -49,9 +49,9 @@ class _Producer:
 
     def info(self) -> dict[str, Any]:
         return {
-            "metadata": self.server._transport.metadata,
-            "addr": self.server._region.addr,
-            "nbytes": self.server._region.nbytes,
+            "metadata": self.server.agent_metadata,
+            "addr": self.server.region.addr,
+            "nbytes": self.server.region.nbytes,
             "block_bytes": self.layout.block_bytes,
             "blocks": self.blocks,
             "cache_bytes": self.cache.numel() * self.cache.element_size(),
@@ -78,7 +78,7 @@ class _Producer:
         the same (this NIXL has no progress thread: a target that never polls stalls).
         ``hashed``: the samples are hashed (XXH3) on a thread of their own from now on, as
         the server hashes each share it holds in the background."""
-        self.server._reading_changed(+1 if begin else -1)
+        self.server.keep_progress(begin)
         if begin and hashed:
             threading.Thread(target=self._hash_all, daemon=True).start()
 

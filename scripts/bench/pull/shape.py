@@ -45,7 +45,7 @@ SERVER_METRICS = {  # vLLM's request-time sums (seconds, over the round's reques
 
 
 def log(msg: str) -> None:
-    print(f"[bench_pull {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[bench.pull {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def spread(values: list[float]) -> dict[str, Any]:

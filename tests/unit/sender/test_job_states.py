@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kv_connector.sender import job_states
-from kv_connector.sender.job_states import JOBS, JobEnd, JobEvent, end, step
-from kv_connector.sender.jobs import IllegalJobTransition, JobState
+from kv_connector.sender.job_states import JOBS, IllegalJobTransition, JobEnd, JobEvent, JobState, end, step
 from tests.unit.sender.test_ledger import PAGE, ledger, post, submit, to_writing
 
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_connector.sender as wing
-from kv_connector.sender.jobs import DigestState, FrozenJob, IllegalJobTransition, JobState
+from kv_connector.sender.job_states import IllegalJobTransition, JobState
+from kv_connector.sender.jobs import DigestState, FrozenJob
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.stats import SenderObservations
 from kv_connector.wire import protocol
