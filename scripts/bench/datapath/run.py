@@ -1,0 +1,89 @@
+"""The data-path pairings as ``make bench`` runs them: e against r, e0, em and b, and rc
+against r, each arm in a process of its own; ``main()`` returns the figures the summary
+reads (``scripts.bench.summary``)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scripts.bench.datapath.arm_process import ArmProcess, isolated
+from scripts.bench.datapath.shape import BLOCK, HIDDEN, TOKEN_BYTES, say
+from scripts.bench.paired import Pairs, Run, Spread, run_pairs
+
+
+def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
+    from scripts.support.vllm_harness import config_only_model
+
+    work = Path(tempfile.mkdtemp(prefix="hs-bench-"))
+    model = config_only_model(work / "wide-llama", HIDDEN, num_layers=4)
+    nb = -(-tokens // BLOCK)
+    num_blocks = 4 * nb + 1
+    pool = 4 * nb * BLOCK * TOKEN_BYTES
+    arms = {
+        "e": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool),
+        "e0": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "none"),
+        "em": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "xxh3", False),
+        "r": ArmProcess("RawArm", n_req, tokens, num_blocks, 4),
+        "rc": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, True),
+        "b": ArmProcess("ExampleArm", model, n_req, tokens, num_blocks),
+    }
+    finals: dict[str, dict[str, float]] = {}
+    try:
+        for arm in arms.values():
+            arm.ready()
+        say(f"arms ready; {pairs} pairs per ratio, {n_req} samples of {tokens} tokens a round")
+        e = arms["e"]
+        measured: dict[str, Pairs] = {}
+        for other in ("r", "e0", "em", "b"):
+            measured[other] = run_pairs(e.round, arms[other].round, pairs)
+            say(f"e vs {other}: {[round(x, 3) for x in measured[other].ratio().values]}")
+        # the machine's ceiling for e over r: raw WRITEs with XXH3 at both ends, no protocol
+        measured["rc"] = run_pairs(arms["rc"].round, arms["r"].round, pairs)
+        say(f"rc vs r: {[round(x, 3) for x in measured['rc'].ratio().values]}")
+    finally:
+        for name, arm in arms.items():
+            try:
+                finals[name] = arm.close()
+            except Exception as exc:  # report it, and close the others
+                say(f"closing {name}: {exc}")
+        shutil.rmtree(work, ignore_errors=True)
+
+    def gb(r: Run) -> float:
+        return r.gb_per_s
+
+    def per_gb(r: Run) -> float:
+        return r.cpu_s_per_gb
+
+    d = measured["r"]
+    e_runs = [r for name, p in measured.items() if name != "rc" for r in p.a]
+    out: dict[str, Any] = {
+        "d": d.ratio(gb),
+        "cpu_over_raw": d.ratio(per_gb),
+        "checksum_throughput_ratio": measured["e0"].ratio(),
+        "metrics_throughput_ratio": measured["em"].ratio(),
+        "e_over_b": measured["b"].ratio(),
+        "e_GB_per_s": Spread.of([gb(r) for r in e_runs]),
+        "e_tokens_per_s": Spread.of([r.rate for r in e_runs]),
+        "raw_nixl_GB_per_s": d.each("b", gb),
+        "b_tokens_per_s": measured["b"].each("b"),
+        "e0_GB_per_s": measured["e0"].each("b", gb),
+        "cpu_s_per_GB": Spread.of([per_gb(r) for r in e_runs]),
+        "raw_cpu_s_per_GB": d.each("b", per_gb),
+        "e0_cpu_s_per_GB": measured["e0"].each("b", per_gb),
+        "xxh3_ceiling": measured["rc"].ratio(gb),
+        "xxh3_cpu_floor": measured["rc"].ratio(per_gb),
+    }
+    for end in ("producer", "reader"):
+        key = f"{end}_cpu_s"
+        out[f"{end}_cpu_s_per_GB"] = Spread.of([r.detail[key] / (r.nbytes / 1e9) for r in e_runs])
+        out[f"e0_{end}_cpu_s_per_GB"] = Spread.of(
+            [r.detail[key] / (r.nbytes / 1e9) for r in measured["e0"].b]
+        )
+        out[f"raw_{end}_cpu_s_per_GB"] = Spread.of([r.detail[key] / (r.nbytes / 1e9) for r in d.b])
+    out["e_final"] = finals.get("e", {})
+    vc = isolated("bench_values_check", tokens)
+    out["values_check"] = vc
+    return out
