@@ -19,10 +19,24 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="hs-bench-"))
     model = config_only_model(work / "wide-llama", HIDDEN, num_layers=4)
+    arms = _start_arms(model, n_req, tokens)
+    try:
+        measured = _measure(arms, n_req, tokens, pairs)
+    finally:
+        finals = _close(arms)
+        shutil.rmtree(work, ignore_errors=True)
+    out = _figures(measured)
+    out["e_final"] = finals.get("e", {})
+    out["values_check"] = isolated("bench_values_check", tokens)
+    return out
+
+
+def _start_arms(model: Path, n_req: int, tokens: int) -> dict[str, ArmProcess]:
+    """Every arm's processes, started together (each builds its arm while the others do)."""
     nb = -(-tokens // BLOCK)
     num_blocks = 4 * nb + 1
     pool = 4 * nb * BLOCK * TOKEN_BYTES
-    arms = {
+    return {
         "e": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool),
         "e0": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "none"),
         "em": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "xxh3", False),
@@ -30,51 +44,63 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
         "rc": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, True),
         "b": ArmProcess("ExampleArm", model, n_req, tokens, num_blocks),
     }
+
+
+def _measure(arms: dict[str, ArmProcess], n_req: int, tokens: int, pairs: int) -> dict[str, Pairs]:
+    """e against r, e0, em and b in pairs; then rc against r."""
+    for arm in arms.values():
+        arm.ready()
+    say(f"arms ready; {pairs} pairs per ratio, {n_req} samples of {tokens} tokens a round")
+    e = arms["e"]
+    measured: dict[str, Pairs] = {}
+    for other in ("r", "e0", "em", "b"):
+        measured[other] = run_pairs(e.round, arms[other].round, pairs)
+        say(f"e vs {other}: {[round(x, 3) for x in measured[other].ratio().values]}")
+    # the machine's ceiling for e over r: raw WRITEs with XXH3 at both ends, no protocol
+    measured["rc"] = run_pairs(arms["rc"].round, arms["r"].round, pairs)
+    say(f"rc vs r: {[round(x, 3) for x in measured['rc'].ratio().values]}")
+    return measured
+
+
+def _close(arms: dict[str, ArmProcess]) -> dict[str, dict[str, float]]:
+    """Every arm closed, a failure reported and the others closed still: their closing reports."""
     finals: dict[str, dict[str, float]] = {}
-    try:
-        for arm in arms.values():
-            arm.ready()
-        say(f"arms ready; {pairs} pairs per ratio, {n_req} samples of {tokens} tokens a round")
-        e = arms["e"]
-        measured: dict[str, Pairs] = {}
-        for other in ("r", "e0", "em", "b"):
-            measured[other] = run_pairs(e.round, arms[other].round, pairs)
-            say(f"e vs {other}: {[round(x, 3) for x in measured[other].ratio().values]}")
-        # the machine's ceiling for e over r: raw WRITEs with XXH3 at both ends, no protocol
-        measured["rc"] = run_pairs(arms["rc"].round, arms["r"].round, pairs)
-        say(f"rc vs r: {[round(x, 3) for x in measured['rc'].ratio().values]}")
-    finally:
-        for name, arm in arms.items():
-            try:
-                finals[name] = arm.close()
-            except Exception as exc:  # report it, and close the others
-                say(f"closing {name}: {exc}")
-        shutil.rmtree(work, ignore_errors=True)
+    for name, arm in arms.items():
+        try:
+            finals[name] = arm.close()
+        except Exception as exc:  # report it, and close the others
+            say(f"closing {name}: {exc}")
+    return finals
 
-    def gb(r: Run) -> float:
-        return r.gb_per_s
 
-    def per_gb(r: Run) -> float:
-        return r.cpu_s_per_gb
+def _gb(r: Run) -> float:
+    return r.gb_per_s
 
+
+def _per_gb(r: Run) -> float:
+    return r.cpu_s_per_gb
+
+
+def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
+    """The ratios and rates the summary reads, from the pairs as measured."""
     d = measured["r"]
     e_runs = [r for name, p in measured.items() if name != "rc" for r in p.a]
     out: dict[str, Any] = {
-        "d": d.ratio(gb),
-        "cpu_over_raw": d.ratio(per_gb),
+        "d": d.ratio(_gb),
+        "cpu_over_raw": d.ratio(_per_gb),
         "checksum_throughput_ratio": measured["e0"].ratio(),
         "metrics_throughput_ratio": measured["em"].ratio(),
         "e_over_b": measured["b"].ratio(),
-        "e_GB_per_s": Spread.of([gb(r) for r in e_runs]),
+        "e_GB_per_s": Spread.of([_gb(r) for r in e_runs]),
         "e_tokens_per_s": Spread.of([r.rate for r in e_runs]),
-        "raw_nixl_GB_per_s": d.each("b", gb),
+        "raw_nixl_GB_per_s": d.each("b", _gb),
         "b_tokens_per_s": measured["b"].each("b"),
-        "e0_GB_per_s": measured["e0"].each("b", gb),
-        "cpu_s_per_GB": Spread.of([per_gb(r) for r in e_runs]),
-        "raw_cpu_s_per_GB": d.each("b", per_gb),
-        "e0_cpu_s_per_GB": measured["e0"].each("b", per_gb),
-        "xxh3_ceiling": measured["rc"].ratio(gb),
-        "xxh3_cpu_floor": measured["rc"].ratio(per_gb),
+        "e0_GB_per_s": measured["e0"].each("b", _gb),
+        "cpu_s_per_GB": Spread.of([_per_gb(r) for r in e_runs]),
+        "raw_cpu_s_per_GB": d.each("b", _per_gb),
+        "e0_cpu_s_per_GB": measured["e0"].each("b", _per_gb),
+        "xxh3_ceiling": measured["rc"].ratio(_gb),
+        "xxh3_cpu_floor": measured["rc"].ratio(_per_gb),
     }
     for end in ("producer", "reader"):
         key = f"{end}_cpu_s"
@@ -83,7 +109,4 @@ def main(n_req: int = 48, tokens: int = 2048, pairs: int = 7) -> dict[str, Any]:
             [r.detail[key] / (r.nbytes / 1e9) for r in measured["e0"].b]
         )
         out[f"raw_{end}_cpu_s_per_GB"] = Spread.of([r.detail[key] / (r.nbytes / 1e9) for r in d.b])
-    out["e_final"] = finals.get("e", {})
-    vc = isolated("bench_values_check", tokens)
-    out["values_check"] = vc
     return out
