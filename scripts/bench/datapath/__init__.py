@@ -31,6 +31,9 @@ the target process the GPU check borrows), ``drive`` (how e and b feed a harness
 ``values`` (the values check), ``arm_process`` (each arm in a process of its own, run a
 round at a time; the arms it can build by name), ``shape`` (the sizes all share) and
 ``run`` (the pairings and their figures, as ``make bench`` runs them).
+
+``python -m scripts.bench.datapath`` prints progress to stderr and the result JSON (the keys
+of ``make bench``'s "data path:" line) as its last stdout line.
 """
 
 from scripts.bench.datapath.arm_process import ArmProcess, isolated, one_round
