@@ -27,13 +27,34 @@ BLOCK = 128
 
 
 def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]:
+    rank, tables, _worker = _start(context, n_req, steps)
+    stats_s: list[float] = []
+
+    def step(first: bool, pos: int) -> tuple[float, int]:
+        out, slots = _schedule(tables, first, pos, context, steps)
+        return _timed_step(rank, out, slots, stats_s)
+
+    step(True, context)
+    times, sizes = [], []
+    for k in range(steps):
+        dt, size = step(False, context + 1 + k)
+        times.append(dt)
+        sizes.append(size)
+    rank.shutdown()
+    return {
+        "step_ms": statistics.median(times) * 1e3,
+        "metadata_bytes": statistics.median(sizes),
+        "stats_us": statistics.median(stats_s[1:]) * 1e6,  # both roles' stats, in step_ms
+    }
+
+
+def _start(context: int, n_req: int, steps: int) -> tuple[Any, dict[str, list[int]], Any]:
+    """A harness rank with the real connector, ``n_req`` requests known to its scheduler
+    side, and their block tables; and vLLM's worker, which must outlive the measurement."""
     import tempfile
     from pathlib import Path
 
     from vllm import SamplingParams
-    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionMetadata
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from kv_connector.connector import HiddenStatesConnector
@@ -50,69 +71,74 @@ def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]
         "kv_connector_extra_config": {"consumer_address": "127.0.0.1:9", "include_output_tokens": True},
     }
     cfg = engine_config(model, LAYERS, ktc, max_model_len=context + steps + 8)
-    _worker = start_worker(cfg)
+    worker = start_worker(cfg)
     rank = ProducerRank(cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK, zero=False)
-    sched, worker = rank.scheduler, rank.worker
     tables = {
         f"r{i}": list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)) for i in range(n_req)
     }
     for rid in tables:
         req = Request(rid, [1] * context, SamplingParams(max_tokens=steps + 2), None)
-        sched.on_new_request(req)
+        rank.scheduler.on_new_request(req)
+    return rank, tables, worker
 
-    stats_s: list[float] = []
 
-    def step(first: bool, pos: int) -> tuple[float, int]:
-        out = SchedulerOutput.make_empty()
-        cached = CachedRequestData.make_empty()
-        for rid, table in tables.items():
-            if first:
-                out.scheduled_new_reqs.append(
-                    NewRequestData(
-                        req_id=rid, prompt_token_ids=[1] * context, mm_features=[],
-                        sampling_params=SamplingParams(max_tokens=steps + 2), pooling_params=None,
-                        block_ids=(list(table),), num_computed_tokens=pos, lora_request=None,
-                    )
-                )  # fmt: skip
-            else:
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append(None)
-                cached.num_computed_tokens.append(pos)
-                cached.num_output_tokens.append(pos - context)
-            out.num_scheduled_tokens[rid] = 1
-        out.scheduled_cached_reqs = cached
-        out.total_num_scheduled_tokens = n_req
-        slots = torch.tensor([t[pos // BLOCK] * BLOCK + pos % BLOCK for t in tables.values()])
-        t0 = time.perf_counter()
-        meta = sched.build_connector_meta(out)
-        size = len(pickle.dumps(meta))
-        worker.bind_connector_metadata(meta)
-        worker.save_kv_layer(rank.layer_name, rank.kv, CacheOnlyAttentionMetadata(slots))
-        worker.wait_for_save()
-        worker.get_finished(set())
-        t1 = time.perf_counter()
-        worker.get_kv_connector_stats()  # vLLM takes both roles' stats every step
-        dt = time.perf_counter() - t1
-        report = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
-        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
-        t1 = time.perf_counter()
-        sched.get_kv_connector_stats()
-        stats_s.append(dt + time.perf_counter() - t1)
-        return time.perf_counter() - t0, size
+def _schedule(
+    tables: dict[str, list[int]], first: bool, pos: int, context: int, steps: int
+) -> tuple[Any, torch.Tensor]:
+    """The step's ``SchedulerOutput`` (one token of every request, at ``pos``: the first step
+    carries the requests new, with their whole block tables, the others cached) and the
+    cache slot of each request's token."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-    step(True, context)
-    times, sizes = [], []
-    for k in range(steps):
-        dt, size = step(False, context + 1 + k)
-        times.append(dt)
-        sizes.append(size)
-    rank.shutdown()
-    return {
-        "step_ms": statistics.median(times) * 1e3,
-        "metadata_bytes": statistics.median(sizes),
-        "stats_us": statistics.median(stats_s[1:]) * 1e6,  # both roles' stats, in step_ms
-    }
+    out = SchedulerOutput.make_empty()
+    cached = CachedRequestData.make_empty()
+    for rid, table in tables.items():
+        if first:
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=rid, prompt_token_ids=[1] * context, mm_features=[],
+                    sampling_params=SamplingParams(max_tokens=steps + 2), pooling_params=None,
+                    block_ids=(list(table),), num_computed_tokens=pos, lora_request=None,
+                )
+            )  # fmt: skip
+        else:
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(None)
+            cached.num_computed_tokens.append(pos)
+            cached.num_output_tokens.append(pos - context)
+        out.num_scheduled_tokens[rid] = 1
+    out.scheduled_cached_reqs = cached
+    out.total_num_scheduled_tokens = len(tables)
+    slots = torch.tensor([t[pos // BLOCK] * BLOCK + pos % BLOCK for t in tables.values()])
+    return out, slots
+
+
+def _timed_step(rank: Any, out: Any, slots: torch.Tensor, stats_s: list[float]) -> tuple[float, int]:
+    """One engine step of the connector's hooks on both sides, timed, and its metadata's
+    size as vLLM ships it (pickled); both roles' stats, taken every step as vLLM does, are
+    timed apart into ``stats_s`` (and counted in the step's time too)."""
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    sched, worker = rank.scheduler, rank.worker
+    t0 = time.perf_counter()
+    meta = sched.build_connector_meta(out)
+    size = len(pickle.dumps(meta))
+    worker.bind_connector_metadata(meta)
+    worker.save_kv_layer(rank.layer_name, rank.kv, CacheOnlyAttentionMetadata(slots))
+    worker.wait_for_save()
+    worker.get_finished(set())
+    t1 = time.perf_counter()
+    worker.get_kv_connector_stats()  # vLLM takes both roles' stats every step
+    dt = time.perf_counter() - t1
+    report = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+    t1 = time.perf_counter()
+    sched.get_kv_connector_stats()
+    stats_s.append(dt + time.perf_counter() - t1)
+    return time.perf_counter() - t0, size
 
 
 def main() -> dict[str, Any]:
