@@ -169,7 +169,7 @@ def check_write(total_mib: int = 1024, chunk_mib: int = 64) -> dict[str, Any]:
 
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
-    from scripts.bench.datapath import raw_target_proc
+    from scripts.bench.datapath.raw import raw_target_proc
 
     chunk, n = chunk_mib << 20, total_mib // chunk_mib
     ctx = mp.get_context("spawn")
