@@ -29,12 +29,19 @@ class DeviceEvent(Protocol):
         """True once the work recorded before it is done."""
         ...
 
+    def synchronize(self) -> None:
+        """Until the work recorded before it is done."""
+        ...
+
 
 class HostDone:
     """The stand-in for a CUDA event where the work ran on the host: always done."""
 
     def query(self) -> bool:
         return True
+
+    def synchronize(self) -> None:
+        pass
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

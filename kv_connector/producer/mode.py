@@ -17,6 +17,7 @@ import torch
 from kv_connector.producer.planning import ShipOrder
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure
 from kv_connector.wire.identity import SampleIdentity
@@ -60,11 +61,19 @@ class WorkerMode(Protocol):
         """Where the samples go, for the start-up log line."""
         ...
 
-    def ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None, told_finished: bool) -> None:
+    def ship(
+        self,
+        order: ShipOrder,
+        blocks: list[int],
+        gate: StepGate | None,
+        told_finished: bool,
+        words: Fingerprinted | None,
+    ) -> None:
         """Deliver one computed sample from ``blocks`` (``wait_for_save``); nothing reads
         them before ``gate`` (None: the step is done and checked) says so.
-        ``told_finished``: the scheduler already said its request finished. ValueError
-        or SenderError: it cannot be delivered (nothing was queued)."""
+        ``told_finished``: the scheduler already said its request finished; ``words``: its
+        fingerprint words as its steps took them. ValueError or SenderError: it cannot be
+        delivered (nothing was queued)."""
         ...
 
     def refuse(self, order: ShipOrder, why: str) -> None:

@@ -35,27 +35,30 @@ class ChecksumOption(str, enum.Enum):
     """The ``checksum`` option: what a user may ask for, resolved per rank into the one
     ``ShareChecksum`` (or None) it ships with."""
 
-    AUTO = "auto"  # XXH3 for a cache in host memory, BLOCKS for one on a GPU
-    XXH3 = "xxh3"  # each rank sends the XXH3-64 of its share's bytes; the reader checks it
-    BLOCKS = "blocks"  # the XXH3-64 of per-block digests computed where the cache is
+    AUTO = "auto"  # FINGERPRINT where rows are whole 8-byte words; else XXH3 (host) or BLOCKS (GPU)
+    FINGERPRINT = "fingerprint"  # a few words of every token slot, taken in the step that wrote it
+    XXH3 = "xxh3"  # diagnostic: each rank sends the XXH3-64 of its share's bytes; the reader checks it
+    BLOCKS = "blocks"  # diagnostic: the XXH3-64 of per-block digests computed where the cache is
     NONE = "none"
 
     def resolve(self, device_cache: bool, layout: BlockLayout) -> ShareChecksum | None:
         """How a rank whose cache has ``layout`` (on a device or not) computes its shares'
-        checksums (None: it sends none): as asked, or by default block digests where its
-        cache is on a GPU and its rows are whole 8-byte words (``block_digest.supported``;
-        otherwise the share is staged and hashed as bytes). ValueError when block digests
-        are asked of rows they cannot read."""
+        checksums (None: it sends none): as asked, or by default fingerprints taken in the
+        step that wrote each slot, where its rows are whole 8-byte words
+        (``fingerprint.supported``); otherwise XXH3 of the bytes (a GPU cache's share
+        staged to host memory). ValueError when a record is asked of rows it cannot read."""
         whole_words = block_digest.supported(layout)
         if self is ChecksumOption.NONE:
             return None
-        if self is ChecksumOption.BLOCKS and not whole_words:
+        if self in (ChecksumOption.BLOCKS, ChecksumOption.FINGERPRINT) and not whole_words:
             raise ValueError(
-                f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} "
-                'is not (use "checksum": "xxh3")'
+                f"{self.value} checksums need rows of whole 8-byte words; {layout.hidden_size} x "
+                f'{layout.dtype} is not (use "checksum": "xxh3")'
             )
-        if self is ChecksumOption.BLOCKS or (self is ChecksumOption.AUTO and device_cache and whole_words):
+        if self is ChecksumOption.BLOCKS:
             return ShareChecksum.BLOCKS
+        if self is ChecksumOption.FINGERPRINT or (self is ChecksumOption.AUTO and whole_words):
+            return ShareChecksum.FINGERPRINT
         return ShareChecksum.XXH3
 
 
@@ -119,12 +122,16 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     drain_timeout_s: at shutdown, how long to wait for samples still in flight.
     include_output_tokens: ship output tokens too, for every request (a request can
     also ask with ``kv_transfer_params={"include_output_tokens": true}``).
-    checksum: each rank sends a checksum of its share after its WRITE and the reader checks
-    it. "auto" (default): "xxh3" for a cache in host memory, "blocks" for one on a GPU;
-    "xxh3": XXH3-64 of the share's bytes (a GPU cache's share is staged to host memory
-    once for it); "blocks": XXH3-64 of per-block digests computed with torch where the
-    cache is (``block_digest``; 8 bytes per block reach the host, the reader recomputes
-    them on CPU); "none" skips it.
+    checksum: each rank sends an integrity record of its share and the reader checks it on
+    what landed, before the sample is handed out. "auto" (default): "fingerprint" where a
+    layer's row is a whole number of 8-byte words, else "xxh3"; "fingerprint": XXH3-64
+    over a few words of every token slot of every layer, taken with torch where the cache
+    is in the engine step that wrote the slot (``wire.fingerprint``: catches slots read
+    from the wrong blocks and blocks changed after they were written, for ~0.1% of the
+    bytes); diagnostic modes, every byte hashed at both ends: "xxh3" (XXH3-64 of the
+    share's bytes; a GPU cache's share is staged to host memory once for it), "blocks"
+    (XXH3-64 of per-block digests computed with torch where the cache is,
+    ``block_digest``); "none" skips it.
     sample_timeout_s: a sample granted pages at the reader and not acknowledged this long
     after fails, and the reader drops it (default 300).
     preempt_timeout_s: how long a preempted request's share may hold the engine step to be

@@ -21,6 +21,7 @@ from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.handle import PullHandle, make_nonce
@@ -60,12 +61,19 @@ class PullWorker:
             f"{self.options.pull_timeout_s:.0f} s"
         )
 
-    def ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None, told_finished: bool) -> None:
+    def ship(
+        self,
+        order: ShipOrder,
+        blocks: list[int],
+        gate: StepGate | None,
+        told_finished: bool,
+        words: Fingerprinted | None,
+    ) -> None:
         """Hold the sample for consumers. It is fetched only after its request finished,
         steps after the one that wrote it (``gate`` is done by then)."""
         ident = order.identity
         s = self._server
-        s.hold(order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata)
+        s.hold(order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata, words)
         if told_finished:  # told first (its request ships its output tokens)
             s.finished([order.request_id])
 

@@ -29,7 +29,7 @@ import torch
 
 from kv_connector.common.device import on_device
 from kv_connector.producer.pull_ledger import Held, PullLedger, PullRefused
-from kv_connector.sender.cache_blocks import CacheBlocks
+from kv_connector.sender.cache_blocks import CacheBlocks, Fingerprinted
 from kv_connector.sender.hasher import Hasher
 from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address, is_loopback
@@ -127,6 +127,8 @@ class PullServer:
         self._prehash = checksum is ShareChecksum.XXH3 and cache.device.type == "cpu"
         self._hasher: Hasher | None = None  # started on the first finished sample
         self._hashing: dict[tuple[str, str], concurrent.futures.Future[int]] = {}
+        # each held sample's fingerprint words (with its nonce), until its hold ends
+        self._words: dict[str, tuple[str, Fingerprinted]] = {}
         self._conns: set[FramedConnection] = set()
         self._closed = False
         # consumers that fetched and did not release yet: they may be reading, and a READ
@@ -155,16 +157,20 @@ class PullServer:
         block_ids: Sequence[int],
         sample_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        words: Fingerprinted | None = None,
     ) -> None:
         """Hold a computed sample for consumers: ``block_ids`` are the cache blocks of its
-        tokens in block-table order. ``ValueError`` if it cannot be served (its id, its
-        identity, its blocks): nothing is held then."""
+        tokens in block-table order; ``words`` its fingerprint words as its steps took them
+        (its record when this rank's checksum is FINGERPRINT). ``ValueError`` if it cannot
+        be served (its id, its identity, its blocks): nothing is held then."""
         ident = make_identity(sample_id, metadata)
         s = self.blocks.share_of(
             request_id, token_ids, block_ids, self.layer_ids, ident, self.rank, self.world_size
         )
         with self._lock:
             self._ledger.hold(request_id, nonce, s.manifest, s.block_ids, s.share, self._clock())
+            if words is not None:
+                self._words[request_id] = (nonce, words)
             self._held.notify_all()
 
     def finished(self, request_ids: Iterable[str]) -> None:
@@ -222,6 +228,8 @@ class PullServer:
         with self._lock:
             expired = self._ledger.expire(self._clock())
             freed = self._ledger.take_freed()
+            for rid in freed:
+                self._words.pop(rid, None)
         for rid in expired:
             log.warning(
                 "pull: sample %s was not released within pull_timeout_s (%.0f s): its blocks are freed",
@@ -425,8 +433,10 @@ class PullServer:
                 self._held.wait(left)
 
     def _share_checksum(self, h: Held) -> int:
-        """The checksum of this rank's share, read from the cache while it is held
-        (``CacheBlocks.record``). The handle is out only once the step that wrote the
-        blocks returned, so they are written."""
+        """The checksum of this rank's share (``CacheBlocks.record``): its fingerprint from
+        the words its steps took, or read from the cache while it is held. The handle is
+        out only once the step that wrote the blocks returned, so they are written."""
         assert self._checksum is not None
-        return self.blocks.record(self._checksum, h)
+        with self._lock:
+            nonce, words = self._words.get(h.request_id, ("", None))
+        return self.blocks.record(self._checksum, h, words if nonce == h.nonce else None)

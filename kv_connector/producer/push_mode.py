@@ -20,6 +20,7 @@ from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure
@@ -56,9 +57,16 @@ class PushWorker:
     def describe(self) -> str:
         return f"shipping to {', '.join(self.options.readers)}"
 
-    def ship(self, order: ShipOrder, blocks: list[int], gate: StepGate | None, told_finished: bool) -> None:
+    def ship(
+        self,
+        order: ShipOrder,
+        blocks: list[int],
+        gate: StepGate | None,
+        told_finished: bool,
+        words: Fingerprinted | None,
+    ) -> None:
         sender = self._sender_of(order.reader)
-        sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate)
+        sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate, words=words)
 
     def refuse(self, order: ShipOrder, why: str) -> None:
         pass  # no reader was told of it: the scheduler's outcome says why

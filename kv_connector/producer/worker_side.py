@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.mode import RankCache, WorkerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
@@ -20,6 +21,7 @@ from kv_connector.producer.push_mode import PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import WorkerReport
+from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
@@ -35,6 +37,7 @@ CHECKSUM_NAMES = {
     None: "none",
     ShareChecksum.XXH3: "XXH3 of the bytes",
     ShareChecksum.BLOCKS: "block digests",
+    ShareChecksum.FINGERPRINT: "fingerprints taken in the step that wrote each slot",
 }
 
 
@@ -61,6 +64,8 @@ class WorkerSide:
         self.asleep = False
         self.mode: WorkerMode | None = None  # the delivery mode, once the cache is registered
         self.recorder: BlockRecorder | None = None
+        # the fingerprint words each step's slots give (FINGERPRINT records), where the cache is
+        self.fingerprints: Fingerprints | None = None
         self.checks: SlotChecks | None = None  # the steps' slot mappings, checked off the critical path
         self._slots: torch.Tensor | None = None
         self._shipped: set[str] = set()
@@ -107,6 +112,8 @@ class WorkerSide:
         checksum = CHECKSUM_NAMES[share_checksum]
         self.metrics = WorkerStats(rank)
         self.recorder = BlockRecorder(block_size)
+        if share_checksum is ShareChecksum.FINGERPRINT:
+            self.fingerprints = Fingerprints(CacheBlocks(cache, block_layout), block_size)
         self.checks = SlotChecks(block_size)
         atexit.register(self.shutdown)
         if view.padded(len(self.layer_ids), hidden):
@@ -153,13 +160,15 @@ class WorkerSide:
             return
         mode.drop(plan.drops)
         for rid in plan.resets:
-            self.recorder.forget(rid)
+            self._forget(rid)
         errors: dict[str, str] = {}
         gate: StepGate | None = None
         if plan.slices and self._slots is None:
             errors = {sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices}
         elif plan.slices or plan.ships:
             expected, errors = self.recorder.expect(plan.slices)
+            if self.fingerprints is not None:
+                self.fingerprints.take(expected)  # the words of the slots this step wrote, now
             gate = self.checks.add(self._slots if plan.slices else None, expected)
         self._slots = None
         errors.update(self.checks.settle())  # on the host: this step's check, now
@@ -176,7 +185,9 @@ class WorkerSide:
                 done, wrong = gate.poll(rid) if gate is not None else (True, None)
                 if wrong is not None:
                     raise SlotMismatch(wrong)
-                mode.ship(order, blocks, None if done else gate, rid in self._finished_by_scheduler)
+                fp = self.fingerprints
+                words = fp.ship(rid, len(order.token_ids), blocks) if fp is not None else None
+                mode.ship(order, blocks, None if done else gate, rid in self._finished_by_scheduler, words)
                 self._shipped.add(rid)
                 self.metrics.shipped()
             except (SlotMismatch, ValueError, SenderError) as e:
@@ -185,7 +196,14 @@ class WorkerSide:
                 self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
                 mode.refuse(order, str(e))
                 self._done.add(rid)
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """What the step path keeps of a request it no longer follows (its blocks, its words)."""
+        if self.recorder is not None:
             self.recorder.forget(rid)
+        if self.fingerprints is not None:
+            self.fingerprints.forget(rid)
 
     def _fail_unshipped(self, rid: str, why: str) -> None:
         """A slice of the request was not written where its block table says (or not at
@@ -216,6 +234,8 @@ class WorkerSide:
         if not self.asleep or self.cache is None or self.mode is None:
             return
         self.mode.wake(self.cache)
+        if self.fingerprints is not None:
+            self.fingerprints.blocks.rebind(self.cache)
         self.asleep = False
         log.info("rank %d: awake; the cache is registered again", self.rank)
 
@@ -226,9 +246,8 @@ class WorkerSide:
         shipped from reused blocks, and a full or hung reader holds the step no longer."""
         if plan is None or not plan.preempted or self.mode is None:
             return
-        if self.recorder is not None:
-            for rid in plan.preempted:
-                self.recorder.forget(rid)
+        for rid in plan.preempted:
+            self._forget(rid)
         for rid, failure in self.mode.preempt(plan.preempted, self._shipped).items():
             self._failed[rid] = failure.why
             self._note_failure(rid, failure)
@@ -249,8 +268,7 @@ class WorkerSide:
         self._finished_by_scheduler |= finished_req_ids & followed
         for rid in finished_req_ids - followed:
             self._failed.pop(rid, None)
-            if self.recorder is not None:
-                self.recorder.forget(rid)
+            self._forget(rid)
             if self.checks is not None:
                 self.checks.forget(rid)
         mode.finished(finished_req_ids & self._shipped)

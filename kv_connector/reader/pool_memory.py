@@ -38,6 +38,7 @@ from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
 from kv_connector.reader.values import find_bad_values
+from kv_connector.wire import fingerprint
 from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
 from kv_connector.wire.integrity import sample_checksum
 from kv_connector.wire.protocol import Manifest, ShareChecksum
@@ -131,11 +132,13 @@ class PoolMemory(Protocol):
 def pool_checksum(pool: memoryview, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
     """The checksum of a share (``blocks``, indices in the sample) recomputed from host
     memory whose run of the sample starts at byte ``base``, as ``kind`` says: XXH3-64 of
-    its bytes (``integrity``), or of its block digests recomputed on the host
-    (``block_digest``)."""
-    if kind is ShareChecksum.BLOCKS:
+    its bytes (``integrity``), of its block digests recomputed on the host
+    (``block_digest``), or of the words its fingerprint samples (``fingerprint``)."""
+    if kind in (ShareChecksum.BLOCKS, ShareChecksum.FINGERPRINT):
         n = m.geometry.sample_bytes(m.num_blocks)
         states = sample_view(torch.frombuffer(pool, dtype=torch.uint8, offset=base, count=n), m)
+        if kind is ShareChecksum.FINGERPRINT:
+            return fingerprint.states_record(states, m, blocks)
         return share_digest(m, blocks, sample_block_digests(states, m, blocks))
     return sample_checksum(pool, base, m, blocks)
 
@@ -247,6 +250,8 @@ class DevicePool:
     def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
         run = run_of(self.tensor, base, m)
         with self._side():
+            if kind is ShareChecksum.FINGERPRINT:  # a gather of its sampled words, on the device
+                return fingerprint.states_record(sample_view(run, m), m, blocks)
             if kind is ShareChecksum.BLOCKS:
                 return share_digest(m, blocks, states_block_digests(sample_view(run, m), m, blocks))
             host = run.cpu()  # XXH3 reads host bytes: one copy of the sample

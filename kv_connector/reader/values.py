@@ -1,11 +1,13 @@
-"""Sanity of a sample's hidden states: non-finite values (NaN, Inf) and tokens whose states
-are all zero, each named by token and layer.
+"""Sanity of a sample's hidden states: non-finite values (NaN, Inf), tokens whose states
+are all zero, and captured layers that are all zero over the whole sample, each named by
+token and layer.
 
 An all-zero token is the silent failure of a cache row the forward pass never wrote
 (vLLM PR 46301 shipped such states on hybrid models): real hidden states are never
 exactly zero in every captured layer at once. A token is reported when all of its
-captured layers are zero; one zero layer alone (an embedding row of zeros, layer id 0) is
-not an error.
+captured layers are zero; one zero layer of one token alone (an embedding row of zeros,
+layer id 0) is not an error, but a captured layer that is zero at every token of a
+sample of two tokens or more is (a layer the extraction never wrote).
 
 Pure: torch only. The check reads the sample where it lies (a strided view of the pool
 too), a bounded chunk of tokens at a time, with one pass: the sum of each token's row in
@@ -30,8 +32,9 @@ class BadValues(ValueError):
 
 
 def find_bad_values(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
-    """None when ``hidden_states`` [T, L, H] (any dtype, any strides) are all finite and
-    no token is zero in every layer; else what is wrong, by token and layer id."""
+    """None when ``hidden_states`` [T, L, H] (any dtype, any strides) are all finite, no
+    token is zero in every layer and no layer is zero at every token (T >= 2); else what
+    is wrong, by token and layer id."""
     if hidden_states.dim() != 3 or hidden_states.shape[1] != len(layer_ids):
         raise ValueError(f"hidden_states {tuple(hidden_states.shape)} for {len(layer_ids)} layer ids")
     t_total, n_layers, hidden = hidden_states.shape
@@ -42,10 +45,12 @@ def find_bad_values(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> st
     wide = None if hidden_states.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
     non_finite: list[tuple[int, list[int]]] = []  # (token, layer ids)
     zero: list[int] = []
+    alive = torch.zeros(n_layers, dtype=torch.bool, device=hidden_states.device)  # a non-zero sum seen
     n_non_finite = n_zero = 0
     for t0 in range(0, t_total, step):
         chunk = hidden_states[t0 : t0 + step]
         sums = chunk.sum(dim=2) if wide is None else chunk.to(wide).sum(dim=2)  # [t, L]
+        alive |= (sums != 0).any(dim=0)
         suspect = ~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)
         if not bool(suspect.any()):
             continue
@@ -62,7 +67,10 @@ def find_bad_values(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> st
                 n_zero += 1
                 if len(zero) < MAX_NAMED:
                     zero.append(t0 + t)
-    if not n_non_finite and not n_zero:
+    dead: list[int] = []  # captured layers zero at every token (checked exactly: a sum may cancel)
+    if t_total >= 2 and not bool(alive.all()):
+        dead = [k for k in torch.nonzero(~alive).flatten().tolist() if not bool(hidden_states[:, k].any())]
+    if not n_non_finite and not n_zero and not dead:
         return None
     parts = []
     if n_non_finite:
@@ -74,6 +82,9 @@ def find_bad_values(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> st
         parts.append(
             f"{n_zero} of {t_total} tokens all zero in every layer: token {', '.join(map(str, zero))}{more}"
         )
+    if dead:
+        names = ", ".join(str(layer_ids[k]) for k in dead)
+        parts.append(f"captured layer ids {names} all zero at every one of the {t_total} tokens")
     return "; ".join(parts)
 
 

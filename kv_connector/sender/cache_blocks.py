@@ -10,14 +10,15 @@ The sender (push) and the pull server (pull) read a sample's blocks only through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kv_connector.sender.hasher import own_stream
-from kv_connector.wire import protocol
+from kv_connector.wire import fingerprint, protocol
 from kv_connector.wire.block_digest import cache_block_digests, share_digest
 from kv_connector.wire.identity import SampleIdentity
 from kv_connector.wire.integrity import block_checksum, manifest_bytes, spans_of_sample
@@ -37,6 +38,13 @@ class ShareOf(Protocol):
 
     @property
     def share(self) -> range: ...
+
+
+class Fingerprinted(Protocol):
+    """A sample's fingerprint words as the producer's steps took them
+    (``producer.fingerprints.SampleWords``)."""
+
+    def record(self, m: Manifest, share: Iterable[int]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -182,10 +190,29 @@ class CacheBlocks:
         )
         return Share(manifest, blocks, stripe(n, rank, world_size))
 
-    def record(self, kind: ShareChecksum, share: ShareOf) -> int:
-        """The share's integrity record, read from its blocks where they are: block
-        digests on the cache's device (nothing staged, 8 bytes per block to the host),
-        or XXH3 over its bytes."""
+    def token_words(
+        self, block_ids: np.ndarray, offsets: np.ndarray, positions: np.ndarray, seeds: np.ndarray
+    ) -> torch.Tensor:
+        """The fingerprint words ``[n, K]`` (``wire.fingerprint``) of ``n`` token slots
+        (cache block, offset in it) holding their samples' tokens at ``positions``, each
+        of the sample ``seeds`` names: one gather where the cache is, nothing waits."""
+        g = self.layout
+        blocks = blocks_view(self.raw, g.block_bytes, self.pitch).view(getattr(torch, g.dtype))
+        cache = blocks.view(-1, *g.block_shape())
+        view = cache if g.layout == "TLH" else cache.permute(0, 2, 1, 3)  # [nb, block, layers, hidden]
+        lead = (torch.from_numpy(block_ids), torch.from_numpy(offsets))
+        return fingerprint.gather(fingerprint.as_words(view), lead, positions, seeds)
+
+    def record(self, kind: ShareChecksum, share: ShareOf, words: Fingerprinted | None = None) -> int:
+        """The share's integrity record: its fingerprint from the ``words`` its steps took
+        (``wire.fingerprint``: nothing is read from the cache now), or read from its
+        blocks where they are: block digests on the cache's device (nothing staged, 8
+        bytes per block to the host), or XXH3 over its bytes. ValueError: a fingerprint
+        without words."""
+        if kind is ShareChecksum.FINGERPRINT:
+            if words is None:
+                raise ValueError(f"{share.manifest.request_id}: no fingerprint words were taken of it")
+            return words.record(share.manifest, share.share)
         if kind is ShareChecksum.BLOCKS:
             return share_block_digest(self.raw, share, self.pitch)
         return share_checksum(self.raw, share, self.stage, self.pitch)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from kv_connector.sender.cache_blocks import CacheBlocks
+from kv_connector.sender.cache_blocks import CacheBlocks, Fingerprinted
 from kv_connector.sender.jobs import Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop
@@ -100,6 +100,7 @@ class HiddenStatesSender:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         # its blocks, read only through here (``stage``: a testing hook, see CacheBlocks)
         self.blocks = CacheBlocks(cache, layout)
+        self._words: dict[str, Fingerprinted] = {}  # each shipped sample's, until it leaves
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
@@ -167,6 +168,7 @@ class HiddenStatesSender:
         block_ids: Sequence[int],
         identity: SampleIdentity = NO_IDENTITY,
         ready: ReadyGate | None = None,
+        words: Fingerprinted | None = None,
     ) -> None:
         """Queue a request: ``token_ids`` are its tokens, ``block_ids`` the cache blocks
         holding them in block-table order (block j holds tokens j*block_size...);
@@ -175,7 +177,8 @@ class HiddenStatesSender:
         blocks) raises ``ValueError``; a sender whose thread died raises ``SenderError``:
         either way nothing was queued. With ``ready``, nothing reads the blocks (no credit
         request, digest or WRITE) before it says so, on this sender's thread; a request it
-        fails fails by name (``take_failed``)."""
+        fails fails by name (``take_failed``). ``words``: the sample's fingerprint words
+        as its steps took them (its record when ``config.checksum`` is FINGERPRINT)."""
         if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
             raise SenderError(self._loop.dead or self._asleep or "the sender is closed")
         c = self.config
@@ -185,6 +188,8 @@ class HiddenStatesSender:
         with self._lock:
             self._ledger.submit(request_id, s.manifest, s.block_ids, s.share, time.monotonic())
             self._ledger.hold(request_id, ready is not None)
+            if words is not None:
+                self._words[request_id] = words
         if ready is not None:
             self._gates[request_id] = ready  # the sender's thread opens it (``_open_gates``)
         self._loop.wake()
@@ -286,12 +291,18 @@ class HiddenStatesSender:
     def take_finished(self) -> set[str]:
         """Request ids the reader acknowledged since the last call."""
         with self._lock:
-            return set(self._ledger.take_finished())
+            done = set(self._ledger.take_finished())
+            for rid in done:
+                self._words.pop(rid, None)
+            return done
 
     def take_failed(self) -> dict[str, SampleFailure]:
         """Request ids that failed since the last call, with the reason."""
         with self._lock:
-            return self._ledger.take_failed()
+            failed = self._ledger.take_failed()
+            for rid in failed:
+                self._words.pop(rid, None)
+            return failed
 
     def stats(self) -> SenderStats:
         """A snapshot of this sender's counters."""
@@ -330,7 +341,9 @@ class HiddenStatesSender:
         """The digest of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
         assert self.config.checksum is not None
-        value = self.blocks.record(self.config.checksum, job)
+        with self._lock:
+            words = self._words.get(job.request_id)
+        value = self.blocks.record(self.config.checksum, job, words)
         with self._lock:
             self._ledger.hashed(time.perf_counter() - t0)
         return value

@@ -90,6 +90,8 @@ class ShareChecksum(str, enum.Enum):
 
     XXH3 = "xxh3"  # XXH3-64 over the share's bytes (``integrity``)
     BLOCKS = "blocks"  # XXH3-64 over per-block digests computed where the cache is (``block_digest``)
+    # XXH3-64 over a few words of every token slot, taken in the step that wrote it (``fingerprint``)
+    FINGERPRINT = "fingerprint"
 
 
 class Hello(_Msg, tag="hello", frozen=True):

@@ -4,22 +4,63 @@ tensor-parallel rank has), the samples of its JSON spec held in them. It prints 
 line with each sample's handle, then answers commands on stdin, one a line: "poll" (the
 engine's step: prints the request ids each rank freed since, and how many it holds),
 "garble REQUEST_ID" (changes the first state of the sample's first block in the cache, as
-a step reusing it would; prints "garbled"), "quit". The spec's "checksum" is the
-connector's option ("auto" by default), resolved per rank as the connector does."""
+a step reusing it would; prints "garbled"), "fault REQUEST_ID KIND" (the faults of
+docs/reliability.md, applied to the cache: "slot" token 1's slot, every layer, overwritten
+with another sample's row, as a late write of another request would; "tail" the last
+three token slots of its first block zeroed; "swap" its first block replaced by another
+block; "layer" its second captured layer zeroed over the whole sample; "bit" one bit
+flipped in a word no fingerprint samples; prints "faulted"), "quit". The spec's "checksum" is the connector's
+option ("auto" by default), resolved per rank as the connector does; a sample's
+fingerprint words are taken when it is held, as the worker side takes them in the step
+that wrote its slots."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.producer.pull_server import PullServer
+from kv_connector.sender.cache_blocks import CacheBlocks
+from kv_connector.wire import fingerprint
 from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import make_cache, token_ids
+
+
+def fault(
+    cache: torch.Tensor, layout: BlockLayout, samples: list[dict[str, Any]], rid: str, kind: str
+) -> None:
+    """One fault of docs/reliability.md on sample ``rid``'s blocks in ``cache``."""
+    table = next(s for s in samples if s["request_id"] == rid)["block_ids"]
+    view = cache if layout.layout == "TLH" else cache.permute(0, 2, 1, 3)  # [block, token, L, H]
+    used = {b for s in samples for b in s["block_ids"]}
+    spare = next(b for b in range(cache.shape[0]) if b not in used)
+    if kind == "slot":
+        view[table[0], 1] = view[spare, 0]
+    elif kind == "tail":
+        view[table[0], -3:] = 0
+    elif kind == "swap":
+        cache[table[0]] = cache[spare]
+    elif kind == "layer":
+        for b in table:
+            view[b, :, 1] = 0
+    elif kind == "bit":  # token 1, layer 0: a word its fingerprint does not sample
+        words = layout.row_bytes // 8
+        seed = fingerprint.seed_of(rid)
+        layer, word = fingerprint.coordinates(seed, np.array([1]), layout.num_layers, words)
+        spared = next(w for w in range(words) if w not in set(word[0][layer[0] == 0].tolist()))
+        view[table[0], 1, 0].view(torch.uint8)[8 * spared] ^= 1
+    else:
+        raise ValueError(kind)
 
 
 def main() -> int:
@@ -50,7 +91,11 @@ def main() -> int:
     for s in spec["samples"]:
         rid, nonce = s["request_id"], make_nonce()
         for server in servers:
-            server.hold(rid, nonce, token_ids(rid, s["num_tokens"]), s["block_ids"], s.get("sample_id"))
+            words = Fingerprints(CacheBlocks(cache, layout), layout.block_size).ship(
+                rid, s["num_tokens"], s["block_ids"]
+            )
+            tokens = token_ids(rid, s["num_tokens"])
+            server.hold(rid, nonce, tokens, s["block_ids"], s.get("sample_id"), words=words)
         handles[rid] = PullHandle(producer_id, rid, nonce, endpoints).encode()
     for server in servers:
         server.finished(handles)  # as vLLM's finish does: the handles are out, the clocks start
@@ -64,6 +109,10 @@ def main() -> int:
             block = next(s for s in spec["samples"] if s["request_id"] == cmd.split()[1])["block_ids"][0]
             cache[block].view(-1)[0] += 1  # token 0 of layer 0 in either layout
             print(json.dumps("garbled"), flush=True)
+        elif cmd.startswith("fault "):
+            _, rid, kind = cmd.split()
+            fault(cache, layout, spec["samples"], rid, kind)
+            print(json.dumps("faulted"), flush=True)
         elif cmd == "quit":
             break
     for server in servers:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kv_connector.producer.fingerprints import Fingerprints
+from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
@@ -42,7 +44,7 @@ def main() -> int:
         world_size=spec.get("world_size", 1),
         connect_timeout_s=spec.get("connect_timeout_s", 30.0),
         checksum=(
-            (ShareChecksum.BLOCKS if spec.get("block_digests") else ShareChecksum.XXH3)
+            ShareChecksum(spec.get("kind", "blocks" if spec.get("block_digests") else "xxh3"))
             if spec.get("checksum", True)
             else None
         ),
@@ -60,12 +62,16 @@ def main() -> int:
     if spec.get("stage_checksum"):
         sender.blocks.stage = True  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
-    for s in spec["samples"]:
+    for s in spec["samples"]:  # fingerprint words taken as the step that wrote the slots takes them
+        words = Fingerprints(CacheBlocks(cache, layout), layout.block_size).ship(
+            s["request_id"], s["num_tokens"], s["block_ids"]
+        )
         sender.ship(
             s["request_id"],
             token_ids(s["request_id"], s["num_tokens"]),
             s["block_ids"],
             make_identity(s.get("sample_id"), s.get("metadata")),
+            words=words,
         )
     if spec.get("exit_after_ship"):
         # like a vLLM worker at interpreter exit: an atexit hook drains what is unwritten

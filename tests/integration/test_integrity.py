@@ -37,10 +37,10 @@ def nothing_held(reader: HiddenStatesReader) -> bool:
     return ps.granted == 0 and ps.leased == 0 and ps.waiting == 0
 
 
-@pytest.mark.parametrize("block_digests", [False, True], ids=["xxh3", "blocks"])
+@pytest.mark.parametrize("kind", ["xxh3", "blocks", "fingerprint"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
-    world_size: int, block_digests: bool, caplog: pytest.LogCaptureFixture, senders: Senders
+    world_size: int, kind: str, caplog: pytest.LogCaptureFixture, senders: Senders
 ) -> None:
     """The first WRITE of one rank's share of ``victim`` lands wrong bytes (a faulty
     transport at that rank); the reader's check catches it, that rank alone writes it
@@ -61,7 +61,7 @@ def test_a_share_corrupted_in_the_pool_is_written_again_and_arrives_exact(
                 producer_id="p",
                 rank=r,
                 world_size=world_size,
-                block_digests=block_digests,
+                kind=kind,
                 **(dict(garble=[victim], garble_times=1) if r == rank_hit else {}),
             )
             for r in range(world_size)
@@ -86,7 +86,8 @@ def test_a_share_corrupt_at_its_source_fails_clearly_and_the_rest_arrive(
     victim = samples[1]["request_id"]
     caplog.set_level(logging.ERROR, logger="kv_connector")
     with HiddenStatesReader(pool_bytes=64 * layout.block_bytes) as reader:
-        proc = senders.ship(reader, layout, 12, samples, garble=[victim])  # every WRITE of it lands wrong
+        # every WRITE of it lands wrong; the default record (fingerprints) catches it
+        proc = senders.ship(reader, layout, 12, samples, garble=[victim], kind="fingerprint")
         # checksums are checked as samples are taken: keep taking until the sender is done
         got: dict[str, Sample] = {}
         end = time.monotonic() + 60

@@ -61,6 +61,13 @@ class Producer:
         result: dict[str, Any] = json.loads(self.proc.stdout.readline())
         return result
 
+    def fault(self, request_id: str, kind: str) -> None:
+        """One fault of docs/reliability.md on the sample's blocks (pull_producer_main.py)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"fault {request_id} {kind}\n")
+        self.proc.stdin.flush()
+        assert json.loads(self.proc.stdout.readline()) == "faulted"
+
     def garble(self, request_id: str) -> None:
         """Change the first state of the sample's first block in the producer's cache."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -447,3 +454,60 @@ def test_a_block_garbled_after_its_digest_was_taken_fails_the_fetch_by_name(
         assert e.value.code == "checksum" and "sample req-0" in e.value.message
         assert checksum in e.value.message
         assert client.fetch(p.handles["req-1"]).request_id == "req-1"  # the others still arrive
+
+
+FAULTS = ["slot", "tail", "swap", "layer"]  # what the default record must catch (docs/reliability.md)
+
+
+def faulted_spec(layout: BlockLayout) -> list[dict[str, Any]]:
+    bs = layout.block_size
+    return [
+        {"request_id": "req-0", "num_tokens": 2 * bs + 5, "block_ids": [30, 7, 12]},
+        {"request_id": "req-1", "num_tokens": bs + 1, "block_ids": [3, 40]},
+    ]
+
+
+@pytest.mark.parametrize("checksum", ["auto", "none"])
+@pytest.mark.parametrize("kind", [*FAULTS, "bit"])
+def test_a_fault_after_the_step_that_wrote_a_sample_fails_it_by_name_before_anyone_asked(
+    kind: str, checksum: str, producers: list[Producer]
+) -> None:
+    """The sample is held (its words taken as the step that wrote it takes them) and its
+    blocks are damaged before any consumer asked for it, as vLLM's reuse or a late write
+    does: under the default (fingerprints) the fetch fails naming the sample and hands out
+    nothing, and the producer goes on serving the others; with the record switched off the
+    damage is handed out (the check is what catches it). One bit flipped in a word no
+    fingerprint samples is the documented exception: handed out either way."""
+    layout = TLH
+    samples = faulted_spec(layout)
+    p = Producer(spec_of(layout, samples, checksum=checksum, world_size=2))
+    producers.append(p)
+    p.fault("req-0", kind)
+    cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
+    original = expected_states(cache, layout, samples[0]["block_ids"], samples[0]["num_tokens"])
+    with PullClient(check_values=False) as client:
+        if checksum == "auto" and kind != "bit":
+            with pytest.raises(FetchError) as e:
+                client.fetch(p.handles["req-0"])
+            assert e.value.code == "checksum" and "sample req-0" in e.value.message
+        else:
+            got = client.fetch(p.handles["req-0"])
+            assert not torch.equal(got.hidden_states, original)  # the damage, handed out
+            got.release()
+        other = client.fetch(p.handles["req-1"])
+        want = expected_states(cache, layout, samples[1]["block_ids"], samples[1]["num_tokens"])
+        assert torch.equal(other.hidden_states, want)
+
+
+def test_a_layer_zeroed_over_a_whole_sample_is_caught_by_the_values_screen_without_a_record(
+    producers: list[Producer],
+) -> None:
+    samples = faulted_spec(TLH)
+    p = Producer(spec_of(TLH, samples, checksum="none"))
+    producers.append(p)
+    p.fault("req-0", "layer")
+    with PullClient() as client:
+        with pytest.raises(FetchError) as e:
+            client.fetch(p.handles["req-0"])
+        assert e.value.code == "values" and "req-0" in e.value.message
+        assert client.fetch(p.handles["req-1"]).request_id == "req-1"

@@ -195,18 +195,19 @@ def test_the_checksum_kind_follows_where_the_cache_is_unless_asked() -> None:
 
     assert ConnectorOptions.parse({"consumer_address": GOOD}).checksum is ChecksumOption.AUTO
     kinds = {c: ConnectorOptions.parse({"consumer_address": GOOD, "checksum": c}).checksum for c in CHECKSUMS}
-    assert kinds == {c: ChecksumOption(c) for c in ("auto", "xxh3", "blocks", "none")}
+    assert kinds == {c: ChecksumOption(c) for c in ("auto", "fingerprint", "xxh3", "blocks", "none")}
     words = BlockLayout("TLH", 16, 2, 64, "bfloat16")  # rows of 128 bytes: whole 8-byte words
     odd = BlockLayout("TLH", 16, 2, 3, "bfloat16")  # rows of 6 bytes: not
-    blocks, xxh3 = ShareChecksum.BLOCKS, ShareChecksum.XXH3
+    blocks, xxh3, fp = ShareChecksum.BLOCKS, ShareChecksum.XXH3, ShareChecksum.FINGERPRINT
     # (device cache, layout) -> the one value the rank ships with
     want = {
         ChecksumOption.AUTO: {
-            (True, words): blocks,
+            (True, words): fp,
             (True, odd): xxh3,
-            (False, words): xxh3,
+            (False, words): fp,
             (False, odd): xxh3,
         },
+        ChecksumOption.FINGERPRINT: {(True, words): fp, (False, words): fp},
         ChecksumOption.BLOCKS: {(True, words): blocks, (False, words): blocks},
         ChecksumOption.XXH3: dict.fromkeys([(True, words), (True, odd), (False, words), (False, odd)], xxh3),
         ChecksumOption.NONE: dict.fromkeys([(True, words), (True, odd), (False, words), (False, odd)], None),
@@ -214,12 +215,13 @@ def test_the_checksum_kind_follows_where_the_cache_is_unless_asked() -> None:
     for kind, cases in want.items():
         assert {case: kind.resolve(*case) for case in cases} == cases, kind
     for device in (True, False):  # asked for block digests of rows they cannot read: refused once, here
-        with pytest.raises(ValueError, match="whole 8-byte words"):
-            ChecksumOption.BLOCKS.resolve(device, odd)
+        for asked in (ChecksumOption.BLOCKS, ChecksumOption.FINGERPRINT):
+            with pytest.raises(ValueError, match="whole 8-byte words"):
+                asked.resolve(device, odd)
     assert "checksum" in parse_error({"consumer_address": GOOD, "checksum": "crc32"})
 
 
-CHECKSUMS = ("auto", "xxh3", "blocks", "none")
+CHECKSUMS = ("auto", "fingerprint", "xxh3", "blocks", "none")
 
 
 # ------------------------------------------------------- captured layer order

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from kv_connector.producer import pull_server
+from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.producer.pull_server import PullServer
 from kv_connector.reader.pool_memory import pool_checksum
 from kv_connector.sender import cache_blocks
+from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -75,9 +77,10 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
     option: ChecksumOption, layout: BlockLayout, world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kind = option.resolve(False, layout)  # a host cache: "auto" is XXH3 here
-    assert kind is {"auto": ShareChecksum.XXH3, "xxh3": ShareChecksum.XXH3, "blocks": ShareChecksum.BLOCKS,
-                    "none": None}[option.value]  # fmt: skip
-    if kind is ShareChecksum.BLOCKS:  # nothing is staged to host memory (nor hashed as bytes)
+    fp = ShareChecksum.FINGERPRINT
+    kinds = {"auto": fp, "fingerprint": fp, "xxh3": ShareChecksum.XXH3, "blocks": ShareChecksum.BLOCKS}
+    assert kind is kinds.get(option.value)
+    if kind in (ShareChecksum.BLOCKS, fp):  # nothing is staged to host memory (nor hashed as bytes)
         monkeypatch.setattr(cache_blocks, "share_checksum", None)
     cache = cache_of(layout)
     nonce, tokens, blocks = make_nonce(), list(range(3 * layout.block_size + 5)), [9, 2, 7, 4]
@@ -85,7 +88,10 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
         s = server(cache, layout, kind, rank=rank, world=world)
         try:
             assert s.digest is (kind or ShareChecksum.XXH3)  # what its Hello says
-            s.hold("req-1", nonce, tokens, blocks)
+            # the words the steps took (FINGERPRINT's record), as the worker side hands them over
+            taken = Fingerprints(CacheBlocks(cache, layout), layout.block_size)
+            words = taken.ship("req-1", len(tokens), blocks)
+            s.hold("req-1", nonce, tokens, blocks, words=words)
             share = s.answer(protocol.PullFetch(request_id="req-1", nonce=nonce))
             again = s.answer(protocol.PullFetch(request_id="req-1", nonce=nonce))  # taken once, kept
         finally:
@@ -100,7 +106,7 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
             continue
         pool = read(cache, share)
         assert share.checksum == pool_checksum(pool, 0, share.manifest, mine, share.digest)
-        other = ShareChecksum.XXH3 if kind is ShareChecksum.BLOCKS else ShareChecksum.BLOCKS
+        other = ShareChecksum.XXH3 if kind is not ShareChecksum.XXH3 else ShareChecksum.BLOCKS
         assert share.checksum != pool_checksum(pool, 0, share.manifest, mine, other)
         _, first, _ = layout.arranged_spans(4, mine[0])[0]  # where the share's first block lands
         np.frombuffer(pool, dtype=np.uint8)[first + 3] ^= 1  # one bit of it

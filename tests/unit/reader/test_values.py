@@ -81,3 +81,16 @@ def test_sums_that_overflow_or_cancel_are_not_reported(dtype: torch.dtype) -> No
     hs[4] = 0
     hs[4, :, 0], hs[4, :, 1] = 1.0, -1.0  # sums of 0 in every layer, values that are not
     assert find_bad_values(hs, LAYER_IDS) is None
+
+
+@pytest.mark.parametrize("layout, dtype", CASES)
+def test_a_captured_layer_zero_at_every_token_is_named_by_layer_id(layout: str, dtype: torch.dtype) -> None:
+    """A layer the extraction never wrote (vLLM #46301's all-zero states, one layer of a
+    hybrid verifier): zero at every token of the sample, while the others are not."""
+    hs = states(layout, dtype)
+    hs[:, 1] = 0
+    problem = find_bad_values(hs, LAYER_IDS)
+    assert problem is not None and "captured layer ids 2 all zero at every one of the 300 tokens" in problem
+    hs = states(layout, dtype, t=1)
+    hs[:, 1] = 0  # one token alone: as one zero layer of one token, not an error
+    assert find_bad_values(hs, LAYER_IDS) is None

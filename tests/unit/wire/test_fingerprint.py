@@ -1,0 +1,156 @@
+"""Fingerprints (``wire.fingerprint``): the producer's words, taken where the cache is in
+the step that wrote the slots (``producer.fingerprints``, ``CacheBlocks.token_words``),
+give the record the reader recomputes from what landed, in both layouts and dtypes; and
+each fault class of docs/reliability.md that a fingerprint must catch changes the record:
+one token slot of one layer overwritten, a block's tail zeroed, a block swapped for
+another, a captured layer zeroed over the whole sample. One bit flipped in a word no
+fingerprint samples is not caught (the full checksums are for that)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kv_connector.producer.fingerprints import Fingerprints
+from kv_connector.producer.planning import BlockRecorder, StepSlice
+from kv_connector.sender.cache_blocks import CacheBlocks, Share
+from kv_connector.wire import fingerprint
+from kv_connector.wire.identity import NO_IDENTITY
+from kv_connector.wire.layout import BlockLayout
+
+LAYOUTS = [BlockLayout("LTH", 16, 3, 32, "float32"), BlockLayout("TLH", 16, 4, 64, "bfloat16")]
+IDS = ["LTH-f32", "TLH-bf16"]
+NUM_BLOCKS = 24
+TOKENS = 3 * 16 + 5  # three full blocks and a tail of five
+
+
+def cache_of(layout: BlockLayout, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_BLOCKS, *layout.block_shape(), generator=g).to(getattr(torch, layout.dtype))
+
+
+def states_of(cache: torch.Tensor, layout: BlockLayout, blocks: list[int], n: int) -> torch.Tensor:
+    """The sample as the reader sees it: ``[T, layers, hidden]``, straight from the cache."""
+    view = cache if layout.layout == "TLH" else cache.permute(0, 2, 1, 3)
+    return torch.cat([view[b] for b in blocks])[:n].contiguous()
+
+
+def share_of(blocks: CacheBlocks, rid: str, table: list[int], world: int = 1, rank: int = 0) -> Share:
+    layer_ids = [1, 2, 3, 4][: blocks.layout.num_layers]
+    return blocks.share_of(rid, list(range(TOKENS)), table, layer_ids, NO_IDENTITY, rank, world)
+
+
+def written_in_steps(blocks: CacheBlocks, rid: str, table: list[int], chunk: int) -> Fingerprints:
+    """The words taken as vLLM's steps write the sample: prefill chunks of ``chunk``."""
+    bs = blocks.layout.block_size
+    fp, rec = Fingerprints(blocks, bs), BlockRecorder(bs)
+    for start in range(0, TOKENS, chunk):
+        n = min(chunk, TOKENS - start)
+        sl = StepSlice(rid, start, n, tuple(table) if start == 0 else (), 0 if start == 0 else len(table))
+        expect, errors = rec.expect([sl])
+        assert not errors
+        fp.take(expect)
+    return fp
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("chunk", [TOKENS, 7, 1], ids=["one-step", "chunks", "token-by-token"])
+def test_the_words_taken_in_the_steps_give_the_record_the_reader_recomputes(
+    layout: BlockLayout, chunk: int
+) -> None:
+    cache = cache_of(layout)
+    blocks = CacheBlocks(cache, layout)
+    table = [9, 2, 17, 4]
+    words = written_in_steps(blocks, "req-1", table, chunk).ship("req-1", TOKENS, table)
+    states = states_of(cache, layout, table, TOKENS)
+    for world in (1, 2, 3):
+        for rank in range(world):
+            s = share_of(blocks, "req-1", table, world, rank)
+            assert words.record(s.manifest, s.share) == fingerprint.states_record(states, s.manifest, s.share)
+    s = share_of(blocks, "req-1", table)
+    other = share_of(blocks, "req-2", table)  # another request id: another seed and manifest
+    assert words.record(s.manifest, s.share) != fingerprint.states_record(states, other.manifest, other.share)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_positions_no_step_wrote_are_taken_at_ship_from_the_shipped_blocks(layout: BlockLayout) -> None:
+    """A prefix-cache hit: the first two blocks were computed by an earlier request."""
+    cache = cache_of(layout)
+    blocks = CacheBlocks(cache, layout)
+    table = [9, 2, 17, 4]
+    bs = layout.block_size
+    fp, rec = Fingerprints(blocks, bs), BlockRecorder(bs)
+    expect, _ = rec.expect([StepSlice("r", 2 * bs, TOKENS - 2 * bs, tuple(table))])
+    fp.take(expect)
+    words = fp.ship("r", TOKENS, table)
+    s = share_of(blocks, "r", table)
+    assert words.record(s.manifest, s.share) == fingerprint.states_record(
+        states_of(cache, layout, table, TOKENS), s.manifest, s.share
+    )
+    assert len(fp) == 0  # forgotten at its ship
+
+
+def faults(layout: BlockLayout) -> dict[str, object]:
+    """Each fault the default must catch, applied to the cache after the words were taken."""
+    bs = layout.block_size
+    view = lambda c: c if layout.layout == "TLH" else c.permute(0, 2, 1, 3)  # noqa: E731
+
+    def slot_overwritten(c: torch.Tensor, table: list[int], t: int, layer: int) -> None:
+        view(c)[table[t // bs], t % bs, layer] = view(c)[20, 3, layer]  # another sample's row
+
+    def tail_zeroed(c: torch.Tensor, table: list[int]) -> None:
+        view(c)[table[1], bs - 4 :] = 0
+
+    def block_swapped(c: torch.Tensor, table: list[int]) -> None:
+        c[table[2]] = c[21]
+
+    def layer_zeroed(c: torch.Tensor, table: list[int]) -> None:
+        for b in table:
+            view(c)[b, :, 1] = 0
+
+    return {
+        "slot_overwritten": slot_overwritten,
+        "tail_zeroed": tail_zeroed,
+        "block_swapped": block_swapped,
+        "layer_zeroed": layer_zeroed,
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_every_fault_class_changes_the_record(layout: BlockLayout) -> None:
+    table = [9, 2, 17, 4]
+    for name, fault in faults(layout).items():
+        cases = [(t, layer) for t in (0, 15, 16, 31, TOKENS - 1) for layer in range(layout.num_layers)]
+        for args in cases if name == "slot_overwritten" else [()]:
+            cache = cache_of(layout)
+            blocks = CacheBlocks(cache, layout)
+            words = written_in_steps(blocks, "req-1", table, 16).ship("req-1", TOKENS, table)
+            fault(cache, table, *args)  # type: ignore[operator]
+            s = share_of(blocks, "req-1", table)
+            landed = fingerprint.states_record(states_of(cache, layout, table, TOKENS), s.manifest, s.share)
+            assert words.record(s.manifest, s.share) != landed, (name, args)
+
+
+def test_one_bit_flipped_in_a_word_no_fingerprint_samples_is_not_caught() -> None:
+    """The documented limit: a change that spares every sampled word."""
+    layout = LAYOUTS[0]
+    cache = cache_of(layout)
+    blocks = CacheBlocks(cache, layout)
+    table = [9, 2, 17, 4]
+    words = written_in_steps(blocks, "req-1", table, TOKENS).ship("req-1", TOKENS, table)
+    s = share_of(blocks, "req-1", table)
+    n_words = layout.row_bytes // 8
+    seed = fingerprint.seed_of("req-1")
+    layer, word = fingerprint.coordinates(seed, np.array([5]), layout.num_layers, n_words)
+    spared = next(w for w in range(n_words) if w not in set(word[0][layer[0] == 0].tolist()))
+    row = cache.permute(0, 2, 1, 3)[table[0], 5, 0].view(torch.int32)  # token 5, layer 0
+    row[2 * spared] ^= 1 << 7  # one bit of a word no fingerprint samples
+    landed = fingerprint.states_record(states_of(cache, layout, table, TOKENS), s.manifest, s.share)
+    assert words.record(s.manifest, s.share) == landed
+
+
+def test_the_words_are_a_small_part_of_the_bytes() -> None:
+    layout = BlockLayout("TLH", 16, 4, 4096, "bfloat16")
+    per_token = (layout.num_layers + 2) * 8
+    assert per_token / layout.token_bytes < 0.002  # 48 bytes of 32 KiB
