@@ -19,7 +19,7 @@ TOKENS = 3 * bd.BLOCK - 5  # a partly filled last block
 N_REQ = 3
 
 
-@pytest.mark.parametrize("checksum", ["xxh3", "blocks", "none"])
+@pytest.mark.parametrize("checksum", ["auto", "xxh3", "blocks", "none"])
 def test_the_data_path_arm_delivers_every_byte(
     tmp_path: Path, checksum: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -40,7 +40,12 @@ def test_the_data_path_arm_delivers_every_byte(
     assert m["reader_rss_mib"] >= m["reader_pool_mib"]
     assert (m["sender_checksum_s"] > 0) == (checksum != "none")
     assert (m["reader_verify_s"] > 0) == (checksum != "none")
-    kind = {"xxh3": "XXH3 of the bytes", "blocks": "block digests", "none": "none"}[checksum]
+    kind = {
+        "auto": "fingerprints taken in the step that wrote each slot",  # the default
+        "xxh3": "XXH3 of the bytes",
+        "blocks": "block digests",
+        "none": "none",
+    }[checksum]
     out, err = capfd.readouterr()
     assert f"checksum: {kind}, shipping to" in out + err  # the worker's start-up line (vLLM's logger)
 

@@ -2,7 +2,9 @@
 per token), with no model compute, every ratio from alternating pairs (``scripts.bench.paired``):
 
   e: our connector's worker side driven with real vLLM objects (scripts.support.vllm_harness)
-     into a HiddenStatesReader in another process that takes every sample on lease;
+     into a HiddenStatesReader in another process that takes every sample on lease, with
+     the default integrity record (fingerprints taken in the step that wrote each slot);
+  ex: e with the diagnostic full hash ("checksum": "xxh3": every byte at both ends);
   b: vLLM's ExampleHiddenStatesConnector driven the same way, writing safetensors files
      to /dev/shm (a minimal CPU-safe subclass: the stock one needs CUDA);
   r: a raw NIXL WRITE of the same blocks from the same kind of registered cache into
@@ -18,9 +20,10 @@ machine is far steadier than bytes per second.
      of the checksum ratio on this machine for any design that checks every byte.
 
 Figures: d = e's bytes/s over r's; cpu_over_raw = e's CPU seconds per GB over r's;
+d_xxh3 and cpu_over_raw_xxh3 the same of ex (beside their ceilings below);
 xxh3_ceiling = rc over r, xxh3_cpu_floor = rc's CPU seconds per GB over r's (the least
 cpu_over_raw can be for a design that checks every byte);
-checksum_throughput_ratio = e over e without checksums; metrics_throughput_ratio = e
+checksum_throughput_ratio = e over e without an integrity record; metrics_throughput_ratio = e
 (the connector's stats taken every step on both roles as vLLM does, the reader's endpoint
 scraped every second) over e with metrics off; e_over_b. Also what the reader's optional
 values check (``reader.values``: NaN/Inf, all-zero tokens) costs per sample of the same

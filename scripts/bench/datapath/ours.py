@@ -1,6 +1,7 @@
 """e: our connector's worker side driven with real vLLM objects (``scripts.support.vllm_harness``,
 no model) into a ``HiddenStatesReader`` in another process that takes every sample on lease
-(``_reader_proc``): with XXH3 checksums or none, with the metrics on or off."""
+(``_reader_proc``): with the connector's default integrity record (fingerprints), XXH3
+checksums or none, with the metrics on or off."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class OursArm:
         tokens: int,
         num_blocks: int,
         pool_bytes: int,
-        checksum: str = "xxh3",
+        checksum: str = "auto",
         metrics: bool = True,
     ) -> None:
         from kv_connector.connector import HiddenStatesConnector

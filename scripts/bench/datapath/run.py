@@ -1,6 +1,7 @@
-"""The data-path pairings as ``make bench`` runs them: e against r, e0, em and b, and rc
-against r, each arm in a process of its own; ``main()`` returns the figures the summary
-reads (``scripts.bench.summary``)."""
+"""The data-path pairings as ``make bench`` runs them: e (the default integrity record,
+fingerprints) against r, e0, em and b; ex (the diagnostic full hash, XXH3) and rc against
+r; each arm in a process of its own. ``main()`` returns the figures the summary reads
+(``scripts.bench.summary``)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def _start_arms(model: Path, n_req: int, tokens: int) -> dict[str, ArmProcess]:
     return {
         "e": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool),
         "e0": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "none"),
-        "em": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "xxh3", False),
+        "em": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "auto", False),
+        "ex": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "xxh3"),
         "r": ArmProcess("RawArm", n_req, tokens, num_blocks, 4),
         "rc": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, True),
         "b": ArmProcess("ExampleArm", model, n_req, tokens, num_blocks),
@@ -47,7 +49,7 @@ def _start_arms(model: Path, n_req: int, tokens: int) -> dict[str, ArmProcess]:
 
 
 def _measure(arms: dict[str, ArmProcess], n_req: int, tokens: int, pairs: int) -> dict[str, Pairs]:
-    """e against r, e0, em and b in pairs; then rc against r."""
+    """e against r, e0, em and b in pairs; then ex and rc against r."""
     for arm in arms.values():
         arm.ready()
     say(f"arms ready; {pairs} pairs per ratio, {n_req} samples of {tokens} tokens a round")
@@ -56,7 +58,10 @@ def _measure(arms: dict[str, ArmProcess], n_req: int, tokens: int, pairs: int) -
     for other in ("r", "e0", "em", "b"):
         measured[other] = run_pairs(e.round, arms[other].round, pairs)
         say(f"e vs {other}: {[round(x, 3) for x in measured[other].ratio().values]}")
-    # the machine's ceiling for e over r: raw WRITEs with XXH3 at both ends, no protocol
+    # the diagnostic mode: every byte hashed at both ends, over raw WRITEs
+    measured["ex"] = run_pairs(arms["ex"].round, arms["r"].round, pairs)
+    say(f"ex vs r: {[round(x, 3) for x in measured['ex'].ratio().values]}")
+    # its ceiling: raw WRITEs with XXH3 at both ends, no protocol
     measured["rc"] = run_pairs(arms["rc"].round, arms["r"].round, pairs)
     say(f"rc vs r: {[round(x, 3) for x in measured['rc'].ratio().values]}")
     return measured
@@ -84,7 +89,7 @@ def _per_gb(r: Run) -> float:
 def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
     """The ratios and rates the summary reads, from the pairs as measured."""
     d = measured["r"]
-    e_runs = [r for name, p in measured.items() if name != "rc" for r in p.a]
+    e_runs = [r for name, p in measured.items() if name not in ("rc", "ex") for r in p.a]
     out: dict[str, Any] = {
         "d": d.ratio(_gb),
         "cpu_over_raw": d.ratio(_per_gb),
@@ -99,6 +104,8 @@ def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
         "cpu_s_per_GB": Spread.of([_per_gb(r) for r in e_runs]),
         "raw_cpu_s_per_GB": d.each("b", _per_gb),
         "e0_cpu_s_per_GB": measured["e0"].each("b", _per_gb),
+        "d_xxh3": measured["ex"].ratio(_gb),
+        "cpu_over_raw_xxh3": measured["ex"].ratio(_per_gb),
         "xxh3_ceiling": measured["rc"].ratio(_gb),
         "xxh3_cpu_floor": measured["rc"].ratio(_per_gb),
     }

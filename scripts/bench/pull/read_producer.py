@@ -1,6 +1,7 @@
 """The producer process of the READ pairings: a ``PullServer`` (no vLLM) over a cache
 tensor holding ``samples`` samples' blocks, scattered, GPU block layout (TLH); every
-"hold" holds them all again under new handles."""
+"hold" holds them all again under new handles, each with its fingerprint words (the
+connector's default record) taken as the hold is made."""
 
 from __future__ import annotations
 
@@ -43,9 +44,13 @@ class _Producer:
             1,
             ("127.0.0.1", 0),
             300.0,
-            checksum=ShareChecksum.XXH3 if checksum else None,  # a host cache's default
+            checksum=ShareChecksum.FINGERPRINT if checksum else None,  # the connector's default
         )
         self.rounds = 0
+        from kv_connector.producer.fingerprints import Fingerprints
+        from kv_connector.sender.cache_blocks import CacheBlocks
+
+        self.fingerprints = Fingerprints(CacheBlocks(cache, layout), BLOCK)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -64,7 +69,9 @@ class _Producer:
         handles, rids = [], []
         for i, bl in enumerate(self.blocks):
             rid, nonce = f"round{self.rounds}-sample{i}", make_nonce()
-            self.server.hold(rid, nonce, sample_tokens(i, self.tokens), bl)
+            # the fingerprint words, as the worker side takes them in the step that wrote the slots
+            words = self.fingerprints.ship(rid, self.tokens, bl)
+            self.server.hold(rid, nonce, sample_tokens(i, self.tokens), bl, words=words)
             rids.append(rid)
             handles.append(PullHandle("bench-producer", rid, nonce, [self.server.address]).encode())
         self.server.finished(rids)
