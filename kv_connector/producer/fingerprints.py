@@ -30,7 +30,7 @@ from kv_connector.wire.protocol import Manifest
 @dataclass
 class _Chunk:
     positions: np.ndarray  # [n] the sample's token positions
-    words: torch.Tensor  # [n, K] on the host once ``done``
+    words: torch.Tensor  # [n, layers] on the host once ``done``
     done: DeviceEvent
 
 
@@ -47,7 +47,7 @@ class SampleWords:
         return np.unique(np.concatenate([c.positions for c in self.chunks]))
 
     def words(self, positions: np.ndarray) -> np.ndarray:
-        """``[n, K]`` words of the sample's tokens at ``positions`` (a later step's words of
+        """``[n, layers]`` words of the sample's tokens at ``positions`` (a later step's words of
         a position written again win); waits for the steps that took them (done by the
         time a share is read: its gate opened). ValueError: a position without words."""
         if not len(positions):
@@ -106,14 +106,18 @@ class Fingerprints:
             self._gather(rids, sizes, np.concatenate(pos), np.concatenate(blk))
 
     def ship(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> SampleWords:
-        """The sample's words, at its ship: positions no step wrote are taken now from the
-        blocks it ships from. The request is forgotten here."""
+        """The sample's words, at its ship (in the step that wrote its last positions):
+        positions no step wrote are taken now from the blocks it ships from, and its last
+        token again, now that it is known to be the last (``wire.fingerprint``: the last
+        word of a partly filled last block). The request is forgotten here."""
         sample = self._samples.get(request_id) or SampleWords()
         want = np.arange(num_tokens, dtype=np.int64)
         gaps = np.setdiff1d(want, sample.covered(), assume_unique=True)
+        if num_tokens and (not len(gaps) or gaps[-1] != num_tokens - 1):
+            gaps = np.append(gaps, num_tokens - 1)
         if len(gaps):
             table = np.asarray(blocks, dtype=np.int64)
-            self._gather([request_id], [len(gaps)], gaps, table[gaps // self.block_size])
+            self._gather([request_id], [len(gaps)], gaps, table[gaps // self.block_size], num_tokens - 1)
             sample = self._samples[request_id]
         self._samples.pop(request_id, None)
         return sample
@@ -124,9 +128,11 @@ class Fingerprints:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def _gather(self, rids: list[str], sizes: list[int], positions: np.ndarray, blocks: np.ndarray) -> None:
+    def _gather(
+        self, rids: list[str], sizes: list[int], positions: np.ndarray, blocks: np.ndarray, last: int = -1
+    ) -> None:
         seeds = np.repeat(np.array([fingerprint.seed_of(r) for r in rids], dtype=np.uint64), sizes)
-        words = self.blocks.token_words(blocks, positions % self.block_size, positions, seeds)
+        words = self.blocks.token_words(blocks, positions % self.block_size, positions, seeds, last)
         done: DeviceEvent
         if words.is_cuda:
             host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)

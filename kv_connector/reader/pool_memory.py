@@ -108,8 +108,9 @@ class PoolMemory(Protocol):
         the sample at byte ``base``, as ``kind`` says."""
         ...
 
-    def bad_values(self, base: int, m: Manifest) -> str | None:
-        """``reader.values.find_bad_values`` of the sample at ``base``."""
+    def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
+        """``reader.values.find_bad_values`` of the sample at ``base``: sampled in host
+        memory unless ``full``, in full on a GPU (one pass where it lies)."""
         ...
 
     def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
@@ -165,8 +166,8 @@ class HostPool:
     def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
         return pool_checksum(self._np.data, base, m, blocks, kind)
 
-    def bad_values(self, base: int, m: Manifest) -> str | None:
-        return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids)
+    def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
+        return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids, sample=not full)
 
     def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
         return leased_view(self._np, base, m, lease)
@@ -257,7 +258,7 @@ class DevicePool:
             host = run.cpu()  # XXH3 reads host bytes: one copy of the sample
         return sample_checksum(host.numpy().data, 0, m, blocks)
 
-    def bad_values(self, base: int, m: Manifest) -> str | None:
+    def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
         with self._side():
             return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids)
 

@@ -75,7 +75,10 @@ class PullClient:
     ``pool_bytes``: the receive pool (samples on lease and in flight share it).
     ``secret``: the shared secret for the handshakes (default ``KV_CONNECTOR_SECRET`` or
     ``KV_CONNECTOR_SECRET_FILE``; none: unauthenticated, loopback only on the producer).
-    ``check_values``: refuse samples with NaN/Inf or all-zero tokens (on by default).
+    ``check_values``: refuse samples with NaN/Inf, all-zero tokens or all-zero layers (on
+    by default): a sampled screen on a host pool (``reader.values``: a few elements of
+    every row, the whole sample only where they show something), in full on a GPU pool or
+    with ``full_values_check``.
     ``timeout_s``: how long one fetch may take, connecting and reading included.
     ``copy``: hand samples out as copies (their pages return at once) instead of leases.
     ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
@@ -97,6 +100,7 @@ class PullClient:
         transport: Transport | None = None,
         pool_device: str | None = None,
         shared_pool: bool = False,
+        full_values_check: bool = False,
     ) -> None:
         if pool_bytes < PAGE_BYTES:
             raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
@@ -104,6 +108,7 @@ class PullClient:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.pool_bytes = pool_bytes
         self.check_values = check_values
+        self.full_values_check = full_values_check
         self.timeout_s = timeout_s
         self.copy = copy
         self.pool_device = pool_device
@@ -135,6 +140,7 @@ class PullClient:
         return {
             "pool_bytes": self.pool_bytes,
             "check_values": self.check_values,
+            "full_values_check": self.full_values_check,
             "timeout_s": self.timeout_s,
             "copy": self.copy,
             "secret": self._secret,
@@ -290,7 +296,7 @@ class PullClient:
                         f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
             if self.check_values:
-                problem = memory.bad_values(base, m)
+                problem = memory.bad_values(base, m, self.full_values_check)
                 if problem is not None:
                     raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
         except FetchError:

@@ -191,17 +191,23 @@ class CacheBlocks:
         return Share(manifest, blocks, stripe(n, rank, world_size))
 
     def token_words(
-        self, block_ids: np.ndarray, offsets: np.ndarray, positions: np.ndarray, seeds: np.ndarray
+        self,
+        block_ids: np.ndarray,
+        offsets: np.ndarray,
+        positions: np.ndarray,
+        seeds: np.ndarray,
+        last: int | np.ndarray = -1,
     ) -> torch.Tensor:
-        """The fingerprint words ``[n, K]`` (``wire.fingerprint``) of ``n`` token slots
+        """The fingerprint words ``[n, layers]`` (``wire.fingerprint``) of ``n`` token slots
         (cache block, offset in it) holding their samples' tokens at ``positions``, each
-        of the sample ``seeds`` names: one gather where the cache is, nothing waits."""
+        of the sample ``seeds`` names (``last``: its last position, -1 when not known yet):
+        one gather where the cache is, nothing waits."""
         g = self.layout
         blocks = blocks_view(self.raw, g.block_bytes, self.pitch).view(getattr(torch, g.dtype))
         cache = blocks.view(-1, *g.block_shape())
         view = cache if g.layout == "TLH" else cache.permute(0, 2, 1, 3)  # [nb, block, layers, hidden]
-        lead = (torch.from_numpy(block_ids), torch.from_numpy(offsets))
-        return fingerprint.gather(fingerprint.as_words(view), lead, positions, seeds)
+        words = fingerprint.as_words(view)
+        return fingerprint.gather(words, (block_ids, offsets), positions, seeds, g.block_size, last)
 
     def record(self, kind: ShareChecksum, share: ShareOf, words: Fingerprinted | None = None) -> int:
         """The share's integrity record: its fingerprint from the ``words`` its steps took

@@ -4,15 +4,14 @@ what landed.
 
 For token ``t`` of a sample (its states a ``[layers, words]`` grid of 8-byte words, a
 layer's row of ``hidden * itemsize`` bytes being a whole number of words: ``supported``)
-the fingerprint samples ``K = layers + 2`` words (``coordinates``):
-
-- one word of every captured layer, at a position that varies with the token (and so
-  from block to block) and with the sample (``seed``, from its request id): any write
-  of one whole token slot of any layer changes a sampled word unless it leaves that word
-  as it was;
-- word 0 of the first layer and the last word of the last layer: with the token slots of
-  a block in order, the first and the last valid words of every block (a zeroed or
-  truncated tail shows there), in either cache layout.
+the fingerprint samples one word of every captured layer (``coordinates``), at a
+position that varies with the token's offset in its block, from block to block and from
+sample to sample (``seed``, from its request id): any write of one whole token slot of
+any layer changes a sampled word unless it leaves that word as it was. At the edges of
+every block the position is fixed instead: word 0 of the first layer at a block's first
+token, the last word of the last layer at its last token (and at the sample's last
+token, the end of a partly filled last block): the first and the last valid words of
+every block, in either cache layout, where a zeroed or truncated tail shows.
 
 A share's record is XXH3-64 over the manifest's bytes, a tag, and the sampled words of
 the share's valid tokens in order. It binds the manifest as the other checksums do.
@@ -31,6 +30,7 @@ Pure torch, numpy and xxhash; no nixl, vllm or sockets.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import numpy as np
@@ -43,8 +43,10 @@ from kv_connector.wire.protocol import Manifest
 
 TAG = b"kv_connector fingerprints v1"
 WORD = 8  # bytes
+_MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (odd)
 
-_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+_tables: dict[tuple[int, int, int], np.ndarray] = {}
+_tables_lock = threading.Lock()
 
 
 def supported(g: BlockLayout) -> bool:
@@ -57,36 +59,46 @@ def seed_of(request_id: str) -> int:
     return xxhash.xxh3_64_intdigest(request_id.encode())
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = z + _GOLD
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        out: np.ndarray = z ^ (z >> np.uint64(31))
-        return out
+def _table(block_size: int, layers: int, words: int) -> np.ndarray:
+    """``[block_size, layers]`` word positions in ``[0, words)``, fixed (a multiply-shift
+    hash of the slot's offset and layer), both ends alike."""
+    key = (block_size, layers, words)
+    with _tables_lock:
+        t = _tables.get(key)
+        if t is None:
+            with np.errstate(over="ignore"):
+                z = np.arange(block_size * layers, dtype=np.uint64) + np.uint64(1)
+                t = ((z * _MUL) >> np.uint64(32)) % np.uint64(words)
+            t = _tables[key] = t.astype(np.int64).reshape(block_size, layers)
+        return t
 
 
 def coordinates(
-    seed: int | np.ndarray, positions: np.ndarray, layers: int, words: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(layer, word) of the ``K = layers + 2`` words sampled at each of a sample's token
-    ``positions`` ``[n]`` (``seed``: the sample's, or each position's sample's ``[n]``):
-    two ``[n, K]`` int64 arrays."""
-    pos = np.asarray(positions, dtype=np.uint64)
+    seed: int | np.ndarray,
+    positions: np.ndarray,
+    layers: int,
+    words: int,
+    block_size: int,
+    last: int | np.ndarray = -1,
+) -> np.ndarray:
+    """``[n, layers]`` int64: the word sampled of each captured layer at each of a
+    sample's token ``positions`` ``[n]``. ``seed``: the sample's, or each position's
+    sample's ``[n]``; ``last``: the sample's last position (``[n]`` likewise; -1 when not
+    known yet), whose last layer's word is the row's last. A fixed table by offset in the
+    block, turned by a per-block amount: a few vector operations a token."""
+    pos = np.asarray(positions, dtype=np.int64)
     n = pos.shape[0]
-    seeds = np.broadcast_to(np.asarray(seed, dtype=np.uint64).reshape(-1, 1), (n, 1))
-    grid = pos[:, None] * np.uint64(layers) + np.arange(layers, dtype=np.uint64)[None, :]
+    block, offset = np.divmod(pos, block_size)
     with np.errstate(over="ignore"):
-        mixed = _mix(grid ^ seeds)
-    word = np.empty((n, layers + 2), dtype=np.int64)
-    word[:, :layers] = (mixed % np.uint64(words)).astype(np.int64)
-    word[:, layers] = 0
-    word[:, layers + 1] = words - 1
-    layer = np.empty((n, layers + 2), dtype=np.int64)
-    layer[:, :layers] = np.arange(layers, dtype=np.int64)[None, :]
-    layer[:, layers] = 0
-    layer[:, layers + 1] = layers - 1
-    return layer, word
+        h = (block.astype(np.uint64) + np.asarray(seed, dtype=np.uint64)) * _MUL
+        turn = ((h >> np.uint64(32)) % np.uint64(words)).astype(np.int64)
+    word = _table(block_size, layers, words)[offset] + turn[:, None]
+    word -= words * (word >= words)
+    word[offset == 0, 0] = 0  # a block's first valid word
+    ends = (offset == block_size - 1) | (pos == np.broadcast_to(np.asarray(last, dtype=np.int64), (n,)))
+    word[ends, layers - 1] = words - 1  # its last
+    out: np.ndarray = word
+    return out
 
 
 def as_words(x: torch.Tensor) -> torch.Tensor:
@@ -97,16 +109,34 @@ def as_words(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather(
-    words: torch.Tensor, lead: tuple[torch.Tensor, ...], positions: np.ndarray, seed: int | np.ndarray
+    words: torch.Tensor,
+    lead: tuple[np.ndarray, ...],
+    positions: np.ndarray,
+    seed: int | np.ndarray,
+    block_size: int,
+    last: int | np.ndarray = -1,
 ) -> torch.Tensor:
-    """The sampled words ``[n, K]`` (int64, on ``words``'s device) of ``n`` token slots in
-    ``words`` ``[..., layers, words]``: slot ``i`` at ``words[lead[0][i], lead[1][i], ...]``
-    holds the sample's token ``positions[i]``. Only the ``n * K`` words are read, by one
-    gather; nothing waits for the device."""
-    layer, word = coordinates(seed, positions, words.shape[-2], words.shape[-1])
-    dev = words.device
-    at = (torch.from_numpy(layer).to(dev), torch.from_numpy(word).to(dev))
-    return words[(*(t.to(dev)[:, None] for t in lead), *at)]
+    """The sampled words ``[n, layers]`` (int64, on ``words``'s device) of ``n`` token
+    slots in ``words`` ``[..., layers, words]`` (any strides, the last dimension dense):
+    slot ``i`` at ``words[lead[0][i], lead[1][i], ...]`` holds the sample's token
+    ``positions[i]`` (``coordinates`` for ``seed``, ``block_size`` and ``last``). The
+    words' offsets in the tensor's storage are computed on the host; one 1-D gather
+    reads them where they are. On a GPU the offsets go over from pinned memory, queued
+    on the current stream: nothing waits for the device."""
+    layers, row = words.shape[-2], words.shape[-1]
+    word = coordinates(seed, positions, layers, row, block_size, last)
+    strides = words.stride()
+    base = np.full(len(positions), words.storage_offset(), dtype=np.int64)
+    for idx, stride in zip(lead, strides, strict=False):
+        base += np.asarray(idx, dtype=np.int64) * stride
+    word += base[:, None] + np.arange(layers, dtype=np.int64)[None, :] * strides[-2]
+    flat = torch.empty(0, dtype=torch.int64, device=words.device).set_(
+        words.untyped_storage(), 0, (words.untyped_storage().nbytes() // WORD,), (1,)
+    )
+    index = torch.from_numpy(word.reshape(-1))
+    if flat.is_cuda:
+        index = index.pin_memory().to(flat.device, non_blocking=True)
+    return flat.index_select(0, index).view(len(positions), layers)
 
 
 def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
@@ -117,7 +147,7 @@ def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
 
 
 def record(m: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) -> int:
-    """A share's fingerprint from the sampled words ``[n, K]`` of its valid tokens in order."""
+    """A share's fingerprint from the sampled words ``[n, layers]`` of its valid tokens in order."""
     w = words.cpu().numpy() if isinstance(words, torch.Tensor) else words
     h = xxhash.xxh3_64(manifest_bytes(m))
     h.update(TAG)
@@ -131,6 +161,7 @@ def states_record(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> in
     share = sorted(share)
     tokens = share_tokens(m, share)
     if not len(tokens):
-        return record(m, share, np.zeros((0, m.num_layers + 2), dtype=np.int64))
-    words = gather(as_words(states), (torch.from_numpy(tokens),), tokens, seed_of(m.request_id))
+        return record(m, share, np.zeros((0, m.num_layers), dtype=np.int64))
+    g = m.geometry
+    words = gather(as_words(states), (tokens,), tokens, seed_of(m.request_id), g.block_size, m.num_tokens - 1)
     return record(m, share, words)

@@ -21,6 +21,8 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
     8: ``Hello.digest``: "xxh3" over bytes or "blocks" (``wire.block_digest``).
     9: pull delivery: ``PullFetch``/``PullShare``, ``PullRelease``/``PullReleased``, ``PullError``.
     10: ``PullShare.digest``: which ``ShareChecksum`` its checksum is ("xxh3" or "blocks").
+    11: ``ShareChecksum.FINGERPRINT`` (``wire.fingerprint``, the default); ``PullShare.block_pitch``
+        (pull from caches in padded pages).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import msgspec
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22

@@ -56,8 +56,8 @@ def fault(
     elif kind == "bit":  # token 1, layer 0: a word its fingerprint does not sample
         words = layout.row_bytes // 8
         seed = fingerprint.seed_of(rid)
-        layer, word = fingerprint.coordinates(seed, np.array([1]), layout.num_layers, words)
-        spared = next(w for w in range(words) if w not in set(word[0][layer[0] == 0].tolist()))
+        word = fingerprint.coordinates(seed, np.array([1]), layout.num_layers, words, layout.block_size)
+        spared = next(w for w in range(words) if w != word[0, 0])
         view[table[0], 1, 0].view(torch.uint8)[8 * spared] ^= 1
     else:
         raise ValueError(kind)

@@ -94,3 +94,25 @@ def test_a_captured_layer_zero_at_every_token_is_named_by_layer_id(layout: str, 
     hs = states(layout, dtype, t=1)
     hs[:, 1] = 0  # one token alone: as one zero layer of one token, not an error
     assert find_bad_values(hs, LAYER_IDS) is None
+
+
+@pytest.mark.parametrize("layout, dtype", CASES)
+def test_the_sampled_screen_finds_what_a_bad_row_shows(layout: str, dtype: torch.dtype) -> None:
+    """The sampled screen (a host pool's default): healthy states pass; an all-zero token,
+    an all-zero layer and a row of garbage are found and named as the full screen names
+    them; a lone NaN in an element it does not read is the documented miss."""
+    hs = states(layout, dtype, hidden=1024)
+    assert find_bad_values(hs, LAYER_IDS, sample=True) is None
+    for damage in ("token", "layer", "row"):
+        bad = hs.clone()
+        if damage == "token":
+            bad[7] = 0
+        elif damage == "layer":
+            bad[:, 2] = 0
+        else:
+            bad[9, 1] = float("nan")
+        assert find_bad_values(bad, LAYER_IDS, sample=True) == find_bad_values(bad, LAYER_IDS) is not None
+    lone = hs.clone()
+    lone[3, 0, 300] = float("nan")  # between the two runs it reads
+    assert find_bad_values(lone, LAYER_IDS) is not None
+    assert find_bad_values(lone, LAYER_IDS, sample=True) is None

@@ -142,15 +142,22 @@ def test_one_bit_flipped_in_a_word_no_fingerprint_samples_is_not_caught() -> Non
     s = share_of(blocks, "req-1", table)
     n_words = layout.row_bytes // 8
     seed = fingerprint.seed_of("req-1")
-    layer, word = fingerprint.coordinates(seed, np.array([5]), layout.num_layers, n_words)
-    spared = next(w for w in range(n_words) if w not in set(word[0][layer[0] == 0].tolist()))
+    bs = layout.block_size
+    word = fingerprint.coordinates(seed, np.array([5]), layout.num_layers, n_words, bs, TOKENS - 1)
+    spared = next(w for w in range(n_words) if w != word[0, 0])
     row = cache.permute(0, 2, 1, 3)[table[0], 5, 0].view(torch.int32)  # token 5, layer 0
     row[2 * spared] ^= 1 << 7  # one bit of a word no fingerprint samples
     landed = fingerprint.states_record(states_of(cache, layout, table, TOKENS), s.manifest, s.share)
     assert words.record(s.manifest, s.share) == landed
 
 
-def test_the_words_are_a_small_part_of_the_bytes() -> None:
+def test_the_words_are_a_small_part_of_the_bytes_and_cover_every_block_edge() -> None:
     layout = BlockLayout("TLH", 16, 4, 4096, "bfloat16")
-    per_token = (layout.num_layers + 2) * 8
-    assert per_token / layout.token_bytes < 0.002  # 48 bytes of 32 KiB
+    assert layout.num_layers * 8 / layout.token_bytes < 0.001  # 32 bytes of 32 KiB a token
+    words, bs, n = layout.row_bytes // 8, layout.block_size, 3 * 16 + 5
+    word = fingerprint.coordinates(7, np.arange(n), layout.num_layers, words, bs, n - 1)
+    assert (word[::bs, 0] == 0).all()  # every block's first word
+    assert (word[bs - 1 :: bs, -1] == words - 1).all() and word[n - 1, -1] == words - 1  # and its last
+    assert len({tuple(word[t]) for t in range(n)}) > n // 2  # positions vary from token to token
+    other = fingerprint.coordinates(8, np.arange(n), layout.num_layers, words, bs, n - 1)
+    assert (other != word).any()  # and from sample to sample

@@ -289,4 +289,22 @@ def test_a_pull_share_says_which_checksum_it_carries() -> None:
     assert isinstance(older, protocol.PullShare) and older.digest is protocol.ShareChecksum.XXH3
     with pytest.raises(ProtocolError, match="digest"):
         protocol.decode(msgspec.msgpack.encode({**fields, "digest": "md5"}))
-    assert protocol.PROTOCOL_VERSION == 10
+    fp = protocol.decode(msgspec.msgpack.encode({**fields, "digest": "fingerprint"}))
+    assert isinstance(fp, protocol.PullShare) and fp.digest is protocol.ShareChecksum.FINGERPRINT
+    assert protocol.PROTOCOL_VERSION == 11
+
+
+def test_a_pull_share_in_padded_pages_says_its_pitch_and_blocks_must_fit_it() -> None:
+    """``PullShare.block_pitch`` (version 11): blocks ``pitch`` bytes apart in the producer's
+    registered memory; without it, one block; a pitch shorter than a block, or a block
+    whose page runs past the cache, is refused by decoding."""
+    bb = GEOMETRY.block_bytes
+    kw = dict(manifest=manifest(), rank=0, world_size=1, first_block=0, block_ids=[3, 5], cache_addr=4096,
+              mem_type="DRAM", device_id=0)  # fmt: skip
+    share = protocol.PullShare(cache_bytes=5 * (bb + 64) + bb, block_pitch=bb + 64, **kw)  # type: ignore[arg-type]
+    back = protocol.decode(protocol.encode(share))
+    assert back == share and isinstance(back, protocol.PullShare) and back.pitch == bb + 64
+    assert protocol.PullShare(cache_bytes=6 * bb, **kw).pitch == bb  # type: ignore[arg-type]
+    for pitch, size in ((bb - 8, 10 * bb), (bb + 64, 5 * (bb + 64) + bb - 1)):
+        with pytest.raises((ValueError, ProtocolError)):
+            protocol.decode(protocol.encode(protocol.PullShare(cache_bytes=size, block_pitch=pitch, **kw)))  # type: ignore[arg-type]
