@@ -127,9 +127,9 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
     checked_on: list[str] = []
     real_check = pool_memory.find_bad_values
 
-    def values_check(*args: Any) -> Any:
+    def values_check(*args: Any, **kw: Any) -> Any:
         checked_on.append(threading.current_thread().name)
-        return real_check(*args)
+        return real_check(*args, **kw)
 
     monkeypatch.setattr(pool_memory, "find_bad_values", values_check)
     samples = samples_spec(6, layout)
