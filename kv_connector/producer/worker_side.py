@@ -168,7 +168,8 @@ class WorkerSide:
         elif plan.slices or plan.ships:
             expected, errors = self.recorder.expect(plan.slices)
             if self.fingerprints is not None:
-                self.fingerprints.take(expected)  # the words of the slots this step wrote, now
+                # the words of the slots this step wrote, now (knowing the last of those that ship)
+                self.fingerprints.take(expected, {o.request_id: len(o.token_ids) - 1 for o in plan.ships})
             gate = self.checks.add(self._slots if plan.slices else None, expected)
         self._slots = None
         errors.update(self.checks.settle())  # on the host: this step's check, now

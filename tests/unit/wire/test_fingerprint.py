@@ -41,8 +41,12 @@ def share_of(blocks: CacheBlocks, rid: str, table: list[int], world: int = 1, ra
     return blocks.share_of(rid, list(range(TOKENS)), table, layer_ids, NO_IDENTITY, rank, world)
 
 
-def written_in_steps(blocks: CacheBlocks, rid: str, table: list[int], chunk: int) -> Fingerprints:
-    """The words taken as vLLM's steps write the sample: prefill chunks of ``chunk``."""
+def written_in_steps(
+    blocks: CacheBlocks, rid: str, table: list[int], chunk: int, told_last: bool = False
+) -> Fingerprints:
+    """The words taken as vLLM's steps write the sample: prefill chunks of ``chunk``; with
+    ``told_last``, the step that writes the last position knows it ships (the worker side
+    tells ``take`` the last position of each sample its plan ships)."""
     bs = blocks.layout.block_size
     fp, rec = Fingerprints(blocks, bs), BlockRecorder(bs)
     for start in range(0, TOKENS, chunk):
@@ -50,19 +54,25 @@ def written_in_steps(blocks: CacheBlocks, rid: str, table: list[int], chunk: int
         sl = StepSlice(rid, start, n, tuple(table) if start == 0 else (), 0 if start == 0 else len(table))
         expect, errors = rec.expect([sl])
         assert not errors
-        fp.take(expect)
+        fp.take(expect, {rid: TOKENS - 1} if told_last and start + n == TOKENS else None)
     return fp
 
 
+@pytest.mark.parametrize("told_last", [False, True], ids=["last-at-ship", "last-in-step"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
 @pytest.mark.parametrize("chunk", [TOKENS, 7, 1], ids=["one-step", "chunks", "token-by-token"])
 def test_the_words_taken_in_the_steps_give_the_record_the_reader_recomputes(
-    layout: BlockLayout, chunk: int
+    layout: BlockLayout, chunk: int, told_last: bool
 ) -> None:
     cache = cache_of(layout)
     blocks = CacheBlocks(cache, layout)
     table = [9, 2, 17, 4]
-    words = written_in_steps(blocks, "req-1", table, chunk).ship("req-1", TOKENS, table)
+    taken = written_in_steps(blocks, "req-1", table, chunk, told_last)
+    so_far = taken.taken("req-1")
+    assert so_far is not None
+    gathers = len(so_far.chunks)
+    words = taken.ship("req-1", TOKENS, table)
+    assert len(words.chunks) == gathers + (not told_last)  # the last token again only when not told
     states = states_of(cache, layout, table, TOKENS)
     for world in (1, 2, 3):
         for rank in range(world):
