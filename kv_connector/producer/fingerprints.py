@@ -15,7 +15,7 @@ sample ships, in the same hook, from the blocks it ships from.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,40 +36,35 @@ class _Taken:
     done: DeviceEvent
 
 
-@dataclass
-class _Chunk:
-    positions: np.ndarray  # [n] the sample's token positions
-    taken: _Taken
-    start: int  # its rows in ``taken.words``
-    sealed: bool  # taken knowing the sample's last position
-
-
-@dataclass
 class SampleWords:
-    """One sample's fingerprint words, chunk by chunk as its steps took them."""
+    """One sample's fingerprint words, run by run as its steps took them: each run the
+    rows ``row .. row + n - 1`` of one gather, holding positions ``first .. first + n - 1``."""
 
-    seed: int
-    chunks: list[_Chunk] = field(default_factory=list)
-    next_position: int = 0  # positions 0 .. next_position - 1 taken, in order, so far
-    out_of_order: bool = False
-    sealed: bool = False  # its last position was taken knowing it is the last
+    __slots__ = ("chunks", "next_position", "out_of_order", "sealed", "seed")
 
-    def add(self, chunk: _Chunk) -> None:
-        p = chunk.positions
-        if len(p) and int(p[0]) == self.next_position and int(p[-1]) == self.next_position + len(p) - 1:
-            self.next_position += len(p)
-        elif len(p):
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.chunks: list[tuple[_Taken, int, int, int]] = []  # (gather, row, first, n)
+        self.next_position = 0  # positions 0 .. next_position - 1 taken, in order, so far
+        self.out_of_order = False
+        self.sealed = False  # its last position was taken knowing it is the last
+
+    def add(self, taken: _Taken, row: int, first: int, n: int, sealed: bool) -> None:
+        if first == self.next_position:
+            self.next_position += n
+        else:
             self.out_of_order = True
-        self.sealed = self.sealed or chunk.sealed
-        self.chunks.append(chunk)
+        self.sealed = self.sealed or sealed
+        self.chunks.append((taken, row, first, n))
 
     def gaps(self, num_tokens: int) -> np.ndarray:
         """The positions below ``num_tokens`` no step took words of."""
         if not self.out_of_order and self.next_position >= num_tokens:
             return np.zeros(0, dtype=np.int64)
-        covered = [c.positions for c in self.chunks]
-        have = np.unique(np.concatenate(covered)) if covered else np.zeros(0, dtype=np.int64)
-        return np.setdiff1d(np.arange(num_tokens, dtype=np.int64), have, assume_unique=True)
+        have = np.zeros(num_tokens, dtype=bool)
+        for _, _, first, n in self.chunks:
+            have[first : first + n] = True
+        return np.flatnonzero(~have).astype(np.int64)
 
     def words(self, positions: np.ndarray) -> np.ndarray:
         """``[n, layers]`` words of the sample's tokens at ``positions`` (a later step's
@@ -80,15 +75,16 @@ class SampleWords:
         top = int(positions.max()) + 1
         out: np.ndarray | None = None
         have = np.zeros(top, dtype=bool)
-        for c in self.chunks:
-            c.taken.done.synchronize()
-            n = len(c.positions)
-            w = c.taken.words.numpy()[c.start : c.start + n]
-            keep = c.positions < top
+        for taken, row, first, n in self.chunks:
+            if first >= top:
+                continue
+            taken.done.synchronize()
+            k = min(n, top - first)
+            w = taken.words.numpy()[row : row + k]
             if out is None:
                 out = np.zeros((top, w.shape[1]), dtype=np.int64)
-            out[c.positions[keep]] = w[keep]
-            have[c.positions[keep]] = True
+            out[first : first + k] = w
+            have[first : first + k] = True
         missing = positions[~have[positions]] if out is not None else positions
         if out is None or len(missing):
             raise ValueError(f"no fingerprint of token position {int(missing[0])}: no step wrote it")
@@ -99,6 +95,9 @@ class SampleWords:
         """The share's fingerprint (``wire.fingerprint.record``) from these words."""
         share = sorted(share)
         return fingerprint.record(m, share, self.words(fingerprint.share_tokens(m, share)))
+
+
+Run = tuple[str, int, int]  # (request id, first position, how many)
 
 
 class Fingerprints:
@@ -114,20 +113,17 @@ class Fingerprints:
         the engine's thread after the drafter: one gather, nothing waits for the device.
         ``last``: the last position of each sample that ships in this step."""
         singles = expect.singles
-        rids = [s[0] for s in singles]
-        sizes = [1] * len(singles)
+        runs: list[Run] = [(s[0], s[1], 1) for s in singles]
         pos = [np.fromiter((s[1] for s in singles), dtype=np.int64, count=len(singles))]
         blk = [np.fromiter((s[3] for s in singles), dtype=np.int64, count=len(singles))]
         bs = self.block_size
         for e in expect.spans:
             p = np.arange(e.start, e.start + e.num_tokens, dtype=np.int64)
-            table = np.asarray(e.blocks, dtype=np.int64)
-            rids.append(e.request_id)
-            sizes.append(len(p))
+            runs.append((e.request_id, e.start, e.num_tokens))
             pos.append(p)
-            blk.append(table[p // bs - e.first_block])
-        if rids:
-            self._gather(rids, sizes, np.concatenate(pos), np.concatenate(blk), last or {})
+            blk.append(np.asarray(e.blocks, dtype=np.int64)[p // bs - e.first_block])
+        if runs:
+            self._gather(runs, np.concatenate(pos), np.concatenate(blk), last or {})
 
     def ship(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> SampleWords:
         """The sample's words, at its ship: positions no step wrote are taken now from the
@@ -139,10 +135,10 @@ class Fingerprints:
         if num_tokens and not sample.sealed and (not len(gaps) or gaps[-1] != num_tokens - 1):
             gaps = np.append(gaps, num_tokens - 1)
         if len(gaps):
+            cuts = np.flatnonzero(np.diff(gaps) != 1) + 1  # runs of consecutive positions
+            runs: list[Run] = [(request_id, int(r[0]), len(r)) for r in np.split(gaps, cuts)]
             table = np.asarray(blocks, dtype=np.int64)
-            self._gather(
-                [request_id], [len(gaps)], gaps, table[gaps // self.block_size], {request_id: num_tokens - 1}
-            )
+            self._gather(runs, gaps, table[gaps // self.block_size], {request_id: num_tokens - 1})
         return self._samples.pop(request_id)
 
     def taken(self, request_id: str) -> SampleWords | None:
@@ -162,18 +158,14 @@ class Fingerprints:
         return sample
 
     def _gather(
-        self,
-        rids: list[str],
-        sizes: list[int],
-        positions: np.ndarray,
-        blocks: np.ndarray,
-        last: Mapping[str, int],
+        self, runs: list[Run], positions: np.ndarray, blocks: np.ndarray, last: Mapping[str, int]
     ) -> None:
-        samples = [self._sample(r) for r in rids]
-        seeds = np.repeat(np.array([s.seed for s in samples], dtype=np.uint64), sizes)
+        samples = [self._sample(rid) for rid, _, _ in runs]
+        sizes = [n for _, _, n in runs]
+        seeds = np.repeat(np.fromiter((s.seed for s in samples), dtype=np.uint64, count=len(samples)), sizes)
         ends: int | np.ndarray = -1
         if last:
-            ends = np.repeat(np.array([last.get(r, -1) for r in rids], dtype=np.int64), sizes)
+            ends = np.repeat(np.array([last.get(rid, -1) for rid, _, _ in runs], dtype=np.int64), sizes)
         words = self.blocks.token_words(blocks, positions % self.block_size, positions, seeds, ends)
         done: DeviceEvent
         if words.is_cuda:
@@ -185,9 +177,8 @@ class Fingerprints:
         else:
             done = HostDone()
         taken = _Taken(words, done)
-        at = 0
-        for rid, sample, n in zip(rids, samples, sizes, strict=True):
-            p = positions[at : at + n]
-            end = last.get(rid, -1)
-            sample.add(_Chunk(p, taken, at, end >= 0 and bool(len(p)) and int(p[-1]) >= end))
-            at += n
+        row = 0
+        for (rid, first, n), sample in zip(runs, samples, strict=True):
+            end = last.get(rid, -1) if last else -1
+            sample.add(taken, row, first, n, first <= end < first + n)
+            row += n
