@@ -141,9 +141,16 @@ def gather(
 
 def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
     """The valid token positions of a share's blocks (indices in the sample), in order."""
-    bs = m.geometry.block_size
-    parts = [np.arange(j * bs, min((j + 1) * bs, m.num_tokens), dtype=np.int64) for j in sorted(share)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    bs, total = m.geometry.block_size, m.num_tokens
+    js = np.fromiter(sorted(share), dtype=np.int64)
+    if not len(js):
+        return np.zeros(0, dtype=np.int64)
+    if js[-1] - js[0] == len(js) - 1:  # one run of blocks (every share but a TP stripe's)
+        return np.arange(js[0] * bs, min((js[-1] + 1) * bs, total), dtype=np.int64)
+    starts = js * bs
+    lengths = np.minimum(bs, total - starts)
+    skip = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)  # each run's start less what came before
+    return skip + np.arange(lengths.sum(), dtype=np.int64)
 
 
 def record(m: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) -> int:

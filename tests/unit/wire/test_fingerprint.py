@@ -171,3 +171,16 @@ def test_the_words_are_a_small_part_of_the_bytes_and_cover_every_block_edge() ->
     assert len({tuple(word[t]) for t in range(n)}) > n // 2  # positions vary from token to token
     other = fingerprint.coordinates(8, np.arange(n), layout.num_layers, words, bs, n - 1)
     assert (other != word).any()  # and from sample to sample
+
+
+def test_a_shares_tokens_are_its_blocks_valid_positions_in_order() -> None:
+    from kv_connector.wire.protocol import Manifest
+
+    g = BlockLayout("TLH", 16, 2, 8, "float32")
+    for total in (1, 15, 16, 17, 53, 64):
+        nb = -(-total // 16)
+        tokens = list(range(total))
+        m = Manifest(request_id="r", token_ids=tokens, layer_ids=[1, 2], geometry=g, num_blocks=nb)
+        for share in ([], list(range(nb)), list(range(0, nb, 2)), list(range(1, nb, 3)), [nb - 1]):
+            want = [p for j in sorted(share) for p in range(j * 16, min((j + 1) * 16, total))]
+            assert fingerprint.share_tokens(m, share).tolist() == want, (total, share)
