@@ -211,10 +211,14 @@ def _reader_proc(conn: Connection, size: Size, pool_device: str | None) -> None:
 
 
 def _ship_all(sender: Any, samples: list[tuple[str, int, list[int]]], timeout: float = 300) -> None:
+    from kv_connector.producer.fingerprints import Fingerprints
     from kv_connector.wire.identity import make_identity
 
+    # the fingerprint words (the default record), taken where the cache is as a step takes them
+    taken = Fingerprints(sender.blocks, sender.layout.block_size)
     for rid, n, blocks in samples:
-        sender.ship(rid, token_ids(n), blocks, make_identity(None, None))
+        words = taken.ship(rid, n, blocks)
+        sender.ship(rid, token_ids(n), blocks, make_identity(None, None), words=words)
     want, done = {s[0] for s in samples}, set[str]()
     deadline = time.monotonic() + timeout
     while done != want:
@@ -311,7 +315,9 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
     """The producer of pull: a PullServer over a cache on ``device``, and a raw agent
     with the same cache registered."""
     try:
+        from kv_connector.producer.fingerprints import Fingerprints
         from kv_connector.producer.pull_server import PullServer
+        from kv_connector.sender.cache_blocks import CacheBlocks
         from kv_connector.wire.handle import PullHandle, make_nonce
         from kv_connector.wire.nixl_transport import NixlTransport
 
@@ -319,6 +325,7 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
         checksum = ChecksumOption("auto").resolve(cache.is_cuda, size.layout)
         layer_ids = list(range(size.layers))
         server = PullServer(cache, size.layout, layer_ids, PRODUCER, 0, 1, ("127.0.0.1", 0), 600.0, checksum)
+        taken = Fingerprints(CacheBlocks(cache, size.layout), size.layout.block_size)
         raw = NixlTransport(f"gpu-check-raw-source-{os.getpid()}")
         region = raw.register(cache)
         conn.send(
@@ -335,7 +342,7 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
                 handles = []
                 for rid, n, blocks in cmd[1]:
                     nonce = make_nonce()
-                    server.hold(rid, nonce, token_ids(n), blocks)
+                    server.hold(rid, nonce, token_ids(n), blocks, words=taken.ship(rid, n, blocks))
                     handles.append(PullHandle(PRODUCER, rid, nonce, [server.address]).encode())
                 server.finished([s[0] for s in cmd[1]])
                 conn.send(handles)
