@@ -168,8 +168,13 @@ class WorkerSide:
         elif plan.slices or plan.ships:
             expected, errors = self.recorder.expect(plan.slices)
             if self.fingerprints is not None:
-                # the words of the slots this step wrote, now (knowing the last of those that ship)
-                self.fingerprints.take(expected, {o.request_id: len(o.token_ids) - 1 for o in plan.ships})
+                # the words of the slots this step wrote, now (knowing the last of those that ship);
+                # a failure fails the step's requests by name, never the engine's step
+                try:
+                    self.fingerprints.take(expected, {o.request_id: len(o.token_ids) - 1 for o in plan.ships})
+                except Exception as e:
+                    log.exception("fingerprints of this step's slots could not be taken")
+                    errors.update({sl.request_id: f"fingerprints not taken: {e}" for sl in plan.slices})
             gate = self.checks.add(self._slots if plan.slices else None, expected)
         self._slots = None
         errors.update(self.checks.settle())  # on the host: this step's check, now
