@@ -26,6 +26,9 @@ Invariants (tests name the one they prove):
       answers "unknown".
   P6  A request is held at most once at a time: holding one already held is the shell's
       bug (``IllegalTransition``).
+  P7  With a fence table (``producer.hold_fences``), a hold's fence word holds its value
+      exactly while it is HELD: it is written when it is held and zeroed in the same call
+      that ends it, before ``take_freed`` can report it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kv_connector.producer.hold_fences import FenceTable
 from kv_connector.producer.hold_states import HOLDS, HoldEvent
 from kv_connector.producer.hold_states import HoldState as HoldState
 from kv_connector.producer.hold_states import IllegalTransition as IllegalTransition
@@ -66,7 +70,8 @@ class PullRefused(Exception):
 class Held:
     """A sample one rank holds: ``block_ids`` are the cache blocks of all the sample's
     blocks in order, ``share`` the range of them this rank serves; ``checksum`` the
-    share's digest once the shell computed it (lazily, on the first fetch)."""
+    share's digest once the shell computed it (lazily, on the first fetch); ``fence``
+    its fence's (slot, value), None without a table or with the table full (P7)."""
 
     request_id: str
     nonce: str
@@ -76,10 +81,11 @@ class Held:
     deadline: float
     checksum: int | None = None
     fetches: int = 0
+    fence: tuple[int, int] | None = None
 
 
 class PullLedger:
-    def __init__(self, timeout_s: float, remember: int = REMEMBER) -> None:
+    def __init__(self, timeout_s: float, remember: int = REMEMBER, fences: FenceTable | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"pull_timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -89,6 +95,7 @@ class PullLedger:
         self._ended: OrderedDict[str, tuple[str, HoldState, str]] = OrderedDict()
         self._freed: set[str] = set()
         self.served = 0  # fetches answered with data
+        self.fences = fences
 
     # ------------------------------------------------------------- producer side
     def hold(
@@ -99,7 +106,10 @@ class PullLedger:
             HoldState.HELD if request_id in self._held else None, HoldEvent.HOLD, f"request {request_id}"
         )
         self._ended.pop(request_id, None)  # a new sample: how an earlier one ended is forgotten
-        self._held[request_id] = Held(request_id, nonce, manifest, list(block_ids), share, math.inf)
+        fence = self.fences.open() if self.fences is not None else None
+        self._held[request_id] = Held(
+            request_id, nonce, manifest, list(block_ids), share, math.inf, fence=fence
+        )
 
     def finished(self, request_ids: Iterable[str], now: float) -> None:
         """These requests finished (their handles are out): their clocks start (P4)."""
@@ -192,6 +202,8 @@ class PullLedger:
         """A held sample ends: HELD -> where ``event`` leads (P3)."""
         state = HOLDS.step(HoldState.HELD, event, f"request {request_id}")
         h = self._held.pop(request_id)
+        if h.fence is not None and self.fences is not None:
+            self.fences.close(h.fence[0])  # before anyone may give its blocks back (P7)
         self._freed.add(request_id)
         self._remember(request_id, h.nonce, state, why or _WHY[state])
 

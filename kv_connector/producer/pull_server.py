@@ -25,9 +25,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_connector.common.device import on_device
+from kv_connector.producer.hold_fences import FENCE_SLOTS, WORD_BYTES, FenceTable
 from kv_connector.producer.pull_ledger import Held, PullLedger, PullRefused
 from kv_connector.sender.cache_blocks import CacheBlocks, Fingerprinted
 from kv_connector.sender.hasher import Hasher
@@ -62,6 +64,9 @@ class PullServer:
     the share's bytes (``wire.integrity``; a GPU cache's share is staged to host memory
     for it), ``BLOCKS`` from per-block digests computed where the cache is
     (``wire.block_digest``: nothing staged, 8 bytes per block reach the host); None: none.
+    ``fences``: every hold gets a fence word (``producer.hold_fences``) in a table
+    registered beside the cache, which a consumer READs after its data; False only to
+    show what fences catch.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class PullServer:
         secret: bytes | None = None,
         transport: Transport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fences: bool = True,
     ) -> None:
         secret = secret if secret is not None else auth.load_secret()
         host, port = listen
@@ -108,6 +114,9 @@ class PullServer:
                 transport = NixlTransport(f"{producer_id}-pull-r{rank}-{os.getpid()}")
             self._transport = transport
             self._region = transport.register(self.blocks.raw)
+            # host memory whatever the cache's device: the engine's thread writes it
+            self._fence_words = torch.zeros(FENCE_SLOTS if fences else 1, dtype=torch.int64)
+            self._fence_region = transport.register(self._fence_words) if fences else None
         except BaseException:
             self._sock.close()
             raise
@@ -123,7 +132,8 @@ class PullServer:
         )
         self._lock = threading.Lock()  # guards the ledger, the connections and the hashing
         self._held = threading.Condition(self._lock)  # a sample was held (fetches may wait for it)
-        self._ledger = PullLedger(timeout_s)
+        table = FenceTable(self._fence_words.numpy().view(np.uint64)) if fences else None
+        self._ledger = PullLedger(timeout_s, fences=table)
         self._prehash = checksum is ShareChecksum.XXH3 and cache.device.type == "cpu"
         self._hasher: Hasher | None = None  # started on the first finished sample
         self._hashing: dict[tuple[str, str], concurrent.futures.Future[int]] = {}
@@ -337,7 +347,8 @@ class PullServer:
                 elif isinstance(msg, protocol.PullRelease) and outstanding:
                     outstanding -= 1
                     self._reading_changed(-1)
-                conn.send(answer)
+                if not isinstance(msg, protocol.PullRelease) or msg.answer:
+                    conn.send(answer)
         except (ConnectionClosed, OSError):
             pass  # the consumer went away
         except ProtocolError as e:
@@ -415,6 +426,16 @@ class PullServer:
             device_id=r.device_id,
             checksum=digest if self._checksum is not None and len(h.share) else None,
             digest=self._checksum or ShareChecksum.XXH3,
+            fence=self._fence_of(h),
+        )
+
+    def _fence_of(self, h: Held) -> protocol.HoldFence | None:
+        f = self._fence_region
+        if h.fence is None or f is None:
+            return None
+        slot, value = h.fence
+        return protocol.HoldFence(
+            table_addr=f.addr, table_bytes=f.nbytes, offset=slot * WORD_BYTES, value=value
         )
 
     def _fetch_held(self, rid: str, nonce: str) -> Held:

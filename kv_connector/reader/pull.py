@@ -41,6 +41,7 @@ from kv_connector.reader import pull_batch
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.pool import PagePool, PoolTooSmall
 from kv_connector.reader.pool_memory import PoolMemory, device_of, make_pool, register_pool
+from kv_connector.reader.pull_fence import FenceReader, check_fences
 from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
@@ -130,6 +131,7 @@ class PullClient:
         self._pool: PagePool | None = None
         self._memory: PoolMemory | None = None
         self._links: ProducerLinks | None = None
+        self._fences: FenceReader | None = None
         # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
         # costs more in page faults than the copy itself)
         self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
@@ -284,6 +286,7 @@ class PullClient:
         h, m = p.handle, p.shares[0].manifest
         try:
             self._wait(p)
+            fenced = self._check_fences(p)
             memory = self._memory
             assert memory is not None
             base = byte_of(p.pages)
@@ -303,7 +306,9 @@ class PullClient:
             self._give_back(h, p.pages)
             self._release_all(h, quiet=True)
             raise
-        if release:
+        if release and fenced:
+            self._release_all(h, quiet=True, answer=False)  # the fences said the holds were live
+        elif release:
             unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
             self._release_all(h, quiet=not unchecked)
         return self._hand_out(h, m, p.pages)
@@ -340,6 +345,7 @@ class PullClient:
             self._links = ProducerLinks(
                 self.name, self._secret, self.timeout_s, self._lock, transport, self._region
             )
+            self._fences = FenceReader(transport, self._lock)
             self._transport = transport
 
     def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
@@ -440,12 +446,20 @@ class PullClient:
                 pause = min(2 * pause, POLL_MAX_S)
 
     # ------------------------------------------------------------------ control
-    def _release_all(self, h: PullHandle, quiet: bool) -> None:
+    def _check_fences(self, p: _Pending) -> bool:
+        """After the READs completed: every share's hold was live (``pull_fence``)."""
+        assert self._links is not None and self._fences is not None
+        return check_fences(self._fences, self._links, p.handle, p.shares, self.timeout_s)
+
+    def _release_all(self, h: PullHandle, quiet: bool, answer: bool = True) -> None:
         for rank, endpoint in enumerate(h.endpoints):
+            msg = protocol.PullRelease(request_id=h.request_id, nonce=h.nonce, answer=answer)
+            if not answer:
+                if not self._links or not self._links.tell(h, rank, endpoint, msg):
+                    log.debug("releasing %s at rank %d: not sent (it expires)", h.request_id, rank)
+                continue
             try:
-                reply = self._ask_rank(
-                    h, rank, endpoint, protocol.PullRelease(request_id=h.request_id, nonce=h.nonce)
-                )
+                reply = self._ask_rank(h, rank, endpoint, msg)
             except FetchError as e:
                 if not quiet:
                     raise

@@ -89,6 +89,21 @@ class ProducerLinks:
                     raise FetchError("connect", f"the producer's rank {rank} at {endpoint}: {e}") from None
         raise AssertionError("unreachable")
 
+    def tell(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> bool:
+        """Send one message that gets no answer (a fenced release) on the rank's connection,
+        made if need be; False if it could not be sent (nothing is retried)."""
+        try:
+            peer = self._peer(h, rank, endpoint)
+        except FetchError:
+            return False
+        try:
+            with peer.lock:
+                peer.conn.send(msg)
+        except (ConnectionClosed, OSError):
+            self._drop_peer(endpoint, peer)
+            return False
+        return True
+
     def _drop_peer(self, endpoint: str, peer: _Peer) -> None:
         with self._lock:
             if self._peers.get(endpoint) is peer:

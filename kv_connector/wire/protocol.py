@@ -23,6 +23,8 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
     10: ``PullShare.digest``: which ``ShareChecksum`` its checksum is ("xxh3" or "blocks").
     11: ``ShareChecksum.FINGERPRINT`` (``wire.fingerprint``, the default); ``PullShare.block_pitch``
         (pull from caches in padded pages).
+    12: ``PullShare.fence`` (``HoldFence``: the hold's fence word, READ after the data);
+        ``PullRelease.answer`` (False: a release nobody waits for).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import msgspec
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -337,6 +339,26 @@ class PullFetch(_Msg, tag="pull_fetch", frozen=True):
     nonce: PullNonce
 
 
+class HoldFence(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a held sample's fence word lies (``producer.hold_fences``): ``offset`` bytes
+    into the rank's fence table (``table_addr``, ``table_bytes``, host memory the NIXL
+    metadata of the handshake registers). It reads ``value`` while the hold is live; a
+    consumer READs it after its data READ completed and fails the sample otherwise."""
+
+    table_addr: NonNegInt
+    table_bytes: PosInt
+    offset: NonNegInt
+    value: PosInt
+
+    def __post_init__(self) -> None:
+        if self.offset % 8 or self.offset + 8 > self.table_bytes:
+            raise ValueError(
+                f"a fence word at {self.offset} is not one of the table's {self.table_bytes} bytes"
+            )
+        if self.table_addr + self.table_bytes > 1 << 64:
+            raise ValueError("the fence table does not fit in a 64-bit address space")
+
+
 class PullShare(_Msg, tag="pull_share", frozen=True):
     """Producer rank -> consumer: the sample's manifest, and where this rank's share lies
     in its cache: block ``first_block + i`` of the sample is cache block ``block_ids[i]``,
@@ -345,7 +367,8 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     next, more than a block where vLLM padded the page; None: ``manifest.block_bytes``);
     ``checksum``: the share's (None: checksums off), computed as ``digest`` says: XXH3-64
     over its bytes (``wire.integrity``) or over its block digests (``wire.block_digest``,
-    taken where the cache is)."""
+    taken where the cache is); ``fence``: the hold's fence (None: the rank fences no hold
+    now; the consumer then waits for its release's answer)."""
 
     manifest: Manifest
     rank: Rank
@@ -359,6 +382,7 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     checksum: Checksum | None = None
     digest: ShareChecksum = ShareChecksum.XXH3
     block_pitch: PosInt | None = None
+    fence: HoldFence | None = None
 
     @property
     def pitch(self) -> int:
@@ -380,10 +404,13 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
 
 
 class PullRelease(_Msg, tag="pull_release", frozen=True):
-    """Consumer -> producer rank: done with the sample; its blocks may be freed."""
+    """Consumer -> producer rank: done with the sample; its blocks may be freed.
+    ``answer``: False when the consumer checked the hold's fence and waits for nothing
+    (no ``PullReleased``/``PullError`` comes back)."""
 
     request_id: RequestId
     nonce: PullNonce
+    answer: bool = True
 
 
 class PullReleased(_Msg, tag="pull_released", frozen=True):

@@ -9,7 +9,10 @@ docs/reliability.md, applied to the cache: "slot" token 1's slot, every layer, o
 with another sample's row, as a late write of another request would; "tail" the last
 three token slots of its first block zeroed; "swap" its first block replaced by another
 block; "layer" its second captured layer zeroed over the whole sample; "bit" one bit
-flipped in a word no fingerprint samples; prints "faulted"), "quit". The spec's "checksum" is the connector's
+flipped in a word no fingerprint samples; prints "faulted"), "end REQUEST_ID HOW" (the
+hold ends right after each rank answers the sample's next fetch, while the consumer
+READs: HOW "released" or "reassigned"; prints "ending"), "quit". The spec's "fences"
+(default true) is the servers' option. The spec's "checksum" is the connector's
 option ("auto" by default), resolved per rank as the connector does; a sample's
 fingerprint words are taken when it is held, as the worker side takes them in the step
 that wrote its slots."""
@@ -30,7 +33,7 @@ from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.producer.pull_server import PullServer
 from kv_connector.sender.cache_blocks import CacheBlocks
-from kv_connector.wire import fingerprint
+from kv_connector.wire import fingerprint, protocol
 from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import make_cache, token_ids
@@ -63,6 +66,32 @@ def fault(
         raise ValueError(kind)
 
 
+class EndingServer(PullServer):
+    """A rank whose holds named in ``ending`` end right after it answers their fetch, while
+    the consumer READs: "released" as a second consumer's release would end it, or
+    "reassigned" (preempted, and another sample's row lands in the blocks, as vLLM's reuse
+    writes them)."""
+
+    def __init__(self, *args: Any, cache: torch.Tensor, samples: list[dict[str, Any]], **kw: Any) -> None:
+        super().__init__(cache, *args, **kw)
+        self.cache, self.samples = cache, samples
+        self.ending: dict[str, str] = {}
+
+    def answer(
+        self, msg: protocol.Message
+    ) -> protocol.PullShare | protocol.PullReleased | protocol.PullError:
+        out = super().answer(msg)
+        if not isinstance(out, protocol.PullShare) or not isinstance(msg, protocol.PullFetch):
+            return out
+        how = self.ending.pop(msg.request_id, None)
+        if how == "released":
+            self.answer(protocol.PullRelease(request_id=msg.request_id, nonce=msg.nonce))
+        elif how == "reassigned":
+            self.preempt([msg.request_id])
+            fault(self.cache, self.layout, self.samples, msg.request_id, "slot")
+        return out
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = BlockLayout(**spec["layout"])
@@ -73,8 +102,7 @@ def main() -> int:
     producer_id = spec.get("producer_id", "producer")
     checksum = ChecksumOption(spec.get("checksum", "auto")).resolve(cache.is_cuda, layout)
     servers = [
-        PullServer(
-            cache,
+        EndingServer(
             layout,
             spec["layer_ids"],
             producer_id,
@@ -83,6 +111,9 @@ def main() -> int:
             ("127.0.0.1", 0),
             spec.get("timeout_s", 300.0),
             checksum=checksum,
+            fences=spec.get("fences", True),
+            cache=cache,
+            samples=spec["samples"],
         )
         for rank in range(world)
     ]
@@ -113,6 +144,11 @@ def main() -> int:
             _, rid, kind = cmd.split()
             fault(cache, layout, spec["samples"], rid, kind)
             print(json.dumps("faulted"), flush=True)
+        elif cmd.startswith("end "):
+            _, rid, how = cmd.split()
+            for server in servers:
+                server.ending[rid] = how
+            print(json.dumps("ending"), flush=True)
         elif cmd == "quit":
             break
     for server in servers:

@@ -13,6 +13,7 @@ import pickle
 import random
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -67,6 +68,14 @@ class Producer:
         self.proc.stdin.write(f"fault {request_id} {kind}\n")
         self.proc.stdin.flush()
         assert json.loads(self.proc.stdout.readline()) == "faulted"
+
+    def end(self, request_id: str, how: str) -> None:
+        """The sample's hold ends right after each rank answers its next fetch (``how``:
+        "released" or "reassigned"), while the consumer READs."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"end {request_id} {how}\n")
+        self.proc.stdin.flush()
+        assert json.loads(self.proc.stdout.readline()) == "ending"
 
     def garble(self, request_id: str) -> None:
         """Change the first state of the sample's first block in the producer's cache."""
@@ -497,6 +506,42 @@ def test_a_fault_after_the_step_that_wrote_a_sample_fails_it_by_name_before_anyo
         other = client.fetch(p.handles["req-1"])
         want = expected_states(cache, layout, samples[1]["block_ids"], samples[1]["num_tokens"])
         assert torch.equal(other.hidden_states, want)
+
+
+@pytest.mark.parametrize("fences", [True, False], ids=["fences", "no-fences"])
+@pytest.mark.parametrize("how", ["released", "reassigned"])
+def test_a_hold_that_ends_while_its_sample_is_read_fails_it_by_name(
+    how: str, fences: bool, producers: list[Producer]
+) -> None:
+    """Each rank ends the sample's hold right after it answered the fetch, while the
+    consumer READs: released (as by another consumer), or reassigned (preempted, and
+    another sample's row written into a block, as vLLM's reuse does). The consumer READs
+    each hold's fence word after its data landed and fails the sample by how the hold
+    ended, handing out nothing; the producer goes on serving. Without fences a reassigned
+    hold is still caught by the fingerprint (its bytes changed), but a released one, whose
+    blocks vLLM may reuse any moment, is handed out."""
+    samples = faulted_spec(TLH)
+    p = Producer(spec_of(TLH, samples, world_size=2, fences=fences))
+    producers.append(p)
+    p.end("req-0", how)
+    with PullClient(check_values=False) as client:
+        if fences or how == "reassigned":
+            with pytest.raises(FetchError) as e:
+                client.fetch(p.handles["req-0"])
+            want = ("released" if how == "released" else "preempted") if fences else "checksum"
+            assert e.value.code == want and "sample req-0" in e.value.message, e.value
+            if fences:
+                assert "ended before the READ completed" in e.value.message
+        else:
+            client.fetch(p.handles["req-0"]).release()  # what only the fence sees
+        cache = make_cache(TLH, NUM_CACHE_BLOCKS, SEED, finite=True)
+        other = client.fetch(p.handles["req-1"])
+        want_states = expected_states(cache, TLH, samples[1]["block_ids"], samples[1]["num_tokens"])
+        assert torch.equal(other.hidden_states, want_states)
+    deadline = time.monotonic() + 10  # a release gets no answer: the rank takes it when it comes
+    while (held := p.poll()["held"]) != [0, 0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held == [0, 0]  # both samples' blocks go back, whatever ended them
 
 
 def test_a_layer_zeroed_over_a_whole_sample_is_caught_by_the_values_screen_without_a_record(

@@ -1,0 +1,126 @@
+"""The pull client's side of hold fences (``producer.hold_fences``): once a sample's data
+READs completed, one 8-byte READ per share of its hold's fence word into a word of the
+client's own (host memory, registered beside the pool). The word still holding the value
+the share named means the hold was live after the last byte landed: vLLM cannot have
+reused the blocks while they were read, and the consumer's release needs no answer. A
+share whose word changed names its rank: the client asks it how the hold ended.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kv_connector.reader.pull_links import FetchError, ProducerLinks
+from kv_connector.wire.handle import PullHandle
+from kv_connector.wire.protocol import PullError, PullRelease, PullShare
+from kv_connector.wire.transport import Region, Transport, TransportError
+
+FENCE_WORDS = 256  # fence READs in flight at once (the client's checking threads')
+POLL_S = 0.00002
+
+
+class FenceStale(Exception):
+    """A fence READ failed or its word no longer held its value: ``ranks`` say where."""
+
+    def __init__(self, ranks: list[int], why: str) -> None:
+        super().__init__(why)
+        self.ranks = ranks
+
+
+class FenceReader:
+    """READs fence words through ``transport`` (its calls made under ``lock``, the
+    client's: it guards the agent)."""
+
+    def __init__(self, transport: Transport, lock: threading.Lock, words: int = FENCE_WORDS) -> None:
+        self._transport = transport
+        self._lock = lock
+        self._words = torch.zeros(words, dtype=torch.int64)
+        self._region = transport.register(self._words)
+        self._free = list(range(words))
+        self._slots = threading.Condition(threading.Lock())
+
+    def check(self, reads: Sequence[tuple[str, PullShare]], deadline: float) -> None:
+        """READ each (peer agent, share)'s fence word and compare; ``FenceStale`` naming
+        the ranks whose hold ended (or whose READ failed), ``TimeoutError`` past ``deadline``."""
+        slots = self._take(len(reads), deadline)
+        try:
+            failed: list[int] = []
+            waiting = []
+            with self._lock:
+                for slot, (peer, s) in zip(slots, reads, strict=True):
+                    f = s.fence
+                    assert f is not None
+                    remote = Region(f.table_addr, f.table_bytes, "DRAM", 0)
+                    try:
+                        span = [(8 * slot, f.offset, 8)]
+                        waiting.append((self._transport.read(peer, self._region, remote, span), s))
+                    except TransportError:
+                        failed.append(s.rank)
+            while waiting:  # every posted READ ends before its word is reused
+                with self._lock:
+                    left = []
+                    for x, s in waiting:
+                        try:
+                            if not self._transport.poll(x):
+                                left.append((x, s))
+                        except TransportError:
+                            failed.append(s.rank)
+                waiting = left
+                if waiting:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError("a fence READ did not complete")
+                    time.sleep(POLL_S)
+            if failed:
+                raise FenceStale(failed, "its fence READ failed")
+            stale = [
+                s.rank
+                for slot, (_, s) in zip(slots, reads, strict=True)
+                if s.fence is not None and int(self._words[slot]) & ((1 << 64) - 1) != s.fence.value
+            ]
+            if stale:
+                raise FenceStale(stale, "its hold ended before the READ completed")
+        finally:
+            self._give(slots)
+
+    def _take(self, n: int, deadline: float) -> list[int]:
+        with self._slots:
+            while len(self._free) < n:
+                if not self._slots.wait(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError("no fence word free")
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
+    def _give(self, slots: list[int]) -> None:
+        with self._slots:
+            self._free += slots
+            self._slots.notify_all()
+
+
+def check_fences(
+    fences: FenceReader, links: ProducerLinks, h: PullHandle, shares: Sequence[PullShare], timeout_s: float
+) -> bool:
+    """The fences of a sample's shares, once their READs completed: ``FetchError`` saying
+    how a hold ended (its rank's answer to a release) if one did. True if every share
+    READ had a fence (its release then needs no answer)."""
+    read = [s for s in shares if s.block_ids]
+    fenced = [s for s in read if s.fence is not None]
+    if not fenced:
+        return not read
+    try:
+        fences.check([(links.agent(h.endpoints[s.rank]), s) for s in fenced], time.monotonic() + timeout_s)
+    except TimeoutError as e:
+        raise FetchError("timeout", f"sample {h.request_id}: {e}") from None
+    except FenceStale as e:
+        rank = e.ranks[0]
+        reply = links.ask(h, rank, h.endpoints[rank], PullRelease(request_id=h.request_id, nonce=h.nonce))
+        said = f" ({reply.message})" if isinstance(reply, PullError) else ""
+        code = reply.code if isinstance(reply, PullError) else "failed"
+        raise FetchError(code, f"sample {h.request_id}: rank {rank}: {e}{said}") from None
+    return len(fenced) == len(read)
+
+
+__all__ = ["FENCE_WORDS", "FenceReader", "FenceStale", "check_fences"]
