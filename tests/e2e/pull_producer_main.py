@@ -3,7 +3,9 @@ extract_hidden_states and HiddenStatesConnector, ``"delivery": "pull"``. Runs ge
 on the prompts of its JSON spec, prints one JSON line with each prompt's
 kv_transfer_params and generated token ids, then serves its samples while answering commands on stdin, one a
 line: "step" (a few engine steps, which report released and expired samples to vLLM;
-prints vLLM's KV cache usage and the requests it still holds) and "quit"."""
+prints vLLM's KV cache usage and the requests it still holds), "overwrite VICTIM TOKEN
+DONOR" (prompt VICTIM's token TOKEN gets prompt DONOR's first row in vLLM's cache, no
+engine step taken; prints "overwritten") and "quit"."""
 
 from __future__ import annotations
 
@@ -11,6 +13,30 @@ import json
 import os
 import sys
 import time
+from typing import Any
+
+
+def overwrite(llm: Any, sched: Any, request_ids: list[str], victim: int, token: int, donor: int) -> None:
+    """Prompt ``victim``'s token ``token`` gets prompt ``donor``'s first row, every captured
+    layer, in vLLM's own cache-only layer (its view [block, layer, token, hidden]), as a
+    late write of another request would: the blocks found through vLLM's KV cache manager."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+    from kv_connector.producer.scheduler_side import hidden_state_group
+
+    g = hidden_state_group(sched.kv_cache_config)
+    victim_blocks = sched.kv_cache_manager.get_block_ids(request_ids[victim])[g]
+    donor_blocks = sched.kv_cache_manager.get_block_ids(request_ids[donor])[g]
+
+    def write(worker: Any) -> None:
+        (layer,) = get_layers_from_vllm_config(worker.vllm_config, CacheOnlyAttentionLayer).values()
+        kv = layer.kv_cache
+        cache = kv[0] if isinstance(kv, (list, tuple)) else kv
+        bs = cache.shape[2]
+        cache[victim_blocks[token // bs], :, token % bs] = cache[donor_blocks[0], :, 0]
+
+    llm.collective_rpc(write)
 
 
 def main() -> int:
@@ -55,9 +81,21 @@ def main() -> int:
         flush=True,
     )
     sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+    from kv_connector.wire.handle import decode_handle
+
+    # the engine's own ids (vLLM adds a suffix to the caller's), as the handles name them
+    request_ids = [
+        decode_handle(h).request_id if (h := (o.kv_transfer_params or {}).get("handle")) else o.request_id
+        for o in outs
+    ]
     for line in sys.stdin:
         if line.strip() == "quit":
             break
+        if line.startswith("overwrite "):
+            victim, token, donor = (int(x) for x in line.split()[1:])
+            overwrite(llm, sched, request_ids, victim, token, donor)
+            print(json.dumps("overwritten"), flush=True)
+            continue
         for _ in range(3):
             llm.llm_engine.step()
             time.sleep(0.02)

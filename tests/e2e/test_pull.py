@@ -49,6 +49,17 @@ class PullProducer:
         self.proc.stdin.flush()
         return self._answer()
 
+    def command(self, line: str) -> Any:
+        """One stdin command of pull_producer_main.py; its JSON answer."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        while out := self.proc.stdout.readline():
+            if out.startswith(("{", '"')):
+                return json.loads(out)
+            self.lines.append(out)
+        raise AssertionError(f"producer died: {self.stop()[-5000:]}")
+
     def _answer(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         while line := self.proc.stdout.readline():
@@ -126,6 +137,55 @@ def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
     finally:
         log = producer.stop()
     assert "was not released within pull_timeout_s" in log, log[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("checksum", "asked"),
+    [("auto", False), ("auto", True), ("none", False)],
+    ids=["before-ask", "after-ask", "none"],
+)
+def test_a_row_overwritten_after_generate_returned_fails_its_sample_by_name(
+    checksum: str, asked: bool, tiny_llama: Path, llama_reference: Reference
+) -> None:
+    """One token's row of a held sample is overwritten in vLLM's cache with another
+    prompt's row right after ``generate()`` returned, with no engine step since: before
+    any consumer asked for it, or after one asked for its manifest. The default record
+    (fingerprints taken in the step that wrote each slot) fails the fetch naming the sample
+    and hands out nothing, and the other samples arrive exact; with the record off the
+    changed row is handed out."""
+    prompts = prompts_of([BLOCK + 9, 40, 70], seed=31)
+    spec = {
+        "model": str(tiny_llama),
+        "layer_ids": LAYER_IDS,
+        "block_size": BLOCK,
+        "prompts": prompts,
+        "max_tokens": [1, 1, 1],
+        "extra": {"checksum": checksum},
+    }
+    producer = PullProducer(spec)
+    try:
+        outputs = producer.first()["outputs"]
+        with PullClient(pool_bytes=16 << 20) as client:
+            if asked:
+                assert client.manifest(outputs[0]).token_ids == prompts[0]
+            assert producer.command("overwrite 0 3 1") == "overwritten"
+            if checksum == "auto":
+                with pytest.raises(FetchError) as e:
+                    client.fetch(outputs[0])
+                rid = decode_handle(outputs[0]["handle"]).request_id
+                assert e.value.code == "checksum" and f"sample {rid}" in e.value.message, e.value
+            else:
+                got = client.fetch(outputs[0])
+                ref = llama_reference.states(prompts[0], LAYER_IDS)
+                assert relative_error(got.hidden_states[3], ref[3]) > 0.1  # the changed row, handed out
+                assert relative_error(got.hidden_states[4:], ref[4:]) < 1e-4
+                got.release()
+            for i in (1, 2):
+                s = client.fetch(outputs[i])
+                assert relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS)) < 1e-4
+                s.release()
+    finally:
+        producer.stop()
 
 
 def test_output_tokens_in_pull_mode_are_exact_over_the_whole_sequence(
