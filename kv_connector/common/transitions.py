@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 S = TypeVar("S", bound=enum.Enum)  # every state the table names, terminal ones included
 E = TypeVar("E", bound=enum.Enum)  # the events
+K = TypeVar("K", bound=enum.Enum)  # one kind of state (``step_as``)
 
 
 class Transitions(Generic[S, E]):
@@ -31,6 +32,15 @@ class Transitions(Generic[S, E]):
         if to is None:
             where = "no record" if state is None else f"state {state.value}"
             raise self._illegal(f"{what + ': ' if what else ''}{event.value} is not allowed in {where}")
+        return to
+
+    def step_as(self, kind: type[K], state: S | None, event: E, what: str, otherwise: str) -> K:
+        """``step``, for a machine whose states are two enums (the live ones and the ends):
+        the state it leads to, checked to be a ``kind``; the machine's error saying
+        ``what`` ``otherwise`` when it is of the other kind."""
+        to = self.step(state, event, what)
+        if not isinstance(to, kind):
+            raise self._illegal(f"{what}: {event.value} {otherwise} ({to.value})")
         return to
 
     def allows(self, state: S | None, event: E) -> bool:

@@ -45,7 +45,7 @@ class ChecksumOption(str, enum.Enum):
         """How a rank whose cache has ``layout`` (on a device or not) computes its shares'
         checksums (None: it sends none): as asked, or by default fingerprints taken in the
         step that wrote each slot, where its rows are whole 8-byte words
-        (``fingerprint.supported``); otherwise XXH3 of the bytes (a GPU cache's share
+        (``block_digest.supported``); otherwise XXH3 of the bytes (a GPU cache's share
         staged to host memory). ValueError when a record is asked of rows it cannot read."""
         whole_words = block_digest.supported(layout)
         if self is ChecksumOption.NONE:

@@ -95,15 +95,9 @@ SAMPLES: Transitions[SampleState | SampleEnd, SampleEvent] = Transitions(
 
 def step(state: SampleState | None, event: SampleEvent, what: str = "") -> SampleState:
     """The state ``event`` moves a sample (``what``) in ``state`` to; it stays in the books."""
-    to = SAMPLES.step(state, event, what)
-    if not isinstance(to, SampleState):
-        raise IllegalSampleTransition(f"{what}: {event.value} ends the sample ({to.value})")
-    return to
+    return SAMPLES.step_as(SampleState, state, event, what, "ends the sample")
 
 
 def end(state: SampleState, event: SampleEvent, what: str = "") -> SampleEnd:
     """How ``event`` ends a sample (``what``) in ``state``: it leaves the books."""
-    to = SAMPLES.step(state, event, what)
-    if not isinstance(to, SampleEnd):
-        raise IllegalSampleTransition(f"{what}: {event.value} does not end the sample ({to.value})")
-    return to
+    return SAMPLES.step_as(SampleEnd, state, event, what, "does not end the sample")

@@ -92,15 +92,9 @@ JOBS: Transitions[JobState | JobEnd, JobEvent] = Transitions(
 
 def step(state: JobState | None, event: JobEvent, what: str = "") -> JobState:
     """The state ``event`` moves a job (``what``) in ``state`` to; it stays in the ledger."""
-    to = JOBS.step(state, event, what)
-    if not isinstance(to, JobState):
-        raise IllegalJobTransition(f"{what}: {event.value} ends the job ({to.value})")
-    return to
+    return JOBS.step_as(JobState, state, event, what, "ends the job")
 
 
 def end(state: JobState, event: JobEvent, what: str = "") -> JobEnd:
     """How ``event`` ends a job (``what``) in ``state``: it leaves the ledger."""
-    to = JOBS.step(state, event, what)
-    if not isinstance(to, JobEnd):
-        raise IllegalJobTransition(f"{what}: {event.value} does not end the job ({to.value})")
-    return to
+    return JOBS.step_as(JobEnd, state, event, what, "does not end the job")

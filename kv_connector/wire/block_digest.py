@@ -51,8 +51,9 @@ _weights_lock = threading.Lock()
 
 
 def supported(g: BlockLayout) -> bool:
-    """Whether a token's row of one layer is a whole number of 8-byte words."""
-    return (g.block_bytes // (g.block_size * g.num_layers)) % WORD == 0
+    """Whether a token's row of one layer is a whole number of 8-byte words (what block
+    digests and fingerprints alike read)."""
+    return g.row_bytes % WORD == 0
 
 
 def weights(block_size: int, num_layers: int, words: int, device: torch.device) -> torch.Tensor:

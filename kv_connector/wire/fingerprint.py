@@ -3,7 +3,7 @@ by the producer in the engine step that wrote the slot, and recomputed by the re
 what landed.
 
 For token ``t`` of a sample (its states a ``[layers, words]`` grid of 8-byte words, a
-layer's row of ``hidden * itemsize`` bytes being a whole number of words: ``supported``)
+layer's row of ``hidden * itemsize`` bytes being a whole number of words: ``block_digest.supported``)
 the fingerprint samples one word of every captured layer (``coordinates``), at a
 position that varies with the token's offset in its block, from block to block and from
 sample to sample (``seed``, from its request id): any write of one whole token slot of
@@ -38,7 +38,6 @@ import torch
 import xxhash
 
 from kv_connector.wire.integrity import manifest_bytes
-from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import Manifest
 
 TAG = b"kv_connector fingerprints v1"
@@ -47,11 +46,6 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (odd)
 
 _tables: dict[tuple[int, int, int], np.ndarray] = {}
 _tables_lock = threading.Lock()
-
-
-def supported(g: BlockLayout) -> bool:
-    """Whether a token's row of one layer is a whole number of 8-byte words."""
-    return g.row_bytes % WORD == 0
 
 
 def seed_of(request_id: str) -> int:
