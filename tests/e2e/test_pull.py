@@ -49,6 +49,16 @@ class PullProducer:
         self.proc.stdin.flush()
         return self._answer()
 
+    def step_until_held(self, held: list[str], within_s: float = 20.0) -> dict[str, Any]:
+        """Engine steps until exactly ``held`` are held (or ``within_s`` passes); the last
+        state. A fenced release gets no answer, so its rank takes it when it comes."""
+        deadline = time.monotonic() + within_s
+        state = self.step()
+        while state["held"] != held and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = self.step()
+        return state
+
     def command(self, line: str) -> Any:
         """One stdin command of pull_producer_main.py; its JSON answer."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -123,7 +133,7 @@ def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
             assert e.value.code == "released"
             # every fetched sample's blocks go back to vLLM; the one never fetched holds
             # its blocks until pull_timeout_s, then it is freed too
-            state = producer.step()
+            state = producer.step_until_held([outputs[never]["hidden_states"]["request_id"]])
             assert state["held"] == [outputs[never]["hidden_states"]["request_id"]], state
             assert state["kv_usage"] > 0
             while time.monotonic() < t_done + PULL_TIMEOUT_S + 60 and state["held"]:
@@ -221,7 +231,7 @@ def test_output_tokens_in_pull_mode_are_exact_over_the_whole_sequence(
                 err = relative_error(s.hidden_states, llama_reference.states(want, LAYER_IDS))
                 assert err < 1e-4, (len(prompt), n, err)
                 s.release()
-        state = producer.step()
+        state = producer.step_until_held([])
         assert state["held"] == [] and state["kv_usage"] == 0.0, state
     finally:
         producer.stop()

@@ -134,7 +134,7 @@ def test_pull_reads_into_a_device_pool_byte_exact(
         for sample in got:
             sample.release()
         copied.close()
-    polled = p.poll()
+    polled = p.settled([0, 0])
     assert polled["held"] == [0, 0]
 
 

@@ -108,7 +108,7 @@ def test_one_agent_serves_threads_and_processes_byte_exact_with_one_registration
     assert stats.fetched == len(samples) and stats.failed == 0 and stats.leases_held == 0
     # one connection per thread and process: 3 threads, 2 processes, and this thread's stats
     assert stats.registered_bytes == 4 << 20 and stats.clients_seen == 6
-    polled = p.poll()
+    polled = p.settled([0, 0])
     assert polled["held"] == [0, 0]  # every sample released at both ranks
 
 

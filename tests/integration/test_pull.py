@@ -62,6 +62,14 @@ class Producer:
         result: dict[str, Any] = json.loads(self.proc.stdout.readline())
         return result
 
+    def settled(self, held: list[int], within_s: float = 10.0) -> dict[str, Any]:
+        """Poll until each rank holds ``held`` samples (or ``within_s`` passes); the last
+        poll. A fenced release gets no answer: its rank takes it when it comes."""
+        deadline = time.monotonic() + within_s
+        while (polled := self.poll())["held"] != held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return polled
+
     def fault(self, request_id: str, kind: str) -> None:
         """One fault of docs/reliability.md on the sample's blocks (pull_producer_main.py)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -164,7 +172,7 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
             want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
             assert torch.equal(got.hidden_states, want)
         assert pickle.loads(pickle.dumps(client)).name != ""  # and after
-    polled = p.poll()
+    polled = p.settled([0] * world)
     assert polled["held"] == [0] * world
     assert [sorted(f) for f in polled["freed"]] == [sorted(s["request_id"] for s in samples)] * world
     # released: a second fetch gets no data, and says why
@@ -234,7 +242,7 @@ def test_copying_mode_hands_out_contiguous_copies_in_reused_buffers(
     assert made < len(samples)  # buffers of samples let go were used again
     for hidden, want in kept:  # what is held was never overwritten by later samples
         assert torch.equal(hidden, want)
-    assert p.poll()["held"] == [0]
+    assert p.settled([0])["held"] == [0]
 
 
 def test_a_manifest_is_read_without_the_states_and_the_sample_stays_held(producers: list[Producer]) -> None:
@@ -253,7 +261,7 @@ def test_a_manifest_is_read_without_the_states_and_the_sample_stays_held(produce
         with pytest.raises(FetchError) as e:
             client.manifest(p.handles["req-1"])
         assert e.value.code == "released"
-    assert p.poll()["held"] == [0, 0]
+    assert p.settled([0, 0])["held"] == [0, 0]
 
 
 def test_a_sample_never_released_is_freed_by_the_timeout_and_then_expired(producers: list[Producer]) -> None:
@@ -307,7 +315,7 @@ def test_forged_and_stale_handles_get_a_clear_error_and_no_data(producers: list[
         assert client.fetch(p.handles["req-0"]).token_ids.tolist() == token_ids(
             "req-0", samples[0]["num_tokens"]
         )
-    assert p.poll()["held"] == [0]
+    assert p.settled([0])["held"] == [0]
 
 
 def test_a_restarted_producer_is_handshaken_again_and_its_old_handles_fail(producers: list[Producer]) -> None:
@@ -418,7 +426,7 @@ def test_block_digests_taken_where_the_cache_is_are_verified_by_the_client(
         if stripe(layout.blocks_for(s["num_tokens"]), r, world)  # an empty share has no checksum
     ]
     assert sorted(checked) == sorted(shares)
-    assert p.poll()["held"] == [0] * world
+    assert p.settled([0] * world)["held"] == [0] * world
 
 
 @pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
@@ -441,7 +449,7 @@ def test_blocks_in_padded_pages_are_read_without_their_padding(
         assert not isinstance(sample, FetchError), sample
         want = expected_states(cache, layout, s["block_ids"], s["num_tokens"])
         assert torch.equal(sample.hidden_states, want)
-    assert p.poll()["held"] == [0, 0]
+    assert p.settled([0, 0])["held"] == [0, 0]
 
 
 @pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
@@ -538,9 +546,7 @@ def test_a_hold_that_ends_while_its_sample_is_read_fails_it_by_name(
         other = client.fetch(p.handles["req-1"])
         want_states = expected_states(cache, TLH, samples[1]["block_ids"], samples[1]["num_tokens"])
         assert torch.equal(other.hidden_states, want_states)
-    deadline = time.monotonic() + 10  # a release gets no answer: the rank takes it when it comes
-    while (held := p.poll()["held"]) != [0, 0] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    held = p.settled([0, 0])["held"]
     assert held == [0, 0]  # both samples' blocks go back, whatever ended them
 
 
