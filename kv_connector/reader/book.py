@@ -1,5 +1,6 @@
 """The reader's books: every sample it holds by key, the receive pool whose pages they
-hold (credits, quarantines; ``pool.py``), and how many samples each producer rank has
+hold (credits; ``pool.py``) and the fences its dropped samples' pages wait for
+(``fences.py``), and how many samples each producer rank has
 promised and not seen handed out (the bound of R9). It answers the read-only queries
 (a sample's state, the leases, the pool by holder) and moves pages; which transition
 happens, and when, is the ledger's (``ledger.py``); a sample enters and leaves the books
@@ -8,15 +9,22 @@ through the table of ``sample_states.py``. Pure logic."""
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
+from kv_connector.reader.fences import FenceWait, PageFences
 from kv_connector.reader.pool import PagePool
+from kv_connector.reader.producers import PeerId
 from kv_connector.reader.records import Key, SampleRecord
 from kv_connector.reader.sample_states import IllegalSampleTransition, SampleEvent, SampleState, end, step
 from kv_connector.reader.stats import PoolState
 
 
 class SampleBook:
-    def __init__(self) -> None:
+    def __init__(
+        self, connected: Callable[[PeerId], bool], quarantine_s: float, fence_bound_s: float
+    ) -> None:
+        self._connected = connected  # is this connection its rank's current one?
+        self.fences = PageFences(quarantine_s, fence_bound_s)
         self.samples: dict[Key, SampleRecord] = {}
         self.pool: PagePool | None = None
         self.page_bytes: int | None = None
@@ -54,7 +62,7 @@ class SampleBook:
                 granted += len(s.pages)
         p = self.pool
         return PoolState(
-            self.page_bytes, p.num_pages, p.free_pages, granted, leased, p.quarantined_pages, p.waiting
+            self.page_bytes, p.num_pages, p.free_pages, granted, leased, self.fences.pages_waiting, p.waiting
         )
 
     def awaited(self, producer_id: str, rank: int) -> bool:
@@ -109,7 +117,7 @@ class SampleBook:
         for key, pages in self.pool.grantable():
             s = self.samples[key]  # type: ignore[index]
             s.move(SampleEvent.GRANTED)
-            s.pages, s.t_granted = pages, now
+            s.pages, s.t_granted, s.generation = pages, now, self.fences.new_generation()
             granted.append(s)
         return granted
 
@@ -125,10 +133,11 @@ class SampleBook:
         self.pool.release(key, s.pages)
         return True
 
-    def drop(self, s: SampleRecord, until: float, event: SampleEvent) -> None:
+    def drop(self, s: SampleRecord, now: float, event: SampleEvent) -> None:
         """The sample leaves the books before it was handed out (``event``: discarded, or
         refused or rejected); it no longer counts against its ranks (R9); pages it was
-        granted stay quarantined until ``until`` (a late WRITE lands unseen, R3)."""
+        granted go back once no WRITE into them can land (R3, ``fences.py``): at once if
+        none is on its way."""
         assert self.pool is not None
         end(s.state, event, f"sample {s.key[1]} of {s.key[0]}")
         del self.samples[s.key]
@@ -136,9 +145,20 @@ class SampleBook:
             self.settle_pending(s)
         if s.pages is None:
             self.pool.cancel(s.key)
+            return
+        writing = [share.peer for share in s.shares.values() if share.in_flight]
+        owed = {peer for peer in writing if self._connected(peer)}
+        departed = len(owed) < len(writing)
+        if self.fences.wait(s.generation, s.key[1], s.pages, owed, departed, now):
+            self.pool.hand_over(s.key, ("fence", s.generation))
         else:
-            self.pool.quarantine(s.key, s.pages, until)
+            self.pool.release(s.key, s.pages)
 
-    def end_quarantines(self, now: float) -> bool:
-        """Pages whose quarantine ended return to the pool; True if any did."""
-        return self.pool is not None and self.pool.end_quarantines(now)
+    def fences_due(self, now: float) -> list[tuple[int, FenceWait, bool]]:
+        """Dropped samples' pages whose fence wait is over return to the pool: (generation,
+        wait, ended by the bound with a writer owing its fence)."""
+        due = self.fences.due(now)
+        for g, w, _ in due:
+            assert self.pool is not None
+            self.pool.release(("fence", g), w.pages)
+        return due

@@ -30,7 +30,11 @@ Invariants (tests name the one they prove):
       and, where it carries a digest, matched it; at most once.
   R3  A sample's pages return to the pool only when its lease is released (the user
       released it, or no tensor of it is left), or, for a sample that can never
-      complete, after a quarantine, so a late WRITE lands unseen; never while on lease.
+      complete, once no WRITE into them can land: each rank sent the grant (or a
+      Rewrite) whose WriteDone has not come fences it (``Fenced``, or its late WriteDone
+      of that grant's generation), a departed rank after a quarantine, a silent one after
+      ``fence_bound_s`` (then a WriteDone of that grant fails what holds the pages);
+      never while on lease. A WriteDone of an older grant never lands on a sample.
   R4  A producer is acked for a sample only once the sample is the consumer's (handed
       out, or acknowledged by the user in manual mode); a resend of a delivered sample
       is acked, never delivered twice.
@@ -86,7 +90,8 @@ SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (ne
 # the wait for pages does not count)
 MAX_PENDING_PER_RANK = 4096  # samples one producer rank may have promised and not seen handed out
 MAX_SAMPLE_TOKENS = 1 << 20
-QUARANTINE_S = 5.0  # pages of a discarded sample wait this long: a late WRITE lands unseen
+QUARANTINE_S = 5.0  # a departed writer's WRITEs settle in this time (the sender's SETTLE_S)
+FENCE_BOUND_S = 60.0  # the longest a dropped sample's pages wait for a connected writer's fence
 LAST_NOTIFICATION_GRACE_S = 0.2  # how long a departed producer's last WriteDone may lag
 DELIVERED_MEMORY = 100_000  # samples remembered for acking resends
 
@@ -98,6 +103,7 @@ class ReaderLedger:
         already_delivered: Callable[[str, str], bool] | None = None,
         max_rewrites: int = MAX_REWRITES,
         quarantine_s: float = QUARANTINE_S,
+        fence_bound_s: float = FENCE_BOUND_S,
         grace_s: float = LAST_NOTIFICATION_GRACE_S,
         delivered_memory: int = DELIVERED_MEMORY,
         verify: bool = True,
@@ -118,7 +124,7 @@ class ReaderLedger:
         self.max_sample_tokens = max_sample_tokens
         self.stats = ReaderStats()
         self.producers = Producers()
-        self._book = SampleBook()
+        self._book = SampleBook(self._connected, quarantine_s, fence_bound_s)
         self.samples: dict[Key, SampleRecord] = self._book.samples  # the book's, read by the shells
         self.delivered = Delivered(delivered_memory, already_delivered)  # handed out (R4)
         self._refusals = Refusals(self._book, self.stats)
@@ -206,6 +212,7 @@ class ReaderLedger:
             return []
         awaited = self._book.awaited(*ident)
         self.producers.gone(peer, now + (self.grace_s if awaited else 0.0))
+        self._book.fences.peer_gone(peer, now)
         return self._departed(now)
 
     def _departed(self, now: float) -> list[Action]:
@@ -265,13 +272,20 @@ class ReaderLedger:
             self._book.promised(pid, rank)
         actions: list[Action] = []
         if s.pages is not None:
-            actions.append(Send(peer, s.grant()))
+            actions.append(Send(peer, s.grant(rank)))
             actions += self._advance(s)
         return actions + self._grant(now)
 
     def write_done(self, peer: PeerId, msg: protocol.WriteDone, now: float = 0.0) -> list[Action]:
-        """A rank's WRITE of its share landed (its notification arrived)."""
+        """A rank's WRITE of its share landed (its notification arrived). One that names
+        another grant than the sample's never lands on it (R3): it fences that grant, or
+        names pages a late WRITE changed."""
+        pid, _ = self._ident(peer)
+        s = self.samples.get((pid, msg.request_id))
+        if s is None or s.pages is None or s.generation != msg.generation:
+            return self._late_write(peer, msg, now)
         s, share = self._share_of(peer, msg.request_id, "write_done")
+        share.in_flight = False
         # a reconnected rank may land its share again into the same pages, also once the
         # sample is complete: the same bytes, the same digest
         if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):
@@ -282,7 +296,7 @@ class ReaderLedger:
             and share.blocks
             and self._requires_checksum(s.key[0])
         ):
-            return self._refusals.unchecked(s, self._ident(peer)[1], now + self.quarantine_s)
+            return self._refusals.unchecked(s, self._ident(peer)[1], now)
         share.land(msg)
         return self._advance(s)
 
@@ -321,7 +335,15 @@ class ReaderLedger:
             return [
                 Log("warning", f"{label} gave up on {msg.request_id}, which it had delivered: {msg.message}")
             ]
-        return self._refusals.gave_up(s, rank, label, msg, now + self.quarantine_s)
+        return self._refusals.gave_up(s, rank, label, msg, now)
+
+    def fenced(self, peer: PeerId, msg: protocol.Fenced, now: float) -> list[Action]:
+        """A rank has no WRITE into a dropped sample's grant in flight any more (R3); a
+        fence nothing waits for (its sample landed, or its pages went back) is moot."""
+        self._ident(peer)
+        if not self._book.fences.answered(msg.generation, msg.request_id, peer):
+            return []
+        return self._fences_due(now)
 
     # ------------------------------------------------------------- the user
     def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[SampleRecord, list[Action]] | None:
@@ -368,17 +390,15 @@ class ReaderLedger:
                 f"cannot reject {key[1]} of {key[0]}: {state}, or acknowledged already"
             )
         withdrawn = s if s.state is SampleState.VERIFIED else None
-        return self._refusals.rejected(key, withdrawn, peers, why, now + self.quarantine_s)
+        return self._refusals.rejected(key, withdrawn, peers, why, now)
 
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> list[Action]:
         """Quarantines that ended give their pages back; departures whose grace ended
         are settled; granted samples past their deadline are refused."""
         actions = self._departed(now)
-        actions += self._refusals.expire(now, self.sample_timeout_s, now + self.quarantine_s)
-        if self._book.end_quarantines(now):
-            actions += self._grant(now)
-        return actions
+        actions += self._refusals.expire(now, self.sample_timeout_s)
+        return actions + self._fences_due(now)
 
     # -------------------------------------------------------------- helpers
     def _requires_checksum(self, producer_id: str) -> bool:
@@ -392,6 +412,48 @@ class ReaderLedger:
         if ident is None:
             raise IllegalSampleTransition(f"peer {peer} is not a connected producer")
         return ident
+
+    def _connected(self, peer: PeerId) -> bool:
+        """Is ``peer`` its rank's connection now (not one departing)?"""
+        ident = self.producers.identity(peer)
+        return ident is not None and self.producers.current(*ident) == peer
+
+    def _fences_due(self, now: float) -> list[Action]:
+        """Dropped samples' pages whose fence wait is over go back; waiting samples get them."""
+        due = self._book.fences_due(now)
+        actions: list[Action] = [
+            Log(
+                "warning",
+                f"pages of {w.request_id} (grant {g}) go back without a fence from its writer(s) "
+                f"{sorted(w.owed)}; a WRITE of that grant landing later fails what holds them then",
+            )
+            for g, w, unfenced in due
+            if unfenced
+        ]
+        return actions + (self._grant(now) if due else [])
+
+    def _late_write(self, peer: PeerId, msg: protocol.WriteDone, now: float) -> list[Action]:
+        """A WriteDone of a grant the sample no longer has (R3): it fences that grant's
+        pages, or (they went back unfenced) fails what holds them now."""
+        pid, rank = self._ident(peer)
+        rid, g = msg.request_id, msg.generation
+        label = f"a WRITE of {rid} by {pid}/rank{rank} (grant {g})"
+        if self._book.fences.answered(g, rid, peer):
+            return [Log("warning", f"{label} landed after its sample was dropped"), *self._fences_due(now)]
+        if self._book.fences.fenced(g, rid):
+            return []  # its fence came first: the WRITE had ended before it was sent
+        pages = self._book.fences.unfenced(g, rid)
+        if pages is None:
+            raise ProtocolError(f"write_done for {rid}, which it was not granted (grant {g})")
+        actions: list[Action] = [Log("error", f"{label} landed in pages {pages} after they went back")]
+        for s in list(self.samples.values()):
+            if s.pages is None or not set(s.pages) & set(pages):
+                continue
+            if s.state is SampleState.HANDED_OUT:
+                actions.append(Log("error", f"sample {s.key[1]} of {s.key[0]}, on lease, may hold it"))
+            else:
+                actions += self._refusals.overwritten(s, f"{label} landed in its pages", now)
+        return actions
 
     def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[SampleRecord, Share]:
         pid, rank = self._ident(peer)
@@ -423,7 +485,7 @@ class ReaderLedger:
         self.stats.checksum_mismatches += 1
         s.rewrites += 1
         if s.rewrites > self.max_rewrites:
-            return self._refusals.checksum(s, rank, now + self.quarantine_s)
+            return self._refusals.checksum(s, rank, now)
         if key[0] not in self.producers:  # nobody left to write it again
             gone = Log("error", f"request {m.request_id}: a share failed its checksum")
             return [gone, *self._discard(s, now, "its producer is gone")]
@@ -441,4 +503,4 @@ class ReaderLedger:
         ]
 
     def _discard(self, s: SampleRecord, now: float, why: str) -> list[Action]:
-        return self._refusals.discard(s, now + self.quarantine_s, why)
+        return self._refusals.discard(s, now, why)

@@ -2,12 +2,13 @@
 
 Pure logic. A credit is a granted page; a producer writes only into pages granted to it,
 and a page returns to the pool only once its sample is done with (released by the user,
-or a quarantine after it was discarded). Each sample gets one contiguous run of pages,
-so it can be handed out as a view of the pool without a copy. Requests are served in
-arrival order (a large sample is not starved by a stream of small ones); runs are taken
-next-fit from where the last one ended, so a pool whose samples come back in about the
-order they went out behaves as a ring and does not fragment. A run that does not fit
-waits, even with as many pages free in pieces: nothing is lost, the producer waits.
+or, after it was discarded, once no WRITE into it can land: ``fences.py``). Each sample
+gets one contiguous run of pages, so it can be handed out as a view of the pool without
+a copy. Requests are served in arrival order (a large sample is not starved by a stream
+of small ones); runs are taken next-fit from where the last one ended, so a pool whose
+samples come back in about the order they went out behaves as a ring and does not
+fragment. A run that does not fit waits, even with as many pages free in pieces: nothing
+is lost, the producer waits.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ class PagePool:
         self._owner: dict[Hashable, range] = {}
         self._used = 0
         self._waiting: OrderedDict[Hashable, int] = OrderedDict()
-        self._quarantined: list[tuple[float, Hashable, range]] = []
 
     @property
     def free_pages(self) -> int:
@@ -46,10 +46,6 @@ class PagePool:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
-
-    @property
-    def quarantined_pages(self) -> int:
-        return sum(len(pages) for _, _, pages in self._quarantined)
 
     def request(self, key: Hashable, n: int) -> None:
         """Queue a need for ``n`` contiguous pages under ``key`` (refused if it can never fit)."""
@@ -115,17 +111,9 @@ class PagePool:
             i -= 1
         self._free.insert(i, (start, length))
 
-    def quarantine(self, key: Hashable, pages: range, until: float) -> None:
-        """``pages`` stay held by ``key`` until ``until``: a sample that can never be
-        handed out keeps its pages a while, so a late WRITE into them lands unseen."""
-        self._quarantined.append((until, key, pages))
-        self._quarantined.sort(key=lambda q: q[0])
-
-    def end_quarantines(self, now: float) -> bool:
-        """Return the pages whose quarantine ended; True if any did."""
-        ended = False
-        while self._quarantined and self._quarantined[0][0] <= now:
-            _, key, pages = self._quarantined.pop(0)
-            self.release(key, pages)
-            ended = True
-        return ended
+    def hand_over(self, key: Hashable, to: Hashable) -> None:
+        """The run held by ``key`` is held by ``to`` from now on (a dropped sample's
+        pages wait for their fence under the grant's name; its key may come again)."""
+        if to in self._owner or to in self._waiting:
+            raise ValueError(f"{to!r} is already waiting for or holding pages")
+        self._owner[to] = self._owner.pop(key)

@@ -81,12 +81,13 @@ class Share:
     early_digest: int | None = None  # a ShareDigest that came before its WriteDone
     checked: bool = False
     checking: int | None = None  # the landing being checked
+    in_flight: bool = False  # sent a Grant or Rewrite, its WriteDone not come yet (a fence owed)
 
     def land(self, msg: protocol.WriteDone) -> None:
         """Its WRITE landed (again): not checked yet; its digest came with it, follows, or
         came before it (``early_digest``). Each landing is numbered."""
         self.landing += 1
-        self.landed, self.checked, self.checking = True, False, None
+        self.landed, self.checked, self.checking, self.in_flight = True, False, None, False
         self.digest, self.digest_due = msg.checksum, msg.digest_follows
         if msg.digest_follows and self.early_digest is not None:
             self.digest, self.digest_due, self.early_digest = self.early_digest, False, None
@@ -110,6 +111,7 @@ class SampleRecord:
     state: SampleState = SampleState.PROMISED
     shares: dict[int, Share] = field(default_factory=dict)  # rank -> its share
     pages: range | None = None
+    generation: int = 0  # of its grant of pages (0: none yet); every WRITE into them names it
     rewrites: int = 0
     t_granted: float = 0.0
     t_handed_out: float = 0.0
@@ -172,16 +174,26 @@ class SampleRecord:
             self.move(SampleEvent.LANDED)
         return actions
 
-    def grant(self) -> protocol.Grant:
-        """The Grant of its pages, which every rank gets."""
-        assert self.pages is not None
-        return protocol.Grant(request_id=self.key[1], first_page=self.pages.start, num_pages=len(self.pages))
+    def grant(self, rank: int | None = None) -> protocol.Grant:
+        """The Grant of its pages, for ``rank`` (None: every rank registered): a WRITE of
+        each rank that gets it is on its way until its WriteDone comes."""
+        assert self.pages is not None and self.generation > 0
+        for r, share in self.shares.items():
+            if rank is None or r == rank:
+                share.in_flight = bool(share.blocks)
+        return protocol.Grant(
+            request_id=self.key[1],
+            first_page=self.pages.start,
+            num_pages=len(self.pages),
+            generation=self.generation,
+        )
 
     def rewrite(self, rank: int) -> None:
         """``rank``'s share failed its check: GRANTED again until it lands anew."""
         self.move(SampleEvent.CHECK_FAILED)
         share = self.shares[rank]
         share.landed = share.checked = False
+        share.in_flight = True
 
     def missing(self) -> list[int]:
         """The ranks whose share has not landed."""

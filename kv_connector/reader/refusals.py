@@ -1,8 +1,8 @@
 """How the reader's ledger (``ledger.py``) ends a request or a sample that will not be
 delivered, once it decided to: the ``Refuse`` its producer's ranks get, with the code and
 the reason (R5 checksum, R8 timeout, R9 limit, R10 unchecked, R11 rejected), the sample
-discarded with its pages quarantined so a late WRITE lands unseen (R3, R6), the log line,
-and the counts. Pure logic (part of the reader's ledger)."""
+discarded with its pages held until no WRITE into them can land (R3, R6: ``fences.py``),
+the log line, and the counts. Pure logic (part of the reader's ledger)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Refusals:
         return [Send(peer, refuse), Log("error", f"request {m.request_id} refused: {error}")]
 
     # --------------------------------------------------- samples (admitted)
-    def unchecked(self, s: SampleRecord, rank: int, until: float) -> list[Action]:
+    def unchecked(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
         """``rank`` wrote its share without the checksum this reader requires (R10)."""
         self._stats.refused_unchecked += 1
         why = (
@@ -48,18 +48,18 @@ class Refusals:
             "checksum this reader requires (the producer's checksum option is none; "
             "see --require-checksum)"
         )
-        return self._refuse(s, "unchecked", why, until, "unchecked")
+        return self._refuse(s, "unchecked", why, now, "unchecked")
 
-    def checksum(self, s: SampleRecord, rank: int, until: float) -> list[Action]:
+    def checksum(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
         """A share failed its checksum more than ``max_rewrites`` times (R5)."""
         self._stats.refused_checksum += 1
         why = (
             f"request {s.key[1]} of producer {s.key[0]} failed its checksum "
             f"{s.rewrites} times (rank {rank}); refusing it"
         )
-        return self._refuse(s, "checksum", why, until, "refused")
+        return self._refuse(s, "checksum", why, now, "refused")
 
-    def expire(self, now: float, timeout_s: float, until: float) -> list[Action]:
+    def expire(self, now: float, timeout_s: float) -> list[Action]:
         """Granted samples not complete and checked ``timeout_s`` after their grant (R8)."""
         actions: list[Action] = []
         for s in self._book.late(now, timeout_s):
@@ -68,11 +68,15 @@ class Refusals:
                 f"request {s.key[1]} of producer {s.key[0]} was not complete "
                 f"{timeout_s:.0f} s after its pages were granted (ranks {s.missing()} missing)"
             )
-            actions += self._refuse(s, "timeout", why, until, "timeout")
+            actions += self._refuse(s, "timeout", why, now, "timeout")
         return actions
 
+    def overwritten(self, s: SampleRecord, why: str, now: float) -> list[Action]:
+        """A late WRITE of another sample landed in this one's pages (R3): refused."""
+        return self._refuse(s, "write_failed", f"request {s.key[1]} of {s.key[0]}: {why}", now, "refused")
+
     def gave_up(
-        self, s: SampleRecord, rank: int, label: str, msg: protocol.Refuse, until: float
+        self, s: SampleRecord, rank: int, label: str, msg: protocol.Refuse, now: float
     ) -> list[Action]:
         """Rank ``rank`` (``label``) of the sample's producer gave up on it: its other ranks,
         whose shares can no longer complete it, are told; it is discarded."""
@@ -87,35 +91,35 @@ class Refusals:
                     request_id=msg.request_id,
                 )
                 actions.append(Send(other, refuse))
-        return actions + self.discard(s, until, f"{label} gave up on it")
+        return actions + self.discard(s, now, f"{label} gave up on it")
 
     def rejected(
-        self, key: Key, s: SampleRecord | None, peers: list[PeerId], why: str, until: float
+        self, key: Key, s: SampleRecord | None, peers: list[PeerId], why: str, now: float
     ) -> list[Action]:
         """The consumer rejected a sample (R11): ``peers`` are refused; a sample not handed
-        out yet (``s``) leaves the books, its pages quarantined."""
+        out yet (``s``) leaves the books, its pages waiting for their fence."""
         self._stats.refused += 1
         refuse = protocol.Refuse(code="rejected", message=protocol.clip_text(why), request_id=key[1])
         actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
         actions += [Send(peer, refuse) for peer in peers]
         if s is not None:
-            self._book.drop(s, until, SampleEvent.REFUSED)
+            self._book.drop(s, now, SampleEvent.REFUSED)
         return actions
 
     def discard(
-        self, s: SampleRecord, until: float, why: str, event: SampleEvent = SampleEvent.DISCARDED
+        self, s: SampleRecord, now: float, why: str, event: SampleEvent = SampleEvent.DISCARDED
     ) -> list[Action]:
-        """The sample leaves the books undelivered (``event``: discarded, or refused); its
-        pages are quarantined until ``until``."""
-        self._book.drop(s, until, event)
+        """The sample leaves the books undelivered (``event``: discarded, or refused) at
+        ``now``; its pages wait for their fence."""
+        self._book.drop(s, now, event)
         self._stats.dropped += 1
         return [Log("warning", f"discarded incomplete sample {s.key[1]} of producer {s.key[0]} ({why})")]
 
     def _refuse(
-        self, s: SampleRecord, code: protocol.RefuseCode, why: str, until: float, dropped: str
+        self, s: SampleRecord, code: protocol.RefuseCode, why: str, now: float, dropped: str
     ) -> list[Action]:
         """Refuse the sample to every rank of its producer, and discard it."""
         self._stats.refused += 1
         refuse = protocol.Refuse(code=code, message=why, request_id=s.key[1])
         sends = [Send(p, refuse) for p in s.peers.values()]
-        return [Log("error", why), *sends, *self.discard(s, until, dropped, SampleEvent.REFUSED)]
+        return [Log("error", why), *sends, *self.discard(s, now, dropped, SampleEvent.REFUSED)]

@@ -358,6 +358,8 @@ class ReaderServer:
                 self.perform(self._ledger.credit_request(c.id, msg, now))
             case protocol.ShareDigest():
                 self.perform(self._ledger.share_digest(c.id, msg))
+            case protocol.Fenced():
+                self.perform(self._ledger.fenced(c.id, msg, now))
             case protocol.Refuse():
                 self.perform(self._ledger.producer_refused(c.id, msg, now))
             case _:

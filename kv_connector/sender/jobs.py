@@ -68,11 +68,14 @@ class Job:
         return self.state is JobState.WRITTEN and self.digest_safe and not self.rewrite_due
 
     def notification(self) -> protocol.WriteDone:
-        """What its next WRITE announces: its digest, or that it follows."""
+        """What its next WRITE announces: the grant it writes into, and its digest or
+        that it follows."""
+        assert self.grant is not None, "no WRITE without a grant (S2)"
+        rid, gen = self.request_id, self.grant.generation
         if self.digest_state is DigestState.READY:
-            return protocol.WriteDone(request_id=self.request_id, checksum=self.digest)
+            return protocol.WriteDone(request_id=rid, generation=gen, checksum=self.digest)
         follows = self.digest_state in (DigestState.NEEDED, DigestState.COMPUTING)
-        return protocol.WriteDone(request_id=self.request_id, digest_follows=follows)
+        return protocol.WriteDone(request_id=rid, generation=gen, digest_follows=follows)
 
     def connection_lost(self) -> None:
         """WAITING again, to be resent: every grant of the lost connection is gone (S2)."""
@@ -93,6 +96,9 @@ class Failure:
     # the handle of a WRITE still in flight when the job failed: the shell polls it to
     # its end (the transport releases it then), nobody else does
     xfer: object | None = field(default=None, compare=False, repr=False)
+    # the grant it had on the current connection: once no WRITE of it is in flight the
+    # reader is told (``Fenced``), and only then gives its pages to another sample (S9)
+    generation: int | None = field(default=None, compare=False)
 
 
 def log_failed(*failures: Failure | None) -> None:

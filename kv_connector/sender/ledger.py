@@ -40,10 +40,16 @@ Invariants (tests name the one they prove):
       shell waits (boundedly) for its share to be safely written, then ``freeze``s it;
       a job not safely written by then fails (the reader is told), and a Rewrite or a
       resend of a frozen job fails it too.
+  S9  A job that fails holding a grant of the current connection (refused by the reader
+      or failed here) fences it: once no WRITE of it is in flight (its handle settled by
+      the shell), the reader gets ``Fenced`` with the grant's generation, and only then
+      may give those pages to another sample. A Refuse of a job no longer here is
+      ignored (it ended by itself; its own fence went out).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from kv_connector.sender.job_states import IllegalJobTransition, JobEvent, JobState, end, step
@@ -221,8 +227,11 @@ class SendLedger:
         return due
 
     def notification(self, request_id: str) -> protocol.WriteDone:
-        """What the next WRITE of the job announces: its digest, or that it follows."""
-        return self.job(request_id).notification()
+        """What the next WRITE of the job announces: its grant's generation, and its
+        digest or that it follows. Only a GRANTED job has a next WRITE (S2)."""
+        job = self.job(request_id)
+        step(job.state, JobEvent.WRITE_POSTED, request_id)  # IllegalJobTransition if not GRANTED
+        return job.notification()
 
     def write_posting(self, request_id: str, now: float, notif: protocol.WriteDone) -> None:
         """GRANTED -> WRITING before the transport is called: the WRITE may land, and the
@@ -335,16 +344,19 @@ class SendLedger:
         self._finished.append(job.request_id)
         self._meter.acked(now - job.t_write)
 
-    def on_refuse(self, msg: Refuse) -> Failure:
-        """The reader refused one request (it fails, by name), or the whole connection
-        (a ProtocolError: the connection is lost, everything is resent after reconnecting)."""
-        if msg.request_id and msg.request_id in self._jobs:
-            failure = self.fail(
-                msg.request_id, f"reader refused ({msg.code}): {msg.message}", failure_reason_of(msg.code)
-            )
-            assert failure is not None
-            return Failure(failure.request_id, failure.why, tell_reader=False)  # it knows
-        raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
+    def on_refuse(self, msg: Refuse) -> Failure | None:
+        """The reader refused one request (it fails, by name; its WRITE in flight and its
+        grant go to the shell, S9), or the whole connection (a ProtocolError: the
+        connection is lost, everything is resent after reconnecting). None: a request no
+        longer here (it ended meanwhile)."""
+        if not msg.request_id:
+            raise ProtocolError(f"reader refused the connection ({msg.code}): {msg.message}")
+        failure = self.fail(
+            msg.request_id, f"reader refused ({msg.code}): {msg.message}", failure_reason_of(msg.code)
+        )
+        if failure is None:
+            return None
+        return dataclasses.replace(failure, tell_reader=False)  # it knows
 
     # ------------------------------------------------------------- connection
     def writes_in_flight(self) -> list[Job]:
@@ -400,7 +412,9 @@ class SendLedger:
         del self._jobs[request_id]
         self._failed[request_id] = SampleFailure(reason, why)
         xfer = job.xfer if job.state is JobState.WRITING else None
-        return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer)
+        posting = job.state is JobState.WRITING and xfer is None  # its poster fences it (S9)
+        generation = job.grant.generation if job.grant is not None and not posting else None
+        return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer, generation)
 
     def expire_granted(self, now: float, timeout: float) -> list[Failure]:
         """Fail the jobs granted ``timeout`` seconds ago and not acknowledged since: the

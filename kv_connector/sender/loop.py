@@ -362,7 +362,12 @@ class SenderLoop:
             case protocol.Refuse():
                 with self._lock:
                     refused = self._ledger.on_refuse(msg)
-                log_failed(refused)
+                if refused is None:
+                    rid = msg.request_id
+                    log.info("rank %d: the reader refused %s, which ended here already", self.rank, rid)
+                else:
+                    log_failed(refused)
+                    self.tell_reader(refused)  # its WRITE in flight settles, then its fence (S9)
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
 
@@ -424,9 +429,8 @@ class SenderLoop:
 
     def tell_reader(self, failure: Failure) -> None:
         """A granted request failed: the reader drops its sample (the other ranks' shares
-        included: it can never complete). A WRITE still in flight is polled to its end."""
-        if failure.xfer is not None:
-            self._writer.adopt(failure.xfer)
+        included: it can never complete). A WRITE still in flight is polled to its end;
+        once none is, the grant is fenced (S9)."""
         conn = self._conn
         if conn is not None and failure.tell_reader:
             with contextlib.suppress(OSError):
@@ -437,6 +441,21 @@ class SenderLoop:
                         request_id=failure.request_id,
                     )
                 )
+        fence = None
+        if failure.generation is not None:
+            msg = protocol.Fenced(request_id=failure.request_id, generation=failure.generation)
+            fence = functools.partial(self._fence, conn, msg)
+        if failure.xfer is not None:
+            self._writer.adopt(failure.xfer, fence)
+        elif fence is not None:
+            fence()
+
+    def _fence(self, conn: FramedConnection | None, msg: protocol.Fenced) -> None:
+        """No WRITE of a failed job is in flight: its grant's pages are the reader's again
+        (on the connection that granted them; a later one never knew them)."""
+        if conn is not None and conn is self._conn:
+            with contextlib.suppress(OSError):
+                conn.send(msg)
 
     def _fail_all(self, why: str) -> None:
         with self._lock:

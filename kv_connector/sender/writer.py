@@ -7,6 +7,7 @@ works on the current connection's reader (``connect`` ... ``settle``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -55,7 +56,8 @@ class ShareWriter:
         self._tell_reader = tell_reader
         self._peer = ""
         self._remote: Region | None = None
-        self._orphans: list[object] = []  # WRITEs of failed jobs, polled to their end
+        # WRITEs of failed jobs, polled to their end; then what follows (a fence, S9)
+        self._orphans: list[tuple[object, Callable[[], None] | None]] = []
         self.page_bytes = 0
         self._io = threading.Lock()  # held for each round, and by connect / settle
         self._wake = threading.Event()
@@ -78,11 +80,12 @@ class ShareWriter:
         with self._io:
             self._local = local
 
-    def adopt(self, xfer: object) -> None:
+    def adopt(self, xfer: object, settled: Callable[[], None] | None = None) -> None:
         """A failed job's WRITE still in flight: poll it to its end (its handle is
-        released then), whatever the ledger does."""
+        released then), whatever the ledger does; then call ``settled`` (not if the
+        connection is lost first)."""
         with self._lock:
-            self._orphans.append(xfer)
+            self._orphans.append((xfer, settled))
         self.wake()
 
     def close(self) -> None:
@@ -165,8 +168,10 @@ class ShareWriter:
             return
         with self._lock:
             followed = self._ledger.write_started(rid, xfer)
-        if not followed:  # the job failed while its WRITE was being posted
-            self.adopt(xfer)
+        if not followed:  # the job failed while its WRITE was being posted: fenced once it ends
+            assert job.grant is not None
+            fence = Failure(rid, "", tell_reader=False, generation=job.grant.generation)
+            self.adopt(xfer, functools.partial(self._tell_reader, fence))
 
     def poll(self) -> bool:
         """Poll every WRITE in flight once; True if any completed."""
@@ -216,18 +221,22 @@ class ShareWriter:
                 self._transport.remove_peer(self._peer)
             self._peer, self._remote = "", None
 
-    def _settle_orphans(self, orphans: list[object], wait_s: float) -> None:
-        """Poll WRITEs nobody else follows until they end or ``wait_s`` passes; the ones
-        left are kept for the next round (or dropped, when the connection is gone)."""
+    def _settle_orphans(self, orphans: list[tuple[object, Callable[[], None] | None]], wait_s: float) -> None:
+        """Poll WRITEs nobody else follows until they end (then what follows them is
+        called) or ``wait_s`` passes; the ones left are kept for the next round (or
+        dropped, when the connection is gone)."""
         deadline = time.monotonic() + wait_s
         while orphans:
             left = []
-            for xfer in orphans:
+            for xfer, settled in orphans:
                 try:
                     if not self._transport.poll(xfer):  # type: ignore[arg-type]
-                        left.append(xfer)
+                        left.append((xfer, settled))
+                        continue
                 except TransportError:
                     pass  # ended (failed); the transport released it
+                if settled is not None:
+                    settled()
             orphans = left
             if time.monotonic() >= deadline:
                 break

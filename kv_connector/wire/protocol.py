@@ -38,7 +38,7 @@ import msgspec
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22
@@ -73,6 +73,7 @@ LayerId = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
 Checksum = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 SampleId = Annotated[str, msgspec.Meta(pattern=SAMPLE_ID_PATTERN)]
 SampleMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_SAMPLE_METADATA_BYTES)]
+Generation = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]  # one grant of pages (push's fence)
 
 
 def clip_text(text: str) -> str:
@@ -249,6 +250,7 @@ class Grant(_Msg, tag="grant", frozen=True):
     request_id: RequestId
     first_page: PageIndex
     num_pages: Annotated[int, msgspec.Meta(gt=0, le=MAX_PAGES)]
+    generation: Generation  # unique to this grant; every WRITE into its pages names it
 
     @property
     def pages(self) -> range:
@@ -301,6 +303,7 @@ class WriteDone(_Msg, tag="write_done", frozen=True):
     (checksums off)."""
 
     request_id: RequestId
+    generation: Generation  # the grant whose pages it wrote (a stale one never lands)
     checksum: Checksum | None = None
     digest_follows: bool = False
 
@@ -315,6 +318,15 @@ class ShareDigest(_Msg, tag="share_digest", frozen=True):
 
     request_id: RequestId
     checksum: Checksum
+
+
+class Fenced(_Msg, tag="fenced", frozen=True):
+    """Producer -> reader: this rank's job of a sample ended undelivered (refused, or
+    failed here) and no WRITE of it into grant ``generation``'s pages is in flight any
+    more: the reader may give those pages to another sample."""
+
+    request_id: RequestId
+    generation: Generation
 
 
 class Rewrite(_Msg, tag="rewrite", frozen=True):
@@ -437,6 +449,7 @@ Message = (
     | Ack
     | Refuse
     | WriteDone
+    | Fenced
     | Rewrite
     | ShareDigest
     | PullFetch

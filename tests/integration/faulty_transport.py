@@ -6,8 +6,10 @@ never registered. The sender and the reader take it as ``transport=``; everythin
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +25,17 @@ if TYPE_CHECKING:
 UNREGISTERED = 1 << 40  # an offset past any region this machine registers
 
 
+@dataclass
+class _Delayed:
+    """A WRITE held back until ``at``, then posted for real (``posted``)."""
+
+    at: float
+    args: tuple[Any, ...]
+    nbytes: int
+    peer: str
+    posted: Transfer | None = None
+
+
 class FaultyTransport:
     """A real transport with faults on cue.
 
@@ -32,6 +45,8 @@ class FaultyTransport:
     ``garble_times``: garble only the first so many WRITEs of each (None: every one).
     ``misaddress``: every WRITE is aimed past the reader's registered pool, so NIXL itself
     refuses it (no memory descriptor of the peer covers it).
+    ``delay``: request id -> seconds its first WRITE stays in flight before it is posted
+    to NIXL at all (the sender sees a WRITE posted, not complete; it lands that much later).
     ``garbled`` lists the request ids of the WRITEs garbled, in order; ``registered`` the
     tensors registered, in order (e.g. a reader's receive pool, to look at);
     ``peers_added`` the peers whose metadata it loaded (a reader: the producers it let in);
@@ -47,12 +62,14 @@ class FaultyTransport:
         garble: Collection[str] = (),
         garble_times: int | None = None,
         misaddress: bool = False,
+        delay: dict[str, float] | None = None,
     ) -> None:
         self.inner = inner
         self.name = inner.name
         self.garble = set(garble)
         self.garble_times = garble_times
         self.misaddress = misaddress
+        self.delay = dict(delay or {})
         self.garbled: list[str] = []
         self.registered: list[torch.Tensor] = []
         self.peers_added: list[str] = []
@@ -93,9 +110,19 @@ class FaultyTransport:
             self.garbled.append(rid)
         if self.misaddress:
             remote = Region(remote.addr + UNREGISTERED, remote.nbytes, remote.mem_type, remote.device_id)
+        wait = self.delay.pop(rid, None) if rid is not None else None
+        if wait is not None:
+            nbytes = int(np.asarray(spans, dtype=np.int64).reshape(-1, 3)[:, 2].sum())
+            return _Delayed(time.monotonic() + wait, (peer, local, remote, spans, notif), nbytes, peer)
         return self.inner.write(peer, local, remote, spans, notif)
 
     def poll(self, xfer: Transfer) -> bool:
+        if isinstance(xfer, _Delayed):
+            if xfer.posted is None:
+                if time.monotonic() < xfer.at:
+                    return False
+                xfer.posted = self.inner.write(*xfer.args)
+            return self.inner.poll(xfer.posted)
         return self.inner.poll(xfer)
 
     def notifications(self) -> list[tuple[str, bytes]]:

@@ -285,6 +285,7 @@ values = st.recursive(
     max_leaves=20,
 )
 TAGS = ["hello", "challenge", "auth", "welcome", "credit_request", "grant", "ack", "refuse", "write_done"]
+TAGS += ["fenced"]
 FIELDS = sorted(
     {f for cls in (*protocol.Message.__args__, protocol.Manifest) for f in cls.__struct_fields__}  # type: ignore[attr-defined]
 )
@@ -350,13 +351,16 @@ def real_messages(draw: st.DrawFn) -> protocol._Msg:
         )
     if kind == "grant":
         return protocol.Grant(
-            request_id=rid, first_page=draw(st.integers(0, 99)), num_pages=draw(st.integers(1, 99))
-        )
+            request_id=rid, first_page=draw(st.integers(0, 99)), num_pages=draw(st.integers(1, 99)),
+            generation=draw(st.integers(1, (1 << 63) - 1)),
+        )  # fmt: skip
     if kind == "ack":
         return protocol.Ack(request_id=rid)
     if kind == "refuse":
         return protocol.Refuse(code="protocol", message=draw(st.text(max_size=50)), request_id=rid)
-    return protocol.WriteDone(request_id=rid)
+    if kind == "fenced":
+        return protocol.Fenced(request_id=rid, generation=draw(st.integers(1, (1 << 63) - 1)))
+    return protocol.WriteDone(request_id=rid, generation=draw(st.integers(1, (1 << 63) - 1)))
 
 
 @st.composite

@@ -57,6 +57,7 @@ def main() -> int:
         garble=spec.get("garble", []),
         garble_times=spec.get("garble_times"),
         misaddress=spec.get("misaddress", False),
+        delay=spec.get("delay"),
     )
     sender = HiddenStatesSender(cfg, cache, layout, layer_ids, transport=transport)
     if spec.get("stage_checksum"):

@@ -175,7 +175,7 @@ def hostile_credit_requests(draw: st.DrawFn) -> bytes:
         )
         blocks = list(range(m["num_blocks"]))
     if what == "grant":
-        return protocol.encode(protocol.Grant(request_id=rid, first_page=0, num_pages=2))
+        return protocol.encode(protocol.Grant(request_id=rid, first_page=0, num_pages=2, generation=1))
     if what == "ack":
         return protocol.encode(protocol.Ack(request_id=rid))
     if what == "hello":

@@ -161,7 +161,7 @@ def _grant_stage(make: Callable[[protocol.CreditRequest], bytes]) -> Callable[..
 
 
 def _grant(req: protocol.CreditRequest, first: int, n: int, rid: str | None = None) -> bytes:
-    g = protocol.Grant(request_id=rid or req.manifest.request_id, first_page=first, num_pages=n)
+    g = protocol.Grant(request_id=rid or req.manifest.request_id, first_page=first, num_pages=n, generation=1)
     return frame(protocol.encode(g))
 
 

@@ -90,9 +90,17 @@ def check_all(led: ReaderLedger, actions: list[object], ok: bool = True) -> list
     return out
 
 
+def done(led: ReaderLedger, peer: int, rid: str, **kw: object) -> protocol.WriteDone:
+    """The WriteDone of ``peer``'s WRITE into the sample's grant (generation 1 if none)."""
+    ident = led.identity(peer)
+    s = led.samples.get((ident[0], rid)) if ident is not None else None
+    generation = s.generation if s is not None and s.generation else 1
+    return protocol.WriteDone(request_id=rid, generation=generation, **kw)  # type: ignore[arg-type]
+
+
 def land(led: ReaderLedger, peer: int, rid: str, checksum: int | None = 5) -> list[object]:
     """A share's WRITE lands with ``checksum``; its check (if any) passes."""
-    actions = list(led.write_done(peer, protocol.WriteDone(request_id=rid, checksum=checksum)))
+    actions = list(led.write_done(peer, done(led, peer, rid, checksum=checksum)))
     return actions + check_all(led, actions)
 
 
@@ -100,7 +108,7 @@ def written(led: ReaderLedger, rid: str = "a", n: int = 40) -> tuple[str, str]:
     """One producer (peer 1) whose sample ``rid`` has landed: WRITTEN, its check due."""
     connected(led, (1, hello()))
     led.credit_request(1, credit(rid, n), 0.0)
-    (v,) = checks(led.write_done(1, protocol.WriteDone(request_id=rid, checksum=5)))
+    (v,) = checks(led.write_done(1, done(led, 1, rid, checksum=5)))
     assert (v.key, v.rank, v.landing, v.digest) == (("p", rid), 0, 1, 5)
     assert led.state_of(("p", rid)) is SampleState.WRITTEN
     return ("p", rid)
@@ -128,7 +136,7 @@ def test_a_sample_goes_promised_granted_written_verified_handed_out_released() -
     ((peer, g),) = sends(actions, protocol.Grant)
     assert peer == 1 and isinstance(g, protocol.Grant) and g.pages == range(0, 3)
     assert led.state_of(("p", "a")) is SampleState.GRANTED and led.expecting_writes
-    (v,) = checks(led.write_done(1, protocol.WriteDone(request_id="a", checksum=9)))
+    (v,) = checks(led.write_done(1, done(led, 1, "a", checksum=9)))
     assert led.state_of(("p", "a")) is SampleState.WRITTEN and v.digest == 9
     assert readies(led.share_checked(v.key, v.rank, v.landing, True, 0.5)) == [("p", "a")]
     assert led.state_of(("p", "a")) is SampleState.VERIFIED
@@ -164,10 +172,10 @@ def test_r3_the_checks_run_as_shares_land_not_when_the_user_takes_them() -> None
     connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
     led.credit_request(1, credit("a", rank=0, world=2), 0.0)
     led.credit_request(2, credit("a", rank=1, world=2), 0.0)
-    (v0,) = checks(led.write_done(1, protocol.WriteDone(request_id="a", checksum=1)))
+    (v0,) = checks(led.write_done(1, done(led, 1, "a", checksum=1)))
     assert led.share_checked(v0.key, 0, v0.landing, True, 0.0) == []  # rank 1 not landed yet
     assert led.state_of(("p", "a")) is SampleState.GRANTED
-    (v1,) = checks(led.write_done(2, protocol.WriteDone(request_id="a", checksum=2)))
+    (v1,) = checks(led.write_done(2, done(led, 2, "a", checksum=2)))
     assert readies(led.share_checked(v1.key, 1, v1.landing, True, 0.0)) == [("p", "a")]
 
 
@@ -175,13 +183,13 @@ def test_a_digest_that_follows_its_write_is_checked_when_it_comes_in_either_orde
     led = ledger()
     connected(led, (1, hello()), (2, hello("q")))
     led.credit_request(1, credit("late"), 0.0)
-    assert checks(led.write_done(1, protocol.WriteDone(request_id="late", digest_follows=True))) == []
+    assert checks(led.write_done(1, done(led, 1, "late", digest_follows=True))) == []
     assert led.state_of(("p", "late")) is SampleState.WRITTEN  # landed, its digest awaited
     (v,) = checks(led.share_digest(1, protocol.ShareDigest(request_id="late", checksum=3)))
     assert v.digest == 3
     led.credit_request(2, credit("early"), 0.0)  # the digest overtakes the notification
     assert led.share_digest(2, protocol.ShareDigest(request_id="early", checksum=4)) == []
-    (v,) = checks(led.write_done(2, protocol.WriteDone(request_id="early", digest_follows=True)))
+    (v,) = checks(led.write_done(2, done(led, 2, "early", digest_follows=True)))
     assert v.digest == 4
 
 
@@ -189,7 +197,7 @@ def test_a_share_without_a_digest_is_not_checked_when_none_is_required() -> None
     led = ledger(require_checksum=RequireChecksum.NEVER)
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
-    actions = led.write_done(1, protocol.WriteDone(request_id="a"))
+    actions = led.write_done(1, done(led, 1, "a"))
     assert checks(actions) == [] and readies(actions) == [("p", "a")]
 
 
@@ -197,13 +205,13 @@ def test_a_reader_that_does_not_verify_hands_out_on_landing() -> None:
     led = ledger(verify=False)
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
-    assert readies(led.write_done(1, protocol.WriteDone(request_id="a", checksum=1))) == [("p", "a")]
+    assert readies(led.write_done(1, done(led, 1, "a", checksum=1))) == [("p", "a")]
 
 
 def test_a_check_of_an_older_landing_is_ignored() -> None:
     led = ledger()
     key = written(led)
-    (old,) = checks(led.write_done(1, protocol.WriteDone(request_id="a", checksum=5)))  # landed again
+    (old,) = checks(led.write_done(1, done(led, 1, "a", checksum=5)))  # landed again
     assert old.landing == 2
     assert led.share_checked(key, 0, 1, False, 0.0) == []  # the first landing's result: stale
     assert readies(led.share_checked(key, 0, 2, True, 0.0)) == [key]
@@ -302,7 +310,7 @@ def test_messages_from_a_peer_that_is_not_a_connected_producer_are_illegal() -> 
     with pytest.raises(IllegalSampleTransition):
         led.credit_request(9, credit("a"), 0.0)
     with pytest.raises(IllegalSampleTransition):
-        led.write_done(9, protocol.WriteDone(request_id="a"))
+        led.write_done(9, done(led, 9, "a"))
 
 
 def test_r6_a_gone_producers_incomplete_samples_wait_for_its_last_notifications() -> None:
@@ -391,7 +399,7 @@ def test_a_refusal_racing_the_hand_out_does_not_take_the_sample_away() -> None:
 def test_r5_a_mismatching_share_is_written_again() -> None:
     led = ledger()
     key = written(led)
-    (v,) = checks(led.write_done(1, protocol.WriteDone(request_id="a", checksum=5)))
+    (v,) = checks(led.write_done(1, done(led, 1, "a", checksum=5)))
     actions = led.share_checked(key, 0, v.landing, False, 1.0)
     ((peer, rw),) = sends(actions, protocol.Rewrite)
     assert peer == 1 and isinstance(rw, protocol.Rewrite) and rw.request_id == "a"
@@ -405,9 +413,9 @@ def test_r5_past_max_rewrites_the_sample_is_refused_and_never_handed_out() -> No
     led.credit_request(1, credit("a"), 0.0)
     key = ("p", "a")
     for _ in range(2):
-        actions = led.write_done(1, protocol.WriteDone(request_id="a", checksum=5))
+        actions = led.write_done(1, done(led, 1, "a", checksum=5))
         assert sends(check_all(led, actions, ok=False), protocol.Rewrite)
-    actions = check_all(led, led.write_done(1, protocol.WriteDone(request_id="a", checksum=5)), ok=False)
+    actions = check_all(led, led.write_done(1, done(led, 1, "a", checksum=5)), ok=False)
     ((_, r),) = sends(actions, protocol.Refuse)
     assert isinstance(r, protocol.Refuse) and r.code == "checksum" and "3 times" in r.message
     assert led.state_of(key) is None and led.hand_out(key, 1, 0.0) is None
@@ -417,7 +425,7 @@ def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
     led = ledger()
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
-    actions = led.write_done(1, protocol.WriteDone(request_id="a", checksum=5))
+    actions = led.write_done(1, done(led, 1, "a", checksum=5))
     led.peer_gone(1, 0.0)
     check_all(led, actions, ok=False)
     assert led.state_of(("p", "a")) is None
@@ -440,10 +448,8 @@ def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank
     assert not sends(actions, protocol.Ack)
     assert led.state_of(("p", "a")) is None and led.hand_out(("p", "a"), 1, 1.0) is None
     assert led.stats.refused == 1
-    # its pages are quarantined (a late WRITE lands unseen), then free again
-    assert led.pool is not None and led.pool.free_pages < 8
-    led.tick(1.0 + led.quarantine_s)
-    assert led.pool.free_pages == 8
+    # every share landed: no WRITE into its pages is on its way, they are free at once (R3)
+    assert led.pool is not None and led.pool.free_pages == 8
 
 
 def test_r9_a_sample_rejected_before_hand_out_no_longer_counts_against_its_rank() -> None:
@@ -538,7 +544,7 @@ def test_user_transitions_outside_their_state_do_nothing(state: str) -> None:
     led.credit_request(1, credit("a"), 0.0)
     key = ("p", "a")
     if state not in ("promised", "granted"):
-        actions = led.write_done(1, protocol.WriteDone(request_id="a", checksum=1))
+        actions = led.write_done(1, done(led, 1, "a", checksum=1))
         if state != "written":
             check_all(led, actions)
     if state in ("handed_out", "released"):
@@ -560,11 +566,11 @@ def test_a_write_done_for_a_sample_not_granted_is_the_producers_protocol_error()
     led.credit_request(1, credit("waiting"), 0.0)
     for rid in ("never", "waiting"):
         with pytest.raises(ProtocolError, match="not granted"):
-            led.write_done(1, protocol.WriteDone(request_id=rid))
+            led.write_done(1, done(led, 1, rid))
         with pytest.raises(ProtocolError, match="not granted"):
             led.share_digest(1, protocol.ShareDigest(request_id=rid, checksum=1))
     with pytest.raises(ProtocolError, match="not granted"):
-        led.write_done(2, protocol.WriteDone(request_id="blocker"))  # another producer's
+        led.write_done(2, done(led, 2, "blocker"))  # another producer's
 
 
 def test_the_page_size_is_decided_once() -> None:
@@ -664,7 +670,7 @@ def test_r10_a_share_without_a_checksum_is_refused_where_one_is_required(
     led = ledger(require_checksum=require)
     connected(led, (1, hello(mem=mem)))
     led.credit_request(1, credit("a"), 0.0)
-    actions = led.write_done(1, protocol.WriteDone(request_id="a"), 1.0)
+    actions = led.write_done(1, done(led, 1, "a"), 1.0)
     if refused:
         ((peer, msg),) = sends(actions, protocol.Refuse)
         assert peer == 1 and msg.code == "unchecked" and msg.request_id == "a"
@@ -677,7 +683,7 @@ def test_r10_a_digest_that_follows_is_not_a_missing_one() -> None:
     led = ledger(require_checksum=RequireChecksum.ALWAYS)
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
-    actions = led.write_done(1, protocol.WriteDone(request_id="a", digest_follows=True), 1.0)
+    actions = led.write_done(1, done(led, 1, "a", digest_follows=True), 1.0)
     assert sends(actions, protocol.Refuse) == [] and led.state_of(("p", "a")) is SampleState.WRITTEN
 
 
@@ -696,8 +702,12 @@ def test_r8_a_granted_sample_missing_a_rank_is_refused_to_every_rank_at_its_dead
     assert sorted(p for p, _ in refused) == [1, 2] and all(m.code == "timeout" for _, m in refused)
     assert "ranks [1] missing" in refused[0][1].message
     assert led.state_of(("p", "a")) is None
-    led.tick(12.0)  # the quarantine ends: all pages free again
+    led.tick(12.0)  # past the quarantine: rank 1 was granted pages and may still WRITE
     led.credit_request(1, credit("b", n=60, rank=0, world=2), 12.0)
+    assert led.pool is not None and led.pool.free_pages < 4
+    led.fenced(1, protocol.Fenced(request_id="a", generation=1), 12.1)  # rank 0 owes nothing: moot
+    assert led.pool.free_pages < 4
+    led.fenced(2, protocol.Fenced(request_id="a", generation=1), 12.2)  # no WRITE in flight: free
     assert sends(led.credit_request(2, credit("b", n=60, rank=1, world=2), 12.0), protocol.Grant)
 
 
@@ -714,6 +724,83 @@ def test_r8_the_wait_for_pages_never_counts() -> None:
     assert led.state_of(("p", "b")) is SampleState.GRANTED
     assert sends(led.tick(105.0), protocol.Refuse) == []
     assert [m.code for _, m in sends(led.tick(111.0), protocol.Refuse)] == ["timeout"]
+
+
+# ------------------------------------------------- fences on dropped pages (R3)
+def test_r3_a_dropped_samples_pages_wait_for_each_writer_in_flight_not_for_a_time() -> None:
+    """TP=2: rank 0's share landed, rank 1 was granted pages and never wrote. At the
+    deadline both are refused; the pages stay held, past any quarantine, until rank 1
+    says no WRITE of that grant is in flight (its fence), and go back then."""
+    led = ledger(pages=4, sample_timeout_s=10.0, quarantine_s=1.0, fence_bound_s=60.0)
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    (g,) = [m for _, m in sends(led.credit_request(1, credit("a", rank=0, world=2), 0.0), protocol.Grant)]
+    led.credit_request(2, credit("a", rank=1, world=2), 0.0)
+    land(led, 1, "a")
+    led.tick(10.1)
+    assert led.state_of(("p", "a")) is None and led.pool is not None
+    assert led.pool_state().quarantined == g.num_pages
+    assert led.tick(30.0) == [] and led.pool.free_pages == 4 - g.num_pages  # no fence, no pages
+    for rid, gen in (("a", g.generation + 1), ("b", g.generation)):  # not its grant, nor its sample
+        assert led.fenced(2, protocol.Fenced(request_id=rid, generation=gen), 30.0) == []
+    assert led.pool.free_pages == 4 - g.num_pages
+    led.fenced(2, protocol.Fenced(request_id="a", generation=g.generation), 30.5)
+    assert led.pool.free_pages == 4 and led.pool_state().quarantined == 0
+    # the notification of a WRITE that ended before its fence may come after it: moot
+    assert led.write_done(2, protocol.WriteDone(request_id="a", generation=g.generation), 30.6) == []
+
+
+def test_r3_a_write_done_of_an_older_grant_never_lands_on_the_sample_sent_again() -> None:
+    """A sample refused at its deadline and asked for again gets a new grant; the WRITE
+    of the old one that lands late neither completes the new sample nor is lost: it
+    fences the old pages, which go back."""
+    led = ledger(pages=8, sample_timeout_s=10.0)
+    connected(led, (1, hello()))
+    ((_, old),) = sends(led.credit_request(1, credit("a"), 0.0), protocol.Grant)
+    led.tick(10.1)  # never written: refused, its pages wait for rank 0's fence
+    ((_, new),) = sends(led.credit_request(1, credit("a"), 11.0), protocol.Grant)
+    assert isinstance(old, protocol.Grant) and isinstance(new, protocol.Grant)
+    assert new.generation != old.generation and not set(new.pages) & set(old.pages)
+    late = protocol.WriteDone(request_id="a", generation=old.generation, checksum=5)
+    actions = led.write_done(1, late, 11.5)
+    assert readies(actions) == [] and checks(actions) == []
+    assert led.state_of(("p", "a")) is SampleState.GRANTED  # still waiting for its own WRITE
+    assert any(isinstance(a, Log) and "landed after its sample was dropped" in a.text for a in actions)
+    assert led.pool is not None and led.pool.free_pages == 8 - new.num_pages  # the old pages are back
+    assert led.write_done(1, late, 11.6) == []  # a notification of a grant fenced already: moot
+    assert readies(land(led, 1, "a")) == [("p", "a")]  # its own WRITE completes it
+
+
+def test_r3_pages_of_a_departed_writer_wait_a_quarantine() -> None:
+    led = ledger(pages=4, sample_timeout_s=10.0, quarantine_s=2.0)
+    connected(led, (1, hello(rank=0, world=2)), (2, hello(rank=1, world=2)))
+    led.credit_request(1, credit("a", rank=0, world=2), 0.0)
+    led.credit_request(2, credit("a", rank=1, world=2), 0.0)
+    led.tick(10.1)  # both owe a fence
+    led.fenced(1, protocol.Fenced(request_id="a", generation=1), 10.2)
+    led.peer_gone(2, 11.0)  # cannot answer any more: its WRITEs settle within the quarantine
+    assert led.pool is not None and led.pool.free_pages < 4
+    led.tick(12.9)
+    assert led.pool.free_pages < 4
+    led.tick(13.0)
+    assert led.pool.free_pages == 4
+
+
+def test_r3_a_silent_writer_is_waited_for_at_most_the_bound_and_its_late_write_fails_the_new_holder() -> None:
+    led = ledger(pages=3, sample_timeout_s=10.0, fence_bound_s=30.0)
+    connected(led, (1, hello()))
+    ((_, old),) = sends(led.credit_request(1, credit("a"), 0.0), protocol.Grant)
+    led.tick(10.1)
+    led.credit_request(1, credit("b"), 11.0)  # waits: the pool's pages wait for a's fence
+    assert led.state_of(("p", "b")) is SampleState.PROMISED
+    actions = led.tick(40.2)
+    assert any(isinstance(a, Log) and "without a fence" in a.text for a in actions)
+    ((_, g),) = sends(actions, protocol.Grant)
+    assert isinstance(g, protocol.Grant) and isinstance(old, protocol.Grant) and g.pages == old.pages
+    late = protocol.WriteDone(request_id="a", generation=old.generation)
+    actions = led.write_done(1, late, 41.0)  # a's WRITE landed after all, in b's pages
+    ((_, r),) = sends(actions, protocol.Refuse)
+    assert isinstance(r, protocol.Refuse) and r.request_id == "b" and "landed in its pages" in r.message
+    assert led.state_of(("p", "b")) is None and led.hand_out(("p", "b"), 1, 41.0) is None
 
 
 # ---------------------------------------------------------------- bounds (R9)
@@ -744,7 +831,7 @@ def test_r9_a_rank_over_its_pending_bound_is_dropped_and_frees_its_count_as_it_g
 def test_the_shells_timings_and_refused_peers_are_counted_by_the_ledger() -> None:
     led = ledger()
     key = written(led)
-    (v,) = checks(led.write_done(1, protocol.WriteDone(request_id="a", checksum=5)))  # landed again
+    (v,) = checks(led.write_done(1, done(led, 1, "a", checksum=5)))  # landed again
     assert led.share_checked(key, 0, 1, True, 0.0, seconds=0.25) == []  # stale: its time still counts
     assert readies(led.share_checked(key, 0, v.landing, True, 0.0, seconds=0.5)) == [key]
     led.values_checked(0.125)

@@ -15,7 +15,7 @@ from kv_connector.reader.metrics import ReaderCollector
 from kv_connector.reader.records import Verify
 from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
-from tests.unit.reader.test_ledger import PAGE, connected, credit, hand_out, hello, land, ledger, sends
+from tests.unit.reader.test_ledger import PAGE, connected, credit, done, hand_out, hello, land, ledger, sends
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -95,7 +95,7 @@ def test_refusals_are_counted_by_reason() -> None:
     led.credit_request(1, credit("bad", 16), 0.0)
     land(led, 1, "bad", checksum=None)  # no checksum from a host cache: refused (unchecked)
     led.credit_request(1, credit("worse", 1), 0.0)
-    actions = led.write_done(1, protocol.WriteDone(request_id="worse", checksum=7))
+    actions = led.write_done(1, done(led, 1, "worse", checksum=7))
     (v,) = [a for a in actions if isinstance(a, Verify)]
     led.share_checked(v.key, v.rank, v.landing, False, 0.0)  # past max_rewrites at once: refused
     led.credit_request(1, credit("late", 1), 0.0)

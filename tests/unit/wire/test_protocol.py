@@ -58,12 +58,13 @@ MESSAGES = [
     protocol.CreditRequest(manifest=manifest(), blocks=[1]),
     protocol.CreditRequest(manifest=manifest(sample_id="17", metadata=b'{"row":17,"src":"x"}'), blocks=[0]),
     protocol.Refuse(code="rejected", message="NaN in layer 2", request_id="req-1"),
-    protocol.Grant(request_id="req-1", first_page=3, num_pages=2),
+    protocol.Grant(request_id="req-1", first_page=3, num_pages=2, generation=7),
     protocol.Ack(request_id="req-1"),
     protocol.Refuse(code="checksum", message="no", request_id="req-1"),
-    protocol.WriteDone(request_id="req-1"),
-    protocol.WriteDone(request_id="req-1", checksum=(1 << 64) - 1),
-    protocol.WriteDone(request_id="req-1", digest_follows=True),
+    protocol.WriteDone(request_id="req-1", generation=1),
+    protocol.WriteDone(request_id="req-1", generation=(1 << 63) - 1, checksum=(1 << 64) - 1),
+    protocol.WriteDone(request_id="req-1", generation=2, digest_follows=True),
+    protocol.Fenced(request_id="req-1", generation=3),
     protocol.ShareDigest(request_id="req-1", checksum=5),
     protocol.Rewrite(request_id="req-1", reason="checksum"),
 ]
@@ -211,12 +212,20 @@ def test_truncated_messages_raise_only_protocol_error(msg: protocol._Msg, data: 
 @pytest.mark.parametrize("checksum", [-1, "abc", 1.5, [1]])
 def test_write_done_checksum_out_of_range_is_refused(checksum: object) -> None:
     with pytest.raises(ProtocolError):
-        protocol.decode(raw({"type": "write_done", "request_id": "r", "checksum": checksum}))
+        protocol.decode(raw({"type": "write_done", "request_id": "r", "generation": 1, "checksum": checksum}))
+
+
+@pytest.mark.parametrize("generation", [None, 0, -1, 1 << 63, "1"])
+def test_a_write_done_names_a_grant_that_could_exist(generation: object) -> None:
+    fields = {"type": "write_done", "request_id": "r", "generation": generation}
+    with pytest.raises(ProtocolError):
+        protocol.decode(raw({k: v for k, v in fields.items() if v is not None}))
 
 
 def test_a_write_done_with_a_checksum_has_no_digest_to_follow() -> None:
     with pytest.raises(ProtocolError, match="no digest to follow"):
-        protocol.decode(raw({"type": "write_done", "request_id": "r", "checksum": 1, "digest_follows": True}))
+        fields = {"request_id": "r", "generation": 1, "checksum": 1, "digest_follows": True}
+        protocol.decode(raw({"type": "write_done", **fields}))
 
 
 @pytest.mark.parametrize("first, n", [(-1, 1), (0, 0), (protocol.MAX_PAGES, 1)])
@@ -291,7 +300,7 @@ def test_a_pull_share_says_which_checksum_it_carries() -> None:
         protocol.decode(msgspec.msgpack.encode({**fields, "digest": "md5"}))
     fp = protocol.decode(msgspec.msgpack.encode({**fields, "digest": "fingerprint"}))
     assert isinstance(fp, protocol.PullShare) and fp.digest is protocol.ShareChecksum.FINGERPRINT
-    assert protocol.PROTOCOL_VERSION == 12
+    assert protocol.PROTOCOL_VERSION == 13
 
 
 def test_a_pull_share_in_padded_pages_says_its_pitch_and_blocks_must_fit_it() -> None:
