@@ -25,6 +25,8 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
         (pull from caches in padded pages).
     12: ``PullShare.fence`` (``HoldFence``: the hold's fence word, READ after the data);
         ``PullRelease.answer`` (False: a release nobody waits for).
+    13: ``Grant.generation``, named by ``WriteDone.generation``; ``Fenced`` (push's fence:
+        no WRITE of a dropped sample's grant is in flight any more).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ never registered. The sender and the reader take it as ``transport=``; everythin
 from __future__ import annotations
 
 import contextlib
-import time
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,10 +27,8 @@ UNREGISTERED = 1 << 40  # an offset past any region this machine registers
 
 @dataclass
 class _Delayed:
-    """A WRITE held back until ``at``, then posted for real (``posted``)."""
+    """A WRITE held back, then posted for real by its timer (``posted``)."""
 
-    at: float
-    args: tuple[Any, ...]
     nbytes: int
     peer: str
     posted: Transfer | None = None
@@ -46,7 +44,8 @@ class FaultyTransport:
     ``misaddress``: every WRITE is aimed past the reader's registered pool, so NIXL itself
     refuses it (no memory descriptor of the peer covers it).
     ``delay``: request id -> seconds its first WRITE stays in flight before it is posted
-    to NIXL at all (the sender sees a WRITE posted, not complete; it lands that much later).
+    to NIXL at all, by a timer whatever the sender does (the sender sees a WRITE posted
+    and not complete; it lands that much later, as a WRITE stuck on a slow link would).
     ``garbled`` lists the request ids of the WRITEs garbled, in order; ``registered`` the
     tensors registered, in order (e.g. a reader's receive pool, to look at);
     ``peers_added`` the peers whose metadata it loaded (a reader: the producers it let in);
@@ -70,6 +69,7 @@ class FaultyTransport:
         self.garble_times = garble_times
         self.misaddress = misaddress
         self.delay = dict(delay or {})
+        self.timers: list[threading.Timer] = []  # the delayed WRITEs' (join them before closing)
         self.garbled: list[str] = []
         self.registered: list[torch.Tensor] = []
         self.peers_added: list[str] = []
@@ -113,16 +113,18 @@ class FaultyTransport:
         wait = self.delay.pop(rid, None) if rid is not None else None
         if wait is not None:
             nbytes = int(np.asarray(spans, dtype=np.int64).reshape(-1, 3)[:, 2].sum())
-            return _Delayed(time.monotonic() + wait, (peer, local, remote, spans, notif), nbytes, peer)
+            held = _Delayed(nbytes, peer)
+            args = (peer, local, remote, spans, notif)
+            timer = threading.Timer(wait, lambda: setattr(held, "posted", self.inner.write(*args)))
+            timer.daemon = True
+            timer.start()
+            self.timers.append(timer)
+            return held
         return self.inner.write(peer, local, remote, spans, notif)
 
     def poll(self, xfer: Transfer) -> bool:
         if isinstance(xfer, _Delayed):
-            if xfer.posted is None:
-                if time.monotonic() < xfer.at:
-                    return False
-                xfer.posted = self.inner.write(*xfer.args)
-            return self.inner.poll(xfer.posted)
+            return xfer.posted is not None and self.inner.poll(xfer.posted)
         return self.inner.poll(xfer)
 
     def notifications(self) -> list[tuple[str, bytes]]:

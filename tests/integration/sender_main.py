@@ -103,6 +103,9 @@ def main() -> int:
         time.sleep(0.002)
     elapsed = time.monotonic() - t0
     stats = sender.stats().as_dict()
+    for timer in transport.timers:  # a delayed WRITE is posted whatever became of its job
+        timer.join()
+    time.sleep(0.5 if transport.timers else 0.0)  # and lands
     sender.close()
     print(
         json.dumps(
