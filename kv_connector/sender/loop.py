@@ -454,7 +454,7 @@ class SenderLoop:
         """No WRITE of a failed job is in flight: its grant's pages are the reader's again
         (on the connection that granted them; a later one never knew them)."""
         if conn is not None and conn is self._conn:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ConnectionClosed):
                 conn.send(msg)
 
     def _fail_all(self, why: str) -> None:

@@ -143,6 +143,8 @@ class ShareWriter:
         assert self._remote is not None
         rid = job.request_id
         now = time.monotonic()
+        assert job.grant is not None  # due: GRANTED
+        generation = job.grant.generation  # a lost connection may take the job's grant meanwhile
         with self._lock:
             notif = self._ledger.notification(rid)
             self._ledger.write_posting(rid, now, notif)  # WRITING before it may land (S3)
@@ -169,8 +171,7 @@ class ShareWriter:
         with self._lock:
             followed = self._ledger.write_started(rid, xfer)
         if not followed:  # the job failed while its WRITE was being posted: fenced once it ends
-            assert job.grant is not None
-            fence = Failure(rid, "", tell_reader=False, generation=job.grant.generation)
+            fence = Failure(rid, "", tell_reader=False, generation=generation)
             self.adopt(xfer, functools.partial(self._tell_reader, fence))
 
     def poll(self) -> bool:
