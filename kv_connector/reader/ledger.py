@@ -445,15 +445,7 @@ class ReaderLedger:
         pages = self._book.fences.unfenced(g, rid)
         if pages is None:
             raise ProtocolError(f"write_done for {rid}, which it was not granted (grant {g})")
-        actions: list[Action] = [Log("error", f"{label} landed in pages {pages} after they went back")]
-        for s in list(self.samples.values()):
-            if s.pages is None or not set(s.pages) & set(pages):
-                continue
-            if s.state is SampleState.HANDED_OUT:
-                actions.append(Log("error", f"sample {s.key[1]} of {s.key[0]}, on lease, may hold it"))
-            else:
-                actions += self._refusals.overwritten(s, f"{label} landed in its pages", now)
-        return actions
+        return self._refusals.overwritten(pages, label, now)
 
     def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[SampleRecord, Share]:
         pid, rank = self._ident(peer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kv_connector.reader.book import SampleBook
 from kv_connector.reader.producers import PeerId
-from kv_connector.reader.records import Action, Key, Log, SampleRecord, Send
+from kv_connector.reader.records import Action, Key, Log, SampleRecord, SampleState, Send
 from kv_connector.reader.sample_states import SampleEvent
 from kv_connector.reader.stats import ReaderStats
 from kv_connector.wire import protocol
@@ -71,9 +71,19 @@ class Refusals:
             actions += self._refuse(s, "timeout", why, now, "timeout")
         return actions
 
-    def overwritten(self, s: SampleRecord, why: str, now: float) -> list[Action]:
-        """A late WRITE of another sample landed in this one's pages (R3): refused."""
-        return self._refuse(s, "write_failed", f"request {s.key[1]} of {s.key[0]}: {why}", now, "refused")
+    def overwritten(self, pages: range, label: str, now: float) -> list[Action]:
+        """A late WRITE (``label``) landed in ``pages`` after they went back unfenced (R3):
+        the samples there not handed out are refused; one on lease is named."""
+        actions: list[Action] = [Log("error", f"{label} landed in pages {pages} after they went back")]
+        for s in list(self._book.samples.values()):
+            if s.pages is None or not set(s.pages) & set(pages):
+                continue
+            if s.state is SampleState.HANDED_OUT:
+                actions.append(Log("error", f"sample {s.key[1]} of {s.key[0]}, on lease, may hold it"))
+            else:
+                why = f"request {s.key[1]} of {s.key[0]}: {label} landed in its pages"
+                actions += self._refuse(s, "write_failed", why, now, "refused")
+        return actions
 
     def gave_up(
         self, s: SampleRecord, rank: int, label: str, msg: protocol.Refuse, now: float
