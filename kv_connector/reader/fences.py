@@ -51,9 +51,6 @@ class PageFences:
         g, self._next = self._next, self._next + 1
         return g
 
-    def issued(self, generation: int) -> bool:
-        return 0 < generation < self._next
-
     @property
     def pages_waiting(self) -> int:
         return sum(len(w.pages) for w in self._waits.values())

@@ -394,7 +394,7 @@ class ReaderLedger:
 
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> list[Action]:
-        """Quarantines that ended give their pages back; departures whose grace ended
+        """Fence waits that ended give their pages back; departures whose grace ended
         are settled; granted samples past their deadline are refused."""
         actions = self._departed(now)
         actions += self._refusals.expire(now, self.sample_timeout_s)
