@@ -98,6 +98,7 @@ class SampleWords:
 
 
 Run = tuple[str, int, int]  # (request id, first position, how many)
+Ship = tuple[str, int, Sequence[int]]  # (request id, its tokens, the blocks it ships from)
 
 
 class Fingerprints:
@@ -134,16 +135,56 @@ class Fingerprints:
         blocks it ships from, and its last token again when no step took it knowing it is
         the last (``wire.fingerprint``: the last word of a partly filled last block). The
         request is forgotten here."""
-        sample = self._sample(request_id)
-        gaps = sample.gaps(num_tokens)
-        if num_tokens and not sample.sealed and (not len(gaps) or gaps[-1] != num_tokens - 1):
-            gaps = np.append(gaps, num_tokens - 1)
-        if len(gaps):
-            cuts = np.flatnonzero(np.diff(gaps) != 1) + 1  # runs of consecutive positions
-            runs: list[Run] = [(request_id, int(r[0]), len(r)) for r in np.split(gaps, cuts)]
+        got = self.ship_many([(request_id, num_tokens, blocks)])[request_id]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def ship_many(self, orders: Sequence[Ship]) -> dict[str, SampleWords | Exception]:
+        """``ship`` for each of a step's samples, with one gather for them all: a ship's
+        gather is mostly numpy's and torch's fixed cost a call, and every sample pays one
+        (a step never knows its last token is the last: the sampler decides after it).
+        A sample whose words cannot be taken gets its error and is forgotten; the others ship."""
+        due: list[tuple[str, np.ndarray, np.ndarray]] = []
+        out: dict[str, SampleWords | Exception] = {}
+        for rid, num_tokens, blocks in orders:
+            sample = self._sample(rid)
+            gaps = sample.gaps(num_tokens)
+            if num_tokens and not sample.sealed and (not len(gaps) or gaps[-1] != num_tokens - 1):
+                gaps = np.append(gaps, num_tokens - 1)
+            if not len(gaps):
+                continue
             table = np.asarray(blocks, dtype=np.int64)
-            self._gather(runs, gaps, table[gaps // self.block_size], {request_id: num_tokens - 1})
-        return self._samples.pop(request_id)
+            if int(gaps[-1]) // self.block_size >= len(table):
+                out[rid] = ValueError(f"{len(table)} blocks do not hold token position {int(gaps[-1])}")
+                continue
+            due.append((rid, gaps, table[gaps // self.block_size]))
+        ends = {rid: n - 1 for rid, n, _ in orders}
+        try:
+            self._gather_due(due, ends)
+        except Exception:
+            for one in due:  # which of them: each alone
+                try:
+                    self._gather_due([one], ends)
+                except Exception as e:
+                    out[one[0]] = e
+        for rid, _, _ in orders:
+            shipped = self._samples.pop(rid, None)
+            if shipped is not None and rid not in out:
+                out[rid] = shipped
+        return out
+
+    def _gather_due(self, due: Sequence[tuple[str, np.ndarray, np.ndarray]], ends: Mapping[str, int]) -> None:
+        """One gather of the positions (and their blocks) ``due`` of each sample, in runs."""
+        if not due:
+            return
+        runs: list[Run] = []
+        for rid, gaps, _ in due:
+            cuts = np.flatnonzero(np.diff(gaps) != 1) + 1  # runs of consecutive positions
+            runs.extend((rid, int(r[0]), len(r)) for r in np.split(gaps, cuts))
+        positions = np.concatenate([g for _, g, _ in due])
+        blocks = np.concatenate([b for _, _, b in due])
+        self._gather(runs, positions, blocks, {rid: ends[rid] for rid, _, _ in due})
 
     def taken(self, request_id: str) -> SampleWords | None:
         """The words taken so far of a followed request (None: none)."""

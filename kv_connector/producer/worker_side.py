@@ -15,7 +15,7 @@ import torch
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.mode import RankCache, WorkerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
-from kv_connector.producer.planning import BlockRecorder, SlotMismatch, StepPlan
+from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan
 from kv_connector.producer.pull_mode import PullWorker
 from kv_connector.producer.push_mode import PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
@@ -180,6 +180,7 @@ class WorkerSide:
         errors.update(self.checks.settle())  # on the host: this step's check, now
         for rid, why in errors.items():
             self._fail_unshipped(rid, why)
+        ready: list[tuple[ShipOrder, list[int], bool]] = []
         for order in plan.ships:
             rid = order.request_id
             if rid in self._failed:
@@ -191,18 +192,34 @@ class WorkerSide:
                 done, wrong = gate.poll(rid) if gate is not None else (True, None)
                 if wrong is not None:
                     raise SlotMismatch(wrong)
-                fp = self.fingerprints
-                words = fp.ship(rid, len(order.token_ids), blocks) if fp is not None else None
-                mode.ship(order, blocks, None if done else gate, rid in self._finished_by_scheduler, words)
+                ready.append((order, blocks, done))
+            except (SlotMismatch, ValueError) as e:
+                self._cannot_ship(order, e)
+        fp = self.fingerprints
+        # the words each sample still needs, in one gather for the step's ships
+        words = fp.ship_many([(o.request_id, len(o.token_ids), b) for o, b, _ in ready]) if fp else {}
+        for order, blocks, done in ready:
+            rid = order.request_id
+            try:
+                taken = words.get(rid)
+                if isinstance(taken, Exception):
+                    raise ValueError(f"fingerprints not taken: {taken}") from taken
+                mode.ship(order, blocks, None if done else gate, rid in self._finished_by_scheduler, taken)
                 self._shipped.add(rid)
                 self.metrics.shipped()
-            except (SlotMismatch, ValueError, SenderError) as e:
-                log.error("request %s cannot be shipped: %s", rid, e)
-                self._failed[rid] = str(e)
-                self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
-                mode.refuse(order, str(e))
-                self._done.add(rid)
+            except (ValueError, SenderError) as e:
+                self._cannot_ship(order, e)
             self._forget(rid)
+
+    def _cannot_ship(self, order: ShipOrder, e: Exception) -> None:
+        rid = order.request_id
+        log.error("request %s cannot be shipped: %s", rid, e)
+        self._failed[rid] = str(e)
+        self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
+        assert self.mode is not None
+        self.mode.refuse(order, str(e))
+        self._done.add(rid)
+        self._forget(rid)
 
     def _forget(self, rid: str) -> None:
         """What the step path keeps of a request it no longer follows (its blocks, its words)."""

@@ -184,3 +184,36 @@ def test_a_shares_tokens_are_its_blocks_valid_positions_in_order() -> None:
         for share in ([], list(range(nb)), list(range(0, nb, 2)), list(range(1, nb, 3)), [nb - 1]):
             want = [p for j in sorted(share) for p in range(j * 16, min((j + 1) * 16, total))]
             assert fingerprint.share_tokens(m, share).tolist() == want, (total, share)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_a_steps_ships_share_one_gather_and_a_sample_that_fails_fails_alone(layout: BlockLayout) -> None:
+    """The worker side ships a step's samples together (``ship_many``): the words still due
+    of all of them (each one's last token, a prefix-cache hit's blocks) in one gather, each
+    sample's record still its own; one whose blocks cannot hold its tokens gets its error."""
+    cache = cache_of(layout)
+    blocks = CacheBlocks(cache, layout)
+    bs = layout.block_size
+    tables = {"a": [9, 2, 17, 4], "b": [1, 3, 5, 7], "c": [11, 12, 13, 14]}
+    fp, rec = Fingerprints(blocks, bs), BlockRecorder(bs)
+    slices = [
+        StepSlice("a", 0, TOKENS, tuple(tables["a"])),
+        StepSlice("b", 2 * bs, TOKENS - 2 * bs, tuple(tables["b"])),  # its first two blocks: a prefix hit
+        StepSlice("c", 0, TOKENS, tuple(tables["c"])),
+    ]
+    expect, errors = rec.expect(slices)
+    assert not errors
+    fp.take(expect)
+    got = fp.ship_many([(rid, TOKENS, table) for rid, table in tables.items()] + [("d", TOKENS, [6])])
+    assert isinstance(got["d"], ValueError)  # one block cannot hold 53 tokens; the others ship
+    shipped = [got[rid] for rid in tables]
+    at_ship = {id(w.chunks[-1][0]) for w in shipped if not isinstance(w, Exception)}
+    assert len(at_ship) == 1  # the words due at ship: one gather for the three
+    for rid, table in tables.items():
+        words = got[rid]
+        assert not isinstance(words, Exception)
+        s = share_of(blocks, rid, table)
+        assert words.record(s.manifest, s.share) == fingerprint.states_record(
+            states_of(cache, layout, table, TOKENS), s.manifest, s.share
+        )
+    assert len(fp) == 0  # every one forgotten, the failed one too
