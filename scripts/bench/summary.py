@@ -39,7 +39,7 @@ object; the first and the last name the machine and its load.
              the checksum ratio, raw WRITEs with XXH3 at both ends (no protocol) over
              plain raw WRITEs (``xxh3_ceiling``; their CPU seconds per GB over the plain
              ones', ``xxh3_cpu_floor``, is the floor of cpu_over_raw); for pull_read_over_raw, raw READs with
-             the client's checks while the producer hashes, over plain raw READs
+             the client's default checks (fingerprint, sampled values screen), over plain raw READs
              (``checked_raw_over_raw``); for pull_over_file, the DataLoader with the pull
              backend less its data (nothing READ, copied or checked) over the file
              backend (``manifest_only_over_file``). A target above its ceiling is out of

@@ -78,10 +78,11 @@ class PullVsRaw:
         return self._record("pull", secs, nbytes, ccpu, p1 - p0)
 
     def raw(self, checks: bool = False) -> paired.Run:
-        """Plain READs; with ``checks`` (the ceiling arm), the producer hashes its samples in
-        the background and the consumer checks each as the client does."""
+        """Plain READs; with ``checks`` (the ceiling arm), the consumer checks each sample
+        as the client does by default (fingerprint, sampled values screen) on a thread of
+        its own, its slot read into again only after."""
         assert self.consumer is not None
-        self.producer.call("raw", True, checks)
+        self.producer.call("raw", True)
         try:
             p0 = self.producer.call("cpu")
             secs, nbytes, ccpu, digests = self.consumer.call(

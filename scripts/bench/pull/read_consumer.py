@@ -1,5 +1,5 @@
 """The consumer process of the READ pairings, both arms: a ``PullClient`` (defaults:
-checksums checked, values checked, samples on lease) and a raw NIXL agent with a
+fingerprints checked, the values screen, samples on lease) and a raw NIXL agent with a
 registered buffer of the same size, READing the same blocks with no protocol."""
 
 from __future__ import annotations
@@ -72,16 +72,17 @@ class _Consumer:
         return t1 - t0, moved, paired.cpu_seconds() - c0, digests
 
     def check(self, at: int, tokens: int, hidden: int) -> None:
-        """What the client checks of a sample: XXH3 of its bytes and the values check."""
+        """What the client checks of a sample by default: its fingerprint (the sampled words
+        of every token slot, gathered where the sample lies, and their hash) and the sampled
+        values screen."""
         import torch
-        import xxhash
 
         from kv_connector.reader import find_bad_values
 
         row = len(LAYER_IDS) * hidden * 2
-        xxhash.xxh3_64_intdigest(self.buf_np[at : at + tokens * row].data)
         states = self.buf[at : at + tokens * row].view(torch.bfloat16).view(tokens, len(LAYER_IDS), hidden)
-        assert find_bad_values(states, LAYER_IDS) is None
+        _fingerprint(states)
+        assert find_bad_values(states, LAYER_IDS, sample=True) is None
 
     def read_raw(
         self, blocks: list[list[int]], tokens: int, verify: bool, checks: bool = False
@@ -150,9 +151,9 @@ class _Consumer:
         r.live = still
 
     def profile(self, tokens: int, hidden: int) -> dict[str, float]:
-        """Milliseconds per sample of the client's two checks (best of 3): the XXH3 of the
-        bytes (``wire.integrity``'s hash; the producer hashes the share once more on its side
-        before answering) and the values check, beside a plain copy of the same bytes."""
+        """Milliseconds per sample (best of 3) of the client's default checks, the
+        fingerprint and the sampled values screen, and of the diagnostic modes' XXH3 of the
+        bytes and full values check, beside a plain copy of the same bytes."""
         import torch
         import xxhash
 
@@ -162,6 +163,8 @@ class _Consumer:
         y = torch.empty_like(x)
         raw_bytes = x.view(torch.uint8).numpy().reshape(-1).data
         return {
+            "fingerprint_ms": _best(lambda: _fingerprint(x)),
+            "values_screen_ms": _best(lambda: find_bad_values(x, LAYER_IDS, sample=True)),
             "xxh3_ms": _best(lambda: xxhash.xxh3_64_intdigest(raw_bytes)),
             "values_check_ms": _best(lambda: find_bad_values(x, LAYER_IDS)),
             "copy_ms": _best(lambda: y.copy_(x)),
@@ -171,6 +174,19 @@ class _Consumer:
         self.checker.shutdown()
         self.client.close()
         self.raw.close()
+
+
+def _fingerprint(states: Any) -> int:
+    """A sample's fingerprint as the client recomputes it (``wire.fingerprint``, less the
+    manifest's few bytes): the sampled words of its token slots, gathered where they lie."""
+    import numpy as np
+    import xxhash
+
+    from kv_connector.wire import fingerprint
+
+    tokens = np.arange(states.shape[0], dtype=np.int64)
+    words = fingerprint.gather(fingerprint.as_words(states), (tokens,), tokens, 1, BLOCK, len(tokens) - 1)
+    return xxhash.xxh3_64_intdigest(words.numpy().tobytes())
 
 
 def _best(fn: Callable[[], object]) -> float:

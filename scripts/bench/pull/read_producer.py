@@ -5,7 +5,6 @@ connector's default record) taken as the hold is made."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -80,24 +79,11 @@ class _Producer:
     def poll(self) -> tuple[int, int]:
         return len(self.server.take_freed()), self.server.held
 
-    def raw(self, begin: bool, hashed: bool = False) -> None:
+    def raw(self, begin: bool) -> None:
         """The server's own progress thread polls while consumers read; the raw READs get
-        the same (this NIXL has no progress thread: a target that never polls stalls).
-        ``hashed``: the samples are hashed (XXH3) on a thread of their own from now on, as
-        the server hashes each share it holds in the background."""
+        the same (this NIXL has no progress thread: a target that never polls stalls). The
+        default record hashes nothing here (its words were taken when the sample was held)."""
         self.server.keep_progress(begin)
-        if begin and hashed:
-            threading.Thread(target=self._hash_all, daemon=True).start()
-
-    def _hash_all(self) -> None:
-        import torch
-
-        from kv_connector.wire.integrity import block_checksum
-
-        raw_bytes = self.cache.view(-1).view(torch.uint8).numpy().data
-        bb = self.layout.block_bytes
-        for bl in self.blocks:
-            block_checksum(raw_bytes, ((k, b * bb) for k, b in enumerate(bl)), lambda _j: [(0, bb)])
 
     def digests(self) -> list[str]:
         """Each sample's bytes as [T, L, H] (its blocks in order, its tokens only)."""
