@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kv_connector.wire import auth, protocol
+from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
 from kv_connector.wire.handle import PullHandle
 from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, ReaderHandshake
@@ -192,7 +192,7 @@ class ProducerLinks:
             raise FetchError(code, f"{where}: {e}") from None
         except (ConnectionClosed, OSError, TimeoutError) as e:
             raise FetchError("connect", f"{where} closed the handshake: {e}") from None
-        conn.max_frame = protocol.MAX_FRAME_BYTES
+        conn.max_frame = fields.MAX_FRAME_BYTES
         return _Peer(endpoint, conn, agent, threading.Lock(), producer)
 
 

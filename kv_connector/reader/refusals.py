@@ -11,7 +11,7 @@ from kv_connector.reader.producers import PeerId
 from kv_connector.reader.records import Action, Key, Log, SampleRecord, SampleState, Send
 from kv_connector.reader.sample_states import SampleEvent
 from kv_connector.reader.stats import ReaderStats
-from kv_connector.wire import protocol
+from kv_connector.wire import fields, protocol
 
 
 class Refusals:
@@ -35,7 +35,7 @@ class Refusals:
         self._stats.refused += 1
         self._stats.refused_pool_too_small += 1
         refuse = protocol.Refuse(
-            code="pool_too_small", message=protocol.clip_text(str(error)), request_id=m.request_id
+            code="pool_too_small", message=fields.clip_text(str(error)), request_id=m.request_id
         )
         return [Send(peer, refuse), Log("error", f"request {m.request_id} refused: {error}")]
 
@@ -97,7 +97,7 @@ class Refusals:
             if r != rank:
                 refuse = protocol.Refuse(
                     code=msg.code,
-                    message=protocol.clip_text(f"rank {rank}: {msg.message}"),
+                    message=fields.clip_text(f"rank {rank}: {msg.message}"),
                     request_id=msg.request_id,
                 )
                 actions.append(Send(other, refuse))
@@ -109,7 +109,7 @@ class Refusals:
         """The consumer rejected a sample (R11): ``peers`` are refused; a sample not handed
         out yet (``s``) leaves the books, its pages waiting for their fence."""
         self._stats.refused += 1
-        refuse = protocol.Refuse(code="rejected", message=protocol.clip_text(why), request_id=key[1])
+        refuse = protocol.Refuse(code="rejected", message=fields.clip_text(why), request_id=key[1])
         actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
         actions += [Send(peer, refuse) for peer in peers]
         if s is not None:

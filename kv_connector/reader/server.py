@@ -26,7 +26,7 @@ from kv_connector.reader.ledger import ReaderLedger
 from kv_connector.reader.pool_memory import PoolMemory
 from kv_connector.reader.producers import PeerId
 from kv_connector.reader.records import Action, Key, Log, Ready, Send, Verify
-from kv_connector.wire import protocol
+from kv_connector.wire import fields, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, OutputFull, format_address
 from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
 from kv_connector.wire.protocol import ProtocolError
@@ -332,7 +332,7 @@ class ReaderServer:
         except ProtocolError as e:
             self._ledger.refused_peer()
             log.warning("refusing %s: %s", c.label, e)
-            self._send(c, protocol.Refuse(code="protocol", message=protocol.clip_text(str(e))))
+            self._send(c, protocol.Refuse(code="protocol", message=fields.clip_text(str(e))))
             self._drop(c, f"protocol error: {e}")
 
     def _handle(self, c: _Conn, msg: protocol.Message) -> None:

@@ -22,7 +22,7 @@ from kv_connector.sender.hasher import Hasher
 from kv_connector.sender.jobs import Failure, FrozenJob, Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
-from kv_connector.wire import handshake, protocol
+from kv_connector.wire import fields, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
 from kv_connector.wire.failure import FailureReason
 from kv_connector.wire.protocol import ProtocolError
@@ -437,7 +437,7 @@ class SenderLoop:
                 conn.send(
                     protocol.Refuse(
                         code=failure.code,
-                        message=protocol.clip_text(failure.why),
+                        message=fields.clip_text(failure.why),
                         request_id=failure.request_id,
                     )
                 )

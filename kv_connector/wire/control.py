@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 
-from kv_connector.wire import auth, protocol
+from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.protocol import ProtocolError
 
 _LEN = struct.Struct(">I")
@@ -64,7 +64,7 @@ class FramedConnection:
 
     def __init__(self, sock: socket.socket, send_timeout: float = 30.0) -> None:
         self.sock = sock
-        self.max_frame = protocol.MAX_FRAME_BYTES
+        self.max_frame = fields.MAX_FRAME_BYTES
         self.mac: auth.SessionMac | None = None  # set after an authenticated handshake
         self.max_out = MAX_OUT_BYTES
         self._out = bytearray()

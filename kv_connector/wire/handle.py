@@ -23,7 +23,8 @@ from typing import Annotated, Any
 import msgspec
 
 from kv_connector.wire.control import parse_address
-from kv_connector.wire.protocol import MAX_RANKS, PullNonce, RequestId, SafeName
+from kv_connector.wire.fields import MAX_RANKS, RequestId, SafeName
+from kv_connector.wire.protocol import PullNonce
 
 PREFIX = "kvhs1."
 MAX_HANDLE_CHARS = 64 << 10

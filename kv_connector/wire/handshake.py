@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kv_connector.wire import auth, protocol
+from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.control import FramedConnection
 from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.transport import MemType
@@ -51,8 +51,8 @@ class Phase(enum.Enum):
 
 FRAME_LIMITS: dict[Phase, int] = {
     Phase.HELLO: 4 << 10,
-    Phase.AUTH: protocol.MAX_METADATA_BYTES + (4 << 10),
-    Phase.READY: protocol.MAX_FRAME_BYTES,
+    Phase.AUTH: fields.MAX_METADATA_BYTES + (4 << 10),
+    Phase.READY: fields.MAX_FRAME_BYTES,
 }
 # what a producer accepts from a reader before and after its Welcome
 CHALLENGE_LIMIT = FRAME_LIMITS[Phase.HELLO]
@@ -127,7 +127,7 @@ def as_producer(
         conn.mac = auth.SessionMac(
             auth.session_key(secret, me.producer_id, me.rank, nonce, ch.nonce), "to_reader"
         )
-    conn.max_frame = protocol.MAX_FRAME_BYTES
+    conn.max_frame = fields.MAX_FRAME_BYTES
     return w
 
 
@@ -154,7 +154,7 @@ def welcome_proof(
 def _refuse(conn: FramedConnection, why: str) -> None:
     """Tell the reader why this producer turns away (it logs it), then go."""
     with contextlib.suppress(OSError):
-        conn.send(protocol.Refuse(code="auth", message=protocol.clip_text(why)))
+        conn.send(protocol.Refuse(code="auth", message=fields.clip_text(why)))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kv_connector.wire.protocol import MAX_SAMPLE_ID_CHARS, MAX_SAMPLE_METADATA_BYTES, SAMPLE_ID_PATTERN
+from kv_connector.wire.fields import MAX_SAMPLE_ID_CHARS, MAX_SAMPLE_METADATA_BYTES, SAMPLE_ID_PATTERN
 
 _SAMPLE_ID = re.compile(SAMPLE_ID_PATTERN)
 SAMPLE_ID_CHARS = "letters, digits and _ . : @ + = -"

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from kv_connector.reader import HiddenStatesReader
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
-from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire import auth, fields, handshake, protocol
 from kv_connector.wire.control import FramedConnection, parse_address
 from kv_connector.wire.nixl_transport import NixlTransport
 from tests.integration.common import REPO, expected_states, same_bytes, token_ids
@@ -118,7 +118,7 @@ def test_oversize_length_headers(reader: HiddenStatesReader) -> None:
     @settings(max_examples=10, deadline=None)
     @given(
         state=st.sampled_from(STATES),
-        n=st.integers(protocol.MAX_FRAME_BYTES + 1, 2**32 - 1),
+        n=st.integers(fields.MAX_FRAME_BYTES + 1, 2**32 - 1),
         tail=st.binary(max_size=64),
     )
     def run(state: str, n: int, tail: bytes) -> None:
@@ -167,7 +167,7 @@ def hostile_credit_requests(draw: st.DrawFn) -> bytes:
     elif what == "token_id":
         m["token_ids"][-1] = -1
     elif what == "too_many_tokens":
-        big = protocol.MAX_TOKENS + 1
+        big = fields.MAX_TOKENS + 1
         m["token_ids"], m["geometry"]["block_size"], m["num_blocks"] = (
             [1] * big,
             1 << 16,

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
-from kv_connector.wire import auth, protocol
+from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.control import FramedConnection
 from kv_connector.wire.nixl_transport import NixlTransport as Transport
 from tests.integration.common import token_ids
@@ -90,7 +90,7 @@ SPECIFIC_HANDSHAKES: dict[str, tuple[bytes | None, str, Callable[..., None]]] = 
     "oversize-frame": (
         None,
         "exceeds",
-        lambda f, c, h: c.sock.sendall(_LEN.pack(protocol.MAX_FRAME_BYTES + 1)),
+        lambda f, c, h: c.sock.sendall(_LEN.pack(fields.MAX_FRAME_BYTES + 1)),
     ),
     "closed": (None, "closed", lambda f, c, h: None),
 }

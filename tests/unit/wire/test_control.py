@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kv_connector.wire import auth, protocol
+from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, parse_address
 from kv_connector.wire.protocol import ProtocolError
 
@@ -45,7 +45,7 @@ def test_frames_survive_byte_by_byte_delivery() -> None:
 def test_oversize_frame_header_is_refused_before_reading_it() -> None:
     a, b = socket.socketpair()
     rx = FramedConnection(b)
-    a.send(struct.pack(">I", protocol.MAX_FRAME_BYTES + 1))
+    a.send(struct.pack(">I", fields.MAX_FRAME_BYTES + 1))
     with pytest.raises(ProtocolError, match="exceeds"):
         rx.receive()
     a.close()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 
-from kv_connector.wire import auth, handshake, protocol
+from kv_connector.wire import auth, fields, handshake, protocol
 from kv_connector.wire.control import FramedConnection
 from kv_connector.wire.handshake import FRAME_LIMITS, HandshakeError, Phase, ProducerIdentity, ReaderHandshake
 from kv_connector.wire.protocol import ProtocolError
@@ -53,7 +53,7 @@ def test_the_reader_goes_hello_auth_ready(secret: bytes | None) -> None:
     proof = auth.proof(secret, "producer", "prod", 1, b"p" * 32, hs.nonce, auth.digest_of(b"md"))
     hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"md"))
     sealed = hs.welcome(welcome())
-    assert hs.phase is Phase.READY and hs.frame_limit == protocol.MAX_FRAME_BYTES
+    assert hs.phase is Phase.READY and hs.frame_limit == fields.MAX_FRAME_BYTES
     assert not hs.expired(1e9)
     # the Welcome carries the reader's proof over every one of its fields
     want = handshake.welcome_proof(secret, "prod", 1, b"p" * 32, hs.nonce, sealed)
@@ -203,7 +203,7 @@ def test_the_producer_completes_the_handshake_with_an_honest_reader(
     result, seen = run_producer(pair, honest(secret), secret)
     assert isinstance(result, protocol.Welcome) and result.binding() == welcome().binding()
     assert seen == ["Hello"]
-    assert pair[0].max_frame == protocol.MAX_FRAME_BYTES
+    assert pair[0].max_frame == fields.MAX_FRAME_BYTES
     assert (pair[0].mac is None) == (secret is None)
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector.wire import protocol
+from kv_connector.wire import fields, protocol
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ProtocolError
 
@@ -190,7 +190,7 @@ def test_request_ids_outside_the_pattern_are_refused(rid: str) -> None:
 
 def test_oversize_message_is_refused() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
-        protocol.decode(b"\x00" * (protocol.MAX_FRAME_BYTES + 1))
+        protocol.decode(b"\x00" * (fields.MAX_FRAME_BYTES + 1))
 
 
 @settings(max_examples=300, deadline=None)
@@ -228,7 +228,7 @@ def test_a_write_done_with_a_checksum_has_no_digest_to_follow() -> None:
         protocol.decode(raw({"type": "write_done", **fields}))
 
 
-@pytest.mark.parametrize("first, n", [(-1, 1), (0, 0), (protocol.MAX_PAGES, 1)])
+@pytest.mark.parametrize("first, n", [(-1, 1), (0, 0), (fields.MAX_PAGES, 1)])
 def test_a_grant_outside_the_page_range_is_refused(first: int, n: int) -> None:
     with pytest.raises(ProtocolError):
         protocol.decode(raw({"type": "grant", "request_id": "r", "first_page": first, "num_pages": n}))
