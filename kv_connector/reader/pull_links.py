@@ -58,18 +58,19 @@ class ProducerLinks:
         self.name = name
         self.timeout_s = timeout_s
         self._secret = secret
-        self._lock = lock  # the client's: guards the agent
+        self._lock = lock  # the client's: guards the agent (held through a READ's post, which copies)
+        self._peers_lock = threading.Lock()  # guards ``_peers`` only: never waits for a READ
         self._transport: Transport | None = transport
         self._region: Region | None = region
         self._peers: dict[str, _Peer] = {}
 
     def agent(self, endpoint: str) -> str:
         """The NIXL name of the rank at ``endpoint`` (connected by an ``ask``)."""
-        with self._lock:
+        with self._peers_lock:
             return self._peers[endpoint].agent
 
     def close(self) -> None:
-        with self._lock:
+        with self._peers_lock:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
             p.conn.close()
@@ -91,36 +92,40 @@ class ProducerLinks:
 
     def tell(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> bool:
         """Send one message that gets no answer (a fenced release) on the rank's connection,
-        made if need be; False if it could not be sent (nothing is retried)."""
+        made if need be; False if it could not be sent (nothing is retried). It does not
+        wait for an ``ask`` under way on the connection: no answer comes of it to take
+        that ask's place (the connection's sends are whole frames, one at a time)."""
         try:
             peer = self._peer(h, rank, endpoint)
         except FetchError:
             return False
         try:
-            with peer.lock:
-                peer.conn.send(msg)
+            peer.conn.send(msg)
         except (ConnectionClosed, OSError):
             self._drop_peer(endpoint, peer)
             return False
         return True
 
     def _drop_peer(self, endpoint: str, peer: _Peer) -> None:
-        with self._lock:
-            if self._peers.get(endpoint) is peer:
+        with self._peers_lock:
+            ours = self._peers.get(endpoint) is peer
+            if ours:
                 del self._peers[endpoint]
+        if ours:
+            with self._lock:
                 if self._transport is not None:
                     self._transport.remove_peer(peer.agent)
         peer.conn.close()
 
     def _peer(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
-        with self._lock:
+        with self._peers_lock:
             peer = self._peers.get(endpoint)
         if peer is not None:
             if peer.producer != (h.producer_id, rank, h.world_size):
                 raise FetchError("unknown", _not_the_handles(endpoint, peer.producer, h, rank))
             return peer
         peer = self._connect(h, rank, endpoint)
-        with self._lock:
+        with self._peers_lock:
             old = self._peers.get(endpoint)
             if old is None:
                 self._peers[endpoint] = peer
