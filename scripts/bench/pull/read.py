@@ -5,6 +5,7 @@ fetches over raw NIXL READs of the same blocks, between one producer process
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from scripts.bench import paired
@@ -23,6 +24,8 @@ from scripts.bench.pull.shape import (
     log,
     spread,
 )
+
+RELEASE_WAIT_S = 10.0  # a release lost would leave its sample held until its timeout
 
 
 class PullVsRaw:
@@ -70,9 +73,12 @@ class PullVsRaw:
         p0 = self.producer.call("cpu")
         secs, nbytes, ccpu, digests = self.consumer.call("pull", handles, self.verify)
         p1 = self.producer.call("cpu")
-        _freed, held = self.producer.call("poll")
+        # the last releases are one-way (fenced reads): the server takes them when they come
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while (held := self.producer.call("poll")[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if held:
-            raise RuntimeError(f"the producer still holds {held} samples after the round")
+            raise RuntimeError(f"the producer still holds {held} samples {RELEASE_WAIT_S} s after the round")
         if self.verify and digests != self.expected:
             raise RuntimeError("fetched bytes differ from the producer's cache")
         return self._record("pull", secs, nbytes, ccpu, p1 - p0)
