@@ -63,6 +63,12 @@ def byte_of(pages: range) -> int:
 
 
 @dataclass
+class _Asked:
+    handle: PullHandle
+    shares: list[protocol.PullShare]
+
+
+@dataclass
 class _Pending:
     handle: PullHandle
     shares: list[protocol.PullShare]
@@ -136,7 +142,7 @@ class PullClient:
         # costs more in page faults than the copy itself)
         self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
         self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
-        self._checker = pull_batch.Checker(self.name, self._device)  # fetch_iter's, its thread made on use
+        self._checker = pull_batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -185,7 +191,7 @@ class PullClient:
         checked and released at its producer; ``FetchError`` saying why not. With
         ``release=False`` the producer keeps holding it until ``release(handle)`` (or its
         ``pull_timeout_s``)."""
-        return self._finish(self._start(handle), release)
+        return self._finish(self._post(self._ask(handle)), release)
 
     def fetch_many(self, handles: Iterable[str | Mapping[str, Any]]) -> list[Sample | FetchError]:
         """Several samples with their READs in flight together; each a ``Sample`` or the
@@ -197,11 +203,13 @@ class PullClient:
     ) -> Iterator[Sample | FetchError]:
         """The samples of ``handles`` in their order, each a ``Sample`` or the
         ``FetchError`` of that one, with up to ``in_flight`` of them asked for and READ
-        ahead (None: all). Each is checked and released on the client's checker thread
-        while the next ones are READ on this one (``reader.pull_batch``). The pool must
+        ahead (None: all). The next one is asked for on a thread of its own while this
+        one posts the READs, and each is checked and released on the client's checker
+        thread while the next ones are READ (``reader.pull_batch``). The pool must
         hold ``in_flight`` samples besides those you keep: release each before taking the
         next (a plain ``for`` loop whose body drops the sample does)."""
-        return pull_batch.fetch_iter(self._start, self._finish, self._checker, handles, in_flight)
+        stages = pull_batch.Stages(self._ask, self._post, self._finish)
+        return pull_batch.fetch_iter(stages, self._checker, handles, in_flight)
 
     def manifest(self, handle: str | Mapping[str, Any]) -> protocol.Manifest:
         """What ``handle`` names, without reading it: the sample's manifest (token ids,
@@ -241,7 +249,9 @@ class PullClient:
         except HandleError as e:
             raise FetchError("handle", str(e)) from None
 
-    def _start(self, handle: str | Mapping[str, Any]) -> _Pending:
+    def _ask(self, handle: str | Mapping[str, Any]) -> _Asked:
+        """Every rank's share of the sample (one round trip each): the first half of a
+        fetch, which ``fetch_iter`` runs ahead on a thread of its own."""
         h = self._decode(handle)
         self._ensure()
         shares: list[protocol.PullShare] = []
@@ -251,6 +261,15 @@ class PullClient:
                 if shares and reply.manifest != shares[0].manifest:
                     raise FetchError("protocol", f"rank {rank}'s manifest differs from rank 0's")
                 shares.append(reply)
+        except FetchError:
+            self._release_all(h, quiet=True)
+            raise
+        return _Asked(h, shares)
+
+    def _post(self, a: _Asked) -> _Pending:
+        """Pages for the sample and its READs posted (each copies as it is posted here)."""
+        h, shares = a.handle, a.shares
+        try:
             pages = self._take_pages(h, shares[0].manifest)
         except FetchError:
             self._release_all(h, quiet=True)
@@ -258,8 +277,8 @@ class PullClient:
         xfers = []
         try:
             for s in shares:
-                if s.block_ids:
-                    xfers.append(self._post_read(h, s, pages))
+                if s.block_ids and (x := self._post_read(h, s, pages)) is not None:
+                    xfers.append(x)
         except FetchError:
             self._settle(xfers)
             self._give_back(h, pages)
@@ -329,6 +348,8 @@ class PullClient:
 
     # ------------------------------------------------------------------ pool
     def _ensure(self) -> None:
+        if self._transport is not None:  # set last below: no waiting for a READ being posted
+            return
         with self._lock:
             if self._transport is not None:
                 return
@@ -386,7 +407,9 @@ class PullClient:
                 self._pool.release((h.producer_id, h.request_id, h.nonce), pages)
 
     # ------------------------------------------------------------------ transfers
-    def _post_read(self, h: PullHandle, s: protocol.PullShare, pages: range) -> Any:
+    def _post_read(self, h: PullHandle, s: protocol.PullShare, pages: range) -> Any | None:
+        """Post the READ of a share; None when it completed as it was posted (UCX's shared
+        memory copies then): the checker thread then need not wait for this lock."""
         m = s.manifest
         g, nb = m.geometry, m.num_blocks
         base = byte_of(pages)
@@ -401,7 +424,8 @@ class PullClient:
         with self._lock:
             assert self._transport is not None and self._region is not None
             try:
-                return self._transport.read(peer, self._region, remote, spans)
+                xfer = self._transport.read(peer, self._region, remote, spans)
+                return None if self._transport.poll(xfer) else xfer
             except TransportError as e:
                 raise FetchError(
                     "transfer", f"cannot read sample {h.request_id} from rank {s.rank}: {e}"

@@ -1,13 +1,14 @@
 """The pull client's batched fetching (``PullClient.fetch_iter`` and ``fetch_many``): the
-samples of many handles, with up to ``in_flight`` of them asked for and READ ahead on the
-caller's thread while each one READ is checked (its checksum, its values) and released
-at its producer on the client's checker thread, one of its own (a READ copies on the
-thread that posts it; the checks, XXH3 and the values check, run without the GIL).
+samples of many handles, with up to ``in_flight`` of them READ ahead on the caller's
+thread, the next one asked for meanwhile on the client's asker thread (its round trip
+overlaps the READ being posted: a READ copies on the thread that posts it), and each one
+READ checked (its record, its values) and released at its producer on the client's
+checker thread. Both threads are the client's own, made on first use and ended by its
+``close``; the checks and UCX's copies run without the GIL.
 
-``Checker`` is that thread, made on first use and ended by the client's ``close``;
-``fetch_iter`` is the pipeline, given the client's two halves of one fetch: ``start``
-(ask every rank, take pages, post the READs) and ``finish`` (wait, check, release,
-hand out).
+``fetch_iter`` is the pipeline, given the client's ``Stages`` of one fetch: ``ask``
+(every rank's share; the hold is not changed by it), ``post`` (take pages, post the
+READs) and ``finish`` (wait, check, release, hand out).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import collections
 import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -24,62 +26,95 @@ from kv_connector.common.device import on_device
 from kv_connector.reader.lease import Sample
 from kv_connector.reader.pull_links import FetchError
 
-Pending = TypeVar("Pending")  # the client's fetch under way, between its two halves
+Asked = TypeVar("Asked")  # a sample whose shares the ranks gave, nothing READ yet
+Pending = TypeVar("Pending")  # its READs posted
 Handle = str | Mapping[str, Any]
 
 
+@dataclass(frozen=True)
+class Stages(Generic[Asked, Pending]):
+    """The client's halves of one fetch, in the order ``fetch_iter`` runs them."""
+
+    ask: Callable[[Handle], Asked]
+    post: Callable[[Asked], Pending]
+    finish: Callable[[Pending], Sample]
+
+
 class Checker:
-    """The client's checker thread (one; checks run one at a time beside the READs),
-    made on first use on the client's device."""
+    """The client's two helper threads, each one (its checks run one at a time beside the
+    READs; its asks likewise, in the order of the handles), made on first use on the
+    client's device."""
 
     def __init__(self, name: str, device: torch.device) -> None:
         self._name = name
         self._device = device
         self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The checker thread's."""
+        return self._pool("check")
+
+    def asker(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The asker thread's."""
+        return self._pool("ask")
+
+    def _pool(self, what: str) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    1, f"{self._name}-check", initializer=on_device, initargs=(self._device,)
+            pool = self._pools.get(what)
+            if pool is None:
+                pool = self._pools[what] = concurrent.futures.ThreadPoolExecutor(
+                    1, f"{self._name}-{what}", initializer=on_device, initargs=(self._device,)
                 )
-            return self._pool
+            return pool
 
     def close(self) -> None:
-        """End the thread once the checks submitted are done (a later use makes another)."""
+        """End the threads once the work submitted is done (a later use makes others)."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
             pool.shutdown(wait=True)
 
 
 def fetch_iter(
-    start: Callable[[Handle], Pending],
-    finish: Callable[[Pending], Sample],
+    stages: Stages[Asked, Pending],
     checker: Checker,
     handles: Iterable[Handle],
     in_flight: int | None,
 ) -> Iterator[Sample | FetchError]:
     """The samples of ``handles`` in their order, each a ``Sample`` or the ``FetchError``
-    of that one, with up to ``in_flight`` of them started ahead (None: all); each is
-    finished on ``checker``'s thread. Left early, the samples started ahead are finished
-    and released (their pages go back)."""
+    of that one, with up to ``in_flight`` of them READ ahead (None: all) and the next one
+    asked for on ``checker``'s asker thread meanwhile; each is finished on its checker
+    thread. Left early, the samples READ ahead are finished and released (their pages go
+    back); the one asked for ahead stays held at its producer, as if never asked for (an
+    answered ask does not change a hold)."""
     if in_flight is not None and in_flight < 1:
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
-    executor = checker.executor()
+    executor, asker = checker.executor(), checker.asker()
     pending: collections.deque[concurrent.futures.Future[Sample] | FetchError] = collections.deque()
+    asks: collections.deque[concurrent.futures.Future[Asked]] = collections.deque()
+    todo = iter(handles)
+
+    def ask_next() -> None:
+        for h in todo:
+            asks.append(asker.submit(stages.ask, h))
+            return
+
     try:
-        for h in handles:
+        ask_next()
+        while asks:
+            asked = asks.popleft()
+            ask_next()  # its round trip runs while this one's READs are posted
             try:
-                pending.append(executor.submit(finish, start(h)))
+                pending.append(executor.submit(stages.finish, stages.post(asked.result())))
             except FetchError as e:
                 pending.append(e)
             if in_flight is not None and len(pending) >= in_flight:
                 yield _outcome(pending.popleft())
         while pending:
             yield _outcome(pending.popleft())
-    finally:  # left early: the samples read ahead give their pages back
+    finally:  # left early: the ask under way ends first; the samples READ ahead give their pages back
+        concurrent.futures.wait(asks)
         for p in pending:
             got = _outcome(p)
             if isinstance(got, Sample):

@@ -186,7 +186,8 @@ def test_fetch_iter_streams_with_a_pool_of_exactly_its_reads_ahead_and_gives_pag
 ) -> None:
     """``fetch_iter`` keeps ``in_flight`` samples asked for and READ ahead in a pool that
     holds just that many (each one the loop drops returns its pages before the next READ),
-    in the order of the handles; a loop left early gives the samples read ahead back."""
+    in the order of the handles; a loop left early gives the samples read ahead back and
+    leaves the one asked for ahead held."""
     from kv_connector.reader.pull_links import PAGE_BYTES
 
     samples = samples_spec(8, LTH)
@@ -218,6 +219,24 @@ def test_fetch_iter_streams_with_a_pool_of_exactly_its_reads_ahead_and_gives_pag
         producers.append(more)
         pair = client.fetch_many(list(more.handles.values()))
         assert all(not isinstance(x, FetchError) for x in pair), pair
+        for x in pair:
+            assert not isinstance(x, FetchError)
+            x.release()
+        # left early with the next sample asked for ahead on the client's asker thread (its
+        # round trip overlaps the READ being posted) and never READ: it stays held at its
+        # producer, as if never asked for, and is fetched whole later
+        specs = samples_spec(3, LTH, seed=11)
+        later = Producer(spec_of(LTH, specs, producer_id="later"))
+        producers.append(later)
+        hs = [later.handles[s["request_id"]] for s in specs]
+        stream = client.fetch_iter(hs, in_flight=1)
+        first = next(stream)
+        assert not isinstance(first, FetchError)
+        first.release()
+        stream.close()
+        for s, x in zip(specs[1:], client.fetch_many(hs[1:]), strict=True):
+            assert not isinstance(x, FetchError), x
+            assert torch.equal(x.hidden_states, expected_states(cache, LTH, s["block_ids"], s["num_tokens"]))
 
 
 @pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
