@@ -17,10 +17,18 @@ import torch
 from kv_connector.reader.pull_links import FetchError, ProducerLinks
 from kv_connector.wire.handle import PullHandle
 from kv_connector.wire.protocol import PullError, PullRelease, PullShare
-from kv_connector.wire.transport import Region, Transport, TransportError
+from kv_connector.wire.transport import Region, Transfer, Transport, TransportError
 
 FENCE_WORDS = 256  # fence READs in flight at once (the client's checking threads')
 POLL_S = 0.00002
+# The fence READs are polled this long under the lock they were posted under before it is
+# let go: the lock guards the agent, and a fetch's data READ holds it while it copies (some
+# 10 ms for 64 MiB by UCX's shared memory), so each poll taken apart waited that long. An
+# 8-byte READ ends in a few hundred microseconds (the producer's progress serves it).
+HOLD_POLL_S = 0.002
+
+
+Posted = tuple[Transfer, PullShare]  # a fence READ in flight and its share
 
 
 class FenceStale(Exception):
@@ -50,7 +58,7 @@ class FenceReader:
         try:
             failed: list[int] = []
             waiting = []
-            with self._lock:
+            with self._lock:  # one hold for the posts and their first polls (see HOLD_POLL_S)
                 for slot, (peer, s) in zip(slots, reads, strict=True):
                     f = s.fence
                     assert f is not None
@@ -60,20 +68,17 @@ class FenceReader:
                         waiting.append((self._transport.read(peer, self._region, remote, span), s))
                     except TransportError:
                         failed.append(s.rank)
+                until = time.monotonic() + HOLD_POLL_S
+                while waiting:
+                    waiting = self._poll(waiting, failed)
+                    if not waiting or time.monotonic() >= until:
+                        break
             while waiting:  # every posted READ ends before its word is reused
+                time.sleep(POLL_S)
                 with self._lock:
-                    left = []
-                    for x, s in waiting:
-                        try:
-                            if not self._transport.poll(x):
-                                left.append((x, s))
-                        except TransportError:
-                            failed.append(s.rank)
-                waiting = left
-                if waiting:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError("a fence READ did not complete")
-                    time.sleep(POLL_S)
+                    waiting = self._poll(waiting, failed)
+                if waiting and time.monotonic() >= deadline:
+                    raise TimeoutError("a fence READ did not complete")
             if failed:
                 raise FenceStale(failed, "its fence READ failed")
             stale = [
@@ -85,6 +90,17 @@ class FenceReader:
                 raise FenceStale(stale, "its hold ended before the READ completed")
         finally:
             self._give(slots)
+
+    def _poll(self, waiting: list[Posted], failed: list[int]) -> list[Posted]:
+        """Poll each READ once (call with the lock held): those still in flight."""
+        left = []
+        for x, s in waiting:
+            try:
+                if not self._transport.poll(x):
+                    left.append((x, s))
+            except TransportError:
+                failed.append(s.rank)
+        return left
 
     def _take(self, n: int, deadline: float) -> list[int]:
         with self._slots:
