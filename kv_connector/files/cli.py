@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             secret=secret,
             insecure=args.insecure,
             metrics_address=args.metrics,
+            check_values=False,  # the files' own check below reads every value (--check-values)
         )
     except MetricsAddressError as e:
         journal.close()

@@ -68,10 +68,11 @@ def collect(reader: HiddenStatesReader, n: int, timeout: float = 60) -> dict[str
 
 
 def make_cache(
-    layout: BlockLayout, num_blocks: int, seed: int, finite: bool = False, pad_bytes: int = 0
+    layout: BlockLayout, num_blocks: int, seed: int, finite: bool = True, pad_bytes: int = 0
 ) -> torch.Tensor:
-    """[num_blocks, *block_shape] of random bits (every byte pattern, NaNs included), or
-    with ``finite`` random normal values (what the reader CLI's value check accepts).
+    """[num_blocks, *block_shape] of random normal values (``finite``: what a reader's
+    values screen, on by default, accepts), or of random bits (every byte pattern, NaNs
+    included: for a reader with ``check_values=False``).
     ``pad_bytes``: blocks lie ``block_bytes + pad_bytes`` apart, as in a KV cache group
     whose page vLLM padded, the padding random bits too (never to be shipped)."""
     g = torch.Generator().manual_seed(seed)

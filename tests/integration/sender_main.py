@@ -28,7 +28,7 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     layout = BlockLayout(**spec["layout"])
     cache = make_cache(
-        layout, spec["num_cache_blocks"], spec["seed"], spec.get("finite", False), spec.get("pad_bytes", 0)
+        layout, spec["num_cache_blocks"], spec["seed"], spec.get("finite", True), spec.get("pad_bytes", 0)
     )
     for s in spec["samples"]:  # fault injection: states that are not
         poison = s.get("poison")
@@ -37,6 +37,11 @@ def main() -> int:
             first.view(-1)[0] = float("nan")
         elif poison == "zero":  # token 0 in every layer
             (first[:, 0] if layout.layout == "LTH" else first[0]).zero_()
+        elif poison == "layer":  # captured layer 1 at every token of the sample
+            for b in s["block_ids"]:
+                (cache[b][1] if layout.layout == "LTH" else cache[b][:, 1]).zero_()
+        elif poison == "nan-far":  # one value of token 0, layer 0 that a sampled screen does not read
+            first.view(-1)[100] = float("nan")
     cfg = SenderConfig(
         consumer_address=spec["address"],
         producer_id=spec.get("producer_id", "producer"),

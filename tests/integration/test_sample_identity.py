@@ -1,7 +1,8 @@
-"""Sample identity and the values check through real NIXL, in the library: a sample's id
+"""Sample identity and the values screen through real NIXL, in the library: a sample's id
 and metadata ride in its manifest (covered by the checksum) and come out on ``Sample``;
-``check_values=True`` refuses NaN/Inf and all-zero samples to their producer by name and
-hands out the rest."""
+the values screen (on by default, sampled on a host pool; ``full_values_check`` reads every
+value) refuses NaN/Inf, all-zero tokens and all-zero layers to their producer by name and
+hands out the rest; ``check_values=False`` hands out what came."""
 
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ from tests.integration.common import (
 pytestmark = pytest.mark.integration
 
 LAYOUT = BlockLayout("TLH", 16, 3, 32, "bfloat16")
+WIDE = BlockLayout("TLH", 16, 3, 256, "bfloat16")  # rows long enough for the screen to sample
 CACHE_BLOCKS = 32
 
 
-def run(reader: HiddenStatesReader, samples: list[dict[str, Any]], n: int) -> tuple[dict[str, Sample], Any]:
+def run(
+    reader: HiddenStatesReader, samples: list[dict[str, Any]], n: int, layout: BlockLayout = LAYOUT
+) -> tuple[dict[str, Sample], Any]:
     proc = start_sender(
-        dict(address=reader.address, layout=layout_dict(LAYOUT), num_cache_blocks=CACHE_BLOCKS, seed=5,
+        dict(address=reader.address, layout=layout_dict(layout), num_cache_blocks=CACHE_BLOCKS, seed=5,
              finite=True, samples=samples)
     )  # fmt: skip
     got: dict[str, Sample] = {}
@@ -73,7 +77,7 @@ def test_check_values_refuses_bad_states_to_their_producer_by_name() -> None:
         {"request_id": "zero-3", "num_tokens": 20, "block_ids": [5, 6], "poison": "zero"},
         {"request_id": "good-4", "num_tokens": 3, "block_ids": [7]},
     ]
-    with HiddenStatesReader(pool_bytes=1 << 20, check_values=True) as reader:
+    with HiddenStatesReader(pool_bytes=1 << 20) as reader:  # the default screens
         got, res = run(reader, samples, 2)
         stats = reader.stats()
     assert sorted(got) == ["good-1", "good-4"]
@@ -86,9 +90,37 @@ def test_check_values_refuses_bad_states_to_their_producer_by_name() -> None:
     assert stats.refused == 2 and stats.values_check_s > 0
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["default", "full"])
+def test_by_default_a_layer_zero_over_a_whole_sample_is_refused_and_full_reads_every_value(
+    full: bool,
+) -> None:
+    """No option given, the screen samples each row: a captured layer that is zero at
+    every token of a sample (a layer the extraction never wrote) is refused by name; a lone
+    NaN in an element it does not read is handed out (documented), and caught when
+    ``full_values_check`` reads every value."""
+    samples = [
+        {"request_id": "good-1", "num_tokens": 20, "block_ids": [1, 2]},
+        {"request_id": "layer-2", "num_tokens": 20, "block_ids": [3, 4], "poison": "layer"},
+        {"request_id": "far-3", "num_tokens": 20, "block_ids": [5, 6], "poison": "nan-far"},
+        {"request_id": "good-4", "num_tokens": 3, "block_ids": [7]},
+    ]
+    options = {"full_values_check": True} if full else {}
+    with HiddenStatesReader(pool_bytes=4 << 20, **options) as reader:
+        got, res = run(reader, samples, 2 if full else 3, WIDE)
+        stats = reader.stats()
+    assert "captured layer ids 1 all zero at every one of the 20 tokens" in res["failed"]["layer-2"]
+    if full:
+        assert sorted(got) == ["good-1", "good-4"]
+        assert "NaN/Inf at 1 of 20 tokens: token 0 (layer ids 0)" in res["failed"]["far-3"]
+    else:
+        assert sorted(got) == ["far-3", "good-1", "good-4"]
+        assert bool(got["far-3"].hidden_states.float().isnan().any())
+    assert stats.refused == (2 if full else 1)
+
+
 def test_without_check_values_the_library_hands_bad_states_out() -> None:
-    """The check is the user's choice: off, a NaN sample is handed out as it came."""
+    """The screen is the user's choice: off, a NaN sample is handed out as it came."""
     samples = [{"request_id": "nan-1", "num_tokens": 5, "block_ids": [3], "poison": "nan"}]
-    with HiddenStatesReader(pool_bytes=1 << 20) as reader:
+    with HiddenStatesReader(pool_bytes=1 << 20, check_values=False) as reader:
         got, res = run(reader, samples, 1)
     assert res["rc"] == 0 and bool(got["nan-1"].hidden_states.float().isnan().any())
