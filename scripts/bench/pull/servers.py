@@ -82,6 +82,13 @@ def servers(work: Path, *names: str) -> Iterator[tuple[Server, ...]]:
             started.append(Server(name, model, configs[name], work))
         wait_all_healthy(started, SERVER_START_S, log)
         yield tuple(started)
+    except BaseException:
+        # a server that died mid-run (a refused connection, a 500): its log goes with the
+        # run's temporary directory, so say what it said first
+        for s in started:
+            state = "running" if s.proc is not None and s.proc.poll() is None else "exited"
+            log(f"server {s.name} ({state}), the end of its log:\n{s.tail(4000)}")
+        raise
     finally:
         for s in started:
             s.stop()
