@@ -174,8 +174,8 @@ def _run_pairings(work: Path, rows: int, pairs: int, warmup: int) -> _Pairings:
     with servers(work, "pull") as (pull_server,):
         log(f"DataLoader rounds of {rows} rows of {ROW_TOKENS} tokens, {WORKERS} workers per loader")
 
-        def pull_loader(mode: str, pool_mib: int | None = None) -> Loader:
-            data = work / f"data-{mode}"
+        def pull_loader(mode: str, pool_mib: int | None = None, tag: str = "") -> Loader:
+            data = work / f"data-{mode}{tag}"
             return Loader(
                 "kv-hidden-states", data, pull_server, None, rows, fetch_agent=mode, pool_mib=pool_mib
             )
@@ -185,18 +185,21 @@ def _run_pairings(work: Path, rows: int, pairs: int, warmup: int) -> _Pairings:
             log(f"rank agent over per-worker clients: {[round(x, 3) for x in out.a.ratio().values]}")
             out.counts = {"rank": rank.consumers(), "worker": worker.consumers()}
             log(f"what fetches for one rank: {out.counts}")
-            worker.stop()  # two loaders of 12 workers and two servers do not fit 23 GiB: one at a time
-            with servers(work, "file") as (file_server,):
-                out.rank = rank
-                out.file = Loader("file", work / "data-file", file_server, work / "hs-cache", rows)
-                with loaders(out.file):
-                    out.p = paired.run_pairs(rank.round, out.file.round, pairs=pairs, warmup=warmup)
-                    log(f"profile: pull {rank.profile[-1]}, file {out.file.profile[-1]}")
-                    rank.stop()  # the ceiling: the pull backend with nothing read, over the file backend
-                    null_loader = Loader(NULL_ARM, work / "data-null", pull_server, None, rows)
-                    with loaders(null_loader) as (null,):
-                        out.c = paired.run_pairs(null.round, out.file.round, pairs=pairs, warmup=warmup)
-                        log(f"manifest-only over file: {[round(x, 3) for x in out.c.ratio().values]}")
+        # Two loaders of 12 workers and two servers barely fit 23 GiB, and a DataLoader
+        # worker grows by ~200 MiB over a pairing's rounds (two of three make bench runs
+        # lost the file server to the kernel's OOM killer): the pull loader that faces the
+        # file backend starts afresh, beside it, so that both arms' workers are as old.
+        with servers(work, "file") as (file_server,):
+            out.rank = pull_loader("rank", tag="-p")
+            out.file = Loader("file", work / "data-file", file_server, work / "hs-cache", rows)
+            with loaders(out.rank, out.file) as (rank, _):
+                out.p = paired.run_pairs(rank.round, out.file.round, pairs=pairs, warmup=warmup)
+                log(f"profile: pull {rank.profile[-1]}, file {out.file.profile[-1]}")
+                rank.stop()  # the ceiling: the pull backend with nothing read, over the file backend
+                null_loader = Loader(NULL_ARM, work / "data-null", pull_server, None, rows)
+                with loaders(null_loader) as (null,):
+                    out.c = paired.run_pairs(null.round, out.file.round, pairs=pairs, warmup=warmup)
+                    log(f"manifest-only over file: {[round(x, 3) for x in out.c.ratio().values]}")
     return out
 
 
@@ -239,9 +242,8 @@ def bench_loader(pairs: int = LOADER_PAIRS, warmup: int = WARMUP, rows: int = RO
         "pull_GB_per_s": spread([x.gb_per_s for x in r.p.a]),
         "file_GB_per_s": spread([x.gb_per_s for x in r.p.b]),
         "rows_per_round": rows,
-        # the pull loader's rounds over the file backend follow its pairing with the worker clients
         "profile_s_per_row": {
-            "pull": _per_row(r.rank, 2 * warmup + pairs, pairs, rows),
+            "pull": _per_row(r.rank, warmup, pairs, rows),
             "file": _per_row(r.file, warmup, pairs, rows),
         },
         "file_output_dir": f"{work}/example-out (local disk, {tempfile.gettempdir()})",
