@@ -8,7 +8,7 @@ options' ``delivery``; no other branch on the mode is left in them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,6 +40,8 @@ class RankCache:
     rank: int
     world_size: int
     checksum: ShareChecksum | None  # how each share's integrity record is taken
+    # rings the scheduler side's doorbell (``idle_steps``): a sample's outcome is news for the next step
+    news: Callable[[], None] = lambda: None
 
 
 @dataclass

@@ -46,6 +46,7 @@ class PullWorker:
             pull_endpoint(options.pull_listen, rc.rank),
             options.pull_timeout_s,
             checksum=rc.checksum,
+            on_release=rc.news,
         )
         self._reported = False  # its endpoint was reported to the scheduler
 

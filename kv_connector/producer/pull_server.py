@@ -66,7 +66,8 @@ class PullServer:
     (``wire.block_digest``: nothing staged, 8 bytes per block reach the host); None: none.
     ``fences``: every hold gets a fence word (``producer.hold_fences``) in a table
     registered beside the cache, which a consumer READs after its data; False only to
-    show what fences catch.
+    show what fences catch. ``on_release``: called on a connection's thread when a
+    consumer released a sample (its blocks go back to vLLM in the next step).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class PullServer:
         transport: Transport | None = None,
         clock: Callable[[], float] = time.monotonic,
         fences: bool = True,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         secret = secret if secret is not None else auth.load_secret()
         host, port = listen
@@ -103,6 +105,7 @@ class PullServer:
         self.rank, self.world_size = rank, world_size
         self._secret = secret
         self._clock = clock
+        self._on_release = on_release or (lambda: None)  # a consumer released a sample
         self._checksum = checksum
         # its blocks, read only through here; a padded page's padding is never read
         self.blocks = CacheBlocks(cache, layout)
@@ -391,6 +394,7 @@ class PullServer:
                     self._ledger.release(msg.request_id, msg.nonce, self._clock())
             except PullRefused as e:
                 return protocol.PullError(request_id=msg.request_id, code=e.code, message=e.message)
+            self._on_release()  # its blocks go back to vLLM in the next step
             return protocol.PullReleased(request_id=msg.request_id)
         if not isinstance(msg, protocol.PullFetch):
             raise ProtocolError(f"expected a pull request, got {type(msg).__name__}")

@@ -45,6 +45,7 @@ class PushWorker:
                     connect_timeout_s=options.connect_timeout_s,
                     checksum=rc.checksum,
                     sample_timeout_s=options.sample_timeout_s,
+                    on_outcome=rc.news,
                 ),
                 rc.cache,
                 rc.layout,

@@ -7,12 +7,11 @@ in the words of its delivery mode (``push_mode.PushScheduling`` or
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
-from kv_connector.producer.idle_steps import IdleSteps
+from kv_connector.producer.idle_steps import IdleSteps, doorbell
 from kv_connector.producer.mode import Finished, SchedulerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
@@ -90,7 +89,8 @@ class SchedulerSide:
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
         self._readers_up = 0  # readers every rank reaches, recounted when a link changes
         self.world_size = world_size
-        self.idle = IdleSteps()  # naps before steps that only wait for held samples
+        # naps before steps that only wait for held samples, ended by the worker side's news
+        self.idle = IdleSteps(bell=doorbell(producer_id))
         self.mode: SchedulerMode = SCHEDULER_MODES[options.delivery](
             options, self.requests, producer_id, world_size
         )
@@ -137,9 +137,8 @@ class SchedulerSide:
             self._readers_up = sum(self.book.is_up(r) for r in self.options.readers)
 
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
-        nap = self.idle.nap(out.total_num_scheduled_tokens)
-        if nap:
-            time.sleep(nap)  # an empty step: vLLM steps on while finished requests hold blocks
+        # an empty step (vLLM steps on while finished requests hold blocks) naps, or not
+        self.idle.rest(out.total_num_scheduled_tokens)
         g = self.group
         new = [
             NewRequest(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kv_connector.producer.fingerprints import Fingerprints
+from kv_connector.producer.idle_steps import doorbell
 from kv_connector.producer.mode import RankCache, WorkerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan
@@ -126,7 +127,10 @@ class WorkerSide:
                 view.block_pitch * cache.element_size(),
                 100 * (1 - block_layout.block_bytes / (view.block_pitch * cache.element_size())),
             )
-        rc = RankCache(cache, block_layout, self.layer_ids, self.producer_id, rank, world, share_checksum)
+        news = doorbell(self.producer_id).set  # ends the scheduler side's nap (same process only)
+        rc = RankCache(
+            cache, block_layout, self.layer_ids, self.producer_id, rank, world, share_checksum, news
+        )
         self.mode = WORKER_MODES[self.options.delivery](self.options, rc)
         log.info(
             "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "

@@ -58,10 +58,12 @@ class SenderLoop:
         sample_timeout_s: float = 300.0,
         device: torch.device | None = None,
         open_gates: Callable[[], bool] | None = None,
+        on_outcome: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
         self._device = device
         self._open_gates = open_gates  # releases held jobs; True while some wait for their step
+        self._on_outcome = on_outcome or (lambda: None)  # a sample was acked or refused
         self.me = me
         self.rank = me.rank
         self.connect_timeout_s = connect_timeout_s
@@ -359,6 +361,7 @@ class SenderLoop:
                     known = self._ledger.on_ack(msg.request_id, now)
                 if not known:
                     log.warning("ack for %s, which is not in flight; ignored", msg.request_id)
+                self._on_outcome()
             case protocol.Refuse():
                 with self._lock:
                     refused = self._ledger.on_refuse(msg)
@@ -368,6 +371,7 @@ class SenderLoop:
                 else:
                     log_failed(refused)
                     self.tell_reader(refused)  # its WRITE in flight settles, then its fence (S9)
+                self._on_outcome()
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
 

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +56,8 @@ class SenderConfig:
     cache, whose rows must be whole 8-byte words); None sends none.
     sample_timeout_s: a sample granted pages and not acknowledged this long after fails
     (and the reader is told), whatever the connection does.
+    on_outcome: called on the sender's thread when the reader acknowledged or refused a
+    sample (``take_finished`` / ``take_failed`` have news); it must not block.
     """
 
     consumer_address: str
@@ -65,6 +67,7 @@ class SenderConfig:
     connect_timeout_s: float = 60.0
     checksum: ShareChecksum | None = ShareChecksum.XXH3
     sample_timeout_s: float = 300.0
+    on_outcome: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -147,6 +150,7 @@ class HiddenStatesSender:
             config.sample_timeout_s,
             cache.device,
             self._open_gates,
+            config.on_outcome,
         )
         self._loop.start()
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from kv_connector.producer.idle_steps import IdleSteps
 from kv_connector.reader import HiddenStatesReader
 from kv_connector.reader.ledger import MAX_PENDING_PER_RANK
 from kv_connector.reader.server import MAX_UNPROVEN_PER_HOST
@@ -349,5 +350,35 @@ def test_a_preempted_request_waiting_for_pages_fails_in_bounded_time_and_never_a
             ok = uid("after")
             sender.ship(ok, token_ids(ok, 20), [10, 11])
             assert reader.get(timeout=30, copy=True).request_id == ok
+        finally:
+            sender.close()
+
+
+# ------------------------------------------------- an idle engine learns of outcomes at once
+def test_each_outcome_rings_the_engine_so_its_nap_ends_and_the_blocks_go_back() -> None:
+    """A producer whose cache is full of samples waiting for their reader takes empty
+    steps with naps of up to 25 ms in between. Before: an ack that came during a nap waited
+    for its end before vLLM freed the sample's blocks (the data-path bench's writer sat
+    idle for want of granted samples). Now the sender rings the scheduler side's doorbell
+    on every ack and refusal, and the nap ends there (a 60 s nap here)."""
+    idle = IdleSteps(first_s=60.0, longest_s=60.0)
+    with HiddenStatesReader(pool_bytes=NUM_PAGES * PAGE, page_bytes=PAGE, ack="manual") as reader:
+        sender = sender_to(reader.address, on_outcome=idle.bell.set)
+        try:
+            kept, refused = uid("kept"), uid("refused")
+            for rid, blocks in ((kept, [1, 2]), (refused, [3, 4])):
+                sender.ship(rid, token_ids(rid, 20), blocks)
+                sample = reader.get(timeout=30)
+                assert not idle.bell.is_set()  # handed out, not acknowledged yet
+                if rid == kept:
+                    reader.ack(sample)
+                else:
+                    reader.reject(sample, "the trainer cannot use it")
+                sample.release()
+                t0 = time.monotonic()
+                assert idle.rest(0) is True  # the ack, then the refusal, ended a 60 s nap
+                assert time.monotonic() - t0 < 30
+            finished, failed = wait_outcome(sender, {kept, refused})
+            assert finished == {kept} and "the trainer cannot use it" in failed[refused]
         finally:
             sender.close()

@@ -49,7 +49,7 @@ class StandIn:
 def server(cache: torch.Tensor, layout: BlockLayout, checksum: ShareChecksum | None, **kw: Any) -> PullServer:
     return PullServer(
         cache, layout, [1, 2, 3], "p", kw.pop("rank", 0), kw.pop("world", 1), ("127.0.0.1", 0), 60.0,
-        checksum=checksum, secret=b"", transport=cast(Transport, StandIn()),
+        checksum=checksum, secret=b"", transport=cast(Transport, StandIn()), **kw,
     )  # fmt: skip
 
 
@@ -194,5 +194,23 @@ def test_a_fetch_that_comes_before_its_hold_waits_for_it(monkeypatch: pytest.Mon
             got = s.answer(protocol.PullFetch(request_id=rid, nonce=n))
             assert isinstance(got, protocol.PullError) and got.code == "unknown"
             assert time.monotonic() - t0 >= 0.45  # the same wait for both (P2)
+    finally:
+        s.close()
+
+
+def test_a_release_rings_the_engine_and_a_fetch_does_not() -> None:
+    """A consumer's release is news for the scheduler side (its blocks go back to vLLM in
+    the next step): ``on_release`` rings the doorbell that ends an idle engine's nap."""
+    rings: list[str] = []
+    s = server(cache_of(TLH), TLH, ShareChecksum.XXH3, on_release=lambda: rings.append("rang"))
+    try:
+        nonce = make_nonce()
+        s.hold("req-1", nonce, list(range(TLH.block_size)), [3])
+        assert isinstance(s.answer(protocol.PullFetch(request_id="req-1", nonce=nonce)), protocol.PullShare)
+        assert rings == []
+        got = s.answer(protocol.PullRelease(request_id="req-1", nonce=nonce))
+        assert isinstance(got, protocol.PullReleased) and rings == ["rang"]
+        refused = s.answer(protocol.PullRelease(request_id="req-1", nonce=nonce))  # released already
+        assert isinstance(refused, protocol.PullError) and rings == ["rang"]
     finally:
         s.close()
