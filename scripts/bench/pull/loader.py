@@ -56,6 +56,11 @@ class Loader:
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(SPECULATORS_SITE)]),
             "KV_TEST_OPENAI_UDS": str(server.socket_path),
+            # glibc raises its mmap threshold after the first 16 MiB row is freed, and the
+            # rows after come from arenas it keeps: each of the 24 spawned workers of a
+            # pairing grew ~680 -> ~880 MiB, and the kernel's OOM killer ended two runs.
+            # A fixed threshold returns every row's memory when it is freed (both arms).
+            "MALLOC_MMAP_THRESHOLD_": str(4 << 20),
         }
         args = [str(data), backend, str(hs_dir or ""), str(rows), str(workers), fetch_agent]
         args.append(str(pool_mib or 0))
