@@ -8,7 +8,7 @@ and workers have into empty steps: on a small host that starves the consumer its
 samples). ``IdleSteps`` answers how long the scheduler side naps before such a step: 1 ms
 after the first, doubling to 25 ms; nothing once a step schedules tokens.
 
-A nap ends early when the engine's ``Doorbell`` rings: the worker side rings it when a
+A nap ends early when the engine's ``doorbell`` rings: the worker side rings it when a
 step would have news for the scheduler (a reader acknowledged or refused a sample, a
 consumer released one: its blocks go back to vLLM in the next step). Without it, a
 producer whose cache is full of samples waiting for their readers napped up to 25 ms
