@@ -35,7 +35,9 @@ object; the first and the last name the machine and its load.
              captured layer on a real-looking sample.
 
   ceilings   what this machine allows any design, measured in the same run: for a_over_c,
-             vLLM's own cost of extraction (``a0_over_c``, paired); for d and
+             vLLM's own cost of extraction (``a0_over_c``, paired); for d, raw WRITEs
+             from a cache of e's size whose blocks are reused only once the target
+             acknowledged their sample (``acked_raw_over_raw``); for d_xxh3 and
              the checksum ratio, raw WRITEs with XXH3 at both ends (no protocol) over
              plain raw WRITEs (``xxh3_ceiling``; their CPU seconds per GB over the plain
              ones', ``xxh3_cpu_floor``, is the floor of cpu_over_raw); for pull_read_over_raw, raw READs with
@@ -79,6 +81,7 @@ def flatten(figures: dict[str, Any], digits: int = 3) -> dict[str, Any]:
 
 # figure -> the ceiling that bounds it on this machine (``ceilings`` in the summary)
 CEILINGS: dict[str, str] = {
+    "d": "acked_raw_over_raw",
     "d_xxh3": "xxh3_ceiling",
     "cpu_over_raw_xxh3": "xxh3_cpu_floor",
     "pull_read_over_raw": "checked_raw_over_raw",
@@ -202,6 +205,7 @@ def _ceilings(model: dict[str, Any], datapath: dict[str, Any], pull: dict[str, A
                 "a0_over_c": model["a0_over_c"],
                 "xxh3_ceiling": datapath["xxh3_ceiling"],
                 "xxh3_cpu_floor": datapath["xxh3_cpu_floor"],
+                "acked_raw_over_raw": datapath["acked_raw_over_raw"],
             }
         ),
         "checked_raw_over_raw": pull["read"]["checked_raw_over_raw"],

@@ -54,10 +54,12 @@ def test_the_raw_and_example_arms_move_what_they_claim(tmp_path: Path) -> None:
     from scripts.support.vllm_harness import config_only_model
 
     nb = -(-TOKENS // bd.BLOCK)
-    for checks in (False, True):  # r, and rc (XXH3 at both ends: the ceiling arm)
-        raw = bd.one_round("RawArm", N_REQ, TOKENS, 2 * nb + 1, 2, checks)
+    # r; rc (XXH3 at both ends: ex's ceiling); ra (blocks reused only after the target's ack: d's ceiling)
+    for checks, acked in ((False, False), (True, False), (False, True)):
+        raw = bd.one_round("RawArm", N_REQ, TOKENS, 2 * nb + 1, 2, checks, acked)
         assert raw["bytes"] == N_REQ * nb * bd.BLOCK * bd.TOKEN_BYTES  # whole blocks, as the arm WRITEs them
         assert raw["cpu_s"] > 0 and raw["seconds"] > 0
+        assert raw["acks"] == (N_REQ if acked else 0)  # every sample acknowledged before its round ends
     model = config_only_model(tmp_path / "wide-llama", bd.HIDDEN, num_layers=4)
     example = bd.one_round("ExampleArm", model, N_REQ, TOKENS, 2 * nb + 1)
     assert example["bytes"] == N_REQ * TOKENS * bd.TOKEN_BYTES

@@ -25,6 +25,12 @@ def test_a_missed_target_names_its_ceiling_and_a_met_one_is_not_listed() -> None
     ]
 
 
+def test_d_names_the_ceiling_of_a_design_that_keeps_a_sample_until_its_reader_has_it() -> None:
+    assert missed({"d": 0.9, "ceilings": {"acked_raw_over_raw": 0.93}}) == [
+        "d 0.9 (target >= 0.95; this machine's ceiling 0.93)"
+    ]
+
+
 def test_a_target_missed_without_a_measured_bound_names_none() -> None:
     assert missed({"cpu_over_raw": 1.4, "ceilings": {}}) == ["cpu_over_raw 1.4 (target <= 1.15)"]
 

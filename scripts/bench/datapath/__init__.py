@@ -18,11 +18,16 @@ machine is far steadier than bytes per second.
   rc: r with XXH3 at both ends (each sample hashed from the cache as its WRITE is posted,
      and from the pool as it lands, each on a thread of its own): the ceiling of d and
      of the checksum ratio on this machine for any design that checks every byte.
+  ra: r from a cache of as many samples as e's (4) whose blocks are written again only once
+     the target acknowledged the sample (an ack on a pipe, sent as its notification is
+     seen): the ceiling of d on this machine for any design that keeps a sample's blocks
+     until its reader has it, as ours does so that a reader's restart loses nothing.
 
 Figures: d = e's bytes/s over r's; cpu_over_raw = e's CPU seconds per GB over r's;
 d_xxh3 and cpu_over_raw_xxh3 the same of ex (beside their ceilings below);
-xxh3_ceiling = rc over r, xxh3_cpu_floor = rc's CPU seconds per GB over r's (the least
-cpu_over_raw can be for a design that checks every byte);
+acked_raw_over_raw = ra over r (d's ceiling); xxh3_ceiling = rc over r, xxh3_cpu_floor =
+rc's CPU seconds per GB over r's (the least cpu_over_raw can be for a design that checks
+every byte);
 checksum_throughput_ratio = e over e without an integrity record; metrics_throughput_ratio = e
 (the connector's stats taken every step on both roles as vLLM does, the reader's endpoint
 scraped every second) over e with metrics off; e_over_b. Also what the reader's optional

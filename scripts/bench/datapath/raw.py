@@ -1,6 +1,8 @@
 """r: a raw NIXL WRITE of the same blocks from the same kind of registered cache into
 another process's registered memory (``raw_target_proc``; no protocol, no hand-out); rc: the
-same with XXH3 at both ends, the ceiling of e over r on this machine."""
+same with XXH3 at both ends, the ceiling of ex over r on this machine; ra: r whose cache
+reuses a sample's blocks only once the target said the sample landed (an ack on a pipe),
+the ceiling of e over r for any design that keeps a sample until its reader has it."""
 
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ from scripts.bench.datapath.shape import BLOCK, HIDDEN, LAYERS, TOKEN_BYTES
 from scripts.bench.paired import cpu_seconds
 
 
-def raw_target_proc(conn: Any, pool_bytes: int, checks: bool = False) -> None:
+def raw_target_proc(conn: Any, pool_bytes: int, checks: bool = False, acks: Any = None) -> None:
     """Registers a pool, then on ("expect", n, sample_bytes) polls until n WRITEs notified
     and answers (end time, CPU seconds spent). With ``checks``, each landed sample (the
     slot its notification names) is hashed (XXH3) on a thread of its own, as the reader's
-    checker does, and the answer waits for the last hash."""
+    checker does, and the answer waits for the last hash. With ``acks`` (a pipe's end),
+    each notification is answered on it at once: the sample landed."""
     import queue
     import threading
 
@@ -51,6 +54,8 @@ def raw_target_proc(conn: Any, pool_bytes: int, checks: bool = False) -> None:
         while got < cmd[1]:
             for _peer, msg in t.notifications():
                 got += 1
+                if acks is not None:
+                    acks.send_bytes(msg)
                 if checks:
                     landed.put((int(msg) * cmd[2], cmd[2]))
         for _ in range(cmd[1] if checks else 0):
@@ -66,10 +71,20 @@ class RawArm:
     ends also hash every sample with XXH3 on a thread of their own, the initiator from its
     cache as each WRITE is posted and the target from its pool as each lands: the least
     any design with a full checksum at both ends pays on this machine (no protocol, no
-    credits), the ceiling of e over r."""
+    credits), the ceiling of ex over r. With ``acked`` (ra), a sample's blocks are written
+    again only once the target acknowledged it (the cache holds ``in_flight`` samples, as
+    e's does): the least any design pays that keeps a sample's blocks until its reader has
+    it (so that a reader's restart loses nothing) with a cache of that size, no checks, no
+    credits, the ceiling of e over r."""
 
     def __init__(
-        self, n_req: int, tokens: int, num_blocks: int, in_flight: int, checks: bool = False
+        self,
+        n_req: int,
+        tokens: int,
+        num_blocks: int,
+        in_flight: int,
+        checks: bool = False,
+        acked: bool = False,
     ) -> None:
         from kv_connector.wire.nixl_transport import NixlTransport
         from kv_connector.wire.transport import Region
@@ -82,7 +97,11 @@ class RawArm:
         self._hasher = ThreadPoolExecutor(1) if checks else None
         ctx = mp.get_context("spawn")
         self.conn, b = ctx.Pipe()
-        self.proc = ctx.Process(target=raw_target_proc, args=(b, pool_bytes, checks))
+        self._acks: Any = None  # the end the target's acks arrive on (ra)
+        acks: Any = None
+        if acked:
+            self._acks, acks = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=raw_target_proc, args=(b, pool_bytes, checks, acks))
         self.proc.start()
         md, addr, size = self.conn.recv()
         self.t = NixlTransport(f"raw-init-{os.getpid()}")
@@ -91,6 +110,7 @@ class RawArm:
         self.peer = self.t.add_peer(md)
         self.remote = Region(addr, size, "DRAM", 0)
         self.next = 0
+        self.acks_seen = 0  # the target's acks taken (ra), the warm-up's included
         self._writes(1)  # warm-up: connection set-up
 
     def _blocks(self, i: int) -> list[int]:
@@ -118,16 +138,24 @@ class RawArm:
         t0 = time.time()
         live: list[Any] = []
         hashes = []
+        unacked = 0  # samples WRITten whose blocks the target has not yet acknowledged
         end = self.next + n
-        while self.next < end or live:
-            while self.next < end and len(live) < self.in_flight:
+        while self.next < end or live or unacked:
+            while self.next < end and max(len(live), unacked) < self.in_flight:
                 if self._hasher is not None:
                     hashes.append(self._hasher.submit(self._hash, self.next))
                 slot = str(self.next % self.in_flight).encode()
                 live.append(self.t.write(self.peer, self.local, self.remote, self._spans(self.next), slot))
                 self.next += 1
+                unacked += self._acks is not None
             still = [x for x in live if not self.t.poll(x)]
-            if still and len(still) == len(live):
+            if self._acks is not None and (unacked or not still):
+                # the blocks come free at the ack; wait for one only when nothing is polled
+                while unacked and self._acks.poll(0 if still else 0.001):
+                    self._acks.recv_bytes()
+                    unacked -= 1
+                    self.acks_seen += 1
+            elif still and len(still) == len(live):
                 time.sleep(0)  # nothing completed: let the hashing thread have the GIL, do not spin
             live = still
         for h in hashes:
@@ -136,8 +164,10 @@ class RawArm:
         return t_end - t0, cpu_seconds() - c0, target_cpu
 
     def round(self) -> dict[str, float]:
+        acks_before = self.acks_seen
         seconds, init_cpu, target_cpu = self._writes(self.n_req)
         return {
+            "acks": float(self.acks_seen - acks_before),
             "seconds": seconds, "units": float(self.n_req * self.tokens),
             "nbytes": float(self.n_req * self.nb * self.block_bytes), "cpu_s": init_cpu + target_cpu,
             "producer_cpu_s": init_cpu, "reader_cpu_s": target_cpu,

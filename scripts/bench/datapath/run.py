@@ -1,6 +1,6 @@
 """The data-path pairings as ``make bench`` runs them: e (the default integrity record,
-fingerprints) against r, e0, em and b; ex (the diagnostic full hash, XXH3) and rc against
-r; each arm in a process of its own. ``main()`` returns the figures the summary reads
+fingerprints) against r, e0, em and b; ex (the diagnostic full hash, XXH3), rc and ra
+against r; each arm in a process of its own. ``main()`` returns the figures the summary reads
 (``scripts.bench.summary``)."""
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ def _start_arms(model: Path, n_req: int, tokens: int) -> dict[str, ArmProcess]:
         "ex": ArmProcess("OursArm", model, n_req, tokens, num_blocks, pool, "xxh3"),
         "r": ArmProcess("RawArm", n_req, tokens, num_blocks, 4),
         "rc": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, True),
+        "ra": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, False, True),
         "b": ArmProcess("ExampleArm", model, n_req, tokens, num_blocks),
     }
 
 
 def _measure(arms: dict[str, ArmProcess], n_req: int, tokens: int, pairs: int) -> dict[str, Pairs]:
-    """e against r, e0, em and b in pairs; then ex and rc against r."""
+    """e against r, e0, em and b in pairs; then ex, rc and ra against r."""
     for arm in arms.values():
         arm.ready()
     say(f"arms ready; {pairs} pairs per ratio, {n_req} samples of {tokens} tokens a round")
@@ -64,6 +65,9 @@ def _measure(arms: dict[str, ArmProcess], n_req: int, tokens: int, pairs: int) -
     # its ceiling: raw WRITEs with XXH3 at both ends, no protocol
     measured["rc"] = run_pairs(arms["rc"].round, arms["r"].round, pairs)
     say(f"rc vs r: {[round(x, 3) for x in measured['rc'].ratio().values]}")
+    # e's ceiling: raw WRITEs whose blocks are reused only once the target has the sample
+    measured["ra"] = run_pairs(arms["ra"].round, arms["r"].round, pairs)
+    say(f"ra vs r: {[round(x, 3) for x in measured['ra'].ratio().values]}")
     return measured
 
 
@@ -89,7 +93,7 @@ def _per_gb(r: Run) -> float:
 def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
     """The ratios and rates the summary reads, from the pairs as measured."""
     d = measured["r"]
-    e_runs = [r for name, p in measured.items() if name not in ("rc", "ex") for r in p.a]
+    e_runs = [r for name, p in measured.items() if name not in ("rc", "ex", "ra") for r in p.a]
     out: dict[str, Any] = {
         "d": d.ratio(_gb),
         "cpu_over_raw": d.ratio(_per_gb),
@@ -108,6 +112,7 @@ def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
         "cpu_over_raw_xxh3": measured["ex"].ratio(_per_gb),
         "xxh3_ceiling": measured["rc"].ratio(_gb),
         "xxh3_cpu_floor": measured["rc"].ratio(_per_gb),
+        "acked_raw_over_raw": measured["ra"].ratio(_gb),
     }
     for end in ("producer", "reader"):
         key = f"{end}_cpu_s"
