@@ -10,13 +10,15 @@ a0 over c, paired too, is vLLM's own cost of extraction: the most a over c can b
 connector that costs nothing (the ceiling of ``a_over_c`` on this machine).
 
 Each arm is one long-lived producer process (the in-process engine, built once, a warm-up
-batch run) that runs the same batch of prompts each time it is told to; the ratios come
-from alternating pairs (``scripts.bench.paired``). A round is 96 prompts of 1024 tokens (about
-half a second on an AMX CPU, where this model prefills ~180k tokens/s; with 192 queued
-prompts vLLM's extraction arms ran 5x slower than without extraction, in vLLM itself).
-The last samples arrive ~35 ms after generate() returns (the connector's queue draining
-once the engine stops competing for the cores): each round reports that tail beside
-generate()'s own time, and the producer process's CPU seconds.
+batch run) that runs a batch each time it is told to; the ratios come from alternating
+pairs (``scripts.bench.paired``). A round is 96 new prompts of 1024 random tokens: every
+token is computed, as a data-generation run's distinct conversations are (about 3.4 s on
+an AVX-512 host without AMX, ~29k tokens/s; the last samples arrive 5-10 ms after
+generate() returns). Until 2026-11-27 every round ran the same batch again, and from the
+second round on vLLM's prefix cache served 896 of each prompt's 1024 tokens: the engine
+computed an eighth of them while the connector still shipped them all (rounds of ~0.6 s,
+a tail of ~35 ms). That figure stays, reported as ``a_over_a0_prefix_cached``. Each round
+reports generate()'s own time, the tail, and the producer process's CPU seconds.
 """
 
 from __future__ import annotations
@@ -69,15 +71,27 @@ def _producer(spec: dict[str, Any]) -> None:
     params = SamplingParams(max_tokens=1)
     warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warmup"]]
     llm.generate(warm, params, use_tqdm=False)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    repeated = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        if line.strip() != "go":
+        word = line.split()
+        if not word or word[0] != "go":
             break
+        # "go SEED": a batch of new prompts, none of whose blocks vLLM's prefix cache holds;
+        # "go": the batch of the spec again (most of its blocks cached from the last time)
+        prompts = repeated if len(word) == 1 else fresh_prompts(int(word[1]), len(repeated), spec["length"])
         c0, t0 = cpu_seconds(), time.time()
         llm.generate(prompts, params, use_tqdm=False)
         t1 = time.time()
         print(json.dumps({"t0": t0, "t1": t1, "cpu_s": cpu_seconds() - c0}), flush=True)
+
+
+def fresh_prompts(seed: int, n: int, length: int) -> list[Any]:
+    """``n`` prompts of ``length`` random token ids, drawn from ``seed``."""
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(seed)
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(1, 1024) for _ in range(length)]) for _ in range(n)]
 
 
 class ModelArm:
@@ -92,6 +106,7 @@ class ModelArm:
         extract: bool,
         batch_tokens: int,
         connector: bool,
+        seed: int = 1,
     ) -> None:
         from kv_connector.reader import HiddenStatesReader
 
@@ -106,6 +121,7 @@ class ModelArm:
             "extract": extract,
             "connector": connector,
             "batch_tokens": batch_tokens,
+            "length": len(prompts[0]),
             "address": self.reader.address if self.reader else "",
         }
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -121,6 +137,7 @@ class ModelArm:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         self._started = False
+        self._seed = seed  # the next fresh batch's (``round``)
         if self.reader is not None:  # the warm-up batch's samples
             self._consume(len(warmup))
 
@@ -155,11 +172,15 @@ class ModelArm:
             self._started = True
         return self
 
-    def round(self) -> Run:
+    def round(self, fresh: bool = True) -> Run:
+        """One batch through the engine: new prompts (``fresh``: every token computed, as a
+        data-generation run's distinct conversations are), or the spec's batch again (its
+        blocks mostly served by vLLM's prefix cache: only the tail of each prompt computed)."""
         self.ready()
         times = self._consume(self.n_prompts) if self.reader is not None else []
         assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
+        self._seed += 1
+        self.proc.stdin.write(f"go {self._seed}\n" if fresh else "go\n")
         self.proc.stdin.flush()
         res = self._line()
         end = res["t1"]
@@ -213,6 +234,10 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pair
         _say(f"a vs c: {[round(x, 3) for x in over_c.ratio().values]}")
         over_a0 = run_pairs(a.round, arms["a0"].round, pairs)
         _say(f"a vs a0: {[round(x, 3) for x in over_a0.ratio().values]}")
+        # the same batch each round: vLLM's prefix cache serves most of each prompt, the
+        # connector still ships every token (reported beside a_over_a0)
+        cached = run_pairs(lambda: a.round(fresh=False), lambda: arms["a0"].round(fresh=False), pairs)
+        _say(f"a vs a0, prefix cached: {[round(x, 3) for x in cached.ratio().values]}")
         # vLLM's own cost of extraction, no connector: the most a_over_c can be
         a0_c = run_pairs(arms["a0"].round, arms["c"].round, pairs)
         _say(f"a0 vs c: {[round(x, 3) for x in a0_c.ratio().values]}")
@@ -222,6 +247,7 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pair
     return {
         "a_over_c": over_c.ratio(),
         "a_over_a0": over_a0.ratio(),
+        "a_over_a0_prefix_cached": cached.ratio(),
         "a0_over_c": a0_c.ratio(),
         "a_tokens_per_s": over_c.each("a"),
         "c_tokens_per_s": over_c.each("b"),
@@ -232,6 +258,9 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pair
         "a_tail_s": over_a0.each("a", lambda r: r.detail["tail_s"]),
         "a_producer_cpu_s": over_a0.each("a", lambda r: r.cpu_s),
         "a0_producer_cpu_s": over_a0.each("b", lambda r: r.cpu_s),
+        "a_prefix_cached_generate_s": cached.each("a", lambda r: r.detail["generate_s"]),
+        "a0_prefix_cached_generate_s": cached.each("b", lambda r: r.detail["generate_s"]),
+        "a_prefix_cached_tail_s": cached.each("a", lambda r: r.detail["tail_s"]),
     }
 
 
