@@ -4,10 +4,15 @@
       process taking every sample (timed until the last sample is taken);
   a0: vLLM with extract_hidden_states and no connector (what extraction costs vLLM
       itself: a/a0 is the connector's own overhead);
-  c:  the same vLLM without extraction and without a connector.
+  c:  the same vLLM without extraction and without a connector;
+  ar: vLLM with extract_hidden_states and ``raw_connector``'s connector, which only WRITEs
+      each prompt's blocks by NIXL into a raw target in the bench's process (timed until
+      the last notification arrived).
 
 a0 over c, paired too, is vLLM's own cost of extraction: the most a over c can be with a
-connector that costs nothing (the ceiling of ``a_over_c`` on this machine).
+connector that costs nothing (the ceiling of ``a_over_c`` on this machine). ar over a0 is
+the most a over a0 can be for any connector that moves the states out of the engine's
+process by NIXL on this machine (the ceiling of ``a_over_a0``, added 2026-11-27).
 
 Each arm is one long-lived producer process (the in-process engine, built once, a warm-up
 batch run) that runs a batch each time it is told to; the ratios come from alternating
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from scripts.bench.paired import Run, cpu_seconds, run_pairs
+from scripts.bench.raw_target import RawTarget, start_taking
 
 LAYER_IDS = [1, 2, 4]
 
@@ -51,7 +58,14 @@ def _producer(spec: dict[str, Any]) -> None:
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
         }
-    if spec["connector"]:
+    if spec["raw_target"]:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "RawShipConnector",
+            "kv_connector_module_path": "scripts.bench.raw_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"raw_target": spec["raw_target"]},
+        }
+    elif spec["connector"]:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "HiddenStatesConnector",
             "kv_connector_module_path": "kv_connector.connector",
@@ -107,13 +121,18 @@ class ModelArm:
         batch_tokens: int,
         connector: bool,
         seed: int = 1,
+        raw: bool = False,
     ) -> None:
+        """``connector``: ours, into a reader in this process; ``raw``: the raw arm's
+        (``raw_connector``), into a raw target here."""
         from kv_connector.reader import HiddenStatesReader
 
         self.name = name
         self.tokens = float(sum(map(len, prompts)))
         self.n_prompts = len(prompts)
         self.reader = HiddenStatesReader(pool_bytes=256 << 20) if connector else None
+        self.work = Path(tempfile.mkdtemp(prefix=f"hs-bench-{name}-"))
+        self.target = RawTarget(self.work / "target.json", 256 << 20) if raw else None
         spec = {
             "model": str(model),
             "prompts": prompts,
@@ -123,6 +142,7 @@ class ModelArm:
             "batch_tokens": batch_tokens,
             "length": len(prompts[0]),
             "address": self.reader.address if self.reader else "",
+            "raw_target": str(self.target.path) if self.target else "",
         }
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
@@ -138,7 +158,7 @@ class ModelArm:
         )
         self._started = False
         self._seed = seed  # the next fresh batch's (``round``)
-        if self.reader is not None:  # the warm-up batch's samples
+        if self.reader is not None or self.target is not None:  # the warm-up batch's samples
             self._consume(len(warmup))
 
     def _line(self) -> dict[str, Any]:
@@ -151,8 +171,11 @@ class ModelArm:
         raise RuntimeError(f"producer {self.name} ended:\n{self.log.read()[-4000:]}")
 
     def _consume(self, n: int) -> list[float]:
-        assert self.reader is not None
         times: list[float] = []
+        if self.target is not None:
+            self._taker = start_taking(self.target, n, times)
+            return times
+        assert self.reader is not None
 
         def take() -> None:
             assert self.reader is not None
@@ -167,7 +190,7 @@ class ModelArm:
     def ready(self) -> ModelArm:
         if not self._started:
             self._line()
-            if self.reader is not None:
+            if self.reader is not None or self.target is not None:
                 self._taker.join(600)
             self._started = True
         return self
@@ -177,14 +200,15 @@ class ModelArm:
         data-generation run's distinct conversations are), or the spec's batch again (its
         blocks mostly served by vLLM's prefix cache: only the tail of each prompt computed)."""
         self.ready()
-        times = self._consume(self.n_prompts) if self.reader is not None else []
+        taking = self.reader is not None or self.target is not None
+        times = self._consume(self.n_prompts) if taking else []
         assert self.proc.stdin is not None
         self._seed += 1
         self.proc.stdin.write(f"go {self._seed}\n" if fresh else "go\n")
         self.proc.stdin.flush()
         res = self._line()
         end = res["t1"]
-        if self.reader is not None:
+        if taking:
             self._taker.join(600)
             if len(times) != self.n_prompts:
                 raise RuntimeError(f"reader got {len(times)} of {self.n_prompts} samples")
@@ -204,6 +228,9 @@ class ModelArm:
             self.proc.kill()
         if self.reader is not None:
             self.reader.close()
+        if self.target is not None:
+            self.target.close()
+        shutil.rmtree(self.work, ignore_errors=True)
         self.log.close()
         os.unlink(self.spec_path)
 
@@ -224,6 +251,7 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pair
         "c": ModelArm("c", model, prompts, warmup, False, batch_tokens, False),
         "a0": ModelArm("a0", model, prompts, warmup, True, batch_tokens, False),
         "a": ModelArm("a", model, prompts, warmup, True, batch_tokens, True),
+        "ar": ModelArm("ar", model, prompts, warmup, True, batch_tokens, False, raw=True),
     }
     try:
         for arm in arms.values():
@@ -241,6 +269,12 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pair
         # vLLM's own cost of extraction, no connector: the most a_over_c can be
         a0_c = run_pairs(arms["a0"].round, arms["c"].round, pairs)
         _say(f"a0 vs c: {[round(x, 3) for x in a0_c.ratio().values]}")
+        # a connector that only WRITEs each prompt's blocks: the most a_over_a0 can be
+        ar, a0 = arms["ar"], arms["a0"]
+        raw = run_pairs(ar.round, a0.round, pairs)
+        _say(f"ar vs a0: {[round(x, 3) for x in raw.ratio().values]}")
+        raw_cached = run_pairs(lambda: ar.round(fresh=False), lambda: a0.round(fresh=False), pairs)
+        _say(f"ar vs a0, prefix cached: {[round(x, 3) for x in raw_cached.ratio().values]}")
     finally:
         for arm in arms.values():
             arm.close()
@@ -249,6 +283,8 @@ def main(n_prompts: int = 96, length: int = 1024, batch_tokens: int = 4096, pair
         "a_over_a0": over_a0.ratio(),
         "a_over_a0_prefix_cached": cached.ratio(),
         "a0_over_c": a0_c.ratio(),
+        "raw_connector_over_a0": raw.ratio(),
+        "raw_connector_over_a0_prefix_cached": raw_cached.ratio(),
         "a_tokens_per_s": over_c.each("a"),
         "c_tokens_per_s": over_c.each("b"),
         "a0_tokens_per_s": over_a0.each("b"),

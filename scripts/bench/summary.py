@@ -37,7 +37,10 @@ object; the first and the last name the machine and its load.
              captured layer on a real-looking sample.
 
   ceilings   what this machine allows any design, measured in the same run: for a_over_c,
-             vLLM's own cost of extraction (``a0_over_c``, paired); for d, raw WRITEs
+             vLLM's own cost of extraction (``a0_over_c``, paired); for a_over_a0, a
+             connector that only WRITEs each prompt's blocks to a raw target by NIXL
+             over vLLM with extraction and no connector (``raw_connector_over_a0``, and
+             ``_prefix_cached`` for the repeated batch); for d, raw WRITEs
              from a cache of e's size whose blocks are reused only once the target
              acknowledged their sample (``acked_raw_over_raw``); for d_xxh3 and
              the checksum ratio, raw WRITEs with XXH3 at both ends (no protocol) over
@@ -89,6 +92,8 @@ CEILINGS: dict[str, str] = {
     "pull_read_over_raw": "checked_raw_over_raw",
     "pull_over_file": "manifest_only_over_file",
     "a_over_c": "a0_over_c",
+    "a_over_a0": "raw_connector_over_a0",
+    "a_over_a0_prefix_cached": "raw_connector_over_a0_prefix_cached",
 }
 
 
@@ -208,6 +213,8 @@ def _ceilings(model: dict[str, Any], datapath: dict[str, Any], pull: dict[str, A
         **flatten(
             {
                 "a0_over_c": model["a0_over_c"],
+                "raw_connector_over_a0": model["raw_connector_over_a0"],
+                "raw_connector_over_a0_prefix_cached": model["raw_connector_over_a0_prefix_cached"],
                 "xxh3_ceiling": datapath["xxh3_ceiling"],
                 "xxh3_cpu_floor": datapath["xxh3_cpu_floor"],
                 "acked_raw_over_raw": datapath["acked_raw_over_raw"],

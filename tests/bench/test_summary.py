@@ -31,6 +31,14 @@ def test_d_names_the_ceiling_of_a_design_that_keeps_a_sample_until_its_reader_ha
     ]
 
 
+def test_a_over_a0_names_the_ceiling_of_a_connector_that_only_writes_each_prompts_blocks() -> None:
+    assert missed({"a_over_a0": 0.95, "ceilings": {"raw_connector_over_a0": 0.96}}) == [
+        "a_over_a0 0.95 (target >= 0.97; this machine's ceiling 0.96)"
+    ]
+    # the repeated batch's figure is reported beside its own ceiling, not held to the target
+    assert missed({"a_over_a0_prefix_cached": 0.85, "ceilings": {}}) == []
+
+
 def test_a_target_missed_without_a_measured_bound_names_none() -> None:
     assert missed({"cpu_over_raw": 1.4, "ceilings": {}}) == ["cpu_over_raw 1.4 (target <= 1.15)"]
 
