@@ -109,7 +109,8 @@ def fresh_prompts(seed: int, n: int, length: int) -> list[Any]:
 
 
 class ModelArm:
-    """One producer process, built once; ``round()`` runs the prompts once more."""
+    """One producer process, built once; ``round()`` runs a batch through it (new prompts,
+    or the spec's again) and waits for its samples (ours: the reader's; ar: the target's)."""
 
     def __init__(
         self,
