@@ -74,6 +74,9 @@ class _Pending:
     shares: list[protocol.PullShare]
     pages: range
     xfers: list[Any]
+    # the fences' outcome (``_check_fences``) when they were READ as the data READs were
+    # posted; None: not READ yet
+    fenced: bool | FetchError | None = None
 
 
 class PullClient:
@@ -267,7 +270,11 @@ class PullClient:
         return _Asked(h, shares)
 
     def _post(self, a: _Asked) -> _Pending:
-        """Pages for the sample and its READs posted (each copies as it is posted here)."""
+        """Pages for the sample and its READs posted (each copies as it is posted here).
+        Where every READ completed as it was posted (UCX's shared memory copies then),
+        the holds' fence words are READ at once, here: on the checker thread each fence
+        READ waited for the agent's lock behind the next sample's copy, so the last
+        samples of a batch were checked one copy late."""
         h, shares = a.handle, a.shares
         try:
             pages = self._take_pages(h, shares[0].manifest)
@@ -284,7 +291,13 @@ class PullClient:
             self._give_back(h, pages)
             self._release_all(h, quiet=True)
             raise
-        return _Pending(h, shares, pages, xfers)
+        p = _Pending(h, shares, pages, xfers)
+        if not xfers:
+            try:
+                p.fenced = self._check_fences(p)
+            except FetchError as e:
+                p.fenced = e
+        return p
 
     def _share_of(self, h: PullHandle, rank: int) -> protocol.PullShare:
         """Rank ``rank``'s answer to a ``PullFetch`` of the sample: its share, checked to be
@@ -305,7 +318,9 @@ class PullClient:
         h, m = p.handle, p.shares[0].manifest
         try:
             self._wait(p)
-            fenced = self._check_fences(p)
+            fenced = self._check_fences(p) if p.fenced is None else p.fenced
+            if isinstance(fenced, FetchError):
+                raise fenced
             memory = self._memory
             assert memory is not None
             base = byte_of(p.pages)
