@@ -59,6 +59,7 @@ class SenderLoop:
         device: torch.device | None = None,
         open_gates: Callable[[], bool] | None = None,
         on_outcome: Callable[[], None] | None = None,
+        inline_digest: bool = False,
     ) -> None:
         self.address = address
         self._device = device
@@ -75,7 +76,11 @@ class SenderLoop:
         self._digest = digest
         self.sample_timeout_s = sample_timeout_s
         self._next_deadline_check = 0.0
-        self._hasher = Hasher(f"hs-hash-r{me.rank}", device) if digest is not None else None
+        # ``inline_digest``: the digest is cheap (a fingerprint of words the steps took, on a
+        # CPU cache) and computed on this thread, with no hand-off to the hashing thread and
+        # back (two wakes a sample, each a chance to hold the GIL the engine wants)
+        hashed_apart = digest is not None and not inline_digest
+        self._hasher = Hasher(f"hs-hash-r{me.rank}", device) if hashed_apart else None
         self._conn: FramedConnection | None = None
         self._handshake_conn: FramedConnection | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -382,12 +387,14 @@ class SenderLoop:
         assert self._conn is not None
         with self._lock:
             due = self._ledger.requests_due()
-            to_hash = self._ledger.digests_due() if self._hasher is not None else []
+            to_hash = self._ledger.digests_due() if self._digest is not None else []
         for job in due:
             self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
         for job in to_hash:  # hashed while the reader grants pages
-            assert self._hasher is not None
             assert self._digest is not None
+            if self._hasher is None:
+                self._digest_done(job.request_id, _computed(functools.partial(self._digest, job)), wake=False)
+                continue
             fut = self._hasher.submit(functools.partial(self._digest, job))
             fut.add_done_callback(functools.partial(self._digest_done, job.request_id))
         return bool(due)
@@ -402,8 +409,9 @@ class SenderLoop:
             self._conn.send(protocol.ShareDigest(request_id=job.request_id, checksum=job.digest))
         return bool(owed)
 
-    def _digest_done(self, request_id: str, fut: concurrent.futures.Future[int]) -> None:
-        """On the hashing thread: hand the digest (or why not) to the ledger."""
+    def _digest_done(self, request_id: str, fut: concurrent.futures.Future[int], wake: bool = True) -> None:
+        """On the hashing thread (``wake``: then this one is woken) or this one: hand the
+        digest (or why not) to the ledger."""
         failure: Failure | None = None
         try:
             value = fut.result()
@@ -416,7 +424,8 @@ class SenderLoop:
         if failure is not None:
             log_failed(failure)
             self.tell_reader(failure)
-        self.wake()
+        if wake:
+            self.wake()
 
     def _check_deadlines(self) -> None:
         """Twice a second: fail the jobs granted more than ``sample_timeout_s`` ago and
@@ -465,3 +474,13 @@ class SenderLoop:
         with self._lock:
             failures = self._ledger.fail_all(why)
         log_failed(*failures)
+
+
+def _computed(fn: Callable[[], int]) -> concurrent.futures.Future[int]:
+    """``fn()``'s value (or its exception) as a done future, as the hashing thread gives it."""
+    fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+    try:
+        fut.set_result(fn())
+    except Exception as e:
+        fut.set_exception(e)
+    return fut

@@ -151,6 +151,7 @@ class HiddenStatesSender:
             cache.device,
             self._open_gates,
             config.on_outcome,
+            inline_digest=config.checksum is ShareChecksum.FINGERPRINT and cache.device.type == "cpu",
         )
         self._loop.start()
 
