@@ -26,7 +26,6 @@ check each sample on a thread of its own while they READ the next (``reader.pull
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -39,10 +38,11 @@ import torch
 
 from kv_connector.reader import pull_batch
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample
-from kv_connector.reader.pool import PagePool, PoolTooSmall
+from kv_connector.reader.pool import PagePool
 from kv_connector.reader.pool_memory import PoolMemory, device_of, make_pool, register_pool
 from kv_connector.reader.pull_fence import FenceReader, check_fences
 from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
+from kv_connector.reader.pull_pages import take_pages
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.identity import decode_metadata
@@ -385,36 +385,12 @@ class PullClient:
             self._transport = transport
 
     def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
+        assert self._memory is not None and self._pool is not None
         n = pages_for(m.geometry.sample_bytes(m.num_blocks), PAGE_BYTES)
         key = (h.producer_id, h.request_id, h.nonce)
-        deadline = time.monotonic() + self.timeout_s
-        collected = False
-        while True:
-            assert self._memory is not None
-            self._memory.fences.settle()  # leases whose GPU work is done give their pages back
-            with self._lock:
-                assert self._pool is not None
-                try:
-                    self._pool.request(key, n)
-                except PoolTooSmall as e:
-                    raise FetchError("pool", f"{e} (PullClient pool_bytes={self.pool_bytes})") from None
-                except ValueError as e:
-                    raise FetchError("pool", f"sample {h.request_id} is being fetched already: {e}") from None
-                # nobody else waits (each request is made and cancelled under the lock)
-                got = dict(self._pool.grantable())
-                if key in got:
-                    return got[key]
-                self._pool.cancel(key)
-            if time.monotonic() >= deadline:
-                raise FetchError(
-                    "pool",
-                    f"no room for sample {h.request_id} in the pool for {self.timeout_s:.0f} s: release the "
-                    "samples you hold (sample.release(), or drop their tensors), or raise pool_bytes",
-                )
-            if not collected:
-                gc.collect()  # leases whose tensors are only in reference cycles
-                collected = True
-            time.sleep(0.002)
+        return take_pages(
+            self._memory, self._pool, self._lock, key, n, h.request_id, self.timeout_s, self.pool_bytes
+        )
 
     def _give_back(self, h: PullHandle, pages: range) -> None:
         with self._lock:
