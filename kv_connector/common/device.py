@@ -19,7 +19,7 @@ def on_device(device: torch.device | None) -> None:
     """Make ``device`` this thread's CUDA device when it is a GPU; nothing for a host
     device (a CPU cache never initializes CUDA)."""
     if device is not None and device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
 
 
 class DeviceEvent(Protocol):

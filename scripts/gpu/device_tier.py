@@ -87,8 +87,9 @@ def prepare(device: str, wheels: Path) -> dict[str, str]:
 def run_check(name: str, device: torch.device) -> dict[str, Any]:
     """One check, in this process."""
     if device.type == "cuda":
+        if device.index is None:  # "cuda" names the current GPU; set_device wants an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" names one GPU
     if name == "integrity":
         from scripts.gpu import integrity
 
