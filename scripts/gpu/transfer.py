@@ -163,7 +163,7 @@ def _answer(conn: Connection, timeout: float = 600) -> Any:
 
 
 # ---------------------------------------------------------------------------- push
-def _reader_proc(conn: Connection, size: Size, pool_device: str | None) -> None:
+def _reader_proc(conn: Connection, size: Size, pool_device: str | None, check_values: bool) -> None:
     """The consumer of push: a HiddenStatesReader, and a raw NIXL target pool, both in
     host memory or on ``pool_device``."""
     try:
@@ -175,7 +175,12 @@ def _reader_proc(conn: Connection, size: Size, pool_device: str | None) -> None:
         pool = _raw_pool(IN_FLIGHT * size.sample_bytes, pool_device)
         region = raw.register(pool)
         pool_bytes = max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes)
-        with HiddenStatesReader(pool_bytes=pool_bytes, pool_device=pool_device) as reader:
+        with HiddenStatesReader(
+            pool_bytes=pool_bytes,
+            pool_device=pool_device,
+            check_values=check_values,
+            require_checksum="auto" if check_values else "never",
+        ) as reader:
             conn.send(
                 (reader.address, raw.metadata, region.addr, region.nbytes, region.mem_type, region.device_id)
             )
@@ -200,6 +205,8 @@ def _reader_proc(conn: Connection, size: Size, pool_device: str | None) -> None:
                 elif cmd[0] == "raw":
                     raw.add_peer(cmd[1])
                     conn.send("ok")
+                elif cmd[0] == "stats":
+                    conn.send({k: getattr(reader.stats(), k) for k in ("verify_s", "values_check_s")})
                 elif cmd[0] == "expect":  # raw WRITEs: their notifications
                     got = 0
                     while got < cmd[1]:
@@ -232,17 +239,24 @@ def _ship_all(sender: Any, samples: list[tuple[str, int, list[int]]], timeout: f
         time.sleep(0.0005)
 
 
-def push(device: torch.device, size: Size, pool_device: str | None = None) -> dict[str, Any]:
+def push(
+    device: torch.device,
+    size: Size,
+    pool_device: str | None = None,
+    option: ChecksumOption = ChecksumOption.AUTO,
+    check_values: bool = True,
+) -> dict[str, Any]:
+    """Push, checked and timed; ``option``, ``check_values``: for a diagnosis."""
     from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
 
-    conn, proc = _spawn(_reader_proc, size, pool_device)
+    conn, proc = _spawn(_reader_proc, size, pool_device, check_values)
     try:
         address, raw_md, pool_addr, pool_bytes, pool_mem, pool_dev = _answer(conn)
         cache = make_cache(size).to(device)
         layout = size.layout
-        checksum = ChecksumOption("auto").resolve(cache.is_cuda, layout)
+        checksum = option.resolve(cache.is_cuda, layout)
         cfg = SenderConfig(consumer_address=address, producer_id=PRODUCER, checksum=checksum)
         sender = HiddenStatesSender(cfg, cache, layout, list(range(size.layers)))
         if not sender.connected.wait(60):
@@ -257,10 +271,17 @@ def push(device: torch.device, size: Size, pool_device: str | None = None) -> di
         conn.send(("take", 1))
         _ship_all(sender, plan(size, [size.tokens], "warm"))  # not timed
         _answer(conn)
+        conn.send(("stats",))
+        r0, s0 = _answer(conn), sender.stats()
         conn.send(("take", len(timed)))
         t0 = time.time()
         _ship_all(sender, timed)
         ours_s = _answer(conn) - t0
+        conn.send(("stats",))
+        r1, s1 = _answer(conn), sender.stats()
+        # where a sample's time went (ms a sample, summed over samples in flight together)
+        stages = {f"{k}_ms": (getattr(s1, k) - getattr(s0, k)) / len(timed) * 1e3 for k in _SENDER_STAGES}
+        stages |= {f"reader_{k}_ms": (r1[k] - r0[k]) / len(timed) * 1e3 for k in r0}
         latency, landed_on = [], ""
         for one in plan(size, [size.tokens] * 8, "one"):  # finished -> usable, one at a time
             conn.send(("one",))
@@ -307,7 +328,11 @@ def push(device: torch.device, size: Size, pool_device: str | None = None) -> di
         "pool_mem": pool_mem,
         "sample_device": landed_on,
         "finish_to_usable_ms_median": _median_ms(latency),
+        "stages_ms_a_sample": stages,
     }
+
+
+_SENDER_STAGES = ("grant_wait_s", "write_s", "ack_wait_s", "checksum_s")
 
 
 # ---------------------------------------------------------------------------- pull

@@ -56,6 +56,7 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
     b = out["step_path"]
     assert b["ok"] and "the block table says" in b["wrong_slots_caught"]
     assert b["tokens_compared"] == 160  # a 102, b 22, c 2, d 34 positions read back
+    assert set(b["ms_after_busy_launch"]) == {"forward_queued", "engine_done", "first_poll"}
     # c, and the same into pools on the device (here the host): push and pull each compared
     # every sample, timed both sides, and timed a sample from its finish to usable
     for name in ("nixl", "gpu_pool"):
@@ -69,6 +70,14 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
             assert c[mode]["ours_GBps"] > 0 and c[mode][raw] > 0 and c[mode]["d"] > 0
             assert c[mode]["cache_mem"] == "DRAM" and c[mode]["pool_mem"] == "DRAM"
             assert c[mode]["sample_device"] == "cpu" and c[mode][usable] > 0
+        # where a pushed sample's time went: both ends' stages, the integrity work among them
+        stages = c["push"]["stages_ms_a_sample"]
+        assert set(stages) == {
+            "grant_wait_s_ms", "write_s_ms", "ack_wait_s_ms", "checksum_s_ms",
+            "reader_verify_s_ms", "reader_values_check_s_ms",
+        }, stages
+        assert stages["write_s_ms"] > 0 and stages["reader_verify_s_ms"] > 0, stages
+        assert stages["reader_values_check_s_ms"] > 0 and min(stages.values()) >= 0, stages
         assert any("remote memory write" in op for op in c["ucx_transports"]), c["ucx_transports"]
         assert all(ts for ts in c["ucx_transports"].values())
 
