@@ -10,11 +10,13 @@ layer id 0) is not an error, but a captured layer that is zero at every token of
 sample of two tokens or more is (a layer the extraction never wrote).
 
 Pure: torch only. The check reads the sample where it lies (a strided view of the pool
-too), a bounded chunk of tokens at a time, with one pass: the sum of each token's row in
-each layer (hidden is the contiguous dim in either block layout, so this runs at memory
-speed). NaN and Inf propagate into their row's sum, and an all-zero token has only zero
-sums; only the few tokens whose sums say so are then looked at exactly (a sum that
-overflowed or cancelled to zero is not reported), to name their layers.
+too; float16 and float8 a bounded chunk of tokens at a time, widened), with one pass:
+the sum of each token's row in each layer (hidden is the contiguous dim in either block
+layout, so this runs at memory speed). NaN and Inf propagate into their row's sum, and
+an all-zero token has only zero sums; only the few tokens whose sums say so are then
+looked at exactly (a sum that overflowed or cancelled to zero is not reported), to name
+their layers. A sample without a fault waits for its device once (on a GPU each wait
+also hands the GIL back).
 """
 
 from __future__ import annotations
@@ -59,20 +61,28 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
     t_total, n_layers, hidden = hidden_states.shape
     if t_total == 0 or hidden == 0:
         return None
-    step = max(1, CHUNK_ELEMENTS // (n_layers * hidden))
-    # float16 and float8 sums overflow early: sum those in float32
+    # float16 and float8 sums overflow early: sum those in float32 (a chunk at a time: the
+    # widened copy is the only temporary; a sum in the states' own dtype needs none)
     wide = None if hidden_states.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
+    step = t_total if wide is None else max(1, CHUNK_ELEMENTS // (n_layers * hidden))
     non_finite: list[tuple[int, list[int]]] = []  # (token, layer ids)
     zero: list[int] = []
-    alive = torch.zeros(n_layers, dtype=torch.bool, device=hidden_states.device)  # a non-zero sum seen
-    n_non_finite = n_zero = 0
+    device = hidden_states.device
+    alive = torch.zeros(n_layers, dtype=torch.bool, device=device)  # a non-zero sum seen
+    seen = torch.zeros((), dtype=torch.bool, device=device)  # a suspect token seen
+    suspects: list[torch.Tensor] = []
     for t0 in range(0, t_total, step):
         chunk = hidden_states[t0 : t0 + step]
         sums = chunk.sum(dim=2) if wide is None else chunk.to(wide).sum(dim=2)  # [t, L]
         alive |= (sums != 0).any(dim=0)
-        suspect = ~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)
-        if not bool(suspect.any()):
-            continue
+        suspects.append(~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1))
+        seen |= suspects[-1].any()
+    # one wait for the device (or none on the host) for a sample without a fault: on a GPU
+    # each wait is also a hand-back of the GIL, which a busy thread beside may hold for long
+    any_suspect, any_dead = torch.stack([seen, ~alive.all()]).tolist()
+    n_non_finite = n_zero = 0
+    for t0, suspect in zip(range(0, t_total, step), suspects, strict=True) if any_suspect else ():
+        chunk = hidden_states[t0 : t0 + step]
         for t in torch.nonzero(suspect).flatten().tolist():
             row = chunk[t] if wide is None else chunk[t].to(wide)  # [L, H]
             finite = torch.isfinite(row).all(dim=1)
@@ -87,7 +97,7 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
                 if len(zero) < MAX_NAMED:
                     zero.append(t0 + t)
     dead: list[int] = []  # captured layers zero at every token (checked exactly: a sum may cancel)
-    if t_total >= 2 and not bool(alive.all()):
+    if t_total >= 2 and any_dead:
         dead = [k for k in torch.nonzero(~alive).flatten().tolist() if not bool(hidden_states[:, k].any())]
     if not n_non_finite and not n_zero and not dead:
         return None

@@ -53,9 +53,12 @@ def test_a_token_zero_in_every_layer_is_named(layout: str, dtype: torch.dtype) -
     assert find_bad_values(hs, LAYER_IDS) == "2 of 300 tokens all zero in every layer: token 0, 299"
 
 
-def test_across_chunks_every_bad_token_is_counted_and_a_few_named(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # widened in chunks; in one pass
+def test_across_chunks_every_bad_token_is_counted_and_a_few_named(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
     monkeypatch.setattr(values, "CHUNK_ELEMENTS", 7 * len(LAYER_IDS) * 16)  # chunks of 7 tokens
-    hs = states("LTH", torch.bfloat16)
+    hs = states("LTH", dtype)
     hs[10:30, 0, 3] = float("nan")
     hs[40:60] = 0
     problem = find_bad_values(hs, LAYER_IDS)
