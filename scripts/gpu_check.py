@@ -32,7 +32,8 @@ line at the end holds them all:
                    claims within 10%)
 
 The vLLM tier has not run yet: no machine of this project has had a GPU and vLLM's CUDA
-build (docs/benchmarks.md). Without a GPU either tier refuses at once.
+build; the device tier ran on an H200 on 2026-11-28 (docs/benchmarks.md). Without a GPU
+either tier refuses at once.
 """
 
 from __future__ import annotations
