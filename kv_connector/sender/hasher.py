@@ -37,10 +37,7 @@ class Hasher:
         on_device(self._device)  # the cache's GPU, before any digest reads it
         while (item := self._q.get()) is not None:
             fn, fut = item
-            try:
-                fut.set_result(fn())
-            except Exception as e:
-                fut.set_exception(e)
+            settle(fut, fn)
             # hold no reference to the sender between jobs: it must be collectable (and
             # its NIXL agent destroyed) before the interpreter finalizes
             del item, fn, fut
@@ -48,6 +45,22 @@ class Hasher:
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=5)
+
+
+def settle(fut: concurrent.futures.Future[int], fn: Callable[[], int]) -> None:
+    """``fut`` set to ``fn()``'s value, or to the exception it raised."""
+    try:
+        fut.set_result(fn())
+    except Exception as e:
+        fut.set_exception(e)
+
+
+def computed(fn: Callable[[], int]) -> concurrent.futures.Future[int]:
+    """``fn()`` computed on the calling thread, given as ``Hasher.submit`` gives it: a
+    future, here already done."""
+    fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+    settle(fut, fn)
+    return fut
 
 
 _streams = threading.local()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
-from kv_connector.sender.hasher import Hasher
+from kv_connector.sender.hasher import Hasher, computed
 from kv_connector.sender.jobs import Failure, FrozenJob, Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
@@ -393,7 +393,7 @@ class SenderLoop:
         for job in to_hash:  # hashed while the reader grants pages
             assert self._digest is not None
             if self._hasher is None:
-                self._digest_done(job.request_id, _computed(functools.partial(self._digest, job)), wake=False)
+                self._digest_done(job.request_id, computed(functools.partial(self._digest, job)), wake=False)
                 continue
             fut = self._hasher.submit(functools.partial(self._digest, job))
             fut.add_done_callback(functools.partial(self._digest_done, job.request_id))
@@ -475,12 +475,3 @@ class SenderLoop:
             failures = self._ledger.fail_all(why)
         log_failed(*failures)
 
-
-def _computed(fn: Callable[[], int]) -> concurrent.futures.Future[int]:
-    """``fn()``'s value (or its exception) as a done future, as the hashing thread gives it."""
-    fut: concurrent.futures.Future[int] = concurrent.futures.Future()
-    try:
-        fut.set_result(fn())
-    except Exception as e:
-        fut.set_exception(e)
-    return fut
