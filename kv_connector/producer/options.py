@@ -35,7 +35,7 @@ class ChecksumOption(str, enum.Enum):
     """The ``checksum`` option: what a user may ask for, resolved per rank into the one
     ``ShareChecksum`` (or None) it ships with."""
 
-    AUTO = "auto"  # FINGERPRINT where rows are whole 8-byte words; else XXH3 (host) or BLOCKS (GPU)
+    AUTO = "auto"  # FINGERPRINT where rows are whole 8-byte words; else XXH3 (a GPU share staged to host)
     FINGERPRINT = "fingerprint"  # a few words of every token slot, taken in the step that wrote it
     XXH3 = "xxh3"  # diagnostic: each rank sends the XXH3-64 of its share's bytes; the reader checks it
     BLOCKS = "blocks"  # diagnostic: the XXH3-64 of per-block digests computed where the cache is
