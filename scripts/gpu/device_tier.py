@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from kv_connector.common.device import on_device
 from scripts.gpu import carry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,9 +88,8 @@ def prepare(device: str, wheels: Path) -> dict[str, str]:
 def run_check(name: str, device: torch.device) -> dict[str, Any]:
     """One check, in this process."""
     if device.type == "cuda":
-        if device.index is None:  # "cuda" names the current GPU; set_device wants an index
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
+        on_device(device)  # as the package's threads do ("cuda": the current GPU)
+        device = torch.device("cuda", torch.cuda.current_device())
     if name == "integrity":
         from scripts.gpu import integrity
 
