@@ -241,9 +241,10 @@ class SendLedger:
         job.xfer, job.t_write = None, now
         job.digest_owed = notif.digest_follows
 
-    def write_started(self, request_id: str, xfer: object) -> bool:
-        """The transport's handle of the WRITE being posted. False if the job failed
-        meanwhile: the shell polls the handle to its end itself."""
+    def write_started(self, request_id: str, xfer: object, post_s: float = 0.0) -> bool:
+        """The transport's handle of the WRITE being posted, whose post took ``post_s``.
+        False if the job failed meanwhile: the shell polls the handle to its end itself."""
+        self._meter.posted(post_s)
         job = self._jobs.get(request_id)
         if job is None or job.state is not JobState.WRITING or job.xfer is not None:
             return False

@@ -17,6 +17,8 @@ class SenderStats:
     requests: acknowledged by the reader; bytes: landed by completed WRITEs (rewrites
     included); grant_wait_s: from submission to the grant; write_s: WRITEs in flight;
     ack_wait_s: from the last completed WRITE to the Ack; checksum_s: hashing shares;
+    post_s: inside the transport's WRITE calls (on a shared-memory link UCX copies the
+    bytes there, on the writer's thread: with ``write_s`` it tells a slow copy from a wait);
     rewrites: shares written again after the reader's checksum failed; write_retries:
     WRITEs posted again after failing in NIXL; reconnects: connections made after a
     lost one; writes: completed WRITEs.
@@ -28,6 +30,7 @@ class SenderStats:
     write_s: float = 0.0
     ack_wait_s: float = 0.0
     checksum_s: float = 0.0
+    post_s: float = 0.0
     rewrites: int = 0
     write_retries: int = 0
     reconnects: int = 0
@@ -79,6 +82,10 @@ class SenderMeter:
         self.stats.bytes += nbytes
         self.stats.writes += 1
         self._write_latency.add(seconds)
+
+    def posted(self, seconds: float) -> None:
+        """A WRITE's post took ``seconds`` (the transport's call, whatever came of it)."""
+        self.stats.post_s += seconds
 
     def acked(self, wait_s: float) -> None:
         """A job was finished by the reader's Ack ``wait_s`` after its last WRITE."""

@@ -148,10 +148,10 @@ class ShareWriter:
         with self._lock:
             notif = self._ledger.notification(rid)
             self._ledger.write_posting(rid, now, notif)  # WRITING before it may land (S3)
+        spans = self.spans(job)
+        t_post = time.perf_counter()
         try:
-            xfer = self._transport.write(
-                self._peer, self._local, self._remote, self.spans(job), protocol.encode(notif)
-            )
+            xfer = self._transport.write(self._peer, self._local, self._remote, spans, protocol.encode(notif))
         except Exception as e:
             if not isinstance(e, TransportError):  # a bug: fail this job, not the thread
                 log.exception("rank %d: cannot post the WRITE of %s", self._rank, rid)
@@ -168,8 +168,9 @@ class ShareWriter:
             if writing:
                 self._failed(rid, e, failure)
             return
+        post_s = time.perf_counter() - t_post
         with self._lock:
-            followed = self._ledger.write_started(rid, xfer)
+            followed = self._ledger.write_started(rid, xfer, post_s)
         if not followed:  # the job failed while its WRITE was being posted: fenced once it ends
             fence = Failure(rid, "", tell_reader=False, generation=generation)
             self.adopt(xfer, functools.partial(self._tell_reader, fence))

@@ -191,13 +191,16 @@ def _figures(
 
 def _profile(model: dict[str, Any], datapath: dict[str, Any]) -> dict[str, Any]:
     """Where the time goes (medians over the counted rounds): the data path's CPU seconds
-    per GB by end, with checksums and without; the model-level arm's generate() and tail."""
+    per GB by end, with checksums and without; d's parts (e's copy time per GB over r's,
+    and the part of a round each spent copying: d is about
+    ``writer_busy / raw_writer_busy / copy_s_per_GB_over_raw``); the model-level arm's
+    generate() and tail."""
     profile = {
         key: datapath[key].rounded()[0]
         for key in (
             "producer_cpu_s_per_GB", "reader_cpu_s_per_GB", "e0_producer_cpu_s_per_GB",
             "e0_reader_cpu_s_per_GB", "e0_cpu_s_per_GB", "raw_producer_cpu_s_per_GB",
-            "raw_reader_cpu_s_per_GB",
+            "raw_reader_cpu_s_per_GB", "copy_s_per_GB_over_raw", "writer_busy", "raw_writer_busy",
         )
     }  # fmt: skip
     keys = ["a_generate_s", "a0_generate_s", "a_tail_s", "a_prefix_cached_generate_s"]

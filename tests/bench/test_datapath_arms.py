@@ -38,6 +38,7 @@ def test_the_data_path_arm_delivers_every_byte(
     assert m["cpu_s"] == pytest.approx(m["producer_cpu_s"] + m["reader_cpu_s"])
     assert m["producer_cpu_s"] > 0 and m["reader_cpu_s"] > 0
     assert m["reader_rss_mib"] >= m["reader_pool_mib"]
+    assert 0 < m["post_s"] < m["seconds"]  # the writer's time inside its posts, this round
     assert (m["sender_checksum_s"] > 0) == (checksum != "none")
     assert (m["reader_verify_s"] > 0) == (checksum != "none")
     kind = {
@@ -59,6 +60,7 @@ def test_the_raw_and_example_arms_move_what_they_claim(tmp_path: Path) -> None:
         raw = bd.one_round("RawArm", N_REQ, TOKENS, 2 * nb + 1, 2, checks, acked)
         assert raw["bytes"] == N_REQ * nb * bd.BLOCK * bd.TOKEN_BYTES  # whole blocks, as the arm WRITEs them
         assert raw["cpu_s"] > 0 and raw["seconds"] > 0
+        assert 0 < raw["post_s"] < raw["seconds"]
         assert raw["acks"] == (N_REQ if acked else 0)  # every sample acknowledged before its round ends
     model = config_only_model(tmp_path / "wide-llama", bd.HIDDEN, num_layers=4)
     example = bd.one_round("ExampleArm", model, N_REQ, TOKENS, 2 * nb + 1)

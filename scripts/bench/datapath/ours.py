@@ -121,11 +121,17 @@ class OursArm:
 
     def round(self) -> dict[str, float]:
         self.rounds += 1
+        posted = self._post_s()
         t0, t_end, nbytes, producer_cpu, reader_cpu = self._take(self.n_req, f"r{self.rounds}-")
         return {
             "seconds": t_end - t0, "units": float(self.n_req * self.tokens), "nbytes": float(nbytes),
             "cpu_s": producer_cpu + reader_cpu, "producer_cpu_s": producer_cpu, "reader_cpu_s": reader_cpu,
+            "post_s": self._post_s() - posted,
         }  # fmt: skip
+
+    def _post_s(self) -> float:
+        """The time the sender's writer spent inside WRITE posts so far (the copy, here)."""
+        return float(sum(s.post_s for s in self.rank.worker.sender_stats()))
 
     def close(self) -> dict[str, float]:
         sender_stats = self.rank.worker.sender_stats()[0].as_dict()

@@ -131,7 +131,7 @@ class RawArm:
         offsets = ((k, bl * bb) for k, bl in enumerate(self._blocks(i)))
         return block_checksum(raw, offsets, lambda _j: [(0, bb)])  # whole blocks, as the arm WRITEs them
 
-    def _writes(self, n: int) -> tuple[float, float, float]:
+    def _writes(self, n: int) -> tuple[float, float, float, float]:
         sample_bytes = self.nb * self.block_bytes
         self.conn.send(("expect", n, sample_bytes))
         c0 = cpu_seconds()
@@ -139,13 +139,16 @@ class RawArm:
         live: list[Any] = []
         hashes = []
         unacked = 0  # samples WRITten whose blocks the target has not yet acknowledged
+        post_s = 0.0  # inside the posts: the copy, on this machine's shared-memory path
         end = self.next + n
         while self.next < end or live or unacked:
             while self.next < end and max(len(live), unacked) < self.in_flight:
                 if self._hasher is not None:
                     hashes.append(self._hasher.submit(self._hash, self.next))
-                slot = str(self.next % self.in_flight).encode()
-                live.append(self.t.write(self.peer, self.local, self.remote, self._spans(self.next), slot))
+                slot, spans = str(self.next % self.in_flight).encode(), self._spans(self.next)
+                t_post = time.perf_counter()
+                live.append(self.t.write(self.peer, self.local, self.remote, spans, slot))
+                post_s += time.perf_counter() - t_post
                 self.next += 1
                 unacked += self._acks is not None
             still = [x for x in live if not self.t.poll(x)]
@@ -161,16 +164,16 @@ class RawArm:
         for h in hashes:
             h.result()
         t_end, target_cpu = self.conn.recv()
-        return t_end - t0, cpu_seconds() - c0, target_cpu
+        return t_end - t0, cpu_seconds() - c0, target_cpu, post_s
 
     def round(self) -> dict[str, float]:
         acks_before = self.acks_seen
-        seconds, init_cpu, target_cpu = self._writes(self.n_req)
+        seconds, init_cpu, target_cpu, post_s = self._writes(self.n_req)
         return {
             "acks": float(self.acks_seen - acks_before),
             "seconds": seconds, "units": float(self.n_req * self.tokens),
             "nbytes": float(self.n_req * self.nb * self.block_bytes), "cpu_s": init_cpu + target_cpu,
-            "producer_cpu_s": init_cpu, "reader_cpu_s": target_cpu,
+            "producer_cpu_s": init_cpu, "reader_cpu_s": target_cpu, "post_s": post_s,
         }  # fmt: skip
 
     def close(self) -> dict[str, float]:

@@ -90,6 +90,14 @@ def _per_gb(r: Run) -> float:
     return r.cpu_s_per_gb
 
 
+def _post_per_gb(r: Run) -> float:
+    return r.detail["post_s"] / (r.nbytes / 1e9)
+
+
+def _busy(r: Run) -> float:
+    return r.detail["post_s"] / r.seconds
+
+
 def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
     """The ratios and rates the summary reads, from the pairs as measured."""
     d = measured["r"]
@@ -113,6 +121,11 @@ def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
         "xxh3_ceiling": measured["rc"].ratio(_gb),
         "xxh3_cpu_floor": measured["rc"].ratio(_per_gb),
         "acked_raw_over_raw": measured["ra"].ratio(_gb),
+        # d's parts: how much longer e's copies took per GB than r's (the posts, where this
+        # machine's shared-memory path copies), and the part of each round spent copying
+        "copy_s_per_GB_over_raw": d.ratio(_post_per_gb),
+        "writer_busy": d.each("a", _busy),
+        "raw_writer_busy": d.each("b", _busy),
     }
     for end in ("producer", "reader"):
         key = f"{end}_cpu_s"

@@ -658,7 +658,22 @@ def test_a_job_that_failed_while_its_write_was_posted_leaves_the_handle_to_the_s
     led.write_posting("a", 1.0, led.notification("a"))
     (f,) = led.freeze(["a"])  # preempted meanwhile
     assert f.xfer is None  # the handle does not exist yet
-    assert not led.write_started("a", object())  # the shell polls it to its end itself
+    assert not led.write_started("a", object(), 0.25)  # the shell polls it to its end itself
+    assert led.stats.post_s == 0.25  # the post's time counts whatever became of the job
+
+
+def test_the_time_inside_posts_is_counted_apart_from_the_writes_in_flight() -> None:
+    """``post_s`` (the transport's call, where a shared-memory WRITE copies) against
+    ``write_s`` (post to completion): a copy slowed down tells apart from a wait."""
+    led = ledger()
+    for rid, post_s in (("a", 0.125), ("b", 0.5)):
+        submit(led, rid)
+        to_granted(led, rid)
+        led.writes_due(1.0)
+        led.write_posting(rid, 1.0, led.notification(rid))
+        assert led.write_started(rid, object(), post_s)
+        led.write_completed(rid, PAGE, 2.0)
+    assert (led.stats.post_s, led.stats.write_s, led.stats.writes) == (0.625, 2.0, 2)
 
 
 def test_a_held_job_is_neither_requested_nor_hashed_until_released() -> None:
