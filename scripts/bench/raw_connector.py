@@ -11,6 +11,13 @@ post), nothing acknowledges a sample. The target (``raw_target``, in the bench's
 registers that pool and counts the notifications: a round ends when every prompt's has
 arrived, as a's ends when its reader took every sample.
 
+Held until acknowledged (the data path's arm ``ea``, the ceiling of d inside vLLM's
+engine): where ``kv_connector_extra_config`` names ``"acks"``, the receiving end of the
+target's acknowledgements registered under that name in ``ACKS`` (the harness runs the
+engine in the bench's own process), a finished prompt's blocks stay held (``request_finished``)
+until the target has acknowledged its WRITE's notification (``get_finished``, every step):
+the least any connector pays that keeps a sample's blocks until its reader has it.
+
 Bench code: the engine loads it with ``kv_connector_module_path``
 ``scripts.bench.raw_connector``; ``kv_connector_extra_config`` names the file the target
 wrote its NIXL metadata to (``raw_target``).
@@ -37,12 +44,18 @@ from kv_connector.wire.nixl_transport import NixlTransport
 from kv_connector.wire.transport import Region, Transfer
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+
+# the receiving ends of targets' acknowledgements, by the name a config gives as "acks"
+ACKS: dict[str, Connection] = {}
 
 
 @dataclass
@@ -60,6 +73,9 @@ class RawShipConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self._target_file = Path(ktc.kv_connector_extra_config["raw_target"])
+        acks = ktc.kv_connector_extra_config.get("acks")
+        self._acks = None if acks is None else ACKS[acks]  # None: nothing held
+        self.acked = 0  # prompts the target acknowledged so far (worker side)
         # scheduler side: each followed prompt's length and blocks so far
         self._prompts: dict[str, tuple[int, list[int]]] = {}
         # worker side
@@ -103,6 +119,9 @@ class RawShipConnector(KVConnectorBase_V1):
         for rid in scheduler_output.finished_req_ids:
             self._prompts.pop(rid, None)
         return out
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._acks is not None, None  # held: until the target acknowledged it
 
     def _complete(self, rid: str, computed: int, out: RawShips) -> None:
         length, blocks = self._prompts[rid]
@@ -157,6 +176,14 @@ class RawShipConnector(KVConnectorBase_V1):
             note = json.dumps({"request_id": rid, "at": self._at, "tokens": tokens, **self._block})
             self._queue.put((note.encode(), spans))
             self._at += len(blocks) * bb
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The prompts the target acknowledged since the last step (their blocks come free)."""
+        done: set[str] = set()
+        while self._acks is not None and self._acks.poll(0):
+            done.add(json.loads(self._acks.recv_bytes())["request_id"])
+        self.acked += len(done)
+        return done or None, None
 
     def _ship(self) -> None:
         """Posts each WRITE the steps queued and polls them to completion, on this one

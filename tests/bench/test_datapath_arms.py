@@ -63,6 +63,12 @@ def test_the_raw_and_example_arms_move_what_they_claim(tmp_path: Path) -> None:
         assert 0 < raw["post_s"] < raw["seconds"]
         assert raw["acks"] == (N_REQ if acked else 0)  # every sample acknowledged before its round ends
     model = config_only_model(tmp_path / "wide-llama", bd.HIDDEN, num_layers=4)
+    # ea: the raw connector in e's harness, each prompt's blocks held until the target's ack
+    pool = 2 * nb * bd.BLOCK * bd.TOKEN_BYTES
+    engine = bd.one_round("RawEngineArm", model, N_REQ, TOKENS, 2 * nb + 1, pool)
+    assert engine["bytes"] == N_REQ * nb * bd.BLOCK * bd.TOKEN_BYTES  # whole blocks
+    assert engine["tokens"] == N_REQ * TOKENS and engine["seconds"] > 0 and engine["cpu_s"] > 0
+    assert engine["acks"] == N_REQ  # every prompt's blocks came free at its ack, not before
     example = bd.one_round("ExampleArm", model, N_REQ, TOKENS, 2 * nb + 1)
     assert example["bytes"] == N_REQ * TOKENS * bd.TOKEN_BYTES
     assert example["tokens"] == N_REQ * TOKENS

@@ -21,7 +21,7 @@ def test_d_and_its_parts_come_from_the_same_pairs() -> None:
     # e's rounds: 0.5 s, 0.4 of it copying; r's: 0.4 s, 0.38 copying
     e_vs_r = Pairs([_round(0.5, 0.4)] * 3, [_round(0.4, 0.38)] * 3)
     other = Pairs([_round(0.5, 0.4)] * 3, [_round(0.5, 0.4)] * 3)
-    measured = {name: other for name in ("e0", "em", "b", "ex", "rc", "ra")}
+    measured = {name: other for name in ("e0", "em", "b", "ex", "rc", "ra", "ea")}
     out = _figures({"r": e_vs_r, **measured})
     assert out["d"].median == pytest.approx(0.8)
     assert out["copy_s_per_GB_over_raw"].median == pytest.approx(0.4 / 0.38)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from scripts.bench.datapath.example import ExampleArm
 from scripts.bench.datapath.ours import OursArm
 from scripts.bench.datapath.raw import RawArm
+from scripts.bench.datapath.raw_engine import RawEngineArm
 from scripts.bench.datapath.values import bench_values_check
 from scripts.bench.paired import Run
 
@@ -27,7 +28,9 @@ class Arm(Protocol):
 
 
 # the arms a child process builds by name (a spawned child gets the name, not the class)
-ARMS: dict[str, Callable[..., Arm]] = {"OursArm": OursArm, "ExampleArm": ExampleArm, "RawArm": RawArm}
+ARMS: dict[str, Callable[..., Arm]] = {
+    "OursArm": OursArm, "ExampleArm": ExampleArm, "RawArm": RawArm, "RawEngineArm": RawEngineArm,
+}  # fmt: skip
 # the functions ``isolated`` runs by name
 FUNCTIONS: dict[str, Callable[..., dict[str, float]]] = {"bench_values_check": bench_values_check}
 

@@ -1,5 +1,5 @@
 """The data-path pairings as ``make bench`` runs them: e (the default integrity record,
-fingerprints) against r, e0, em and b; ex (the diagnostic full hash, XXH3), rc and ra
+fingerprints) against r, e0, em and b; ex (the diagnostic full hash, XXH3), rc, ra and ea
 against r; each arm in a process of its own. ``main()`` returns the figures the summary reads
 (``scripts.bench.summary``)."""
 
@@ -45,12 +45,13 @@ def _start_arms(model: Path, n_req: int, tokens: int) -> dict[str, ArmProcess]:
         "r": ArmProcess("RawArm", n_req, tokens, num_blocks, 4),
         "rc": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, True),
         "ra": ArmProcess("RawArm", n_req, tokens, num_blocks, 4, False, True),
+        "ea": ArmProcess("RawEngineArm", model, n_req, tokens, num_blocks, pool),
         "b": ArmProcess("ExampleArm", model, n_req, tokens, num_blocks),
     }
 
 
 def _measure(arms: dict[str, ArmProcess], n_req: int, tokens: int, pairs: int) -> dict[str, Pairs]:
-    """e against r, e0, em and b in pairs; then ex, rc and ra against r."""
+    """e against r, e0, em and b in pairs; then ex, rc, ra and ea against r."""
     for arm in arms.values():
         arm.ready()
     say(f"arms ready; {pairs} pairs per ratio, {n_req} samples of {tokens} tokens a round")
@@ -68,6 +69,9 @@ def _measure(arms: dict[str, ArmProcess], n_req: int, tokens: int, pairs: int) -
     # e's ceiling: raw WRITEs whose blocks are reused only once the target has the sample
     measured["ra"] = run_pairs(arms["ra"].round, arms["r"].round, pairs)
     say(f"ra vs r: {[round(x, 3) for x in measured['ra'].ratio().values]}")
+    # the same inside vLLM's engine: e's harness and steps, a connector that only WRITEs and holds
+    measured["ea"] = run_pairs(arms["ea"].round, arms["r"].round, pairs)
+    say(f"ea vs r: {[round(x, 3) for x in measured['ea'].ratio().values]}")
     return measured
 
 
@@ -101,7 +105,7 @@ def _busy(r: Run) -> float:
 def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
     """The ratios and rates the summary reads, from the pairs as measured."""
     d = measured["r"]
-    e_runs = [r for name, p in measured.items() if name not in ("rc", "ex", "ra") for r in p.a]
+    e_runs = [r for name, p in measured.items() if name not in ("rc", "ex", "ra", "ea") for r in p.a]
     out: dict[str, Any] = {
         "d": d.ratio(_gb),
         "cpu_over_raw": d.ratio(_per_gb),
@@ -121,6 +125,7 @@ def _figures(measured: dict[str, Pairs]) -> dict[str, Any]:
         "xxh3_ceiling": measured["rc"].ratio(_gb),
         "xxh3_cpu_floor": measured["rc"].ratio(_per_gb),
         "acked_raw_over_raw": measured["ra"].ratio(_gb),
+        "engine_acked_raw_over_raw": measured["ea"].ratio(_gb),
         # d's parts: how much longer e's copies took per GB than r's (the posts, where this
         # machine's shared-memory path copies), and the part of each round spent copying
         "copy_s_per_GB_over_raw": d.ratio(_post_per_gb),
