@@ -1,9 +1,34 @@
-"""How the two vLLM arms (e: ours, b: vLLM's example connector) feed a harness rank."""
+"""How the vLLM arms (e: ours, b: vLLM's example connector, ea: the bench's raw connector)
+build and feed a harness rank."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
+
+import torch
+
+from scripts.bench.datapath.shape import BLOCK, LAYERS
+
+
+def harness_rank(
+    model_dir: Path,
+    connector_cls: type,
+    kv_transfer_config: dict[str, Any],
+    num_blocks: int,
+    metrics: bool = True,
+) -> tuple[Any, Any]:
+    """The vLLM worker for ``kv_transfer_config`` (keep it as long as the rank) and a
+    harness rank of ``connector_cls`` in every data-path arm's shape, its cache holding
+    random GPU-sized states."""
+    from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
+
+    cfg = engine_config(model_dir, LAYERS, kv_transfer_config)
+    worker = start_worker(cfg)
+    rank = ProducerRank(cfg, connector_cls, num_blocks=num_blocks, block_size=BLOCK, metrics=metrics)
+    rank.kv.copy_(torch.randn(rank.kv.shape, dtype=torch.bfloat16))
+    return worker, rank
 
 
 def drive(rank: Any, n_req: int, tokens: int, prefix: str = "q") -> float:

@@ -8,10 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from scripts.bench.datapath.drive import drive
-from scripts.bench.datapath.shape import BLOCK, LAYERS, TOKEN_BYTES
+from scripts.bench.datapath.drive import drive, harness_rank
+from scripts.bench.datapath.shape import TOKEN_BYTES
 from scripts.bench.paired import cpu_seconds
 
 
@@ -26,23 +24,15 @@ class ExampleArm:
     """b: vLLM's ExampleHiddenStatesConnector (made CPU-safe) into files on /dev/shm."""
 
     def __init__(self, model_dir: Path, n_req: int, tokens: int, num_blocks: int) -> None:
-        from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
-
         self.n_req, self.tokens = n_req, tokens
         self.out_dir = Path(tempfile.mkdtemp(prefix="hs-example-", dir="/dev/shm"))
         cls = _cpu_example_connector()
-        cfg = engine_config(
-            model_dir,
-            LAYERS,
-            {
-                "kv_connector": "ExampleHiddenStatesConnector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.out_dir)},
-            },
-        )
-        self._vllm_worker = start_worker(cfg)
-        self.rank = ProducerRank(cfg, cls, num_blocks=num_blocks, block_size=BLOCK)
-        self.rank.kv.copy_(torch.randn(self.rank.kv.shape, dtype=torch.bfloat16))
+        ktc = {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(self.out_dir)},
+        }
+        self._vllm_worker, self.rank = harness_rank(model_dir, cls, ktc, num_blocks)
         self.rounds = 0
         self._write(1, "warmup")
 

@@ -10,10 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from scripts.bench.datapath.drive import drive
-from scripts.bench.datapath.shape import BLOCK, LAYERS
+from scripts.bench.datapath.drive import drive, harness_rank
 from scripts.bench.paired import cpu_seconds, memory_mib
 
 
@@ -81,29 +78,20 @@ class OursArm:
         metrics: bool = True,
     ) -> None:
         from kv_connector.connector import HiddenStatesConnector
-        from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
-
         self.n_req, self.tokens, self.pool_bytes = n_req, tokens, pool_bytes
         ctx = mp.get_context("spawn")
         self.conn, b = ctx.Pipe()
         self.proc = ctx.Process(target=_reader_proc, args=(b, pool_bytes, metrics, checksum != "none"))
         self.proc.start()
         address = self.conn.recv()
-        cfg = engine_config(
-            model_dir,
-            LAYERS,
-            {
-                "kv_connector": "HiddenStatesConnector",
-                "kv_connector_module_path": "kv_connector.connector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"consumer_address": address, "checksum": checksum},
-            },
-        )
-        self._vllm_worker = start_worker(cfg)
-        self.rank = ProducerRank(
-            cfg, HiddenStatesConnector, num_blocks=num_blocks, block_size=BLOCK, metrics=metrics
-        )
-        self.rank.kv.copy_(torch.randn(self.rank.kv.shape, dtype=torch.bfloat16))
+        ktc = {
+            "kv_connector": "HiddenStatesConnector",
+            "kv_connector_module_path": "kv_connector.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"consumer_address": address, "checksum": checksum},
+        }
+        cls = HiddenStatesConnector
+        self._vllm_worker, self.rank = harness_rank(model_dir, cls, ktc, num_blocks, metrics)
         assert self.rank.worker.wait_connected(30)
         self.rounds = 0
         self._take(1, "warmup")  # connection set-up and first touch out of the timing

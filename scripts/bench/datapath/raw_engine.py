@@ -16,11 +16,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import torch
-
-from scripts.bench.datapath.drive import drive
+from scripts.bench.datapath.drive import drive, harness_rank
 from scripts.bench.datapath.raw import raw_target_proc
-from scripts.bench.datapath.shape import BLOCK, LAYERS, TOKEN_BYTES
+from scripts.bench.datapath.shape import BLOCK, TOKEN_BYTES
 from scripts.bench.paired import cpu_seconds
 
 
@@ -29,7 +27,6 @@ class RawEngineArm:
 
     def __init__(self, model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int) -> None:
         from scripts.bench import raw_connector
-        from scripts.support.vllm_harness import ProducerRank, engine_config, start_worker
 
         self.n_req, self.tokens = n_req, tokens
         self.sample_bytes = -(-tokens // BLOCK) * BLOCK * TOKEN_BYTES
@@ -44,19 +41,14 @@ class RawEngineArm:
         target.write_text(json.dumps({"metadata": md.hex(), "addr": addr, "nbytes": nbytes}))
         self._acks_name = f"ea-{uuid.uuid4().hex[:8]}"
         raw_connector.ACKS[self._acks_name] = acks
-        cfg = engine_config(
-            model_dir,
-            LAYERS,
-            {
-                "kv_connector": "RawShipConnector",
-                "kv_connector_module_path": "scripts.bench.raw_connector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"raw_target": str(target), "acks": self._acks_name},
-            },
-        )
-        self._vllm_worker = start_worker(cfg)
-        self.rank = ProducerRank(cfg, raw_connector.RawShipConnector, num_blocks=num_blocks, block_size=BLOCK)
-        self.rank.kv.copy_(torch.randn(self.rank.kv.shape, dtype=torch.bfloat16))
+        ktc = {
+            "kv_connector": "RawShipConnector",
+            "kv_connector_module_path": "scripts.bench.raw_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"raw_target": str(target), "acks": self._acks_name},
+        }
+        cls = raw_connector.RawShipConnector
+        self._vllm_worker, self.rank = harness_rank(model_dir, cls, ktc, num_blocks)
         # the connector wrote its agent's metadata beside the target's (``raw_connector``)
         self.conn.send(bytes.fromhex(target.with_suffix(".producer").read_text()))
         self.rounds = 0
