@@ -2,8 +2,11 @@
 digest as soon as it has landed (``Verify`` actions of the ledger), here, off the
 serving thread and off the user's (XXH3 releases the GIL while it hashes; a share of
 block digests, from a producer whose cache is on a GPU, is recomputed from the pool where
-it lies: ``pool_memory``), so that handing a sample out costs nothing per byte. Results go
-back to the ledger."""
+it lies: ``pool_memory``), so that handing a sample out costs nothing per byte. With
+``screen`` (the reader's sampled values screen), a fingerprinted share's rows are
+screened on the lines its check reads anyway (``pool_memory.fingerprint_screened``), and
+its hand-out reads nothing more unless they said to look closer. Results go back to the
+ledger."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 from kv_connector.common.device import on_device
 from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.pool_memory import PoolMemory
+from kv_connector.reader.pool_memory import PoolMemory, check_share
 from kv_connector.reader.records import Action, Verify
 
 log = logging.getLogger("kv_connector.reader.reader")
@@ -28,8 +31,10 @@ class ShareChecker:
         ledger: ReaderLedger,
         lock: threading.RLock,
         perform: Callable[[Iterable[Action]], None],
+        screen: bool = False,
     ) -> None:
         self._pool = pool
+        self._screen = screen
         self._ledger = ledger
         self._lock = lock
         self._perform = perform
@@ -62,7 +67,8 @@ class ShareChecker:
             assert page_bytes is not None
             base, manifest, blocks = s.pages.start * page_bytes, s.manifest, sorted(share.blocks)
         t0 = time.perf_counter()
-        got = self._pool.checksum(base, manifest, blocks, v.checksum)
+        got, screen = check_share(self._pool, base, manifest, blocks, v.checksum, self._screen)
         ok, seconds = got == v.digest, time.perf_counter() - t0
         with self._lock:
-            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, time.monotonic(), seconds))
+            now = time.monotonic()
+            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, now, seconds, screen))

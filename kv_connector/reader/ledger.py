@@ -16,11 +16,8 @@ goes through that table (``SampleRecord.move``, ``SampleBook.drop``), so a sampl
 moves where the drawing does not. The ledger decides which event happens, and when.
 
 Each rank's share is checked as soon as it has landed and its digest is known (``Verify``,
-carried out on the reader's checking thread), so a hand-out costs nothing per byte. A
-share's landings are numbered: a check of an older landing is ignored.
-
-A handed-out sample is remembered (``delivered``): a producer that resends it after a
-reconnect gets an Ack, never a second copy.
+on the reader's checking thread: a hand-out costs nothing per byte); a check of an older
+landing (they are numbered) is ignored.
 
 Invariants (tests name the one they prove):
   R1  No credit, no write: a producer may write a sample only into the run of pages
@@ -73,6 +70,7 @@ from kv_connector.reader.records import (
     Key,
     Log,
     RequireChecksum,
+    RowsScreen,
     SampleRecord,
     SampleState,
     Send,
@@ -166,11 +164,8 @@ class ReaderLedger:
 
     def ready(self, producer_id: str | None = None) -> list[Key]:
         """Samples complete and checked, not yet handed out (of ``producer_id``, if given)."""
-        return [
-            k
-            for k, s in self.samples.items()
-            if s.state is SampleState.VERIFIED and (producer_id is None or k[0] == producer_id)
-        ]
+        verified = (k for k, s in self.samples.items() if s.state is SampleState.VERIFIED)
+        return [k for k in verified if producer_id is None or k[0] == producer_id]
 
     def leases(self) -> list[SampleRecord]:
         """The samples on lease to the user, oldest first."""
@@ -186,8 +181,7 @@ class ReaderLedger:
 
     # ------------------------------------------------- the shells' own counts
     def refused_peer(self) -> None:
-        """The serving thread refused a peer's connection or notification (its protocol
-        error)."""
+        """The serving thread refused a peer's connection or notification (protocol error)."""
         self.stats.refused += 1
 
     def values_checked(self, seconds: float) -> None:
@@ -306,12 +300,19 @@ class ReaderLedger:
         return self._advance(s) if share.digest_came(msg.checksum) else []
 
     def share_checked(
-        self, key: Key, rank: int, landing: int, ok: bool, now: float, seconds: float = 0.0
+        self,
+        key: Key,
+        rank: int,
+        landing: int,
+        ok: bool,
+        now: float,
+        seconds: float = 0.0,
+        screen: RowsScreen | None = None,
     ) -> list[Action]:
-        """The result of a ``Verify`` (the check took ``seconds``): a share that matches is
-        checked; one that does not is written again or, past ``max_rewrites``, its sample
-        is refused (R5). A result for an older landing, or a sample gone meanwhile, is
-        ignored (its time still counts)."""
+        """A ``Verify``'s result (it took ``seconds``; ``screen``: its rows' values screen):
+        a share that matches is checked; one that does not is written again or, past
+        ``max_rewrites``, its sample is refused (R5). One for an older landing, or a sample
+        gone meanwhile, is ignored (its time still counts)."""
         self.stats.verify_s += seconds
         s = self.samples.get(key)
         share = s.shares.get(rank) if s is not None else None
@@ -319,7 +320,7 @@ class ReaderLedger:
             return []
         share.checking = None
         if ok:
-            share.checked = True
+            share.checked, share.screen = True, screen
             return self._advance(s)
         return self._mismatch(s, rank, now)
 

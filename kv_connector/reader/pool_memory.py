@@ -37,7 +37,8 @@ import torch
 from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
-from kv_connector.reader.values import find_bad_values
+from kv_connector.reader.records import RowsScreen
+from kv_connector.reader.values import find_bad_values, samples, screen_rows
 from kv_connector.wire import fingerprint
 from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
 from kv_connector.wire.integrity import sample_checksum
@@ -108,6 +109,12 @@ class PoolMemory(Protocol):
         the sample at byte ``base``, as ``kind`` says."""
         ...
 
+    def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
+        """A share's fingerprint (``checksum`` of kind ``FINGERPRINT``) and, where the
+        values screen samples (host memory, wide rows), the screen of the share's rows from
+        the lines its words were read in (``fingerprint_screened``); else None."""
+        ...
+
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
         """``reader.values.find_bad_values`` of the sample at ``base``: sampled in host
         memory unless ``full``, in full on a GPU (one pass where it lies)."""
@@ -144,6 +151,29 @@ def pool_checksum(pool: memoryview, base: int, m: Manifest, blocks: list[int], k
     return sample_checksum(pool, base, m, blocks)
 
 
+def fingerprint_screened(
+    states: torch.Tensor, m: Manifest, blocks: list[int]
+) -> tuple[int, RowsScreen | None]:
+    """A share's fingerprint from a sample's ``[T, L, H]`` view and the sampled values
+    screen of the share's rows on the same read: the line around each fingerprinted word
+    (a line is what the memory reads for a word anyway) instead of a screen that reads
+    lines of its own at hand-out. None for rows the screen reads whole."""
+    if not samples(states.shape[-1]):
+        return fingerprint.states_record(states, m, blocks), None
+    digest, lines = fingerprint.states_record_lines(states, m, blocks)
+    return digest, None if lines is None else screen_rows(lines)
+
+
+def check_share(
+    memory: PoolMemory, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum, screen: bool
+) -> tuple[int, RowsScreen | None]:
+    """A share's checksum of ``kind`` recomputed from ``memory``; with ``screen`` (the values
+    screen samples) and fingerprints, the screen of its rows read with it (``screened``)."""
+    if screen and kind is ShareChecksum.FINGERPRINT:
+        return memory.screened(base, m, blocks)
+    return memory.checksum(base, m, blocks, kind), None
+
+
 def run_of(tensor: torch.Tensor, base: int, m: Manifest) -> torch.Tensor:
     """The uint8 bytes of a sample's run in a pool tensor."""
     return tensor[base : base + m.geometry.sample_bytes(m.num_blocks)]
@@ -165,6 +195,9 @@ class HostPool:
 
     def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
         return pool_checksum(self._np.data, base, m, blocks, kind)
+
+    def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
+        return fingerprint_screened(sample_view(run_of(self.tensor, base, m), m), m, blocks)
 
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
         return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids, sample=not full)
@@ -258,6 +291,9 @@ class DevicePool:
             host = run.cpu()  # XXH3 reads host bytes: one copy of the sample
         return sample_checksum(host.numpy().data, 0, m, blocks)
 
+    def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
+        return self.checksum(base, m, blocks, ShareChecksum.FINGERPRINT), None  # screened whole, in one pass
+
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
         with self._side():
             return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids)
@@ -318,7 +354,9 @@ __all__ = [
     "HostPool",
     "PoolDeviceError",
     "PoolMemory",
+    "check_share",
     "device_of",
+    "fingerprint_screened",
     "make_pool",
     "pool_checksum",
     "register_pool",

@@ -39,10 +39,12 @@ import torch
 from kv_connector.reader import pull_batch
 from kv_connector.reader.lease import CopyBuffers, Lease, Sample
 from kv_connector.reader.pool import PagePool
-from kv_connector.reader.pool_memory import PoolMemory, device_of, make_pool, register_pool
+from kv_connector.reader.pool_memory import PoolMemory, check_share, device_of, make_pool, register_pool
 from kv_connector.reader.pull_fence import FenceReader, check_fences
 from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
 from kv_connector.reader.pull_pages import take_pages
+from kv_connector.reader.records import RowsScreen
+from kv_connector.reader.values import screened_clean
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.identity import decode_metadata
@@ -324,15 +326,22 @@ class PullClient:
             memory = self._memory
             assert memory is not None
             base = byte_of(p.pages)
+            sampled = self.check_values and not self.full_values_check  # the values screen samples
+            screens: list[RowsScreen] = []  # read with the fingerprints
             for s in p.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
-                if s.checksum is not None and memory.checksum(base, m, blocks, s.digest) != s.checksum:
+                if s.checksum is None:
+                    continue
+                got, screen = check_share(memory, base, m, blocks, s.digest, sampled)
+                screens += [] if screen is None else [screen]
+                if got != s.checksum:
                     raise FetchError(
                         "checksum",
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
                         f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
-            if self.check_values:
+            screened = len(screens) == len(p.shares) and screened_clean(screens, m.num_tokens, m.num_layers)
+            if self.check_values and not screened:
                 problem = memory.bad_values(base, m, self.full_values_check)
                 if problem is not None:
                     raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")

@@ -24,6 +24,7 @@ from kv_connector.reader.pool_memory import device_of, make_pool, register_pool
 from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
 from kv_connector.reader.server import ReaderServer, ServerParts, round_page
 from kv_connector.reader.stats import PoolState, ReaderStats
+from kv_connector.reader.values import screened_clean
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
 from kv_connector.wire.identity import decode_metadata
@@ -108,9 +109,10 @@ class ReaderConfig:
     ``check_values`` (default on): before handing a sample out, screen its states for
     NaN/Inf, tokens that are zero in every layer and captured layers that are zero at
     every token (``reader.values``, on the user's thread, in the ``get`` that reaches
-    it): on a host pool a sampled screen (a few elements at the start and the middle of
-    every row, about 0.4 ms for 64 MiB here, the whole sample looked at only where they
-    show something), on a GPU pool a full pass there; ``full_values_check`` reads every
+    it): on a host pool a sampled screen (a few elements of every row, about 0.4 ms for
+    64 MiB here, the whole sample looked at only where they show something; with
+    fingerprints, the lines the checking thread read for them, and the hand-out reads
+    nothing more of a clean sample), on a GPU pool a full pass there; ``full_values_check`` reads every
     value on the host too (about 8 ms for 64 MiB). A bad sample is logged by name and
     refused to its producer (``reject``), never handed out. ``check_values=False`` hands
     out what came, as it came.
@@ -254,6 +256,7 @@ class HiddenStatesReader:
             secret=secret,
             reader_id=self.reader_id,
             on_ready=self._ready.put,
+            screen=config.check_values and not config.full_values_check,
         )
         self._server = ReaderServer(parts)
         self._server.start()
@@ -413,6 +416,10 @@ class HiddenStatesReader:
                 return False
             assert rec.pages is not None and self._ledger.page_bytes is not None
             m, base = rec.manifest, rec.pages.start * self._ledger.page_bytes
+            screens = [sh.screen for sh in rec.shares.values() if sh.screen is not None]
+            with_checks = len(screens) == len(rec.shares) and not self._full_values_check
+        if with_checks and screened_clean(screens, m.num_tokens, m.num_layers):
+            return False  # screened on its checks' read, which saw nothing to look closer at
         t0 = time.perf_counter()
         problem = self._memory.bad_values(base, m, self._full_values_check)
         with self._lock:

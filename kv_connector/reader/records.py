@@ -21,6 +21,16 @@ from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 Key = tuple[str, str]  # (producer id, request id)
 
 
+@dataclass(frozen=True)
+class RowsScreen:
+    """The sampled values screen of a share's rows (``reader.values.screen_rows``):
+    ``suspect`` if a token's sampled values are non-finite or zero in every layer;
+    ``alive``, for each captured layer, whether a sampled value of it was non-zero."""
+
+    suspect: bool
+    alive: tuple[bool, ...]
+
+
 class RequireChecksum(enum.Enum):
     AUTO = "auto"  # from producers whose cache is in host memory (hashing it costs little)
     ALWAYS = "always"
@@ -81,6 +91,7 @@ class Share:
     early_digest: int | None = None  # a ShareDigest that came before its WriteDone
     checked: bool = False
     checking: int | None = None  # the landing being checked
+    screen: RowsScreen | None = None  # its rows' values screen, read with its check (fingerprints)
     in_flight: bool = False  # sent a Grant or Rewrite, its WriteDone not come yet (a fence owed)
 
     def land(self, msg: protocol.WriteDone) -> None:
@@ -88,6 +99,7 @@ class Share:
         came before it (``early_digest``). Each landing is numbered."""
         self.landing += 1
         self.landed, self.checked, self.checking, self.in_flight = True, False, None, False
+        self.screen = None
         self.digest, self.digest_due = msg.checksum, msg.digest_follows
         if msg.digest_follows and self.early_digest is not None:
             self.digest, self.digest_due, self.early_digest = self.early_digest, False, None

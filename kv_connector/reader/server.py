@@ -67,7 +67,8 @@ class _Conn:
 class ServerParts:
     """What the reader hands its serving thread: the listening socket, the transport and
     the pool's registration, the ledger and the lock the user's side shares with it, the
-    pool's memory, the shared secret, the reader's id, and where a ready sample goes."""
+    pool's memory, the shared secret, the reader's id, where a ready sample goes, and
+    whether fingerprinted shares are values-screened on their checks' read (``ShareChecker``)."""
 
     listen: socket.socket
     transport: Transport
@@ -78,6 +79,7 @@ class ServerParts:
     secret: bytes | None
     reader_id: str
     on_ready: Callable[[Key], None]
+    screen: bool = False
 
 
 class ReaderServer:
@@ -101,7 +103,7 @@ class ReaderServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._wake_lock = threading.Lock()
         self._released: queue.SimpleQueue[Key] = queue.SimpleQueue()
-        self._checker = ShareChecker(pool, ledger, lock, self.perform)
+        self._checker = ShareChecker(pool, ledger, lock, self.perform, parts.screen)
         self._fences = pool.fences  # lease ends waiting for a GPU's queued work
         self._device = pool.device
         self._last_lease_log = 0.0

@@ -17,13 +17,21 @@ an all-zero token has only zero sums; only the few tokens whose sums say so are 
 looked at exactly (a sum that overflowed or cancelled to zero is not reported), to name
 their layers. A sample without a fault waits for its device once (on a GPU each wait
 also hands the GIL back).
+
+Where the fingerprint's check reads a sample anyway (the default record, a host pool),
+the sampled screen runs on what that read brought: the 64-byte line around each word
+the fingerprint samples, one of every row, somewhere new from token to token
+(``screen_rows``, a share at a time; ``screened_clean`` over a sample's shares). Only
+where those lines show something does the hand-out look closer (``find_bad_values``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
+
+from kv_connector.reader.records import RowsScreen
 
 CHUNK_ELEMENTS = 1 << 22  # elements reduced at once (bounds the temporaries)
 SAMPLE_ELEMENTS = 32  # a sampled screen reads this many elements at the start and the middle of each row
@@ -45,7 +53,7 @@ def find_bad_values(
     something: a row of garbage, an all-zero token or layer is found as in full, a lone
     NaN in an element it does not read is not."""
     h = hidden_states.shape[-1] if hidden_states.dim() == 3 else 0
-    if sample and h > 4 * SAMPLE_ELEMENTS:
+    if sample and samples(h):
         mid = h // 2
         picked = torch.cat(
             [hidden_states[:, :, :SAMPLE_ELEMENTS], hidden_states[:, :, mid : mid + SAMPLE_ELEMENTS]], dim=2
@@ -53,6 +61,38 @@ def find_bad_values(
         if _find(picked, layer_ids) is None:
             return None
     return _find(hidden_states, layer_ids)
+
+
+def samples(hidden: int) -> bool:
+    """Whether a sampled screen samples rows of ``hidden`` values (else it reads them whole)."""
+    return hidden > 4 * SAMPLE_ELEMENTS
+
+
+def screen_rows(rows: torch.Tensor) -> RowsScreen:
+    """The sampled screen over ``rows`` ``[n, layers, k]``: ``k`` values of each of ``n``
+    tokens' rows in each layer, as the fingerprint's check read them
+    (``fingerprint.states_record_lines``: a line of every row, somewhere new from token to
+    token). One wait for the device."""
+    if rows.shape[0] == 0:
+        return RowsScreen(False, (False,) * rows.shape[1])
+    wide = None if rows.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
+    sums = rows.sum(dim=2) if wide is None else rows.to(wide).sum(dim=2)  # [n, L]
+    alive = (sums != 0).any(dim=0)
+    suspect = (~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)).any()
+    got = torch.cat([suspect.view(1), alive]).tolist()
+    return RowsScreen(got[0], tuple(got[1:]))
+
+
+def screened_clean(parts: Iterable[RowsScreen], num_tokens: int, num_layers: int) -> bool:
+    """True when the screens of a sample's shares (all of them) say what a sampled screen
+    of the whole sample would: no suspect token, and (two tokens or more) no captured layer
+    without a non-zero value. False asks for ``find_bad_values`` (it looks closer)."""
+    suspect, alive, seen = False, [False] * num_layers, False
+    for p in parts:
+        seen = True
+        suspect = suspect or p.suspect or len(p.alive) != num_layers
+        alive = [a or b for a, b in zip(alive, p.alive, strict=False)]
+    return seen and not suspect and (num_tokens < 2 or all(alive))
 
 
 def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:

@@ -42,6 +42,7 @@ from kv_connector.wire.protocol import Manifest
 
 TAG = b"kv_connector fingerprints v1"
 WORD = 8  # bytes
+LINE = 8  # words: a 64-byte line, what the memory reads for any one word of it
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (odd)
 
 _tables: dict[tuple[int, int, int], np.ndarray] = {}
@@ -102,6 +103,44 @@ def as_words(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int64)
 
 
+def _offsets(
+    words: torch.Tensor,
+    lead: tuple[np.ndarray, ...],
+    positions: np.ndarray,
+    seed: int | np.ndarray,
+    block_size: int,
+    last: int | np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled words' positions in their rows ``[n, layers]`` and their offsets in
+    ``words``'s storage (``gather``)."""
+    layers, row = words.shape[-2], words.shape[-1]
+    word = coordinates(seed, positions, layers, row, block_size, last)
+    strides = words.stride()
+    base = np.full(len(positions), words.storage_offset(), dtype=np.int64)
+    for idx, stride in zip(lead, strides, strict=False):
+        base += np.asarray(idx, dtype=np.int64) * stride
+    return word, word + base[:, None] + np.arange(layers, dtype=np.int64)[None, :] * strides[-2]
+
+
+def _read(words: torch.Tensor, index: np.ndarray, width: int = 1) -> torch.Tensor:
+    """The int64 words at storage offsets ``index`` (1-D) of ``words``, where they lie;
+    with ``width``, the ``width`` words from each (``[len(index), width]``): a gather of
+    whole rows where every offset is a multiple of ``width``, else of each word."""
+    storage = words.untyped_storage()
+    n = storage.nbytes() // WORD
+    aligned = width > 1 and not (index % width).any()
+    if width > 1 and not aligned:
+        index = (index[:, None] + np.arange(width, dtype=np.int64)).reshape(-1)
+    shape = (n // width, width) if aligned else (n,)
+    flat = torch.empty(0, dtype=torch.int64, device=words.device).set_(
+        storage, 0, shape, (width, 1)[-len(shape) :]
+    )
+    at = torch.from_numpy(index // width if aligned else index)
+    if flat.is_cuda:
+        at = at.pin_memory().to(flat.device, non_blocking=True)
+    return flat.index_select(0, at).view(-1, width) if width > 1 else flat.index_select(0, at)
+
+
 def gather(
     words: torch.Tensor,
     lead: tuple[np.ndarray, ...],
@@ -117,20 +156,31 @@ def gather(
     words' offsets in the tensor's storage are computed on the host; one 1-D gather
     reads them where they are. On a GPU the offsets go over from pinned memory, queued
     on the current stream: nothing waits for the device."""
-    layers, row = words.shape[-2], words.shape[-1]
-    word = coordinates(seed, positions, layers, row, block_size, last)
-    strides = words.stride()
-    base = np.full(len(positions), words.storage_offset(), dtype=np.int64)
-    for idx, stride in zip(lead, strides, strict=False):
-        base += np.asarray(idx, dtype=np.int64) * stride
-    word += base[:, None] + np.arange(layers, dtype=np.int64)[None, :] * strides[-2]
-    flat = torch.empty(0, dtype=torch.int64, device=words.device).set_(
-        words.untyped_storage(), 0, (words.untyped_storage().nbytes() // WORD,), (1,)
-    )
-    index = torch.from_numpy(word.reshape(-1))
-    if flat.is_cuda:
-        index = index.pin_memory().to(flat.device, non_blocking=True)
-    return flat.index_select(0, index).view(len(positions), layers)
+    _, offsets = _offsets(words, lead, positions, seed, block_size, last)
+    return _read(words, offsets.reshape(-1)).view(len(positions), words.shape[-2])
+
+
+def gather_lines(
+    words: torch.Tensor,
+    positions: np.ndarray,
+    seed: int | np.ndarray,
+    block_size: int,
+    last: int | np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather`` of a sample's ``[T, layers, words]`` with the ``LINE`` words around each
+    sampled one: ``(sampled [n, layers], lines [n, layers, LINE])``, the line aligned to
+    ``LINE`` words in its row (the last ``LINE`` words where the row's end comes first).
+    A line costs what its one word does to read (the memory moves whole cache lines),
+    and is a sample of the row's values spread over the row from token to token: the
+    values screen's (``reader.values.screen_rows``). Rows of at least ``LINE`` words."""
+    row = words.shape[-1]
+    if row < LINE:
+        raise ValueError(f"a row of {row} words is shorter than a line ({LINE})")
+    word, offsets = _offsets(words, (positions,), positions, seed, block_size, last)
+    within = word - np.minimum(word - word % LINE, row - LINE)  # the word's place in its line
+    lines = _read(words, (offsets - within).reshape(-1), LINE).view(len(positions), words.shape[-2], LINE)
+    pick = torch.from_numpy(within).to(lines.device, non_blocking=True)
+    return lines.gather(2, pick.unsqueeze(2)).squeeze(2), lines
 
 
 def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
@@ -166,3 +216,21 @@ def states_record(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> in
     g = m.geometry
     words = gather(as_words(states), (tokens,), tokens, seed_of(m.request_id), g.block_size, m.num_tokens - 1)
     return record(m, share, words)
+
+
+def states_record_lines(
+    states: torch.Tensor, m: Manifest, share: Iterable[int]
+) -> tuple[int, torch.Tensor | None]:
+    """``states_record``, and the lines around its sampled words ``[n, layers, k]`` in the
+    states' dtype (``gather_lines``; None for rows shorter than a line): one read of the
+    share's sampled lines for both the fingerprint and the values screen."""
+    share = sorted(share)
+    tokens = share_tokens(m, share)
+    w = as_words(states)
+    if w.shape[-1] < LINE:
+        return states_record(states, m, share), None
+    if not len(tokens):
+        empty = torch.zeros((0, m.num_layers, LINE), dtype=torch.int64, device=states.device)
+        return record(m, share, np.zeros((0, m.num_layers), dtype=np.int64)), empty.view(states.dtype)
+    sampled, lines = gather_lines(w, tokens, seed_of(m.request_id), m.geometry.block_size, m.num_tokens - 1)
+    return record(m, share, sampled), lines.view(states.dtype)

@@ -2,8 +2,9 @@
 this machine's CPU (docs/reliability.md's fault table): the producer's part (fingerprint
 words gathered from a cache's slots as a step writes them; XXH3 over a share's bytes in
 place; block digests with torch) and the reader's (the same record recomputed from a
-landed sample; the values screen over it). GPU-sized states: 4 captured layers x hidden
-4096, bf16, both block layouts; best of a few rounds, CPU seconds per GB of states.
+landed sample; the values screen over it, alone or on the lines the fingerprint reads).
+GPU-sized states: 4 captured layers x hidden 4096, bf16, both block layouts; best of a
+few rounds, CPU seconds per GB of states.
 
     python -m scripts.bench.integrity     # a few seconds; last line JSON
 """
@@ -35,6 +36,7 @@ def _best(fn: Callable[[], object], rounds: int = 5) -> float:
 def measure(tokens: int = 4096, layout: str = "TLH") -> dict[str, Any]:
     from kv_connector.producer.fingerprints import Fingerprints
     from kv_connector.producer.planning import BlockRecorder, StepSlice
+    from kv_connector.reader.pool_memory import fingerprint_screened
     from kv_connector.reader.values import find_bad_values
     from kv_connector.sender.cache_blocks import CacheBlocks
     from kv_connector.wire import fingerprint
@@ -79,6 +81,8 @@ def measure(tokens: int = 4096, layout: str = "TLH") -> dict[str, Any]:
             "values_screen": _best(lambda: find_bad_values(landed, list(range(LAYERS)))) / gb,
             "values_screen_sampled": _best(lambda: find_bad_values(landed, list(range(LAYERS)), sample=True))
             / gb,
+            # the default at a host pool: the fingerprint, and the screen on the lines it reads
+            "fingerprint_and_screen": _best(lambda: fingerprint_screened(landed, m, js)) / gb,
         },
     }
     for end in ("producer_cpu_s_per_GB", "reader_cpu_s_per_GB"):

@@ -15,7 +15,8 @@ READs: HOW "released" or "reassigned"; prints "ending"), "quit". The spec's "fen
 (default true) is the servers' option. The spec's "checksum" is the connector's
 option ("auto" by default), resolved per rank as the connector does; a sample's
 fingerprint words are taken when it is held, as the worker side takes them in the step
-that wrote its slots."""
+that wrote its slots. A sample's "before" (a fault's kind) is applied before that: states
+the step itself wrote bad."""
 
 from __future__ import annotations
 
@@ -98,6 +99,9 @@ def main() -> int:
     cache = make_cache(
         layout, spec["num_cache_blocks"], spec["seed"], finite=True, pad_bytes=spec.get("pad_bytes", 0)
     )
+    for s in spec["samples"]:  # states bad from the start ("before": a fault's kind): the step wrote them so
+        if s.get("before"):
+            fault(cache, layout, spec["samples"], s["request_id"], s["before"])
     world = spec.get("world_size", 1)
     producer_id = spec.get("producer_id", "producer")
     checksum = ChecksumOption(spec.get("checksum", "auto")).resolve(cache.is_cuda, layout)

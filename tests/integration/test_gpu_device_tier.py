@@ -73,8 +73,12 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
         # where a pushed sample's time went: both ends' stages, the integrity work among them
         stages = c["push"]["stages_ms_a_sample"]
         assert set(stages) == {
-            "grant_wait_s_ms", "write_s_ms", "ack_wait_s_ms", "checksum_s_ms",
-            "reader_verify_s_ms", "reader_values_check_s_ms",
+            "grant_wait_s_ms",
+            "write_s_ms",
+            "ack_wait_s_ms",
+            "checksum_s_ms",
+            "reader_verify_s_ms",
+            "reader_values_check_s_ms",
         }, stages
         assert stages["write_s_ms"] > 0 and stages["reader_verify_s_ms"] > 0, stages
         assert stages["reader_values_check_s_ms"] > 0 and min(stages.values()) >= 0, stages

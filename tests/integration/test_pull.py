@@ -581,3 +581,41 @@ def test_a_layer_zeroed_over_a_whole_sample_is_caught_by_the_values_screen_witho
             client.fetch(p.handles["req-0"])
         assert e.value.code == "values" and "req-0" in e.value.message
         assert client.fetch(p.handles["req-1"]).request_id == "req-1"
+
+
+def test_with_fingerprints_a_wide_samples_values_are_screened_on_the_lines_its_checks_read(
+    producers: list[Producer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default record (fingerprints) and rows wide enough for the screen to sample: each
+    share's rows are screened on the lines its check reads, so a good sample is handed out
+    without another read of it, and states the step wrote bad (a layer zero over the whole
+    sample, zero tokens) are refused by name, the screen looking closer where they showed."""
+    from kv_connector.reader import pool_memory
+
+    looked_closer: list[int] = []
+    real_check = pool_memory.find_bad_values
+
+    def values_check(*args: Any, **kw: Any) -> Any:
+        looked_closer.append(1)
+        return real_check(*args, **kw)
+
+    monkeypatch.setattr(pool_memory, "find_bad_values", values_check)
+    wide = BlockLayout("TLH", 16, 3, 256, "bfloat16")
+    samples = [*faulted_spec(wide), {"request_id": "req-2", "num_tokens": 20, "block_ids": [5, 6]}]
+    samples[0]["before"], samples[1]["before"] = "layer", "tail"
+    p = Producer(spec_of(wide, samples))
+    producers.append(p)
+    cache = make_cache(wide, NUM_CACHE_BLOCKS, SEED, finite=True)
+    with PullClient() as client:
+        got = client.fetch(p.handles["req-2"])
+        assert torch.equal(got.hidden_states, expected_states(cache, wide, [5, 6], 20))
+        assert looked_closer == []  # screened on the checks' read alone
+        got.release()
+        for rid, why in (
+            ("req-0", f"captured layer ids {LAYER_IDS[1]} all zero at every one of the 37"),
+            ("req-1", "all zero in"),
+        ):
+            with pytest.raises(FetchError) as e:
+                client.fetch(p.handles[rid])
+            assert e.value.code == "values" and why in e.value.message, e.value.message
+        assert len(looked_closer) == 2

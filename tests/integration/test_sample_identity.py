@@ -30,11 +30,15 @@ CACHE_BLOCKS = 32
 
 
 def run(
-    reader: HiddenStatesReader, samples: list[dict[str, Any]], n: int, layout: BlockLayout = LAYOUT
+    reader: HiddenStatesReader,
+    samples: list[dict[str, Any]],
+    n: int,
+    layout: BlockLayout = LAYOUT,
+    kind: str = "xxh3",
 ) -> tuple[dict[str, Sample], Any]:
     proc = start_sender(
         dict(address=reader.address, layout=layout_dict(layout), num_cache_blocks=CACHE_BLOCKS, seed=5,
-             finite=True, samples=samples)
+             finite=True, samples=samples, kind=kind)
     )  # fmt: skip
     got: dict[str, Sample] = {}
     try:
@@ -124,3 +128,31 @@ def test_without_check_values_the_library_hands_bad_states_out() -> None:
     with HiddenStatesReader(pool_bytes=1 << 20, check_values=False) as reader:
         got, res = run(reader, samples, 1)
     assert res["rc"] == 0 and bool(got["nan-1"].hidden_states.float().isnan().any())
+
+
+def test_with_fingerprints_the_screen_reads_the_lines_the_checks_read_and_misses_nothing_it_caught() -> None:
+    """The default record (fingerprints) and wide rows: each share's rows are screened on
+    the lines its check reads on the checking thread, so a good sample's hand-out reads
+    nothing more (no values-check time), and every fault the sampled screen catches is
+    still refused by name (the hand-out then looks closer); a NaN it does not read is not."""
+    good = [{"request_id": f"good-{i}", "num_tokens": 20, "block_ids": [2 * i, 2 * i + 1]} for i in (1, 2)]
+    with HiddenStatesReader(pool_bytes=4 << 20) as reader:
+        got, res = run(reader, good, 2, WIDE, kind="fingerprint")
+        stats = reader.stats()
+    assert sorted(got) == ["good-1", "good-2"] and res["rc"] == 0
+    assert stats.verify_s > 0 and stats.values_check_s == 0
+    samples = [
+        {"request_id": "good-1", "num_tokens": 20, "block_ids": [1, 2]},
+        {"request_id": "nan-2", "num_tokens": 20, "block_ids": [3, 4], "poison": "nan"},
+        {"request_id": "zero-3", "num_tokens": 20, "block_ids": [5, 6], "poison": "zero"},
+        {"request_id": "layer-4", "num_tokens": 20, "block_ids": [7, 8], "poison": "layer"},
+        {"request_id": "far-5", "num_tokens": 20, "block_ids": [9, 10], "poison": "nan-far"},
+    ]
+    with HiddenStatesReader(pool_bytes=4 << 20) as reader:
+        got, res = run(reader, samples, 2, WIDE, kind="fingerprint")
+        stats = reader.stats()
+    assert sorted(got) == ["far-5", "good-1"] and bool(got["far-5"].hidden_states.float().isnan().any())
+    assert "NaN/Inf at 1 of 20 tokens: token 0 (layer ids 0)" in res["failed"]["nan-2"]
+    assert "all zero in every layer: token 0" in res["failed"]["zero-3"]
+    assert "captured layer ids 1 all zero at every one of the 20 tokens" in res["failed"]["layer-4"]
+    assert stats.refused == 3 and stats.values_check_s > 0

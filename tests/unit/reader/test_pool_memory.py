@@ -19,6 +19,7 @@ from kv_connector.reader.pool_memory import (
     Fences,
     HostPool,
     PoolDeviceError,
+    check_share,
     device_of,
     make_pool,
     run_of,
@@ -210,3 +211,47 @@ def test_a_reader_or_client_asked_for_a_gpu_pool_without_cuda_is_refused_before_
         HiddenStatesReader(pool_device="cuda")
     with pytest.raises(PoolDeviceError, match="needs CUDA"):
         PullClient(pool_device="cuda:0")
+
+
+@pytest.mark.parametrize("layout", ["LTH", "TLH"])
+def test_a_host_pool_screens_a_fingerprinted_share_on_the_lines_its_check_reads(layout: str) -> None:
+    g = BlockLayout(layout, 16, 3, 256, "bfloat16")  # type: ignore[arg-type]
+    m = protocol.Manifest(
+        request_id="r",
+        token_ids=list(range(40)),
+        layer_ids=[2, 5, 7],
+        geometry=g,
+        num_blocks=g.blocks_for(40),
+    )
+    host, dev = both_pools(m)
+    finite = torch.randn(
+        m.geometry.sample_bytes(m.num_blocks) // 2, generator=torch.Generator().manual_seed(1)
+    )
+    for pool in (host, dev):  # bfloat16 values (random bits would hold NaNs)
+        run_of(pool.tensor, BASE, m).copy_(finite.to(torch.bfloat16).view(torch.uint8))
+    for share in ([0, 1, 2], [1]):
+        digest, screen = host.screened(BASE, m, share)
+        assert digest == host.checksum(BASE, m, share, ShareChecksum.FINGERPRINT)
+        assert screen is not None and not screen.suspect and all(screen.alive)
+        # a GPU's pool screens the whole sample in one pass at hand-out: no screen here
+        assert dev.screened(BASE, m, share) == (digest, None)
+        assert (
+            check_share(host, BASE, m, share, ShareChecksum.XXH3, True)[1] is None
+        )  # only with fingerprints
+        assert check_share(host, BASE, m, share, ShareChecksum.FINGERPRINT, False) == (digest, None)
+    sample_view(run_of(host.tensor, BASE, m), m)[20].zero_()  # a token of block 1, zero in every layer
+    assert host.screened(BASE, m, [0])[1] == screen_rows_of(host, m, [0])
+    suspect = host.screened(BASE, m, [1])[1]
+    assert suspect is not None and suspect.suspect
+    narrow = manifest("TLH", "bfloat16", 40)  # rows the screen reads whole
+    assert both_pools(narrow)[0].screened(BASE, narrow, [0, 1, 2])[1] is None
+
+
+def screen_rows_of(pool: HostPool, m: protocol.Manifest, share: list[int]) -> object:
+    """The screen of a share's lines, taken apart from the check (what ``screened`` gives)."""
+    from kv_connector.reader.values import screen_rows
+    from kv_connector.wire import fingerprint
+
+    _, lines = fingerprint.states_record_lines(sample_view(run_of(pool.tensor, BASE, m), m), m, share)
+    assert lines is not None
+    return screen_rows(lines)

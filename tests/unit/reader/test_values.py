@@ -119,3 +119,36 @@ def test_the_sampled_screen_finds_what_a_bad_row_shows(layout: str, dtype: torch
     lone[3, 0, 300] = float("nan")  # between the two runs it reads
     assert find_bad_values(lone, LAYER_IDS) is not None
     assert find_bad_values(lone, LAYER_IDS, sample=True) is None
+
+
+def lines_of(hs: torch.Tensor) -> torch.Tensor:
+    """32 values of every row (what a fingerprint's line read gives the screen)."""
+    return hs[:, :, 64:96]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_screen_of_rows_read_with_the_checks_says_what_the_sampled_screen_would(
+    dtype: torch.dtype,
+) -> None:
+    hs = states("TLH", dtype, t=40, hidden=256)
+    halves = [values.screen_rows(lines_of(hs[:20])), values.screen_rows(lines_of(hs[20:]))]
+    assert values.screened_clean(halves, 40, 3) and find_bad_values(hs, LAYER_IDS, sample=True) is None
+    bad = {
+        "NaN": lambda x: x[7, 1, 70:71].fill_(float("nan")),
+        "zero token": lambda x: x[33].zero_(),
+        "zero layer": lambda x: x[:, 2].zero_(),
+    }
+    for name, spoil in bad.items():
+        x = hs.clone()
+        spoil(x)
+        parts = [values.screen_rows(lines_of(x[:20])), values.screen_rows(lines_of(x[20:]))]
+        assert not values.screened_clean(parts, 40, 3), name
+        assert find_bad_values(x, LAYER_IDS) is not None, name  # what it then asks to look closer at
+    one = states("TLH", dtype, t=1, hidden=256)
+    one[0, 2].zero_()  # one token, one zero layer: not a dead layer
+    assert values.screened_clean([values.screen_rows(lines_of(one))], 1, 3)
+    # a share without tokens says nothing; a screen of other layers' count is not taken
+    empty = values.screen_rows(lines_of(hs[:0]))
+    assert not empty.suspect and empty.alive == (False,) * 3
+    assert values.screened_clean([*halves, empty], 40, 3)
+    assert not values.screened_clean([values.screen_rows(lines_of(hs[:, :2]))], 40, 3)

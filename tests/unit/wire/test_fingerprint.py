@@ -18,6 +18,7 @@ from kv_connector.sender.cache_blocks import CacheBlocks, Share
 from kv_connector.wire import fingerprint
 from kv_connector.wire.identity import NO_IDENTITY
 from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.protocol import Manifest
 
 LAYOUTS = [BlockLayout("LTH", 16, 3, 32, "float32"), BlockLayout("TLH", 16, 4, 64, "bfloat16")]
 IDS = ["LTH-f32", "TLH-bf16"]
@@ -217,3 +218,55 @@ def test_a_steps_ships_share_one_gather_and_a_sample_that_fails_fails_alone(layo
             states_of(cache, layout, table, TOKENS), s.manifest, s.share
         )
     assert len(fp) == 0  # every one forgotten, the failed one too
+
+
+@pytest.mark.parametrize("hidden", [16, 64, 100])  # bf16 rows of 4, 16 and 25 words
+@pytest.mark.parametrize("layout", ["TLH", "LTH"])
+def test_a_lines_gather_reads_the_aligned_line_around_each_sampled_word(layout: str, hidden: int) -> None:
+    """``gather_lines`` gives ``gather``'s words, each inside the ``LINE`` words of its row
+    that it reads with it: aligned to a line in the row, the row's last line at its end."""
+    g = BlockLayout(layout, 16, 3, hidden, "bfloat16")  # type: ignore[arg-type]
+    cache = cache_of(g)
+    states = states_of(cache, g, [5, 2, 9, 0], TOKENS)
+    if layout == "LTH":  # the same values as a strided view, as a pool's LTH sample is
+        states = states.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    words = fingerprint.as_words(states)
+    row = words.shape[-1]
+    positions = np.arange(TOKENS, dtype=np.int64)
+    if row < fingerprint.LINE:
+        with pytest.raises(ValueError, match="shorter than a line"):
+            fingerprint.gather_lines(words, positions, 7, 16, TOKENS - 1)
+        return
+    sampled, lines = fingerprint.gather_lines(words, positions, 7, 16, TOKENS - 1)
+    assert torch.equal(sampled, fingerprint.gather(words, (positions,), positions, 7, 16, TOKENS - 1))
+    at = fingerprint.coordinates(7, positions, g.num_layers, row, 16, TOKENS - 1)
+    for t in range(TOKENS):
+        for k in range(g.num_layers):
+            start = min(at[t, k] - at[t, k] % fingerprint.LINE, row - fingerprint.LINE)
+            assert torch.equal(lines[t, k], words[t, k, start : start + fingerprint.LINE])
+
+
+def test_a_shares_record_from_lines_is_its_record_and_its_lines_are_its_states() -> None:
+    g = LAYOUTS[1]
+    states = states_of(cache_of(g), g, [5, 2, 9, 0], TOKENS)
+    m = manifest_of(g, TOKENS)
+    for share in ([0, 1, 2, 3], [1, 3], []):
+        digest, lines = fingerprint.states_record_lines(states, m, share)
+        assert digest == fingerprint.states_record(states, m, share)
+        assert lines is not None and lines.dtype == states.dtype
+        assert lines.shape == (len(fingerprint.share_tokens(m, share)), g.num_layers, 32)
+    narrow = BlockLayout("TLH", 16, 3, 8, "bfloat16")  # rows of 2 words: no line
+    small = states_of(cache_of(narrow), narrow, [5, 2, 9, 0], TOKENS)
+    digest, lines = fingerprint.states_record_lines(small, manifest_of(narrow, TOKENS), [0, 1])
+    assert lines is None and digest == fingerprint.states_record(small, manifest_of(narrow, TOKENS), [0, 1])
+
+
+def manifest_of(g: BlockLayout, total: int) -> Manifest:
+    layer_ids = list(range(1, g.num_layers + 1))
+    return Manifest(
+        request_id="r",
+        token_ids=list(range(total)),
+        layer_ids=layer_ids,
+        geometry=g,
+        num_blocks=-(-total // 16),
+    )
