@@ -81,7 +81,14 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
             "reader_values_check_s_ms",
         }, stages
         assert stages["write_s_ms"] > 0 and stages["reader_verify_s_ms"] > 0, stages
-        assert stages["reader_values_check_s_ms"] > 0 and min(stages.values()) >= 0, stages
+        # the values screen: a host pool's runs on the lines its fingerprint check reads (in
+        # verify: a clean sample's hand-out reads nothing more), a device pool's in one pass
+        # at hand-out
+        if name == "nixl":
+            assert stages["reader_values_check_s_ms"] == 0, stages
+        else:
+            assert stages["reader_values_check_s_ms"] > 0, stages
+        assert min(stages.values()) >= 0, stages
         assert any("remote memory write" in op for op in c["ucx_transports"]), c["ucx_transports"]
         assert all(ts for ts in c["ucx_transports"].values())
 
