@@ -30,14 +30,15 @@ class ReaderStats:
     ``refused_unchecked`` (a required checksum missing) and ``refused_timeout`` (not
     complete by its deadline); dropped: samples discarded before they were handed out
     (refused after their rewrites, or their producer gone or gave up); copy_s: copying
-    samples out of the pool; verify_s: checking shares against their checksums;
+    samples out of the pool; verify_s: checking shares against their checksums (with
+    fingerprints on a host pool, the values screen of their rows included);
     checksum_mismatches: shares that failed; resends_acked: resends of samples already
     delivered, acknowledged without a copy; handout_latency: from a sample's first
     credit request to its hand-out (pages, transfer, check, and the user's ``get``);
     first_request_t / last_handout_t: when the first credit request came and the last
     sample was handed out (``time.monotonic()``; 0.0: not yet), the run's active window;
     peak_pages_used: the most pool pages ever held at once; values_check_s: checking
-    samples' states for NaN/Inf and all-zero tokens (``check_values``).
+    samples' states for NaN/Inf and all-zero tokens at hand-out (``check_values``).
     """
 
     samples: int = 0
