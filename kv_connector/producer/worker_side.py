@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kv_connector.common.amx import request_amx
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.idle_steps import doorbell
 from kv_connector.producer.mode import RankCache, WorkerMode
@@ -56,6 +57,7 @@ class WorkerSide:
     def __init__(
         self, vllm_config: VllmConfig, options: ConnectorOptions, producer_id: str, layer_ids: list[int]
     ) -> None:
+        request_amx()  # before this worker's first forward, where the vLLM plugin did not run
         self.vllm_config = vllm_config
         self.options = options
         self.producer_id = producer_id
