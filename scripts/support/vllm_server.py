@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kv_connector.datagen.httpclient import Server as Http
+from scripts.support.deaths import FAULT_ENV, explain
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_DEADLINE_S = 420.0
@@ -37,12 +38,15 @@ class ServerFailed(RuntimeError):
     """The server exited, or was not healthy in time; the message ends with its log's tail."""
 
 
-def tail(path: Path, n: int = 6000) -> str:
-    """The last ``n`` characters of a log ("" if it cannot be read)."""
+def tail(path: Path, n: int = 6000, returncode: int | None = None) -> str:
+    """The last ``n`` characters of a log ("" if it cannot be read), then how any of
+    vLLM's processes died (the server's own ``returncode`` too, where given)."""
     try:
-        return path.read_text(errors="replace")[-n:]
+        text = path.read_text(errors="replace")
     except OSError:
         return ""
+    why = explain(text, returncode, "server")
+    return text[-n:] + (f"\n{why}" if why else "")
 
 
 def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
@@ -100,7 +104,7 @@ class VllmServer:
             "--kv-transfer-config", json.dumps(kv_transfer_config),
             "--uds", str(self.socket_path), *args,
         ]  # fmt: skip
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(env or {})}
         self.stop_timeout_s = stop_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.t0 = 0.0
@@ -149,7 +153,7 @@ class VllmServer:
         return str(self.http.get_text("/metrics"))
 
     def tail(self, n: int = 6000) -> str:
-        return tail(self.log, n)
+        return tail(self.log, n, self.proc.poll() if self.proc is not None else None)
 
     def stop(self) -> None:
         """SIGTERM, then (after ``stop_timeout_s``) SIGKILL to its whole process group; returns

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kv_connector.reader import HiddenStatesReader, Sample
+from scripts.support.deaths import FAULT_ENV, explain
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,13 +87,15 @@ def run_producer(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(env or {})},
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
     result["rc"] = proc.returncode
     result["stderr"] = proc.stderr
     result["log"] = proc.stdout + proc.stderr  # vLLM's log lines (and ours) go to stdout
+    if why := explain(result["log"], proc.returncode, "producer"):
+        print(why)
     return result
 
 
@@ -102,7 +105,7 @@ def start_producer(spec: dict[str, Any], env: dict[str, str] | None = None) -> s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(env or {})},
     )
 
 
@@ -128,7 +131,8 @@ def run_and_collect(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0 and len(got) == n, (proc.returncode, len(got), err[-5000:], out[-3000:])
+    why = explain(out + err, proc.returncode, "producer")
+    assert proc.returncode == 0 and len(got) == n, (proc.returncode, why, len(got), err[-5000:], out[-3000:])
     result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
     with pytest.raises(TimeoutError):
         extra = reader.get(timeout=1.0)

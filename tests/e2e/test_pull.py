@@ -19,6 +19,7 @@ import pytest
 
 from kv_connector.reader.pull import FetchError, PullClient
 from kv_connector.wire.handle import decode_handle
+from scripts.support.deaths import FAULT_ENV, explain
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -36,7 +37,7 @@ class PullProducer:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO)},
         )
         self.lines: list[str] = []  # what it printed besides its JSON lines (vLLM's log, ours)
 
@@ -80,14 +81,18 @@ class PullProducer:
         raise AssertionError(f"producer died: {self.stop()[-5000:]}")
 
     def stop(self) -> str:
+        """Its output since the last answer, ending with how it or its workers died."""
         if self.proc.poll() is not None:
-            return self.proc.stderr.read() if self.proc.stderr else ""
-        try:
-            out, err = self.proc.communicate("quit\n", timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate()
-        return "".join(self.lines) + out + err
+            log = "".join(self.lines) + (self.proc.stderr.read() if self.proc.stderr else "")
+        else:
+            try:
+                out, err = self.proc.communicate("quit\n", timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+            log = "".join(self.lines) + out + err
+        why = explain(log, self.proc.returncode, "producer")
+        return log + (f"\n{why}" if why else "")
 
 
 def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_connector.wire.layout import BlockLayout
+from scripts.support.deaths import FAULT_ENV, explain
 
 if TYPE_CHECKING:
     from kv_connector.reader import HiddenStatesReader, Sample
@@ -165,10 +166,11 @@ def run_json_main(script: str, *args: str, timeout: float = 300) -> dict[str, An
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}),
+        env=child_env({"OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO)}),
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-4000:], proc.stdout[-2000:])
+    why = explain(proc.stdout + proc.stderr, proc.returncode, script)
+    assert proc.returncode == 0 and lines, (proc.returncode, why, proc.stderr[-4000:], proc.stdout[-2000:])
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 

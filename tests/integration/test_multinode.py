@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from kv_connector.wire.layout import stripe
+from scripts.support.deaths import FAULT_ENV, explain
 from scripts.support.harness_rank import sample_states, sample_tokens
 from scripts.support.netns import Cluster, NetnsUnavailable, Node, check_available
 from scripts.support.vllm_harness import config_only_model, file_store_init_method
@@ -94,6 +95,7 @@ def start_ranks(
                     **SECRET,
                     "PYTHONPATH": str(REPO),
                     "OMP_NUM_THREADS": "1",
+                    **FAULT_ENV,
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 },
             )
@@ -109,7 +111,8 @@ def succeeded(proc: subprocess.Popen[str], timeout: float) -> None:
         proc.kill()
         _, err = proc.communicate()
         raise AssertionError(f"process timed out:\n{(err or '')[-3000:]}") from None
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{(err or '')[-4000:]}"
+    why = explain(err or "", proc.returncode, "harness rank")
+    assert proc.returncode == 0, f"rc={proc.returncode} {why}\n{(err or '')[-4000:]}"
 
 
 def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 400) -> list[dict[str, Any]]:
@@ -122,7 +125,8 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 400) -> list[d
             stdout, stderr = p.communicate()
             raise AssertionError(f"process timed out:\n{stderr[-3000:]}") from None
         lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-        assert p.returncode == 0 and lines, f"rc={p.returncode}\n{stderr[-4000:]}"
+        why = explain(stderr, p.returncode, "harness rank")
+        assert p.returncode == 0 and lines, f"rc={p.returncode} {why}\n{stderr[-4000:]}"
         out.append(json.loads(lines[-1]))
     return out
 
