@@ -72,13 +72,18 @@ def per_sample(e: BaseException) -> bool:
 
 
 def file_metadata(sample: Sample) -> dict[str, str]:
-    return {
+    """A sample's file header: who it is, its layers, and what produced it (where its
+    producer said: vLLM version, model runner, model, revision)."""
+    meta = {
         "request_id": sample.request_id,
         "producer_id": sample.producer_id,
         "sample_id": sample.sample_id,
         "metadata": json.dumps(sample.metadata, separators=(",", ":"), ensure_ascii=False),
         "layer_ids": ",".join(str(i) for i in sample.layer_ids),
     }
+    if sample.provenance is not None:
+        meta.update(sample.provenance.as_dict())
+    return meta
 
 
 def write_sample(

@@ -24,6 +24,7 @@ from kv_connector.wire.identity import SampleIdentity
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.outcome import SampleStatus
 from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.provenance import Provenance
 
 if TYPE_CHECKING:
     from kv_connector.producer.step_stats import MetricsSource
@@ -42,6 +43,7 @@ class RankCache:
     checksum: ShareChecksum | None  # how each share's integrity record is taken
     # rings the scheduler side's doorbell (``idle_steps``): a sample's outcome is news for the next step
     news: Callable[[], None] = lambda: None
+    provenance: Provenance | None = None  # what produced the samples (``wire.provenance``)
 
 
 @dataclass

@@ -47,6 +47,7 @@ class PullWorker:
             options.pull_timeout_s,
             checksum=rc.checksum,
             on_release=rc.news,
+            provenance=rc.provenance,
         )
         self._reported = False  # its endpoint was reported to the scheduler
 

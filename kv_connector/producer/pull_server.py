@@ -38,6 +38,7 @@ from kv_connector.wire.control import ConnectionClosed, FramedConnection, format
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
+from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import Region, Transport
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class PullServer:
         clock: Callable[[], float] = time.monotonic,
         fences: bool = True,
         on_release: Callable[[], None] | None = None,
+        provenance: Provenance | None = None,
     ) -> None:
         secret = secret if secret is not None else auth.load_secret()
         host, port = listen
@@ -108,7 +110,7 @@ class PullServer:
         self._on_release = on_release or (lambda: None)  # a consumer released a sample
         self._checksum = checksum
         # its blocks, read only through here; a padded page's padding is never read
-        self.blocks = CacheBlocks(cache, layout)
+        self.blocks = CacheBlocks(cache, layout, provenance)
         self._sock = socket.create_server((host, port))
         try:
             if transport is None:

@@ -46,6 +46,7 @@ class PushWorker:
                     checksum=rc.checksum,
                     sample_timeout_s=options.sample_timeout_s,
                     on_outcome=rc.news,
+                    provenance=rc.provenance,
                 ),
                 rc.cache,
                 rc.layout,

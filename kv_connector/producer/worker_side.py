@@ -29,6 +29,7 @@ from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.layout import BlockLayout, layout_from_view
 from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.provenance import ModelRunner, Provenance
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,6 +52,22 @@ WORKER_MODES: dict[Delivery, type[PushWorker] | type[PullWorker]] = {
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def provenance_of(vllm_config: VllmConfig) -> Provenance:
+    """What this worker's samples say produced them: the vLLM, its model runner (the CPU
+    build runs V1 whatever the config says) and the model as vLLM was given it."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False)) and not current_platform.is_cpu()
+    model = vllm_config.model_config
+    return Provenance(
+        vllm_version=vllm.__version__,
+        model_runner=ModelRunner.V2 if v2 else ModelRunner.V1,
+        model=str(model.model),
+        revision=model.revision or None,
+    )
 
 
 class WorkerSide:
@@ -131,7 +148,15 @@ class WorkerSide:
             )
         news = doorbell(self.producer_id).set  # ends the scheduler side's nap (same process only)
         rc = RankCache(
-            cache, block_layout, self.layer_ids, self.producer_id, rank, world, share_checksum, news
+            cache,
+            block_layout,
+            self.layer_ids,
+            self.producer_id,
+            rank,
+            world,
+            share_checksum,
+            news,
+            provenance_of(self.vllm_config),
         )
         self.mode = WORKER_MODES[self.options.delivery](self.options, rc)
         log.info(

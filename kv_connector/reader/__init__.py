@@ -18,17 +18,21 @@ from kv_connector.reader.reader import (
 from kv_connector.reader.records import AckMode, RequireChecksum
 from kv_connector.reader.stats import PoolState, ProducerTotals, ReaderStats
 from kv_connector.reader.values import find_bad_values
+from kv_connector.wire.provenance import Expectation, ModelRunner, Provenance
 
 __all__ = [
     "SAMPLE_TIMEOUT_S",
     "AckMode",
+    "Expectation",
     "HiddenStatesDataset",
     "HiddenStatesReader",
     "LeaseLimitError",
     "MetricsAddressError",
+    "ModelRunner",
     "PoolDeviceError",
     "PoolState",
     "ProducerTotals",
+    "Provenance",
     "ReaderClosed",
     "ReaderConfig",
     "ReaderStats",

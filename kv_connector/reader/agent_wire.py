@@ -24,6 +24,8 @@ from typing import Any
 
 import msgspec
 
+from kv_connector.wire.provenance import Provenance
+
 AGENT_VERSION = 1
 MAX_AGENT_FRAME = 16 << 20  # a sample's token ids and metadata, with room
 _LEN = struct.Struct(">I")
@@ -69,6 +71,7 @@ class AgentSample(_AgentMsg, tag="sample", frozen=True):
     shape: list[int]  # [T, L, H]
     stride: list[int]  # in elements
     offset: int  # bytes from the pool's start to element [0, 0, 0]
+    provenance: Provenance | None = None  # what produced it (the manifest's)
 
 
 class AgentFailed(_AgentMsg, tag="failed", frozen=True):

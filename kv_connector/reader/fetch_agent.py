@@ -212,6 +212,7 @@ class FetchAgent:
             shape=list(hidden.shape),
             stride=list(hidden.stride()),
             offset=self.client.pool_offset(hidden),
+            provenance=s.provenance,
         )
 
 

@@ -28,6 +28,7 @@ import torch
 
 from kv_connector.common.memory import host_memory
 from kv_connector.wire.protocol import Manifest
+from kv_connector.wire.provenance import Provenance
 
 Key = tuple[str, str]
 MIN_BUFFER = 64 << 10  # copy buffers come in powers of two from this size
@@ -72,6 +73,9 @@ class Described(Protocol):
     @property
     def sample_id(self) -> str | None: ...
 
+    @property
+    def provenance(self) -> Provenance | None: ...
+
 
 class SampleReleased(RuntimeError):
     """A released sample's tensors were asked for."""
@@ -90,6 +94,8 @@ class Sample:
     sample_id: the user's name for it (the request's ``kv_transfer_params["sample_id"]``),
         the request id when none was given.
     metadata: the request's ``kv_transfer_params["metadata"]`` object ({} when none).
+    provenance: what produced it (``wire.provenance.Provenance``: vLLM version, model
+        runner, model), or None where its producer did not say.
 
     ``release()`` (or leaving a ``with`` block) ends the lease: the pages return to the
     pool, and the tensors must not be read afterwards (``hidden_states`` then raises
@@ -106,6 +112,7 @@ class Sample:
         "layer_ids",
         "metadata",
         "producer_id",
+        "provenance",
         "request_id",
         "sample_id",
         "token_ids",
@@ -121,6 +128,7 @@ class Sample:
         lease: Lease | None = None,
         sample_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        provenance: Provenance | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
@@ -129,6 +137,7 @@ class Sample:
         self.producer_id = producer_id
         self.sample_id = sample_id or request_id
         self.metadata = metadata if metadata is not None else {}
+        self.provenance = provenance
         self._lease = lease
         self._kept = False
         # how many tensors share the pool's memory now: more later means the user made views
@@ -156,6 +165,7 @@ class Sample:
             lease=lease,
             sample_id=what.sample_id,
             metadata=metadata,
+            provenance=what.provenance,
         )
 
     @property

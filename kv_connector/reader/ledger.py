@@ -82,6 +82,7 @@ from kv_connector.reader.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
+from kv_connector.wire.provenance import Expectation
 
 MAX_REWRITES = 3
 SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (never back-pressure:
@@ -109,6 +110,7 @@ class ReaderLedger:
         sample_timeout_s: float = SAMPLE_TIMEOUT_S,
         max_pending_per_rank: int = MAX_PENDING_PER_RANK,
         max_sample_tokens: int = MAX_SAMPLE_TOKENS,
+        expect: Expectation | None = None,
     ) -> None:
         self.ack_mode = ack_mode
         self.max_rewrites = max_rewrites
@@ -120,6 +122,7 @@ class ReaderLedger:
         self.sample_timeout_s = sample_timeout_s
         self.max_pending_per_rank = max_pending_per_rank
         self.max_sample_tokens = max_sample_tokens
+        self.expect = expect
         self.stats = ReaderStats()
         self.producers = Producers()
         self._book = SampleBook(self._connected, quarantine_s, fence_bound_s)
@@ -244,6 +247,8 @@ class ReaderLedger:
         s = self.samples.get(key)
         if s is None and m.num_tokens > self.max_sample_tokens:
             return self._refusals.over_limit(peer, m, self.max_sample_tokens)
+        if s is None and self.expect is not None and (differs := self.expect.mismatches(m)):
+            return self._refusals.mismatch(peer, m, differs)
         if s is None and self._book.pending_of(pid, rank) >= self.max_pending_per_rank:
             raise ProtocolError(
                 f"{pid}/rank{rank} has {self.max_pending_per_rank} samples promised and not handed out: "

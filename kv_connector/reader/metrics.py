@@ -31,6 +31,7 @@ class RefusalReason(enum.Enum):
     LIMIT = "limit"  # more tokens than max_sample_tokens
     UNCHECKED = "unchecked"  # a share came without the checksum this reader requires
     TIMEOUT = "timeout"  # not complete sample_timeout_s after its pages were granted
+    MISMATCH = "mismatch"  # not the layer ids, dtype, hidden size or model the reader expects
 
 
 class PageState(enum.Enum):
@@ -121,6 +122,7 @@ def reader_families(stats: ReaderStats, pool: PoolState, producers: Mapping[str,
         RefusalReason.LIMIT: stats.refused_limit,
         RefusalReason.UNCHECKED: stats.refused_unchecked,
         RefusalReason.TIMEOUT: stats.refused_timeout,
+        RefusalReason.MISMATCH: stats.refused_mismatch,
     }
     for reason, n in by_reason.items():
         refused.add_metric([reason.value], n)

@@ -49,6 +49,7 @@ from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.layout import pages_for
+from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class PullClient:
     NIXL that cannot register GPU memory is named at the first fetch, when the pool is made).
     ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``): what
     a rank's fetch agent serves its DataLoader workers from (``reader.fetch_agent``).
+    ``expect``: what every sample must be (``wire.provenance.Expectation``); one that
+    differs fails its fetch with ``FetchError("mismatch")`` before it is READ, and its
+    producer frees it.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class PullClient:
         pool_device: str | None = None,
         shared_pool: bool = False,
         full_values_check: bool = False,
+        expect: Expectation | None = None,
     ) -> None:
         if pool_bytes < PAGE_BYTES:
             raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
@@ -125,6 +130,7 @@ class PullClient:
         self.copy = copy
         self.pool_device = pool_device
         self.shared_pool = shared_pool
+        self.expect = expect
         self._device = device_of(pool_device) if pool_device is not None else torch.device("cpu")
         if self._device.type == "cuda" and transport is None:
             from kv_connector.wire.nixl_transport import require_nixl
@@ -265,11 +271,19 @@ class PullClient:
                 reply = self._share_of(h, rank)
                 if shares and reply.manifest != shares[0].manifest:
                     raise FetchError("protocol", f"rank {rank}'s manifest differs from rank 0's")
+                if not shares:
+                    self._check_expected(reply.manifest)
                 shares.append(reply)
         except FetchError:
             self._release_all(h, quiet=True)
             raise
         return _Asked(h, shares)
+
+    def _check_expected(self, m: protocol.Manifest) -> None:
+        """FetchError("mismatch") naming how the sample differs from ``expect``."""
+        if self.expect is not None and (differs := self.expect.mismatches(m)):
+            why = "; ".join(differs)
+            raise FetchError("mismatch", f"{m.request_id} is not what this client expects: {why}")
 
     def _post(self, a: _Asked) -> _Pending:
         """Pages for the sample and its READs posted (each copies as it is posted here).

@@ -24,7 +24,7 @@ class FetchError(RuntimeError):
     """A sample could not be fetched. ``code``: "expired", "unknown", "released",
     "preempted", "aborted", "closed", "failed" (the producer's answer), "handle" (not a
     handle), "auth" (the handshake), "connect", "checksum", "values", "pool", "timeout",
-    "transfer" or "protocol"."""
+    "transfer", "protocol" or "mismatch" (not the sample ``expect`` describes)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")

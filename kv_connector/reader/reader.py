@@ -28,6 +28,7 @@ from kv_connector.reader.values import screened_clean
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
 from kv_connector.wire.identity import decode_metadata
+from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Transport
 
 if TYPE_CHECKING:
@@ -121,6 +122,9 @@ class ReaderConfig:
     (``reader.pool_memory``), and their pages return in stream order. ``"cpu"`` runs that
     device code on host memory (what CI tests). ``PoolDeviceError`` when CUDA or the GPU
     is missing or full.
+    ``expect``: what every sample must be (``wire.provenance.Expectation``: layer ids,
+    dtype, hidden size, model); a sample that differs is refused by name when its
+    producer asks for pages, before any of its bytes move (None: anything).
     """
 
     listen: str | socket.socket = "127.0.0.1:0"
@@ -138,6 +142,7 @@ class ReaderConfig:
     check_values: bool = True
     full_values_check: bool = False
     pool_device: str | None = None
+    expect: Expectation | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -214,6 +219,7 @@ class HiddenStatesReader:
             verify=config.verify,
             require_checksum=config.require_checksum,
             sample_timeout_s=config.sample_timeout_s,
+            expect=config.expect,
         )
         if page_bytes is not None:
             self._ledger.set_pages(page_bytes, pool_bytes // page_bytes)

@@ -30,6 +30,15 @@ class Refusals:
             Log("error", why),
         ]
 
+    def mismatch(self, peer: PeerId, m: protocol.Manifest, differs: list[str]) -> list[Action]:
+        """A sample other than the consumer expects (``ReaderConfig.expect``), refused
+        before any of its bytes move."""
+        self._stats.refused += 1
+        self._stats.refused_mismatch += 1
+        why = f"request {m.request_id} is not what this reader expects: {'; '.join(differs)}"
+        refuse = protocol.Refuse(code="mismatch", message=fields.clip_text(why), request_id=m.request_id)
+        return [Send(peer, refuse), Log("error", why)]
+
     def pool_too_small(self, peer: PeerId, m: protocol.Manifest, error: Exception) -> list[Action]:
         """A sample that needs more pages than the whole pool holds."""
         self._stats.refused += 1

@@ -27,8 +27,9 @@ class ReaderStats:
     ``by_producer``; refused: connections and samples refused (protocol errors, pool too
     small, checksum, ...), of which samples ``refused_pool_too_small``,
     ``refused_checksum``, ``refused_limit`` (over ``max_sample_tokens``),
-    ``refused_unchecked`` (a required checksum missing) and ``refused_timeout`` (not
-    complete by its deadline); dropped: samples discarded before they were handed out
+    ``refused_unchecked`` (a required checksum missing), ``refused_timeout`` (not
+    complete by its deadline) and ``refused_mismatch`` (not what ``expect`` says);
+    dropped: samples discarded before they were handed out
     (refused after their rewrites, or their producer gone or gave up); copy_s: copying
     samples out of the pool; verify_s: checking shares against their checksums (with
     fingerprints on a host pool, the values screen of their rows included);
@@ -54,6 +55,7 @@ class ReaderStats:
     refused_limit: int = 0
     refused_unchecked: int = 0
     refused_timeout: int = 0
+    refused_mismatch: int = 0
     dropped: int = 0
     values_check_s: float = 0.0
     first_request_t: float = 0.0
@@ -71,6 +73,7 @@ class ReaderStats:
             + self.refused_limit
             + self.refused_unchecked
             + self.refused_timeout
+            + self.refused_mismatch
         )
 
     def handed_out(self, producer_id: str, tokens: int, nbytes: int, latency_s: float, now: float) -> None:

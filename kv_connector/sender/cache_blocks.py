@@ -24,6 +24,7 @@ from kv_connector.wire.identity import SampleIdentity
 from kv_connector.wire.integrity import block_checksum, manifest_bytes, spans_of_sample
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import Manifest, ShareChecksum
+from kv_connector.wire.provenance import Provenance
 
 
 class ShareOf(Protocol):
@@ -129,8 +130,11 @@ class CacheBlocks:
     shares to host memory and not a host one's; True or False forces either path (a
     testing hook: the GPU path on CPU)."""
 
-    def __init__(self, cache: torch.Tensor, layout: BlockLayout) -> None:
+    def __init__(
+        self, cache: torch.Tensor, layout: BlockLayout, provenance: Provenance | None = None
+    ) -> None:
         self.layout = layout
+        self.provenance = provenance  # named in every manifest
         self.num_blocks = cache.shape[0]
         self.pitch = pitch_of(cache, layout)
         self.raw = flat_bytes(cache, layout.block_bytes, self.pitch)
@@ -187,6 +191,7 @@ class CacheBlocks:
             num_blocks=n,
             sample_id=identity.sample_id,
             metadata=identity.metadata_json,
+            provenance=self.provenance,
         )
         return Share(manifest, blocks, stripe(n, rank, world_size))
 

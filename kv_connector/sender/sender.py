@@ -27,6 +27,7 @@ from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class SenderConfig:
     checksum: ShareChecksum | None = ShareChecksum.XXH3
     sample_timeout_s: float = 300.0
     on_outcome: Callable[[], None] | None = None
+    provenance: Provenance | None = None  # what produced the samples, in every manifest
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -102,7 +104,7 @@ class HiddenStatesSender:
         if len(self.layer_ids) != layout.num_layers:
             raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         # its blocks, read only through here (``stage``: a testing hook, see CacheBlocks)
-        self.blocks = CacheBlocks(cache, layout)
+        self.blocks = CacheBlocks(cache, layout, config.provenance)
         self._words: dict[str, Fingerprinted] = {}  # each shipped sample's, until it leaves
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport

@@ -27,6 +27,8 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
         ``PullRelease.answer`` (False: a release nobody waits for).
     13: ``Grant.generation``, named by ``WriteDone.generation``; ``Fenced`` (push's fence:
         no WRITE of a dropped sample's grant is in flight any more).
+    14: ``Manifest.provenance`` (``wire.provenance``: vLLM version, model runner, model);
+        ``RefuseCode`` "mismatch" (a sample other than the consumer expects).
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ from kv_connector.wire.fields import (
     WorldSize,
 )
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
+from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 class ProtocolError(ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
@@ -154,7 +157,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``t % block_size``; blocks are numbered in the request's block-table order;
     ``geometry`` is one block's shape in the producer's cache. ``sample_id``: the user's
     name for the sample (None: none given); ``metadata``: the JSON encoding of the user's
-    metadata object (empty: none given).
+    metadata object (empty: none given); ``provenance``: what produced it (None: a
+    producer that does not know, such as a test's sender).
     """
 
     request_id: RequestId
@@ -164,6 +168,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCKS)]
     sample_id: SampleId | None = None
     metadata: SampleMetadata = b""
+    provenance: Provenance | None = None
 
     def __post_init__(self) -> None:
         if self.metadata:
@@ -256,7 +261,8 @@ class Ack(_Msg, tag="ack", frozen=True):
 # "timeout" (a sample not complete in time), "limit" (a peer over its bounds),
 # "preempted" (a request preempted before its WRITE could finish), "unchecked" (a share
 # without the checksum the reader requires), "rejected" (the consumer will not take a
-# sample: its states are non-finite or all zero for a token, or its file cannot be written).
+# sample: its states are non-finite or all zero for a token, or its file cannot be written),
+# "mismatch" (the sample is not what the consumer expects: layer ids, dtype, hidden size, model).
 RefuseCode = Literal[
     "protocol",
     "auth",
@@ -268,6 +274,7 @@ RefuseCode = Literal[
     "preempted",
     "unchecked",
     "rejected",
+    "mismatch",
 ]
 
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kv_connector.producer.fingerprints import Fingerprints
@@ -20,6 +22,7 @@ from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.nixl_transport import NixlTransport
 from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.provenance import Provenance
 from tests.integration.common import make_cache, token_ids
 from tests.integration.faulty_transport import FaultyTransport
 
@@ -54,6 +57,7 @@ def main() -> int:
             else None
         ),
         sample_timeout_s=spec.get("sample_timeout_s", 300.0),
+        provenance=msgspec.convert(spec["provenance"], Provenance) if spec.get("provenance") else None,
     )
     layer_ids = spec.get("layer_ids", list(range(layout.num_layers)))
     # fault injection through the transport: WRITEs that land wrong bytes, or that NIXL refuses

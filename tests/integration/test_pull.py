@@ -24,6 +24,7 @@ from kv_connector.reader.pull import FetchError, PullClient
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe
+from kv_connector.wire.provenance import Expectation
 from tests.integration.common import REPO, child_env, expected_states, layout_dict, make_cache, token_ids
 
 pytestmark = pytest.mark.integration
@@ -280,6 +281,24 @@ def test_a_manifest_is_read_without_the_states_and_the_sample_stays_held(produce
         with pytest.raises(FetchError) as e:
             client.manifest(p.handles["req-1"])
         assert e.value.code == "released"
+    assert p.settled([0, 0])["held"] == [0, 0]
+
+
+def test_a_sample_other_than_expected_fails_by_name_unread_and_is_freed(producers: list[Producer]) -> None:
+    samples = samples_spec(2, LTH)
+    p = Producer(spec_of(LTH, samples, world_size=2))
+    producers.append(p)
+    with PullClient(expect=Expectation(layer_ids=[1, 2, 3], dtype="bfloat16")) as client:
+        with pytest.raises(FetchError) as e:
+            client.fetch(p.handles["req-0"])
+        assert e.value.code == "mismatch"
+        assert "layer ids [1, 2, 4], expected [1, 2, 3]" in e.value.message
+        assert "dtype float32, expected bfloat16" in e.value.message
+    assert p.settled([1, 1])["held"] == [1, 1]  # its producer freed it at once; req-1 is still held
+    with PullClient(expect=Expectation(layer_ids=LAYER_IDS, dtype="float32", hidden_size=32)) as client:
+        got = client.fetch(p.handles["req-1"])
+        assert got.layer_ids == tuple(LAYER_IDS)
+        del got
     assert p.settled([0, 0])["held"] == [0, 0]
 
 

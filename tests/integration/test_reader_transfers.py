@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from kv_connector.reader import HiddenStatesReader
 from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.provenance import Expectation, ModelRunner, Provenance
 from tests.integration.common import CPU_LAYOUT, GPU_LAYOUT, Senders, check, collect, finish_sender, plan
 
 pytestmark = pytest.mark.integration
@@ -98,6 +100,31 @@ def test_a_sample_larger_than_the_pool_is_refused_clearly(senders: Senders) -> N
         res = finish_sender(proc)
     assert res["rc"] == 1
     assert "larger" in res["failed"][samples[0]["request_id"]]
+
+
+def test_a_sample_other_than_expected_is_refused_by_name_and_one_as_expected_says_what_it_is(
+    senders: Senders,
+) -> None:
+    layout = CPU_LAYOUT
+    made = {"vllm_version": "0.33.0", "model_runner": "v2", "model": "/models/Qwen/Qwen3-8B"}
+    samples = plan([layout.block_size + 3], seed=8, layout=layout)
+    expect = Expectation(layer_ids=list(range(layout.num_layers)), model="meta-llama/Llama-3.1-8B")
+    with HiddenStatesReader(expect=expect) as reader:
+        res = finish_sender(senders.ship(reader, layout, 8, samples, provenance=made))
+        stats = reader.stats()
+        assert stats.refused_mismatch == 1 and stats.samples == 0
+    assert res["rc"] == 1
+    why = res["failed"][samples[0]["request_id"]]
+    assert "mismatch" in why and "model /models/Qwen/Qwen3-8B, expected meta-llama/Llama-3.1-8B" in why
+    with HiddenStatesReader(expect=msgspec.structs.replace(expect, model="Qwen/Qwen3-8B")) as reader:
+        proc = senders.ship(reader, layout, 8, samples, provenance=made)
+        got = collect(reader, 1)
+        res = finish_sender(proc)
+    assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
+    (sample,) = got.values()
+    want = Provenance(vllm_version="0.33.0", model_runner=ModelRunner.V2, model=made["model"])
+    assert sample.provenance == want
+    check(got, samples, layout, seed=8)
 
 
 def test_a_producer_exiting_right_after_shipping_drains_everything_at_exit(senders: Senders) -> None:

@@ -147,7 +147,7 @@ def test_a_share_must_be_its_ranks_stripe_and_inside_the_cache() -> None:
             protocol.PullShare(**{**ok, **bad})  # type: ignore[arg-type]
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(protocol.encode(protocol.PullFetch(request_id="r", nonce="a" * 32))[:-3])
-    assert protocol.PROTOCOL_VERSION == 13
+    assert protocol.PROTOCOL_VERSION == 14
 
 
 def test_pull_options_need_no_reader_and_refuse_push_only_keys() -> None:

@@ -29,6 +29,7 @@ from kv_connector.reader.records import (
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.provenance import Expectation
 
 LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
 PAGE = LAYOUT.block_bytes
@@ -855,3 +856,19 @@ def test_only_the_ledger_writes_its_counters() -> None:
         if writes.search(line)
     ]
     assert found == []
+
+
+# ---------------------------------------------------------------- expectation
+def test_a_sample_other_than_expected_is_refused_by_name_before_any_page_is_granted() -> None:
+    led = ledger(expect=Expectation(layer_ids=[1, 3], hidden_size=8))
+    connected(led, (1, hello()))
+    actions = led.credit_request(1, credit("other", n=16), 0.0)
+    ((_, msg),) = sends(actions, protocol.Refuse)
+    assert msg.code == "mismatch" and msg.request_id == "other"
+    assert "layer ids [1, 2], expected [1, 3]" in msg.message
+    assert not sends(actions, protocol.Grant)
+    assert led.stats.refused_mismatch == 1 and led.stats.samples_refused == 1
+    assert led.state_of(("p", "other")) is None  # never admitted: nothing held for it
+    fine = ledger(expect=Expectation(layer_ids=[1, 2], hidden_size=8, dtype="float32"))
+    connected(fine, (1, hello()))
+    assert sends(fine.credit_request(1, credit("same", n=16), 0.0), protocol.Grant)
