@@ -75,6 +75,7 @@ def main() -> int:
                 "request_id": (o.kv_transfer_params or {}).get("hidden_states", {}).get("request_id"),
                 "kv_transfer_params": o.kv_transfer_params,
                 "output_token_ids": list(o.outputs[0].token_ids),
+                "num_cached_tokens": o.num_cached_tokens,  # prefix-cache hits
             }
             for o in outs
         ],
