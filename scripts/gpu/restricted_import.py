@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.abc
-import importlib.metadata
 import importlib.machinery
+import importlib.metadata
 import json
 import re
 import sys
@@ -147,7 +147,8 @@ def _importer() -> str:
     """The module whose code asked for the import (the first frame outside importlib)."""
     for frame, _ in traceback.walk_stack(None):
         name = frame.f_globals.get("__name__", "")
-        if name and not name.startswith(("importlib", "scripts.gpu.restricted_import")) and name != "__main__":
+        ours = name.startswith(("importlib", "scripts.gpu.restricted_import")) or name == "__main__"
+        if name and not ours:
             return str(name)
     return "?"
 
@@ -215,7 +216,7 @@ def check(modules: Sequence[str], carried: Sequence[Path], wheels: Iterable[str]
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--carried", action="append", type=Path, default=[], help="a carried folder (on sys.path)")
+    ap.add_argument("--carried", action="append", type=Path, default=[], help="a carried folder, on sys.path")
     ap.add_argument("--wheel", action="append", default=[], help="a distribution the carry brings as a wheel")
     ap.add_argument("--module", action="append", default=[], help="import these instead of the engine tier's")
     ap.add_argument("--out", type=Path, help="write the JSON line here (default: standard output)")
