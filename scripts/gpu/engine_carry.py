@@ -63,13 +63,19 @@ WHEELS = [
     "loguru==0.7.3",
 ]
 # stand-ins for what cannot travel, each imported unguarded on the engine's path
+STAND_IN_KERNELS = (
+    '"""Stand-in for vLLM\'s compiled kernels (built for another torch): registers no op;\n'
+    'the engine tier runs TRITON_ATTN and custom_ops [\'none\'] so none is asked for."""\n'
+)
+STAND_IN_LLGUIDANCE = (
+    '"""Stand-in: vLLM names these types in an annotation; structured output is not run."""\n\n\n'
+    "class LLMatcher:\n    pass\n\n\nclass LLTokenizer:\n    pass\n"
+)
 STAND_INS = {
     # platforms/cuda.py: `import vllm._C_stable_libtorch` (compiled for torch 2.14)
-    "vllm/_C_stable_libtorch.py": '"""Stand-in for vLLM\'s compiled kernels (built for another torch): registers no op;\n'
-    'the engine tier runs TRITON_ATTN and custom_ops [\'none\'] so none is asked for."""\n',
+    "vllm/_C_stable_libtorch.py": STAND_IN_KERNELS,
     # v1/structured_output/backend_guidance.py evaluates llguidance.LLMatcher in a dataclass
-    "llguidance/__init__.py": '"""Stand-in: vLLM names these types in an annotation; structured output is not run."""\n\n\n'
-    "class LLMatcher:\n    pass\n\n\nclass LLTokenizer:\n    pass\n",
+    "llguidance/__init__.py": STAND_IN_LLGUIDANCE,
 }
 
 
