@@ -202,9 +202,9 @@ def check(modules: Sequence[str], carried: Sequence[Path], wheels: Iterable[str]
             where = traceback.extract_tb(e.__traceback__)[-1]
             failed[name] = f"{type(e).__name__}: {e} ({Path(where.filename).name}:{where.lineno})"
     vllm_files = sorted(
-        str(Path(m.__file__).resolve())
+        str(Path(f).resolve())
         for n, m in list(sys.modules.items())
-        if (n == "vllm" or n.startswith("vllm.")) and getattr(m, "__file__", None)
+        if (n == "vllm" or n.startswith("vllm.")) and (f := getattr(m, "__file__", None))
     )
     return {
         "refused": {k: sorted(v) for k, v in sorted(hook.refused.items())},
