@@ -182,7 +182,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
             )
         else:
-            self._worker = WorkerSide(vllm_config, self.options, producer_id, layer_ids)
+            self._worker = WorkerSide(vllm_config, self.options, producer_id, layer_ids, kv_cache_config)
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

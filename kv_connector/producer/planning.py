@@ -10,13 +10,13 @@ wrote with, and records the cache block of every position from those slots.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
-from kv_connector.wire.layout import blocks_for, blocks_for_tokens
+from kv_connector.wire.layout import blocks_for, blocks_for_tokens, kernel_block_ids
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,26 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.slices or self.ships or self.resets or self.preempted or self.drops)
+
+
+def in_kernel_blocks(plan: StepPlan, kernel_blocks: int) -> StepPlan:
+    """The plan with every block table given in the cache tensor's kernel blocks
+    (``layout.kernel_block_ids``): the scheduler plans in the KV cache manager's blocks,
+    the worker reads a tensor vLLM split into ``kernel_blocks`` kernel blocks each."""
+    if kernel_blocks == 1:
+        return plan
+    return replace(
+        plan,
+        slices=[
+            replace(
+                sl,
+                block_ids=tuple(kernel_block_ids(sl.block_ids, kernel_blocks)),
+                blocks_from=sl.blocks_from * kernel_blocks,
+            )
+            for sl in plan.slices
+        ],
+        ships=[replace(o, block_ids=tuple(kernel_block_ids(o.block_ids, kernel_blocks))) for o in plan.ships],
+    )
 
 
 @dataclass(frozen=True)

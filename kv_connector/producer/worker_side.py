@@ -17,7 +17,7 @@ from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.idle_steps import doorbell
 from kv_connector.producer.mode import RankCache, WorkerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
-from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan
+from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan, in_kernel_blocks
 from kv_connector.producer.pull_mode import PullWorker
 from kv_connector.producer.push_mode import PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
@@ -27,12 +27,13 @@ from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
-from kv_connector.wire.layout import BlockLayout, layout_from_view
+from kv_connector.wire.layout import BlockLayout, CacheView, layout_from_view
 from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.provenance import ModelRunner, Provenance
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,37 @@ def provenance_of(vllm_config: VllmConfig) -> Provenance:
     )
 
 
+def read_cache(
+    cache: torch.Tensor, num_layers: int, hidden_size: int, kv_cache_config: KVCacheConfig | None
+) -> CacheView:
+    """The cache-only layer's tensor as ``layout.layout_from_view`` reads it, with the
+    hidden-state group's manager block size and block count from vLLM's KV cache
+    config (the view may be split into kernel blocks; the config says by how much).
+    ``layout.AmbiguousCacheView`` where it cannot be read without a guess."""
+    from kv_connector.producer.scheduler_side import hidden_state_group
+
+    manager_block_size = num_blocks = None
+    if kv_cache_config is not None:
+        group = kv_cache_config.kv_cache_groups[hidden_state_group(kv_cache_config)]
+        manager_block_size, num_blocks = group.kv_cache_spec.block_size, kv_cache_config.num_blocks
+    return layout_from_view(
+        cache.shape, cache.stride(), num_layers, hidden_size, manager_block_size, num_blocks
+    )
+
+
 class WorkerSide:
     def __init__(
-        self, vllm_config: VllmConfig, options: ConnectorOptions, producer_id: str, layer_ids: list[int]
+        self,
+        vllm_config: VllmConfig,
+        options: ConnectorOptions,
+        producer_id: str,
+        layer_ids: list[int],
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         request_amx()  # before this worker's first forward, where the vLLM plugin did not run
         self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.kernel_blocks = 1  # the cache tensor's blocks per manager block (vLLM's kernel split)
         self.options = options
         self.producer_id = producer_id
         self.layer_ids = layer_ids
@@ -117,8 +143,14 @@ class WorkerSide:
         self.layer_name = next(iter(layers))
         self.cache = cache = kv_caches[self.layer_name]
         hidden = self.vllm_config.model_config.get_hidden_size()
-        view = layout_from_view(cache.shape, cache.stride(), len(self.layer_ids), hidden)
+        try:
+            view = read_cache(cache, len(self.layer_ids), hidden, self.kv_cache_config)
+        except ValueError as e:
+            raise ValueError(
+                f"HiddenStatesConnector cannot read layer {self.layer_name}'s cache: {e}"
+            ) from None
         layout, block_size = view.layout, view.block_size
+        self.kernel_blocks = view.kernel_blocks
         block_layout = BlockLayout(
             layout,
             block_size,
@@ -160,13 +192,14 @@ class WorkerSide:
         )
         self.mode = WORKER_MODES[self.options.delivery](self.options, rc)
         log.info(
-            "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%s, %s, %d bytes), "
-            "checksum: %s, %s",
+            "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%d a manager block; "
+            "%s, %s, %d bytes), checksum: %s, %s",
             rank,
             world,
             self.layer_name,
             cache.shape[0],
             block_size,
+            self.kernel_blocks,
             layout,
             block_layout.dtype,
             block_layout.block_bytes,
@@ -189,6 +222,7 @@ class WorkerSide:
         if plan is None or not plan or self.recorder is None or self.checks is None or mode is None:
             self._slots = None
             return
+        plan = in_kernel_blocks(plan, self.kernel_blocks)
         mode.drop(plan.drops)
         for rid in plan.resets:
             self._forget(rid)

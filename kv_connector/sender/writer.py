@@ -23,7 +23,7 @@ from kv_connector.sender.jobs import Failure, Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason
-from kv_connector.wire.layout import merge_runs
+from kv_connector.wire.layout import cache_spans
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 if TYPE_CHECKING:
@@ -132,12 +132,9 @@ class ShareWriter:
         g, nb = m.geometry, m.num_blocks
         pitch = self._block_pitch or g.block_bytes
         base = grant.first_page * self.page_bytes
-        rows = merge_runs(
-            (job.block_ids[j] * pitch + src, base + dst, n)
-            for j in job.share
-            for src, dst, n in g.arranged_spans(nb, j)
-        )
-        return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        rows = np.asarray(cache_spans(g, nb, job.block_ids, job.share, pitch), dtype=np.int64).reshape(-1, 3)
+        rows[:, 1] += base
+        return rows
 
     def _post(self, job: Job) -> None:
         assert self._remote is not None

@@ -147,60 +147,117 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class CacheView(NamedTuple):
     """What the producer reads off the cache-only layer's tensor: the order inside a
-    block, the block size, and ``block_pitch``, the elements from one block's start to
-    the next. The pitch is one block when blocks are dense, more when vLLM pads each
-    block to a page shared with other KV cache groups (models mixing sliding-window and
-    full attention, Mamba-only models, block-outermost layouts): the padding is never
-    shipped, and only dense blocks can be merged into one descriptor."""
+    block, the block size, ``block_pitch`` (the elements from one block's start to the
+    next) and ``kernel_blocks``, how many of the tensor's blocks make one block of the
+    KV cache manager.
+
+    The pitch is one block when blocks are dense, more when vLLM pads each block to a
+    page shared with other KV cache groups (models mixing sliding-window and full
+    attention, Mamba-only models, block-outermost layouts): the padding is never shipped,
+    and only dense blocks can be merged into one descriptor. ``kernel_blocks`` is more
+    than one where vLLM splits each manager block into kernel blocks for the attention
+    backend (``block_size > kernel_block_size``): the tensor then has that many blocks
+    per manager block, and the producer reads it in its own (kernel) blocks."""
 
     layout: Layout
     block_size: int
     block_pitch: int
+    kernel_blocks: int = 1
 
     def padded(self, num_layers: int, hidden_size: int) -> bool:
         return self.block_pitch != self.block_size * num_layers * hidden_size
 
 
-def layout_from_view(
-    shape: Sequence[int], strides: Sequence[int], num_layers: int, hidden_size: int
-) -> CacheView:
-    """(layout, block_size, block_pitch) of the cache-only layer's tensor, read from its view.
+class AmbiguousCacheView(ValueError):
+    """The cache-only layer's tensor admits more than one reading, or none that is
+    sound: the producer refuses it at registration and never reads it."""
 
-    vLLM's cache-only layer indexes its cache as [num_blocks, num_layers, block_size,
-    hidden] (it writes ``cache[slot // shape[2], :, slot % shape[2]]``); the memory
-    behind that view is "LTH" when contiguous (the CPU backend) and "TLH" when the view
-    is a permutation of [num_blocks, block_size, num_layers, hidden] (the GPU "LBNHC"
-    layout). A plain [num_blocks, block_size, num_layers, hidden] tensor is also read as
-    "TLH". Each block must be dense inside; blocks may lie further apart than one block
-    (``strides[0]``, the pitch, is at least one block), never closer.
+
+def layout_from_view(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    num_layers: int,
+    hidden_size: int,
+    manager_block_size: int | None = None,
+    num_blocks: int | None = None,
+) -> CacheView:
+    """(layout, block_size, block_pitch, kernel_blocks) of the cache-only layer's tensor,
+    read from its view; ``AmbiguousCacheView`` names what makes a view unreadable.
+
+    vLLM (0.32, 0.33) hands every layer a view of logical shape [B, H, N, C]: blocks,
+    heads (here the captured layers), tokens, content (here hidden), a permutation of
+    one logical shape over a shared buffer (``create_kv_cache_views``), and its
+    cache-only layer writes through it as ``cache[slot // shape[2], :, slot % shape[2]]``.
+    So dimension 1 must hold the ``num_layers`` captured layers and dimension 2 the
+    tokens of a block; the strides say where the planes (one captured layer's tokens)
+    lie: inside a block one after the other ("LTH", vLLM's LBHNC and BLHNC layouts) or
+    interleaved token by token ("TLH", LBNHC and BLNHC). Layouts that put other blocks
+    or other layers between a block's planes (LHBNC, BHLNC) are refused.
+
+    ``strides[0]`` is the pitch of the tensor's blocks, at least one dense block. Where
+    vLLM splits manager blocks of ``manager_block_size`` tokens into kernel blocks, the
+    view is kernel-granular (``shape[2]`` tokens a block, ``num_blocks * kernel_blocks``
+    blocks); ``kernel_blocks`` is the split, checked against ``num_blocks`` (the manager's
+    block count) where it is given. Without ``manager_block_size`` the view is taken as
+    manager-granular.
     """
     if len(shape) != 4 or len(strides) != 4 or shape[3] != hidden_size or strides[3] != 1:
-        raise ValueError(
+        raise AmbiguousCacheView(
             f"cache-only tensor of shape {tuple(shape)} strides {tuple(strides)} is not "
             f"[num_blocks, ., ., hidden_size={hidden_size}] with unit stride in hidden"
         )
-    H = hidden_size
+    H, L = hidden_size, num_layers
+    if shape[1] != L:
+        raise AmbiguousCacheView(
+            f"cache-only tensor of shape {tuple(shape)}: dimension 1 holds {shape[1]}, not the "
+            f"{L} captured layers vLLM's cache-only layer writes there ([num_blocks, layers, "
+            "block, hidden]); reading it another way would be a guess"
+        )
+    bs = shape[2]
     layout: Layout
-    if shape[1] == num_layers:
-        bs = shape[2]
-        if strides[1] == bs * H and strides[2] == H:
-            layout = "LTH"
-        elif strides[2] == num_layers * H and strides[1] == H:
-            layout = "TLH"
-        else:
-            raise ValueError(f"cache-only tensor strides {tuple(strides)} are neither LTH nor TLH")
-    elif shape[2] == num_layers and strides[2] == H and strides[1] == num_layers * H:
-        bs, layout = shape[1], "TLH"
+    # one captured layer or one token a block: both orders are the same bytes
+    if strides[2] == H and (strides[1] == bs * H or L == 1):
+        layout = "LTH"
+    elif strides[1] == H and (strides[2] == L * H or bs == 1):
+        layout = "TLH"
     else:
-        raise ValueError(
-            f"cache-only tensor of shape {tuple(shape)} has no dimension of {num_layers} captured layers"
+        where = "blocks" if shape[0] > 1 and strides[1] > strides[0] else "other layers' pages"
+        raise AmbiguousCacheView(
+            f"cache-only tensor strides {tuple(strides)} (shape {tuple(shape)}) keep a block's "
+            f"{L} planes apart, with {where} between them (vLLM's LHBNC or BHLNC layout): a "
+            "block is not one dense run, neither LTH nor TLH"
         )
-    if strides[0] < bs * num_layers * H and shape[0] > 1:
-        raise ValueError(
+    block = bs * L * H
+    if strides[0] < block and shape[0] > 1:
+        raise AmbiguousCacheView(
             f"cache-only tensor blocks are {strides[0]} elements apart, less than one block "
-            f"({bs * num_layers * H}): blocks overlap"
+            f"({block}): blocks overlap"
         )
-    return CacheView(layout, bs, max(strides[0], bs * num_layers * H))
+    kernel_blocks = 1
+    if manager_block_size is not None and manager_block_size != bs:
+        if manager_block_size % bs:
+            raise AmbiguousCacheView(
+                f"cache-only tensor blocks of {bs} tokens do not divide the KV cache manager's "
+                f"{manager_block_size}-token blocks: the tensor's blocks cannot be told from the "
+                "block table's"
+            )
+        kernel_blocks = manager_block_size // bs
+    if num_blocks is not None and shape[0] != num_blocks * kernel_blocks:
+        raise AmbiguousCacheView(
+            f"cache-only tensor has {shape[0]} blocks of {bs} tokens; the KV cache manager has "
+            f"{num_blocks} of {manager_block_size or bs}, so {num_blocks * kernel_blocks} were "
+            "expected: its block pitch cannot be told"
+        )
+    return CacheView(layout, bs, max(strides[0], block), kernel_blocks)
+
+
+def kernel_block_ids(block_ids: Sequence[int], kernel_blocks: int) -> list[int]:
+    """A block table of manager blocks as the tensor's kernel blocks: manager block ``b``
+    is kernel blocks ``b * kernel_blocks .. b * kernel_blocks + kernel_blocks - 1``
+    (vLLM splits each manager block into consecutive kernel blocks)."""
+    if kernel_blocks == 1:
+        return list(block_ids)
+    return [b * kernel_blocks + i for b in block_ids for i in range(kernel_blocks)]
 
 
 def merge_runs(rows: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -217,6 +274,20 @@ def merge_runs(rows: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int
                 continue
         out.append((src, dst, n))
     return out
+
+
+def cache_spans(
+    geometry: BlockLayout, num_blocks: int, block_ids: Sequence[int], share: Iterable[int], pitch: int
+) -> list[tuple[int, int, int]]:
+    """(offset in the cache's flat bytes, offset in the sample's run, length) of every
+    piece of blocks ``share`` of a ``num_blocks``-block sample whose block ``j`` is cache
+    block ``block_ids[j]``, blocks ``pitch`` bytes apart: what a WRITE (push) or a READ
+    (pull) moves, pieces that continue each other on both sides merged (``merge_runs``)."""
+    return merge_runs(
+        (block_ids[j] * pitch + src, dst, n)
+        for j in share
+        for src, dst, n in geometry.arranged_spans(num_blocks, j)
+    )
 
 
 def pages_for(nbytes: int, page_bytes: int) -> int:

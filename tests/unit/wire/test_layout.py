@@ -8,8 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_connector.wire.layout import (
+    AmbiguousCacheView,
     BlockLayout,
     blocks_for_tokens,
+    kernel_block_ids,
     layout_from_view,
     merge_runs,
     pages_for,
@@ -86,20 +88,37 @@ def test_block_layout_bytes_and_shape() -> None:
 def test_layout_is_read_from_the_view_strides() -> None:
     L, bs, H = 3, 128, 64
     # CPU: the layer's view [nb, L, bs, H] is contiguous.
-    assert layout_from_view((10, L, bs, H), (L * bs * H, bs * H, H, 1), L, H) == ("LTH", bs, L * bs * H)
+    assert layout_from_view((10, L, bs, H), (L * bs * H, bs * H, H, 1), L, H) == ("LTH", bs, L * bs * H, 1)
     # GPU: the same view over [nb, bs, L, H] memory.
-    assert layout_from_view((10, L, 16, H), (16 * L * H, H, L * H, 1), L, H) == ("TLH", 16, 16 * L * H)
-    # A plain [nb, bs, L, H] tensor.
-    assert layout_from_view((10, 16, L, H), (16 * L * H, L * H, H, 1), L, H) == ("TLH", 16, 16 * L * H)
+    assert layout_from_view((10, L, 16, H), (16 * L * H, H, L * H, 1), L, H) == ("TLH", 16, 16 * L * H, 1)
     # num_layers == block_size: the view convention decides, strides tell the memory order.
-    assert layout_from_view((10, 4, 4, H), (16 * H, 4 * H, H, 1), 4, H) == ("LTH", 4, 16 * H)
-    assert layout_from_view((10, 4, 4, H), (16 * H, H, 4 * H, 1), 4, H) == ("TLH", 4, 16 * H)
-    with pytest.raises(ValueError, match="captured layers"):
+    assert layout_from_view((10, 4, 4, H), (16 * H, 4 * H, H, 1), 4, H) == ("LTH", 4, 16 * H, 1)
+    assert layout_from_view((10, 4, 4, H), (16 * H, H, 4 * H, 1), 4, H) == ("TLH", 4, 16 * H, 1)
+    # a plain [nb, bs, L, H] tensor is not the view vLLM's cache-only layer writes through
+    with pytest.raises(AmbiguousCacheView, match="dimension 1 holds 16"):
+        layout_from_view((10, 16, L, H), (16 * L * H, L * H, H, 1), L, H)
+    with pytest.raises(AmbiguousCacheView, match="captured layers"):
         layout_from_view((10, 5, 6, H), (30 * H, 6 * H, H, 1), L, H)
-    with pytest.raises(ValueError, match="hidden_size"):
+    with pytest.raises(AmbiguousCacheView, match="hidden_size"):
         layout_from_view((10, L, 16, 32), (L * 16 * 32, 16 * 32, 32, 1), L, H)
-    with pytest.raises(ValueError, match="overlap"):
+    with pytest.raises(AmbiguousCacheView, match="overlap"):
         layout_from_view((10, L, bs, H), (L * bs * H // 2, bs * H, H, 1), L, H)
+    # planes with other blocks between them (LHBNC)
+    with pytest.raises(AmbiguousCacheView, match="blocks between them"):
+        layout_from_view((10, L, 16, H), (16 * H, 10 * 16 * H, H, 1), L, H)
+
+
+def test_kernel_blocks_come_from_the_manager_block() -> None:
+    """A view split into kernel blocks (vLLM: ``block_size > kernel_block_size``): the
+    manager's block size and count say how many tensor blocks make one of its blocks."""
+    L, H, nb = 3, 64, 10
+    shape, strides = (4 * nb, L, 16, H), (16 * L * H, H, L * H, 1)
+    assert layout_from_view(shape, strides, L, H, 64, nb) == ("TLH", 16, 16 * L * H, 4)
+    assert layout_from_view(shape, strides, L, H) == ("TLH", 16, 16 * L * H, 1)  # taken as it is
+    with pytest.raises(AmbiguousCacheView, match="20 were expected"):
+        layout_from_view(shape, strides, L, H, 32, nb)
+    assert kernel_block_ids([5, 2], 4) == [20, 21, 22, 23, 8, 9, 10, 11]
+    assert kernel_block_ids([5, 2], 1) == [5, 2]
 
 
 def test_padded_blocks_are_read_with_their_pitch() -> None:
@@ -109,7 +128,7 @@ def test_padded_blocks_are_read_with_their_pitch() -> None:
     L, H = 4, 2880
     page = 32768 // 2  # elements
     view = layout_from_view((100, L, 1, H), (page, H, H, 1), L, H)
-    assert view == ("LTH", 1, page) and view.padded(L, H)
+    assert view == ("LTH", 1, page, 1) and view.padded(L, H)
     assert not layout_from_view((100, L, 1, H), (L * H, H, H, 1), L, H).padded(L, H)
     g = BlockLayout("TLH", 1, L, H, "bfloat16")
     assert g.block_bytes == 23040
