@@ -205,6 +205,20 @@ class DeliveryBook:
             self._bind(rec)
         return Admission(AdmissionKind.FAIL, failure=failure)
 
+    def started(self, request_id: str) -> str | None:
+        """vLLM scheduled the request: one it ran without admitting (it overrides the
+        connector's "not yet" for requests that skip the prefix cache, such as those
+        asking for ``prompt_logprobs``) is bound now, to a reader that is up or else to
+        the one it routes to, whose sender ships it once connected. The reader it bound
+        such a request to; None for any other."""
+        rec = self.table.get(request_id)
+        if rec is None or rec.admitted or rec.failed is not None:
+            return None
+        reader = self.router.pick(request_id, self.is_up) or self.router.route(request_id)
+        rec.waiting_since = None
+        rec.admitted, rec.reader = True, reader
+        return reader
+
     def _bind(self, rec: RequestRecord) -> None:
         """A request that fails before it ran keeps the reader it was bound for, where
         the policy binds one (its kv_transfer_params name it); round robin binds none."""

@@ -149,6 +149,16 @@ class SchedulerSide:
             )
             for r in out.scheduled_new_reqs
         ]
+        for n in new:
+            if (reader := self.book.started(n.request_id)) is not None:
+                log.info(
+                    "request %s started before it was admitted (vLLM does not wait on the connector for "
+                    "requests that skip the prefix cache, such as prompt_logprobs ones): its sample goes "
+                    "to %s once that reader is connected",
+                    n.request_id,
+                    reader,
+                )
+                self.metrics.waiting(n.request_id, False)
         c = out.scheduled_cached_reqs
         running = [
             RunningRequest(

@@ -194,3 +194,23 @@ def test_the_outcome_record_is_the_same_at_both_ends() -> None:
     for bad in (None, {}, {"hidden_states": "x"}, {"hidden_states": {"status": "lost"}}):
         with pytest.raises(OutcomeError):
             SampleOutcome.of(bad)
+
+
+def test_a_request_vllm_started_without_admitting_it_is_bound_to_its_reader_then() -> None:
+    """vLLM runs requests that skip the prefix cache (prompt_logprobs) even while the
+    connector says "not yet": such a request is bound when it is first scheduled."""
+    b, _ = book(readers=2)
+    b.add("early")
+    assert b.admit("early").kind == "wait"  # no reader reported yet
+    reader = b.started("early")  # scheduled anyway
+    assert reader == Router([R0, R1]).route("early")  # where request_hash sends it, up or not
+    a = b.admit("early")
+    assert (a.kind, a.reader) == ("run", reader)
+    assert b.started("early") is None  # bound once
+    b.update([(R0, 0, None), (R1, 0, None)], {}, [])
+    b.add("normal")
+    assert b.admit("normal").kind == "run"
+    assert b.started("normal") is None  # admitted the usual way: nothing to do
+    b.add("bad")
+    b.refuse("bad", "its request id cannot travel")
+    assert b.started("bad") is None and b.outcome("bad")[0] is SampleStatus.FAILED
