@@ -60,6 +60,8 @@ def main() -> int:
             max_tokens=m,
             temperature=0.0,
             ignore_eos=True,
+            prompt_logprobs=spec.get("prompt_logprobs"),
+            detokenize=False,  # no tokenizer (skip_tokenizer_init): nothing to detokenize
             extra_args={"kv_transfer_params": kv} if (kv := kv_params(i)) else None,
         )
         for i, m in enumerate(spec.get("max_tokens", [1] * len(prompts)))
@@ -76,6 +78,11 @@ def main() -> int:
                 "kv_transfer_params": o.kv_transfer_params,
                 "output_token_ids": list(o.outputs[0].token_ids),
                 "num_cached_tokens": o.num_cached_tokens,  # prefix-cache hits
+                # with spec["prompt_logprobs"]: each prompt position's {token id: log-probability}
+                "prompt_logprobs": [
+                    None if p is None else {str(t): lp.logprob for t, lp in p.items()}
+                    for p in (o.prompt_logprobs or [])
+                ],
             }
             for o in outs
         ],
