@@ -21,7 +21,7 @@ def main() -> None:
     argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from scripts.bench import datapath, fp8, integrity, model, step
+    from scripts.bench import audit, datapath, fp8, integrity, model, step
     from scripts.bench.pull import run as pull
 
     start = machine_state()
@@ -39,11 +39,15 @@ def main() -> None:
     print("fp8 files:", json.dumps(fp8_out), flush=True)
     integrity_out = integrity.main()
     print("integrity records:", json.dumps(integrity_out), flush=True)
+    audit_out = audit.main()
+    print("logprob audit:", json.dumps(audit_out), flush=True)
     summary = summarise(model_out, datapath_out, steps, pull_out, fp8_out)
     summary["integrity_cpu_s_per_GB"] = {
         layout: {"producer": m["producer_cpu_s_per_GB"], "reader": m["reader_cpu_s_per_GB"]}
         for layout, m in integrity_out.items()
     }
+    summary["audit_ms_per_sample"] = audit_out["audit_ms_per_sample"]
+    summary["audit_share_of_consumer_cpu"] = audit_out["audit_share_of_consumer_cpu"]
     end = machine_state()
     summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}
     del summary["machine"]["load_avg"]
