@@ -167,3 +167,60 @@ class LogprobAudit:
         err = (rebuilt - vllm).abs()
         mean = float(err.mean())
         return AuditResult(tuple(positions), mean if math.isfinite(mean) else math.inf, float(err.max()))
+
+
+PromptLogprobs = Sequence[Mapping[str, object] | None]
+
+
+def reference_of(
+    prompt_logprobs: PromptLogprobs, tokens: Sequence[int], positions: Sequence[int]
+) -> dict[int, float]:
+    """vLLM's log-probability of each prompt token at ``positions``, from its answer's
+    ``prompt_logprobs`` (per position: {token id: log-probability, or an object with a
+    ``logprob``}; None at position 0). ``AuditError`` where a position is missing."""
+    out: dict[int, float] = {}
+    for p in positions:
+        entry = prompt_logprobs[p] if p < len(prompt_logprobs) else None
+        value = entry.get(str(tokens[p])) if entry is not None else None
+        if isinstance(value, Mapping):
+            value = value.get("logprob")
+        if not isinstance(value, (int, float)):
+            raise AuditError(f"vLLM's answer has no log-probability for token {tokens[p]} at position {p}")
+        out[p] = float(value)
+    return out
+
+
+def states_of_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A sample file's token ids [T], states [T, L, H] (fp8 files scaled back to float32)
+    and layer ids, as the reader CLI writes them."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        states = f.get_tensor("hidden_states")
+        if "hidden_states_scales" in f.keys():  # noqa: SIM118 - safe_open has no __contains__
+            states = states.float() * f.get_tensor("hidden_states_scales").float()
+        token_ids = f.get_tensor("token_ids")
+    layer_ids = [int(i) for i in meta.get("layer_ids", "").split(",") if i]
+    return token_ids, states, layer_ids
+
+
+@dataclass(frozen=True)
+class RowAudit:
+    """The audit as a data-generation run applies it: which rows (``rate``), how many
+    positions each, and the largest mean error that passes."""
+
+    audit: LogprobAudit
+    rate: float = DEFAULT_RATE
+    positions: int = DEFAULT_POSITIONS
+    max_error: float = DEFAULT_MAX_ERROR
+
+    def wants(self, sample_id: str) -> bool:
+        return audited(sample_id, self.rate)
+
+    def check_file(self, path: str | Path, sample_id: str, prompt_logprobs: PromptLogprobs) -> AuditResult:
+        """The audit of a sample's file against vLLM's answer for its row."""
+        token_ids, states, layer_ids = states_of_file(path)
+        tokens = [int(t) for t in token_ids.tolist()]
+        ref = reference_of(prompt_logprobs, tokens, positions_of(len(tokens), self.positions, sample_id))
+        return self.audit.check(token_ids, states, layer_ids, ref)

@@ -34,6 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kv_connector.audit import (
+    DEFAULT_MAX_ERROR,
+    DEFAULT_POSITIONS,
+    DEFAULT_RATE,
+    AuditError,
+    AuditResult,
+    LogprobAudit,
+    RowAudit,
+)
 from kv_connector.datagen import plan
 from kv_connector.datagen.httpclient import HTTPError, Server
 from kv_connector.datagen.plan import RowBook
@@ -81,15 +90,20 @@ class Client:
     model: str
     timeout_s: float
 
-    def complete(self, row: int, tokens: list[int]) -> tuple[SampleStatus, str]:
-        """Send one row; the status its answer names, and the error for "failed"."""
-        body = {
+    def complete(
+        self, row: int, tokens: list[int], logprobs: bool = False
+    ) -> tuple[SampleStatus, str, list[Any] | None]:
+        """Send one row; the status its answer names, the error for "failed", and with
+        ``logprobs`` vLLM's ``prompt_logprobs`` for it (the audit's reference)."""
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": tokens,
             "max_tokens": 1,
             "temperature": 0.0,
             "kv_transfer_params": {"sample_id": str(row)},
         }
+        if logprobs:
+            body["prompt_logprobs"] = 0  # each prompt token's own log-probability
         try:
             resp = self.server.post_json("/v1/completions", body, timeout=self.timeout_s)
         except HTTPError as e:
@@ -112,7 +126,9 @@ class Client:
             raise RequestFailed(
                 f"the server counted {prompt} prompt tokens, the row has {len(tokens)}", False
             )
-        return outcome.status, outcome.error
+        choices = resp.get("choices") or [{}]
+        reference = choices[0].get("prompt_logprobs") if logprobs else None
+        return outcome.status, outcome.error, reference if isinstance(reference, list) else None
 
 
 def find_model(server: Server, wait_s: float) -> str:
@@ -140,8 +156,13 @@ class Run:
         concurrency: int,
         check_dir: Path | None,
         book: RowBook,
+        audit: RowAudit | None = None,
     ) -> None:
         self.rows, self.client, self.check_dir, self.book = rows, client, check_dir, book
+        self.audit = audit
+        self._references: dict[int, list[Any]] = {}  # audited rows: vLLM's prompt_logprobs
+        self.audits: list[AuditResult] = []
+        self.audit_failures: dict[int, str] = {}
         self.concurrency = concurrency
         self.tokens_total = sum(lengths[i] for i in todo)
         self._cond = threading.Condition()
@@ -164,8 +185,9 @@ class Run:
                     self._cond.wait(0.1)
                 if self.check_dir is not None:  # what was there before: a file replaced since is new
                     self._before[row] = file_id(self.path(row))
+            audited = self.audit is not None and self.audit.wants(str(row))
             try:
-                status, error = self.client.complete(row, self.rows.tokens(row))
+                status, error, reference = self.client.complete(row, self.rows.tokens(row), audited)
             except RequestFailed as e:
                 with self._cond:
                     log.debug("row %d: %s", row, e)
@@ -178,6 +200,8 @@ class Run:
                     self._cond.notify_all()
                 continue
             with self._cond:
+                if reference is not None:
+                    self._references[row] = reference
                 self.book.answered(row, status, error, time.monotonic())
                 self._cond.notify_all()
 
@@ -187,13 +211,43 @@ class Run:
         with self._cond:
             waiting = [(r, self._before.get(r)) for r in self.book.awaiting()]
         seen = [r for r, before in waiting if (now := file_id(self.path(r))) is not None and now != before]
+        failed = {r: why for r in seen if (why := self._audit(r)) is not None}
         with self._cond:
             t = time.monotonic()
             for r in seen:
                 self.book.file_seen(r, t)
+                if r in failed:
+                    self.book.audit_failed(r, failed[r], t)
             for r in self.book.expire(t):
                 log.warning("row %d: its file did not appear in %s; sending it again", r, self.check_dir)
             self._cond.notify_all()
+
+    def _audit(self, row: int) -> str | None:
+        """The logprob audit of an audited row whose file appeared: why it failed, or None
+        (passed, or not audited). A failed row's file is renamed ``.audit-failed``, so no
+        trainer reads it."""
+        with self._cond:
+            reference = self._references.pop(row, None)
+        if self.audit is None or reference is None:
+            return None
+        path = self.path(row)
+        try:
+            result = self.audit.check_file(path, str(row), reference)
+        except (AuditError, OSError, ValueError) as e:
+            log.warning("row %d: not audited: %s", row, e)
+            return None
+        self.audits.append(result)
+        if result.passed(self.audit.max_error):
+            return None
+        why = (
+            f"logprob audit: mean error {result.mean_error:.3g} (max {result.max_error:.3g}) at positions "
+            f"{list(result.positions)}, over {self.audit.max_error}: these states are not the model's last "
+            "layer's for these tokens"
+        )
+        os.replace(path, path.with_name(path.name + ".audit-failed"))
+        self.audit_failures[row] = why
+        log.error("row %d: %s", row, why)
+        return why
 
     def progress(self, t0: float) -> tuple[plan.RunProgress, plan.Counts]:
         with self._cond:
@@ -275,6 +329,26 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--progress-s", type=float, default=10.0, help="seconds between progress lines off a terminal"
     )
+    ap.add_argument(
+        "--audit-model",
+        type=Path,
+        default=None,
+        help="audit rows' states against vLLM's prompt_logprobs with this model's final norm and lm_head "
+        "(its directory; only those two tensors are read); needs --check-dir and the model's last layer "
+        "among the captured ids",
+    )
+    ap.add_argument(
+        "--audit-rate", type=float, default=DEFAULT_RATE, help=f"rows audited (default {DEFAULT_RATE})"
+    )
+    ap.add_argument(
+        "--audit-positions", type=int, default=DEFAULT_POSITIONS, help="positions audited a row"
+    )
+    ap.add_argument(
+        "--audit-max-error",
+        type=float,
+        default=DEFAULT_MAX_ERROR,
+        help=f"largest mean log-probability error that passes (default {DEFAULT_MAX_ERROR})",
+    )
     ap.add_argument("--log-level", default="WARNING")
     return ap
 
@@ -308,6 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     check_dir = args.check_dir or args.skip_existing
     if check_dir is not None and not check_dir.is_dir():
         return fail(f"{check_dir} is not a directory (the reader's --out)")
+    audit = None
+    if args.audit_model is not None:
+        if check_dir is None:
+            return fail("--audit-model reads each audited row's file: give --check-dir (the reader's --out)")
+        if not 0 <= args.audit_rate <= 1 or args.audit_positions < 1 or args.audit_max_error <= 0:
+            return fail("--audit-rate must be in 0..1, --audit-positions >= 1, --audit-max-error > 0")
+        try:
+            head = LogprobAudit.from_model(args.audit_model)
+        except AuditError as e:
+            return fail(str(e))
+        audit = RowAudit(head, args.audit_rate, args.audit_positions, args.audit_max_error)
     try:
         model = args.model or find_model(server, args.wait_server)
     except ValueError as e:
@@ -325,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    run = Run(rows, todo, lengths, Client(server, model, args.timeout), args.concurrency, check_dir, book)
+    client = Client(server, model, args.timeout)
+    run = Run(rows, todo, lengths, client, args.concurrency, check_dir, book, audit)
     interrupted = False
     try:
         elapsed = run.run(args.progress_s, sys.stderr.isatty())
@@ -350,6 +436,10 @@ def report(run: Run, book: RowBook, elapsed: float, skipped: int, interrupted: b
         "tokens_per_s": round(c.tokens_delivered / elapsed, 1) if elapsed > 0 else 0.0,
         "failed_rows": {str(i): why for i, why in sorted(failed.items())[:100]},
     }
+    if run.audit is not None:
+        summary["audited"] = len(run.audits)
+        summary["audit_failed"] = len(run.audit_failures)
+        summary["audit_mean_error_max"] = max((a.mean_error for a in run.audits), default=0.0)
     print(
         f"datagen: {c.delivered} of {c.rows} rows delivered in {elapsed:.1f} s "
         f"({summary['rows_per_s']} rows/s, {summary['tokens_per_s']} tokens/s), {c.retries} retries",

@@ -127,6 +127,11 @@ class RowBook:
         """The file of a row AWAITING it is there (written since its request went out)."""
         self._deliver(self._expect(index, RowState.AWAITING), now, confirmed=True)
 
+    def audit_failed(self, index: int, why: str, now: float) -> None:
+        """A delivered row's states failed the logprob audit: given up, not sent again (a
+        wrong capture is wrong again)."""
+        self._give_up(self._expect(index, RowState.DELIVERED), why, now)
+
     def expire(self, now: float) -> list[int]:
         """Rows that waited ``confirm_timeout_s`` for their file: sent again (or given
         up). Returns them."""

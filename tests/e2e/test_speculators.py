@@ -93,7 +93,8 @@ def test_speculators_loads_every_row_the_driver_and_the_reader_cli_produced(
             driver = subprocess.Popen(
                 [sys.executable, "-m", "kv_connector.datagen", "--dataset", str(data),
                  "--server", server.http.url, "--concurrency", "4", "--check-dir", str(hs_dir),
-                 "--retries", "6", "--progress-s", "5"],
+                 "--retries", "6", "--progress-s", "5",
+                 "--audit-model", str(tiny_llama_bf16), "--audit-rate", "1"],  # every row's meaning
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
             )  # fmt: skip
             time.sleep(READER_LATE_S)
@@ -131,6 +132,9 @@ def test_speculators_loads_every_row_the_driver_and_the_reader_cli_produced(
     assert summary["delivered"] == n and summary["failed"] == 0 and summary["unconfirmed"] == 0
     assert summary["retries"] > 0  # the rows sent before the reader was up
     assert summary["tokens"] == sum(LENGTHS)
+    # every row with a next token (all but the 1-token one) audited against vLLM's prompt_logprobs
+    assert summary["audited"] == sum(n > 1 for n in LENGTHS) and summary["audit_failed"] == 0
+    assert summary["audit_mean_error_max"] < 0.05
     assert resumed["rows"] == 0 and resumed["skipped"] == n and resumed["failed"] == 0
     assert sorted(os.listdir(hs_dir)) == sorted(
         [".delivered", ".tmp", *(f"hs_{i}.safetensors" for i in range(n))]

@@ -79,6 +79,21 @@ def test_with_a_directory_pending_waits_for_the_file_then_counts() -> None:
     assert b.state(1) is RowState.QUEUED and "did not appear within 5 s" in b.last_error(1)
 
 
+def test_a_row_whose_states_fail_the_audit_is_given_up_not_sent_again() -> None:
+    b = book(2, confirm=True)
+    b.take(0.0)
+    b.take(0.0)
+    b.answered(0, SampleStatus.PENDING, "", 1.0)
+    b.answered(1, SampleStatus.PENDING, "", 1.0)
+    b.file_seen(0, 2.0)
+    b.file_seen(1, 2.0)
+    b.audit_failed(1, "logprob audit: mean error 0.4", 2.0)
+    assert b.done and b.given_up() == {1: "logprob audit: mean error 0.4"}
+    assert b.counts().delivered == 1 and b.take(3.0) is None
+    with pytest.raises(IllegalRowTransition):
+        b.audit_failed(1, "again", 3.0)
+
+
 def test_transitions_outside_their_state_are_illegal() -> None:
     b = book(1, confirm=True)
     with pytest.raises(IllegalRowTransition):
