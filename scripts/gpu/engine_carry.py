@@ -1,8 +1,8 @@
 """What the engine tier carries to a GPU host with no package index, and its measure.
 
 Three parts, built here into the ignored folder ``.gpu-carry/engine``: vLLM 0.33.0's own
-Python code (from its wheel, unpacked by ``scripts/fetch_vllm033.sh``) less the model
-files no tiny model imports and everything that is not Python, packed as tar.xz; the
+Python code (from its wheel, unpacked by ``scripts/fetch_vllm033.sh``) less
+everything that is not Python, packed as tar.xz; the
 wheels of the packages vLLM needs that the host lacks (found with
 ``scripts.gpu.restricted_import``); NIXL (``nixl-cu13``) less its expert-parallel part,
 its plugins other than UCX and its headers, packed as tar.xz. Not yet run on a GPU.
@@ -23,21 +23,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".gpu-carry" / "engine"
 LIMIT_BYTES = 64 << 20
-# the tiny models' files and what they import of models/ (the rest is never opened)
-KEEP_MODELS = {
-    "__init__.py",
-    "registry.py",
-    "interfaces.py",
-    "interfaces_base.py",
-    "utils.py",
-    "llama.py",
-    "qwen3_next.py",
-    "qwen2_moe.py",
-    "extract_hidden_states.py",
-    "adapters.py",
-    "module_mapping.py",
-    "vision.py",
-}
 # the packages vLLM 0.33 imports that the host lacks (the restricted import's finding)
 WHEELS = [
     "msgspec==0.22.0",
@@ -80,19 +65,16 @@ STAND_INS = {
 
 
 def vllm_files(tree: Path) -> Iterator[tuple[Path, str]]:
-    """(file, name in the archive) of the pruned vLLM tree: Python files (models/ only
-    those kept), the small data files beside them; never vllm-rs, headers or .so."""
+    """(file, name in the archive) of the pruned vLLM tree: its Python files and the
+    small data files beside them; never vllm-rs, headers or compiled files. Every model
+    file and ``third_party``'s Python travel: the tiny models' modules import siblings
+    (``models/config.py``, the EAGLE-3 proposers' models) and ``third_party`` holds the
+    pynvml that CUDA platform detection imports and the gated delta net's Triton kernels."""
     for p in sorted(tree.rglob("*")):
         rel = p.relative_to(tree).as_posix()
-        if not p.is_file() or rel.startswith(("vllm/vllm-rs", "vllm/third_party")):
+        if not p.is_file() or rel.startswith("vllm/vllm-rs"):
             continue
         if p.suffix in (".so", ".h", ".cuh", ".hpp", ".cu", ".cpp", ".pyc"):
-            continue
-        if (
-            rel.startswith("vllm/model_executor/models/")
-            and rel.count("/") == 3
-            and p.name not in KEEP_MODELS
-        ):
             continue
         if p.suffix != ".py" and p.stat().st_size > 1 << 20:
             continue
