@@ -7,7 +7,7 @@ wheels of the packages vLLM needs that the host lacks (found with
 ``scripts.gpu.restricted_import``); NIXL (``nixl-cu13``) less its expert-parallel part,
 its plugins other than UCX and its headers, packed as tar.xz. Not yet run on a GPU.
 
-    python -m scripts.gpu.engine_carry [--vllm-tree DIR]
+    python -m scripts.gpu.engine_carry [--vllm-tree DIR] [--nixl-wheel WHEEL] [--rebuild]
 """
 
 from __future__ import annotations
@@ -15,13 +15,17 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import subprocess
+import sys
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".gpu-carry" / "engine"
+VLLM_TREE = REPO / ".venv" / "vllm-0.33"
 LIMIT_BYTES = 64 << 20
 # the packages vLLM 0.33 imports that the host lacks (the restricted import's finding)
 WHEELS = [
@@ -46,12 +50,11 @@ WHEELS = [
     "partial-json-parser==0.2.1.1.post7",
     "compressed-tensors==0.17.0",
     "loguru==0.7.3",
+    "nixl==1.5.1",  # the `nixl` import name (loads nixl_cu<torch's CUDA major>, packed below)
 ]
+NIXL_CU13 = "nixl-cu13==1.5.1"
 # stand-ins for what cannot travel, each imported unguarded on the engine's path
-STAND_IN_KERNELS = (
-    '"""Stand-in for vLLM\'s compiled kernels (built for another torch): registers no op;\n'
-    'the engine tier runs TRITON_ATTN and custom_ops [\'none\'] so none is asked for."""\n'
-)
+STAND_IN_KERNELS = (Path(__file__).resolve().parent / "stand_in_kernels.py").read_text()
 STAND_IN_LLGUIDANCE = (
     '"""Stand-in: vLLM names these types in an annotation; structured output is not run."""\n\n\n'
     "class LLMatcher:\n    pass\n\n\nclass LLTokenizer:\n    pass\n"
@@ -118,15 +121,62 @@ def measure(out: Path) -> dict[str, object]:
     return {"files": files, "total_MiB": round(total / (1 << 20), 2), "limit_MiB": LIMIT_BYTES >> 20}
 
 
+def wheel_prefix(requirement: str) -> str:
+    """How a wheel file of ``requirement`` is named at its start (pip writes '-' as '_')."""
+    name, version = requirement.split("==")
+    return f"{name.replace('-', '_')}-{version}-"
+
+
+def wheels_complete(dest: Path) -> bool:
+    return all(any(dest.glob(f"{wheel_prefix(r)}*.whl")) for r in WHEELS)
+
+
+def fetch_wheels(requirements: list[str], dest: Path) -> None:
+    """cp312 manylinux wheels of ``requirements`` into ``dest``, without dependencies (on a
+    machine with the package index)."""
+    from scripts.gpu.carry import PLATFORM_FLAGS
+
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps"]
+    proc = subprocess.run(
+        [*cmd, *PLATFORM_FLAGS, "-d", str(dest), *requirements], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"cannot fetch the engine carry's wheels: {proc.stderr.strip()[-2000:]}")
+
+
+def build(out: Path = OUT, vllm_tree: Path = VLLM_TREE, nixl_wheel: Path | None = None) -> dict[str, object]:
+    """The carry in ``out``, each part made only where it is missing; its measure. vLLM's
+    tree comes from ``scripts/fetch_vllm033.sh`` and the wheels from the index when absent."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "vllm-0.33.0-py.tar.xz").is_file():
+        if not (vllm_tree / "vllm" / "__init__.py").is_file():
+            subprocess.run(["bash", str(REPO / "scripts" / "fetch_vllm033.sh"), str(vllm_tree)], check=True)
+        pack_vllm(vllm_tree, out)
+    if not (out / "nixl-cu13-1.5.1-ucx.tar.xz").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            if nixl_wheel is None:
+                fetch_wheels([NIXL_CU13], Path(tmp))
+                nixl_wheel = next(Path(tmp).glob(f"{wheel_prefix(NIXL_CU13)}*.whl"))
+            pack_nixl(nixl_wheel, out)
+    if not wheels_complete(out / "wheels"):
+        fetch_wheels(
+            [r for r in WHEELS if not any((out / "wheels").glob(f"{wheel_prefix(r)}*.whl"))], out / "wheels"
+        )
+    return measure(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vllm-tree", type=Path, default=REPO / ".venv" / "vllm-0.33")
-    ap.add_argument("--nixl-wheel", type=Path, required=True)
+    ap.add_argument("--vllm-tree", type=Path, default=VLLM_TREE)
+    ap.add_argument("--nixl-wheel", type=Path, help="nixl-cu13's cp312 wheel (default: fetched)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--rebuild", action="store_true", help="pack vLLM and NIXL again")
     args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    pack_vllm(args.vllm_tree, OUT)
-    pack_nixl(args.nixl_wheel, OUT)
-    print(json.dumps(measure(OUT)))
+    if args.rebuild:
+        for name in ("vllm-0.33.0-py.tar.xz", "nixl-cu13-1.5.1-ucx.tar.xz"):
+            (args.out / name).unlink(missing_ok=True)
+    print(json.dumps(build(args.out, args.vllm_tree, args.nixl_wheel)))
 
 
 if __name__ == "__main__":
