@@ -50,6 +50,11 @@ WHEELS = [
     "partial-json-parser==0.2.1.1.post7",
     "compressed-tensors==0.17.0",
     "loguru==0.7.3",
+    # openai's own dependencies the host lacks (its wheel's Requires-Dist against the host's list)
+    "httpx2==2.16.2",
+    "httpcore2==2.16.2",
+    "truststore==0.10.5",
+    "sniffio==1.3.1",
     "nixl==1.5.1",  # the `nixl` import name (loads nixl_cu<torch's CUDA major>, packed below)
 ]
 NIXL_CU13 = "nixl-cu13==1.5.1"
