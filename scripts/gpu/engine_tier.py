@@ -70,11 +70,16 @@ LAYER_IDS = [1, 2, 4]
 PROMPT_LENGTHS = [1, 7, 129, 300]
 MAX_MODEL_LEN = 1024
 TOLERANCE = 1e-2  # relative error, fp32 on both sides (TF32 or reduction order apart)
+# "cpu": the engine stages' own code rehearsed on vLLM's CPU build (its defaults, eager, the
+# reference on the host): a check of this module, saying nothing of a GPU
+REHEARSAL = os.environ.get("ENGINE_TIER_REHEARSAL") == "cpu"
+REF_DEVICE = "cpu" if REHEARSAL else "cuda"
 # log lines worth keeping whole (the runner, backends, graphs, compilation, failures)
 LOG_KEYS = re.compile(
-    r"Model Runner|model runner|V2|backend|cudagraph|CUDA graph|Capturing|compil|torch.compile|"
-    r"stand-in|_C\.|Traceback|Error|ERROR|WARNING|hidden states|HiddenStates|kv_connector|Triton",
+    r"Model Runner|model runner|backend|cudagraph|CUDA graph|Capturing|torch.compile|Compil|"
+    r"_C\.|_C_stable|Error|ERROR|Traceback|reader|stand-in|Triton|triton"
 )
+LOG_NOISE = re.compile(r"Processed prompts|Rendering prompts|Loading weights|LD_PRELOAD|non-default args")
 
 
 def refuse_without_cuda() -> None:
@@ -160,8 +165,9 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def key_lines(log: str, limit: int = 60) -> list[str]:
-    lines = [ln.strip()[:400] for ln in log.splitlines() if LOG_KEYS.search(ln)]
+def key_lines(log: str, limit: int = 40) -> list[str]:
+    """The log lines that say what vLLM chose or what failed, shortened."""
+    lines = [ln.strip()[:300] for ln in log.splitlines() if LOG_KEYS.search(ln) and not LOG_NOISE.search(ln)]
     return lines[-limit:]
 
 
@@ -420,30 +426,32 @@ def triton_smoke() -> dict[str, Any]:
 
 def stand_in_checks() -> dict[str, Any]:
     """The stand-in's ops as vLLM uses them: a UVA view written by the GPU and read on the
-    host, a weak alias of a CUDA tensor."""
+    host, a weak alias of a CUDA tensor (each checked on its own)."""
     import torch
     import vllm._C_stable_libtorch as stand_in  # type: ignore[import-not-found]
 
-    host = torch.zeros(64, dtype=torch.int32, pin_memory=True)
-    view = torch.ops._C.get_cuda_view_from_cpu_tensor(host)
-    view.add_(torch.arange(64, device="cuda", dtype=torch.int32))
-    torch.cuda.synchronize()
-    x = torch.arange(256, device="cuda", dtype=torch.bfloat16).view(16, 16)[:, :8]
-    weak = torch.ops._C.weak_ref_tensor(x)
-    return {
-        "defined": stand_in.DEFINED,
-        "failed": stand_in.FAILED,
-        "uva_view": {
-            "device": str(view.device),
-            "host_sees_gpu_writes": bool(torch.equal(host, torch.arange(64, dtype=torch.int32))),
-        },
-        "weak_ref": {
+    def uva() -> dict[str, Any]:
+        host = torch.zeros(64, dtype=torch.int32, pin_memory=True)
+        view = torch.ops._C.get_cuda_view_from_cpu_tensor(host)
+        view.add_(torch.arange(64, device="cuda", dtype=torch.int32))
+        torch.cuda.synchronize()
+        expect = torch.arange(64, dtype=torch.int32)
+        return {"device": str(view.device), "host_sees_gpu_writes": bool(torch.equal(host, expect))}
+
+    def weak_ref() -> dict[str, Any]:
+        x = torch.arange(256, device="cuda", dtype=torch.bfloat16).view(16, 16)[:, :8]
+        weak = torch.ops._C.weak_ref_tensor(x)
+        return {
             "same_memory": weak.data_ptr() == x.data_ptr(),
             "equal": bool(torch.equal(weak, x)),
             "strides": list(weak.stride()) == list(x.stride()),
-        },
-        "fallbacks": stand_in.FALLBACKS,
-    }
+        }
+
+    report: dict[str, Any] = {"defined": stand_in.DEFINED, "failed": stand_in.FAILED}
+    attempt(report, "uva_view", uva)
+    attempt(report, "weak_ref", weak_ref)
+    report["fallbacks"] = stand_in.FALLBACKS
+    return report
 
 
 def attention_backends() -> dict[str, str]:
@@ -465,11 +473,12 @@ def stage_import(work: Path) -> dict[str, Any]:
     import torch
 
     report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "capability": list(torch.cuda.get_device_capability()),
         "c_compiler": next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None),
         "python_h": Path(sysconfig.get_paths()["include"], "Python.h").is_file(),
     }
+    attempt(
+        report, "device", lambda: [torch.cuda.get_device_name(), list(torch.cuda.get_device_capability())]
+    )
     attempt(report, "triton_kernel", triton_smoke)
     checkpoint(report)
     t0 = time.monotonic()
@@ -520,11 +529,35 @@ def prompts() -> list[list[int]]:
     return [[random.Random(i).randrange(1, 1000) for _ in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
+CONNECTOR = {
+    "kv_connector": "HiddenStatesConnector",
+    "kv_connector_module_path": "kv_connector.connector",
+    "kv_role": "kv_producer",
+}
+
+
 def llm_kwargs(model: str, address: str | None, eager: bool, pull: bool) -> dict[str, Any]:
     """``LLM``'s arguments for a stage, every name as vLLM 0.33 spells it
     (``entrypoints/llm.py``, ``engine/arg_utils.py``, ``config/{attention,compilation,
     kernel,speculative,kv_transfer}.py``)."""
     extra: dict[str, Any] = {"delivery": "pull"} if pull else {"consumer_address": address}
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
+    }
+    if REHEARSAL:
+        return {
+            "model": model,
+            "skip_tokenizer_init": True,
+            "dtype": DTYPE,
+            "max_model_len": MAX_MODEL_LEN,
+            "max_num_seqs": 16,
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": 128 << 20,
+            "speculative_config": spec,
+            "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": extra},
+        }
     return {
         "model": model,
         "skip_tokenizer_init": True,
@@ -537,17 +570,8 @@ def llm_kwargs(model: str, address: str | None, eager: bool, pull: bool) -> dict
         "compilation_config": {"custom_ops": ["none"]},
         # vLLM's own native RMSNorm, never its compiled one (which does not travel)
         "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}},
-        "speculative_config": {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
-        },
-        "kv_transfer_config": {
-            "kv_connector": "HiddenStatesConnector",
-            "kv_connector_module_path": "kv_connector.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": extra,
-        },
+        "speculative_config": spec,
+        "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": extra},
     }
 
 
@@ -567,7 +591,7 @@ def reference_states(model_dir: Path, batch: list[list[int]]) -> list[Any]:
     from transformers import AutoModelForCausalLM
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = loaded.to("cuda").eval()
+    model = loaded.to(REF_DEVICE).eval()
     n = model.config.num_hidden_layers
     out = []
     with torch.no_grad():
@@ -579,7 +603,7 @@ def reference_states(model_dir: Path, batch: list[list[int]]) -> list[Any]:
 
             hook = model.model.layers[-1].register_forward_hook(keep)
             try:
-                res = model(torch.tensor([p], device="cuda"), output_hidden_states=True, use_cache=False)
+                res = model(torch.tensor([p], device=REF_DEVICE), output_hidden_states=True, use_cache=False)
             finally:
                 hook.remove()
             rows = [last[0][0] if k == n else res.hidden_states[k][0] for k in LAYER_IDS]
@@ -600,7 +624,7 @@ def compare(samples: dict[tuple[int, ...], Any], batch: list[list[int]], model_d
         if s is None:
             problems.append(f"no sample for the prompt of {len(p)} tokens")
             continue
-        got = s["hidden_states"].to("cuda", torch.float32)
+        got = s["hidden_states"].to(REF_DEVICE, torch.float32)
         row: dict[str, Any] = {"tokens": len(p), "shape": list(s["hidden_states"].shape)}
         row["device"] = str(s["hidden_states"].device)
         row["layer_ids"] = list(s["layer_ids"])
@@ -694,7 +718,8 @@ def stage_engine(
         report["comparison"] = compare(samples, batch, model)
     except BaseException as e:
         raise StageError(f"{type(e).__name__}: {e}", report) from e
-    torch.cuda.synchronize()
+    if not REHEARSAL:
+        torch.cuda.synchronize()
     problems = report["comparison"]["problems"]
     if problems:
         raise StageError("; ".join(problems), report)
