@@ -265,6 +265,7 @@ def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
         result[name] = done[name]
         state = "skipped" if done[name].get("skipped") else ("ok" if done[name].get("ok") else "FAILED")
         print(f"gpu_check engine: {name}: {state}", file=sys.stderr, flush=True)
+    save_logs(work)
     ran = [n for n in names if not done[n].get("skipped")]
     # eager only says why engine failed: the tier passes when engine (or the stages run) did
     result["ok"] = bool(ran) and all(done[n].get("ok") for n in ran if n != "eager")
@@ -272,6 +273,20 @@ def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def save_logs(work: Path, limit: int = 2 << 20) -> None:
+    """Each stage's whole log (its last ``limit`` bytes) into ``$OUT/engine-logs/`` when
+    ``OUT`` is set: what comes back from a GPU host besides the JSON line."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    dest = Path(out, "engine-logs")
+    with contextlib.suppress(OSError):
+        dest.mkdir(parents=True, exist_ok=True)
+        for log in sorted(work.glob("*.log")):
+            data = log.read_bytes()[-limit:]
+            (dest / log.name).write_bytes(data)
 
 
 def skip_reason(name: str, done: dict[str, dict[str, Any]], left: float) -> str | None:
