@@ -263,8 +263,7 @@ def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
         else:
             done[name] = spawn_stage(name, work, env, min(LIMITS_S[name], max(left, 10)))
         result[name] = done[name]
-        state = "skipped" if done[name].get("skipped") else ("ok" if done[name].get("ok") else "FAILED")
-        print(f"gpu_check engine: {name}: {state}", file=sys.stderr, flush=True)
+        print(f"gpu_check engine: {name}: {status(done[name])}", file=sys.stderr, flush=True)
     save_logs(work)
     ran = [n for n in names if not done[n].get("skipped")]
     # eager only says why engine failed: the tier passes when engine (or the stages run) did
@@ -273,6 +272,21 @@ def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def status(out: dict[str, Any]) -> str:
+    """One line of a stage's outcome: ok with its runner and error, skipped, or the last
+    line of its error."""
+    if out.get("skipped"):
+        return f"skipped ({out['skipped']})"
+    comparison = out.get("comparison") or out.get("partial", {}).get("comparison") or {}
+    facts = (
+        f"runner {out.get('runner_from_log')}, worst relative error {comparison.get('worst_relative_error')}"
+    )
+    if out.get("ok"):
+        return f"ok in {out.get('seconds')} s ({facts})"
+    last = str(out.get("error", "")).strip().splitlines()[-1:] or ["?"]
+    return f"FAILED in {out.get('seconds')} s ({facts}): {last[0][:300]}"
 
 
 def save_logs(work: Path, limit: int = 2 << 20) -> None:
