@@ -13,8 +13,10 @@ its plugins other than UCX and its headers, packed as tar.xz. Not yet run on a G
 from __future__ import annotations
 
 import argparse
+import email.parser
 import io
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -22,10 +24,12 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".gpu-carry" / "engine"
 VLLM_TREE = REPO / ".venv" / "vllm-0.33"
+HOST_PACKAGES = Path(__file__).resolve().parent / "gpu_host_packages.txt"
 LIMIT_BYTES = 64 << 20
 # the packages vLLM 0.33 imports that the host lacks (the restricted import's finding)
 WHEELS = [
@@ -89,9 +93,14 @@ def vllm_files(tree: Path) -> Iterator[tuple[Path, str]]:
         yield p, rel
 
 
-def pack_vllm(tree: Path, out: Path) -> Path:
+Preset = Literal[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def pack_vllm(tree: Path, out: Path, preset: Preset = 9) -> Path:
+    """The pruned tree and the stand-ins as tar.xz (``preset``: xz's level; a lower one
+    packs faster and larger)."""
     dest = out / "vllm-0.33.0-py.tar.xz"
-    with tarfile.open(dest, "w:xz", preset=9) as tar:
+    with tarfile.open(dest, "w:xz", preset=preset) as tar:
         for p, rel in vllm_files(tree):
             tar.add(p, rel)
         for rel, text in STAND_INS.items():
@@ -102,10 +111,10 @@ def pack_vllm(tree: Path, out: Path) -> Path:
     return dest
 
 
-def pack_nixl(wheel: Path, out: Path) -> Path:
+def pack_nixl(wheel: Path, out: Path, preset: Preset = 9) -> Path:
     """NIXL less ``nixl_ep``, headers, scripts and every plugin but UCX."""
     dest = out / "nixl-cu13-1.5.1-ucx.tar.xz"
-    with zipfile.ZipFile(wheel) as z, tarfile.open(dest, "w:xz", preset=9) as tar:
+    with zipfile.ZipFile(wheel) as z, tarfile.open(dest, "w:xz", preset=preset) as tar:
         for i in z.infolist():
             n = i.filename
             base = n.rsplit("/", 1)[-1]
@@ -136,6 +145,39 @@ def wheels_complete(dest: Path) -> bool:
     return all(any(dest.glob(f"{wheel_prefix(r)}*.whl")) for r in WHEELS)
 
 
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def unmet_requirements(wheels: Path, host: Path = HOST_PACKAGES) -> dict[str, list[str]]:
+    """Each carried wheel's requirements (its ``Requires-Dist``, extras and markers that
+    exclude Linux on CPython 3.12 left out) that neither the host's package list nor the
+    carry meets: {wheel's distribution: [requirement, ...]}; empty when the carry is whole."""
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    env: dict[str, str] = {k: str(v) for k, v in default_environment().items()}
+    env.update(python_version="3.12", python_full_version="3.12.0", sys_platform="linux")
+    env.update(platform_system="Linux", implementation_name="cpython", extra="")
+    have = {normalize(ln.split("==", 1)[0]) for ln in host.read_text().splitlines() if "==" in ln}
+    metadata = {}
+    for w in sorted(wheels.glob("*.whl")):
+        with zipfile.ZipFile(w) as z:
+            name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            md = email.parser.Parser().parsestr(z.read(name).decode())
+        metadata[normalize(md["Name"])] = md
+    have |= set(metadata)
+    unmet: dict[str, list[str]] = {}
+    for dist, md in metadata.items():
+        for text in md.get_all("Requires-Dist") or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate(env):
+                continue
+            if normalize(req.name) not in have and not (dist == "nixl" and req.name.startswith("nixl-cu")):
+                unmet.setdefault(dist, []).append(text)
+    return unmet
+
+
 def fetch_wheels(requirements: list[str], dest: Path) -> None:
     """cp312 manylinux wheels of ``requirements`` into ``dest``, without dependencies (on a
     machine with the package index)."""
@@ -150,20 +192,22 @@ def fetch_wheels(requirements: list[str], dest: Path) -> None:
         raise SystemExit(f"cannot fetch the engine carry's wheels: {proc.stderr.strip()[-2000:]}")
 
 
-def build(out: Path = OUT, vllm_tree: Path = VLLM_TREE, nixl_wheel: Path | None = None) -> dict[str, object]:
+def build(
+    out: Path = OUT, vllm_tree: Path = VLLM_TREE, nixl_wheel: Path | None = None, preset: Preset = 9
+) -> dict[str, object]:
     """The carry in ``out``, each part made only where it is missing; its measure. vLLM's
     tree comes from ``scripts/fetch_vllm033.sh`` and the wheels from the index when absent."""
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "vllm-0.33.0-py.tar.xz").is_file():
         if not (vllm_tree / "vllm" / "__init__.py").is_file():
             subprocess.run(["bash", str(REPO / "scripts" / "fetch_vllm033.sh"), str(vllm_tree)], check=True)
-        pack_vllm(vllm_tree, out)
+        pack_vllm(vllm_tree, out, preset)
     if not (out / "nixl-cu13-1.5.1-ucx.tar.xz").is_file():
         with tempfile.TemporaryDirectory() as tmp:
             if nixl_wheel is None:
                 fetch_wheels([NIXL_CU13], Path(tmp))
                 nixl_wheel = next(Path(tmp).glob(f"{wheel_prefix(NIXL_CU13)}*.whl"))
-            pack_nixl(nixl_wheel, out)
+            pack_nixl(nixl_wheel, out, preset)
     if not wheels_complete(out / "wheels"):
         fetch_wheels(
             [r for r in WHEELS if not any((out / "wheels").glob(f"{wheel_prefix(r)}*.whl"))], out / "wheels"
