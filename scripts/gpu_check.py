@@ -1,11 +1,16 @@
-"""The GPU check, in two tiers (docs/usage.md, "GPU check"):
+"""The GPU check, in three tiers (docs/usage.md, "GPU check"):
 
     python -m scripts.gpu_check --tier device [--device cpu] [--plan]
+    python -m scripts.gpu_check --tier engine [--only STAGE,...] [--plan]
     python -m scripts.gpu_check [--tier vllm] [--model DIR] [--prompts N] [--tokens T] [--only NAME,...]
 
 The device tier (``scripts.gpu.device_tier``) needs only torch with CUDA and the carried
 NIXL and msgspec wheels: our integrity record, step path and NIXL transfers on a GPU,
 without vLLM. It fits the GPU machine we are sometimes lent.
+
+The engine tier (``scripts.gpu.engine_tier``) carries vLLM 0.33.0's own Python code (no
+compiled kernels), the wheels it needs and NIXL to such a machine (one folder, under 64
+MiB) and runs our producer inside vLLM there against transformers.
 
 The vLLM tier, below, needs a machine with a CUDA GPU, vLLM's CUDA build (0.32 or 0.33)
 and the NIXL wheel for its torch.
@@ -288,15 +293,22 @@ def part(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     tier = argparse.ArgumentParser(add_help=False)
-    tier.add_argument("--tier", choices=["device", "vllm"], default="vllm")
+    tier.add_argument("--tier", choices=["device", "engine", "vllm"], default="vllm")
     known, rest = tier.parse_known_args()
     if known.tier == "device":
         from scripts.gpu import device_tier
 
         device_tier.main(rest)
         return
+    if known.tier == "engine":
+        from scripts.gpu import engine_tier
+
+        engine_tier.main(rest)
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tier", choices=["device", "vllm"], default="vllm", help="which tier (see above)")
+    ap.add_argument(
+        "--tier", choices=["device", "engine", "vllm"], default="vllm", help="which tier (see above)"
+    )
     ap.add_argument("--model", help="model for extraction_cost (default: the tiny Llama)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1024)
