@@ -64,6 +64,7 @@ WHEELS = [
 NIXL_CU13 = "nixl-cu13==1.5.1"
 # stand-ins for what cannot travel, each imported unguarded on the engine's path
 STAND_IN_KERNELS = (Path(__file__).resolve().parent / "stand_in_kernels.py").read_text()
+STAND_IN_FLASH_ATTN = (Path(__file__).resolve().parent / "stand_in_flash_attn.py").read_text()
 STAND_IN_LLGUIDANCE = (
     '"""Stand-in: vLLM names these types in an annotation; structured output is not run."""\n\n\n'
     "class LLMatcher:\n    pass\n\n\nclass LLTokenizer:\n    pass\n"
@@ -71,6 +72,7 @@ STAND_IN_LLGUIDANCE = (
 STAND_INS = {
     # platforms/cuda.py: `import vllm._C_stable_libtorch` (compiled for torch 2.14)
     "vllm/_C_stable_libtorch.py": STAND_IN_KERNELS,
+    "vllm/vllm_flash_attn/__init__.py": STAND_IN_FLASH_ATTN,
     # v1/structured_output/backend_guidance.py evaluates llguidance.LLMatcher in a dataclass
     "llguidance/__init__.py": STAND_IN_LLGUIDANCE,
 }
@@ -102,7 +104,8 @@ def pack_vllm(tree: Path, out: Path, preset: Preset = 9) -> Path:
     dest = out / "vllm-0.33.0-py.tar.xz"
     with tarfile.open(dest, "w:xz", preset=preset) as tar:
         for p, rel in vllm_files(tree):
-            tar.add(p, rel)
+            if rel not in STAND_INS:  # each replaced file travels once: as its stand-in
+                tar.add(p, rel)
         for rel, text in STAND_INS.items():
             data = text.encode()
             info = tarfile.TarInfo(rel)

@@ -68,6 +68,16 @@ NAMED_ONLY = {
     ),
 }
 
+# capability queries vLLM asks before it picks a kernel (quantized GEMMs, MoE): the stand-in
+# has none of those kernels, so every answer is no
+UNSUPPORTED = (
+    "cutlass_scaled_mm_supports_fp8",
+    "cutlass_scaled_mm_supports_block_fp8",
+    "cutlass_scaled_mm_supports_fp4",
+    "cutlass_group_gemm_supported",
+    "mxfp4_experts_quant_supported",
+)
+
 LIB = torch.library.Library("_C", "FRAGMENT")
 
 
@@ -153,6 +163,10 @@ def _nothing(*args: Any) -> None:
     return None
 
 
+def _no(*args: Any) -> bool:
+    return False
+
+
 def _define(name: str, schema: str, impls: dict[str, Any]) -> None:
     try:
         LIB.define(schema)
@@ -199,6 +213,8 @@ def _define_all() -> None:
     )
     for name, schema in NAMED_ONLY.items():
         _define(name, schema, {**dict.fromkeys(both, _named_only(name)), "Meta": _nothing})
+    for name in UNSUPPORTED:  # no tensor argument: one implementation for every backend
+        _define(name, f"{name}(int cuda_device_capability) -> bool", {"CompositeExplicitAutograd": _no})
 
 
 _define_all()
