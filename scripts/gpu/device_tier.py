@@ -127,9 +127,9 @@ def spawn_check(name: str, device: str, env: dict[str, str], limit_s: float) -> 
         return {"ok": False, "error": (proc.stderr or proc.stdout).strip()[-3000:]}
     out: dict[str, Any] = {"ok": True, **json.loads(lines[-1]), "seconds": time.monotonic() - t0}
     if transfers:
-        from scripts.gpu.transfer import ucx_transports
+        from kv_connector.wire.ucx_report import table_transports
 
-        out["ucx_transports"] = ucx_transports(proc.stdout)
+        out["ucx_transports"] = table_transports(proc.stdout)
     return out
 
 

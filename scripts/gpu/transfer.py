@@ -20,7 +20,7 @@ loop (handed out, the work queued on its device before done). The checksum is wh
 connector's default resolves to for the cache (``ChecksumOption("auto")``).
 
 Run with ``UCX_PROTO_INFO=y`` (the device tier sets it) UCX prints the protocols it
-selects; ``ucx_transports`` reads the transports out of that.
+selects; ``kv_connector.wire.ucx_report.table_transports`` reads the transports out of that.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import random
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -475,28 +474,3 @@ def check(device: torch.device, size: Size, pool_device: str | None = None) -> d
         "push": push(device, size, pool_device),
         "pull": pull(device, size, pool_device),
     }
-
-
-_TITLE = re.compile(r"\|\s*(remote memory (?:write|read)[^|]*?)\s*\|")
-# a row: "| 8K..inf | zero-copy | 50% on cuda_ipc/cuda and ... |"
-_ROW = re.compile(r"\|\s*[0-9][0-9A-Za-z.]*\s*\|[^|]*\|\s*([^|]+?)\s*\|\s*$")
-_TRANSPORT = re.compile(r"[a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+")  # "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"
-
-
-def ucx_transports(log: str) -> dict[str, list[str]]:
-    """From UCX's protocol tables (``UCX_PROTO_INFO=y``): for each remote-memory operation
-    UCX selected a protocol for ("remote memory write by ucp_put* from cuda memory to
-    host", ...), the transports it uses ("cuda_copy/cuda", "cma/memory", ...)."""
-    out: dict[str, set[str]] = {}
-    title: str | None = None
-    for line in log.splitlines():
-        if m := _TITLE.search(line):
-            title = m.group(1)
-            continue
-        if title is None:
-            continue
-        if m := _ROW.search(line):
-            out.setdefault(title, set()).update(_TRANSPORT.findall(m.group(1)))
-        elif "Range" not in line and "+--" not in line and "|" in line:
-            title = None
-    return {k: sorted(v) for k, v in sorted(out.items())}
