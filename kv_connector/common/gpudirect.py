@@ -138,7 +138,8 @@ def device_rdma(index: int) -> DeviceRdma | None:
         return None
 
 
-def _flush_to_owner() -> None:
+def flush_to_owner() -> None:
+    """``cudaDeviceFlushGPUDirectRDMAWrites`` on this thread's current device, to its owner."""
     rt = _runtime()
     _ok(
         rt,
@@ -152,9 +153,15 @@ def _flush_to_owner() -> None:
 class Visibility:
     """Called before a pool's memory is read: makes RDMA writes that completed before the
     call visible to ``device``'s kernels, as ``plan`` decided (nothing, a flush, a device
-    synchronize). Host devices decide nothing and import nothing."""
+    synchronize). Host devices decide nothing and import nothing. ``devices``: the node's
+    RDMA devices, read from sysfs unless given."""
 
-    def __init__(self, device: torch.device, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        environ: Mapping[str, str] | None = None,
+        devices: Sequence[str] | None = None,
+    ) -> None:
         self.device = device
         self.plan = Flush.NONE
         self.calls = 0  # flushes or synchronizes done
@@ -162,14 +169,15 @@ class Visibility:
         self._do: Callable[[], None] = lambda: None
         if device.type != "cuda":
             return
-        devices = usable_rdma_devices(node_rdma_devices(), os.environ if environ is None else environ)
+        found = node_rdma_devices() if devices is None else devices
+        devices = usable_rdma_devices(found, os.environ if environ is None else environ)
         if not devices:
             return  # no NIC may write this GPU: every write into it is a CUDA copy
         index = device.index if device.index is not None else torch.cuda.current_device()
         attrs = device_rdma(index)
         self.plan = plan(True, devices, attrs)
         if self.plan is Flush.FLUSH:
-            self._do = _flush_to_owner
+            self._do = flush_to_owner
         elif self.plan is Flush.SYNCHRONIZE:
             self._do = lambda: torch.cuda.synchronize(device)
         log.log(
