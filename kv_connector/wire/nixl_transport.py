@@ -131,8 +131,33 @@ def _report_dir(name: str) -> tuple[str | None, bool]:
     theirs = os.environ.get("UCX_PROTO_INFO_DIR")
     if theirs:
         return theirs.replace("%p", str(os.getpid())).replace("%h", socket.gethostname()), False
+    _prune_reports()
     # short: UCX cuts a report file's whole path at 255 bytes
-    return tempfile.mkdtemp(prefix="kvc-ucx-"), True
+    return tempfile.mkdtemp(prefix=f"{_REPORT_PREFIX}{os.getpid()}-"), True
+
+
+_REPORT_PREFIX = "kvc-ucx-"
+
+
+def _prune_reports() -> None:
+    """Remove the report directories of processes that are gone (killed before their
+    agents closed); a directory holds only the descriptions not read yet."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid = entry.name.removeprefix(_REPORT_PREFIX).split("-", 1)[0]
+            if entry.name.startswith(_REPORT_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 class NixlTransport:
@@ -318,20 +343,26 @@ class NixlTransport:
         new pairings. Nothing when UCX describes nothing (``UCX_PROTO_INFO=n``)."""
         choices = []
         for file_name in self._report_files():
+            path = os.path.join(self._report or "", file_name)
             try:
-                with open(os.path.join(self._report or "", file_name)) as f:
+                with open(path) as f:
                     text = f.read()
             except OSError:
                 continue
             self._read.add(file_name)
+            if self._own_report:  # read once: nothing is left behind the agent
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             c = ucx_report.choice_of(file_name, text, self.name)
             if c is not None and c.pairing.reach is not ucx_report.Reach.SELF:  # its loopback
                 choices.append(c)
         new: dict[ucx_report.Pairing, tuple[str, ...]] = {}
         with _CHOICES_LOCK:
-            for pairing, ts in ucx_report.bulk(choices).items():
+            for pairing, found in ucx_report.bulk(choices).items():
                 key = (self.name, pairing)
-                if ts and _CHOICES.get(key) != ts:
+                before = _CHOICES.get(key, ())
+                ts = tuple(sorted(set(before) | set(found)))  # variants may come in later calls
+                if ts != before:
                     _CHOICES[key] = new[pairing] = ts
         for pairing, ts in new.items():
             log.info("NIXL agent %s: UCX moves a %s over %s", self.name, pairing, ", ".join(ts))

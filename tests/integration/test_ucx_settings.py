@@ -103,3 +103,18 @@ def test_without_the_report_nothing_is_read(monkeypatch: pytest.MonkeyPatch) -> 
     for env in ({"KV_CONNECTOR_UCX_REPORT": "0"}, {"UCX_PROTO_INFO": "n"}):
         got, _, _ = run(env)
         assert got["choices"] == {}, env
+
+
+def test_reports_of_processes_gone_are_removed(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(gone.stdout)
+    left = tmp_path / f"kvc-ucx-{pid}-abc"  # as a killed process leaves it
+    left.mkdir()
+    (left / "x_intra_node_cfg_1_put_from_host_memory_to_host_0_inf.dot").write_text("digraph {}\n")
+    mine = tmp_path / f"kvc-ucx-{os.getpid()}-abc"  # a live process's: kept
+    mine.mkdir()
+    run({"TMPDIR": str(tmp_path)})
+    assert not left.exists() and mine.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [mine.name]  # the agents' own went with them
