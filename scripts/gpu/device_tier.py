@@ -26,8 +26,9 @@ Each pairing (push or pull, cache and pool memory) gets a line on stderr and a r
 ``pairings`` in the JSON: GB/s ours and raw, ours over raw, the transports UCX picked for
 ours and for raw (as the package's agents read them), and finish (or handle) to usable.
 The agents run with the package's UCX defaults (``ucx_settings`` says which were in
-force); ``--ucx-tables`` also has UCX print its protocol tables (``UCX_PROTO_INFO=y``),
-read into ``ucx_tables``.
+force; ``KV_CONNECTOR_UCX_DEFAULTS=0`` runs them with UCX's own), and ``ucx_warnings``
+holds what they warned where tcp carried a GPU buffer; ``--ucx-tables`` also has UCX
+print its protocol tables (``UCX_PROTO_INFO=y``), read into ``ucx_tables``.
 
 ``--device cpu`` runs the same checks on host tensors (CI does, to keep the tier
 runnable); its figures say nothing about a GPU. ``--plan`` fetches the wheels that must
@@ -137,6 +138,8 @@ def spawn_check(
     if proc.returncode != 0 or not lines:
         return {"ok": False, "error": (proc.stderr or proc.stdout).strip()[-3000:]}
     out: dict[str, Any] = {"ok": True, **json.loads(lines[-1]), "seconds": time.monotonic() - t0}
+    if name in ("nixl", "gpu_pool"):  # what the agents warned of the transports UCX picked
+        out["ucx_warnings"] = [ln for ln in proc.stderr.splitlines() if "a GPU buffer over TCP" in ln]
     if tables:
         from kv_connector.wire.ucx_report import table_transports
 

@@ -107,6 +107,7 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
     # the agents ran with the package's UCX defaults, and UCX printed no table
     assert "RMA_PPLN_ENABLE=y" in out["ucx_settings"]["engine_config"], out["ucx_settings"]
     assert "ucx_tables" not in out["nixl"]
+    assert out["nixl"]["ucx_warnings"] == [] and out["gpu_pool"]["ucx_warnings"] == []
     lines = [ln for ln in proc.stderr.splitlines() if "GB/s, raw" in ln]
     assert len(lines) == 4 and all("of raw); over " in ln for ln in lines), proc.stderr[-2000:]
 

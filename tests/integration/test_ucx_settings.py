@@ -118,3 +118,27 @@ def test_reports_of_processes_gone_are_removed(tmp_path: Path) -> None:
     run({"TMPDIR": str(tmp_path)})
     assert not left.exists() and mine.exists()
     assert [p.name for p in tmp_path.iterdir()] == [mine.name]  # the agents' own went with them
+
+
+# a description as UCX writes it on a GPU host whose cuda_ipc serves no READ (an H200
+# without NVLink under UCX's own defaults), put where the agent reads the user's directory
+WARN = """
+import logging, os, sys
+from pathlib import Path
+from kv_connector.wire.nixl_transport import NixlTransport, ucx_choices
+report = Path(os.environ["UCX_PROTO_INFO_DIR"])
+name = "warn_agent_intra_node_cfg_2_get_multi_into_cuda_GPU0_from_cuda_dev_1_8157_inf.dot"
+(report / name).write_text('digraph {\\n\\tnode0 [label="zero-copy\\\\ntcp/lo" shape=box]\\n}\\n')
+t = NixlTransport("warn-agent")
+new = t.report_choices()
+t.close()
+assert (report / name).exists()  # the user's directory is theirs
+print("RESULT " + json.dumps({"new": [str(p) for p in new], "choices": ucx_choices()}))
+"""
+
+
+def test_tcp_under_a_gpu_buffer_is_warned_with_the_setting(tmp_path: Path) -> None:
+    got, _, err = run({"UCX_PROTO_INFO_DIR": str(tmp_path), "UCX_PROTO_INFO": "n"}, "import json\n" + WARN)
+    assert got["new"] == ["READ into GPU from GPU on this node"]
+    (warning,) = [ln for ln in err.splitlines() if "a GPU buffer over TCP" in ln]
+    assert "warn-agent" in warning and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in warning

@@ -213,5 +213,3 @@ def test_printed_tables_are_read_too() -> None:
         ],
     }
     assert table_transports("no tables here\n") == {}
-
-
