@@ -122,7 +122,10 @@ def ucx_choices() -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def _report_dir(name: str) -> tuple[str | None, bool]:
+_REPORT_PREFIX = "kvc-ucx-"  # then the pid: directories of processes gone are pruned
+
+
+def _report_dir() -> tuple[str | None, bool]:
     """Where UCX describes this agent's choices, and whether the directory is ours to
     remove: the user's ``UCX_PROTO_INFO_DIR`` (``%p``, ``%h`` filled in as UCX does),
     else a new temporary one; None when ``KV_CONNECTOR_UCX_REPORT`` is off."""
@@ -134,9 +137,6 @@ def _report_dir(name: str) -> tuple[str | None, bool]:
     _prune_reports()
     # short: UCX cuts a report file's whole path at 255 bytes
     return tempfile.mkdtemp(prefix=f"{_REPORT_PREFIX}{os.getpid()}-"), True
-
-
-_REPORT_PREFIX = "kvc-ucx-"
 
 
 def _prune_reports() -> None:
@@ -168,7 +168,7 @@ class NixlTransport:
         params = dict(ucx_params or {})
         if "ucx_error_handling_mode" not in params and os.environ.get("KV_CONNECTOR_UCX_ERROR_HANDLING"):
             params["ucx_error_handling_mode"] = os.environ["KV_CONNECTOR_UCX_ERROR_HANDLING"]
-        self._report, self._own_report = _report_dir(name)
+        self._report, self._own_report = _report_dir()
         params["engine_config"], applied = ucx_report.engine_config(
             os.environ, params.get("engine_config", ""), self._report if self._own_report else None
         )
@@ -178,8 +178,12 @@ class NixlTransport:
         except Exception as e:
             self._drop_report()
             raise TransportError(f"cannot create the NIXL agent {name!r} on UCX: {e}") from e
-        log.debug("NIXL agent %s: UCX %s", name, params["engine_config"] or "as configured")
-        self._applied = applied
+        log.debug(
+            "NIXL agent %s: UCX engine_config %r (our defaults: %s)",
+            name,
+            params["engine_config"],
+            ", ".join(f"{s.key}={s.value}" for s in applied) or "none",
+        )
         self._kinds: set[tuple[str, ...]] = set()
         self._read: set[str] = set()  # report files read
         self.name = name
@@ -317,7 +321,10 @@ class NixlTransport:
         if state == _DONE:
             if xfer.kind not in self._kinds:  # UCX chose its transport when it was posted
                 self._kinds.add(xfer.kind)
-                self.report_choices()
+                try:
+                    self.report_choices()
+                except Exception as e:  # a report never fails a transfer
+                    log.debug("NIXL agent %s: UCX's report unread: %s", self.name, e)
             return True
         raise TransportError(f"a {xfer.op} of {xfer.nbytes} bytes with {xfer.peer} failed")
 
