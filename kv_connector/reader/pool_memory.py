@@ -17,6 +17,9 @@ Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull clien
   return to producers only once the work queued before it is done (``Fences``), so a
   kernel still reading a sample never sees the next one land. Work on other streams must
   be synchronized by the user before letting a sample go (as with torch's own memory).
+  Before any check or hand-out reads what landed, RDMA writes into the GPU are made
+  visible to its kernels (``common.gpudirect``: a flush on a node with an RDMA device,
+  nothing where every write is a CUDA copy).
   On a host device (``pool_device="cpu"``) the same code runs on memory torch allocates:
   what CI tests; ``None`` is the host pool tuned for CPUs.
 
@@ -35,6 +38,7 @@ from typing import Protocol
 import torch
 
 from kv_connector.common.device import DeviceEvent, HostDone
+from kv_connector.common.gpudirect import Visibility
 from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
 from kv_connector.reader.records import RowsScreen
@@ -269,6 +273,7 @@ class DevicePool:
                 "training takes the memory"
             ) from None
         self.fences = Fences(device)
+        self.visible = Visibility(device)  # before each read of what landed
         self._np = self.tensor.numpy() if device.type == "cpu" else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
@@ -282,6 +287,7 @@ class DevicePool:
             yield
 
     def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+        self.visible()
         run = run_of(self.tensor, base, m)
         with self._side():
             if kind is ShareChecksum.FINGERPRINT:  # a gather of its sampled words, on the device
@@ -295,10 +301,12 @@ class DevicePool:
         return self.checksum(base, m, blocks, ShareChecksum.FINGERPRINT), None  # screened whole, in one pass
 
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
+        self.visible()
         with self._side():
             return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids)
 
     def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+        self.visible()
         n = m.geometry.sample_bytes(m.num_blocks)
         span: object
         if self._np is not None:
@@ -311,6 +319,7 @@ class DevicePool:
         return sample_view(raw, m)
 
     def copy_out(self, base: int, m: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
+        self.visible()
         view = sample_view(run_of(self.tensor, base, m), m)
         hidden = torch.empty(view.shape, dtype=view.dtype, device=self.device)
         hidden.copy_(view)  # queued on this thread's stream: the pages go back after it

@@ -4,6 +4,12 @@ A ``NixlTransport`` is one NIXL agent on the UCX backend, without NIXL's progres
 (it spins a whole core per agent; on small machines that starves vLLM). Progress is made
 by the caller polling ``poll`` and ``notifications`` on both sides. It implements
 ``kv_connector.wire.transport.Transport``.
+
+Before its UCX context exists, an agent gets the UCX settings GPU buffers need on one node
+(``ucx_report.UCX_DEFAULTS``, through NIXL's ``engine_config``; never over a user's
+``UCX_*``) and asks UCX to describe its WRITE and READ choices in files of a directory of
+its own; at the first completion of each kind of transfer it reads them, logs the
+transport of each pairing and warns where ``tcp`` carries a GPU buffer.
 """
 
 from __future__ import annotations
@@ -11,13 +17,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import socket
 import sys
+import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from kv_connector.wire import ucx_report
 from kv_connector.wire.transport import MemType, Region, Transfer, TransportError
 
 log = logging.getLogger(__name__)
@@ -85,13 +96,68 @@ def mem_type_of(tensor: torch.Tensor) -> tuple[MemType, int]:
 class _Transfer:
     """One posted WRITE or READ; poll it with ``NixlTransport.poll`` until it is done."""
 
-    __slots__ = ("handle", "nbytes", "op", "peer")
+    __slots__ = ("handle", "kind", "nbytes", "op", "peer")
 
-    def __init__(self, handle: Any, peer: str, nbytes: int, op: str = "WRITE") -> None:
+    def __init__(
+        self, handle: Any, peer: str, nbytes: int, op: str = "WRITE", kind: tuple[str, ...] = ()
+    ) -> None:
         self.handle = handle
         self.peer = peer
         self.nbytes = nbytes
         self.op = op
+        self.kind = kind  # (peer, op, local memory, remote memory): the first of each is reported
+
+
+_CHOICES: dict[tuple[str, ucx_report.Pairing], tuple[str, ...]] = {}  # (agent, pairing) -> transports
+_CHOICES_LOCK = threading.Lock()
+
+
+def ucx_choices() -> dict[str, dict[str, list[str]]]:
+    """What UCX chose in this process, as its agents read it: agent -> pairing -> the
+    transports of its large transfers."""
+    out: dict[str, dict[str, list[str]]] = {}
+    with _CHOICES_LOCK:
+        for (agent, pairing), ts in sorted(_CHOICES.items(), key=lambda x: (x[0][0], str(x[0][1]))):
+            out.setdefault(agent, {})[str(pairing)] = list(ts)
+    return out
+
+
+_REPORT_PREFIX = "kvc-ucx-"  # then the pid: directories of processes gone are pruned
+
+
+def _report_dir() -> tuple[str | None, bool]:
+    """Where UCX describes this agent's choices, and whether the directory is ours to
+    remove: the user's ``UCX_PROTO_INFO_DIR`` (``%p``, ``%h`` filled in as UCX does),
+    else a new temporary one; None when ``KV_CONNECTOR_UCX_REPORT`` is off."""
+    if ucx_report.switched_off(os.environ, ucx_report.REPORT_SWITCH):
+        return None, False
+    theirs = os.environ.get("UCX_PROTO_INFO_DIR")
+    if theirs:
+        return theirs.replace("%p", str(os.getpid())).replace("%h", socket.gethostname()), False
+    _prune_reports()
+    # short: UCX cuts a report file's whole path at 255 bytes
+    return tempfile.mkdtemp(prefix=f"{_REPORT_PREFIX}{os.getpid()}-"), True
+
+
+def _prune_reports() -> None:
+    """Remove the report directories of processes that are gone (killed before their
+    agents closed); a directory holds only the descriptions not read yet."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid = entry.name.removeprefix(_REPORT_PREFIX).split("-", 1)[0]
+            if entry.name.startswith(_REPORT_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 class NixlTransport:
@@ -102,11 +168,24 @@ class NixlTransport:
         params = dict(ucx_params or {})
         if "ucx_error_handling_mode" not in params and os.environ.get("KV_CONNECTOR_UCX_ERROR_HANDLING"):
             params["ucx_error_handling_mode"] = os.environ["KV_CONNECTOR_UCX_ERROR_HANDLING"]
+        self._report, self._own_report = _report_dir()
+        params["engine_config"], applied = ucx_report.engine_config(
+            os.environ, params.get("engine_config", ""), self._report if self._own_report else None
+        )
         try:
             self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             self._agent.create_backend("UCX", params)
         except Exception as e:
+            self._drop_report()
             raise TransportError(f"cannot create the NIXL agent {name!r} on UCX: {e}") from e
+        log.debug(
+            "NIXL agent %s: UCX engine_config %r (our defaults: %s)",
+            name,
+            params["engine_config"],
+            ", ".join(f"{s.key}={s.value}" for s in applied) or "none",
+        )
+        self._kinds: set[tuple[str, ...]] = set()
+        self._read: set[str] = set()  # report files read
         self.name = name
         self.failed_polls = 0
         self._regs: dict[Region, Any] = {}
@@ -223,7 +302,7 @@ class NixlTransport:
         if state == _ERR:
             self._agent.release_xfer_handle(handle)
             raise TransportError(f"NIXL refused a {op} to {peer}")
-        return _Transfer(handle, peer, int(arr[:, 2].sum()), op)
+        return _Transfer(handle, peer, int(arr[:, 2].sum()), op, (peer, op, local.mem_type, remote.mem_type))
 
     def poll(self, xfer: Transfer) -> bool:
         """True once the WRITE (or READ) completed (its handle is then released); raises
@@ -240,6 +319,12 @@ class NixlTransport:
         with contextlib.suppress(Exception):
             self._agent.release_xfer_handle(xfer.handle)
         if state == _DONE:
+            if xfer.kind not in self._kinds:  # UCX chose its transport when it was posted
+                self._kinds.add(xfer.kind)
+                try:
+                    self.report_choices()
+                except Exception as e:  # a report never fails a transfer
+                    log.debug("NIXL agent %s: UCX's report unread: %s", self.name, e)
             return True
         raise TransportError(f"a {xfer.op} of {xfer.nbytes} bytes with {xfer.peer} failed")
 
@@ -259,6 +344,61 @@ class NixlTransport:
             out.extend((name, bytes(m)) for m in msgs)
         return out
 
+    def report_choices(self) -> dict[ucx_report.Pairing, tuple[str, ...]]:
+        """Read UCX's new descriptions of this agent's choices, log the transport of each
+        pairing new to this agent, and warn where ``tcp`` carries a GPU buffer; returns the
+        new pairings. Nothing when UCX describes nothing (``UCX_PROTO_INFO=n``)."""
+        choices = []
+        for file_name in self._report_files():
+            path = os.path.join(self._report or "", file_name)
+            try:
+                with open(path) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            self._read.add(file_name)
+            if self._own_report:  # read once: nothing is left behind the agent
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            c = ucx_report.choice_of(file_name, text, self.name)
+            if c is not None and c.pairing.reach is not ucx_report.Reach.SELF:  # its loopback
+                choices.append(c)
+        new: dict[ucx_report.Pairing, tuple[str, ...]] = {}
+        with _CHOICES_LOCK:
+            for pairing, found in ucx_report.bulk(choices).items():
+                key = (self.name, pairing)
+                before = _CHOICES.get(key, ())
+                ts = tuple(sorted(set(before) | set(found)))  # variants may come in later calls
+                if ts != before:
+                    _CHOICES[key] = new[pairing] = ts
+        for pairing, ts in new.items():
+            log.info("NIXL agent %s: UCX moves a %s over %s", self.name, pairing, ", ".join(ts))
+            if (fix := ucx_report.advice(pairing, ts)) is not None:
+                log.warning(
+                    "NIXL agent %s: UCX moves a %s over %s, a GPU buffer over TCP: %s "
+                    '(docs/usage.md, "Transports on one node")',
+                    self.name,
+                    pairing,
+                    ", ".join(ts),
+                    fix,
+                )
+        return new
+
+    def _report_files(self) -> list[str]:
+        if self._report is None:
+            return []
+        try:
+            names = os.listdir(self._report)
+        except OSError:  # UCX makes the directory at its first description
+            return []
+        prefix = ucx_report.sanitized(self.name) + "_"
+        return sorted(n for n in names if n.startswith(prefix) and n.endswith(".dot") and n not in self._read)
+
+    def _drop_report(self) -> None:
+        if self._own_report and self._report is not None:
+            shutil.rmtree(self._report, ignore_errors=True)
+            self._own_report = False
+
     def close(self) -> None:
         for peer in list(self._peers):
             self.remove_peer(peer)
@@ -268,3 +408,4 @@ class NixlTransport:
             except Exception as e:
                 log.warning("deregistering NIXL memory failed: %s", e)
         self._regs.clear()
+        self._drop_report()

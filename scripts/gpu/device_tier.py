@@ -19,7 +19,16 @@ in the one JSON line printed at the end (8 minutes at most in all):
               a sample's finish to its tensor being usable, and the UCX transports used
               (``scripts.gpu.transfer``)
   gpu_pool    the same into pools on the GPU (``pool_device``): VRAM to VRAM, against
-              raw NIXL VRAM to VRAM, every sample's tensor on the GPU
+              raw NIXL VRAM to VRAM, every sample's tensor on the GPU; and what the pool
+              does to make RDMA writes visible there (``gpudirect``)
+
+Each pairing (push or pull, cache and pool memory) gets a line on stderr and a row of
+``pairings`` in the JSON: GB/s ours and raw, ours over raw, the transports UCX picked for
+ours and for raw (as the package's agents read them), and finish (or handle) to usable.
+The agents run with the package's UCX defaults (``ucx_settings`` says which were in
+force; ``KV_CONNECTOR_UCX_DEFAULTS=0`` runs them with UCX's own), and ``ucx_warnings``
+holds what they warned where tcp carried a GPU buffer; ``--ucx-tables`` also has UCX
+print its protocol tables (``UCX_PROTO_INFO=y``), read into ``ucx_tables``.
 
 ``--device cpu`` runs the same checks on host tensors (CI does, to keep the tier
 runnable); its figures say nothing about a GPU. ``--plan`` fetches the wheels that must
@@ -111,10 +120,13 @@ def run_check(name: str, device: torch.device) -> dict[str, Any]:
     raise SystemExit(f"unknown check {name!r}; the checks are {', '.join(CHECKS)}")
 
 
-def spawn_check(name: str, device: str, env: dict[str, str], limit_s: float) -> dict[str, Any]:
-    """``run_check`` in a new process: its result, the UCX transports it used (nixl)."""
-    transfers = name in ("nixl", "gpu_pool")
-    env = {**env, "UCX_PROTO_INFO": "y"} if transfers else env
+def spawn_check(
+    name: str, device: str, env: dict[str, str], limit_s: float, tables: bool = False
+) -> dict[str, Any]:
+    """``run_check`` in a new process: its result, with ``tables`` the transports of UCX's
+    printed protocol tables (nixl, gpu_pool)."""
+    tables = tables and name in ("nixl", "gpu_pool")
+    env = {**env, "UCX_PROTO_INFO": "y"} if tables else env
     cmd = [sys.executable, "-m", "scripts.gpu.device_tier", "--check", name, "--device", device]
     t0 = time.monotonic()
     try:
@@ -126,11 +138,34 @@ def spawn_check(name: str, device: str, env: dict[str, str], limit_s: float) -> 
     if proc.returncode != 0 or not lines:
         return {"ok": False, "error": (proc.stderr or proc.stdout).strip()[-3000:]}
     out: dict[str, Any] = {"ok": True, **json.loads(lines[-1]), "seconds": time.monotonic() - t0}
-    if transfers:
-        from scripts.gpu.transfer import ucx_transports
+    if name in ("nixl", "gpu_pool"):  # what the agents warned of the transports UCX picked
+        out["ucx_warnings"] = [ln for ln in proc.stderr.splitlines() if "a GPU buffer over TCP" in ln]
+    if tables:
+        from kv_connector.wire.ucx_report import table_transports
 
-        out["ucx_transports"] = ucx_transports(proc.stdout)
+        out["ucx_tables"] = table_transports(proc.stdout)
     return out
+
+
+def ucx_settings() -> dict[str, Any]:
+    """The UCX settings the checks' agents get: the package's defaults in force (what an
+    agent's NIXL ``engine_config`` holds) and the ``UCX_*`` of the environment."""
+    from kv_connector.wire.ucx_report import engine_config
+
+    return {
+        "engine_config": engine_config(os.environ)[0],
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+    }
+
+
+def pairing_line(row: dict[str, Any]) -> str:
+    ts = ", ".join(row["transports"]) or "?"
+    raw = ", ".join(row["raw_transports"]) or "?"
+    return (
+        f"{row['pairing']}: {row['ours_GBps']:.2f} GB/s, raw {row['raw_GBps']:.2f} "
+        f"({row['of_raw']:.2f} of raw); over {ts} (raw over {raw}); "
+        f"finish to usable {row['finish_to_usable_ms']:.1f} ms"
+    )
 
 
 def versions(device: str) -> dict[str, Any]:
@@ -166,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wheels", type=Path, default=carry.CARRY_DIR, help="the carried wheels' folder")
     ap.add_argument("--only", default=",".join(CHECKS), help="comma-separated checks to run")
     ap.add_argument("--plan", action="store_true", help="fetch the wheels and print the carry set's size")
+    ap.add_argument(
+        "--ucx-tables", action="store_true", help="also have UCX print its protocol tables (UCX_PROTO_INFO=y)"
+    )
     ap.add_argument("--check", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.plan:
@@ -185,12 +223,22 @@ def main(argv: list[str] | None = None) -> None:
     env = prepare(args.device, args.wheels)
     t0 = time.monotonic()
     result = versions(args.device)
+    result["ucx_settings"] = ucx_settings()
+    rows: list[dict[str, Any]] = []
     for name in names:
         out = spawn_check(
-            name, args.device, env, LIMITS_S[name] * (1 if args.device.startswith("cuda") else 2)
+            name,
+            args.device,
+            env,
+            LIMITS_S[name] * (1 if args.device.startswith("cuda") else 2),
+            tables=args.ucx_tables,
         )
         result[name] = out
         print(f"gpu_check device: {name}: {'ok' if out.get('ok') else 'FAILED'}", file=sys.stderr, flush=True)
+        for row in out.get("pairings", []):
+            rows.append({"check": name, **row})
+            print(f"gpu_check device:   {pairing_line(row)}", file=sys.stderr, flush=True)
+    result["pairings"] = rows
     result["ok"] = all(result[n].get("ok") for n in names)
     result["seconds"] = time.monotonic() - t0
     print(json.dumps(result), flush=True)

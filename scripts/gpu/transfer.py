@@ -19,8 +19,11 @@ sender is handed it; pull: its handle is out) to its tensor being usable by the 
 loop (handed out, the work queued on its device before done). The checksum is what the
 connector's default resolves to for the cache (``ChecksumOption("auto")``).
 
-Run with ``UCX_PROTO_INFO=y`` (the device tier sets it) UCX prints the protocols it
-selects; ``ucx_transports`` reads the transports out of that.
+Every agent runs with the package's UCX defaults (``kv_connector.wire.ucx_report``) and
+reads back the transport UCX picked for each pairing; ``pairings`` lists, for each of
+ours, GB/s against the raw transfer, the transports of ours and of raw, and the time from
+finish to usable. With a pool on a GPU, ``gpudirect`` says what the pool does to make RDMA
+writes visible there, from the GPU's own attributes, and times the flush itself.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import random
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -41,8 +43,11 @@ import torch
 
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.wire.layout import BlockLayout
+from kv_connector.wire.transport import MemType
+from kv_connector.wire.ucx_report import Mem, Op, Pairing, Reach
 
 PRODUCER = "gpu-check"
+RAW = "gpu-check-raw-"  # the raw transfers' agents' names begin so
 SEED = 11
 IN_FLIGHT = 4  # raw transfers in flight, as fetch_iter's default
 
@@ -171,7 +176,7 @@ def _reader_proc(conn: Connection, size: Size, pool_device: str | None, check_va
         from kv_connector.wire.nixl_transport import NixlTransport
 
         cache = make_cache(size)
-        raw = NixlTransport(f"gpu-check-raw-target-{os.getpid()}")
+        raw = NixlTransport(f"{RAW}target-{os.getpid()}")
         pool = _raw_pool(IN_FLIGHT * size.sample_bytes, pool_device)
         region = raw.register(pool)
         pool_bytes = max(256 << 20, 2 * IN_FLIGHT * size.sample_bytes)
@@ -292,7 +297,7 @@ def push(
         sender.close()
         _landed_where_asked(landed_on, pool_device)
 
-        t = NixlTransport(f"gpu-check-raw-init-{os.getpid()}")
+        t = NixlTransport(f"{RAW}init-{os.getpid()}")
         local = t.register(cache)
         peer = t.add_peer(raw_md)
         conn.send(("raw", t.metadata))
@@ -329,6 +334,8 @@ def push(
         "sample_device": landed_on,
         "finish_to_usable_ms_median": _median_ms(latency),
         "stages_ms_a_sample": stages,
+        "transports": transports(Op.WRITE, local.mem_type, pool_mem, raw=False),
+        "raw_transports": transports(Op.WRITE, local.mem_type, pool_mem, raw=True),
     }
 
 
@@ -351,7 +358,7 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
         layer_ids = list(range(size.layers))
         server = PullServer(cache, size.layout, layer_ids, PRODUCER, 0, 1, ("127.0.0.1", 0), 600.0, checksum)
         taken = Fingerprints(CacheBlocks(cache, size.layout), size.layout.block_size)
-        raw = NixlTransport(f"gpu-check-raw-source-{os.getpid()}")
+        raw = NixlTransport(f"{RAW}source-{os.getpid()}")
         region = raw.register(cache)
         conn.send(
             (checksum.name if checksum else None, raw.metadata, region.addr, region.nbytes, region.device_id)
@@ -426,7 +433,7 @@ def pull(device: torch.device, size: Size, pool_device: str | None = None) -> di
         client.close()
         _landed_where_asked(landed_on, pool_device)
 
-        t = NixlTransport(f"gpu-check-raw-reader-{os.getpid()}")
+        t = NixlTransport(f"{RAW}reader-{os.getpid()}")
         pool = _raw_pool(IN_FLIGHT * size.sample_bytes, pool_device)
         local = t.register(pool)
         peer = t.add_peer(raw_md)
@@ -464,39 +471,99 @@ def pull(device: torch.device, size: Size, pool_device: str | None = None) -> di
         "pool_mem": local.mem_type,
         "sample_device": landed_on,
         "fetch_to_usable_ms_median": _median_ms(latency),
+        "transports": transports(Op.READ, local.mem_type, remote.mem_type, raw=False),
+        "raw_transports": transports(Op.READ, local.mem_type, remote.mem_type, raw=True),
     }
+
+
+def transports(op: Op, local: MemType, remote: MemType, raw: bool) -> list[str]:
+    """The transports UCX picked, as this process's agents read it, for ``op`` between
+    this process's ``local`` memory and another process's ``remote`` memory: of the raw
+    transfers' agents, or of ours (the sender's, the pull client's)."""
+    from kv_connector.wire.nixl_transport import ucx_choices
+
+    def mem(m: MemType) -> Mem:
+        return Mem.GPU if m == "VRAM" else Mem.HOST
+
+    key = str(Pairing(op, mem(local), mem(remote), Reach.SAME_NODE))
+    out: set[str] = set()
+    for agent, pairings in ucx_choices().items():
+        if agent.startswith(RAW) == raw:
+            out.update(pairings.get(key, []))
+    return sorted(out)
+
+
+def pairings(checked: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per pairing of a check: GB/s ours and raw, ours over raw, the transports of
+    both, and the time from a sample's finish (push) or handle (pull) to usable."""
+    rows = []
+    for mode, raw_key, usable in (
+        ("push", "raw_write_GBps", "finish_to_usable_ms_median"),
+        ("pull", "raw_read_GBps", "fetch_to_usable_ms_median"),
+    ):
+        r = checked[mode]
+        kind = {"VRAM": "GPU", "DRAM": "host"}
+        rows.append(
+            {
+                "pairing": f"{mode}: {kind[r['cache_mem']]} cache -> {kind[r['pool_mem']]} pool",
+                "ours_GBps": round(r["ours_GBps"], 3),
+                "raw_GBps": round(r[raw_key], 3),
+                "of_raw": round(r["d"], 3),
+                "transports": r["transports"],
+                "raw_transports": r["raw_transports"],
+                "finish_to_usable_ms": round(r[usable], 3),
+            }
+        )
+    return rows
+
+
+def gpudirect_probe(device: torch.device) -> dict[str, Any]:
+    """What a pool on ``device`` does to make RDMA writes visible (``common.gpudirect``),
+    with the GPU's GPUDirect RDMA attributes read through cuda-bindings, and the same
+    decision and call made as if the node had an RDMA device: the flush (or synchronize)
+    timed where the GPU asks for one."""
+    from kv_connector.common import gpudirect
+
+    if device.type != "cuda":
+        return {"plan": gpudirect.Visibility(device).plan.value}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    attrs = gpudirect.device_rdma(index)
+    here = gpudirect.Visibility(device)
+    forced = gpudirect.Visibility(device, devices=["(probe)"])
+
+    def per_call_us(call: Callable[[], None]) -> float:
+        call()  # the first: any lazy set-up
+        t0 = time.perf_counter()
+        for _ in range(100):
+            call()
+        return (time.perf_counter() - t0) / 100 * 1e6
+
+    out: dict[str, Any] = {
+        "rdma_devices": gpudirect.node_rdma_devices(),
+        "plan": here.plan.value,
+        "attributes": asdict(attrs) if attrs is not None else None,
+        "plan_with_an_rdma_device": forced.plan.value,
+        "visibility_call_us": per_call_us(forced),
+    }
+    if attrs is not None and attrs.flush_options & gpudirect.OPTION_HOST:
+
+        def flush() -> None:
+            with torch.cuda.device(device):
+                gpudirect.flush_to_owner()
+
+        out["flush_call_us"] = per_call_us(flush)  # the call itself, whatever the plan
+    return out
 
 
 def check(device: torch.device, size: Size, pool_device: str | None = None) -> dict[str, Any]:
     """Push and pull from a cache on ``device`` into pools in host memory, or on
     ``pool_device`` (the trainer's GPU)."""
-    return {
+    out: dict[str, Any] = {
         "size": asdict(size),
         "push": push(device, size, pool_device),
         "pull": pull(device, size, pool_device),
     }
-
-
-_TITLE = re.compile(r"\|\s*(remote memory (?:write|read)[^|]*?)\s*\|")
-# a row: "| 8K..inf | zero-copy | 50% on cuda_ipc/cuda and ... |"
-_ROW = re.compile(r"\|\s*[0-9][0-9A-Za-z.]*\s*\|[^|]*\|\s*([^|]+?)\s*\|\s*$")
-_TRANSPORT = re.compile(r"[a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+")  # "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"
-
-
-def ucx_transports(log: str) -> dict[str, list[str]]:
-    """From UCX's protocol tables (``UCX_PROTO_INFO=y``): for each remote-memory operation
-    UCX selected a protocol for ("remote memory write by ucp_put* from cuda memory to
-    host", ...), the transports it uses ("cuda_copy/cuda", "cma/memory", ...)."""
-    out: dict[str, set[str]] = {}
-    title: str | None = None
-    for line in log.splitlines():
-        if m := _TITLE.search(line):
-            title = m.group(1)
-            continue
-        if title is None:
-            continue
-        if m := _ROW.search(line):
-            out.setdefault(title, set()).update(_TRANSPORT.findall(m.group(1)))
-        elif "Range" not in line and "+--" not in line and "|" in line:
-            title = None
-    return {k: sorted(v) for k, v in sorted(out.items())}
+    out["pairings"] = pairings(out)
+    if pool_device is not None:
+        out["gpudirect"] = gpudirect_probe(torch.device(pool_device))
+    return out

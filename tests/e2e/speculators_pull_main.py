@@ -81,7 +81,9 @@ def main() -> int:
         "errors": errors,
         "processes": len(under),
         "nixl_agent_pids": agents,
-        "agent": None if stats is None else {
+        "agent": None
+        if stats is None
+        else {
             "pid": stats.pid,
             "name": stats.agent_name,
             "registered_bytes": stats.registered_bytes,

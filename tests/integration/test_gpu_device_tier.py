@@ -89,8 +89,27 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
         else:
             assert stages["reader_values_check_s_ms"] > 0, stages
         assert min(stages.values()) >= 0, stages
-        assert any("remote memory write" in op for op in c["ucx_transports"]), c["ucx_transports"]
-        assert all(ts for ts in c["ucx_transports"].values())
+        # each pairing: GB/s against raw, the transports UCX picked for ours and for raw as the
+        # package's agents read them, finish to usable
+        rows = {r["pairing"]: r for r in c["pairings"]}
+        assert set(rows) == {"push: host cache -> host pool", "pull: host cache -> host pool"}, rows
+        for r in rows.values():
+            assert r["ours_GBps"] > 0 and r["raw_GBps"] > 0 and r["of_raw"] > 0, r
+            assert r["transports"] and r["raw_transports"], r
+            assert r["finish_to_usable_ms"] > 0, r
+    assert out["gpu_pool"]["gpudirect"] == {"plan": "none"}  # a host device flushes nothing
+    assert [(r["check"], r["pairing"][:4]) for r in out["pairings"]] == [
+        ("nixl", "push"),
+        ("nixl", "pull"),
+        ("gpu_pool", "push"),
+        ("gpu_pool", "pull"),
+    ], out["pairings"]
+    # the agents ran with the package's UCX defaults, and UCX printed no table
+    assert "RMA_PPLN_ENABLE=y" in out["ucx_settings"]["engine_config"], out["ucx_settings"]
+    assert "ucx_tables" not in out["nixl"]
+    assert out["nixl"]["ucx_warnings"] == [] and out["gpu_pool"]["ucx_warnings"] == []
+    lines = [ln for ln in proc.stderr.splitlines() if "GB/s, raw" in ln]
+    assert len(lines) == 4 and all("of raw); over " in ln for ln in lines), proc.stderr[-2000:]
 
 
 def test_the_carry_set_fits_what_the_device_tool_carries() -> None:

@@ -1,8 +1,9 @@
 """``scripts/gpu_check.py`` cannot run its checks here (no GPU, no CUDA build of vLLM): it
 imports cleanly, and without a GPU either tier refuses at once, saying why, before
-building anything. The device tier's pieces that are pure (reading UCX's protocol tables,
-the carry recipe) are checked here; tests/integration/test_gpu_device_tier.py runs the
-device tier itself on host tensors and measures the carry set."""
+building anything. The device tier's carry recipe is checked here (its reading of UCX's
+tables is ``kv_connector.wire.ucx_report``'s, tests/unit/wire/test_ucx_report.py);
+tests/integration/test_gpu_device_tier.py runs the device tier itself on host tensors and
+measures the carry set."""
 
 from __future__ import annotations
 
@@ -60,44 +61,6 @@ def test_an_unknown_device_check_is_refused() -> None:
     assert proc.returncode != 0
     assert "unknown check 'warp'" in proc.stderr
     assert proc.stdout == ""
-
-
-# UCX 1.23's protocol tables (UCX_PROTO_INFO=y) as it prints them on a GPU host: one table
-# per operation, a row per message-size range, transports in the last column
-UCX_TABLES = """\
-[1795716516.122069] [h100:2442 :0]   +--------+-------------+-----------------------------------+
-[1795716516.122069] [h100:2442 :0]   | gpu-check-raw-init self cfg#0                            |
-[1795716516.122069] [h100:2442 :0]   | remote memory write by ucp_put* from cuda memory to host |
-[1795716516.122069] [h100:2442 :0]   +--------+-------------+-----------------------------------+
-[1795716516.122069] [h100:2442 :0]   | Range  | Description |              Config               |
-[1795716516.122069] [h100:2442 :0]   +--------+-------------+-----------------------------------+
-[1795716516.122069] [h100:2442 :0]   |  0..8K | copy-in     | cuda_copy/cuda                    |
-[1795716516.1] [h100:2442 :0]   | 8K..inf| zero-copy   | 50% on cuda_ipc/cuda and 50% on rc_mlx5/mlx5_0:1 |
-[1795716516.122069] [h100:2442 :0]   +--------+-------------+-----------------------------------+
-[1795716516.124710] [h100:2442 :0]   +------------+--------------------+---------------+
-[1795716516.124710] [h100:2442 :0]   | gpu-check-raw-init self cfg#0                   |
-[1795716516.124710] [h100:2442 :0]   | active message by ucp_am_send* from host memory |
-[1795716516.124710] [h100:2442 :0]   +------------+--------------------+---------------+
-[1795716516.124710] [h100:2442 :0]   |          0 | short              | tcp/lo        |
-[1795716516.124710] [h100:2442 :0]   +------------+--------------------+---------------+
-[1795716516.125000] [h100:2443 :0]   | remote memory read by ucp_get*(multi) into host memory from cuda |
-[1795716516.125000] [h100:2443 :0]   +--------+-------------+-----------------------------------+
-[1795716516.125000] [h100:2443 :0]   | 0..inf | zero-copy   | cuda_ipc/cuda                     |
-"""
-
-
-def test_ucx_transports_are_read_from_its_protocol_tables() -> None:
-    from scripts.gpu.transfer import ucx_transports
-
-    assert ucx_transports(UCX_TABLES) == {
-        "remote memory read by ucp_get*(multi) into host memory from cuda": ["cuda_ipc/cuda"],
-        "remote memory write by ucp_put* from cuda memory to host": [
-            "cuda_copy/cuda",
-            "cuda_ipc/cuda",
-            "rc_mlx5/mlx5_0:1",
-        ],
-    }
-    assert ucx_transports("no tables here\n") == {}
 
 
 def test_the_carry_recipe_selects_python_312_manylinux_wheels() -> None:

@@ -78,6 +78,7 @@ class OursArm:
         metrics: bool = True,
     ) -> None:
         from kv_connector.connector import HiddenStatesConnector
+
         self.n_req, self.tokens, self.pool_bytes = n_req, tokens, pool_bytes
         ctx = mp.get_context("spawn")
         self.conn, b = ctx.Pipe()
