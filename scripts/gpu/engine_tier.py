@@ -153,6 +153,8 @@ def stage_env(path: list[Path]) -> dict[str, str]:
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # UCX may touch CUDA before vLLM forks
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    # Model Runner V2's sampler imports flashinfer (not on the host) unless told not to
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("VLLM_TARGET_DEVICE", None)
     return env
