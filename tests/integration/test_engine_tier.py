@@ -222,3 +222,20 @@ def test_an_unknown_stage_is_refused_by_name() -> None:
     assert proc.returncode != 0
     assert "unknown stage 'warp'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_stages_that_only_explain_a_failure_run_only_after_one() -> None:
+    """eager and v1 run when engine failed; gpu_pool and pull when it passed and time is left."""
+    skip = engine_tier.skip_reason
+    imported = {"import": {"ok": True, "vllm_version": "0.33.0"}}
+    passed = {**imported, "engine": {"ok": True}}
+    failed = {**imported, "engine": {"ok": False}}
+    assert skip("engine", imported, 300) is None
+    assert skip("eager", passed, 300) and skip("v1", passed, 300)
+    assert skip("eager", failed, 300) is None and skip("v1", failed, 300) is None
+    assert skip("gpu_pool", passed, 300) is None and skip("pull", passed, 300) is None
+    assert skip("gpu_pool", failed, 300) and skip("pull", failed, 300)
+    assert skip("pull", passed, engine_tier.MIN_STAGE_S - 1)  # no time for an optional stage
+    assert skip("engine", {"import": {"ok": False}}, 300) == "import vllm failed"
+    assert engine_tier.STAGES[:2] == ["import", "engine"]
+    assert engine_tier.TOTAL_S <= 330  # with its set-up, the tier's promise: under 6 minutes
