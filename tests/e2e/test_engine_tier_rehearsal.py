@@ -1,0 +1,34 @@
+"""The engine tier's stages run their own code end to end on vLLM's CPU build
+(``ENGINE_TIER_REHEARSAL=cpu``: vLLM's CPU defaults, eager, the transformers reference on
+the host), each in its own process group as on a GPU host: a real engine, our connector,
+a reader in the engine's parent process (push) or a pull client, every sample against
+transformers. What it proves is that the tier's glue works; what it says of a GPU is
+nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts.gpu import engine_tier
+
+
+@pytest.mark.parametrize("stage", ["engine", "pull"])
+def test_an_engine_stage_runs_its_own_code_on_vllms_cpu_build(
+    stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ENGINE_TIER_REHEARSAL", "cpu")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    out = engine_tier.spawn_stage(stage, tmp_path, engine_tier.stage_env([]), limit_s=400)
+    assert out["ok"], out.get("error") or out["log_tail"]
+    assert out["delivery"] == ("pull" if stage == "pull" else "push")
+    assert out["samples"] == len(engine_tier.PROMPT_LENGTHS)
+    comparison = out["comparison"]
+    assert [r["tokens"] for r in comparison["per_prompt"]] == engine_tier.PROMPT_LENGTHS
+    assert comparison["problems"] == []
+    assert comparison["worst_relative_error"] < 1e-4  # fp32 on the host at both ends
+    # which runner ran, from vLLM's log and from the samples' provenance (the CPU build: V1)
+    assert out["runner_from_log"] == "v1"
+    assert any('"model_runner": "v1"' in p for p in out["provenance"])
+    assert "engine tier stage" in out["log_tail"]

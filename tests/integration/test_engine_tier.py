@@ -1,0 +1,241 @@
+"""The GPU check's engine tier as far as a machine without a GPU takes it: its carry built
+(xz at a fast preset: larger than the real one, so fitting here means fitting there) and
+measured against the 64 MiB a GPU host accepts; the carried vLLM 0.33 imported in a Python
+whose import hook admits only the GPU host's packages and the carry; every carried
+wheel's requirements met; every ``LLM`` option the tier passes accepted by vLLM 0.33's
+own ``EngineArgs`` and config; the stand-in for vLLM's compiled kernels; and the tier's
+refusal without CUDA. tests/e2e/test_engine_tier_rehearsal.py runs its stages' own code
+on vLLM's CPU build."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.gpu import carry as device_carry
+from scripts.gpu import engine_carry, engine_tier
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_py(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def carry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine carry, built here from vLLM 0.33.0's wheel (fetched once, as ``make
+    test-vllm033`` does; a failed fetch fails) and the package index."""
+    out = tmp_path_factory.mktemp("engine-carry")
+    engine_carry.build(out, preset=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def carried_tree(carry: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tree = tmp_path_factory.mktemp("carried-vllm")
+    engine_tier.unpack_tar(carry / engine_tier.VLLM_TAR, tree)
+    return tree
+
+
+def test_the_carry_is_built_and_fits_in_what_a_gpu_host_accepts(carry: Path) -> None:
+    assert not engine_tier.carry_missing(carry)
+    assert engine_carry.wheels_complete(carry / "wheels")
+    carried = sum(p.stat().st_size for p in carry.rglob("*") if p.is_file())
+    tree = sum(p.stat().st_size for p in device_carry.travelling_files(REPO))
+    assert tree + carried <= device_carry.LIMIT_BYTES, (tree, carried)
+    with tarfile.open(carry / engine_tier.VLLM_TAR) as tar:
+        names = set(tar.getnames())
+        stand_in = tar.extractfile("vllm/_C_stable_libtorch.py")
+        assert stand_in is not None
+        assert stand_in.read() == engine_tier.STAND_IN.read_bytes()
+    # what a GPU host imports on the tier's path, and nothing compiled
+    for must in ("vllm/__init__.py", "vllm/third_party/pynvml.py", "vllm/model_executor/models/config.py"):
+        assert must in names
+    assert "vllm-0.33.0.dist-info/METADATA" in names  # platform detection asks its version
+    assert not [n for n in names if n.endswith(".so")]
+
+
+def test_the_plan_prints_the_measure_file_by_file(carry: Path) -> None:
+    proc = run_py(["-m", "scripts.gpu_check", "--tier", "engine", "--plan", "--carry", str(carry)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert plan["fits"] and plan["limit_MiB"] == 64
+    assert sum(plan["carry"].values()) == sum(p.stat().st_size for p in carry.rglob("*") if p.is_file())
+    assert len(plan["carry"]) == len(engine_carry.WHEELS) + 2
+
+
+def test_every_carried_wheel_has_what_it_requires_on_the_host_or_in_the_carry(carry: Path) -> None:
+    assert engine_carry.unmet_requirements(carry / "wheels") == {}
+
+
+def test_the_carried_vllm_imports_in_a_python_with_only_the_gpu_hosts_packages(carried_tree: Path) -> None:
+    wheels = [a for w in engine_carry.WHEELS for a in ("--wheel", w.split("==")[0])]
+    proc = run_py(
+        ["-m", "scripts.gpu.restricted_import", "--carried", str(carried_tree), *wheels],
+        env={"VLLM_TARGET_DEVICE": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["failed"] == {}, found["failed"]
+    carried = [m for m in found["vllm_modules"] if m.startswith(str(carried_tree.resolve()))]
+    assert len(carried) == len(found["vllm_modules"]) > 500  # the carried tree, not the venv's vLLM
+
+
+OPTIONS_CHECK = r"""
+import json, sys
+from scripts.gpu import engine_tier as et
+from scripts.support.make_tiny_model import build_tiny_model
+from vllm import LLM
+from vllm.config import AttentionConfig, CompilationConfig
+from vllm.config.utils import is_init_field
+from vllm.v1.engine.llm_engine import LLMEngine
+
+model = str(build_tiny_model(sys.argv[1], "llama", seed=0, dtype=et.DTYPE))
+got = {}
+
+class Stop(Exception):
+    pass
+
+def capture(cls, engine_args, *args, **kwargs):
+    got["args"] = engine_args
+    raise Stop
+
+LLMEngine.from_engine_args = classmethod(capture)
+out = []
+for eager, pull in ((False, False), (True, True)):
+    kw = et.llm_kwargs(model, None if pull else "127.0.0.1:1", eager, pull)
+    # LLM drops keys its config classes do not know: each must be one
+    for key, cls in (("attention_config", AttentionConfig), ("compilation_config", CompilationConfig)):
+        assert all(is_init_field(cls, k) for k in kw[key]), (key, kw[key])
+    try:
+        LLM(**kw)
+    except Stop:
+        pass
+    cfg = got["args"].create_engine_config()
+    out.append({
+        "backend": cfg.attention_config.backend.name,
+        "custom_ops": list(cfg.compilation_config.custom_ops),
+        "rms_norm": cfg.kernel_config.ir_op_priority.rms_norm,
+        "method": cfg.speculative_config.method,
+        "connector": cfg.kv_transfer_config.kv_connector,
+        "extra": cfg.kv_transfer_config.kv_connector_extra_config,
+        "eager": cfg.model_config.enforce_eager,
+    })
+print(json.dumps(out))
+"""
+
+
+def test_every_option_the_tier_passes_is_accepted_by_vllm_033(carried_tree: Path, tmp_path: Path) -> None:
+    """The carried vLLM 0.33 builds its whole engine config from the tier's ``LLM``
+    arguments (on its CPU platform: names and values, not what a GPU then does)."""
+    proc = run_py(
+        ["-c", OPTIONS_CHECK, str(tmp_path / "tiny-llama")],
+        env={"VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": f"{carried_tree}{os.pathsep}{REPO}"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine, pull = json.loads(proc.stdout.strip().splitlines()[-1])
+    for cfg in (engine, pull):
+        assert cfg["backend"] == "TRITON_ATTN"
+        assert cfg["custom_ops"] == ["none"]
+        assert cfg["rms_norm"][0] == "native"
+        assert cfg["method"] == "extract_hidden_states"
+        assert cfg["connector"] == "HiddenStatesConnector"
+    assert engine["extra"] == {"consumer_address": "127.0.0.1:1"} and not engine["eager"]
+    assert pull["extra"] == {"delivery": "pull"} and pull["eager"]
+
+
+STAND_IN_CHECK = r"""
+import json
+import torch
+from scripts.gpu import stand_in_kernels as s
+
+x = torch.randn(5, 16, dtype=torch.float32)
+w = torch.randn(16)
+r = torch.empty(5, 8)
+torch.ops._C.silu_and_mul(r, x)
+ok = {"silu_and_mul": torch.allclose(r, torch.nn.functional.silu(x[:, :8]) * x[:, 8:])}
+o = torch.empty_like(x)
+torch.ops._C.rms_norm(o, x, w, 1e-6)
+ref = torch.nn.functional.rms_norm(x, (16,), w, 1e-6)
+ok["rms_norm"] = torch.allclose(o, ref, atol=1e-5)
+xi, res = x.clone(), torch.randn(5, 16)
+ri = res.clone()
+torch.ops._C.fused_add_rms_norm(xi, ri, w, 1e-6)
+ok["fused_add_rms_norm"] = torch.allclose(ri, x + res) and torch.allclose(
+    xi, torch.nn.functional.rms_norm(x + res, (16,), w, 1e-6), atol=1e-5
+)
+try:
+    torch.ops._C.silu_and_mul_quant(r, x, w)
+    ok["named_only_refuses"] = False
+except NotImplementedError as e:
+    ok["named_only_refuses"] = "silu_and_mul_quant" in str(e)
+print(json.dumps({"defined": s.DEFINED, "failed": s.FAILED, "named_only": list(s.NAMED_ONLY), "ok": ok}))
+"""
+
+
+def test_the_stand_in_defines_the_ops_vllm_binds_and_computes_them_natively() -> None:
+    # a process of its own: the venv's vLLM CPU build (imported by other tests) has a real _C
+    proc = run_py(["-c", STAND_IN_CHECK])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["failed"] == {}
+    native = {
+        "weak_ref_tensor",
+        "get_cuda_view_from_cpu_tensor",
+        "silu_and_mul",
+        "rms_norm",
+        "fused_add_rms_norm",
+    }
+    assert native | set(out["named_only"]) == set(out["defined"])
+    assert all(out["ok"].values()), out["ok"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run the tier itself")
+def test_without_cuda_the_engine_tier_refuses_at_once_in_one_line() -> None:
+    proc = run_py(["-m", "scripts.gpu_check", "--tier", "engine"], timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout == ""  # no JSON line: nothing ran
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "gpu_check --tier engine needs a CUDA GPU" in proc.stderr
+
+
+def test_an_unknown_stage_is_refused_by_name() -> None:
+    proc = run_py(["-m", "scripts.gpu_check", "--tier", "engine", "--only", "import,warp"], timeout=120)
+    assert proc.returncode != 0
+    assert "unknown stage 'warp'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_stages_that_only_explain_a_failure_run_only_after_one() -> None:
+    """eager and v1 run when engine failed; gpu_pool and pull when it passed and time is left."""
+    skip = engine_tier.skip_reason
+    imported = {"import": {"ok": True, "vllm_version": "0.33.0"}}
+    passed = {**imported, "engine": {"ok": True}}
+    failed = {**imported, "engine": {"ok": False}}
+    assert skip("engine", imported, 300) is None
+    assert skip("eager", passed, 300) and skip("v1", passed, 300)
+    assert skip("eager", failed, 300) is None and skip("v1", failed, 300) is None
+    assert skip("gpu_pool", passed, 300) is None and skip("pull", passed, 300) is None
+    assert skip("gpu_pool", failed, 300) and skip("pull", failed, 300)
+    assert skip("pull", passed, engine_tier.MIN_STAGE_S - 1)  # no time for an optional stage
+    assert skip("engine", {"import": {"ok": False}}, 300) == "import vllm failed"
+    assert engine_tier.STAGES[:2] == ["import", "engine"]
+    assert engine_tier.TOTAL_S <= 330  # with its set-up, the tier's promise: under 6 minutes
