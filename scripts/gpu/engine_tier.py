@@ -188,7 +188,7 @@ def spawn_stage(name: str, work: Path, env: dict[str, str], limit_s: float) -> d
     """``--stage name`` in a new process group with a time limit: its result, the tail of
     its output (vLLM's log) and the log lines that say what vLLM chose."""
     result_file = work / f"{name}.result.json"
-    log_file = work / f"{name}.log"
+    log_file = log_dir(work) / f"{name}.log"  # under $OUT as it is written: a killed run keeps it
     cmd = [sys.executable, "-m", "scripts.gpu.engine_tier", "--stage", name, "--work", str(work)]
     cmd += ["--result", str(result_file)]
     t0 = time.monotonic()
@@ -268,7 +268,7 @@ def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
             done[name] = spawn_stage(name, work, env, min(LIMITS_S[name], max(left, 10)))
         result[name] = done[name]
         print(f"gpu_check engine: {name}: {status(done[name])}", file=sys.stderr, flush=True)
-    save_logs(work)
+        write_out({**result, "partial": True})  # what ran so far, should the whole command be killed
     ran = [n for n in names if not done[n].get("skipped")]
     # eager and v1 only say why engine failed: the tier passes when engine (and the rest) did
     result["ok"] = bool(ran) and all(done[n].get("ok") for n in ran if n not in ("eager", "v1"))
@@ -293,18 +293,26 @@ def status(out: dict[str, Any]) -> str:
     return f"FAILED in {out.get('seconds')} s ({facts}): {last[0][:300]}"
 
 
-def save_logs(work: Path, limit: int = 2 << 20) -> None:
-    """Each stage's whole log (its last ``limit`` bytes) into ``$OUT/engine-logs/`` when
-    ``OUT`` is set: what comes back from a GPU host besides the JSON line."""
+def write_out(result: dict[str, Any]) -> None:
+    """``result`` as one JSON line in ``$OUT/engine.json`` when ``OUT`` is set."""
     out = os.environ.get("OUT")
-    if not out:
-        return
-    dest = Path(out, "engine-logs")
-    with contextlib.suppress(OSError):
-        dest.mkdir(parents=True, exist_ok=True)
-        for log in sorted(work.glob("*.log")):
-            data = log.read_bytes()[-limit:]
-            (dest / log.name).write_bytes(data)
+    if out:
+        try:
+            Path(out, "engine.json").write_text(json.dumps(result) + "\n")
+        except OSError as e:
+            print(f"gpu_check engine: cannot write {out}/engine.json: {e}", file=sys.stderr)
+
+
+def log_dir(work: Path) -> Path:
+    """Where stages write their logs: ``$OUT/engine-logs`` when ``OUT`` is set (so what a
+    stage logged comes back even when the whole command is killed), else ``work``."""
+    out = os.environ.get("OUT")
+    if out:
+        with contextlib.suppress(OSError):
+            dest = Path(out, "engine-logs")
+            dest.mkdir(parents=True, exist_ok=True)
+            return dest
+    return work
 
 
 def skip_reason(name: str, done: dict[str, dict[str, Any]], left: float) -> str | None:
@@ -381,14 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         if n not in STAGES:
             raise SystemExit(f"unknown stage {n!r}; the stages are {', '.join(STAGES)}")
     result = run(names, args.carry, args.keep)
-    line = json.dumps(result)
-    out = os.environ.get("OUT")
-    if out:
-        try:
-            Path(out, "engine.json").write_text(line + "\n")
-        except OSError as e:
-            print(f"gpu_check engine: cannot write {out}/engine.json: {e}", file=sys.stderr)
-    print(line, flush=True)
+    write_out(result)
+    print(json.dumps(result), flush=True)
     if not result.get("ok"):
         sys.exit(1)
 
