@@ -33,16 +33,20 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import os
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from kv_connector.reader.agent_client import AgentClient, FetchAgentProcess
 from kv_connector.reader.pull import FetchError, PullClient, handle_of
+from kv_connector.wire.provenance import Description, Expectation
 
 BACKEND = "kv-hidden-states"
 DEFAULT_POOL_MIB = 256  # each worker's, in worker mode
@@ -77,8 +81,11 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         mode: FetchMode | str = FetchMode.RANK,
         agent_address: str | None = None,
+        expect: Expectation | dict[str, Any] | None = None,
     ) -> None:
         self.mode = FetchMode(mode)
+        # what every row must be (layer ids, model): a row that is not fails by name
+        self.expect = msgspec.convert(expect, Expectation) if isinstance(expect, dict) else expect
         default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
         self.pool_mib = pool_mib if pool_mib is not None else default
         if self.pool_mib < 1:
@@ -109,6 +116,7 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
                     timeout_s=self.fetch_timeout_s,
                     copy=True,
                     name=agent_name(self.mode),
+                    expect=self.expect,  # checked before the row is READ
                 )
             else:
                 self._client = AgentClient(self.agent_address, timeout_s=self.fetch_timeout_s)
@@ -122,6 +130,7 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             "fetch_timeout_s": self.fetch_timeout_s,
             "mode": self.mode.value,
             "agent_address": address,
+            "expect": msgspec.to_builtins(self.expect) if self.expect is not None else None,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -148,6 +157,13 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         contiguous) of the sample the server's ``kv_transfer_params`` name; raises
         ``FetchError`` saying why not (speculators retries the row)."""
         sample = self.client.fetch(hs_transfer_params)
+        if self.expect is not None:
+            h = sample.hidden_states
+            dtype = str(h.dtype).removeprefix("torch.")
+            said = Description(sample.layer_ids, dtype, h.shape[-1], sample.provenance)
+            if differs := self.expect.mismatches(said):
+                why = "; ".join(differs)
+                raise FetchError("mismatch", f"{sample.request_id} is not what the trainer expects: {why}")
         if len(self._released) >= MAX_REMEMBERED:
             self._released.clear()  # forgotten ones are only released once more (harmless)
         self._released.add(handle_of(hs_transfer_params))
@@ -158,6 +174,27 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             self._released.discard(handle)
             return
         self.client.release(handle)
+
+
+def expectation_of(args: argparse.Namespace) -> Expectation | None:
+    """What the trainer's arguments say every row must be: the verifier
+    (``--verifier-name-or-path``) and, where its ``config.json`` is on this node, the
+    captured layer ids: ``--target-layer-ids`` (speculators' default ``[2, n // 2,
+    n - 3]``) and the last layer ``n``, which speculators' launcher appends."""
+    model = str(getattr(args, "verifier_name_or_path", "") or "") or None
+    layer_ids = None
+    if model is not None:
+        try:
+            config = json.loads((Path(model) / "config.json").read_text())
+            n = int(config.get("text_config", config)["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            n = None
+        if n is not None:
+            aux = getattr(args, "target_layer_ids", None) or [2, n // 2, n - 3]
+            layer_ids = [int(i) for i in aux] + [n]
+    if model is None and layer_ids is None:
+        return None
+    return Expectation(layer_ids=layer_ids, model=model)
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
@@ -222,6 +259,7 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
             pool_mib=None if pool_mib is None else int(pool_mib),
             fetch_timeout_s=float(getattr(args, "kv_hs_fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)),
             mode=FetchMode(getattr(args, "kv_hs_fetch_agent", FetchMode.RANK.value)),
+            expect=expectation_of(args),
         )
 
     @staticmethod

@@ -11,14 +11,12 @@ of its data. A checksum cannot see a wrong layer or model; this can.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Sequence
+from typing import Annotated, NamedTuple, Protocol
 
 import msgspec
 
 from kv_connector.wire.layout import MAX_HIDDEN, MAX_LAYERS, DType
-
-if TYPE_CHECKING:
-    from kv_connector.wire.protocol import Manifest
 
 MAX_NAME_CHARS = 512
 
@@ -50,6 +48,31 @@ class Provenance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return out
 
 
+class Described(Protocol):
+    """What a sample says of itself: a manifest, or a sample a client handed out."""
+
+    @property
+    def layer_ids(self) -> Sequence[int]: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def provenance(self) -> Provenance | None: ...
+
+
+class Description(NamedTuple):
+    """A ``Described`` built from a sample's parts (its tensor's dtype name and width)."""
+
+    layer_ids: Sequence[int]
+    dtype: str
+    hidden_size: int
+    provenance: Provenance | None
+
+
 class Expectation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a trainer expects of every sample; a field left None accepts anything.
 
@@ -65,9 +88,9 @@ class Expectation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.layer_ids is not None and len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"expected layer ids repeat an id: {self.layer_ids}")
 
-    def mismatches(self, manifest: Manifest) -> list[str]:
-        """Each way ``manifest``'s sample differs from what is expected, named; [] when
-        it is what is expected."""
+    def mismatches(self, manifest: Described) -> list[str]:
+        """Each way the sample ``manifest`` describes differs from what is expected,
+        named; [] when it is what is expected."""
         out: list[str] = []
         if self.layer_ids is not None and list(manifest.layer_ids) != self.layer_ids:
             out.append(f"layer ids {list(manifest.layer_ids)}, expected {self.layer_ids}")

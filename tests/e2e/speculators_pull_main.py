@@ -45,7 +45,11 @@ def main() -> int:
     backend.add_train_args(parser)
     backend.add_train_args(parser)  # the trainer and a launcher may both add them
     argv = ["--kv-hs-pool-mib", "16", "--kv-hs-fetch-agent", mode]
-    transfer = backend.from_train_args(parser.parse_args(argv), str(data_dir))
+    args = parser.parse_args(argv)
+    if verifier := os.environ.get("KV_TEST_VERIFIER"):  # what speculators' own parser would set
+        args.verifier_name_or_path, args.target_layer_ids = verifier, [1, 2]
+    transfer = backend.from_train_args(args, str(data_dir))
+    assert transfer.expect is not None or not verifier
     train, val = create_train_val_loaders(
         data_path=str(data_dir), total_seq_len=TOTAL_SEQ_LEN, hidden_states_dtype=torch.float32,
         transfer=transfer, vllm_endpoint=endpoint, on_missing="generate", verifier_name_or_path=None,

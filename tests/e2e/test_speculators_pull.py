@@ -95,7 +95,9 @@ def test_speculators_dataloader_trains_from_pulled_samples(
             [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file),
              str(workers), mode],
             env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
-                 "KV_TEST_OPENAI_UDS": str(server.socket_path)},
+                 "KV_TEST_OPENAI_UDS": str(server.socket_path),
+                 # the trainer expects the verifier's layers 1, 2 and its last (4): every row is checked
+                 "KV_TEST_VERIFIER": str(tiny_llama)},
             capture_output=True, text=True, timeout=600, cwd=REPO,
         )  # fmt: skip
         assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
@@ -148,10 +150,19 @@ t = b.from_train_args(argparse.Namespace(), "/nonexistent")
 tp = argparse.ArgumentParser(); b.add_train_args(tp)
 w = b.from_train_args(tp.parse_args(["--kv-hs-fetch-agent", "worker"]), "/nonexistent")
 r = b.from_train_args(tp.parse_args(["--kv-hs-pool-mib", "64"]), "/nonexistent")
+import pathlib, pickle, tempfile
+v = pathlib.Path(tempfile.mkdtemp()); (v / "config.json").write_text(json.dumps({"num_hidden_layers": 32}))
+e_given = ks.expectation_of(argparse.Namespace(verifier_name_or_path=str(v), target_layer_ids=[2, 16, 29]))
+e_default = ks.expectation_of(argparse.Namespace(verifier_name_or_path=str(v)))
+e_hub = ks.expectation_of(argparse.Namespace(verifier_name_or_path="meta-llama/Llama-3.1-8B"))
+x = ks.KvHiddenStatesTransfer(mode="worker", expect=e_given)
+x2 = pickle.loads(pickle.dumps(x))
 print(json.dumps({"cfg": cfg, "pull": o.pull, "timeout": o.pull_timeout_s,
                   "cached": t.get_cached(0), "names": sorted(HiddenStatesBackend.registry),
                   "modes": [t.mode.value, w.mode.value, r.mode.value],
-                  "pools": [t.pool_mib, w.pool_mib, r.pool_mib], "started": t.agent is not None}))
+                  "pools": [t.pool_mib, w.pool_mib, r.pool_mib], "started": t.agent is not None,
+                  "expect": [e_given.layer_ids, e_default.layer_ids, e_hub.layer_ids, e_hub.model,
+                             ks.expectation_of(argparse.Namespace()), x2.expect == e_given]}))
 """
 
 
@@ -170,6 +181,9 @@ def test_the_backend_registers_once_builds_the_producers_config_and_runs_specula
     # the rank's fetch agent by default (a 1 GiB pool for the rank), started only when needed
     assert got["modes"] == ["rank", "worker", "rank"] and got["pools"] == [1024, 256, 64]
     assert got["started"] is False
+    # what the trainer expects of every row: the captured ids (the final layer appended, as
+    # speculators' launcher does) where the verifier's config is on the node, and its name
+    assert got["expect"] == [[2, 16, 29, 32], [2, 16, 29, 32], None, "meta-llama/Llama-3.1-8B", None, True]
     cli = subprocess.run(
         [sys.executable, "-m", "kv_connector.speculators", "train", "--help"],
         env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
