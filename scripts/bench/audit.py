@@ -14,24 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from scripts.bench.integrity import least_cpu_s
+
 HIDDEN, VOCAB, LAYERS, TOKENS, BLOCK = 4096, 128256, 4, 2048, 16
-
-
-def _best(fn: Callable[[], object], rounds: int = 3) -> float:
-    """The least CPU seconds of ``rounds`` calls (process time: this thread's work)."""
-    fn()
-    out = []
-    for _ in range(rounds):
-        t0 = time.process_time()
-        fn()
-        out.append(time.process_time() - t0)
-    return min(out)
 
 
 def main() -> dict[str, Any]:
@@ -56,14 +45,14 @@ def measure(hidden: int, vocab: int, tokens_n: int) -> dict[str, Any]:
     layer_ids = [2, 16, 29, 32]
     positions = positions_of(tokens_n, DEFAULT_POSITIONS, "row-0")
     ref = {p: -5.0 for p in positions}
-    audit_s = _best(lambda: audit.check(tokens, states, layer_ids, ref))
+    audit_s = least_cpu_s(lambda: audit.check(tokens, states, layer_ids, ref))
 
     g = BlockLayout("TLH", BLOCK, LAYERS, hidden, "bfloat16")
     nb = g.blocks_for(tokens_n)
     cache = states.view(nb, BLOCK, LAYERS, hidden)
     blocks = CacheBlocks(cache, g)
     share = blocks.share_of("r", tokens.tolist(), list(range(nb)), layer_ids, NO_IDENTITY, 0, 1)
-    consumer_s = _best(lambda: fingerprint_screened(states, share.manifest, list(share.share)))
+    consumer_s = least_cpu_s(lambda: fingerprint_screened(states, share.manifest, list(share.share)))
     per_row = DEFAULT_RATE * audit_s
     return {
         "shape": dict(hidden=hidden, vocab=vocab, layers=LAYERS, tokens=tokens_n, positions=len(positions)),

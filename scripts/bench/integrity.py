@@ -22,7 +22,7 @@ import torch
 BLOCK, LAYERS, HIDDEN = 16, 4, 4096
 
 
-def _best(fn: Callable[[], object], rounds: int = 5) -> float:
+def least_cpu_s(fn: Callable[[], object], rounds: int = 5) -> float:
     """The least CPU seconds of ``rounds`` calls (process time: this thread's work)."""
     fn()
     out = []
@@ -70,19 +70,21 @@ def measure(tokens: int = 4096, layout: str = "TLH") -> dict[str, Any]:
         "layout": layout,
         "sample_mib": round(tokens * g.token_bytes / (1 << 20), 1),
         "producer_cpu_s_per_GB": {
-            "fingerprint": _best(step_words) / gb,
-            "xxh3": _best(lambda: blocks.record(ShareChecksum.XXH3, share)) / gb,
-            "blocks": _best(lambda: blocks.record(ShareChecksum.BLOCKS, share)) / gb,
+            "fingerprint": least_cpu_s(step_words) / gb,
+            "xxh3": least_cpu_s(lambda: blocks.record(ShareChecksum.XXH3, share)) / gb,
+            "blocks": least_cpu_s(lambda: blocks.record(ShareChecksum.BLOCKS, share)) / gb,
         },
         "reader_cpu_s_per_GB": {
-            "fingerprint": _best(lambda: fingerprint.states_record(landed, m, js)) / gb,
-            "xxh3": _best(lambda: sample_checksum(pool.data, 0, m, js)) / gb,
-            "blocks": _best(lambda: share_digest(m, js, sample_block_digests(landed, m, js))) / gb,
-            "values_screen": _best(lambda: find_bad_values(landed, list(range(LAYERS)))) / gb,
-            "values_screen_sampled": _best(lambda: find_bad_values(landed, list(range(LAYERS)), sample=True))
+            "fingerprint": least_cpu_s(lambda: fingerprint.states_record(landed, m, js)) / gb,
+            "xxh3": least_cpu_s(lambda: sample_checksum(pool.data, 0, m, js)) / gb,
+            "blocks": least_cpu_s(lambda: share_digest(m, js, sample_block_digests(landed, m, js))) / gb,
+            "values_screen": least_cpu_s(lambda: find_bad_values(landed, list(range(LAYERS)))) / gb,
+            "values_screen_sampled": least_cpu_s(
+                lambda: find_bad_values(landed, list(range(LAYERS)), sample=True)
+            )
             / gb,
             # the default at a host pool: the fingerprint, and the screen on the lines it reads
-            "fingerprint_and_screen": _best(lambda: fingerprint_screened(landed, m, js)) / gb,
+            "fingerprint_and_screen": least_cpu_s(lambda: fingerprint_screened(landed, m, js)) / gb,
         },
     }
     for end in ("producer_cpu_s_per_GB", "reader_cpu_s_per_GB"):
