@@ -81,6 +81,8 @@ class FetchAgentProcess:
         self._address: str | None = None
         self._lock = threading.Lock()
         self.pid: int | None = None
+        # how long each phase of the agent's start took: {phase: {"wall_s", "cpu_s"}}
+        self.start_phases: dict[str, dict[str, float | None]] = {}
 
     @property
     def address(self) -> str:
@@ -104,6 +106,7 @@ class FetchAgentProcess:
                 "check_values": self.check_values,
                 "secret_hex": None if self._secret is None else self._secret.hex(),
                 "name": self._name,
+                "spawned_at": time.time(),
             }
             root = str(Path(kv_connector.__file__).resolve().parent.parent)
             paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
@@ -128,6 +131,7 @@ class FetchAgentProcess:
                 why = said.get("error") or silent
                 raise FetchAgentError(f"the fetch agent did not start: {why}")
             self._proc, self._address, self.pid = proc, str(said["address"]), int(said["pid"])
+            self.start_phases = dict(said.get("phases") or {})
 
     def close(self, timeout: float = 10.0) -> None:
         """End the agent (its clients' fetches fail 'closed' from then on)."""

@@ -24,6 +24,7 @@ import torch
 
 from kv_connector.reader.agent_client import AgentClient, FetchAgentError, FetchAgentProcess
 from kv_connector.reader.agent_wire import AgentFetch, AgentHello, AgentSample, FrameReader, frame
+from kv_connector.reader.fetch_agent import START_PHASES
 from kv_connector.reader.pull import FetchError
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from scripts.support.proc_tree import made_a_nixl_agent
@@ -63,6 +64,9 @@ def test_one_agent_serves_threads_and_processes_byte_exact_with_one_registration
     producers.append(p)
     cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
     with FetchAgentProcess(pool_bytes=4 << 20) as agent:
+        # its start, timed phase by phase (what its log line says)
+        assert list(agent.start_phases) == list(START_PHASES)
+        assert all(p["wall_s"] is not None and p["wall_s"] >= 0 for p in agent.start_phases.values())
         client = AgentClient(agent.address)
         got: dict[str, Any] = {}
         errors: list[BaseException] = []
