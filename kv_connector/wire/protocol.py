@@ -27,6 +27,7 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
         ``PullRelease.answer`` (False: a release nobody waits for).
     13: ``Grant.generation``, named by ``WriteDone.generation``; ``Fenced`` (push's fence:
         no WRITE of a dropped sample's grant is in flight any more).
+    14: ``PullKeep``/``PullKept``: a consumer still starting keeps a sample's hold.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from kv_connector.wire.fields import (
 from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 class ProtocolError(ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
@@ -411,6 +412,22 @@ class PullRelease(_Msg, tag="pull_release", frozen=True):
     answer: bool = True
 
 
+class PullKeep(_Msg, tag="pull_keep", frozen=True):
+    """Consumer -> producer rank: a consumer holding the sample's handle is coming for it
+    (its fetch agent is starting): keep it held (``PullKept``, or ``PullError``)."""
+
+    request_id: RequestId
+    nonce: PullNonce
+
+
+class PullKept(_Msg, tag="pull_kept", frozen=True):
+    """Producer rank -> consumer: the sample stays held ``held_s`` seconds more (the rank's
+    bound on a kept hold may make that less than a whole ``pull_timeout_s``)."""
+
+    request_id: RequestId
+    held_s: Annotated[float, msgspec.Meta(ge=0)]
+
+
 class PullReleased(_Msg, tag="pull_released", frozen=True):
     """Producer rank -> consumer: the sample was released."""
 
@@ -441,6 +458,8 @@ Message = (
     | PullFetch
     | PullShare
     | PullRelease
+    | PullKeep
+    | PullKept
     | PullReleased
     | PullError
 )
