@@ -162,7 +162,7 @@ class FetchAgentProcess:
             return None
         name, p = max(self.start_phases.items(), key=lambda kv: kv[1].get("wall_s") or 0.0, default=("", {}))
         queued = p.get("queued_s")
-        waited = f", {queued:.0f} s of it waiting for a core" if queued else ""
+        waited = f", {queued:.0f} s of it waiting for a core" if queued and queued >= 1.0 else ""
         slowest = f": {name} took {p.get('wall_s') or 0.0:.0f} s{waited}" if name else ""
         return f"this rank's fetch agent took {self.start_s:.0f} s to start{slowest}"
 
