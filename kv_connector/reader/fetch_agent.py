@@ -132,6 +132,8 @@ class FetchAgent:
             self._sock.close()
         with contextlib.suppress(OSError):
             os.unlink(self.address)
+        with contextlib.suppress(OSError):  # the rank made it; a rank that exits without close() leaves it
+            os.rmdir(self.config.socket_dir)
         self.client.close()
 
     # ------------------------------------------------------------------ serving

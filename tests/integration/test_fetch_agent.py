@@ -209,6 +209,7 @@ def test_the_agent_dies_with_its_rank_and_clients_then_fail_by_name() -> None:
             time.sleep(0.05)
         assert not alive(pid), "the fetch agent outlived its rank"
         assert not Path(address).exists()  # and cleaned up its socket
+        assert not Path(address).parent.exists()  # and the directory its rank made for it
         with pytest.raises(FetchError) as e:
             client.fetch("anything")
         assert e.value.code == "agent"
