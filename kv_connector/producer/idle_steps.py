@@ -11,9 +11,8 @@ after the first, doubling to 25 ms; nothing once a step schedules tokens.
 Even 25 ms is too often for vLLM's multiprocess executor: each step is a message to the
 workers, and a worker's queue busy-waits (``sched_yield``) for 1 s after every message
 it reads, so steps 25 ms apart keep each worker spinning a whole core for as long as the
-samples are held. On a 2-core host that starved a trainer's fetch agent starting beside
-the server: queued 57 s behind the spinning worker, it served only once the sample it
-was started for had expired. So once the short naps have run their course and the
+samples are held, and a consumer starting on the same small host waits for a core until
+the holds end (docs/design.md). So once the short naps have run their course and the
 engine holds samples with no request in it at all (``holding_only``), a nap lasts
 ``hold_s``: the workers go idle after their second of spinning. Nothing is late for it:
 a new request ends the nap (``wake``: the engine's input queue is looked at every 10 ms),
