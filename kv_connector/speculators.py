@@ -44,7 +44,7 @@ import msgspec
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
-from kv_connector.reader.agent_client import AgentClient, FetchAgentProcess
+from kv_connector.reader.agent_client import AgentClient, FetchAgentError, FetchAgentProcess
 from kv_connector.reader.pull import FetchError, PullClient, handle_of
 from kv_connector.wire.provenance import Description, Expectation
 
@@ -99,10 +99,20 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
     @property
     def agent_address(self) -> str:
         """The rank's fetch agent's address (the agent is started now if it is not yet)."""
+        return self._start_agent()
+
+    def _start_agent(self, keep: list[dict[str, Any]] | None = None) -> str:
+        """Start the rank's fetch agent, if it is not; the samples of ``keep`` (this rank's
+        first rows) stay held at their producers while it starts."""
         if self._address is None:
-            self.agent = FetchAgentProcess(
-                pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s, name=agent_name(self.mode)
-            )
+            if self.agent is None:
+                self.agent = FetchAgentProcess(
+                    pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s, name=agent_name(self.mode)
+                )
+            try:
+                self.agent.start(keep=keep or [])
+            except FetchAgentError as e:
+                raise FetchError("agent", f"the rank's fetch agent did not start: {e}") from None
             self._address = self.agent.address
         return self._address
 
@@ -156,7 +166,15 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         """``token_ids`` int64 [T] and ``hidden_states`` [T, L, H] (the producer's dtype,
         contiguous) of the sample the server's ``kv_transfer_params`` name; raises
         ``FetchError`` saying why not (speculators retries the row)."""
-        sample = self.client.fetch(hs_transfer_params)
+        if self.mode is FetchMode.RANK and self._client is None:
+            self._start_agent(keep=[hs_transfer_params])  # the row's sample waits for the agent
+        try:
+            sample = self.client.fetch(hs_transfer_params)
+        except FetchError as e:
+            late = self.agent.slow_start() if self.agent is not None else None
+            if late is None or e.code != "expired":
+                raise
+            raise FetchError(e.code, f"{e.message} ({late})") from None
         if self.expect is not None:
             h = sample.hidden_states
             dtype = str(h.dtype).removeprefix("torch.")

@@ -8,63 +8,75 @@ and workers have into empty steps: on a small host that starves the consumer its
 samples). ``IdleSteps`` answers how long the scheduler side naps before such a step: 1 ms
 after the first, doubling to 25 ms; nothing once a step schedules tokens.
 
-A nap ends early when the engine's ``doorbell`` rings: the worker side rings it when a
-step would have news for the scheduler (a reader acknowledged or refused a sample, a
-consumer released one: its blocks go back to vLLM in the next step). Without it, a
-producer whose cache is full of samples waiting for their readers napped up to 25 ms
-after a reader's ack before vLLM freed those blocks and admitted the next request (the
-data-path bench saw its writer idle for want of granted samples). Both sides of one
-engine share a process when its workers do (TP=1: the in-process engine core and
-vLLM's uniprocess executor); across processes nothing rings and a nap runs its length.
-Pure logic.
+Even 25 ms is too often for vLLM's multiprocess executor: each step is a message to the
+workers, and a worker's queue busy-waits (``sched_yield``) for 1 s after every message
+it reads, so steps 25 ms apart keep each worker spinning a whole core for as long as the
+samples are held, and a consumer starting on the same small host waits for a core until
+the holds end (docs/design.md). So once the short naps have run their course and the
+engine holds samples with no request in it at all (``holding_only``), a nap lasts
+``hold_s``: the workers go idle after their second of spinning. Nothing is late for it:
+a new request ends the nap (``wake``: the engine's input queue is looked at every 10 ms),
+and so does a consumer's release (the doorbell); only the expiry of a sample nobody
+released is noticed up to ``hold_s`` late.
+
+A nap ends early when the engine's doorbell (``engine_bell``) rings: the worker side rings
+it when a step would have news for the scheduler (a reader acknowledged or refused a
+sample, a consumer released one: its blocks go back to vLLM in the next step). Without
+it, a producer whose cache is full of samples waiting for their readers napped up to
+25 ms after a reader's ack before vLLM freed those blocks and admitted the next request
+(the data-path bench saw its writer idle for want of granted samples). The policy here
+is pure; the waiting is the bell's.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from kv_connector.producer.engine_bell import Doorbell, doorbell
 
 FIRST_NAP_S = 0.001
 LONGEST_NAP_S = 0.025
-
-_bells: dict[str, threading.Event] = {}
-_bells_lock = threading.Lock()
-
-
-def doorbell(engine: str) -> threading.Event:
-    """The bell of the engine named ``engine`` in this process (one per name, made on
-    first use): the worker side ``set``s it, the scheduler side's naps wait on it."""
-    with _bells_lock:
-        bell = _bells.get(engine)
-        if bell is None:
-            bell = _bells[engine] = threading.Event()
-        return bell
+HOLD_NAP_S = 10.0  # a nap while the engine only holds samples (its workers then sleep)
 
 
 @dataclass
 class IdleSteps:
     first_s: float = FIRST_NAP_S
     longest_s: float = LONGEST_NAP_S
-    bell: threading.Event = field(default_factory=threading.Event)
+    hold_s: float = HOLD_NAP_S
+    bell: Doorbell = field(default_factory=lambda: Doorbell("idle-steps"))
     _idle: int = 0  # steps in a row that scheduled nothing
 
-    def nap(self, scheduled_tokens: int) -> float:
-        """Seconds to nap before a step that schedules ``scheduled_tokens`` tokens."""
+    def nap(self, scheduled_tokens: int, holding_only: bool = False) -> float:
+        """Seconds to nap before a step that schedules ``scheduled_tokens`` tokens;
+        ``holding_only``: the engine has no request but the finished ones it holds."""
         if scheduled_tokens > 0:
             self._idle = 0
             return 0.0
         self._idle += 1
-        return min(self.longest_s, self.first_s * 2.0 ** min(self._idle - 1, 32))
+        short = min(self.longest_s, self.first_s * 2.0 ** min(self._idle - 1, 32))
+        if holding_only and short >= self.longest_s:
+            return max(self.hold_s, short)
+        return short
 
-    def rest(self, scheduled_tokens: int) -> bool:
-        """Nap before a step (``nap``) unless or until the bell rings; True if it rang
-        (then the next nap starts short again). A ring while no nap was under way ends
-        the next one at once: its news is reported by the step after it."""
-        seconds = self.nap(scheduled_tokens)
+    def rest(
+        self, scheduled_tokens: int, holding_only: bool = False, wake: Callable[[], bool] | None = None
+    ) -> bool:
+        """Nap before a step (``nap``) unless or until the bell rings or ``wake()`` says a
+        request waits; True if the bell rang (then the next nap starts short again). A
+        ring while no nap was under way ends the next one at once: its news is reported
+        by the step after it."""
+        seconds = self.nap(scheduled_tokens, holding_only)
         if not seconds:
             return False
-        rang = self.bell.wait(seconds)
+        rang = self.bell.wait(seconds, wake)
         if rang:
             self.bell.clear()
             self._idle = 0
+        elif wake is not None and wake():
+            self._idle = 0  # a request came: the naps after its steps start short
         return rang
+
+
+__all__ = ["FIRST_NAP_S", "HOLD_NAP_S", "LONGEST_NAP_S", "IdleSteps", "doorbell"]

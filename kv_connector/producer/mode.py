@@ -41,7 +41,7 @@ class RankCache:
     rank: int
     world_size: int
     checksum: ShareChecksum | None  # how each share's integrity record is taken
-    # rings the scheduler side's doorbell (``idle_steps``): a sample's outcome is news for the next step
+    # rings the scheduler side's doorbell (``engine_bell``): a sample's outcome is news for the next step
     news: Callable[[], None] = lambda: None
     provenance: Provenance | None = None  # what produced the samples (``wire.provenance``)
 
@@ -149,6 +149,10 @@ class Finished:
 
 class SchedulerMode(Protocol):
     """The scheduler side's part of a delivery mode."""
+
+    # how long the engine may nap while it holds samples and has no request in it
+    # (``idle_steps``), None: no longer than the short naps
+    hold_nap_s: float | None
 
     def on_new_request(self, request_id: str) -> None:
         """A new request is followed."""

@@ -29,6 +29,10 @@ Invariants (tests name the one they prove):
   P7  With a fence table (``producer.hold_fences``), a hold's fence word holds its value
       exactly while it is HELD: it is written when it is held and zeroed in the same call
       that ends it, before ``take_freed`` can report it.
+  P8  A consumer that says it is coming (``keep``: its fetch agent is still starting)
+      moves a held sample's deadline to ``timeout_s`` from now, never earlier than it was
+      and never later than ``KEEP_LIMIT`` times ``timeout_s`` after the request finished:
+      a consumer that never comes cannot keep blocks for ever.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from kv_connector.producer.hold_states import IllegalTransition as IllegalTransi
 from kv_connector.wire.protocol import Manifest, PullErrorCode
 
 REMEMBER = 4096  # ended samples remembered, to say why they are gone
+KEEP_LIMIT = 2.0  # a kept hold ends at most this many pull_timeout_s after its request finished
 
 
 _WHY: dict[HoldState, str] = {
@@ -82,6 +87,8 @@ class Held:
     checksum: int | None = None
     fetches: int = 0
     fence: tuple[int, int] | None = None
+    finished_at: float = math.inf  # when its request finished (its clock started)
+    keeps: int = 0
 
 
 class PullLedger:
@@ -117,6 +124,7 @@ class PullLedger:
             h = self._held.get(rid)
             if h is not None and h.deadline == math.inf:
                 h.deadline = now + self.timeout_s
+                h.finished_at = now
 
     def fail(self, request_id: str, nonce: str, why: str) -> None:
         """The sample could not be held (``why``): a fetch says so."""
@@ -167,6 +175,18 @@ class PullLedger:
         h.fetches += 1
         self.served += 1
         return h
+
+    def keep(self, request_id: str, nonce: str, now: float) -> float:
+        """A consumer holding the handle is coming (P8): the seconds the sample stays held
+        from ``now`` (``timeout_s`` for one whose request has not finished: its clock has
+        not started). ``PullRefused`` as ``fetch`` for one not held."""
+        h = self._live(request_id, nonce, now)
+        h.keeps += 1
+        if h.finished_at == math.inf:
+            return self.timeout_s
+        limit = h.finished_at + KEEP_LIMIT * self.timeout_s
+        h.deadline = max(h.deadline, min(now + self.timeout_s, limit))
+        return h.deadline - now
 
     def release(self, request_id: str, nonce: str, now: float) -> None:
         """The consumer is done with the sample: it ends (P3). Releasing one that

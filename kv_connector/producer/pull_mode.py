@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kv_connector.producer.idle_steps import HOLD_NAP_S
 from kv_connector.producer.mode import Finished, RankCache, Settled
 from kv_connector.producer.options import PULL_ENDPOINTS, ConnectorOptions, pull_endpoint
 from kv_connector.producer.planning import ShipOrder
@@ -136,6 +137,9 @@ class PullScheduling:
         self.requests = requests
         self.producer_id = producer_id
         self.world_size = world_size
+        # an engine that only holds samples waits for consumers: it steps only to notice
+        # an expiry (a release, or a new request, ends its nap), a quarter of the hold late at most
+        self.hold_nap_s: float | None = min(HOLD_NAP_S, options.pull_timeout_s / 4)
         self.endpoints: dict[int, str] = {}  # each rank's endpoint, as reported
         self._drops: list[str] = []  # failed at their finish: their holds must end
 

@@ -8,7 +8,8 @@ of ``wire.handshake`` as the reader's side of it (so with a shared secret both e
 prove it before this rank's NIXL metadata, sent once per connection, leaves the node),
 then asks for samples by their handle's names: ``PullFetch`` is answered with the
 manifest and where this rank's share lies in the cache (``PullShare``), which the
-consumer READs itself; ``PullRelease`` ends the hold. The engine's thread takes what
+consumer READs itself; ``PullRelease`` ends the hold; ``PullKeep`` (a consumer whose fetch
+agent is still starting) keeps it held, within the ledger's bound. The engine's thread takes what
 ended (``take_freed``) and reports it finished to vLLM, which frees the blocks.
 """
 
@@ -23,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import Region, Transport
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PROGRESS_S = 0.0002  # how often the agent makes progress while a consumer may be reading
 MAX_CONNECTIONS = 256  # consumers served at once (a DataLoader worker holds one per rank)
@@ -387,9 +389,22 @@ class PullServer:
 
     def answer(
         self, msg: protocol.Message
-    ) -> protocol.PullShare | protocol.PullReleased | protocol.PullError:
-        """The answer to one consumer request (``PullFetch`` or ``PullRelease``), as a
-        connection's thread sends it; ``ProtocolError`` for any other message."""
+    ) -> protocol.PullShare | protocol.PullReleased | protocol.PullKept | protocol.PullError:
+        """The answer to one consumer request (``PullFetch``, ``PullRelease`` or
+        ``PullKeep``), as a connection's thread sends it; ``ProtocolError`` for any other
+        message."""
+        if isinstance(msg, protocol.PullKeep):
+            try:
+                with self._lock:
+                    held_s = self._held_for(msg.request_id, msg.nonce, self._ledger.keep)
+            except PullRefused as e:
+                return protocol.PullError(request_id=msg.request_id, code=e.code, message=e.message)
+            log.info(
+                "pull: sample %s kept for a consumer that is starting: held %.0f s more",
+                msg.request_id,
+                held_s,
+            )
+            return protocol.PullKept(request_id=msg.request_id, held_s=held_s)
         if isinstance(msg, protocol.PullRelease):
             try:
                 with self._lock:
@@ -403,7 +418,7 @@ class PullServer:
         rid, nonce = msg.request_id, msg.nonce
         try:
             with self._lock:
-                h = self._fetch_held(rid, nonce)
+                h = self._held_for(rid, nonce, self._ledger.fetch)
                 pending = self._hashing.get((rid, nonce))
             digest = h.checksum
             if self._checksum is not None and digest is None and len(h.share):
@@ -444,15 +459,15 @@ class PullServer:
             table_addr=f.addr, table_bytes=f.nbytes, offset=slot * WORD_BYTES, value=value
         )
 
-    def _fetch_held(self, rid: str, nonce: str) -> Held:
-        """The ledger's answer to a fetch (call with the lock held), waiting up to
-        ``HOLD_WAIT_S`` for a sample not held yet: one whose request ships its output tokens
-        is held in the engine step after its handle went out. A wrong nonce waits the same
-        (P2: it is answered exactly as an unknown request)."""
+    def _held_for(self, rid: str, nonce: str, ask: Callable[[str, str, float], T]) -> T:
+        """The ledger's answer to a fetch or a keep (``ask``; call with the lock held),
+        waiting up to ``HOLD_WAIT_S`` for a sample not held yet: one whose request ships its
+        output tokens is held in the engine step after its handle went out. A wrong nonce
+        waits the same (P2: it is answered exactly as an unknown request)."""
         deadline = time.monotonic() + HOLD_WAIT_S
         while True:
             try:
-                return self._ledger.fetch(rid, nonce, self._clock())
+                return ask(rid, nonce, self._clock())
             except PullRefused as e:
                 left = deadline - time.monotonic()
                 if e.code != "unknown" or self._closed or left <= 0:

@@ -183,6 +183,7 @@ class PushScheduling:
     ) -> None:
         self.options = options
         self.producer_id = producer_id
+        self.hold_nap_s: float | None = None  # push: the short naps only
 
     def on_new_request(self, request_id: str) -> None:
         pass

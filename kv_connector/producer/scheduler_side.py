@@ -7,7 +7,9 @@ in the words of its delivery mode (``push_mode.PushScheduling`` or
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import queue
+import sys
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
@@ -68,6 +70,21 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None, layer_marker: str 
     )
 
 
+LOOKS_FOR_INPUT = 3  # builds that look for vLLM's input queue before giving up
+
+
+def engine_input_waits(frame: Any) -> Callable[[], bool] | None:
+    """A probe of vLLM's engine core input queue (``EngineCoreProc.input_queue``, where its
+    input thread puts new requests, aborts and shutdowns), found on the stack above
+    ``frame``: True while something waits there. None where no frame's ``self`` has one."""
+    while frame is not None:
+        q = getattr(frame.f_locals.get("self"), "input_queue", None)
+        if isinstance(q, queue.Queue):
+            return lambda: not q.empty()
+        frame = frame.f_back
+    return None
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -89,11 +106,20 @@ class SchedulerSide:
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
         self._readers_up = 0  # readers every rank reaches, recounted when a link changes
         self.world_size = world_size
-        # naps before steps that only wait for held samples, ended by the worker side's news
-        self.idle = IdleSteps(bell=doorbell(producer_id))
         self.mode: SchedulerMode = SCHEDULER_MODES[options.delivery](
             options, self.requests, producer_id, world_size
         )
+        # naps before steps that only wait for held samples, ended by the worker side's news
+        # (rung from the workers' processes too) or by a new request
+        bell = doorbell(producer_id)
+        self.idle = IdleSteps(bell=bell)
+        if self.mode.hold_nap_s is not None and bell.listen():
+            self.idle.hold_s = self.mode.hold_nap_s
+        else:
+            self.idle.hold_s = 0.0  # nothing would end a long nap early: the short ones only
+        self._unfinished: set[str] = set()  # requests in vLLM that did not finish yet
+        self._input_waits: Callable[[], bool] | None = None  # vLLM's engine has requests to add
+        self._looked_for_input = 0
 
     def on_new_request(self, request: Request) -> None:
         """Follow a new request; a request id that cannot travel, or a bad ``sample_id``
@@ -106,6 +132,7 @@ class SchedulerSide:
             identity, bad = identity_of(params), None
         except IdentityError as e:
             identity, bad = NO_IDENTITY, f"invalid kv_transfer_params: {e}"
+        self._unfinished.add(rid)
         self.planner.add(rid, include_output=include, identity=identity)
         self.book.add(rid)
         self.mode.on_new_request(rid)
@@ -136,9 +163,20 @@ class SchedulerSide:
         if report.links:
             self._readers_up = sum(self.book.is_up(r) for r in self.options.readers)
 
+    def _engine_input(self) -> Callable[[], bool] | None:
+        """Whether vLLM's engine core has requests waiting to be added (its input queue),
+        found once on the call stack of ``build_plan`` (the engine core's own thread):
+        None where the engine has none to look at (an in-process engine)."""
+        if self._input_waits is None and self._looked_for_input < LOOKS_FOR_INPUT:
+            self._looked_for_input += 1
+            self._input_waits = engine_input_waits(sys._getframe(1))
+        return self._input_waits
+
     def build_plan(self, out: SchedulerOutput) -> StepPlan:
-        # an empty step (vLLM steps on while finished requests hold blocks) naps, or not
-        self.idle.rest(out.total_num_scheduled_tokens)
+        # an empty step (vLLM steps on while finished requests hold blocks) naps, or not;
+        # long while it only holds samples, if a new request can end the nap
+        holding_only = not self._unfinished and self.idle.hold_s > 0 and self._engine_input() is not None
+        self.idle.rest(out.total_num_scheduled_tokens, holding_only, self._input_waits)
         g = self.group
         new = [
             NewRequest(
@@ -179,6 +217,7 @@ class SchedulerSide:
         and sample id: the request's own when it gave none) and say where it stands, as
         its delivery mode puts it."""
         rid = request.request_id
+        self._unfinished.discard(rid)
         rec = self.requests.get(rid)
         hold = self.planner.finish(rid, list(request.all_token_ids), block_ids)
         self.metrics.waiting(rid, False)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kv_connector.common.amx import request_amx
+from kv_connector.producer.engine_bell import doorbell
 from kv_connector.producer.fingerprints import Fingerprints
-from kv_connector.producer.idle_steps import doorbell
 from kv_connector.producer.mode import RankCache, WorkerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan, in_kernel_blocks
@@ -178,7 +178,7 @@ class WorkerSide:
                 view.block_pitch * cache.element_size(),
                 100 * (1 - block_layout.block_bytes / (view.block_pitch * cache.element_size())),
             )
-        news = doorbell(self.producer_id).set  # ends the scheduler side's nap (same process only)
+        news = doorbell(self.producer_id).ring  # ends the scheduler side's nap, in whatever process
         rc = RankCache(
             cache,
             block_layout,

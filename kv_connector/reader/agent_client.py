@@ -8,6 +8,11 @@ pool, checks it and releases it at the producer), maps the agent's pool once per
 (the memory file comes over the socket), copies the sample out (the one copy: the
 tensor is the caller's, contiguous [T, L, H]) and tells the agent its pages may go back.
 Each thread has a connection of its own; a process's connections share one mapping.
+
+A sample the rank was handed before its agent serves (the first row a rank fetches
+itself) is kept at its producer while the agent starts: ``start(keep=[params])`` runs a
+``HoldKeeper`` until the agent answers, so a slow start does not let ``pull_timeout_s``
+free the sample (each producer keeps it at most twice ``pull_timeout_s``).
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +53,13 @@ from kv_connector.reader.agent_wire import (
     FrameReader,
     frame,
 )
+from kv_connector.reader.hold_keeper import HoldKeeper, KeptHolds
 from kv_connector.reader.lease import CopyBuffers, Sample
 from kv_connector.reader.pull_links import FetchError
 from kv_connector.wire.handle import HandleError, handle_of
 
 AGENT_START_TIMEOUT_S = 120.0  # importing torch and NIXL, registering the pool
+SLOW_START_S = 5.0  # a start slower than this is named when a sample expired meanwhile
 DEFAULT_AGENT_POOL_BYTES = 1 << 30  # shared by every worker of the rank (12 per-worker pools were 3 GiB)
 
 
@@ -75,12 +83,17 @@ class FetchAgentProcess:
         self.timeout_s = timeout_s
         self.check_values = check_values
         self._secret = secret
-        self._name = name
+        # its NIXL agent's name, also what keeps of its first samples announce
+        self.name = name or f"fetch-agent-{uuid.uuid4().hex[:12]}"
         self._proc: subprocess.Popen[str] | None = None
         self._dir: str | None = None
         self._address: str | None = None
         self._lock = threading.Lock()
         self.pid: int | None = None
+        # how long each phase of the agent's start took: {phase: {"wall_s", "cpu_s", "queued_s"}}
+        self.start_phases: dict[str, dict[str, float | None]] = {}
+        self.start_s: float | None = None  # from its spawn to its answer, as this process saw it
+        self.kept = KeptHolds()  # what was kept while it started
 
     @property
     def address(self) -> str:
@@ -89,7 +102,11 @@ class FetchAgentProcess:
         assert self._address is not None
         return self._address
 
-    def start(self) -> None:
+    def start(self, keep: Iterable[str | Mapping[str, Any]] = ()) -> None:
+        """Start the agent now, if it is not started (``FetchAgentError`` if it cannot).
+        ``keep``: handles (or responses' ``kv_transfer_params``) of samples this rank was
+        handed and will fetch through the agent: their producers keep them held while the
+        agent starts (``HoldKeeper``; ``kept`` says what it did)."""
         with self._lock:
             if self._proc is not None:
                 if self._proc.poll() is not None:
@@ -103,8 +120,10 @@ class FetchAgentProcess:
                 "timeout_s": self.timeout_s,
                 "check_values": self.check_values,
                 "secret_hex": None if self._secret is None else self._secret.hex(),
-                "name": self._name,
+                "name": self.name,
+                "spawned_at": time.time(),
             }
+            t0 = time.monotonic()
             root = str(Path(kv_connector.__file__).resolve().parent.parent)
             paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
@@ -118,8 +137,14 @@ class FetchAgentProcess:
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(json.dumps(config) + "\n")
             proc.stdin.flush()
-            ready, _, _ = select.select([proc.stdout], [], [], AGENT_START_TIMEOUT_S)
-            line = proc.stdout.readline() if ready else ""
+            keeper = HoldKeeper(keep, self.name, self.pool_bytes, self._secret, min(self.timeout_s, 10.0))
+            try:
+                keeper.start()
+                ready, _, _ = select.select([proc.stdout], [], [], AGENT_START_TIMEOUT_S)
+                line = proc.stdout.readline() if ready else ""
+            finally:
+                self.kept = keeper.stop()
+            self.start_s = time.monotonic() - t0
             said: dict[str, Any] = json.loads(line) if line.strip() else {}
             if "address" not in said:
                 proc.kill()
@@ -128,6 +153,18 @@ class FetchAgentProcess:
                 why = said.get("error") or silent
                 raise FetchAgentError(f"the fetch agent did not start: {why}")
             self._proc, self._address, self.pid = proc, str(said["address"]), int(said["pid"])
+            self.start_phases = dict(said.get("phases") or {})
+
+    def slow_start(self) -> str | None:
+        """What made the agent's start slow, in a sentence (its slowest phase, and whether
+        it waited for a core), or None for a start within ``SLOW_START_S``."""
+        if self.start_s is None or self.start_s <= SLOW_START_S:
+            return None
+        name, p = max(self.start_phases.items(), key=lambda kv: kv[1].get("wall_s") or 0.0, default=("", {}))
+        queued = p.get("queued_s")
+        waited = f", {queued:.0f} s of it waiting for a core" if queued and queued >= 1.0 else ""
+        slowest = f": {name} took {p.get('wall_s') or 0.0:.0f} s{waited}" if name else ""
+        return f"this rank's fetch agent took {self.start_s:.0f} s to start{slowest}"
 
     def close(self, timeout: float = 10.0) -> None:
         """End the agent (its clients' fetches fail 'closed' from then on)."""

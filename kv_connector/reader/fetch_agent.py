@@ -17,6 +17,8 @@ rank exiting, however it exits, closes it).
 Run by ``agent_client.FetchAgentProcess`` as ``python -m kv_connector.reader.fetch_agent``:
 its configuration comes as one JSON line on standard input, and it answers with one JSON
 line on standard output (``{"address": ...}`` once it serves, or ``{"error": ...}``).
+It logs how long each phase of its start took (``START_PHASES``), in wall and CPU time,
+and warns naming the slowest phase when the start took more than ``SLOW_START_S``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ import os
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kv_connector.common.phases import Phase, Phases
 from kv_connector.reader.agent_wire import (
     AGENT_VERSION,
     AgentAsk,
@@ -54,6 +59,17 @@ log = logging.getLogger("kv_connector.fetch_agent")
 
 SOCKET_NAME = "agent.sock"
 MAX_CLIENTS = 1024
+# what a start goes through, in order (each logged with its wall and CPU time)
+START_PHASES = (
+    "interpreter and imports",  # from the rank's spawn to this module's main()
+    "NIXL import",
+    "NIXL agent",
+    "UCX",
+    "pool allocation",  # the memory file made and faulted in
+    "pool registration",
+    "serving",  # the socket bound and its thread started
+)
+SLOW_START_S = 5.0  # a start slower than this logs a warning naming its slowest phase
 
 
 @dataclass
@@ -66,13 +82,16 @@ class AgentConfig:
     check_values: bool = True
     secret_hex: str | None = None  # None: the client's default (KV_CONNECTOR_SECRET...)
     name: str | None = None
+    spawned_at: float | None = None  # the rank's time.time() when it started the process
 
 
 class FetchAgent:
     """Serves fetches from one ``PullClient`` with a shared pool to every client that
     connects to ``address`` (a Unix socket in a directory only this user can enter)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, lap: Callable[[str], object] | None = None) -> None:
+        """``lap`` is called with each start phase's name as it ends (``START_PHASES``)."""
+        lap = lap or (lambda _name: None)
         self.config = config
         secret = bytes.fromhex(config.secret_hex) if config.secret_hex is not None else None
         self.client = PullClient(
@@ -83,7 +102,7 @@ class FetchAgent:
             name=config.name,
             shared_pool=True,
         )
-        self.client.open()  # the one NIXL agent and the one registration, now
+        self.client.open(lap)  # the one NIXL agent and the one registration, now
         self.address = str(Path(config.socket_dir) / SOCKET_NAME)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
@@ -97,13 +116,6 @@ class FetchAgent:
 
     def start(self) -> None:
         self._thread.start()
-        log.info(
-            "fetch agent %d: NIXL agent %s, %d MiB pool registered, serving at %s",
-            os.getpid(),
-            self.client.name,
-            self.client.registered_bytes >> 20,
-            self.address,
-        )
 
     def stats(self) -> AgentStats:
         with self._lock:
@@ -120,6 +132,8 @@ class FetchAgent:
             self._sock.close()
         with contextlib.suppress(OSError):
             os.unlink(self.address)
+        with contextlib.suppress(OSError):  # the rank made it; a rank that exits without close() leaves it
+            os.rmdir(self.config.socket_dir)
         self.client.close()
 
     # ------------------------------------------------------------------ serving
@@ -221,16 +235,73 @@ def _say(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def queued_s() -> float | None:
+    """Seconds this process's main thread has waited, runnable, for a core since it began
+    (Linux's run-queue delay, ``/proc/self/schedstat``); None where the kernel does not
+    count it."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def log_start(agent: FetchAgent, phases: Phases) -> None:
+    """One line saying what serves and how long each start phase took; a warning naming
+    the slowest phase when the start took more than ``SLOW_START_S``."""
+    log.info(
+        "fetch agent %d: NIXL agent %s, %d MiB pool registered, serving at %s; started in %.1f s: %s",
+        os.getpid(),
+        agent.client.name,
+        agent.client.registered_bytes >> 20,
+        agent.address,
+        phases.total_s,
+        phases.describe(),
+    )
+    slowest = phases.slowest()
+    if slowest is None or phases.total_s <= SLOW_START_S:
+        return
+    log.warning(
+        "fetch agent %d: a slow start (%.1f s, more than %.0f s): %s took %.1f s%s",
+        os.getpid(),
+        phases.total_s,
+        SLOW_START_S,
+        slowest.name,
+        slowest.wall_s,
+        _why_slow(slowest),
+    )
+
+
+def _why_slow(p: Phase) -> str:
+    """What a slow phase did with its time: worked, waited for a core, or was blocked."""
+    if p.cpu_s is None or p.cpu_s >= p.wall_s / 2:
+        return ", most of it on a CPU"
+    if p.queued_s is not None and p.queued_s >= (p.wall_s - p.cpu_s) / 2:
+        return (
+            f", {p.cpu_s:.1f} s of it on a CPU and {p.queued_s:.1f} s waiting for one: the host's cores "
+            "were busy (a producer on this host holding samples, or other processes)"
+        )
+    return f", {p.cpu_s:.1f} s of it on a CPU: the process was blocked"
+
+
 def main() -> int:
+    # interpreter and imports are behind us
+    begun_at, begun_cpu, begun_queued = time.time(), time.process_time(), queued_s()
+    phases = Phases(time.monotonic, time.process_time, queued_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = AgentConfig(**json.loads(sys.stdin.readline()))
-        agent = FetchAgent(config)
+        if config.spawned_at is not None:
+            phases.add(START_PHASES[0], begun_at - config.spawned_at, begun_cpu, begun_queued)
+        agent = FetchAgent(config, phases.lap)
+        agent.start()
+        phases.lap("serving")
     except Exception as e:  # said to the rank, which raises it
-        _say({"error": f"{type(e).__name__}: {e}"})
+        _say({"error": f"{type(e).__name__}: {e}", "phases": phases.as_dict()})
         return 1
-    agent.start()
-    _say({"address": agent.address, "pid": os.getpid(), "agent_name": agent.client.name})
+    log_start(agent, phases)
+    _say({"address": agent.address, "pid": os.getpid(), "agent_name": agent.client.name,
+          "phases": phases.as_dict()})
     try:
         while sys.stdin.readline():  # the rank holds the other end; it ends when the rank does
             pass

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,9 +172,10 @@ class PullClient:
         self.__init__(**state)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ public
-    def open(self) -> None:
-        """Make the NIXL agent and register the pool now (the first fetch does otherwise)."""
-        self._ensure()
+    def open(self, lap: Callable[[str], object] | None = None) -> None:
+        """Make the NIXL agent and register the pool now (the first fetch does otherwise);
+        ``lap`` is called with each phase's name as it ends (a fetch agent times its start)."""
+        self._ensure(lap)
 
     @property
     def pool_fd(self) -> int | None:
@@ -385,9 +386,10 @@ class PullClient:
         return Sample.of(m, hidden, h.producer_id, decode_metadata(m.metadata), sample_lease)
 
     # ------------------------------------------------------------------ pool
-    def _ensure(self) -> None:
+    def _ensure(self, lap: Callable[[str], object] | None = None) -> None:
         if self._transport is not None:  # set last below: no waiting for a READ being posted
             return
+        lap = lap or (lambda _name: None)
         with self._lock:
             if self._transport is not None:
                 return
@@ -395,10 +397,12 @@ class PullClient:
             if transport is None:
                 from kv_connector.wire.nixl_transport import NixlTransport
 
-                transport = NixlTransport(self.name)
+                transport = NixlTransport(self.name, lap=lap)
             num_pages = self.pool_bytes // PAGE_BYTES
             memory = make_pool(num_pages * PAGE_BYTES, self.pool_device, self.shared_pool)
+            lap("pool allocation")
             self._region = register_pool(transport, memory)
+            lap("pool registration")
             self._memory = memory
             self._pool = PagePool(num_pages)
             self._links = ProducerLinks(

@@ -2,7 +2,11 @@
 first use, handshaken in the reader's role (``wire.handshake``: with a shared secret both
 ends prove it before the rank's NIXL metadata, loaded here into the client's agent,
 moves), checked to be the producer and rank the handle names, and made again once when
-it breaks (a producer restarted). ``FetchError`` is what a fetch raises."""
+it breaks (a producer restarted). ``FetchError`` is what a fetch raises.
+
+Links without a transport (``transport=None``) serve a consumer whose NIXL agent does
+not exist yet (``reader.hold_keeper``): they load no metadata, announce the pool the
+agent will have (``region``) and may only ask what needs no transfer (``PullKeep``)."""
 
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ class ProducerLinks:
         secret: bytes | None,
         timeout_s: float,
         lock: threading.Lock,
-        transport: Transport,
+        transport: Transport | None,
         region: Region,
     ) -> None:
         self.name = name
@@ -171,13 +175,17 @@ class ProducerLinks:
                 raise FetchError("protocol", f"{where} sent a {type(a).__name__} instead of its Auth")
             hs.on_auth(a)
             with self._lock:
-                assert self._transport is not None and self._region is not None
-                try:
-                    agent = self._transport.add_peer(a.agent_metadata)
-                except TransportError as e:
-                    raise FetchError("protocol", f"{where}: its NIXL metadata does not load: {e}") from None
+                assert self._region is not None
                 region = self._region
-                me = self._transport.name
+                if self._transport is None:  # no agent yet: nothing to load, nothing to READ
+                    agent, me = hello.agent_name, self.name
+                else:
+                    try:
+                        agent = self._transport.add_peer(a.agent_metadata)
+                    except TransportError as e:
+                        why = f"{where}: its NIXL metadata does not load: {e}"
+                        raise FetchError("protocol", why) from None
+                    me = self._transport.name
             welcome = protocol.Welcome(
                 reader_id=self.name,
                 agent_name=me,

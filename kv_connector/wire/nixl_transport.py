@@ -22,7 +22,7 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,8 +163,14 @@ def _alive(pid: int) -> bool:
 class NixlTransport:
     """One NIXL agent (UCX backend, no progress thread)."""
 
-    def __init__(self, name: str, ucx_params: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, ucx_params: dict[str, str] | None = None, lap: Callable[[str], object] | None = None
+    ) -> None:
+        """``lap``, when given, is called with each start phase's name as it ends (what a
+        fetch agent's start log times)."""
+        lap = lap or (lambda _name: None)
         nixl_agent, nixl_agent_config = _nixl()
+        lap("NIXL import")
         params = dict(ucx_params or {})
         if "ucx_error_handling_mode" not in params and os.environ.get("KV_CONNECTOR_UCX_ERROR_HANDLING"):
             params["ucx_error_handling_mode"] = os.environ["KV_CONNECTOR_UCX_ERROR_HANDLING"]
@@ -174,7 +180,9 @@ class NixlTransport:
         )
         try:
             self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+            lap("NIXL agent")
             self._agent.create_backend("UCX", params)
+            lap("UCX")
         except Exception as e:
             self._drop_report()
             raise TransportError(f"cannot create the NIXL agent {name!r} on UCX: {e}") from e

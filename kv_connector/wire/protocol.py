@@ -29,6 +29,7 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
         no WRITE of a dropped sample's grant is in flight any more).
     14: ``Manifest.provenance`` (``wire.provenance``: vLLM version, model runner, model);
         ``RefuseCode`` "mismatch" (a sample other than the consumer expects).
+    15: ``PullKeep``/``PullKept``: a consumer still starting keeps a sample's hold.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 class ProtocolError(ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
@@ -418,6 +419,22 @@ class PullRelease(_Msg, tag="pull_release", frozen=True):
     answer: bool = True
 
 
+class PullKeep(_Msg, tag="pull_keep", frozen=True):
+    """Consumer -> producer rank: a consumer holding the sample's handle is coming for it
+    (its fetch agent is starting): keep it held (``PullKept``, or ``PullError``)."""
+
+    request_id: RequestId
+    nonce: PullNonce
+
+
+class PullKept(_Msg, tag="pull_kept", frozen=True):
+    """Producer rank -> consumer: the sample stays held ``held_s`` seconds more (the rank's
+    bound on a kept hold may make that less than a whole ``pull_timeout_s``)."""
+
+    request_id: RequestId
+    held_s: Annotated[float, msgspec.Meta(ge=0)]
+
+
 class PullReleased(_Msg, tag="pull_released", frozen=True):
     """Producer rank -> consumer: the sample was released."""
 
@@ -448,6 +465,8 @@ Message = (
     | PullFetch
     | PullShare
     | PullRelease
+    | PullKeep
+    | PullKept
     | PullReleased
     | PullError
 )

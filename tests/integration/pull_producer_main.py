@@ -80,7 +80,7 @@ class EndingServer(PullServer):
 
     def answer(
         self, msg: protocol.Message
-    ) -> protocol.PullShare | protocol.PullReleased | protocol.PullError:
+    ) -> protocol.PullShare | protocol.PullReleased | protocol.PullKept | protocol.PullError:
         out = super().answer(msg)
         if not isinstance(out, protocol.PullShare) or not isinstance(msg, protocol.PullFetch):
             return out

@@ -3,7 +3,8 @@ process holds samples in its ``PullServer`` (``pull_producer_main.py``); one fet
 (``reader.fetch_agent``, its own process) READs them for clients in several threads and
 processes of the "rank", which map its pool. Byte-exact samples, one NIXL agent and one
 registration however many clients fetch, the leases of a client killed while it held a
-sample freed, the agent gone when its rank is killed, and clear errors."""
+sample freed, the agent gone when its rank is killed, clear errors, and a sample handed
+out before the agent serves kept at its producer while the agent starts slowly."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 from kv_connector.reader.agent_client import AgentClient, FetchAgentError, FetchAgentProcess
 from kv_connector.reader.agent_wire import AgentFetch, AgentHello, AgentSample, FrameReader, frame
+from kv_connector.reader.fetch_agent import START_PHASES
 from kv_connector.reader.pull import FetchError
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from scripts.support.proc_tree import made_a_nixl_agent
@@ -63,6 +65,9 @@ def test_one_agent_serves_threads_and_processes_byte_exact_with_one_registration
     producers.append(p)
     cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
     with FetchAgentProcess(pool_bytes=4 << 20) as agent:
+        # its start, timed phase by phase (what its log line says)
+        assert list(agent.start_phases) == list(START_PHASES)
+        assert all(p["wall_s"] is not None and p["wall_s"] >= 0 for p in agent.start_phases.values())
         client = AgentClient(agent.address)
         got: dict[str, Any] = {}
         errors: list[BaseException] = []
@@ -204,6 +209,7 @@ def test_the_agent_dies_with_its_rank_and_clients_then_fail_by_name() -> None:
             time.sleep(0.05)
         assert not alive(pid), "the fetch agent outlived its rank"
         assert not Path(address).exists()  # and cleaned up its socket
+        assert not Path(address).parent.exists()  # and the directory its rank made for it
         with pytest.raises(FetchError) as e:
             client.fetch("anything")
         assert e.value.code == "agent"
@@ -291,3 +297,42 @@ def test_a_forked_child_makes_its_own_connection(producers: list[Producer]) -> N
         assert got == ("req-1", samples[1]["num_tokens"], 2), got
         assert client.stats().fetched == 2
         client.close()
+
+
+SLOW_SITE = REPO / "tests" / "integration" / "slow_agent_site"
+
+
+def test_a_hold_that_would_expire_while_the_agent_starts_is_kept_and_served(
+    producers: list[Producer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent starts later than the producer holds a sample (its interpreter waits, as
+    one starved of a core does): the sample it was started for is kept at both ranks and
+    served byte-exact; one nobody kept expired meanwhile; a forged handle is refused."""
+    timeout_s = 15.0
+    samples = samples_spec(2, TLH, seed=13)
+    p = Producer(spec_of(TLH, samples, world_size=2, timeout_s=timeout_s))  # the clocks run from now
+    producers.append(p)
+    cache = make_cache(TLH, NUM_CACHE_BLOCKS, SEED, finite=True)
+    h = decode_handle(p.handles["req-0"])
+    forged = PullHandle(h.producer_id, h.request_id, make_nonce(), h.endpoints).encode()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SLOW_SITE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("KV_TEST_AGENT_START_DELAY_S", str(timeout_s + 1))
+    agent = FetchAgentProcess(pool_bytes=4 << 20)  # not started: its first start keeps
+    try:
+        agent.start(keep=[{"handle": p.handles["req-0"]}, forged])
+        assert agent.start_s is not None and agent.start_s > timeout_s  # req-0 would have expired
+        assert agent.kept.kept >= 2 and "req-0" in agent.kept.held_s  # both ranks kept it
+        assert agent.kept.refused["req-0"].code == "unknown"  # the forged one: nothing kept
+        started = agent.slow_start()
+        assert started is not None and "interpreter and imports" in started
+        client = AgentClient(agent.address)
+        s = client.fetch(p.handles["req-0"])
+        want = expected_states(cache, TLH, samples[0]["block_ids"], samples[0]["num_tokens"])
+        assert s.token_ids.tolist() == token_ids("req-0", samples[0]["num_tokens"])
+        assert torch.equal(s.hidden_states, want)
+        with pytest.raises(FetchError) as e:
+            client.fetch(p.handles["req-1"])  # nobody kept it
+        assert e.value.code == "expired"
+        client.close()
+    finally:
+        agent.close()

@@ -1,4 +1,4 @@
-"""The pull ledger as a state machine: its invariants P1-P6 (each test names the one it
+"""The pull ledger as a state machine: its invariants P1-P8 (each test names the one it
 proves), the pull handle's encoding, the pull messages' validation, and the pull options.
 Pure: no transport, no sockets, no threads; times are passed in."""
 
@@ -120,6 +120,31 @@ def test_p6_a_request_is_held_once_at_a_time() -> None:
     assert {s.value for s in HoldState} >= {"held", "expired", "released"}
 
 
+def test_p8_a_consumer_that_is_coming_keeps_the_hold_within_a_bound() -> None:
+    led = PullLedger(timeout_s=10)
+    held(led, "r1", t=0.0)
+    assert led.keep("r1", "a" * 32, 8.0) == 10.0  # held 10 s from now, not 2
+    assert led.fetch("r1", "a" * 32, 17.0).keeps == 1  # past its first deadline: still served
+    assert led.keep("r1", "a" * 32, 15.0) == 5.0  # at most 2 x 10 s after its finish
+    assert led.keep("r1", "a" * 32, 19.5) == pytest.approx(0.5)
+    assert led.expire(19.9) == [] and led.expire(20.0) == ["r1"]
+    assert code_of(led.keep, "r1", "a" * 32, 20.0) == "expired"  # the bound holds: no data after
+
+
+def test_p8_a_keep_never_shortens_a_hold_or_starts_a_clock_and_needs_the_nonce() -> None:
+    led = PullLedger(timeout_s=10)
+    held(led, "r1", t=0.0)
+    led.keep("r1", "a" * 32, 9.0)  # deadline 19
+    assert led.keep("r1", "a" * 32, 1.0) == 18.0  # an older keep moves nothing back
+    assert code_of(led.keep, "r1", "x" * 32, 1.0) == "unknown"  # P2: a wrong nonce keeps nothing
+    m = manifest("r2")
+    led.hold("r2", "b" * 32, m, [1, 2, 3], range(3), 0.0)  # its request still runs
+    assert led.keep("r2", "b" * 32, 100.0) == 10.0
+    assert led.expire(1000.0) == ["r1"]  # r2's clock has not started
+    led.finished(["r2"], 2000.0)
+    assert led.expire(2009.9) == [] and led.expire(2010.0) == ["r2"]
+
+
 def test_a_handle_round_trips_and_anything_else_is_a_handle_error() -> None:
     h = PullHandle("vllm-abc", "cmpl-1-0", make_nonce(), ["127.0.0.1:5000", "[::1]:5001"])
     text = h.encode()
@@ -147,7 +172,12 @@ def test_a_share_must_be_its_ranks_stripe_and_inside_the_cache() -> None:
             protocol.PullShare(**{**ok, **bad})  # type: ignore[arg-type]
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(protocol.encode(protocol.PullFetch(request_id="r", nonce="a" * 32))[:-3])
-    assert protocol.PROTOCOL_VERSION == 14
+    assert protocol.PROTOCOL_VERSION == 15
+    keep = protocol.PullKeep(request_id="r", nonce="a" * 32)
+    kept = protocol.PullKept(request_id="r", held_s=12.5)
+    assert protocol.decode(protocol.encode(keep)) == keep and protocol.decode(protocol.encode(kept)) == kept
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(msgspec.msgpack.encode({"type": "pull_kept", "request_id": "r", "held_s": -1.0}))
 
 
 def test_pull_options_need_no_reader_and_refuse_push_only_keys() -> None:

@@ -214,3 +214,27 @@ def test_a_release_rings_the_engine_and_a_fetch_does_not() -> None:
         assert isinstance(refused, protocol.PullError) and rings == ["rang"]
     finally:
         s.close()
+
+
+def test_a_keep_extends_a_held_samples_clock_within_the_bound_and_says_how_long() -> None:
+    """``PullKeep`` (a consumer whose fetch agent is still starting) moves the hold's
+    deadline to ``timeout_s`` from now, within twice ``timeout_s`` of its finish (P8); a
+    keep of a sample not held is answered as a fetch would be."""
+    now = [0.0]
+    s = server(cache_of(TLH), TLH, ShareChecksum.XXH3, clock=lambda: now[0])
+    try:
+        nonce = make_nonce()
+        s.hold("req-1", nonce, list(range(TLH.block_size)), [3])
+        s.finished(["req-1"])
+        now[0] = 50.0
+        kept = s.answer(protocol.PullKeep(request_id="req-1", nonce=nonce))
+        assert kept == protocol.PullKept(request_id="req-1", held_s=60.0)
+        now[0] = 100.0  # past its first deadline (60 s): still served
+        assert isinstance(s.answer(protocol.PullFetch(request_id="req-1", nonce=nonce)), protocol.PullShare)
+        kept = s.answer(protocol.PullKeep(request_id="req-1", nonce=nonce))
+        assert kept == protocol.PullKept(request_id="req-1", held_s=20.0)  # the bound: 120 s
+        now[0] = 120.0
+        gone = s.answer(protocol.PullKeep(request_id="req-1", nonce=nonce))
+        assert isinstance(gone, protocol.PullError) and gone.code == "expired"
+    finally:
+        s.close()

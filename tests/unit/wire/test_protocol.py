@@ -300,7 +300,7 @@ def test_a_pull_share_says_which_checksum_it_carries() -> None:
         protocol.decode(msgspec.msgpack.encode({**fields, "digest": "md5"}))
     fp = protocol.decode(msgspec.msgpack.encode({**fields, "digest": "fingerprint"}))
     assert isinstance(fp, protocol.PullShare) and fp.digest is protocol.ShareChecksum.FINGERPRINT
-    assert protocol.PROTOCOL_VERSION == 14
+    assert protocol.PROTOCOL_VERSION == 15
 
 
 def test_a_pull_share_in_padded_pages_says_its_pitch_and_blocks_must_fit_it() -> None:

@@ -1,0 +1,133 @@
+"""Keeps a producer's holds for a consumer that is still starting: while a trainer rank's
+fetch agent starts (``agent_client.FetchAgentProcess.start(keep=...)``), a thread tells
+each producer rank that the handles name a consumer is coming (``PullKeep``), again
+before the hold would end, so a sample handed out before the agent serves is not freed
+by ``pull_timeout_s`` meanwhile. Each rank keeps a hold at most twice ``pull_timeout_s``
+after its request finished (its ledger's P8): a consumer that never comes cannot keep
+blocks for ever.
+
+No NIXL agent is needed: the keeper's connections (``pull_links.ProducerLinks`` without
+a transport) run the authenticated handshake, announce the pool the agent will have and
+move no memory key.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
+from kv_connector.wire import protocol
+from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
+from kv_connector.wire.transport import Region
+
+log = logging.getLogger(__name__)
+
+KEEP_AGAIN = 0.4  # keep a hold again once this share of what the producer granted has passed
+MIN_KEEP_S = 0.5  # and never more often than this
+
+
+@dataclass
+class KeptHolds:
+    """What a keeper did: ``kept``, keeps each producer rank answered; ``held_s``, the
+    seconds the last answer granted per handle (from when it came); ``refused``, the
+    handles a rank would not keep, and why (the fetch will say the same)."""
+
+    kept: int = 0
+    held_s: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, FetchError] = field(default_factory=dict)
+
+
+class HoldKeeper:
+    """Keeps the holds of ``handles`` (or responses' ``kv_transfer_params``) from
+    ``start()`` to ``stop()``, as a consumer named ``name`` with a pool of ``pool_bytes``
+    to come."""
+
+    def __init__(
+        self,
+        handles: Iterable[str | Mapping[str, Any]],
+        name: str,
+        pool_bytes: int,
+        secret: bytes | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.handles: list[PullHandle] = []
+        for h in handles:
+            try:
+                self.handles.append(decode_handle(handle_of(h)))
+            except HandleError:
+                continue  # not a handle: the fetch says so
+        self.name = name
+        pages = max(1, pool_bytes // PAGE_BYTES)
+        self._links = ProducerLinks(
+            name, secret, timeout_s, threading.Lock(), None, Region(0, pages * PAGE_BYTES, "DRAM", 0)
+        )
+        self.report = KeptHolds()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hold-keeper", daemon=True)
+
+    def start(self) -> HoldKeeper:
+        if self.handles:
+            self._thread.start()
+        return self
+
+    def stop(self) -> KeptHolds:
+        """Stop keeping (the consumer is here, or gave up); what was kept."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self._links.close()
+        return self.report
+
+    def __enter__(self) -> HoldKeeper:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        due = {i: 0.0 for i in range(len(self.handles))}  # when each handle is kept next
+        while due and not self._stop.is_set():
+            now = time.monotonic()
+            for i in [i for i, t in due.items() if t <= now]:
+                granted = self._keep(self.handles[i])
+                if granted is None:
+                    del due[i]
+                else:
+                    due[i] = time.monotonic() + max(MIN_KEEP_S, KEEP_AGAIN * granted)
+            if due:
+                self._stop.wait(max(0.0, min(due.values()) - time.monotonic()))
+
+    def _keep(self, h: PullHandle) -> float | None:
+        """Keep one handle's hold at every rank; the least any rank granted, None once a
+        rank refused (or cannot be reached)."""
+        least: float | None = None
+        for rank, endpoint in enumerate(h.endpoints):
+            msg = protocol.PullKeep(request_id=h.request_id, nonce=h.nonce)
+            try:
+                got = self._links.ask(h, rank, endpoint, msg)
+            except FetchError as e:
+                self._refused(h, e)
+                return None
+            if not isinstance(got, protocol.PullKept):
+                why = got.message if isinstance(got, protocol.PullError) else f"answered {type(got).__name__}"
+                code = got.code if isinstance(got, protocol.PullError) else "protocol"
+                self._refused(h, FetchError(code, f"rank {rank}: {why}"))
+                return None
+            self.report.kept += 1
+            least = got.held_s if least is None else min(least, got.held_s)
+        if least is not None:
+            self.report.held_s[h.request_id] = least
+        return least
+
+    def _refused(self, h: PullHandle, e: FetchError) -> None:
+        log.warning("cannot keep sample %s held while the fetch agent starts: %s", h.request_id, e)
+        self.report.refused[h.request_id] = e
+        return None
+
+
+__all__ = ["HoldKeeper", "KeptHolds"]
