@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,7 @@ from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatc
 from kv_connector.producer.pull_mode import PullWorker
 from kv_connector.producer.push_mode import PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
+from kv_connector.producer.step_inputs import find_input_ids
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import WorkerReport
 from kv_connector.sender.cache_blocks import CacheBlocks
@@ -71,6 +73,18 @@ def provenance_of(vllm_config: VllmConfig) -> Provenance:
     )
 
 
+def written_slots(layer_name: str) -> torch.Tensor | None:
+    """The slot mapping vLLM's cache update uses for ``layer_name`` this forward (the
+    forward context's per-layer dict), or None where there is none."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    mapping = getattr(get_forward_context(), "slot_mapping", None)
+    slots = mapping.get(layer_name) if isinstance(mapping, dict) else None
+    return slots if isinstance(slots, torch.Tensor) else None
+
+
 def read_cache(
     cache: torch.Tensor, num_layers: int, hidden_size: int, kv_cache_config: KVCacheConfig | None
 ) -> CacheView:
@@ -114,6 +128,9 @@ class WorkerSide:
         self.fingerprints: Fingerprints | None = None
         self.checks: SlotChecks | None = None  # the steps' slot mappings, checked off the critical path
         self._slots: torch.Tensor | None = None
+        # vLLM's buffer of the step's input ids (``step_inputs``), looked for at the first step
+        self._input_ids: torch.Tensor | None = None
+        self._looked_for_inputs = not options.check_tokens
         self._shipped: set[str] = set()
         self._failed: dict[str, str] = {}
         self._done: set[str] = set()
@@ -208,8 +225,12 @@ class WorkerSide:
         )
 
     def save_kv_layer(self, layer_name: str, attn_metadata: object) -> None:
+        """Keep the slot mapping the cache-only layer wrote with: the forward context's
+        for the layer (what vLLM's cache update reads), else its attention metadata's."""
         if layer_name == self.layer_name:
-            slots = getattr(attn_metadata, "slot_mapping", None)
+            slots = written_slots(layer_name)
+            if slots is None:
+                slots = getattr(attn_metadata, "slot_mapping", None)
             if isinstance(slots, torch.Tensor):
                 self._slots = slots
 
@@ -240,7 +261,7 @@ class WorkerSide:
                 except Exception as e:
                     log.exception("fingerprints of this step's slots could not be taken")
                     errors.update({sl.request_id: f"fingerprints not taken: {e}" for sl in plan.slices})
-            gate = self.checks.add(self._slots if plan.slices else None, expected)
+            gate = self.checks.add(self._slots if plan.slices else None, expected, self._step_inputs())
         self._slots = None
         errors.update(self.checks.settle())  # on the host: this step's check, now
         for rid, why in errors.items():
@@ -254,6 +275,8 @@ class WorkerSide:
                 continue
             try:
                 blocks = self.recorder.ship_blocks(len(order.token_ids), order.block_ids)
+                if gate is not None and self._input_ids is not None:
+                    self.checks.expect_tokens(rid, order.token_ids, gate.seq)
                 done, wrong = gate.poll(rid) if gate is not None else (True, None)
                 if wrong is not None:
                     raise SlotMismatch(wrong)
@@ -275,6 +298,23 @@ class WorkerSide:
             except (ValueError, SenderError) as e:
                 self._cannot_ship(order, e)
             self._forget(rid)
+
+    def _step_inputs(self) -> torch.Tensor | None:
+        """The step's input ids for the token check (``check_tokens``), or None."""
+        if not self._looked_for_inputs:
+            self._looked_for_inputs = True
+            self._input_ids = find_input_ids(sys._getframe(2))
+            if self._input_ids is None:
+                log.warning(
+                    "rank %d: vLLM's model runner keeps no input ids where this connector looks "
+                    "(input_ids.gpu, input_buffers.input_ids): samples' token ids are not checked "
+                    "against the tokens their states were computed from",
+                    self.rank,
+                )
+            else:
+                log.info("rank %d: token check on (each sample's token ids against the forward's input ids)",
+                         self.rank)
+        return self._input_ids
 
     def _cannot_ship(self, order: ShipOrder, e: Exception) -> None:
         rid = order.request_id
