@@ -144,6 +144,9 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     port is rank 0's; rank r takes PORT + r); default 127.0.0.1 on a free port.
     pull_timeout_s: a pulled sample not released this long after its request finished is
     freed and logged by name; fetching it then fails "expired" (default 300).
+    check_tokens: compare each shipped sample's token ids with the input ids its positions
+    were computed from (read from vLLM's model runner; a mismatch fails the sample by
+    name). Default true; false skips the check.
     """
 
     readers: tuple[str, ...]
@@ -158,6 +161,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     delivery: Delivery = Delivery.PUSH
     pull_listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     pull_timeout_s: Seconds = PULL_TIMEOUT_S
+    check_tokens: bool = True
 
     @property
     def pull(self) -> bool:
@@ -236,6 +240,7 @@ _HINTS = {
     "sample_timeout_s": _SECONDS,
     "preempt_timeout_s": _SECONDS,
     "include_output_tokens": "must be true or false",
+    "check_tokens": "must be true or false",
     "checksum": f"must be one of {CHECKSUMS}",
     "delivery": f"must be one of {DELIVERIES}",
     "pull_listen": "must be HOST or HOST:PORT",

@@ -447,3 +447,17 @@ class BlockRecorder:
                 from_table += 1
             out.append(b)
         return out, from_table
+
+
+def first_rows(slots: np.ndarray, spans: Sequence[Expected], block_size: int) -> list[int]:
+    """The row of each slice's first position in the step's slot mapping (the last row
+    holding that slot, as ``check_slots`` finds it), or -1 where no row holds it."""
+    order = np.argsort(slots, kind="stable")
+    ranked = slots[order]
+    firsts = np.asarray([e.blocks[0] * block_size + e.start % block_size for e in spans], dtype=np.int64)
+    k = np.searchsorted(ranked, firsts, side="right") - 1
+    rows = [-1] * len(spans)
+    for i, (ki, first) in enumerate(zip(k.tolist(), firsts.tolist(), strict=True)):
+        if ki >= 0 and int(ranked[ki]) == first:
+            rows[i] = int(order[ki])
+    return rows

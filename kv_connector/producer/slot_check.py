@@ -9,6 +9,12 @@ checked (``planning.check_step``) once its event is done, in step order, by whoe
 first: the worker side at its next hook, or a sender thread asking a ``StepGate`` whether
 a request's blocks may be read. Until then nothing reads them: the sender holds the
 request's job (no credit request, no digest, no WRITE).
+
+The same step's input ids (the tokens the forward pass computed each row from) travel
+beside its slot mapping: each slice's rows are kept, and a shipped sample's token ids are
+compared with them once its last step is checked (``expect_tokens``). A position computed
+from another token than the sample names (vLLM #56417: a drafter fed back another token
+than the one committed) fails the sample by name; checksums cannot see it.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kv_connector.common.device import DeviceEvent, HostDone
-from kv_connector.producer.planning import StepExpect, check_step
+from kv_connector.producer.planning import StepExpect, check_step, first_rows
+
+MAX_NAMED = 3  # positions a token mismatch names
 
 
 @dataclass
@@ -29,6 +38,7 @@ class _Step:
     done: DeviceEvent
     slots: torch.Tensor | None  # on the host once ``done``
     expected: StepExpect
+    inputs: torch.Tensor | None = None  # the step's input ids, row for row with ``slots``
 
 
 class SlotChecks:
@@ -43,22 +53,45 @@ class SlotChecks:
         self._next = 0
         self._settled = -1  # the last step checked
         self._news: dict[str, str] = {}  # failures found since ``settle`` last returned them
+        # each request's computed positions: (first position, input ids), in step order
+        self._inputs: dict[str, list[tuple[int, np.ndarray]]] = {}
+        self._due: list[tuple[int, str, tuple[int, ...]]] = []  # (step, request, its token ids)
 
-    def add(self, slots: torch.Tensor | None, expected: StepExpect) -> StepGate:
+    def add(
+        self, slots: torch.Tensor | None, expected: StepExpect, inputs: torch.Tensor | None = None
+    ) -> StepGate:
         """The step that just ran (on the calling thread, after its drafter): its slot
-        mapping (None when the step wrote no slots) and where its slices must be."""
+        mapping (None when the step wrote no slots), where its slices must be, and its
+        input ids (at least as many rows as the slot mapping; None: not checked)."""
+        if slots is not None and inputs is not None:
+            inputs = inputs[: slots.shape[0]] if inputs.shape[0] >= slots.shape[0] else None
         if slots is not None and slots.is_cuda:
             host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
             host.copy_(slots, non_blocking=True)
+            ids = None
+            if inputs is not None:
+                ids = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
+                ids.copy_(inputs, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()  # on the engine's current stream: after the drafter and the copy
-            step = _Step(self._next, event, host, expected)
+            event.record()  # on the engine's current stream: after the drafter and the copies
+            step = _Step(self._next, event, host, expected, ids)
         else:
-            step = _Step(self._next, HostDone(), slots, expected)
+            ids = inputs.to("cpu", copy=True) if inputs is not None and slots is not None else None
+            step = _Step(self._next, HostDone(), slots, expected, ids)
         self._next += 1
         with self._lock:
             self._pending.append(step)
         return StepGate(self, step.seq)
+
+    def expect_tokens(self, request_id: str, token_ids: tuple[int, ...], seq: int) -> None:
+        """A sample ships ``token_ids`` from blocks written up to step ``seq``: each of its
+        positions computed in a checked step must have been computed from that token
+        (a mismatch fails it, as a slot mismatch does)."""
+        with self._lock:
+            if self._settled >= seq:
+                self._compare(request_id, token_ids)
+            else:
+                self._due.append((seq, request_id, token_ids))
 
     def settle(self) -> dict[str, str]:
         """Check the steps that are done, in order, without waiting; returns the failures
@@ -78,6 +111,7 @@ class SlotChecks:
         with self._lock:
             self.failed.pop(request_id, None)
             self._news.pop(request_id, None)
+            self._inputs.pop(request_id, None)
 
     def _check_done(self, upto: int | None) -> None:
         while self._pending and (upto is None or self._pending[0].seq <= upto):
@@ -86,12 +120,54 @@ class SlotChecks:
                 return
             self._pending.popleft()
             self._settled = step.seq
-            if step.slots is None or not step.expected:
-                continue
-            for rid, why in check_step(step.slots.numpy(), step.expected, self.block_size).items():
-                if rid not in self.failed:
-                    self.failed[rid] = why
-                    self._news[rid] = why
+            if step.slots is not None and step.expected:
+                slots = step.slots.numpy()
+                for rid, why in check_step(slots, step.expected, self.block_size).items():
+                    self._fail(rid, why)
+                if step.inputs is not None:
+                    self._keep_inputs(slots, step)
+            if self._due:
+                due = [d for d in self._due if d[0] <= step.seq]
+                self._due = [d for d in self._due if d[0] > step.seq]
+                for _, rid, tokens in due:
+                    self._compare(rid, tokens)
+
+    def _fail(self, rid: str, why: str) -> None:
+        if rid not in self.failed:
+            self.failed[rid] = why
+            self._news[rid] = why
+
+    def _keep_inputs(self, slots: np.ndarray, step: _Step) -> None:
+        """Each slice's input ids, from the row its first slot is in (a slice whose slots
+        failed their check is failed already)."""
+        assert step.inputs is not None
+        ids = step.inputs.numpy()
+        spans = step.expected.expected()
+        for e, row in zip(spans, first_rows(slots, spans, self.block_size), strict=True):
+            if row >= 0 and e.request_id not in self.failed:
+                part = ids[row : row + e.num_tokens].astype(np.int64)
+                self._inputs.setdefault(e.request_id, []).append((e.start, part))
+
+    def _compare(self, rid: str, tokens: tuple[int, ...]) -> None:
+        """Fail ``rid`` if a position it ships was computed from another token (the last
+        computation of each position counts: its row is what the cache holds)."""
+        parts = self._inputs.pop(rid, None)
+        if not parts or rid in self.failed:
+            return
+        want = np.asarray(tokens, dtype=np.int64)
+        seen = np.full(len(want), -1, dtype=np.int64)
+        for start, ids in parts:
+            end = min(start + len(ids), len(want))
+            if end > start:
+                seen[start:end] = ids[: end - start]
+        off = np.flatnonzero((seen >= 0) & (seen != want))
+        if off.size:
+            named = ", ".join(f"{p} from {seen[p]} (ships {want[p]})" for p in off[:MAX_NAMED].tolist())
+            self._fail(
+                rid,
+                f"token check: {off.size} position(s) were computed from other tokens than the sample's "
+                f"token ids: position {named}",
+            )
 
 
 class StepGate:

@@ -123,3 +123,45 @@ def test_one_wrong_slot_among_many_decoding_requests_is_found_and_named(
     assert news[victim] == why
     assert gate.poll(victim) == (True, why)
     assert all(gate.poll(rid) == (True, None) for rid in tables if rid not in news)
+
+
+def test_a_sample_is_checked_against_the_input_ids_its_positions_were_computed_from(
+    device_busy: list[bool],
+) -> None:
+    """Two requests in a step, rows interleaved by the batch; a decode step recomputes a
+    position; the ship's token ids are compared once the last step is checked."""
+    rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
+    a, b = [11, 12, 13, 14, 15], [21, 22, 23]
+    e1, _ = rec.expect([StepSlice("b", 0, 3, (2,)), StepSlice("a", 0, 5, (5, 6))])
+    slots = _slots([2], 0, 3) + _slots([5, 6], 0, 5) + [-1, -1]  # padded rows
+    g1 = checks.add(torch.tensor(slots), e1, torch.tensor(b + a + [0, 0, 99], dtype=torch.int32))
+    e2, errors = rec.expect([StepSlice("a", 5, 1, (), blocks_from=2)])
+    assert errors == {} and e2
+    g2 = checks.add(torch.tensor(_slots([5, 6], 5, 1)), e2, torch.tensor([16, 77], dtype=torch.int32))
+    checks.expect_tokens("a", (*a, 16), g2.seq)
+    checks.expect_tokens("a2", (1,), g2.seq)  # nothing of it was computed: nothing to compare
+    checks.expect_tokens("b", (21, 22, 24), g1.seq)  # position 2 was computed from 23
+    assert g2.poll("a") == (False, None)
+    device_busy[0] = False
+    assert g2.poll("a") == (True, None)
+    done, why = g1.poll("b")
+    assert done and why is not None and why.startswith("token check: 1 position(s)")
+    assert "2 from 23 (ships 24)" in why
+    # a position recomputed later counts with its last input (the row the cache holds)
+    e3, _ = rec.expect([StepSlice("c", 0, 2, (8,))])
+    g3 = checks.add(torch.tensor(_slots([8], 0, 2)), e3, torch.tensor([30, 31], dtype=torch.int32))
+    e4, _ = rec.expect([StepSlice("c", 1, 1, (), blocks_from=1)])
+    g4 = checks.add(torch.tensor(_slots([8], 1, 1)), e4, torch.tensor([32], dtype=torch.int32))
+    checks.expect_tokens("c", (30, 32), g4.seq)  # registered after the step was checked
+    assert g3.poll("c") == (True, None) and g4.poll("c") == (True, None)
+    checks.expect_tokens("c", (30, 31), g4.seq)  # its inputs were compared (and dropped) already
+    assert g4.poll("c") == (True, None)
+
+
+def test_without_input_ids_nothing_is_compared(device_busy: list[bool]) -> None:
+    rec, checks = BlockRecorder(BS), slot_check.SlotChecks(BS)
+    e1, _ = rec.expect([StepSlice("a", 0, 2, (1,))])
+    g = checks.add(torch.tensor(_slots([1], 0, 2)), e1)
+    checks.expect_tokens("a", (5, 6), g.seq)
+    device_busy[0] = False
+    assert g.poll("a") == (True, None)
