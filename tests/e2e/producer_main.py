@@ -17,6 +17,11 @@ def main() -> int:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    if spec.get("faults"):  # faults in what vLLM computes, for the tests of the checks that see them
+        from tests.e2e.state_faults import install
+
+        install({int(k): v for k, v in spec["faults"].items()})
+
     extra = {"consumer_address": spec["address"], **spec.get("extra", {})}
     # what a test pins of vLLM's configuration; the rest is vLLM's choice for this host
     pinned = {k: spec[k] for k in ("block_size", "mamba_ssm_cache_dtype") if spec.get(k) is not None}
