@@ -21,6 +21,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 LAYER_IDS = [1, 2, 4]
+# how long vLLM's engine may take to exit before it is killed; vLLM's own default grace is
+# short enough for a busy host to run past it, and a killed engine warns
+SHUTDOWN_GRACE_S = 60.0
 
 
 def main() -> None:
@@ -158,7 +161,7 @@ def shut_down(llm: Any) -> None:
     import logging
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    llm.llm_engine.engine_core.shutdown()
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
 
 
 if __name__ == "__main__":
