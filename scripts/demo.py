@@ -15,11 +15,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 LAYER_IDS = [1, 2, 4]
+# how long vLLM's engine may take to exit before it is killed; vLLM's own default grace is
+# short enough for a busy host to run past it, and a killed engine warns
+SHUTDOWN_GRACE_S = 60.0
 
 
 def main() -> None:
@@ -105,19 +109,25 @@ def main() -> None:
     if not done.wait(timeout=600):
         raise SystemExit(f"only {len(received)} of {len(prompts)} samples arrived")
     progress.close()
-    print(progress.progress.summary(reader.stats()))
+    results = [progress.progress.summary(reader.stats())]
     scraped = Server(f"http://{reader.metrics_address}").get_text("/metrics")
-    print(f"scrape of {reader.metrics.url} (excerpt):")
-    for line in scraped.splitlines():
-        if line.startswith("hidden_states_reader_") and "_bucket" not in line and "_created" not in line:
-            print("  " + line)
+    results.append(f"scrape of {reader.metrics.url} (excerpt):")
+    results += [
+        "  " + line
+        for line in scraped.splitlines()
+        if line.startswith("hidden_states_reader_") and "_bucket" not in line and "_created" not in line
+    ]
     elapsed = t_last[0] - t0
     ids = {o.kv_transfer_params["hidden_states"]["request_id"] for o in outs if o.kv_transfer_params}
     got = {s.request_id for s in received}
-    print(f"samples received: {len(received)} of {len(prompts)} (each exactly once: {got == ids})")
-    print(f"prompt tokens: {total_tokens} in {elapsed:.2f} s (generate() returned after {t_gen:.2f} s)")
-    print(f"tokens/s: {total_tokens / elapsed:,.0f}")
-    print(f"bytes/s: {nbytes / elapsed / 1e6:,.1f} MB/s ({nbytes / 1e6:.1f} MB of hidden states)")
+    results += [
+        f"samples received: {len(received)} of {len(prompts)} (each exactly once: {got == ids})",
+        f"prompt tokens: {total_tokens} in {elapsed:.2f} s (generate() returned after {t_gen:.2f} s)",
+        f"tokens/s: {total_tokens / elapsed:,.0f}",
+        f"bytes/s: {nbytes / elapsed / 1e6:,.1f} MB/s ({nbytes / 1e6:.1f} MB of hidden states)",
+    ]
+    shut_down(llm)
+    reader.close()
 
     from transformers import AutoModelForCausalLM
 
@@ -133,13 +143,25 @@ def main() -> None:
     n_layers = ref_model.config.num_hidden_layers
     ref = torch.stack([last[0][0] if k == n_layers else hs[k][0] for k in LAYER_IDS], dim=1)
     err = float((first.hidden_states - ref).norm() / ref.norm())
-    print(
+    results.append(
         f"check of {first.request_id} ({first.token_ids.numel()} tokens) against transformers: "
         f"relative error {err:.2e} ({'ok' if err < 1e-4 else 'MISMATCH'})"
     )
-    reader.close()
+    print("\n".join(["", "results:", *results]), flush=True)
     if err >= 1e-4 or got != ids:
         raise SystemExit(1)
+
+
+def shut_down(llm: Any) -> None:
+    """Stop vLLM's engine before the reader closes, its own shutdown notes silenced.
+
+    The producer closes its connections first, so the reader's close is not taken for a
+    lost reader (a retry warning) and the engine does not die at interpreter exit.
+    """
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@
 
 The device tier (``scripts.gpu.device_tier``) needs only torch with CUDA and the carried
 NIXL and msgspec wheels: our integrity record, step path and NIXL transfers on a GPU,
-without vLLM. It fits the GPU machine we are sometimes lent.
+without vLLM. It fits a GPU host with no package index.
 
 The engine tier (``scripts.gpu.engine_tier``) carries vLLM 0.33.0's own Python code (no
-compiled kernels), the wheels it needs and NIXL to such a machine (one folder, under 64
-MiB) and runs our producer inside vLLM there against transformers.
+compiled kernels), the wheels it needs and NIXL to such a host (one folder: what travels
+with the repository is limited to 64 MiB in all) and runs our producer inside vLLM there
+against transformers.
 
 The vLLM tier, below, needs a machine with a CUDA GPU, vLLM's CUDA build (0.32 or 0.33)
 and the NIXL wheel for its torch.
@@ -36,9 +37,9 @@ line at the end holds them all:
                    benchmarks/benchmark_hidden_state_extraction.py measures; upstream
                    claims within 10%)
 
-The vLLM tier has not run yet: no machine of this project has had a GPU and vLLM's CUDA
-build; the device tier ran on an H200 on 2026-11-28 (docs/benchmarks.md). Without a GPU
-either tier refuses at once.
+The vLLM tier has not run yet: it needs a GPU host where vLLM's CUDA build installs. The
+device tier ran on an H200 on 2026-11-28 (docs/benchmarks.md, "GPU runs"). Without a GPU
+every tier refuses at once.
 """
 
 from __future__ import annotations

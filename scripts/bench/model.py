@@ -12,18 +12,16 @@
 a0 over c, paired too, is vLLM's own cost of extraction: the most a over c can be with a
 connector that costs nothing (the ceiling of ``a_over_c`` on this machine). ar over a0 is
 the most a over a0 can be for any connector that moves the states out of the engine's
-process by NIXL on this machine (the ceiling of ``a_over_a0``, added 2026-11-27).
+process by NIXL on this machine (the ceiling of ``a_over_a0``).
 
 Each arm is one long-lived producer process (the in-process engine, built once, a warm-up
 batch run) that runs a batch each time it is told to; the ratios come from alternating
-pairs (``scripts.bench.paired``). A round is 96 new prompts of 1024 random tokens: every
-token is computed, as a data-generation run's distinct conversations are (about 3.4 s on
-an AVX-512 host without AMX, ~29k tokens/s; the last samples arrive 5-10 ms after
-generate() returns). Until 2026-11-27 every round ran the same batch again, and from the
-second round on vLLM's prefix cache served 896 of each prompt's 1024 tokens: the engine
-computed an eighth of them while the connector still shipped them all (rounds of ~0.6 s,
-a tail of ~35 ms). That figure stays, reported as ``a_over_a0_prefix_cached``. Each round
-reports generate()'s own time, the tail, and the producer process's CPU seconds.
+pairs (``scripts.bench.paired``). A round is 96 new prompts of 1024 random tokens, so that
+every token is computed, as a data-generation run's distinct conversations are. The same
+batch run again is reported as ``a_over_a0_prefix_cached``: from its second round vLLM's
+prefix cache serves 896 of each prompt's 1024 tokens while the connector still ships them
+all. Each round reports generate()'s own time, the tail, and the producer process's CPU
+seconds (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations

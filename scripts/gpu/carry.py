@@ -1,8 +1,8 @@
-"""What travels to the GPU machine for the device tier, and how it is set up there.
+"""What travels to a GPU host for the device tier, and how it is set up there.
 
-The machine we are lent has Python 3.12, torch with CUDA 13, numpy and xxhash, no vLLM,
-NIXL or msgspec, and no package index: the working tree travels (tracked files and
-untracked ones git does not ignore) with up to 8 ignored paths, 64 MiB in all. The wheels
+The host has Python 3.12, torch with CUDA 13, numpy and xxhash, no vLLM, NIXL or
+msgspec, and no package index: the working tree travels (tracked files and untracked ones
+git does not ignore) with up to 8 ignored paths, 64 MiB in all. The wheels
 below are fetched here into ``CARRY_DIR`` (ignored by git), carried, and installed there
 into a folder of their own with pip's ``--target`` (no index, no dependencies).
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CARRY_DIR = REPO / ".gpu-carry"
-LIMIT_BYTES = 64 << 20  # what the device tool carries in all
-PYTHON = "3.12"  # the GPU machine's
+LIMIT_BYTES = 64 << 20  # what may travel with the repository, in all
+PYTHON = "3.12"  # the GPU host's
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def fetch(dest: Path = CARRY_DIR) -> dict[str, Path]:
 
 
 def travelling_files(repo: Path = REPO) -> list[Path]:
-    """The working tree as the device tool copies it: tracked files and untracked ones
+    """The working tree as it travels to the GPU host: tracked files and untracked ones
     git does not ignore."""
     out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -103,7 +103,7 @@ def travelling_files(repo: Path = REPO) -> list[Path]:
 
 def measure(dest: Path = CARRY_DIR, repo: Path = REPO) -> dict[str, object]:
     """The carry set's bytes: the repository as it travels, each wheel, the total
-    against the device tool's 64 MiB."""
+    against the 64 MiB that may travel."""
     wheels = {name: p.stat().st_size for name, p in fetch(dest).items()}
     tree = sum(p.stat().st_size for p in travelling_files(repo))
     total = tree + sum(wheels.values())

@@ -1,5 +1,5 @@
 """The GPU check's device tier: what of ours runs on a GPU without vLLM, checked in one
-command on the GPU machine we are sometimes lent (torch with CUDA, the carried NIXL and
+command on a GPU host with no package index (torch with CUDA, the carried NIXL and
 msgspec wheels, no vLLM):
 
     python -m scripts.gpu_check --tier device

@@ -28,8 +28,8 @@ each ``{"ok": ..., figures, "log_tail": ...}`` in the one JSON line printed at t
   pull      ``"delivery": "pull"``: each sample fetched by its handle with ``PullClient``,
             run when ``engine`` passed and time is left
 
-Without CUDA it refuses at once, with the reason. Unrun on a GPU until its JSON is
-recorded in docs/benchmarks.md.
+Without CUDA it refuses at once, with the reason. Its runs on an H200 have not yet got a
+sample out of vLLM (docs/benchmarks.md, "GPU runs").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The GPU check's device tier, run here on host tensors (``--device cpu``; its GPU pools
-are the device-pool code on host memory): the same code the GPU machine runs, with real
+are the device-pool code on host memory): the same code the GPU host runs, with real
 NIXL between processes, in a Python that cannot import vLLM, prometheus_client or
-transformers (what the GPU machine lacks), and the set of files that must travel there,
-measured against the device tool's 64 MiB."""
+transformers (what the GPU host lacks), and the set of files that must travel there,
+measured against the 64 MiB that may travel."""
 
 from __future__ import annotations
 
