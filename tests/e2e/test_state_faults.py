@@ -28,11 +28,13 @@ MARK = 1000  # a prompt's first token names its fault: MARK + its index in FAULT
 LENGTH = 90
 
 
-def _run(model: Path, faults: list[str], check_tokens: bool) -> tuple[dict[str, Sample], list[Any], str, Any]:
+def _run(
+    model: Path, faults: list[str], check_tokens: bool, check_values: bool = True
+) -> tuple[dict[str, Sample], list[Any], str, Any]:
     prompts = prompts_of([LENGTH] * len(faults), seed=52)
     for i, name in enumerate(faults):
         prompts[i][0] = MARK + FAULTS.index(name)
-    with HiddenStatesReader(ReaderConfig()) as reader:
+    with HiddenStatesReader(ReaderConfig(check_values=check_values)) as reader:
         spec = dict(
             model=str(model), address=reader.address, layer_ids=CAPTURED, block_size=128, max_num_seqs=1,
             prompts=prompts, prompt_logprobs=0, max_tokens=[4 if f == "output" else 1 for f in faults],
@@ -94,14 +96,21 @@ def test_faults_checksums_cannot_see_are_each_caught_by_their_check(
         assert why in log and f"position {position} from" in log, (fault, log[-4000:])
 
 
-def test_with_the_token_check_off_the_token_faults_arrive(
+def test_with_the_token_check_and_values_screen_off_their_faults_arrive(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
     """The samples arrive intact and say the tokens vLLM committed, while their states from
-    the corrupted position on are those of other tokens (against transformers)."""
-    got, runs, log, stats = _run(tiny_llama, ["none", "input", "output"], check_tokens=False)
-    assert "token check" not in log
+    the corrupted position on are those of other tokens (against transformers); with the
+    values screen off too, the layer of zeros arrives."""
+    got, runs, log, stats = _run(
+        tiny_llama, ["none", "input", "output", "zeros"], check_tokens=False, check_values=False
+    )
+    assert "token check" not in log and "bad hidden states" not in log
     for fault, prompt, o in runs:
+        if fault == "zeros":
+            zeros = got[o["request_id"]].hidden_states
+            assert not zeros[:, 1].any() and zeros[:, [0, 2, 3]].abs().sum(dim=-1).all()
+            continue
         s = got[o["request_id"]]  # delivered, integrity intact, token ids as vLLM committed them
         want = prompt + o["output_token_ids"][:-1] if fault == "output" else prompt
         assert s.token_ids.tolist() == want, fault
