@@ -449,15 +449,13 @@ class BlockRecorder:
         return out, from_table
 
 
-def first_rows(slots: np.ndarray, spans: Sequence[Expected], block_size: int) -> list[int]:
-    """The row of each slice's first position in the step's slot mapping (the last row
-    holding that slot, as ``check_slots`` finds it), or -1 where no row holds it."""
+
+def first_rows(slots: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    """The row of each slot of ``firsts`` in the step's slot mapping (the last row holding
+    it, as ``check_slots`` finds a slice's first position), or -1 where no row holds it."""
     order = np.argsort(slots, kind="stable")
     ranked = slots[order]
-    firsts = np.asarray([e.blocks[0] * block_size + e.start % block_size for e in spans], dtype=np.int64)
     k = np.searchsorted(ranked, firsts, side="right") - 1
-    rows = [-1] * len(spans)
-    for i, (ki, first) in enumerate(zip(k.tolist(), firsts.tolist(), strict=True)):
-        if ki >= 0 and int(ranked[ki]) == first:
-            rows[i] = int(order[ki])
-    return rows
+    at = np.clip(k, 0, None)
+    found = (k >= 0) & (ranked[at] == firsts) if len(ranked) else np.zeros(len(firsts), dtype=bool)
+    return np.where(found, order[at] if len(ranked) else 0, -1)

@@ -54,7 +54,7 @@ class SlotChecks:
         self._settled = -1  # the last step checked
         self._news: dict[str, str] = {}  # failures found since ``settle`` last returned them
         # each request's computed positions: (first position, input ids), in step order
-        self._inputs: dict[str, list[tuple[int, np.ndarray]]] = {}
+        self._inputs: dict[str, list[tuple[int, np.ndarray | int]]] = {}
         self._due: list[tuple[int, str, tuple[int, ...]]] = []  # (step, request, its token ids)
 
     def add(
@@ -139,14 +139,26 @@ class SlotChecks:
 
     def _keep_inputs(self, slots: np.ndarray, step: _Step) -> None:
         """Each slice's input ids, from the row its first slot is in (a slice whose slots
-        failed their check is failed already)."""
+        failed their check is failed already). One-position slices (decode steps) in one
+        gather: a step may hold hundreds."""
         assert step.inputs is not None
-        ids = step.inputs.numpy()
-        spans = step.expected.expected()
-        for e, row in zip(spans, first_rows(slots, spans, self.block_size), strict=True):
-            if row >= 0 and e.request_id not in self.failed:
+        ids, ex, failed, kept = step.inputs.numpy(), step.expected, self.failed, self._inputs
+        spans = ex.spans
+        firsts = np.asarray(
+            [*ex.firsts, *(e.blocks[0] * self.block_size + e.start % self.block_size for e in spans)],
+            dtype=np.int64,
+        )
+        rows = first_rows(slots, firsts)
+        ones = len(ex.firsts)
+        if ones:
+            got = ids[np.clip(rows[:ones], 0, None)].tolist()
+            for (rid, p, _, _), row, tok in zip(ex.singles, rows[:ones].tolist(), got, strict=True):
+                if row >= 0 and rid not in failed:
+                    kept.setdefault(rid, []).append((p, tok))
+        for e, row in zip(spans, rows[ones:].tolist(), strict=True):
+            if row >= 0 and e.request_id not in failed:
                 part = ids[row : row + e.num_tokens].astype(np.int64)
-                self._inputs.setdefault(e.request_id, []).append((e.start, part))
+                kept.setdefault(e.request_id, []).append((e.start, part))
 
     def _compare(self, rid: str, tokens: tuple[int, ...]) -> None:
         """Fail ``rid`` if a position it ships was computed from another token (the last
@@ -157,6 +169,10 @@ class SlotChecks:
         want = np.asarray(tokens, dtype=np.int64)
         seen = np.full(len(want), -1, dtype=np.int64)
         for start, ids in parts:
+            if isinstance(ids, int):
+                if start < len(want):
+                    seen[start] = ids
+                continue
             end = min(start + len(ids), len(want))
             if end > start:
                 seen[start:end] = ids[: end - start]
