@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_connector.audit import LogprobAudit, positions_of
+from kv_connector.audit import LogprobAudit
 from kv_connector.reader import HiddenStatesReader
 from tests.e2e.conftest import prompts_of, run_and_collect
 
@@ -19,6 +19,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CAPTURED = [1, 2, 3, 4]  # 4: the last layer's output before the norm
 NAMED = [1, 2, 4]
+# the tiny random model's next-token distributions are near uniform (log(1/1024) +- 0.3), so
+# wrong states err by a few hundredths, under the default threshold made for real models'
+# sharp ones: the test holds them to 1e-3, a hundred times right states' worst
+TINY_MAX_ERROR = 1e-3
 
 
 def test_the_audit_passes_real_states_and_fails_the_faults_checksums_cannot_see(tiny_llama: Path) -> None:
@@ -32,7 +36,7 @@ def test_the_audit_passes_real_states_and_fails_the_faults_checksums_cannot_see(
     worst = 0.0
     for i, (sample, o) in enumerate(zip(samples, res["outputs"], strict=True)):
         tokens = prompts[i]
-        positions = positions_of(len(tokens), 6, sample.request_id)
+        positions = list(range(1, len(tokens)))  # every position: no sampled luck
         ref = {p: o["prompt_logprobs"][p][str(tokens[p])] for p in positions}
         states = sample.hidden_states
         right = audit.check(sample.token_ids, states[:, [0, 1, 3]], NAMED, ref)
@@ -50,5 +54,5 @@ def test_the_audit_passes_real_states_and_fails_the_faults_checksums_cannot_see(
                 continue
             wrong = audit.check(sample.token_ids, captured, NAMED, ref)
             far = wrong.mean_error > 10 * max(right.mean_error, 1e-3)
-            assert not wrong.passed() and far, (i, name, wrong)
+            assert not wrong.passed(TINY_MAX_ERROR) and far, (i, name, wrong)
     print(f"audit: worst error of right states {worst:.2e}")
