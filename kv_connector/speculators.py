@@ -25,6 +25,11 @@ the producer, and returns what speculators' ``FileTransfer`` loads from
 producer's dtype. ``delete(handle)`` releases (a sample ``get_generated`` returned is
 released already: nothing to do).
 
+Capture once, train many (``--kv-hs-keep DIR``): ``get_cached`` reads a row from DIR
+(``files.keep``, verified), and a row it did not find is kept there once
+``get_generated`` fetched it, behind the hand-out; later epochs ask vLLM only for rows
+not kept, and speculators' file backend trains other drafters from DIR.
+
 The only module that imports speculators' packages; it is optional (the rest of
 kv_connector never needs it).
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import multiprocessing.util
 import os
 import sys
 import uuid
@@ -44,6 +50,8 @@ import msgspec
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
+from kv_connector.files.fp8 import Fp8Scale
+from kv_connector.files.keep import RowStore
 from kv_connector.reader.agent_client import AgentClient, FetchAgentError, FetchAgentProcess
 from kv_connector.reader.pull import FetchError, PullClient, handle_of
 from kv_connector.wire.provenance import Description, Expectation
@@ -82,8 +90,18 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         mode: FetchMode | str = FetchMode.RANK,
         agent_address: str | None = None,
         expect: Expectation | dict[str, Any] | None = None,
+        keep: str | None = None,
+        keep_gib: float | None = None,
+        keep_fp8: str | None = None,
     ) -> None:
         self.mode = FetchMode(mode)
+        # capture once, train many: each fetched row kept in this folder (``files.keep``)
+        self.keep, self.keep_gib = keep, keep_gib
+        self.keep_fp8 = Fp8Scale(keep_fp8) if keep_fp8 is not None else None
+        if keep_gib is not None and keep_gib <= 0:
+            raise ValueError(f"--kv-hs-keep-gib must be positive, got {keep_gib}")
+        self._store: RowStore | None = None
+        self._missed: int | None = None  # the row get_cached did not find, which get_generated fetches
         # what every row must be (layer ids, model): a row that is not fails by name
         self.expect = msgspec.convert(expect, Expectation) if isinstance(expect, dict) else expect
         default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
@@ -141,6 +159,9 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             "mode": self.mode.value,
             "agent_address": address,
             "expect": msgspec.to_builtins(self.expect) if self.expect is not None else None,
+            "keep": self.keep,
+            "keep_gib": self.keep_gib,
+            "keep_fp8": self.keep_fp8.value if self.keep_fp8 is not None else None,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -149,8 +170,21 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
     def setup(self) -> None:
         self.client  # noqa: B018 - made here, in the worker, before the first row
 
+    @property
+    def store(self) -> RowStore | None:
+        """This process's store of kept rows (made on first use; None without ``keep``)."""
+        if self._store is None and self.keep is not None:
+            budget = int(self.keep_gib * 2**30) if self.keep_gib is not None else None
+            self._store = RowStore(self.keep, budget, self.keep_fp8)
+            # a DataLoader worker ends through multiprocessing's exit, which runs finalizers
+            multiprocessing.util.Finalize(self, self._store.close, exitpriority=10)
+        return self._store
+
     def close(self) -> None:
         """Close this process's client and, in the rank that started it, the fetch agent."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -160,7 +194,14 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             self._address = None
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
-        return None  # nothing is stored: every row is generated
+        """Row ``file_idx`` from the keep folder, verified; None (it is generated, then
+        kept) without one, or where it is not kept yet or was damaged."""
+        store = self.store
+        if store is None:
+            return None
+        got = store.get(file_idx)
+        self._missed = file_idx if got is None else None
+        return got
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """``token_ids`` int64 [T] and ``hidden_states`` [T, L, H] (the producer's dtype,
@@ -185,6 +226,12 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         if len(self._released) >= MAX_REMEMBERED:
             self._released.clear()  # forgotten ones are only released once more (harmless)
         self._released.add(handle_of(hs_transfer_params))
+        if self._missed is not None and self.store is not None:  # kept behind the hand-out, once
+            meta = {"request_id": sample.request_id, "layer_ids": ",".join(map(str, sample.layer_ids))}
+            if sample.provenance is not None:
+                meta.update(sample.provenance.as_dict())
+            self.store.put(self._missed, sample.token_ids, sample.hidden_states, meta)
+            self._missed = None
         return {"token_ids": sample.token_ids, "hidden_states": sample.hidden_states}
 
     def delete(self, handle: str) -> None:
@@ -247,6 +294,30 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
         )
         _add(
             parser,
+            "--kv-hs-keep",
+            default=None,
+            metavar="DIR",
+            help="keep each fetched row in DIR (speculators' file layout, verified on read): later epochs "
+            "read it from there, not from vLLM; `--hidden-states-backend file --hidden-states-path DIR` "
+            "trains other drafters from it (on /dev/shm: the RAM tier)",
+        )
+        _add(
+            parser,
+            "--kv-hs-keep-gib",
+            type=float,
+            default=None,
+            help="at most this many GiB of files in the keep folder; then keeping stops (nothing kept "
+            "is evicted) and later rows are fetched every epoch",
+        )
+        _add(
+            parser,
+            "--kv-hs-keep-fp8",
+            choices=[s.value for s in Fp8Scale],
+            default=None,
+            help="keep rows in speculators' fp8 layout (scales per token or per layer), read back as bf16",
+        )
+        _add(
+            parser,
             "--kv-hs-fetch-timeout-s",
             type=float,
             default=DEFAULT_FETCH_TIMEOUT_S,
@@ -278,6 +349,9 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
             fetch_timeout_s=float(getattr(args, "kv_hs_fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)),
             mode=FetchMode(getattr(args, "kv_hs_fetch_agent", FetchMode.RANK.value)),
             expect=expectation_of(args),
+            keep=getattr(args, "kv_hs_keep", None),
+            keep_gib=getattr(args, "kv_hs_keep_gib", None),
+            keep_fp8=getattr(args, "kv_hs_keep_fp8", None),
         )
 
     @staticmethod

@@ -1,0 +1,235 @@
+"""A node-local store of the rows a trainer fetched: capture once, train many.
+
+Each row is written once, in speculators' own file layout (``hs_<file_idx>.safetensors``:
+``token_ids`` and ``hidden_states``, or its fp8 layout), by a thread of its own after the
+row was handed to the trainer, so keeping never delays a row. A file is written under a
+temporary name and renamed (a reader never sees a torn one) and carries an integrity
+record (XXH3-64 of its tensors' bytes) that every read here verifies: a damaged file is
+set aside, counted, and its row fetched again. speculators' file backends read the same
+folder without this package.
+
+At the budget keeping stops (a warning, once): nothing kept is evicted, since the
+sampler will ask for it again. Two runs may share a folder: a row is the same whoever
+keeps it, each file appears whole by its rename, and each run counts the folder as it
+found it plus its own files against its budget (so together they may pass it by the rows
+they keep at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import shutil
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors import safe_open
+
+from kv_connector.files.fp8 import SCALES_KEY, Fp8Scale, dequantize, quantize
+from kv_connector.files.safetensors_io import write_atomically
+
+log = logging.getLogger(__name__)
+
+RECORD_KEY = "kv_keep_xxh3"  # the file's integrity record, in its metadata
+TMP_ROOT = ".keep-tmp"  # each process's temporary files, in a folder of its own
+DAMAGED_SUFFIX = ".damaged"
+MAX_QUEUED = 64  # rows waiting for the writer; beyond, a row is not kept (never waited for)
+
+
+def file_of(root: Path, file_idx: int) -> Path:
+    """Where speculators' file backend looks for row ``file_idx``."""
+    return root / f"hs_{file_idx}.safetensors"
+
+
+def record_of(tensors: dict[str, torch.Tensor]) -> str:
+    """XXH3-64 over each tensor's name and bytes, in name order (hex)."""
+    h = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(name.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+@dataclass
+class KeepStats:
+    """What the store did in this process: rows found and verified (``hits``), not found
+    (``misses``), kept, set aside as damaged, and not kept at the budget, with the queue
+    full, or on a write error."""
+
+    hits: int = 0
+    misses: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+    damaged: int = 0
+    over_budget: int = 0
+    busy: int = 0
+    write_errors: int = 0
+
+
+class RowStore:
+    """Rows kept in ``root`` (made if missing), at most ``budget_bytes`` of files there
+    (None: no limit); ``fp8`` keeps them in speculators' fp8 layout (scales per token or
+    layer) and hands them back dequantized to ``dtype``."""
+
+    def __init__(
+        self,
+        root: Path | str,
+        budget_bytes: int | None = None,
+        fp8: Fp8Scale | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"the keep budget must be positive, got {budget_bytes} bytes")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self.fp8 = fp8
+        self.dtype = dtype
+        self.stats = KeepStats()
+        self._tmp = self.root / TMP_ROOT / f"{socket.gethostname()}-{os.getpid()}"
+        self._clear_dead_tmp()
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        self._used = sum(p.stat().st_size for p in self.root.glob("hs_*.safetensors"))
+        self._full = False
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[int, torch.Tensor, torch.Tensor, dict[str, str]] | None] = queue.Queue(
+            MAX_QUEUED
+        )
+        self._writer: threading.Thread | None = None
+
+    def get(self, file_idx: int) -> dict[str, torch.Tensor] | None:
+        """Row ``file_idx`` as speculators' backends return it (``token_ids`` int64 [T],
+        ``hidden_states`` [T, L, H]), verified; None if it is not kept or was damaged."""
+        path = file_of(self.root, file_idx)
+        try:
+            with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        except FileNotFoundError:
+            self._count("misses")
+            return None
+        except Exception as e:  # a torn header or a truncated file: damaged
+            self._set_aside(path, f"unreadable ({type(e).__name__}: {e})")
+            return None
+        want = meta.get(RECORD_KEY)
+        if want is None or record_of(tensors) != want:
+            self._set_aside(path, "its integrity record does not match its bytes" if want else "no record")
+            return None
+        self._count("hits")
+        states = tensors["hidden_states"]
+        if SCALES_KEY in tensors:
+            states = dequantize(states, tensors[SCALES_KEY], self.dtype)
+        return {"token_ids": tensors["token_ids"], "hidden_states": states}
+
+    def put(
+        self, file_idx: int, token_ids: torch.Tensor, hidden_states: torch.Tensor, meta: dict[str, str]
+    ) -> bool:
+        """Keep a row (queued for the writer thread; the tensors must not change after);
+        False if it will not be kept (the budget, or the writer is behind)."""
+        if self._full:
+            self._count("over_budget")
+            return False
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_rows, name="kv-keep-writer", daemon=True)
+            self._writer.start()
+        try:
+            self._queue.put_nowait((file_idx, token_ids, hidden_states, meta))
+        except queue.Full:
+            self._count("busy")
+            return False
+        return True
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Write what is queued (for up to ``timeout_s``), then stop the writer."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join(timeout_s)
+            self._writer = None
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self._tmp)
+
+    def _write_rows(self) -> None:
+        while (job := self._queue.get()) is not None:
+            file_idx, token_ids, states, meta = job
+            try:
+                self._write(file_idx, token_ids, states, meta)
+            except Exception as e:
+                self._count("write_errors")
+                log.warning("row %d was not kept in %s: %s", file_idx, self.root, e)
+
+    def _write(
+        self, file_idx: int, token_ids: torch.Tensor, states: torch.Tensor, meta: dict[str, str]
+    ) -> None:
+        tensors = {"hidden_states": states, "token_ids": token_ids}
+        meta = dict(meta)
+        if self.fp8 is not None:
+            q, scales = quantize(states, self.fp8)
+            tensors = {"hidden_states": q, SCALES_KEY: scales, "token_ids": token_ids}
+            meta["fp8_scale"], meta["dtype"] = self.fp8.value, str(states.dtype).removeprefix("torch.")
+        meta[RECORD_KEY] = record_of(tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self._lock:
+            if self.budget_bytes is not None and self._used + size > self.budget_bytes:
+                if not self._full:
+                    log.warning(
+                        "the keep folder %s reached its budget (%.2f GiB): later rows are fetched every "
+                        "epoch; the rows kept so far stay",
+                        self.root,
+                        self.budget_bytes / 2**30,
+                    )
+                self._full = True
+                self.stats.over_budget += 1
+                return
+            self._used += size
+        try:
+            write_atomically(file_of(self.root, file_idx), tensors, meta, self._tmp)
+        except OSError as e:
+            with self._lock:
+                self._used -= size
+            if e.errno in (28, 122):  # ENOSPC, EDQUOT: the disk is full, keeping stops
+                self._full = True
+                log.warning("the keep folder %s is full (%s): keeping stops, training goes on", self.root, e)
+            raise
+        with self._lock:
+            self.stats.kept += 1
+            self.stats.kept_bytes += size
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        self._count("damaged")
+        log.warning("kept row %s is damaged (%s): fetched again", path.name, why)
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(path.name + DAMAGED_SUFFIX))
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            setattr(self.stats, key, getattr(self.stats, key) + 1)
+
+    def _clear_dead_tmp(self) -> None:
+        """Remove the temporary folders of this host's processes that are gone (a rank
+        killed while writing leaves its partial file there, never under a row's name)."""
+        host = socket.gethostname()
+        base = self.root / TMP_ROOT
+        if not base.is_dir():
+            return
+        for d in base.iterdir():
+            name, _, pid = d.name.rpartition("-")
+            if name != host or not pid.isdigit() or _alive(int(pid)):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,132 @@
+"""The node-local store of fetched rows (``files.keep``): rows come back exact and
+verified, in speculators' own file layout; a damaged file is set aside and its row
+fetched again; at the budget keeping stops and nothing kept goes; a process killed while
+writing leaves no row behind, only its temporary folder, which the next store removes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_connector.files.fp8 import Fp8Scale
+from kv_connector.files.keep import DAMAGED_SUFFIX, TMP_ROOT, RowStore, file_of
+
+T, L, H = 37, 3, 64
+
+
+def row(seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1000, (T,), generator=g), torch.randn(T, L, H, generator=g).to(dtype)
+
+
+def kept(store: RowStore, idx: int, seed: int) -> None:
+    tokens, states = row(seed)
+    assert store.put(idx, tokens, states, {"layer_ids": "1,2,4"})
+
+
+def test_a_kept_row_comes_back_exact_and_speculators_reads_the_same_file(tmp_path: Path) -> None:
+    store = RowStore(tmp_path / "keep")
+    assert store.get(3) is None and store.stats.misses == 1
+    kept(store, 3, seed=3)
+    store.close()
+    got = RowStore(tmp_path / "keep").get(3)
+    tokens, states = row(3)
+    assert got is not None and torch.equal(got["token_ids"], tokens)
+    assert torch.equal(got["hidden_states"], states)
+    # speculators' own file backend, in a process where speculators imports
+    site = Path(os.environ.get("SPECULATORS_SITE") or Path(sys.prefix) / "speculators-site-packages")
+    code = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from hs_connectors.transfer import FileTransfer\n"
+        "got = FileTransfer(Path(sys.argv[1])).get_cached(3)\n"
+        "torch.save(got, sys.argv[2])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "theirs.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "keep"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = torch.load(out)
+    assert torch.equal(theirs["hidden_states"], states) and torch.equal(theirs["token_ids"], tokens)
+    assert not list((tmp_path / "keep").glob("**/*.tmp"))  # nothing temporary is left
+
+
+def test_a_damaged_file_is_set_aside_and_its_row_is_missing(tmp_path: Path) -> None:
+    store = RowStore(tmp_path)
+    kept(store, 1, seed=1)
+    kept(store, 2, seed=2)
+    store.close()
+    path = file_of(tmp_path, 1)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # one bit of the states
+    path.write_bytes(bytes(data))
+    file_of(tmp_path, 2).write_bytes(file_of(tmp_path, 2).read_bytes()[:100])  # truncated
+    again = RowStore(tmp_path)
+    assert again.get(1) is None and again.get(2) is None and again.stats.damaged == 2
+    assert path.with_name(path.name + DAMAGED_SUFFIX).exists() and not path.exists()
+    kept(again, 1, seed=1)  # fetched again, kept again
+    again.close()
+    assert RowStore(tmp_path).get(1) is not None
+
+
+def test_at_the_budget_keeping_stops_and_nothing_kept_goes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    one = T * L * H * 2 + T * 8
+    store = RowStore(tmp_path, budget_bytes=2 * one + 10)
+    for i in range(4):
+        kept(store, i, seed=i)
+    store.close()
+    assert store.stats.kept == 2 and store.stats.over_budget >= 1
+    assert [store.get(i) is not None for i in range(4)] == [True, True, False, False]
+    assert sum("reached its budget" in r.getMessage() for r in caplog.records) == 1
+    assert not store.put(9, *row(9), {})  # refused at once from now on
+
+
+def test_fp8_rows_come_back_close_and_speculators_fp8_layout(tmp_path: Path) -> None:
+    store = RowStore(tmp_path, fp8=Fp8Scale.TOKEN)
+    kept(store, 5, seed=5)
+    store.close()
+    got = store.get(5)
+    _, states = row(5)
+    assert got is not None and got["hidden_states"].dtype == torch.bfloat16
+    err = float((got["hidden_states"].float() - states.float()).norm() / states.float().norm())
+    assert 0 < err < 0.05, err
+    assert os.path.getsize(file_of(tmp_path, 5)) < T * L * H * 2  # one byte a value and the scales
+
+
+def test_a_process_killed_while_writing_leaves_no_row_and_its_folder_is_cleared(tmp_path: Path) -> None:
+    code = (
+        "import os, sys, torch\n"
+        "from pathlib import Path\n"
+        "import kv_connector.files.safetensors_io as io\n"
+        "from kv_connector.files.keep import RowStore\n"
+        "real = io.write_safetensors\n"
+        "def dying(path, tensors, meta, fsync=os.fsync):\n"
+        "    Path(path).write_bytes(b'partial')\n"
+        "    os._exit(9)\n"
+        "io.write_safetensors = dying\n"
+        "s = RowStore(sys.argv[1])\n"
+        "s.put(7, torch.zeros(4, dtype=torch.int64), torch.ones(4, 2, 8), {})\n"
+        "s.close()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert not file_of(tmp_path, 7).exists()
+    assert any((tmp_path / TMP_ROOT).iterdir())  # its partial file, in its own folder
+    store = RowStore(tmp_path)
+    assert store.get(7) is None
+    assert [d.name for d in (tmp_path / TMP_ROOT).iterdir()] == [store._tmp.name]
