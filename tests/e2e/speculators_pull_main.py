@@ -13,6 +13,13 @@ the verifier's last states) goes to OUT_FILE (safetensors, keyed by the row's in
 the dataset), and a JSON line to stdout, with what made NIXL agents while the workers
 were alive: the processes under this one that mapped NIXL's UCX plugin, and the rank's
 fetch agent's own counts.
+
+With ``KV_TEST_KEEP=DIR`` the trainer keeps its rows there (``--kv-hs-keep``) and runs
+``KV_TEST_EPOCHS`` epochs (default 1) of the train loader, pausing a moment between them
+(the workers' writers keep rows behind the hand-out): the report says how many rows the
+agent fetched by the end of each epoch and how many rows of a later epoch differ from
+the first's, and speculators' own file backend (``FileTransfer``) reads every row from
+DIR, compared with the first epoch's.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 TOTAL_SEQ_LEN = 2048
@@ -45,6 +53,10 @@ def main() -> int:
     backend.add_train_args(parser)
     backend.add_train_args(parser)  # the trainer and a launcher may both add them
     argv = ["--kv-hs-pool-mib", "16", "--kv-hs-fetch-agent", mode]
+    keep = os.environ.get("KV_TEST_KEEP")
+    epochs = int(os.environ.get("KV_TEST_EPOCHS", "1"))
+    if keep:
+        argv += ["--kv-hs-keep", keep]
     args = parser.parse_args(argv)
     if verifier := os.environ.get("KV_TEST_VERIFIER"):  # what speculators' own parser would set
         args.verifier_name_or_path, args.target_layer_ids = verifier, [1, 2]
@@ -61,6 +73,23 @@ def main() -> int:
     index = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
     tensors: dict[str, torch.Tensor] = {}
     errors = 0
+    fetched_by_epoch: list[int] = []
+    differ = 0
+    for epoch in range(1, epochs):  # the train loader's earlier epochs, against the last one's rows
+        seen: dict[str, torch.Tensor] = {}
+        for batch in train:
+            errors += int(batch["error_records"])
+            docs = batch["document_ids"][0]
+            for d in range(int(docs.max()) + 1):
+                at = docs == d
+                i = index[tuple(batch["input_ids"][0][at].tolist())]
+                seen[f"{i}.hidden_states"] = batch["hidden_states"][0][at].clone()
+        fetched_by_epoch.append(transfer.client.stats().fetched)
+        if epoch == 1:
+            first = seen
+        else:
+            differ += sum(not torch.equal(first[k], v) for k, v in seen.items())
+        time.sleep(2.0)  # the workers' writers keep the last rows
     for loader in (train, val):
         for batch in loader:
             errors += int(batch["error_records"])
@@ -79,11 +108,29 @@ def main() -> int:
     under = descendants(os.getpid())  # the persistent workers are alive still, and the agent
     agents = [p for p in [os.getpid(), *under] if made_a_nixl_agent(p)]
     stats = transfer.client.stats() if mode == "rank" else None
+    if epochs > 1:
+        fetched_by_epoch.append(stats.fetched if stats is not None else -1)
+        differ += sum(not torch.equal(first[k], tensors[k]) for k in first)
+    from_file = None
+    if keep:
+        from hs_connectors.transfer import FileTransfer
+
+        time.sleep(2.0)  # the workers' writers keep the last rows
+        theirs = FileTransfer(Path(keep))
+        from_file = 0
+        for i in sorted({int(k.split(".")[0]) for k in tensors}):
+            got = theirs.get_cached(i)
+            if got is not None and got["token_ids"].tolist() == tensors[f"{i}.input_ids"].tolist():
+                aux = got["hidden_states"][:, :-1].flatten(1).to(tensors[f"{i}.hidden_states"].dtype)
+                from_file += int(torch.equal(aux, tensors[f"{i}.hidden_states"]))
     save_file(tensors, str(out_file))
     report = {
         "rows": sorted({int(k.split(".")[0]) for k in tensors}),
         "errors": errors,
         "processes": len(under),
+        "fetched_by_epoch": fetched_by_epoch,
+        "later_epochs_differ": differ,
+        "rows_from_keep_files": from_file,
         "nixl_agent_pids": agents,
         "agent": None
         if stats is None

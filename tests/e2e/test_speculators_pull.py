@@ -136,6 +136,55 @@ def test_speculators_dataloader_trains_from_pulled_samples(
     print(f"{len(rows)} rows through speculators' DataLoader, worst relative error {worst:.2e}")
 
 
+def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_dataset(
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+) -> None:
+    """``--kv-hs-keep DIR``: the first epoch fetches every row from vLLM and keeps it; the
+    next epochs read every row from DIR (vLLM is asked for no row again), exactly the
+    first epoch's; speculators' own file backend reads every row from DIR."""
+    site = speculators_site()
+    rows = prompts_of(LENGTHS, seed=32)
+    data, keep = tmp_path / "data", tmp_path / "keep"
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(site)])}
+    subprocess.run(
+        [sys.executable, str(SPEC_MAIN), "write", str(data), str(tmp_path / "rows.json")],
+        env=env, check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    out_file = tmp_path / "loaded.safetensors"
+    with ApiServer(
+        tiny_llama, {"delivery": "pull"}, LAYER_IDS, tmp_path, args=["--block-size", "128"]
+    ) as server:
+        proc = subprocess.run(
+            [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "2", "rank"],
+            env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
+                 "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep),
+                 "KV_TEST_EPOCHS": "3"},
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
+        prompts = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in server.http.get_text("/metrics").splitlines()
+            if line.startswith("vllm:request_success_total{")
+        )
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
+    first, second, last = report["fetched_by_epoch"]
+    assert 0 < first < len(rows) and second == first, report  # epoch 2: every row from DIR
+    assert last == len(rows), report  # epoch 3 as well; the validation rows once, in the end
+    assert report["later_epochs_differ"] == 0 and report["rows_from_keep_files"] == len(rows), report
+    assert prompts == len(rows), prompts  # vLLM computed each row once in three epochs
+    assert sorted(p.name for p in keep.glob("hs_*.safetensors")) == sorted(
+        f"hs_{i}.safetensors" for i in range(len(rows))
+    )
+    loaded = load_file(str(out_file))
+    for i, tokens in enumerate(rows):
+        want = llama_reference.states(tokens, LAYER_IDS)
+        aux = loaded[f"{i}.hidden_states"].view(len(tokens), 2, HIDDEN)
+        assert relative_error(aux, want[:, :2]) < 1e-4, i
+
+
 BACKEND_CHECK = """
 import argparse, json
 import kv_connector.speculators as ks
