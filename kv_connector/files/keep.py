@@ -24,6 +24,7 @@ import queue
 import shutil
 import socket
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +94,7 @@ class RowStore:
         self.fp8 = fp8
         self.dtype = dtype
         self.stats = KeepStats()
-        self._tmp = self.root / TMP_ROOT / f"{socket.gethostname()}-{os.getpid()}"
+        self._tmp = self.root / TMP_ROOT / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._clear_dead_tmp()
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._used = sum(p.stat().st_size for p in self.root.glob("hs_*.safetensors"))
@@ -219,7 +220,7 @@ class RowStore:
         if not base.is_dir():
             return
         for d in base.iterdir():
-            name, _, pid = d.name.rpartition("-")
+            name, _, pid = d.name.rpartition("-")[0].rpartition("-")
             if name != host or not pid.isdigit() or _alive(int(pid)):
                 continue
             shutil.rmtree(d, ignore_errors=True)

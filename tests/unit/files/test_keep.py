@@ -130,3 +130,40 @@ def test_a_process_killed_while_writing_leaves_no_row_and_its_folder_is_cleared(
     store = RowStore(tmp_path)
     assert store.get(7) is None
     assert [d.name for d in (tmp_path / TMP_ROOT).iterdir()] == [store._tmp.name]
+
+
+def test_a_full_disk_stops_keeping_with_a_warning_and_nothing_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import errno
+
+    import kv_connector.files.keep as keep
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = RowStore(tmp_path)
+    kept(store, 0, seed=0)
+    store.close()
+    monkeypatch.setattr(keep, "write_atomically", full)
+    kept(store, 1, seed=1)  # put never raises: the writer thread meets the full disk
+    store.close()
+    assert store.stats.write_errors == 1 and not store.put(2, *row(2), {})
+    assert any("keeping stops, training goes on" in r.getMessage() for r in caplog.records)
+    assert store.get(0) is not None and store.get(1) is None  # what was kept stays
+
+
+def test_two_stores_sharing_a_folder_keep_whole_rows(tmp_path: Path) -> None:
+    """Two runs keeping the same rows at once: every file is whole and verified (the last
+    rename wins, and both wrote the same row)."""
+    a, b = RowStore(tmp_path), RowStore(tmp_path)
+    for i in range(12):
+        kept(a, i, seed=i)
+        kept(b, i, seed=i)
+    a.close()
+    b.close()
+    check = RowStore(tmp_path)
+    for i in range(12):
+        got = check.get(i)
+        assert got is not None and torch.equal(got["hidden_states"], row(i)[1])
+    assert check.stats.damaged == 0
