@@ -100,8 +100,15 @@ class AgentStats(_AgentMsg, tag="stats", frozen=True):
 
 
 AgentMessage = (
-    AgentHello | AgentFetch | AgentRelease | AgentDone | AgentAsk
-    | AgentSample | AgentFailed | AgentOk | AgentStats
+    AgentHello
+    | AgentFetch
+    | AgentRelease
+    | AgentDone
+    | AgentAsk
+    | AgentSample
+    | AgentFailed
+    | AgentOk
+    | AgentStats
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -300,8 +300,14 @@ def main() -> int:
         _say({"error": f"{type(e).__name__}: {e}", "phases": phases.as_dict()})
         return 1
     log_start(agent, phases)
-    _say({"address": agent.address, "pid": os.getpid(), "agent_name": agent.client.name,
-          "phases": phases.as_dict()})
+    _say(
+        {
+            "address": agent.address,
+            "pid": os.getpid(),
+            "agent_name": agent.client.name,
+            "phases": phases.as_dict(),
+        }
+    )
     try:
         while sys.stdin.readline():  # the rank holds the other end; it ends when the rank does
             pass

@@ -70,7 +70,6 @@ from kv_connector.reader.records import (
     Key,
     Log,
     RequireChecksum,
-    RowsScreen,
     SampleRecord,
     SampleState,
     Send,
@@ -79,6 +78,7 @@ from kv_connector.reader.records import (
 from kv_connector.reader.refusals import Refusals
 from kv_connector.reader.sample_states import SampleEvent
 from kv_connector.reader.stats import PoolState, ReaderStats
+from kv_connector.reader.values import RowsScreen
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum

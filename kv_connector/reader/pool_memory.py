@@ -41,8 +41,7 @@ from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.common.gpudirect import Visibility
 from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
-from kv_connector.reader.records import RowsScreen
-from kv_connector.reader.values import find_bad_values, samples, screen_rows
+from kv_connector.reader.values import RowsScreen, find_bad_values, samples, screen_rows
 from kv_connector.wire import fingerprint
 from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
 from kv_connector.wire.integrity import sample_checksum

@@ -43,8 +43,7 @@ from kv_connector.reader.pool_memory import PoolMemory, check_share, device_of, 
 from kv_connector.reader.pull_fence import FenceReader, check_fences
 from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
 from kv_connector.reader.pull_pages import take_pages
-from kv_connector.reader.records import RowsScreen
-from kv_connector.reader.values import screened_clean
+from kv_connector.reader.values import RowsScreen, screened_clean
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.identity import decode_metadata

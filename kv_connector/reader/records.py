@@ -15,20 +15,11 @@ from kv_connector.reader.producers import PeerId
 from kv_connector.reader.sample_states import IllegalSampleTransition as IllegalSampleTransition
 from kv_connector.reader.sample_states import SampleEvent, step
 from kv_connector.reader.sample_states import SampleState as SampleState
+from kv_connector.reader.values import RowsScreen
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 Key = tuple[str, str]  # (producer id, request id)
-
-
-@dataclass(frozen=True)
-class RowsScreen:
-    """The sampled values screen of a share's rows (``reader.values.screen_rows``):
-    ``suspect`` if a token's sampled values are non-finite or zero in every layer;
-    ``alive``, for each captured layer, whether a sampled value of it was non-zero."""
-
-    suspect: bool
-    alive: tuple[bool, ...]
 
 
 class RequireChecksum(enum.Enum):
