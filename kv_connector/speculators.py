@@ -9,7 +9,7 @@ registered (speculators reads the registry when its config module is imported), 
 
 Where the fetching happens (``--kv-hs-fetch-agent``, ``FetchMode``):
 
-- ``rank`` (the default): one fetch agent per trainer rank (``reader.fetch_agent``), a
+- ``rank`` (the default): one fetch agent per trainer rank (``reader.agent.fetch_agent``), a
   process the rank starts when the transfer is first pickled into its DataLoader's
   workers (or first used): the rank's only NIXL agent and only registered pool. Each
   worker gets the agent's address pickled, maps the agent's pool, and copies each row
@@ -44,8 +44,8 @@ import msgspec
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
-from kv_connector.reader.agent_client import AgentClient, FetchAgentError, FetchAgentProcess
-from kv_connector.reader.pull import FetchError, PullClient, handle_of
+from kv_connector.reader.agent.client import AgentClient, FetchAgentError, FetchAgentProcess
+from kv_connector.reader.pull.client import FetchError, PullClient, handle_of
 from kv_connector.wire.provenance import Description, Expectation
 
 BACKEND = "kv-hidden-states"

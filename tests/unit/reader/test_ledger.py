@@ -1,5 +1,5 @@
 """The reader's sample ledger as a state machine: every transition, every illegal one,
-and the invariants R1-R7 of ``kv_connector.reader.ledger`` (each test names the one it
+and the invariants R1-R7 of ``kv_connector.reader.push.ledger`` (each test names the one it
 proves). Hostile credit requests from an authenticated producer are modelled here too:
 what reaches the ledger has passed the wire protocol's decoder, so the ledger decides
 the rest. Pure: no transport, no sockets, no threads; times are passed in."""
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_connector.reader as wing
-from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.records import (
+from kv_connector.reader.push.ledger import ReaderLedger
+from kv_connector.reader.push.records import (
     AckMode,
     IllegalSampleTransition,
     Log,

@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kv_connector.files.metrics import FilesCollector
 from kv_connector.files.stats import FileStats
-from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.metrics import ReaderCollector
-from kv_connector.reader.records import Verify
-from kv_connector.reader.stats import PoolState, ReaderStats
+from kv_connector.reader.push.ledger import ReaderLedger
+from kv_connector.reader.push.metrics import ReaderCollector
+from kv_connector.reader.push.records import Verify
+from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
 from tests.unit.reader.test_ledger import PAGE, connected, credit, done, hand_out, hello, land, ledger, sends
 

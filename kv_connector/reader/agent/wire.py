@@ -1,4 +1,4 @@
-"""What a rank's fetch agent (``reader.fetch_agent``) and its clients (``reader.agent_client``)
+"""What a rank's fetch agent (``reader.agent.fetch_agent``) and its clients (``reader.agent.client``)
 say to each other over a Unix socket: length-prefixed msgpack frames of the messages below.
 
     client                                   agent

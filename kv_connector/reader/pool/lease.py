@@ -59,7 +59,7 @@ class Lease:
 
 class Described(Protocol):
     """What names a received sample and its tokens: a ``wire.protocol.Manifest`` (the
-    pull client's and the reader's) or an ``agent_wire.AgentSample`` (the agent client's)."""
+    pull client's and the reader's) or an ``agent.wire.AgentSample`` (the agent client's)."""
 
     @property
     def request_id(self) -> str: ...

@@ -3,7 +3,7 @@ only registered receive pool, and fetches pulled samples for every DataLoader wo
 thread, or process) of the rank.
 
     rank (the trainer's process)  --starts-->  fetch agent (this module, a process)
-      DataLoader worker 0..N-1    --Unix socket (reader.agent_wire)-->  fetch agent
+      DataLoader worker 0..N-1    --Unix socket (agent.wire)-->  fetch agent
       each worker maps the agent's pool (a memory file passed over the socket)
 
 The agent READs a sample once, with a ``PullClient`` whose pool lies in a memory file
@@ -14,7 +14,7 @@ it out (the one copy) and says it is done, and the pages go back. A client that 
 rank does: it reads its standard input, which the rank holds, and exits at its end (the
 rank exiting, however it exits, closes it).
 
-Run by ``agent_client.FetchAgentProcess`` as ``python -m kv_connector.reader.fetch_agent``:
+Run by ``agent.client.FetchAgentProcess`` as ``python -m kv_connector.reader.agent.fetch_agent``:
 its configuration comes as one JSON line on standard input, and it answers with one JSON
 line on standard output (``{"address": ...}`` once it serves, or ``{"error": ...}``).
 It logs how long each phase of its start took (``START_PHASES``), in wall and CPU time,
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kv_connector.common.phases import Phase, Phases
-from kv_connector.reader.agent_wire import (
+from kv_connector.reader.agent.wire import (
     AGENT_VERSION,
     AgentAsk,
     AgentDone,
@@ -52,8 +52,8 @@ from kv_connector.reader.agent_wire import (
     FrameReader,
     frame,
 )
-from kv_connector.reader.lease import Sample
-from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.reader.pool.lease import Sample
+from kv_connector.reader.pull.client import FetchError, PullClient
 
 log = logging.getLogger("kv_connector.fetch_agent")
 

@@ -1,7 +1,7 @@
 """HiddenStatesReader: the consumer side's user API. It owns the receive pool (registered
-with the transport once), the ledger of samples (``reader.ledger``), the serving thread
-(``reader.server``) and the checking thread (``reader.checker``). ``get`` hands out the
-next complete, checked sample as a view of the pool on lease (``reader.lease``): no copy,
+with the transport once), the ledger of samples (``reader.push.ledger``), the serving thread
+(``reader.push.server``) and the checking thread (``reader.push.checker``). ``get`` hands out the
+next complete, checked sample as a view of the pool on lease (``reader.pool.lease``): no copy,
 no pass over its bytes; its producer gets its ``Ack``, and its pages return to the pool
 when the lease ends."""
 
@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kv_connector.reader.lease import CopyBuffers, Lease, Sample
-from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
-from kv_connector.reader.pool_memory import device_of, make_pool, register_pool
-from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
-from kv_connector.reader.server import ReaderServer, ServerParts, round_page
-from kv_connector.reader.stats import PoolState, ReaderStats
-from kv_connector.reader.values import screened_clean
+from kv_connector.reader.pool.lease import CopyBuffers, Lease, Sample
+from kv_connector.reader.pool.memory import device_of, make_pool, register_pool
+from kv_connector.reader.pool.values import screened_clean
+from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
+from kv_connector.reader.push.records import AckMode, Key, RequireChecksum, SampleState
+from kv_connector.reader.push.server import ReaderServer, ServerParts, round_page
+from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
 from kv_connector.wire.identity import decode_metadata
@@ -32,7 +32,7 @@ from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Transport
 
 if TYPE_CHECKING:
-    from kv_connector.reader.metrics_server import MetricsServer
+    from kv_connector.reader.push.metrics_server import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class ReaderConfig:
     ``ack(sample)``, e.g. after the sample was durably written.
     ``verify``: check each share against the checksum its producer sent, as it lands, on
     the reader's checking thread (on by default); a mismatch is logged with the request id
-    and the share is written again (at most ``reader.ledger.MAX_REWRITES`` times, then the
+    and the share is written again (at most ``reader.push.ledger.MAX_REWRITES`` times, then the
     sample is refused and its producer fails it).
     ``copy``: hand samples out as copies (into reused buffers) instead of views of the
     pool on lease; their pages return at once. For users who keep samples for long.
@@ -109,7 +109,7 @@ class ReaderConfig:
     (port 0 picks one) or on a TCP socket already bound.
     ``check_values`` (default on): before handing a sample out, screen its states for
     NaN/Inf, tokens that are zero in every layer and captured layers that are zero at
-    every token (``reader.values``, on the user's thread, in the ``get`` that reaches
+    every token (``reader.pool.values``, on the user's thread, in the ``get`` that reaches
     it): on a host pool a sampled screen (a few elements of every row, about 0.4 ms for
     64 MiB here, the whole sample looked at only where they show something; with
     fingerprints, the lines the checking thread read for them, and the hand-out reads
@@ -119,7 +119,7 @@ class ReaderConfig:
     out what came, as it came.
     ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
     that GPU, registered as VRAM: samples land there and are views there, checked there
-    (``reader.pool_memory``), and their pages return in stream order. ``"cpu"`` runs that
+    (``reader.pool.memory``), and their pages return in stream order. ``"cpu"`` runs that
     device code on host memory (what CI tests). ``PoolDeviceError`` when CUDA or the GPU
     is missing or full.
     ``expect``: what every sample must be (``wire.provenance.Expectation``: layer ids,
@@ -183,7 +183,7 @@ class HiddenStatesReader:
     ``transport``: the agent to receive with (a ``NixlTransport`` by default).
 
     ``metrics_address`` then names the metrics address really served, and ``metrics`` the
-    server (``reader.metrics`` names the series).
+    server (``reader.push.metrics`` names the series).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``. The iterator ends each sample's lease when you ask for the next one
@@ -464,7 +464,7 @@ class HiddenStatesReader:
 
 def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:
     """A Prometheus endpoint for ``reader`` (prometheus_client is imported only here)."""
-    from kv_connector.reader.metrics import ReaderCollector
-    from kv_connector.reader.metrics_server import MetricsServer
+    from kv_connector.reader.push.metrics import ReaderCollector
+    from kv_connector.reader.push.metrics_server import MetricsServer
 
     return MetricsServer(listen, [ReaderCollector(reader)])

@@ -1,4 +1,4 @@
-"""The rank's side of its fetch agent (``reader.fetch_agent``): ``FetchAgentProcess``
+"""The rank's side of its fetch agent (``reader.agent.fetch_agent``): ``FetchAgentProcess``
 starts the agent and holds it (the agent ends when the rank does), and ``AgentClient``
 fetches through it, from any thread or process of the rank (a DataLoader worker gets it
 pickled: its address only).
@@ -38,7 +38,8 @@ import torch
 
 import kv_connector
 from kv_connector.common.memory import map_shared
-from kv_connector.reader.agent_wire import (
+from kv_connector.reader.agent.hold_keeper import HoldKeeper, KeptHolds
+from kv_connector.reader.agent.wire import (
     AGENT_VERSION,
     AgentAsk,
     AgentDone,
@@ -53,9 +54,8 @@ from kv_connector.reader.agent_wire import (
     FrameReader,
     frame,
 )
-from kv_connector.reader.hold_keeper import HoldKeeper, KeptHolds
-from kv_connector.reader.lease import CopyBuffers, Sample
-from kv_connector.reader.pull_links import FetchError
+from kv_connector.reader.pool.lease import CopyBuffers, Sample
+from kv_connector.reader.pull.links import FetchError
 from kv_connector.wire.handle import HandleError, handle_of
 
 AGENT_START_TIMEOUT_S = 120.0  # importing torch and NIXL, registering the pool
@@ -128,7 +128,7 @@ class FetchAgentProcess:
             paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kv_connector.reader.fetch_agent"],
+                [sys.executable, "-m", "kv_connector.reader.agent.fetch_agent"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

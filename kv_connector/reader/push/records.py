@@ -11,11 +11,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kv_connector.reader.producers import PeerId
-from kv_connector.reader.sample_states import IllegalSampleTransition as IllegalSampleTransition
-from kv_connector.reader.sample_states import SampleEvent, step
-from kv_connector.reader.sample_states import SampleState as SampleState
-from kv_connector.reader.values import RowsScreen
+from kv_connector.reader.pool.values import RowsScreen
+from kv_connector.reader.push.producers import PeerId
+from kv_connector.reader.push.sample_states import IllegalSampleTransition as IllegalSampleTransition
+from kv_connector.reader.push.sample_states import SampleEvent, step
+from kv_connector.reader.push.sample_states import SampleState as SampleState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 

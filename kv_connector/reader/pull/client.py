@@ -6,22 +6,22 @@ the producer's response) asks each rank of the producer for its share of the sam
 (``PullFetch``: the manifest and where the share lies in the rank's cache), READs every
 share into one run of its receive pool, checks each share against its checksum (of the
 kind its ``PullShare.digest`` names: XXH3 of the bytes, or block digests recomputed from
-the pool as the push reader does, ``reader.pool_memory``) and the
-states for NaN/Inf and all-zero tokens (``reader.values``), releases the sample on every
-rank (the producer frees its blocks), and returns a ``reader.lease.Sample``: a view of the
+the pool as the push reader does, ``reader.pool.memory``) and the
+states for NaN/Inf and all-zero tokens (``reader.pool.values``), releases the sample on every
+rank (the producer frees its blocks), and returns a ``reader.pool.lease.Sample``: a view of the
 pool on lease, as the push reader hands out, whose pages return when it is released or
 collected.
 
 The client owns one NIXL agent and one receive pool registered once, both made on first
 use (the pool in host memory, or with ``pool_device="cuda:N"`` on that GPU, registered as
-VRAM, where samples land, are checked and handed out: ``reader.pool_memory``): a client
+VRAM, where samples land, are checked and handed out: ``reader.pool.memory``): a client
 is picklable until then (and after: a copy starts afresh), so a DataLoader can ship it to
 spawned workers. It keeps one authenticated control connection per
 producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
 both ends prove it before any NIXL metadata moves); one that breaks (a producer
 restarted) is made and handshaken again once per request. Thread-safe: several fetches
 may be in flight, from several threads or from one ``fetch_many`` or ``fetch_iter``, which
-check each sample on a thread of its own while they READ the next (``reader.pull_batch``).
+check each sample on a thread of its own while they READ the next (``reader.pull.batch``).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from typing import Any
 
 import torch
 
-from kv_connector.reader import pull_batch
-from kv_connector.reader.lease import CopyBuffers, Lease, Sample
-from kv_connector.reader.pool import PagePool
-from kv_connector.reader.pool_memory import PoolMemory, check_share, device_of, make_pool, register_pool
-from kv_connector.reader.pull_fence import FenceReader, check_fences
-from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
-from kv_connector.reader.pull_pages import take_pages
-from kv_connector.reader.values import RowsScreen, screened_clean
+from kv_connector.reader.pool.lease import CopyBuffers, Lease, Sample
+from kv_connector.reader.pool.memory import PoolMemory, check_share, device_of, make_pool, register_pool
+from kv_connector.reader.pool.pages import PagePool
+from kv_connector.reader.pool.values import RowsScreen, screened_clean
+from kv_connector.reader.pull import batch
+from kv_connector.reader.pull.hold_fences import HoldFenceReader, check_hold_fences
+from kv_connector.reader.pull.links import PAGE_BYTES, FetchError, ProducerLinks
+from kv_connector.reader.pull.pages import take_pages
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.identity import decode_metadata
@@ -76,7 +76,7 @@ class _Pending:
     shares: list[protocol.PullShare]
     pages: range
     xfers: list[Any]
-    # the fences' outcome (``_check_fences``) when they were READ as the data READs were
+    # the fences' outcome (``_check_hold_fences``) when they were READ as the data READs were
     # posted; None: not READ yet
     fenced: bool | FetchError | None = None
 
@@ -88,7 +88,7 @@ class PullClient:
     ``secret``: the shared secret for the handshakes (default ``KV_CONNECTOR_SECRET`` or
     ``KV_CONNECTOR_SECRET_FILE``; none: unauthenticated, loopback only on the producer).
     ``check_values``: refuse samples with NaN/Inf, all-zero tokens or all-zero layers (on
-    by default): a sampled screen on a host pool (``reader.values``: a few elements of
+    by default): a sampled screen on a host pool (``reader.pool.values``: a few elements of
     every row, the whole sample only where they show something), in full on a GPU pool or
     with ``full_values_check``.
     ``timeout_s``: how long one fetch may take, connecting and reading included.
@@ -98,7 +98,7 @@ class PullClient:
     ``TransportError`` naming the wheel when NIXL does not import for this torch's CUDA; a
     NIXL that cannot register GPU memory is named at the first fetch, when the pool is made).
     ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``): what
-    a rank's fetch agent serves its DataLoader workers from (``reader.fetch_agent``).
+    a rank's fetch agent serves its DataLoader workers from (``reader.agent.fetch_agent``).
     ``expect``: what every sample must be (``wire.provenance.Expectation``); one that
     differs fails its fetch with ``FetchError("mismatch")`` before it is READ, and its
     producer frees it.
@@ -147,12 +147,12 @@ class PullClient:
         self._pool: PagePool | None = None
         self._memory: PoolMemory | None = None
         self._links: ProducerLinks | None = None
-        self._fences: FenceReader | None = None
+        self._hold_fences: HoldFenceReader | None = None
         # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
         # costs more in page faults than the copy itself)
         self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
         self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
-        self._checker = pull_batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
+        self._checker = batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -216,11 +216,11 @@ class PullClient:
         ``FetchError`` of that one, with up to ``in_flight`` of them asked for and READ
         ahead (None: all). The next one is asked for on a thread of its own while this
         one posts the READs, and each is checked and released on the client's checker
-        thread while the next ones are READ (``reader.pull_batch``). The pool must
+        thread while the next ones are READ (``reader.pull.batch``). The pool must
         hold ``in_flight`` samples besides those you keep: release each before taking the
         next (a plain ``for`` loop whose body drops the sample does)."""
-        stages = pull_batch.Stages(self._ask, self._post, self._finish)
-        return pull_batch.fetch_iter(stages, self._checker, handles, in_flight)
+        stages = batch.Stages(self._ask, self._post, self._finish)
+        return batch.fetch_iter(stages, self._checker, handles, in_flight)
 
     def manifest(self, handle: str | Mapping[str, Any]) -> protocol.Manifest:
         """What ``handle`` names, without reading it: the sample's manifest (token ids,
@@ -310,7 +310,7 @@ class PullClient:
         p = _Pending(h, shares, pages, xfers)
         if not xfers:
             try:
-                p.fenced = self._check_fences(p)
+                p.fenced = self._check_hold_fences(p)
             except FetchError as e:
                 p.fenced = e
         return p
@@ -334,7 +334,7 @@ class PullClient:
         h, m = p.handle, p.shares[0].manifest
         try:
             self._wait(p)
-            fenced = self._check_fences(p) if p.fenced is None else p.fenced
+            fenced = self._check_hold_fences(p) if p.fenced is None else p.fenced
             if isinstance(fenced, FetchError):
                 raise fenced
             memory = self._memory
@@ -407,7 +407,7 @@ class PullClient:
             self._links = ProducerLinks(
                 self.name, self._secret, self.timeout_s, self._lock, transport, self._region
             )
-            self._fences = FenceReader(transport, self._lock)
+            self._hold_fences = HoldFenceReader(transport, self._lock)
             self._transport = transport
 
     def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
@@ -487,10 +487,10 @@ class PullClient:
                 pause = min(2 * pause, POLL_MAX_S)
 
     # ------------------------------------------------------------------ control
-    def _check_fences(self, p: _Pending) -> bool:
-        """After the READs completed: every share's hold was live (``pull_fence``)."""
-        assert self._links is not None and self._fences is not None
-        return check_fences(self._fences, self._links, p.handle, p.shares, self.timeout_s)
+    def _check_hold_fences(self, p: _Pending) -> bool:
+        """After the READs completed: every share's hold was live (``hold_fences``)."""
+        assert self._links is not None and self._hold_fences is not None
+        return check_hold_fences(self._hold_fences, self._links, p.handle, p.shares, self.timeout_s)
 
     def _release_all(self, h: PullHandle, quiet: bool, answer: bool = True) -> None:
         for rank, endpoint in enumerate(h.endpoints):
