@@ -54,7 +54,7 @@ from kv_connector.reader.agent.wire import (
     FrameReader,
     frame,
 )
-from kv_connector.reader.pool.lease import CopyBuffers, Sample
+from kv_connector.reader.pool.lease import COPY_BUFFERS_MIN_BYTES, CopyBuffers, Sample
 from kv_connector.reader.pull.links import FetchError
 from kv_connector.wire.handle import HandleError, handle_of
 
@@ -252,7 +252,7 @@ class AgentClient:
         self._lock = threading.Lock()
         self._pool: torch.Tensor | None = None  # the agent's pool, mapped here (uint8)
         self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # a thread's ends with the thread
-        self._copies = CopyBuffers(max_bytes=64 << 20)
+        self._copies = CopyBuffers(COPY_BUFFERS_MIN_BYTES)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"address": self.address, "timeout_s": self.timeout_s}

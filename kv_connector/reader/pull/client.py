@@ -36,17 +36,17 @@ from typing import Any
 
 import torch
 
-from kv_connector.reader.pool.lease import CopyBuffers, Lease, Sample
+from kv_connector.reader.pool.hand_out import hand_out, values_problem
+from kv_connector.reader.pool.lease import CopyBuffers, Sample
 from kv_connector.reader.pool.memory import PoolMemory, check_share, device_of, make_pool, register_pool
 from kv_connector.reader.pool.pages import PagePool
-from kv_connector.reader.pool.values import RowsScreen, screened_clean
+from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.pull import batch
 from kv_connector.reader.pull.hold_fences import HoldFenceReader, check_hold_fences
 from kv_connector.reader.pull.links import PAGE_BYTES, FetchError, ProducerLinks
 from kv_connector.reader.pull.pages import take_pages
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
-from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Region, Transport, TransportError
@@ -54,7 +54,6 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 log = logging.getLogger(__name__)
 
 DEFAULT_POOL_BYTES = 128 << 20
-COPY_BUFFERS_MIN_BYTES = 64 << 20  # copies' buffers kept for reuse: the pool's size, or this
 FETCH_TIMEOUT_S = 60.0
 POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005  # a READ polled after 50 us, then at most every 0.5 ms
 
@@ -148,9 +147,7 @@ class PullClient:
         self._memory: PoolMemory | None = None
         self._links: ProducerLinks | None = None
         self._hold_fences: HoldFenceReader | None = None
-        # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
-        # costs more in page faults than the copy itself)
-        self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
+        self._copies = CopyBuffers.for_pool(self.pool_bytes)
         self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
         self._checker = batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
 
@@ -341,24 +338,23 @@ class PullClient:
             assert memory is not None
             base = byte_of(p.pages)
             sampled = self.check_values and not self.full_values_check  # the values screen samples
-            screens: list[RowsScreen] = []  # read with the fingerprints
+            screens: list[RowsScreen | None] = []  # read with the fingerprints
             for s in p.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
                 if s.checksum is None:
+                    screens.append(None)
                     continue
                 got, screen = check_share(memory, base, m, blocks, s.digest, sampled)
-                screens += [] if screen is None else [screen]
+                screens.append(screen)
                 if got != s.checksum:
                     raise FetchError(
                         "checksum",
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
                         f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
-            screened = len(screens) == len(p.shares) and screened_clean(screens, m.num_tokens, m.num_layers)
-            if self.check_values and not screened:
-                problem = memory.bad_values(base, m, self.full_values_check)
-                if problem is not None:
-                    raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
+            full = self.full_values_check
+            if self.check_values and (problem := values_problem(memory, base, m, screens, full)):
+                raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
         except FetchError:
             self._give_back(h, p.pages)
             self._release_all(h, quiet=True)
@@ -368,21 +364,8 @@ class PullClient:
         elif release:
             unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
             self._release_all(h, quiet=not unchecked)
-        return self._hand_out(h, m, p.pages)
-
-    def _hand_out(self, h: PullHandle, m: protocol.Manifest, pages: range) -> Sample:
-        memory = self._memory
-        assert memory is not None
-        base = byte_of(pages)
-        key = (h.producer_id, h.request_id)
-        lease = Lease(key, memory.ordered(lambda _k: self._give_back(h, pages)))
-        if self.copy:
-            hidden = memory.copy_out(base, m, lease, self._copies)  # contiguous [T, L, H]; pages back
-            sample_lease = None
-        else:
-            hidden = memory.leased(base, m, lease)
-            sample_lease = lease
-        return Sample.of(m, hidden, h.producer_id, decode_metadata(m.metadata), sample_lease)
+        key, copies = (h.producer_id, h.request_id), self._copies if self.copy else None
+        return hand_out(memory, byte_of(p.pages), m, key, lambda _k: self._give_back(h, p.pages), copies)
 
     # ------------------------------------------------------------------ pool
     def _ensure(self, lap: Callable[[str], object] | None = None) -> None:

@@ -70,6 +70,7 @@ from kv_connector.reader.push.records import (
     IllegalSampleTransition,
     Key,
     Log,
+    ReadySample,
     RequireChecksum,
     SampleRecord,
     SampleState,
@@ -352,19 +353,31 @@ class ReaderLedger:
         return self._page_fences_due(now)
 
     # ------------------------------------------------------------- the user
-    def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[SampleRecord, list[Action]] | None:
-        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
-        as delivered and its producer acked now (on take) or when the user acks (manual)
-        (R4). None when it is not ready (discarded, or written again since it was queued)."""
+    def ready_sample(self, key: Key) -> ReadySample | None:
+        """The sample as the user's thread hands it out, while it is VERIFIED; None when it
+        is not ready (discarded, or written again since it was queued)."""
         s = self.samples.get(key)
         if s is None or s.state is not SampleState.VERIFIED:
             return None
+        assert s.pages is not None and self.page_bytes is not None
+        screens = tuple(share.screen for share in s.shares.values())
+        return ReadySample(key, s.manifest, s.pages.start * self.page_bytes, screens)
+
+    def hand_out(self, key: Key, now: float) -> tuple[ReadySample, list[Action]] | None:
+        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
+        as delivered and its producer acked now (on take) or when the user acks (manual)
+        (R4). None when it is not ready (discarded, or written again since it was queued)."""
+        ready = self.ready_sample(key)
+        if ready is None:
+            return None
+        s, m = self.samples[key], ready.manifest
         s.move(SampleEvent.HANDED_OUT)
         s.t_handed_out = now
         self._book.settle_pending(s)
-        self.stats.handed_out(key[0], s.manifest.num_tokens, nbytes, now - s.t_requested, now)
+        nbytes = m.num_tokens * m.geometry.token_bytes
+        self.stats.handed_out(key[0], m.num_tokens, nbytes, now - s.t_requested, now)
         self.delivered.remember(key, list(s.peers.values()))
-        return s, (self.ack(key) if self.ack_mode is AckMode.ON_TAKE else [])
+        return ready, (self.ack(key) if self.ack_mode is AckMode.ON_TAKE else [])
 
     def release(self, key: Key, now: float) -> list[Action]:
         """HANDED_OUT -> released: the lease ended; its pages return to the pool (R3).

@@ -18,16 +18,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kv_connector.reader.pool.lease import CopyBuffers, Lease, Sample
+from kv_connector.reader.pool.hand_out import hand_out, values_problem
+from kv_connector.reader.pool.lease import CopyBuffers, Sample
 from kv_connector.reader.pool.memory import device_of, make_pool, register_pool
-from kv_connector.reader.pool.values import screened_clean
 from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
-from kv_connector.reader.push.records import AckMode, Key, RequireChecksum, SampleState
+from kv_connector.reader.push.records import AckMode, Key, RequireChecksum
 from kv_connector.reader.push.server import ReaderServer, ServerParts, round_page
 from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
-from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Transport
 
@@ -38,7 +37,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POOL_BYTES = 256 << 20
 DEFAULT_MAX_LEASES = 64
-COPY_BUFFERS_MIN_BYTES = 64 << 20  # copy buffers kept for reuse: the pool's size, or this
 
 
 def listen_socket(listen: str | socket.socket) -> socket.socket:
@@ -237,7 +235,7 @@ class HiddenStatesReader:
                 raise
         if not secret:
             log.warning("no shared secret: producers are not authenticated (listening on %s)", self.address)
-        self._copies = CopyBuffers(max_bytes=max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
+        self._copies = CopyBuffers.for_pool(pool_bytes)
         try:
             self._memory = make_pool(pool_bytes, config.pool_device)
             if transport is None:
@@ -417,17 +415,12 @@ class HiddenStatesReader:
         """Check a VERIFIED sample's states where they lie (nothing writes a verified
         sample's pages, so outside the lock); a bad one is rejected. True if it was."""
         with self._lock:
-            rec = self._ledger.samples.get(key)
-            if rec is None or rec.state is not SampleState.VERIFIED:
+            ready = self._ledger.ready_sample(key)
+            if ready is None:
                 return False
-            assert rec.pages is not None and self._ledger.page_bytes is not None
-            m, base = rec.manifest, rec.pages.start * self._ledger.page_bytes
-            screens = [sh.screen for sh in rec.shares.values() if sh.screen is not None]
-            with_checks = len(screens) == len(rec.shares) and not self._full_values_check
-        if with_checks and screened_clean(screens, m.num_tokens, m.num_layers):
-            return False  # screened on its checks' read, which saw nothing to look closer at
+            m, base, screens = ready.manifest, ready.base, ready.screens
         t0 = time.perf_counter()
-        problem = self._memory.bad_values(base, m, self._full_values_check)
+        problem = values_problem(self._memory, base, m, screens, self._full_values_check)
         with self._lock:
             self._ledger.values_checked(time.perf_counter() - t0)
             if problem is None:
@@ -441,26 +434,18 @@ class HiddenStatesReader:
         if self._check_values and self._bad_values(key):
             return None
         with self._lock:
-            rec = self._ledger.samples.get(key)
-            if rec is None or rec.state is not SampleState.VERIFIED:
-                return None
-            m = rec.manifest
-            nbytes = m.num_tokens * m.geometry.token_bytes
-            got = self._ledger.hand_out(key, nbytes, time.monotonic())
-            assert got is not None and rec.pages is not None and self._ledger.page_bytes is not None
-            self._server.perform(got[1])
-            base = rec.pages.start * self._ledger.page_bytes
-        lease = Lease(key, self._memory.ordered(self._server.release))
+            got = self._ledger.hand_out(key, time.monotonic())
+            if got is None:
+                return None  # discarded since it was queued
+            ready, actions = got
+            self._server.perform(actions)
+        t0 = time.perf_counter()
+        copies = self._copies if copy else None
+        sample = hand_out(self._memory, ready.base, ready.manifest, key, self._server.release, copies)
         if copy:
-            t0 = time.perf_counter()
-            hidden = self._memory.copy_out(base, m, lease, self._copies)  # its pages go back
-            lease = None  # type: ignore[assignment]
             with self._lock:
                 self._ledger.copied(time.perf_counter() - t0)
-        else:
-            hidden = self._memory.leased(base, m, lease)
-        return Sample.of(m, hidden, key[0], decode_metadata(m.metadata), lease)
-
+        return sample
 
 def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:
     """A Prometheus endpoint for ``reader`` (prometheus_client is imported only here)."""

@@ -59,6 +59,17 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class ReadySample:
+    """A VERIFIED sample as the user's thread hands it out: its manifest, where its pages
+    start in the pool (bytes) and each share's values screen (None: not screened)."""
+
+    key: Key
+    manifest: protocol.Manifest
+    base: int
+    screens: tuple[RowsScreen | None, ...]
+
+
+@dataclass(frozen=True)
 class Log:
     """Something worth a log line (the shell logs it at ``level``)."""
 

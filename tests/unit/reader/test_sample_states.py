@@ -54,7 +54,7 @@ def test_the_ledger_hands_out_only_through_the_table(monkeypatch: pytest.MonkeyP
     led = ledger()
     key = verified(led)
     with pytest.raises(IllegalSampleTransition, match="handed_out is not allowed in state verified"):
-        led.hand_out(key, 1, 1.0)
+        led.hand_out(key, 1.0)
     assert led.state_of(key) is SampleState.VERIFIED and led.ready() == [key]
 
 
