@@ -44,14 +44,23 @@ import msgspec
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
-from kv_connector.reader.agent.client import AgentClient, FetchAgentError, FetchAgentProcess
-from kv_connector.reader.pull.client import FetchError, PullClient, handle_of
+from kv_connector.reader import (
+    AGENT_POOL_BYTES,
+    DEFAULT_POOL_BYTES,
+    AgentClient,
+    FetchAgentError,
+    FetchAgentProcess,
+    FetchError,
+    PullClient,
+    handle_of,
+)
+from kv_connector.reader.pull.options import FETCH_TIMEOUT_S
 from kv_connector.wire.provenance import Description, Expectation
 
 BACKEND = "kv-hidden-states"
-DEFAULT_POOL_MIB = 256  # each worker's, in worker mode
-DEFAULT_RANK_POOL_MIB = 1024  # the rank's one pool, in rank mode (12 workers' pools were 3 GiB)
-DEFAULT_FETCH_TIMEOUT_S = 60.0
+DEFAULT_POOL_MIB = DEFAULT_POOL_BYTES >> 20  # each worker's, in worker mode
+DEFAULT_RANK_POOL_MIB = AGENT_POOL_BYTES >> 20  # the rank's one pool, in rank mode
+DEFAULT_FETCH_TIMEOUT_S = FETCH_TIMEOUT_S
 DEFAULT_PULL_LISTEN = "127.0.0.1"
 DEFAULT_PULL_TIMEOUT_S = 300.0
 MAX_REMEMBERED = 4096  # handles released by get_generated, remembered for delete()

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.reader.pull.client import FetchError, PullClient
+from kv_connector.reader import FetchError, PullClient
 from kv_connector.wire.handle import decode_handle
 from scripts.support.deaths import FAULT_ENV, explain
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from kv_connector.reader import FetchError, PullClient
 from kv_connector.reader.pool import memory as pool_memory
-from kv_connector.reader.pull.client import FetchError, PullClient
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -401,7 +401,7 @@ def test_a_producer_with_a_secret_is_refused_by_a_consumer_expecting_none(produc
 
 KILLED_CONSUMER = """
 import os, signal, sys
-from kv_connector.reader.pull.client import PullClient
+from kv_connector.reader import PullClient
 s = PullClient().fetch(sys.argv[1], release=False)  # read, checked, still held at the producer
 print(s.request_id, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # a DataLoader worker killed before its release

@@ -32,14 +32,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kv_connector.common.phases import Phase, Phases
 from kv_connector.reader.agent.wire import (
     AGENT_VERSION,
     AgentAsk,
+    AgentConfig,
     AgentDone,
     AgentFailed,
     AgentFetch,
@@ -72,19 +74,6 @@ START_PHASES = (
 SLOW_START_S = 5.0  # a start slower than this logs a warning naming its slowest phase
 
 
-@dataclass
-class AgentConfig:
-    """How the rank configures its agent (the JSON line on standard input)."""
-
-    socket_dir: str
-    pool_bytes: int
-    timeout_s: float
-    check_values: bool = True
-    secret_hex: str | None = None  # None: the client's default (KV_CONNECTOR_SECRET...)
-    name: str | None = None
-    spawned_at: float | None = None  # the rank's time.time() when it started the process
-
-
 class FetchAgent:
     """Serves fetches from one ``PullClient`` with a shared pool to every client that
     connects to ``address`` (a Unix socket in a directory only this user can enter)."""
@@ -94,14 +83,7 @@ class FetchAgent:
         lap = lap or (lambda _name: None)
         self.config = config
         secret = bytes.fromhex(config.secret_hex) if config.secret_hex is not None else None
-        self.client = PullClient(
-            pool_bytes=config.pool_bytes,
-            secret=secret,
-            check_values=config.check_values,
-            timeout_s=config.timeout_s,
-            name=config.name,
-            shared_pool=True,
-        )
+        self.client = PullClient(msgspec.structs.replace(config.options, shared_pool=True), secret=secret)
         self.client.open(lap)  # the one NIXL agent and the one registration, now
         self.address = str(Path(config.socket_dir) / SOCKET_NAME)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -290,7 +272,7 @@ def main() -> int:
     phases = Phases(time.monotonic, time.process_time, queued_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = AgentConfig(**json.loads(sys.stdin.readline()))
+        config = msgspec.json.decode(sys.stdin.readline().encode(), type=AgentConfig)
         if config.spawned_at is not None:
             phases.add(START_PHASES[0], begun_at - config.spawned_at, begun_cpu, begun_queued)
         agent = FetchAgent(config, phases.lap)

@@ -44,17 +44,15 @@ from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.pull import batch
 from kv_connector.reader.pull.hold_fences import HoldFenceReader, check_hold_fences
 from kv_connector.reader.pull.links import PAGE_BYTES, FetchError, ProducerLinks
+from kv_connector.reader.pull.options import PullOptions
 from kv_connector.reader.pull.pages import take_pages
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.layout import pages_for
-from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POOL_BYTES = 128 << 20
-FETCH_TIMEOUT_S = 60.0
 POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005  # a READ polled after 50 us, then at most every 0.5 ms
 
 
@@ -83,59 +81,34 @@ class _Pending:
 class PullClient:
     """Fetches pulled samples (see the module's docstring).
 
-    ``pool_bytes``: the receive pool (samples on lease and in flight share it).
+    ``options``: a ``PullOptions``; or its fields as keywords (``PullClient(pool_bytes=
+    1 << 30)``), not both. Besides the options:
     ``secret``: the shared secret for the handshakes (default ``KV_CONNECTOR_SECRET`` or
     ``KV_CONNECTOR_SECRET_FILE``; none: unauthenticated, loopback only on the producer).
-    ``check_values``: refuse samples with NaN/Inf, all-zero tokens or all-zero layers (on
-    by default): a sampled screen on a host pool (``reader.pool.values``: a few elements of
-    every row, the whole sample only where they show something), in full on a GPU pool or
-    with ``full_values_check``.
-    ``timeout_s``: how long one fetch may take, connecting and reading included.
-    ``copy``: hand samples out as copies (their pages return at once) instead of leases.
-    ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
-    that GPU (``PoolDeviceError`` at once when CUDA or the GPU is missing, a
-    ``TransportError`` naming the wheel when NIXL does not import for this torch's CUDA; a
-    NIXL that cannot register GPU memory is named at the first fetch, when the pool is made).
-    ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``): what
-    a rank's fetch agent serves its DataLoader workers from (``reader.agent.fetch_agent``).
-    ``expect``: what every sample must be (``wire.provenance.Expectation``); one that
-    differs fails its fetch with ``FetchError("mismatch")`` before it is READ, and its
-    producer frees it.
+    ``transport``: the agent to READ with (a ``NixlTransport`` by default). A GPU pool
+    without a NIXL for this torch's CUDA raises ``TransportError`` naming the wheel here.
     """
 
     def __init__(
         self,
-        pool_bytes: int = DEFAULT_POOL_BYTES,
+        options: PullOptions | None = None,
+        *,
         secret: bytes | None = None,
-        check_values: bool = True,
-        timeout_s: float = FETCH_TIMEOUT_S,
-        copy: bool = False,
-        name: str | None = None,
         transport: Transport | None = None,
-        pool_device: str | None = None,
-        shared_pool: bool = False,
-        full_values_check: bool = False,
-        expect: Expectation | None = None,
+        **keywords: Any,
     ) -> None:
-        if pool_bytes < PAGE_BYTES:
-            raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.pool_bytes = pool_bytes
-        self.check_values = check_values
-        self.full_values_check = full_values_check
-        self.timeout_s = timeout_s
-        self.copy = copy
-        self.pool_device = pool_device
-        self.shared_pool = shared_pool
-        self.expect = expect
+        if options is None:
+            options = PullOptions(**keywords)
+        elif keywords:
+            raise TypeError(f"pass PullOptions or its fields as keywords, not both: {sorted(keywords)}")
+        self.options = options
+        pool_device = options.pool_device
         self._device = device_of(pool_device) if pool_device is not None else torch.device("cpu")
         if self._device.type == "cuda" and transport is None:
             from kv_connector.wire.nixl_transport import require_nixl
 
             require_nixl()  # a GPU pool without a NIXL for this torch's CUDA: say so now
         self._secret = secret
-        self._name = name
         self._given_transport = transport
         self._reset()
 
@@ -147,25 +120,15 @@ class PullClient:
         self._memory: PoolMemory | None = None
         self._links: ProducerLinks | None = None
         self._hold_fences: HoldFenceReader | None = None
-        self._copies = CopyBuffers.for_pool(self.pool_bytes)
-        self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
+        self._copies = CopyBuffers.for_pool(self.options.pool_bytes)
+        self.name = self.options.name or f"pull-client-{uuid.uuid4().hex[:12]}"
         self._checker = batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "pool_bytes": self.pool_bytes,
-            "check_values": self.check_values,
-            "full_values_check": self.full_values_check,
-            "timeout_s": self.timeout_s,
-            "copy": self.copy,
-            "secret": self._secret,
-            "name": self._name,
-            "pool_device": self.pool_device,
-            "shared_pool": self.shared_pool,
-        }
+        return {"options": self.options, "secret": self._secret}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+        self.__init__(state["options"], secret=state["secret"])  # type: ignore[misc]
 
     # ------------------------------------------------------------------ public
     def open(self, lap: Callable[[str], object] | None = None) -> None:
@@ -278,7 +241,7 @@ class PullClient:
 
     def _check_expected(self, m: protocol.Manifest) -> None:
         """FetchError("mismatch") naming how the sample differs from ``expect``."""
-        if self.expect is not None and (differs := self.expect.mismatches(m)):
+        if self.options.expect is not None and (differs := self.options.expect.mismatches(m)):
             why = "; ".join(differs)
             raise FetchError("mismatch", f"{m.request_id} is not what this client expects: {why}")
 
@@ -337,7 +300,8 @@ class PullClient:
             memory = self._memory
             assert memory is not None
             base = byte_of(p.pages)
-            sampled = self.check_values and not self.full_values_check  # the values screen samples
+            check, full = self.options.check_values, self.options.full_values_check
+            sampled = check and not full  # the values screen samples
             screens: list[RowsScreen | None] = []  # read with the fingerprints
             for s in p.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
@@ -352,8 +316,7 @@ class PullClient:
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
                         f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
-            full = self.full_values_check
-            if self.check_values and (problem := values_problem(memory, base, m, screens, full)):
+            if check and (problem := values_problem(memory, base, m, screens, full)):
                 raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
         except FetchError:
             self._give_back(h, p.pages)
@@ -364,7 +327,7 @@ class PullClient:
         elif release:
             unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
             self._release_all(h, quiet=not unchecked)
-        key, copies = (h.producer_id, h.request_id), self._copies if self.copy else None
+        key, copies = (h.producer_id, h.request_id), self._copies if self.options.copy else None
         return hand_out(memory, byte_of(p.pages), m, key, lambda _k: self._give_back(h, p.pages), copies)
 
     # ------------------------------------------------------------------ pool
@@ -380,15 +343,15 @@ class PullClient:
                 from kv_connector.wire.nixl_transport import NixlTransport
 
                 transport = NixlTransport(self.name, lap=lap)
-            num_pages = self.pool_bytes // PAGE_BYTES
-            memory = make_pool(num_pages * PAGE_BYTES, self.pool_device, self.shared_pool)
+            num_pages = self.options.pool_bytes // PAGE_BYTES
+            memory = make_pool(num_pages * PAGE_BYTES, self.options.pool_device, self.options.shared_pool)
             lap("pool allocation")
             self._region = register_pool(transport, memory)
             lap("pool registration")
             self._memory = memory
             self._pool = PagePool(num_pages)
             self._links = ProducerLinks(
-                self.name, self._secret, self.timeout_s, self._lock, transport, self._region
+                self.name, self._secret, self.options.timeout_s, self._lock, transport, self._region
             )
             self._hold_fences = HoldFenceReader(transport, self._lock)
             self._transport = transport
@@ -397,9 +360,8 @@ class PullClient:
         assert self._memory is not None and self._pool is not None
         n = pages_for(m.geometry.sample_bytes(m.num_blocks), PAGE_BYTES)
         key = (h.producer_id, h.request_id, h.nonce)
-        return take_pages(
-            self._memory, self._pool, self._lock, key, n, h.request_id, self.timeout_s, self.pool_bytes
-        )
+        o, rid = self.options, h.request_id
+        return take_pages(self._memory, self._pool, self._lock, key, n, rid, o.timeout_s, o.pool_bytes)
 
     def _give_back(self, h: PullHandle, pages: range) -> None:
         with self._lock:
@@ -432,7 +394,7 @@ class PullClient:
                 ) from None
 
     def _wait(self, p: _Pending) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.options.timeout_s
         waiting = list(p.xfers)
         pause = POLL_FIRST_S  # then doubling: many fetches in flight (a fetch agent's) must not spin
         while waiting:
@@ -448,7 +410,7 @@ class PullClient:
             if waiting and time.monotonic() >= deadline:
                 self._settle(waiting)
                 raise FetchError(
-                    "timeout", f"reading sample {p.handle.request_id} took over {self.timeout_s} s"
+                    "timeout", f"reading sample {p.handle.request_id} took over {self.options.timeout_s} s"
                 )
             if waiting:
                 time.sleep(pause)
@@ -456,7 +418,7 @@ class PullClient:
 
     def _settle(self, xfers: list[Any]) -> None:
         """Wait (boundedly) for posted READs to end before their pages are reused."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.options.timeout_s
         pause = POLL_FIRST_S
         for x in xfers:
             while time.monotonic() < deadline:
@@ -473,7 +435,7 @@ class PullClient:
     def _check_hold_fences(self, p: _Pending) -> bool:
         """After the READs completed: every share's hold was live (``hold_fences``)."""
         assert self._links is not None and self._hold_fences is not None
-        return check_hold_fences(self._hold_fences, self._links, p.handle, p.shares, self.timeout_s)
+        return check_hold_fences(self._hold_fences, self._links, p.handle, p.shares, self.options.timeout_s)
 
     def _release_all(self, h: PullHandle, quiet: bool, answer: bool = True) -> None:
         for rank, endpoint in enumerate(h.endpoints):

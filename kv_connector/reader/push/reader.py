@@ -15,19 +15,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import force_setattr
+
+from kv_connector.reader.options import ClientOptions
 from kv_connector.reader.pool.hand_out import hand_out, values_problem
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
-from kv_connector.reader.pool.memory import device_of, make_pool, register_pool
+from kv_connector.reader.pool.memory import make_pool, register_pool
 from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
 from kv_connector.reader.push.records import AckMode, Key, RequireChecksum
 from kv_connector.reader.push.server import ReaderServer, ServerParts, round_page
 from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
-from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Transport
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POOL_BYTES = 256 << 20
 DEFAULT_MAX_LEASES = 64
 
 
@@ -72,28 +72,25 @@ class LeaseLimitError(RuntimeError):
     """The user holds ``max_leases`` samples on lease and asks for another."""
 
 
-@dataclass(frozen=True)
-class ReaderConfig:
-    """How a ``HiddenStatesReader`` listens, pools, checks and hands out; validated when
-    built (a bad value raises ``ValueError`` naming it). The twin of ``SenderConfig``.
+class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a ``HiddenStatesReader`` listens, pools, checks and hands out: the options
+    every client shares (``reader.options.ClientOptions``: ``pool_bytes``, ``name``,
+    ``pool_device``, ``copy``, ``check_values``, ``full_values_check``, ``expect``) and
+    push's own, validated when built (a bad value raises ``ValueError`` naming it).
 
     ``listen``: control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it),
     or a socket already bound to one (held by the caller, e.g. inherited from a
     supervisor, so the port is never released between choosing and listening); the
     reader listens on it and closes it with itself.
-    ``pool_bytes``: receive pool size, registered with the transport once.
     ``page_bytes``: pool page size (rounded up to a multiple of 64); by default the
     first producer's block size.
-    ``name``: the reader's name at producers and in logs (default: a random one).
     ``ack``: ``AckMode.ON_TAKE`` ("on_take") acknowledges a sample to its producer (which
     then frees its blocks) when ``get`` hands it out; ``MANUAL`` ("manual") waits for
     ``ack(sample)``, e.g. after the sample was durably written.
     ``verify``: check each share against the checksum its producer sent, as it lands, on
     the reader's checking thread (on by default); a mismatch is logged with the request id
-    and the share is written again (at most ``reader.push.ledger.MAX_REWRITES`` times, then the
-    sample is refused and its producer fails it).
-    ``copy``: hand samples out as copies (into reused buffers) instead of views of the
-    pool on lease; their pages return at once. For users who keep samples for long.
+    and the share is written again (at most ``reader.push.ledger.MAX_REWRITES`` times, then
+    the sample is refused and its producer fails it).
     ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
     ``LeaseLimitError`` beyond it, naming them).
     ``require_checksum``: "auto" (default) refuses shares without a checksum from
@@ -105,50 +102,31 @@ class ReaderConfig:
     default that is refused: anyone who reaches the port could write into the pool).
     ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT``
     (port 0 picks one) or on a TCP socket already bound.
-    ``check_values`` (default on): before handing a sample out, screen its states for
-    NaN/Inf, tokens that are zero in every layer and captured layers that are zero at
-    every token (``reader.pool.values``, on the user's thread, in the ``get`` that reaches
-    it): on a host pool a sampled screen (a few elements of every row, about 0.4 ms for
-    64 MiB here, the whole sample looked at only where they show something; with
-    fingerprints, the lines the checking thread read for them, and the hand-out reads
-    nothing more of a clean sample), on a GPU pool a full pass there; ``full_values_check`` reads every
-    value on the host too (about 8 ms for 64 MiB). A bad sample is logged by name and
-    refused to its producer (``reject``), never handed out. ``check_values=False`` hands
-    out what came, as it came.
-    ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
-    that GPU, registered as VRAM: samples land there and are views there, checked there
-    (``reader.pool.memory``), and their pages return in stream order. ``"cpu"`` runs that
-    device code on host memory (what CI tests). ``PoolDeviceError`` when CUDA or the GPU
-    is missing or full.
-    ``expect``: what every sample must be (``wire.provenance.Expectation``: layer ids,
-    dtype, hidden size, model); a sample that differs is refused by name when its
-    producer asks for pages, before any of its bytes move (None: anything).
+
+    The values check runs on the user's thread, in the ``get`` that reaches the sample;
+    with fingerprints it screens the lines the checking thread read for them. A bad
+    sample is logged by name and refused to its producer (``reject``), never handed out.
+    A sample that differs from ``expect`` is refused when its producer asks for pages.
     """
 
     listen: str | socket.socket = "127.0.0.1:0"
-    pool_bytes: int = DEFAULT_POOL_BYTES
     page_bytes: int | None = None
-    name: str | None = None
     ack: AckMode = AckMode.ON_TAKE
     verify: bool = True
-    copy: bool = False
     max_leases: int = DEFAULT_MAX_LEASES
     require_checksum: RequireChecksum = RequireChecksum.AUTO
     sample_timeout_s: float = SAMPLE_TIMEOUT_S
     insecure: bool = False
     metrics_address: str | socket.socket | None = None
-    check_values: bool = True
-    full_values_check: bool = False
-    pool_device: str | None = None
-    expect: Expectation | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         try:
-            object.__setattr__(self, "ack", AckMode(self.ack))
+            force_setattr(self, "ack", AckMode(self.ack))
         except ValueError:
             raise ValueError(f"ack must be 'on_take' or 'manual', got {self.ack!r}") from None
         try:
-            object.__setattr__(self, "require_checksum", RequireChecksum(self.require_checksum))
+            force_setattr(self, "require_checksum", RequireChecksum(self.require_checksum))
         except ValueError:
             choices = ", ".join(repr(c.value) for c in RequireChecksum)
             raise ValueError(
@@ -158,15 +136,11 @@ class ReaderConfig:
             raise ValueError(f"sample_timeout_s must be positive, got {self.sample_timeout_s}")
         if self.max_leases <= 0:
             raise ValueError(f"max_leases must be positive, got {self.max_leases}")
-        if self.pool_bytes <= 0:
-            raise ValueError(f"pool_bytes must be positive, got {self.pool_bytes}")
-        if self.pool_device is not None:
-            device_of(self.pool_device)  # PoolDeviceError naming what is missing, before anything is made
         if self.page_bytes is not None:
             page_bytes = round_page(self.page_bytes)
             if page_bytes > self.pool_bytes:
                 raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {self.pool_bytes}")
-            object.__setattr__(self, "page_bytes", page_bytes)
+            force_setattr(self, "page_bytes", page_bytes)
 
 
 class HiddenStatesReader:

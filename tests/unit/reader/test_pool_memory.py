@@ -202,8 +202,7 @@ def test_a_device_that_cannot_hold_a_pool_is_refused_by_name() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_a_reader_or_client_asked_for_a_gpu_pool_without_cuda_is_refused_before_anything_is_made() -> None:
-    from kv_connector.reader import HiddenStatesReader, ReaderConfig
-    from kv_connector.reader.pull.client import PullClient
+    from kv_connector.reader import HiddenStatesReader, PullClient, ReaderConfig
 
     with pytest.raises(PoolDeviceError, match="needs CUDA"):
         ReaderConfig(pool_device="cuda:0")
