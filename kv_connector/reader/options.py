@@ -9,6 +9,9 @@ record is built.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
 import msgspec
 
 from kv_connector.wire.provenance import Expectation
@@ -58,4 +61,17 @@ class ClientOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             device_of(self.pool_device)
 
 
-__all__ = ["AGENT_POOL_BYTES", "DEFAULT_POOL_BYTES", "ClientOptions"]
+Options = TypeVar("Options", bound=ClientOptions)
+
+
+def options_of(kind: type[Options], given: Options | None, keywords: Mapping[str, Any]) -> Options:
+    """``given``, or a ``kind`` built of ``keywords``: a client takes its record or its
+    fields as keywords, and ``TypeError`` says so when it is handed both."""
+    if given is None:
+        return kind(**keywords)
+    if keywords:
+        raise TypeError(f"pass a {kind.__name__} or its fields as keywords, not both: {sorted(keywords)}")
+    return given
+
+
+__all__ = ["AGENT_POOL_BYTES", "DEFAULT_POOL_BYTES", "ClientOptions", "options_of"]

@@ -56,7 +56,7 @@ from kv_connector.reader.agent.wire import (
     FrameReader,
     frame,
 )
-from kv_connector.reader.options import AGENT_POOL_BYTES
+from kv_connector.reader.options import AGENT_POOL_BYTES, options_of
 from kv_connector.reader.pool.lease import COPY_BUFFERS_MIN_BYTES, CopyBuffers, Sample
 from kv_connector.reader.pull.links import FetchError
 from kv_connector.reader.pull.options import PullOptions
@@ -80,10 +80,8 @@ class FetchAgentProcess:
         """``options``: the agent's ``PullOptions`` (its pool is shared with the rank's
         workers whatever ``shared_pool`` says); or their fields as keywords, not both, with
         a pool of ``AGENT_POOL_BYTES`` by default. ``secret``: as ``PullClient``'s."""
-        if options is None:
-            options = PullOptions(**{"pool_bytes": AGENT_POOL_BYTES, **keywords})
-        elif keywords:
-            raise TypeError(f"pass PullOptions or its fields as keywords, not both: {sorted(keywords)}")
+        keywords = keywords if options is not None else {"pool_bytes": AGENT_POOL_BYTES, **keywords}
+        options = options_of(PullOptions, options, keywords)
         # its NIXL agent's name, also what keeps of its first samples announce
         self.name = options.name or f"fetch-agent-{uuid.uuid4().hex[:12]}"
         self.options = msgspec.structs.replace(options, name=self.name, shared_pool=True)

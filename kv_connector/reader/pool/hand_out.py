@@ -4,7 +4,9 @@ pull client cannot drift apart in what they refuse or how they lend."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kv_connector.reader.pool.lease import CopyBuffers, Key, Lease, Sample
 from kv_connector.reader.pool.memory import PoolMemory
@@ -13,18 +15,29 @@ from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.protocol import Manifest
 
 
-def values_problem(
+@dataclass(frozen=True)
+class ValuesVerdict:
+    """What is wrong with a sample's states (None: nothing), and how long looking at them
+    where they lie took (None: the screen its checks read sufficed)."""
+
+    problem: str | None
+    looked_s: float | None
+
+
+def values_verdict(
     memory: PoolMemory, base: int, m: Manifest, screens: Sequence[RowsScreen | None], full: bool
-) -> str | None:
-    """What is wrong with the states of the sample at ``base`` (NaN/Inf, all-zero tokens
-    or layers), or None. Where every share was screened as its check read it
-    (``screens``) and that screen saw nothing, nothing more is read; otherwise the sample
-    is looked at where it lies, every value with ``full``."""
+) -> ValuesVerdict:
+    """The states of the sample at ``base``: NaN/Inf, all-zero tokens or layers. Where
+    every share was screened as its check read it (``screens``) and that screen saw
+    nothing, nothing more is read; otherwise the sample is looked at where it lies, every
+    value with ``full``."""
     screened = [s for s in screens if s is not None]
     whole = bool(screens) and len(screened) == len(screens)
     if not full and whole and screened_clean(screened, m.num_tokens, m.num_layers):
-        return None
-    return memory.bad_values(base, m, full)
+        return ValuesVerdict(None, None)
+    t0 = time.perf_counter()
+    problem = memory.bad_values(base, m, full)
+    return ValuesVerdict(problem, time.perf_counter() - t0)
 
 
 def hand_out(
@@ -45,4 +58,4 @@ def hand_out(
     return Sample.of(m, memory.leased(base, m, lease), key[0], metadata, lease)
 
 
-__all__ = ["hand_out", "values_problem"]
+__all__ = ["ValuesVerdict", "hand_out", "values_verdict"]

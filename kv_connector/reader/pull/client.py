@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from kv_connector.reader.pool.hand_out import hand_out, values_problem
+from kv_connector.reader.options import options_of
+from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
 from kv_connector.reader.pool.memory import PoolMemory, check_share, device_of, make_pool, register_pool
 from kv_connector.reader.pool.pages import PagePool
@@ -97,11 +98,7 @@ class PullClient:
         transport: Transport | None = None,
         **keywords: Any,
     ) -> None:
-        if options is None:
-            options = PullOptions(**keywords)
-        elif keywords:
-            raise TypeError(f"pass PullOptions or its fields as keywords, not both: {sorted(keywords)}")
-        self.options = options
+        self.options = options = options_of(PullOptions, options, keywords)
         pool_device = options.pool_device
         self._device = device_of(pool_device) if pool_device is not None else torch.device("cpu")
         if self._device.type == "cuda" and transport is None:
@@ -316,7 +313,7 @@ class PullClient:
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
                         f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
-            if check and (problem := values_problem(memory, base, m, screens, full)):
+            if check and (problem := values_verdict(memory, base, m, screens, full).problem):
                 raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
         except FetchError:
             self._give_back(h, p.pages)

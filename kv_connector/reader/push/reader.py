@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import force_setattr
 
-from kv_connector.reader.options import ClientOptions
-from kv_connector.reader.pool.hand_out import hand_out, values_problem
+from kv_connector.reader.options import ClientOptions, options_of
+from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
 from kv_connector.reader.pool.memory import make_pool, register_pool
 from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
@@ -173,11 +173,7 @@ class HiddenStatesReader:
         transport: Transport | None = None,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = ReaderConfig(**options)
-        elif options:
-            raise TypeError(f"pass a ReaderConfig or its fields as keywords, not both: {sorted(options)}")
-        self.config = config
+        self.config = config = options_of(ReaderConfig, config, options)
         listen, pool_bytes, page_bytes = config.listen, config.pool_bytes, config.page_bytes
         self.max_leases = config.max_leases
         self._copy = config.copy
@@ -393,10 +389,11 @@ class HiddenStatesReader:
             if ready is None:
                 return False
             m, base, screens = ready.manifest, ready.base, ready.screens
-        t0 = time.perf_counter()
-        problem = values_problem(self._memory, base, m, screens, self._full_values_check)
+        verdict = values_verdict(self._memory, base, m, screens, self._full_values_check)
+        problem = verdict.problem
         with self._lock:
-            self._ledger.values_checked(time.perf_counter() - t0)
+            if verdict.looked_s is not None:
+                self._ledger.values_checked(verdict.looked_s)
             if problem is None:
                 return False
             name = m.request_id if m.sample_id is None else f"{m.request_id} (sample {m.sample_id})"
