@@ -9,7 +9,7 @@ registered (speculators reads the registry when its config module is imported), 
 
 Where the fetching happens (``--kv-hs-fetch-agent``, ``FetchMode``):
 
-- ``rank`` (the default): one fetch agent per trainer rank (``reader.fetch_agent``), a
+- ``rank`` (the default): one fetch agent per trainer rank (``reader.agent.fetch_agent``), a
   process the rank starts when the transfer is first pickled into its DataLoader's
   workers (or first used): the rank's only NIXL agent and only registered pool. Each
   worker gets the agent's address pickled, maps the agent's pool, and copies each row
@@ -52,14 +52,23 @@ from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from kv_connector.files.fp8 import Fp8Scale
 from kv_connector.files.keep import RowStore
-from kv_connector.reader.agent_client import AgentClient, FetchAgentError, FetchAgentProcess
-from kv_connector.reader.pull import FetchError, PullClient, handle_of
+from kv_connector.reader import (
+    AGENT_POOL_BYTES,
+    DEFAULT_POOL_BYTES,
+    AgentClient,
+    FetchAgentError,
+    FetchAgentProcess,
+    FetchError,
+    PullClient,
+    handle_of,
+)
+from kv_connector.reader.pull.options import FETCH_TIMEOUT_S
 from kv_connector.wire.provenance import Description, Expectation
 
 BACKEND = "kv-hidden-states"
-DEFAULT_POOL_MIB = 256  # each worker's, in worker mode
-DEFAULT_RANK_POOL_MIB = 1024  # the rank's one pool, in rank mode (12 workers' pools were 3 GiB)
-DEFAULT_FETCH_TIMEOUT_S = 60.0
+DEFAULT_POOL_MIB = DEFAULT_POOL_BYTES >> 20  # each worker's, in worker mode
+DEFAULT_RANK_POOL_MIB = AGENT_POOL_BYTES >> 20  # the rank's one pool, in rank mode
+DEFAULT_FETCH_TIMEOUT_S = FETCH_TIMEOUT_S
 DEFAULT_PULL_LISTEN = "127.0.0.1"
 DEFAULT_PULL_TIMEOUT_S = 300.0
 MAX_REMEMBERED = 4096  # handles released by get_generated, remembered for delete()

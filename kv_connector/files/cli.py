@@ -11,7 +11,7 @@ so a file under its final name is always whole; then its key goes into the deliv
 (``reader.journal``), and only then is the producer acknowledged.
 
 A sample that cannot be taken is refused to its producer with the reason, and the CLI
-goes on: its states hold NaN/Inf or an all-zero token (``reader.values``; on by default),
+goes on: its states hold NaN/Inf or an all-zero token (``reader.pool.values``; on by default),
 or its file cannot be written for a reason of its own (a name or content the file system
 or the format refuses). A failure of the disk itself (full, read-only, I/O error) ends
 the CLI with one ``error:`` line and exit code 1, without acknowledging the sample: its

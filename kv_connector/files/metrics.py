@@ -12,7 +12,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kv_connector.files.stats import FileStats
-from kv_connector.reader.metrics import PREFIX, Spec, histogram_family
+from kv_connector.reader.push.metrics import PREFIX, Spec, histogram_family
 
 FILES = Spec(PREFIX + "files_written", "Sample files written, fsynced and renamed into place (CLI).")
 FILE_BYTES = Spec(PREFIX + "file_bytes", "Bytes of the sample files written (CLI).")

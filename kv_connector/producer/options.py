@@ -138,7 +138,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     written (it may wait for the reader's credits) before its sample fails (default 5).
     delivery: "push" (default: the ranks WRITE each sample into a reader's pool) or "pull"
     (no reader: each rank holds a finished sample's blocks and serves it to a consumer
-    holding its handle, ``reader.pull``); pull needs no consumer_address, and its
+    holding its handle, ``reader.pull.client``); pull needs no consumer_address, and its
     ``readers`` is the one stand-in ``PULL_ENDPOINTS``.
     pull_listen: where each rank's pull endpoint listens, ``HOST`` or ``HOST:PORT`` (the
     port is rank 0's; rank r takes PORT + r); default 127.0.0.1 on a free port.

@@ -1,29 +1,46 @@
-"""The consumer library, its public face: ``HiddenStatesReader`` (configured by a
-``ReaderConfig``) yields ``Sample``s received from producers; ``HiddenStatesDataset``
-wraps it for torch. ``python -m kv_connector.reader`` runs the file CLI
-(``kv_connector.files``), which uses only what is exported here."""
+"""The consumer library, its public face: every client and error a user needs.
 
-from kv_connector.reader.dataset import HiddenStatesDataset
-from kv_connector.reader.lease import Sample, SampleReleased
-from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S
-from kv_connector.reader.metrics_server import MetricsAddressError
-from kv_connector.reader.pool_memory import PoolDeviceError
-from kv_connector.reader.reader import (
+Push: ``HiddenStatesReader`` (configured by a ``ReaderConfig``) yields ``Sample``s its
+producers WRITE into its pool; ``HiddenStatesDataset`` wraps it for torch. Pull:
+``PullClient`` (``PullOptions``) READs a sample by its handle; a trainer rank's
+``FetchAgentProcess`` holds one for every DataLoader worker, which fetches through an
+``AgentClient``. All three share ``ClientOptions``. ``python -m kv_connector.reader``
+runs the file CLI (``kv_connector.files``), which uses only what is exported here."""
+
+from kv_connector.reader.agent.client import AgentClient, FetchAgentError, FetchAgentProcess
+from kv_connector.reader.options import AGENT_POOL_BYTES, DEFAULT_POOL_BYTES, ClientOptions
+from kv_connector.reader.pool.lease import Sample, SampleReleased
+from kv_connector.reader.pool.memory import PoolDeviceError
+from kv_connector.reader.pool.values import find_bad_values
+from kv_connector.reader.pull.client import PullClient
+from kv_connector.reader.pull.links import FetchError
+from kv_connector.reader.pull.options import PullOptions
+from kv_connector.reader.push.dataset import HiddenStatesDataset
+from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S
+from kv_connector.reader.push.metrics_server import MetricsAddressError
+from kv_connector.reader.push.reader import (
     HiddenStatesReader,
     LeaseLimitError,
     ReaderClosed,
     ReaderConfig,
     refuse_open_listen,
 )
-from kv_connector.reader.records import AckMode, RequireChecksum
-from kv_connector.reader.stats import PoolState, ProducerTotals, ReaderStats
-from kv_connector.reader.values import find_bad_values
+from kv_connector.reader.push.records import AckMode, RequireChecksum
+from kv_connector.reader.push.stats import PoolState, ProducerTotals, ReaderStats
+from kv_connector.wire.handle import handle_of
 from kv_connector.wire.provenance import Expectation, ModelRunner, Provenance
 
 __all__ = [
+    "AGENT_POOL_BYTES",
+    "DEFAULT_POOL_BYTES",
     "SAMPLE_TIMEOUT_S",
     "AckMode",
+    "AgentClient",
+    "ClientOptions",
     "Expectation",
+    "FetchAgentError",
+    "FetchAgentProcess",
+    "FetchError",
     "HiddenStatesDataset",
     "HiddenStatesReader",
     "LeaseLimitError",
@@ -33,6 +50,8 @@ __all__ = [
     "PoolState",
     "ProducerTotals",
     "Provenance",
+    "PullClient",
+    "PullOptions",
     "ReaderClosed",
     "ReaderConfig",
     "ReaderStats",
@@ -40,5 +59,6 @@ __all__ = [
     "Sample",
     "SampleReleased",
     "find_bad_values",
+    "handle_of",
     "refuse_open_listen",
 ]

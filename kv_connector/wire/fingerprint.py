@@ -172,7 +172,7 @@ def gather_lines(
     ``LINE`` words in its row (the last ``LINE`` words where the row's end comes first).
     A line costs what its one word does to read (the memory moves whole cache lines),
     and is a sample of the row's values spread over the row from token to token: the
-    values screen's (``reader.values.screen_rows``). Rows of at least ``LINE`` words."""
+    values screen's (``reader.pool.values.screen_rows``). Rows of at least ``LINE`` words."""
     row = words.shape[-1]
     if row < LINE:
         raise ValueError(f"a row of {row} words is shorter than a line ({LINE})")

@@ -1,7 +1,7 @@
 """A pull handle: the opaque string a producer in pull mode puts at the top of a finished
 request's ``kv_transfer_params`` (``"handle"``, the key speculators reads), naming the
 producer, the pull endpoint of each of its ranks, the request and a nonce. A consumer
-passes it to ``reader.pull.PullClient.fetch``.
+passes it to ``reader.pull.client.PullClient.fetch``.
 
 The string is ``kvhs1.`` and the URL-safe base64 of a msgpack ``PullHandle``: small (about
 100 characters for one rank), printable, safe in JSON, a file name or a log line. It is

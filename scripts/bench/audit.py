@@ -2,7 +2,7 @@
 this machine's CPU: an 8B-shaped verifier's last layer (hidden 4096, vocab 128256, bf16
 ``lm_head``) at the audited positions of one row, against the consumer's own per-sample
 work for the same row (the default record's check and the values screen on the lines it
-reads, ``reader.pool_memory.fingerprint_screened``, as a host pool runs it).
+reads, ``reader.pool.memory.fingerprint_screened``, as a host pool runs it).
 
     python -m scripts.bench.audit     # about a minute; last line JSON
 
@@ -30,7 +30,7 @@ def main() -> dict[str, Any]:
 def measure(hidden: int, vocab: int, tokens_n: int) -> dict[str, Any]:
     """The audit's and the consumer's CPU for one row of ``tokens_n`` tokens at this shape."""
     from kv_connector.audit import DEFAULT_POSITIONS, DEFAULT_RATE, LogprobAudit, positions_of
-    from kv_connector.reader.pool_memory import fingerprint_screened
+    from kv_connector.reader.pool.memory import fingerprint_screened
     from kv_connector.sender.cache_blocks import CacheBlocks
     from kv_connector.wire.identity import NO_IDENTITY
     from kv_connector.wire.layout import BlockLayout

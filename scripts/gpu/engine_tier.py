@@ -796,7 +796,7 @@ def push_samples(reader: Any, n: int, report: dict[str, Any]) -> dict[tuple[int,
 
 
 def pull_samples(outs: list[Any], report: dict[str, Any]) -> dict[tuple[int, ...], dict[str, Any]]:
-    from kv_connector.reader.pull import PullClient
+    from kv_connector.reader import PullClient
 
     got: dict[tuple[int, ...], dict[str, Any]] = {}
     client = PullClient()

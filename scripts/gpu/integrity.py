@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kv_connector.reader.lease import sample_view
+from kv_connector.reader.pool.lease import sample_view
 from kv_connector.sender.cache_blocks import share_block_digest, share_checksum
 from kv_connector.sender.jobs import Job
 from kv_connector.wire import protocol

@@ -388,7 +388,7 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
 
 
 def pull(device: torch.device, size: Size, pool_device: str | None = None) -> dict[str, Any]:
-    from kv_connector.reader.pull import FetchError, PullClient
+    from kv_connector.reader import FetchError, PullClient
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
 

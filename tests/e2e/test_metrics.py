@@ -17,7 +17,7 @@ import pytest
 
 from kv_connector.datagen.httpclient import Server
 from kv_connector.reader import HiddenStatesReader, Sample
-from kv_connector.reader.reader import ReaderClosed
+from kv_connector.reader.push.reader import ReaderClosed
 from tests.e2e.api_server import ApiServer, tail
 from tests.ports import address_of, held_port
 from tests.promtext import excerpt, parse, scrape, value, wait_for_values

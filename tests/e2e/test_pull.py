@@ -1,6 +1,6 @@
 """Pull delivery through real vLLM (CPU build): ``LLM.generate`` with ``"delivery":
 "pull"`` holds each finished request's blocks; this process fetches every sample by the
-handle in its kv_transfer_params with ``reader.pull.PullClient`` (NIXL READs straight
+handle in its kv_transfer_params with ``reader.pull.client.PullClient`` (NIXL READs straight
 from vLLM's cache), and checks its tokens and states against transformers. Afterwards vLLM
 holds no KV block; a sample never fetched is freed by ``pull_timeout_s`` and then
 answers "expired"."""
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.reader import FetchError, PullClient
 from kv_connector.wire.handle import decode_handle
 from scripts.support.deaths import FAULT_ENV, explain
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error

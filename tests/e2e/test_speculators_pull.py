@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.reader import FetchError, PullClient
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from tests.e2e.api_server import ApiServer, tail
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error

@@ -19,8 +19,8 @@ import torch
 
 from kv_connector.producer.idle_steps import IdleSteps
 from kv_connector.reader import HiddenStatesReader
-from kv_connector.reader.ledger import MAX_PENDING_PER_RANK
-from kv_connector.reader.server import MAX_UNPROVEN_PER_HOST
+from kv_connector.reader.push.ledger import MAX_PENDING_PER_RANK
+from kv_connector.reader.push.server import MAX_UNPROVEN_PER_HOST
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire import protocol

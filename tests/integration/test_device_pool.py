@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from kv_connector.reader import HiddenStatesReader, Sample
-from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.reader import FetchError, HiddenStatesReader, PullClient, Sample
 from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
     CPU_LAYOUT,

@@ -1,6 +1,6 @@
 """A rank's fetch agent between real processes over real NIXL, without vLLM: a producer
 process holds samples in its ``PullServer`` (``pull_producer_main.py``); one fetch agent
-(``reader.fetch_agent``, its own process) READs them for clients in several threads and
+(``reader.agent.fetch_agent``, its own process) READs them for clients in several threads and
 processes of the "rank", which map its pool. Byte-exact samples, one NIXL agent and one
 registration however many clients fetch, the leases of a client killed while it held a
 sample freed, the agent gone when its rank is killed, clear errors, and a sample handed
@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector.reader.agent_client import AgentClient, FetchAgentError, FetchAgentProcess
-from kv_connector.reader.agent_wire import AgentFetch, AgentHello, AgentSample, FrameReader, frame
-from kv_connector.reader.fetch_agent import START_PHASES
-from kv_connector.reader.pull import FetchError
+from kv_connector.reader import AgentClient, FetchAgentProcess, FetchError
+from kv_connector.reader.agent.fetch_agent import START_PHASES
+from kv_connector.reader.agent.wire import AgentFetch, AgentHello, AgentSample, FrameReader, frame
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from scripts.support.proc_tree import made_a_nixl_agent
 from tests.integration.common import REPO, child_env, expected_states, make_cache, token_ids
@@ -132,7 +131,7 @@ def raw_connect(address: str) -> tuple[socket.socket, FrameReader, AgentHello]:
 
 HOLDER = """
 import socket, sys
-from kv_connector.reader.agent_wire import AgentFetch, FrameReader, frame
+from kv_connector.reader.agent.wire import AgentFetch, FrameReader, frame
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
 r = FrameReader()
@@ -181,7 +180,7 @@ def test_a_client_killed_while_holding_a_sample_gives_its_pages_back(producers: 
 
 RANK = """
 import sys
-from kv_connector.reader.agent_client import FetchAgentProcess
+from kv_connector.reader import FetchAgentProcess
 agent = FetchAgentProcess(pool_bytes=1 << 20)
 agent.start()
 print(agent.pid, agent.address, flush=True)
@@ -226,8 +225,8 @@ def test_the_producers_refusals_pass_through_and_bad_input_is_named(producers: l
     samples = samples_spec(2, TLH, seed=4)
     p = Producer(spec_of(TLH, samples))
     producers.append(p)
-    with pytest.raises(FetchAgentError, match="did not start"):
-        FetchAgentProcess(pool_bytes=100).start()  # under one page: the agent says why
+    with pytest.raises(ValueError, match="pool_bytes"):
+        FetchAgentProcess(pool_bytes=100)  # under one page: named before a process starts
     with FetchAgentProcess(pool_bytes=1 << 20) as agent:
         with pytest.raises(TypeError, match="stays with its rank"):
             pickle.dumps(agent)

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector.reader import HiddenStatesReader, Sample, pool_memory
-from kv_connector.reader.ledger import MAX_REWRITES
+from kv_connector.reader import HiddenStatesReader, Sample
+from kv_connector.reader.pool import memory as pool_memory
+from kv_connector.reader.push.ledger import MAX_REWRITES
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import stripe
 from tests.integration.common import (

@@ -1,6 +1,6 @@
 """Pull delivery between real processes over real NIXL, without vLLM: a producer process
 holds samples in one ``PullServer`` per rank (``pull_producer_main.py``), this process
-fetches them with ``reader.pull.PullClient``, READing the blocks straight from the
+fetches them with ``reader.pull.client.PullClient``, READing the blocks straight from the
 producer's cache. Byte-exact samples, TP shares gathered into one sample, releases that
 free the producer's blocks, the timeout, and the errors a consumer must see clearly: an
 expired, released, forged or stale handle, an unauthenticated peer, a share that does not
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector.reader import pool_memory
-from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.reader import FetchError, PullClient
+from kv_connector.reader.pool import memory as pool_memory
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -140,7 +140,7 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
 ) -> None:
     import threading
 
-    from kv_connector.reader import pool_memory  # where the pool's values check looks it up
+    from kv_connector.reader.pool import memory as pool_memory  # where the pool's values check looks it up
 
     checked_on: list[str] = []
     real_check = pool_memory.find_bad_values
@@ -189,7 +189,7 @@ def test_fetch_iter_streams_with_a_pool_of_exactly_its_reads_ahead_and_gives_pag
     holds just that many (each one the loop drops returns its pages before the next READ),
     in the order of the handles; a loop left early gives the samples read ahead back and
     leaves the one asked for ahead held."""
-    from kv_connector.reader.pull_links import PAGE_BYTES
+    from kv_connector.reader.pull.links import PAGE_BYTES
 
     samples = samples_spec(8, LTH)
     assert all(LTH.sample_bytes(LTH.blocks_for(s["num_tokens"])) <= PAGE_BYTES for s in samples)
@@ -401,7 +401,7 @@ def test_a_producer_with_a_secret_is_refused_by_a_consumer_expecting_none(produc
 
 KILLED_CONSUMER = """
 import os, signal, sys
-from kv_connector.reader.pull import PullClient
+from kv_connector.reader import PullClient
 s = PullClient().fetch(sys.argv[1], release=False)  # read, checked, still held at the producer
 print(s.request_id, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # a DataLoader worker killed before its release
@@ -609,7 +609,7 @@ def test_with_fingerprints_a_wide_samples_values_are_screened_on_the_lines_its_c
     share's rows are screened on the lines its check reads, so a good sample is handed out
     without another read of it, and states the step wrote bad (a layer zero over the whole
     sample, zero tokens) are refused by name, the screen looking closer where they showed."""
-    from kv_connector.reader import pool_memory
+    from kv_connector.reader.pool import memory as pool_memory
 
     looked_closer: list[int] = []
     real_check = pool_memory.find_bad_values

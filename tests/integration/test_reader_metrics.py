@@ -16,7 +16,7 @@ import pytest
 
 from kv_connector.datagen.httpclient import Server
 from kv_connector.reader import HiddenStatesReader
-from kv_connector.reader.ledger import MAX_REWRITES
+from kv_connector.reader.push.ledger import MAX_REWRITES
 from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
     CPU_LAYOUT,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kv_connector.files import metrics as files_metrics
 from kv_connector.producer.step_stats import COUNTERS, FAILED, GAUGES, HISTOGRAMS
-from kv_connector.reader import metrics as reader_metrics
+from kv_connector.reader.push import metrics as reader_metrics
 from kv_connector.wire.failure import FailureReason
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ every byte);
 checksum_throughput_ratio = e over e without an integrity record; metrics_throughput_ratio = e
 (the connector's stats taken every step on both roles as vLLM does, the reader's endpoint
 scraped every second) over e with metrics off; e_over_b. Also what the reader's optional
-values check (``reader.values``: NaN/Inf, all-zero tokens) costs per sample of the same
+values check (``reader.pool.values``: NaN/Inf, all-zero tokens) costs per sample of the same
 shape, beside the XXH3 checksum's pass over the same bytes.
 
 The modules: ``ours`` (e, and its reader process), ``example`` (b), ``raw`` (r and rc, and

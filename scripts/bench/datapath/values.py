@@ -1,4 +1,4 @@
-"""What the reader's optional values check (``reader.values``: NaN/Inf, all-zero tokens)
+"""What the reader's optional values check (``reader.pool.values``: NaN/Inf, all-zero tokens)
 costs per sample of e's shape, beside the XXH3 checksum's pass over the same bytes."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class _Consumer:
         import torch
 
         from kv_connector.common.memory import host_memory
-        from kv_connector.reader.pull import PullClient
+        from kv_connector.reader import PullClient
         from kv_connector.wire.nixl_transport import NixlTransport
 
         self.pool_bytes, self.in_flight = pool_bytes, in_flight
@@ -55,7 +55,7 @@ class _Consumer:
     def pull(self, handles: list[str], verify: bool) -> tuple[float, int, float, list[str]]:
         import torch
 
-        from kv_connector.reader.pull import FetchError
+        from kv_connector.reader import FetchError
 
         moved, digests = 0, []
         c0, t0 = paired.cpu_seconds(), time.perf_counter()

@@ -50,8 +50,8 @@ class ManifestOnly(HiddenStatesTransfer):
     row around a transfer that costs nothing: the ceiling of ``pull_over_file``."""
 
     def __init__(self) -> None:
-        from kv_connector.reader.pull import PullClient
-        from kv_connector.reader.pull_links import PAGE_BYTES
+        from kv_connector.reader import PullClient
+        from kv_connector.reader.pull.links import PAGE_BYTES
 
         self.client = PullClient(pool_bytes=PAGE_BYTES)  # asks for manifests only: nothing lands
         self._states: torch.Tensor | None = None

@@ -108,10 +108,10 @@ class _PoolOn:
     """What the reader's threads read of a pool: its device and its fences."""
 
     def __init__(self, device: torch.device) -> None:
-        from kv_connector.reader.pool_memory import Fences
+        from kv_connector.reader.pool.memory import LeaseFences
 
         self.device = device
-        self.fences = Fences(torch.device("cpu"))
+        self.lease_fences = LeaseFences(torch.device("cpu"))
 
 
 def test_the_readers_serving_and_checking_threads_set_a_gpu_pools_device_first(
@@ -121,8 +121,8 @@ def test_the_readers_serving_and_checking_threads_set_a_gpu_pools_device_first(
     registration, and the one that checks shares where they lie, make its GPU theirs."""
     import socket
 
-    from kv_connector.reader.ledger import ReaderLedger
-    from kv_connector.reader.server import ReaderServer, ServerParts
+    from kv_connector.reader.push.ledger import ReaderLedger
+    from kv_connector.reader.push.server import ReaderServer, ServerParts
 
     lsock = socket.create_server(("127.0.0.1", 0))
     lsock.setblocking(False)

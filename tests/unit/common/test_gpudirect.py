@@ -87,8 +87,8 @@ sys.meta_path.insert(0, _Refuse())
 
 import torch
 from kv_connector.common.gpudirect import Flush
-from kv_connector.reader.lease import CopyBuffers, Lease
-from kv_connector.reader.pool_memory import make_pool
+from kv_connector.reader.pool.lease import CopyBuffers, Lease
+from kv_connector.reader.pool.memory import make_pool
 from kv_connector.wire.protocol import ShareChecksum
 from tests.unit.reader.test_pool_memory import manifest
 

@@ -6,7 +6,7 @@ import pytest
 
 from kv_connector.files.progress import RateWindow, Reading, duration, pool_use, si
 from kv_connector.files.stats import FileStats
-from kv_connector.reader.stats import PoolState, ReaderStats
+from kv_connector.reader.push.stats import PoolState, ReaderStats
 
 
 def reading(t: float, samples: int, free: int = 10, waiting: int = 0, producers: int = 1) -> Reading:

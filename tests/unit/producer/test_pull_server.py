@@ -16,7 +16,7 @@ from kv_connector.producer import pull_server
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.producer.pull_server import PullServer
-from kv_connector.reader.pool_memory import pool_checksum
+from kv_connector.reader.pool.memory import pool_checksum
 from kv_connector.sender import cache_blocks
 from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.wire import protocol

@@ -1,5 +1,5 @@
 """The reader's sample ledger as a state machine: every transition, every illegal one,
-and the invariants R1-R7 of ``kv_connector.reader.ledger`` (each test names the one it
+and the invariants R1-R7 of ``kv_connector.reader.push.ledger`` (each test names the one it
 proves). Hostile credit requests from an authenticated producer are modelled here too:
 what reaches the ledger has passed the wire protocol's decoder, so the ledger decides
 the rest. Pure: no transport, no sockets, no threads; times are passed in."""
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_connector.reader as wing
-from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.records import (
+from kv_connector.reader.push.ledger import ReaderLedger
+from kv_connector.reader.push.records import (
     AckMode,
     IllegalSampleTransition,
     Log,
@@ -123,8 +123,8 @@ def verified(led: ReaderLedger, rid: str = "a", n: int = 40) -> tuple[str, str]:
     return ("p", rid)
 
 
-def hand_out(led: ReaderLedger, key: tuple[str, str], nbytes: int = 1, now: float = 0.0) -> list[object]:
-    got = led.hand_out(key, nbytes, now)
+def hand_out(led: ReaderLedger, key: tuple[str, str], now: float = 0.0) -> list[object]:
+    got = led.hand_out(key, now)
     assert got is not None
     return list(got[1])
 
@@ -141,15 +141,17 @@ def test_a_sample_goes_promised_granted_written_verified_handed_out_released() -
     assert led.state_of(("p", "a")) is SampleState.WRITTEN and v.digest == 9
     assert readies(led.share_checked(v.key, v.rank, v.landing, True, 0.5)) == [("p", "a")]
     assert led.state_of(("p", "a")) is SampleState.VERIFIED
-    got = led.hand_out(("p", "a"), 123, 1.0)
+    got = led.hand_out(("p", "a"), 1.0)
     assert got is not None
-    rec, actions = got
+    ready, actions = got
     assert sends(actions, protocol.Ack) == [(1, protocol.Ack(request_id="a"))]
-    assert rec.state is SampleState.HANDED_OUT and led.leases() == [rec] and ("p", "a") in led.delivered
+    assert led.state_of(("p", "a")) is SampleState.HANDED_OUT and ("p", "a") in led.delivered
+    assert [s.key for s in led.leases()] == [ready.key] == [("p", "a")] and ready.base == 0
     assert led.pool is not None and led.pool.free_pages == 5  # R3: on lease, the pages stay taken
     assert led.release(("p", "a"), 2.0) == []
     assert led.state_of(("p", "a")) is None and led.pool.free_pages == 8
-    assert (led.stats.samples, led.stats.bytes) == (1, 123)
+    m = manifest("a", 40)
+    assert (led.stats.samples, led.stats.bytes) == (1, m.num_tokens * m.geometry.token_bytes)
     assert led.release(("p", "a"), 3.0) == []  # released once
 
 
@@ -419,7 +421,7 @@ def test_r5_past_max_rewrites_the_sample_is_refused_and_never_handed_out() -> No
     actions = check_all(led, led.write_done(1, done(led, 1, "a", checksum=5)), ok=False)
     ((_, r),) = sends(actions, protocol.Refuse)
     assert isinstance(r, protocol.Refuse) and r.code == "checksum" and "3 times" in r.message
-    assert led.state_of(key) is None and led.hand_out(key, 1, 0.0) is None
+    assert led.state_of(key) is None and led.hand_out(key, 0.0) is None
 
 
 def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
@@ -447,7 +449,7 @@ def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank
         isinstance(r, protocol.Refuse) and r.code == "rejected" and "NaN" in r.message for _, r in refusals
     )
     assert not sends(actions, protocol.Ack)
-    assert led.state_of(("p", "a")) is None and led.hand_out(("p", "a"), 1, 1.0) is None
+    assert led.state_of(("p", "a")) is None and led.hand_out(("p", "a"), 1.0) is None
     assert led.stats.refused == 1
     # every share landed: no WRITE into its pages is on its way, they are free at once (R3)
     assert led.pool is not None and led.pool.free_pages == 8
@@ -554,7 +556,7 @@ def test_user_transitions_outside_their_state_do_nothing(state: str) -> None:
         led.release(key, 0.0)
     assert led.state_of(key) is (None if state == "released" else SampleState(state))
     if state != "verified":
-        assert led.hand_out(key, 1, 0.0) is None  # not ready (or gone): get() skips it
+        assert led.hand_out(key, 0.0) is None  # not ready (or gone): get() skips it
     if state != "handed_out":
         assert led.release(key, 0.0) == []
         assert led.state_of(key) is (None if state == "released" else SampleState(state))
@@ -801,7 +803,7 @@ def test_r3_a_silent_writer_is_waited_for_at_most_the_bound_and_its_late_write_f
     actions = led.write_done(1, late, 41.0)  # a's WRITE landed after all, in b's pages
     ((_, r),) = sends(actions, protocol.Refuse)
     assert isinstance(r, protocol.Refuse) and r.request_id == "b" and "landed in its pages" in r.message
-    assert led.state_of(("p", "b")) is None and led.hand_out(("p", "b"), 1, 41.0) is None
+    assert led.state_of(("p", "b")) is None and led.hand_out(("p", "b"), 41.0) is None
 
 
 # ---------------------------------------------------------------- bounds (R9)

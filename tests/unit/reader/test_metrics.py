@@ -10,12 +10,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kv_connector.files.metrics import FilesCollector
 from kv_connector.files.stats import FileStats
-from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.metrics import ReaderCollector
-from kv_connector.reader.records import Verify
-from kv_connector.reader.stats import PoolState, ReaderStats
+from kv_connector.reader.push.ledger import ReaderLedger
+from kv_connector.reader.push.metrics import ReaderCollector
+from kv_connector.reader.push.records import Verify
+from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
-from tests.unit.reader.test_ledger import PAGE, connected, credit, done, hand_out, hello, land, ledger, sends
+from tests.unit.reader.test_ledger import (
+    PAGE,
+    connected,
+    credit,
+    done,
+    hand_out,
+    hello,
+    land,
+    ledger,
+    manifest,
+    sends,
+)
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -74,13 +85,14 @@ def test_hand_outs_are_counted_by_producer_with_their_latency() -> None:
     for peer, pid, rid, n in ((1, "p", "a", 40), (2, "q", "b", 5), (1, "p", "c", 16)):
         led.credit_request(peer, credit(rid, n), 1.0)
         land(led, peer, rid)
-        hand_out(led, (pid, rid), nbytes=n * 64, now=1.5)
+        hand_out(led, (pid, rid), now=1.5)
         led.release((pid, rid), 2.0)
     st = led.stats.snapshot()
-    assert (st.samples, st.tokens, st.bytes) == (3, 61, 61 * 64)
+    token = manifest("a", 1).geometry.token_bytes  # the ledger counts a sample's states
+    assert (st.samples, st.tokens, st.bytes) == (3, 61, 61 * token)
     assert {k: (v.samples, v.tokens, v.bytes) for k, v in st.by_producer.items()} == {
-        "p": (2, 56, 56 * 64),
-        "q": (1, 5, 5 * 64),
+        "p": (2, 56, 56 * token),
+        "q": (1, 5, 5 * token),
     }
     assert st.handout_latency.count == 3 and st.handout_latency.total == pytest.approx(1.5)
     assert (st.first_request_t, st.last_handout_t) == (1.0, 1.5)
@@ -112,7 +124,7 @@ def test_the_prometheus_text_says_what_the_ledger_holds() -> None:
     connected(led, (1, hello("p")), (2, hello("q", rank=0, world=2)))
     led.credit_request(1, credit("a", 40), 0.0)
     land(led, 1, "a")
-    hand_out(led, ("p", "a"), nbytes=1000, now=0.02)
+    hand_out(led, ("p", "a"), now=0.02)
     for _ in range(3):  # three connections refused by the serving thread
         led.refused_peer()
     files = FileStats(files=1, bytes=1234)
@@ -121,7 +133,7 @@ def test_the_prometheus_text_says_what_the_ledger_holds() -> None:
     p = (("producer", "p"),)
     assert m[("hidden_states_reader_samples_received_total", p)] == 1
     assert m[("hidden_states_reader_tokens_received_total", p)] == 40
-    assert m[("hidden_states_reader_received_bytes_total", p)] == 1000
+    assert m[("hidden_states_reader_received_bytes_total", p)] == 40 * manifest("a", 40).geometry.token_bytes
     assert m[("hidden_states_reader_pool_pages", (("state", "leased"),))] == 3
     assert m[("hidden_states_reader_pool_pages", (("state", "free"),))] == 5
     assert m[("hidden_states_reader_pool_page_bytes", ())] == PAGE

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_connector.reader.pool import PagePool, PoolTooSmall
+from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
 
 
 def test_grants_in_arrival_order_and_waits_for_room() -> None:

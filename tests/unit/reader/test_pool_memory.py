@@ -1,4 +1,4 @@
-"""A receive pool on a device (``reader.pool_memory``), as far as it runs on CPU tensors:
+"""A receive pool on a device (``reader.pool.memory``), as far as it runs on CPU tensors:
 the device pool's checks agree with the host pool's on the same bytes, leases end through
 the pool's stream-order fences (explicitly, by collection, after a copy), a fence holds
 an end until its event is done, and a device that cannot hold a pool is refused by name
@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from kv_connector.reader.lease import CopyBuffers, Lease, sample_view
-from kv_connector.reader.pool_memory import (
+from kv_connector.reader.pool.lease import CopyBuffers, Lease, sample_view
+from kv_connector.reader.pool.memory import (
     DevicePool,
-    Fences,
     HostPool,
+    LeaseFences,
     PoolDeviceError,
     check_share,
     device_of,
@@ -128,7 +128,7 @@ def test_a_lease_ends_through_the_fences_when_released_collected_or_copied() -> 
 
 
 def test_a_fenced_end_waits_for_its_event_and_ends_in_any_order() -> None:
-    fences = Fences(torch.device("cpu"))
+    fences = LeaseFences(torch.device("cpu"))
     first, second = Later(), Later()
     ended: list[str] = []
     fences.add(lambda: ended.append("first"), first)
@@ -144,7 +144,7 @@ def test_a_fenced_end_waits_for_its_event_and_ends_in_any_order() -> None:
 
 def test_an_end_added_while_fences_settle_is_not_lost() -> None:
     """A collector may end a lease on the very thread that settles (inside an end)."""
-    fences = Fences(torch.device("cpu"))
+    fences = LeaseFences(torch.device("cpu"))
     ended: list[str] = []
     outer, inner = Later(), Later()
 
@@ -160,7 +160,7 @@ def test_an_end_added_while_fences_settle_is_not_lost() -> None:
 
 
 def test_fences_take_ends_from_several_threads() -> None:
-    fences = Fences(torch.device("cpu"))
+    fences = LeaseFences(torch.device("cpu"))
     events = [Later() for _ in range(200)]
     ended: list[int] = []
     lock = threading.Lock()
@@ -202,8 +202,7 @@ def test_a_device_that_cannot_hold_a_pool_is_refused_by_name() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_a_reader_or_client_asked_for_a_gpu_pool_without_cuda_is_refused_before_anything_is_made() -> None:
-    from kv_connector.reader import HiddenStatesReader, ReaderConfig
-    from kv_connector.reader.pull import PullClient
+    from kv_connector.reader import HiddenStatesReader, PullClient, ReaderConfig
 
     with pytest.raises(PoolDeviceError, match="needs CUDA"):
         ReaderConfig(pool_device="cuda:0")
@@ -249,7 +248,7 @@ def test_a_host_pool_screens_a_fingerprinted_share_on_the_lines_its_check_reads(
 
 def screen_rows_of(pool: HostPool, m: protocol.Manifest, share: list[int]) -> object:
     """The screen of a share's lines, taken apart from the check (what ``screened`` gives)."""
-    from kv_connector.reader.values import screen_rows
+    from kv_connector.reader.pool.values import screen_rows
     from kv_connector.wire import fingerprint
 
     _, lines = fingerprint.states_record_lines(sample_view(run_of(pool.tensor, BASE, m), m), m, share)

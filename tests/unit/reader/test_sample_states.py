@@ -1,4 +1,4 @@
-"""The reader's table of sample transitions (``reader.sample_states``) is the machine the
+"""The reader's table of sample transitions (``reader.push.sample_states``) is the machine the
 ledger enforces: every state and end reachable, the ends with no way out, an illegal
 transition raising ``IllegalSampleTransition``, and the ledger, its records and its book
 moving a sample only through the table."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kv_connector.reader import sample_states
-from kv_connector.reader.sample_states import (
+from kv_connector.reader.push import sample_states
+from kv_connector.reader.push.sample_states import (
     SAMPLES,
     IllegalSampleTransition,
     SampleEnd,
@@ -54,7 +54,7 @@ def test_the_ledger_hands_out_only_through_the_table(monkeypatch: pytest.MonkeyP
     led = ledger()
     key = verified(led)
     with pytest.raises(IllegalSampleTransition, match="handed_out is not allowed in state verified"):
-        led.hand_out(key, 1, 1.0)
+        led.hand_out(key, 1.0)
     assert led.state_of(key) is SampleState.VERIFIED and led.ready() == [key]
 
 

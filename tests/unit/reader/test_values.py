@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_connector.reader import values
-from kv_connector.reader.values import BadValues, check_values, find_bad_values
+from kv_connector.reader.pool import values
+from kv_connector.reader.pool.values import BadValues, check_values, find_bad_values
 
 LAYER_IDS = [1, 2, 4]
 

@@ -1,6 +1,6 @@
 """The reader's books: every sample it holds by key, the receive pool whose pages they
-hold (credits; ``pool.py``) and the fences its dropped samples' pages wait for
-(``fences.py``), and how many samples each producer rank has
+hold (credits; ``pool/pages.py``) and the fences its dropped samples' pages wait for
+(``page_fences.py``), and how many samples each producer rank has
 promised and not seen handed out (the bound of R9). It answers the read-only queries
 (a sample's state, the leases, the pool by holder) and moves pages; which transition
 happens, and when, is the ledger's (``ledger.py``); a sample enters and leaves the books
@@ -11,12 +11,18 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from kv_connector.reader.fences import FenceWait, PageFences
-from kv_connector.reader.pool import PagePool
-from kv_connector.reader.producers import PeerId
-from kv_connector.reader.records import Key, SampleRecord
-from kv_connector.reader.sample_states import IllegalSampleTransition, SampleEvent, SampleState, end, step
-from kv_connector.reader.stats import PoolState
+from kv_connector.reader.pool.pages import PagePool
+from kv_connector.reader.push.page_fences import PageFences, PageFenceWait
+from kv_connector.reader.push.producers import PeerId
+from kv_connector.reader.push.records import Key, SampleRecord
+from kv_connector.reader.push.sample_states import (
+    IllegalSampleTransition,
+    SampleEvent,
+    SampleState,
+    end,
+    step,
+)
+from kv_connector.reader.push.stats import PoolState
 
 
 class SampleBook:
@@ -24,7 +30,7 @@ class SampleBook:
         self, connected: Callable[[PeerId], bool], quarantine_s: float, fence_bound_s: float
     ) -> None:
         self._connected = connected  # is this connection its rank's current one?
-        self.fences = PageFences(quarantine_s, fence_bound_s)
+        self.page_fences = PageFences(quarantine_s, fence_bound_s)
         self.samples: dict[Key, SampleRecord] = {}
         self.pool: PagePool | None = None
         self.page_bytes: int | None = None
@@ -62,7 +68,13 @@ class SampleBook:
                 granted += len(s.pages)
         p = self.pool
         return PoolState(
-            self.page_bytes, p.num_pages, p.free_pages, granted, leased, self.fences.pages_waiting, p.waiting
+            self.page_bytes,
+            p.num_pages,
+            p.free_pages,
+            granted,
+            leased,
+            self.page_fences.pages_waiting,
+            p.waiting,
         )
 
     def awaited(self, producer_id: str, rank: int) -> bool:
@@ -117,7 +129,7 @@ class SampleBook:
         for key, pages in self.pool.grantable():
             s = self.samples[key]  # type: ignore[index]
             s.move(SampleEvent.GRANTED)
-            s.pages, s.t_granted, s.generation = pages, now, self.fences.new_generation()
+            s.pages, s.t_granted, s.generation = pages, now, self.page_fences.new_generation()
             granted.append(s)
         return granted
 
@@ -136,7 +148,7 @@ class SampleBook:
     def drop(self, s: SampleRecord, now: float, event: SampleEvent) -> None:
         """The sample leaves the books before it was handed out (``event``: discarded, or
         refused or rejected); it no longer counts against its ranks (R9); pages it was
-        granted go back once no WRITE into them can land (R3, ``fences.py``): at once if
+        granted go back once no WRITE into them can land (R3, ``page_fences.py``): at once if
         none is on its way."""
         assert self.pool is not None
         end(s.state, event, f"sample {s.key[1]} of {s.key[0]}")
@@ -149,15 +161,15 @@ class SampleBook:
         writing = [share.peer for share in s.shares.values() if share.in_flight]
         owed = {peer for peer in writing if self._connected(peer)}
         departed = len(owed) < len(writing)
-        if self.fences.wait(s.generation, s.key[1], s.pages, owed, departed, now):
+        if self.page_fences.wait(s.generation, s.key[1], s.pages, owed, departed, now):
             self.pool.hand_over(s.key, ("fence", s.generation))
         else:
             self.pool.release(s.key, s.pages)
 
-    def fences_due(self, now: float) -> list[tuple[int, FenceWait, bool]]:
+    def page_fences_due(self, now: float) -> list[tuple[int, PageFenceWait, bool]]:
         """Dropped samples' pages whose fence wait is over return to the pool: (generation,
         wait, ended by the bound with a writer owing its fence)."""
-        due = self.fences.due(now)
+        due = self.page_fences.due(now)
         for g, w, _ in due:
             assert self.pool is not None
             self.pool.release(("fence", g), w.pages)

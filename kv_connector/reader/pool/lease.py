@@ -32,6 +32,7 @@ from kv_connector.wire.provenance import Provenance
 
 Key = tuple[str, str]
 MIN_BUFFER = 64 << 10  # copy buffers come in powers of two from this size
+COPY_BUFFERS_MIN_BYTES = 64 << 20  # copy buffers kept for reuse: a client's pool size, or this
 
 
 class Lease:
@@ -59,7 +60,7 @@ class Lease:
 
 class Described(Protocol):
     """What names a received sample and its tokens: a ``wire.protocol.Manifest`` (the
-    pull client's and the reader's) or an ``agent_wire.AgentSample`` (the agent client's)."""
+    pull client's and the reader's) or an ``agent.wire.AgentSample`` (the agent client's)."""
 
     @property
     def request_id(self) -> str: ...
@@ -259,6 +260,12 @@ class CopyBuffers:
         self._kept = 0
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made (a measure of reuse)
+
+    @classmethod
+    def for_pool(cls, pool_bytes: int) -> CopyBuffers:
+        """Buffers for a client whose pool has ``pool_bytes``: as many kept as the pool
+        holds (a fresh allocation per sample costs more in page faults than the copy)."""
+        return cls(max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of uint8 in a reused buffer; back to the pool when its last view is

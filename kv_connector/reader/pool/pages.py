@@ -2,7 +2,7 @@
 
 Pure logic. A credit is a granted page; a producer writes only into pages granted to it,
 and a page returns to the pool only once its sample is done with (released by the user,
-or, after it was discarded, once no WRITE into it can land: ``fences.py``). Each sample
+or, after it was discarded, once no WRITE into it can land: ``push/page_fences.py``). Each sample
 gets one contiguous run of pages, so it can be handed out as a view of the pool without
 a copy. Requests are served in arrival order (a large sample is not starved by a stream
 of small ones); runs are taken next-fit from where the last one ended, so a pool whose

@@ -1,7 +1,7 @@
 """The reader's Prometheus metrics, made at scrape time from its typed snapshots
 (``HiddenStatesReader.stats()``, ``pool_state()``, ``producers_connected()``): nothing
 is recorded for them on the data path beyond the ledger's own counters. Served by
-``kv_connector.reader.metrics_server`` (with the file CLI's, ``files.metrics``, when it
+``kv_connector.reader.push.metrics_server`` (with the file CLI's, ``files.metrics``, when it
 runs).
 
 Every name starts with ``hidden_states_reader_``; counters get ``_total`` in the text.
@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kv_connector.common.observe import Histogram
-from kv_connector.reader.stats import PoolState, ReaderStats
+from kv_connector.reader.push.stats import PoolState, ReaderStats
 
 PREFIX = "hidden_states_reader_"
 

@@ -1,4 +1,4 @@
-"""The rank's side of its fetch agent (``reader.fetch_agent``): ``FetchAgentProcess``
+"""The rank's side of its fetch agent (``reader.agent.fetch_agent``): ``FetchAgentProcess``
 starts the agent and holds it (the agent ends when the rank does), and ``AgentClient``
 fetches through it, from any thread or process of the rank (a DataLoader worker gets it
 pickled: its address only).
@@ -33,14 +33,17 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 import kv_connector
 from kv_connector.common.memory import map_shared
-from kv_connector.reader.agent_wire import (
+from kv_connector.reader.agent.hold_keeper import HoldKeeper, KeptHolds
+from kv_connector.reader.agent.wire import (
     AGENT_VERSION,
     AgentAsk,
+    AgentConfig,
     AgentDone,
     AgentFailed,
     AgentFetch,
@@ -53,14 +56,14 @@ from kv_connector.reader.agent_wire import (
     FrameReader,
     frame,
 )
-from kv_connector.reader.hold_keeper import HoldKeeper, KeptHolds
-from kv_connector.reader.lease import CopyBuffers, Sample
-from kv_connector.reader.pull_links import FetchError
+from kv_connector.reader.options import AGENT_POOL_BYTES, options_of
+from kv_connector.reader.pool.lease import COPY_BUFFERS_MIN_BYTES, CopyBuffers, Sample
+from kv_connector.reader.pull.links import FetchError
+from kv_connector.reader.pull.options import PullOptions
 from kv_connector.wire.handle import HandleError, handle_of
 
 AGENT_START_TIMEOUT_S = 120.0  # importing torch and NIXL, registering the pool
 SLOW_START_S = 5.0  # a start slower than this is named when a sample expired meanwhile
-DEFAULT_AGENT_POOL_BYTES = 1 << 30  # shared by every worker of the rank (12 per-worker pools were 3 GiB)
 
 
 class FetchAgentError(RuntimeError):
@@ -72,19 +75,17 @@ class FetchAgentProcess:
     process of its own and ended by ``close()`` or by the end of this process."""
 
     def __init__(
-        self,
-        pool_bytes: int = DEFAULT_AGENT_POOL_BYTES,
-        timeout_s: float = 60.0,
-        check_values: bool = True,
-        secret: bytes | None = None,
-        name: str | None = None,
+        self, options: PullOptions | None = None, *, secret: bytes | None = None, **keywords: Any
     ) -> None:
-        self.pool_bytes = pool_bytes
-        self.timeout_s = timeout_s
-        self.check_values = check_values
-        self._secret = secret
+        """``options``: the agent's ``PullOptions`` (its pool is shared with the rank's
+        workers whatever ``shared_pool`` says); or their fields as keywords, not both, with
+        a pool of ``AGENT_POOL_BYTES`` by default. ``secret``: as ``PullClient``'s."""
+        keywords = keywords if options is not None else {"pool_bytes": AGENT_POOL_BYTES, **keywords}
+        options = options_of(PullOptions, options, keywords)
         # its NIXL agent's name, also what keeps of its first samples announce
-        self.name = name or f"fetch-agent-{uuid.uuid4().hex[:12]}"
+        self.name = options.name or f"fetch-agent-{uuid.uuid4().hex[:12]}"
+        self.options = msgspec.structs.replace(options, name=self.name, shared_pool=True)
+        self._secret = secret
         self._proc: subprocess.Popen[str] | None = None
         self._dir: str | None = None
         self._address: str | None = None
@@ -114,30 +115,29 @@ class FetchAgentProcess:
                     raise FetchAgentError(f"the fetch agent (pid {self.pid}) exited with {code}")
                 return
             self._dir = tempfile.mkdtemp(prefix="kv-fetch-agent-")  # only this user can enter it
-            config = {
-                "socket_dir": self._dir,
-                "pool_bytes": self.pool_bytes,
-                "timeout_s": self.timeout_s,
-                "check_values": self.check_values,
-                "secret_hex": None if self._secret is None else self._secret.hex(),
-                "name": self.name,
-                "spawned_at": time.time(),
-            }
+            config = AgentConfig(
+                socket_dir=self._dir,
+                options=self.options,
+                secret_hex=None if self._secret is None else self._secret.hex(),
+                spawned_at=time.time(),
+            )
             t0 = time.monotonic()
             root = str(Path(kv_connector.__file__).resolve().parent.parent)
             paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kv_connector.reader.fetch_agent"],
+                [sys.executable, "-m", "kv_connector.reader.agent.fetch_agent"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
                 env=env,
             )
             assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(config) + "\n")
+            proc.stdin.write(msgspec.json.encode(config).decode() + "\n")
             proc.stdin.flush()
-            keeper = HoldKeeper(keep, self.name, self.pool_bytes, self._secret, min(self.timeout_s, 10.0))
+            keeper = HoldKeeper(
+                keep, self.name, self.options.pool_bytes, self._secret, min(self.options.timeout_s, 10.0)
+            )
             try:
                 keeper.start()
                 ready, _, _ = select.select([proc.stdout], [], [], AGENT_START_TIMEOUT_S)
@@ -252,7 +252,7 @@ class AgentClient:
         self._lock = threading.Lock()
         self._pool: torch.Tensor | None = None  # the agent's pool, mapped here (uint8)
         self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # a thread's ends with the thread
-        self._copies = CopyBuffers(max_bytes=64 << 20)
+        self._copies = CopyBuffers(COPY_BUFFERS_MIN_BYTES)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"address": self.address, "timeout_s": self.timeout_s}
@@ -384,4 +384,4 @@ class AgentClient:
         return out
 
 
-__all__ = ["DEFAULT_AGENT_POOL_BYTES", "AgentClient", "FetchAgentError", "FetchAgentProcess"]
+__all__ = ["AgentClient", "FetchAgentError", "FetchAgentProcess"]

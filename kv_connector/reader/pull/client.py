@@ -6,22 +6,22 @@ the producer's response) asks each rank of the producer for its share of the sam
 (``PullFetch``: the manifest and where the share lies in the rank's cache), READs every
 share into one run of its receive pool, checks each share against its checksum (of the
 kind its ``PullShare.digest`` names: XXH3 of the bytes, or block digests recomputed from
-the pool as the push reader does, ``reader.pool_memory``) and the
-states for NaN/Inf and all-zero tokens (``reader.values``), releases the sample on every
-rank (the producer frees its blocks), and returns a ``reader.lease.Sample``: a view of the
+the pool as the push reader does, ``reader.pool.memory``) and the
+states for NaN/Inf and all-zero tokens (``reader.pool.values``), releases the sample on every
+rank (the producer frees its blocks), and returns a ``reader.pool.lease.Sample``: a view of the
 pool on lease, as the push reader hands out, whose pages return when it is released or
 collected.
 
 The client owns one NIXL agent and one receive pool registered once, both made on first
 use (the pool in host memory, or with ``pool_device="cuda:N"`` on that GPU, registered as
-VRAM, where samples land, are checked and handed out: ``reader.pool_memory``): a client
+VRAM, where samples land, are checked and handed out: ``reader.pool.memory``): a client
 is picklable until then (and after: a copy starts afresh), so a DataLoader can ship it to
 spawned workers. It keeps one authenticated control connection per
 producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
 both ends prove it before any NIXL metadata moves); one that breaks (a producer
 restarted) is made and handshaken again once per request. Thread-safe: several fetches
 may be in flight, from several threads or from one ``fetch_many`` or ``fetch_iter``, which
-check each sample on a thread of its own while they READ the next (``reader.pull_batch``).
+check each sample on a thread of its own while they READ the next (``reader.pull.batch``).
 """
 
 from __future__ import annotations
@@ -36,27 +36,24 @@ from typing import Any
 
 import torch
 
-from kv_connector.reader import pull_batch
-from kv_connector.reader.lease import CopyBuffers, Lease, Sample
-from kv_connector.reader.pool import PagePool
-from kv_connector.reader.pool_memory import PoolMemory, check_share, device_of, make_pool, register_pool
-from kv_connector.reader.pull_fence import FenceReader, check_fences
-from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
-from kv_connector.reader.pull_pages import take_pages
-from kv_connector.reader.records import RowsScreen
-from kv_connector.reader.values import screened_clean
+from kv_connector.reader.options import options_of
+from kv_connector.reader.pool.hand_out import hand_out, values_verdict
+from kv_connector.reader.pool.lease import CopyBuffers, Sample
+from kv_connector.reader.pool.memory import PoolMemory, check_share, device_of, make_pool, register_pool
+from kv_connector.reader.pool.pages import PagePool
+from kv_connector.reader.pool.values import RowsScreen
+from kv_connector.reader.pull import batch
+from kv_connector.reader.pull.hold_fences import HoldFenceReader, check_hold_fences
+from kv_connector.reader.pull.links import PAGE_BYTES, FetchError, ProducerLinks
+from kv_connector.reader.pull.options import PullOptions
+from kv_connector.reader.pull.pages import take_pages
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
-from kv_connector.wire.identity import decode_metadata
 from kv_connector.wire.layout import pages_for
-from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POOL_BYTES = 128 << 20
-COPY_BUFFERS_MIN_BYTES = 64 << 20  # copies' buffers kept for reuse: the pool's size, or this
-FETCH_TIMEOUT_S = 60.0
 POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005  # a READ polled after 50 us, then at most every 0.5 ms
 
 
@@ -77,7 +74,7 @@ class _Pending:
     shares: list[protocol.PullShare]
     pages: range
     xfers: list[Any]
-    # the fences' outcome (``_check_fences``) when they were READ as the data READs were
+    # the fences' outcome (``_check_hold_fences``) when they were READ as the data READs were
     # posted; None: not READ yet
     fenced: bool | FetchError | None = None
 
@@ -85,59 +82,30 @@ class _Pending:
 class PullClient:
     """Fetches pulled samples (see the module's docstring).
 
-    ``pool_bytes``: the receive pool (samples on lease and in flight share it).
+    ``options``: a ``PullOptions``; or its fields as keywords (``PullClient(pool_bytes=
+    1 << 30)``), not both. Besides the options:
     ``secret``: the shared secret for the handshakes (default ``KV_CONNECTOR_SECRET`` or
     ``KV_CONNECTOR_SECRET_FILE``; none: unauthenticated, loopback only on the producer).
-    ``check_values``: refuse samples with NaN/Inf, all-zero tokens or all-zero layers (on
-    by default): a sampled screen on a host pool (``reader.values``: a few elements of
-    every row, the whole sample only where they show something), in full on a GPU pool or
-    with ``full_values_check``.
-    ``timeout_s``: how long one fetch may take, connecting and reading included.
-    ``copy``: hand samples out as copies (their pages return at once) instead of leases.
-    ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
-    that GPU (``PoolDeviceError`` at once when CUDA or the GPU is missing, a
-    ``TransportError`` naming the wheel when NIXL does not import for this torch's CUDA; a
-    NIXL that cannot register GPU memory is named at the first fetch, when the pool is made).
-    ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``): what
-    a rank's fetch agent serves its DataLoader workers from (``reader.fetch_agent``).
-    ``expect``: what every sample must be (``wire.provenance.Expectation``); one that
-    differs fails its fetch with ``FetchError("mismatch")`` before it is READ, and its
-    producer frees it.
+    ``transport``: the agent to READ with (a ``NixlTransport`` by default). A GPU pool
+    without a NIXL for this torch's CUDA raises ``TransportError`` naming the wheel here.
     """
 
     def __init__(
         self,
-        pool_bytes: int = DEFAULT_POOL_BYTES,
+        options: PullOptions | None = None,
+        *,
         secret: bytes | None = None,
-        check_values: bool = True,
-        timeout_s: float = FETCH_TIMEOUT_S,
-        copy: bool = False,
-        name: str | None = None,
         transport: Transport | None = None,
-        pool_device: str | None = None,
-        shared_pool: bool = False,
-        full_values_check: bool = False,
-        expect: Expectation | None = None,
+        **keywords: Any,
     ) -> None:
-        if pool_bytes < PAGE_BYTES:
-            raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {pool_bytes}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.pool_bytes = pool_bytes
-        self.check_values = check_values
-        self.full_values_check = full_values_check
-        self.timeout_s = timeout_s
-        self.copy = copy
-        self.pool_device = pool_device
-        self.shared_pool = shared_pool
-        self.expect = expect
+        self.options = options = options_of(PullOptions, options, keywords)
+        pool_device = options.pool_device
         self._device = device_of(pool_device) if pool_device is not None else torch.device("cpu")
         if self._device.type == "cuda" and transport is None:
             from kv_connector.wire.nixl_transport import require_nixl
 
             require_nixl()  # a GPU pool without a NIXL for this torch's CUDA: say so now
         self._secret = secret
-        self._name = name
         self._given_transport = transport
         self._reset()
 
@@ -148,28 +116,16 @@ class PullClient:
         self._pool: PagePool | None = None
         self._memory: PoolMemory | None = None
         self._links: ProducerLinks | None = None
-        self._fences: FenceReader | None = None
-        # copying mode: reused, pre-faulted buffers (a fresh 64 MiB allocation per sample
-        # costs more in page faults than the copy itself)
-        self._copies = CopyBuffers(max_bytes=max(self.pool_bytes, COPY_BUFFERS_MIN_BYTES))
-        self.name = self._name or f"pull-client-{uuid.uuid4().hex[:12]}"
-        self._checker = pull_batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
+        self._hold_fences: HoldFenceReader | None = None
+        self._copies = CopyBuffers.for_pool(self.options.pool_bytes)
+        self.name = self.options.name or f"pull-client-{uuid.uuid4().hex[:12]}"
+        self._checker = batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "pool_bytes": self.pool_bytes,
-            "check_values": self.check_values,
-            "full_values_check": self.full_values_check,
-            "timeout_s": self.timeout_s,
-            "copy": self.copy,
-            "secret": self._secret,
-            "name": self._name,
-            "pool_device": self.pool_device,
-            "shared_pool": self.shared_pool,
-        }
+        return {"options": self.options, "secret": self._secret}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+        self.__init__(state["options"], secret=state["secret"])  # type: ignore[misc]
 
     # ------------------------------------------------------------------ public
     def open(self, lap: Callable[[str], object] | None = None) -> None:
@@ -217,11 +173,11 @@ class PullClient:
         ``FetchError`` of that one, with up to ``in_flight`` of them asked for and READ
         ahead (None: all). The next one is asked for on a thread of its own while this
         one posts the READs, and each is checked and released on the client's checker
-        thread while the next ones are READ (``reader.pull_batch``). The pool must
+        thread while the next ones are READ (``reader.pull.batch``). The pool must
         hold ``in_flight`` samples besides those you keep: release each before taking the
         next (a plain ``for`` loop whose body drops the sample does)."""
-        stages = pull_batch.Stages(self._ask, self._post, self._finish)
-        return pull_batch.fetch_iter(stages, self._checker, handles, in_flight)
+        stages = batch.Stages(self._ask, self._post, self._finish)
+        return batch.fetch_iter(stages, self._checker, handles, in_flight)
 
     def manifest(self, handle: str | Mapping[str, Any]) -> protocol.Manifest:
         """What ``handle`` names, without reading it: the sample's manifest (token ids,
@@ -282,7 +238,7 @@ class PullClient:
 
     def _check_expected(self, m: protocol.Manifest) -> None:
         """FetchError("mismatch") naming how the sample differs from ``expect``."""
-        if self.expect is not None and (differs := self.expect.mismatches(m)):
+        if self.options.expect is not None and (differs := self.options.expect.mismatches(m)):
             why = "; ".join(differs)
             raise FetchError("mismatch", f"{m.request_id} is not what this client expects: {why}")
 
@@ -311,7 +267,7 @@ class PullClient:
         p = _Pending(h, shares, pages, xfers)
         if not xfers:
             try:
-                p.fenced = self._check_fences(p)
+                p.fenced = self._check_hold_fences(p)
             except FetchError as e:
                 p.fenced = e
         return p
@@ -335,31 +291,30 @@ class PullClient:
         h, m = p.handle, p.shares[0].manifest
         try:
             self._wait(p)
-            fenced = self._check_fences(p) if p.fenced is None else p.fenced
+            fenced = self._check_hold_fences(p) if p.fenced is None else p.fenced
             if isinstance(fenced, FetchError):
                 raise fenced
             memory = self._memory
             assert memory is not None
             base = byte_of(p.pages)
-            sampled = self.check_values and not self.full_values_check  # the values screen samples
-            screens: list[RowsScreen] = []  # read with the fingerprints
+            check, full = self.options.check_values, self.options.full_values_check
+            sampled = check and not full  # the values screen samples
+            screens: list[RowsScreen | None] = []  # read with the fingerprints
             for s in p.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
                 if s.checksum is None:
+                    screens.append(None)
                     continue
                 got, screen = check_share(memory, base, m, blocks, s.digest, sampled)
-                screens += [] if screen is None else [screen]
+                screens.append(screen)
                 if got != s.checksum:
                     raise FetchError(
                         "checksum",
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
                         f"({s.digest.value}; its blocks changed while being read: expired?)",
                     )
-            screened = len(screens) == len(p.shares) and screened_clean(screens, m.num_tokens, m.num_layers)
-            if self.check_values and not screened:
-                problem = memory.bad_values(base, m, self.full_values_check)
-                if problem is not None:
-                    raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
+            if check and (problem := values_verdict(memory, base, m, screens, full).problem):
+                raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
         except FetchError:
             self._give_back(h, p.pages)
             self._release_all(h, quiet=True)
@@ -369,21 +324,8 @@ class PullClient:
         elif release:
             unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
             self._release_all(h, quiet=not unchecked)
-        return self._hand_out(h, m, p.pages)
-
-    def _hand_out(self, h: PullHandle, m: protocol.Manifest, pages: range) -> Sample:
-        memory = self._memory
-        assert memory is not None
-        base = byte_of(pages)
-        key = (h.producer_id, h.request_id)
-        lease = Lease(key, memory.ordered(lambda _k: self._give_back(h, pages)))
-        if self.copy:
-            hidden = memory.copy_out(base, m, lease, self._copies)  # contiguous [T, L, H]; pages back
-            sample_lease = None
-        else:
-            hidden = memory.leased(base, m, lease)
-            sample_lease = lease
-        return Sample.of(m, hidden, h.producer_id, decode_metadata(m.metadata), sample_lease)
+        key, copies = (h.producer_id, h.request_id), self._copies if self.options.copy else None
+        return hand_out(memory, byte_of(p.pages), m, key, lambda _k: self._give_back(h, p.pages), copies)
 
     # ------------------------------------------------------------------ pool
     def _ensure(self, lap: Callable[[str], object] | None = None) -> None:
@@ -398,26 +340,25 @@ class PullClient:
                 from kv_connector.wire.nixl_transport import NixlTransport
 
                 transport = NixlTransport(self.name, lap=lap)
-            num_pages = self.pool_bytes // PAGE_BYTES
-            memory = make_pool(num_pages * PAGE_BYTES, self.pool_device, self.shared_pool)
+            num_pages = self.options.pool_bytes // PAGE_BYTES
+            memory = make_pool(num_pages * PAGE_BYTES, self.options.pool_device, self.options.shared_pool)
             lap("pool allocation")
             self._region = register_pool(transport, memory)
             lap("pool registration")
             self._memory = memory
             self._pool = PagePool(num_pages)
             self._links = ProducerLinks(
-                self.name, self._secret, self.timeout_s, self._lock, transport, self._region
+                self.name, self._secret, self.options.timeout_s, self._lock, transport, self._region
             )
-            self._fences = FenceReader(transport, self._lock)
+            self._hold_fences = HoldFenceReader(transport, self._lock)
             self._transport = transport
 
     def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
         assert self._memory is not None and self._pool is not None
         n = pages_for(m.geometry.sample_bytes(m.num_blocks), PAGE_BYTES)
         key = (h.producer_id, h.request_id, h.nonce)
-        return take_pages(
-            self._memory, self._pool, self._lock, key, n, h.request_id, self.timeout_s, self.pool_bytes
-        )
+        o, rid = self.options, h.request_id
+        return take_pages(self._memory, self._pool, self._lock, key, n, rid, o.timeout_s, o.pool_bytes)
 
     def _give_back(self, h: PullHandle, pages: range) -> None:
         with self._lock:
@@ -450,7 +391,7 @@ class PullClient:
                 ) from None
 
     def _wait(self, p: _Pending) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.options.timeout_s
         waiting = list(p.xfers)
         pause = POLL_FIRST_S  # then doubling: many fetches in flight (a fetch agent's) must not spin
         while waiting:
@@ -466,7 +407,7 @@ class PullClient:
             if waiting and time.monotonic() >= deadline:
                 self._settle(waiting)
                 raise FetchError(
-                    "timeout", f"reading sample {p.handle.request_id} took over {self.timeout_s} s"
+                    "timeout", f"reading sample {p.handle.request_id} took over {self.options.timeout_s} s"
                 )
             if waiting:
                 time.sleep(pause)
@@ -474,7 +415,7 @@ class PullClient:
 
     def _settle(self, xfers: list[Any]) -> None:
         """Wait (boundedly) for posted READs to end before their pages are reused."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.options.timeout_s
         pause = POLL_FIRST_S
         for x in xfers:
             while time.monotonic() < deadline:
@@ -488,10 +429,10 @@ class PullClient:
                 pause = min(2 * pause, POLL_MAX_S)
 
     # ------------------------------------------------------------------ control
-    def _check_fences(self, p: _Pending) -> bool:
-        """After the READs completed: every share's hold was live (``pull_fence``)."""
-        assert self._links is not None and self._fences is not None
-        return check_fences(self._fences, self._links, p.handle, p.shares, self.timeout_s)
+    def _check_hold_fences(self, p: _Pending) -> bool:
+        """After the READs completed: every share's hold was live (``hold_fences``)."""
+        assert self._links is not None and self._hold_fences is not None
+        return check_hold_fences(self._hold_fences, self._links, p.handle, p.shares, self.options.timeout_s)
 
     def _release_all(self, h: PullHandle, quiet: bool, answer: bool = True) -> None:
         for rank, endpoint in enumerate(h.endpoints):

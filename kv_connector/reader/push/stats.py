@@ -117,4 +117,3 @@ class PoolState:
     leased: int = 0
     quarantined: int = 0
     waiting: int = 0
-

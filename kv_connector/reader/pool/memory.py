@@ -14,7 +14,7 @@ Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull clien
   GPU; XXH3 (what a producer with a host cache sends) after one copy of the sample to
   the host. A lease ends in stream order: when a sample is released or its last view is
   collected, an event is recorded on the releasing thread's current stream, and the pages
-  return to producers only once the work queued before it is done (``Fences``), so a
+  return to producers only once the work queued before it is done (``LeaseFences``), so a
   kernel still reading a sample never sees the next one land. Work on other streams must
   be synchronized by the user before letting a sample go (as with torch's own memory).
   Before any check or hand-out reads what landed, RDMA writes into the GPU are made
@@ -40,9 +40,8 @@ import torch
 from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.common.gpudirect import Visibility
 from kv_connector.common.memory import host_memory, shared_host_memory
-from kv_connector.reader.lease import CopyBuffers, Key, Lease, leased_view, sample_view
-from kv_connector.reader.records import RowsScreen
-from kv_connector.reader.values import find_bad_values, samples, screen_rows
+from kv_connector.reader.pool.lease import CopyBuffers, Key, Lease, leased_view, sample_view
+from kv_connector.reader.pool.values import RowsScreen, find_bad_values, samples, screen_rows
 from kv_connector.wire import fingerprint
 from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
 from kv_connector.wire.integrity import sample_checksum
@@ -54,7 +53,7 @@ class PoolDeviceError(ValueError):
     """The pool cannot live on the device asked for (no CUDA, no such GPU, no room)."""
 
 
-class Fences:
+class LeaseFences:
     """Lease ends waiting for the device work queued before them (stream order). On a
     host device every end is done at once."""
 
@@ -106,7 +105,7 @@ class PoolMemory(Protocol):
 
     device: torch.device
     tensor: torch.Tensor  # uint8 [nbytes], registered with the transport once
-    fences: Fences
+    lease_fences: LeaseFences
 
     def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
         """A share's checksum (``blocks``: indices in the sample) recomputed from the run of
@@ -120,7 +119,7 @@ class PoolMemory(Protocol):
         ...
 
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
-        """``reader.values.find_bad_values`` of the sample at ``base``: sampled in host
+        """``reader.pool.values.find_bad_values`` of the sample at ``base``: sampled in host
         memory unless ``full``, in full on a GPU (one pass where it lies)."""
         ...
 
@@ -137,7 +136,7 @@ class PoolMemory(Protocol):
 
     def ordered(self, release: Callable[[Key], None]) -> Callable[[Key], None]:
         """``release`` (a lease's end: its pages go back) made to wait for the device work
-        queued on the ending thread's stream before it (``Fences``); as it is on the host."""
+        queued on the ending thread's stream before it (``LeaseFences``); as it is on the host."""
         ...
 
 
@@ -185,7 +184,7 @@ def run_of(tensor: torch.Tensor, base: int, m: Manifest) -> torch.Tensor:
 
 class HostPool:
     """Host memory in huge pages, checked in place on the host. ``shared``: in a memory
-    file other processes can map (``fd``; a rank's fetch agent, ``reader.fetch_agent``)."""
+    file other processes can map (``fd``; a rank's fetch agent, ``reader.agent.fetch_agent``)."""
 
     def __init__(self, nbytes: int, shared: bool = False) -> None:
         self.device = torch.device("cpu")
@@ -195,7 +194,7 @@ class HostPool:
         else:
             self._np = host_memory(nbytes)  # huge pages where the kernel offers them
         self.tensor = torch.from_numpy(self._np)
-        self.fences = Fences(self.device)
+        self.lease_fences = LeaseFences(self.device)
 
     def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
         return pool_checksum(self._np.data, base, m, blocks, kind)
@@ -272,7 +271,7 @@ class DevicePool:
                 f"free of {total / (1 << 20):.0f} MiB; lower pool_bytes, or make the pool before "
                 "training takes the memory"
             ) from None
-        self.fences = Fences(device)
+        self.lease_fences = LeaseFences(device)
         self.visible = Visibility(device)  # before each read of what landed
         self._np = self.tensor.numpy() if device.type == "cpu" else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
@@ -328,7 +327,7 @@ class DevicePool:
         return hidden
 
     def ordered(self, release: Callable[[Key], None]) -> Callable[[Key], None]:
-        return lambda key: self.fences.add(functools.partial(release, key))
+        return lambda key: self.lease_fences.add(functools.partial(release, key))
 
 
 def register_pool(transport: Transport, pool: PoolMemory) -> Region:
@@ -359,8 +358,8 @@ def make_pool(nbytes: int, pool_device: str | torch.device | None, shared: bool 
 
 __all__ = [
     "DevicePool",
-    "Fences",
     "HostPool",
+    "LeaseFences",
     "PoolDeviceError",
     "PoolMemory",
     "check_share",

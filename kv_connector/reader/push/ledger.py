@@ -59,26 +59,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kv_connector.reader.book import SampleBook
-from kv_connector.reader.delivered import Delivered
-from kv_connector.reader.pool import PagePool, PoolTooSmall
-from kv_connector.reader.producers import PeerId, Producers
-from kv_connector.reader.records import (
+from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
+from kv_connector.reader.pool.values import RowsScreen
+from kv_connector.reader.push.book import SampleBook
+from kv_connector.reader.push.delivered import Delivered
+from kv_connector.reader.push.producers import PeerId, Producers
+from kv_connector.reader.push.records import (
     AckMode,
     Action,
     IllegalSampleTransition,
     Key,
     Log,
+    ReadySample,
     RequireChecksum,
-    RowsScreen,
     SampleRecord,
     SampleState,
     Send,
     Share,
 )
-from kv_connector.reader.refusals import Refusals
-from kv_connector.reader.sample_states import SampleEvent
-from kv_connector.reader.stats import PoolState, ReaderStats
+from kv_connector.reader.push.refusals import Refusals
+from kv_connector.reader.push.sample_states import SampleEvent
+from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
@@ -209,7 +210,7 @@ class ReaderLedger:
             return []
         awaited = self._book.awaited(*ident)
         self.producers.gone(peer, now + (self.grace_s if awaited else 0.0))
-        self._book.fences.peer_gone(peer, now)
+        self._book.page_fences.peer_gone(peer, now)
         return self._departed(now)
 
     def _departed(self, now: float) -> list[Action]:
@@ -347,24 +348,36 @@ class ReaderLedger:
         """A rank has no WRITE into a dropped sample's grant in flight any more (R3); a
         fence nothing waits for (its sample landed, or its pages went back) is moot."""
         self._ident(peer)
-        if not self._book.fences.answered(msg.generation, msg.request_id, peer):
+        if not self._book.page_fences.answered(msg.generation, msg.request_id, peer):
             return []
-        return self._fences_due(now)
+        return self._page_fences_due(now)
 
     # ------------------------------------------------------------- the user
-    def hand_out(self, key: Key, nbytes: int, now: float) -> tuple[SampleRecord, list[Action]] | None:
-        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
-        as delivered and its producer acked now (on take) or when the user acks (manual)
-        (R4). None when it is not ready (discarded, or written again since it was queued)."""
+    def ready_sample(self, key: Key) -> ReadySample | None:
+        """The sample as the user's thread hands it out, while it is VERIFIED; None when it
+        is not ready (discarded, or written again since it was queued)."""
         s = self.samples.get(key)
         if s is None or s.state is not SampleState.VERIFIED:
             return None
+        assert s.pages is not None and self.page_bytes is not None
+        screens = tuple(share.screen for share in s.shares.values())
+        return ReadySample(key, s.manifest, s.pages.start * self.page_bytes, screens)
+
+    def hand_out(self, key: Key, now: float) -> tuple[ReadySample, list[Action]] | None:
+        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
+        as delivered and its producer acked now (on take) or when the user acks (manual)
+        (R4). None when it is not ready (discarded, or written again since it was queued)."""
+        ready = self.ready_sample(key)
+        if ready is None:
+            return None
+        s, m = self.samples[key], ready.manifest
         s.move(SampleEvent.HANDED_OUT)
         s.t_handed_out = now
         self._book.settle_pending(s)
-        self.stats.handed_out(key[0], s.manifest.num_tokens, nbytes, now - s.t_requested, now)
+        nbytes = m.num_tokens * m.geometry.token_bytes
+        self.stats.handed_out(key[0], m.num_tokens, nbytes, now - s.t_requested, now)
         self.delivered.remember(key, list(s.peers.values()))
-        return s, (self.ack(key) if self.ack_mode is AckMode.ON_TAKE else [])
+        return ready, (self.ack(key) if self.ack_mode is AckMode.ON_TAKE else [])
 
     def release(self, key: Key, now: float) -> list[Action]:
         """HANDED_OUT -> released: the lease ended; its pages return to the pool (R3).
@@ -404,7 +417,7 @@ class ReaderLedger:
         are settled; granted samples past their deadline are refused."""
         actions = self._departed(now)
         actions += self._refusals.expire(now, self.sample_timeout_s)
-        return actions + self._fences_due(now)
+        return actions + self._page_fences_due(now)
 
     # -------------------------------------------------------------- helpers
     def _requires_checksum(self, producer_id: str) -> bool:
@@ -424,9 +437,9 @@ class ReaderLedger:
         ident = self.producers.identity(peer)
         return ident is not None and self.producers.current(*ident) == peer
 
-    def _fences_due(self, now: float) -> list[Action]:
+    def _page_fences_due(self, now: float) -> list[Action]:
         """Dropped samples' pages whose fence wait is over go back; waiting samples get them."""
-        due = self._book.fences_due(now)
+        due = self._book.page_fences_due(now)
         actions: list[Action] = [
             Log(
                 "warning",
@@ -444,11 +457,12 @@ class ReaderLedger:
         pid, rank = self._ident(peer)
         rid, g = msg.request_id, msg.generation
         label = f"a WRITE of {rid} by {pid}/rank{rank} (grant {g})"
-        if self._book.fences.answered(g, rid, peer):
-            return [Log("warning", f"{label} landed after its sample was dropped"), *self._fences_due(now)]
-        if self._book.fences.fenced(g, rid):
+        if self._book.page_fences.answered(g, rid, peer):
+            dropped = Log("warning", f"{label} landed after its sample was dropped")
+            return [dropped, *self._page_fences_due(now)]
+        if self._book.page_fences.fenced(g, rid):
             return []  # its fence came first: the WRITE had ended before it was sent
-        pages = self._book.fences.unfenced(g, rid)
+        pages = self._book.page_fences.unfenced(g, rid)
         if pages is None:
             raise ProtocolError(f"write_done for {rid}, which it was not granted (grant {g})")
         return self._refusals.overwritten(pages, label, now)

@@ -1,12 +1,12 @@
 """Keeps a producer's holds for a consumer that is still starting: while a trainer rank's
-fetch agent starts (``agent_client.FetchAgentProcess.start(keep=...)``), a thread tells
+fetch agent starts (``agent.client.FetchAgentProcess.start(keep=...)``), a thread tells
 each producer rank that the handles name a consumer is coming (``PullKeep``), again
 before the hold would end, so a sample handed out before the agent serves is not freed
 by ``pull_timeout_s`` meanwhile. Each rank keeps a hold at most twice ``pull_timeout_s``
 after its request finished (its ledger's P8): a consumer that never comes cannot keep
 blocks for ever.
 
-No NIXL agent is needed: the keeper's connections (``pull_links.ProducerLinks`` without
+No NIXL agent is needed: the keeper's connections (``pull.links.ProducerLinks`` without
 a transport) run the authenticated handshake, announce the pool the agent will have and
 move no memory key.
 """
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_connector.reader.pull_links import PAGE_BYTES, FetchError, ProducerLinks
+from kv_connector.reader.pull.links import PAGE_BYTES, FetchError, ProducerLinks
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.transport import Region

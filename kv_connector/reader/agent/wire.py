@@ -1,4 +1,4 @@
-"""What a rank's fetch agent (``reader.fetch_agent``) and its clients (``reader.agent_client``)
+"""What a rank's fetch agent (``reader.agent.fetch_agent``) and its clients (``reader.agent.client``)
 say to each other over a Unix socket: length-prefixed msgpack frames of the messages below.
 
     client                                   agent
@@ -14,7 +14,8 @@ say to each other over a Unix socket: length-prefixed msgpack frames of the mess
     AgentAsk()                          ->
                                         <-   AgentStats
 
-A client's leases end with its connection, however it ends. Pure: msgspec and bytes.
+A client's leases end with its connection, however it ends. The rank starts its agent
+with one JSON line on the agent's standard input (``AgentConfig``). Pure: msgspec and bytes.
 """
 
 from __future__ import annotations
@@ -24,11 +25,22 @@ from typing import Any
 
 import msgspec
 
+from kv_connector.reader.pull.options import PullOptions
 from kv_connector.wire.provenance import Provenance
 
 AGENT_VERSION = 1
 MAX_AGENT_FRAME = 16 << 20  # a sample's token ids and metadata, with room
 _LEN = struct.Struct(">I")
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the rank configures its agent (the JSON line on standard input): the options of
+    the agent's ``PullClient``, where its socket lies and the secret."""
+
+    socket_dir: str
+    options: PullOptions
+    secret_hex: str | None = None  # None: the client's default (KV_CONNECTOR_SECRET...)
+    spawned_at: float | None = None  # the rank's time.time() when it started the process
 
 
 class _AgentMsg(msgspec.Struct, tag_field="t", frozen=True):
@@ -100,8 +112,15 @@ class AgentStats(_AgentMsg, tag="stats", frozen=True):
 
 
 AgentMessage = (
-    AgentHello | AgentFetch | AgentRelease | AgentDone | AgentAsk
-    | AgentSample | AgentFailed | AgentOk | AgentStats
+    AgentHello
+    | AgentFetch
+    | AgentRelease
+    | AgentDone
+    | AgentAsk
+    | AgentSample
+    | AgentFailed
+    | AgentOk
+    | AgentStats
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -144,6 +163,7 @@ class FrameReader:
 __all__ = [
     "AGENT_VERSION",
     "AgentAsk",
+    "AgentConfig",
     "AgentDone",
     "AgentFailed",
     "AgentFetch",

@@ -5,7 +5,7 @@ moves), checked to be the producer and rank the handle names, and made again onc
 it breaks (a producer restarted). ``FetchError`` is what a fetch raises.
 
 Links without a transport (``transport=None``) serve a consumer whose NIXL agent does
-not exist yet (``reader.hold_keeper``): they load no metadata, announce the pool the
+not exist yet (``reader.agent.hold_keeper``): they load no metadata, announce the pool the
 agent will have (``region``) and may only ask what needs no transfer (``PullKeep``)."""
 
 from __future__ import annotations

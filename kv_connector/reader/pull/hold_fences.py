@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kv_connector.reader.pull_links import FetchError, ProducerLinks
+from kv_connector.reader.pull.links import FetchError, ProducerLinks
 from kv_connector.wire.handle import PullHandle
 from kv_connector.wire.protocol import PullError, PullRelease, PullShare
 from kv_connector.wire.transport import Region, Transfer, Transport, TransportError
@@ -31,7 +31,7 @@ HOLD_POLL_S = 0.002
 Posted = tuple[Transfer, PullShare]  # a fence READ in flight and its share
 
 
-class FenceStale(Exception):
+class HoldFenceStale(Exception):
     """A fence READ failed or its word no longer held its value: ``ranks`` say where."""
 
     def __init__(self, ranks: list[int], why: str) -> None:
@@ -39,7 +39,7 @@ class FenceStale(Exception):
         self.ranks = ranks
 
 
-class FenceReader:
+class HoldFenceReader:
     """READs fence words through ``transport`` (its calls made under ``lock``, the
     client's: it guards the agent)."""
 
@@ -52,7 +52,7 @@ class FenceReader:
         self._slots = threading.Condition(threading.Lock())
 
     def check(self, reads: Sequence[tuple[str, PullShare]], deadline: float) -> None:
-        """READ each (peer agent, share)'s fence word and compare; ``FenceStale`` naming
+        """READ each (peer agent, share)'s fence word and compare; ``HoldFenceStale`` naming
         the ranks whose hold ended (or whose READ failed), ``TimeoutError`` past ``deadline``."""
         slots = self._take(len(reads), deadline)
         try:
@@ -80,14 +80,14 @@ class FenceReader:
                 if waiting and time.monotonic() >= deadline:
                     raise TimeoutError("a fence READ did not complete")
             if failed:
-                raise FenceStale(failed, "its fence READ failed")
+                raise HoldFenceStale(failed, "its fence READ failed")
             stale = [
                 s.rank
                 for slot, (_, s) in zip(slots, reads, strict=True)
                 if s.fence is not None and int(self._words[slot]) & ((1 << 64) - 1) != s.fence.value
             ]
             if stale:
-                raise FenceStale(stale, "its hold ended before the READ completed")
+                raise HoldFenceStale(stale, "its hold ended before the READ completed")
         finally:
             self._give(slots)
 
@@ -116,8 +116,12 @@ class FenceReader:
             self._slots.notify_all()
 
 
-def check_fences(
-    fences: FenceReader, links: ProducerLinks, h: PullHandle, shares: Sequence[PullShare], timeout_s: float
+def check_hold_fences(
+    fences: HoldFenceReader,
+    links: ProducerLinks,
+    h: PullHandle,
+    shares: Sequence[PullShare],
+    timeout_s: float,
 ) -> bool:
     """The fences of a sample's shares, once their READs completed: ``FetchError`` saying
     how a hold ended (its rank's answer to a release) if one did. True if every share
@@ -130,7 +134,7 @@ def check_fences(
         fences.check([(links.agent(h.endpoints[s.rank]), s) for s in fenced], time.monotonic() + timeout_s)
     except TimeoutError as e:
         raise FetchError("timeout", f"sample {h.request_id}: {e}") from None
-    except FenceStale as e:
+    except HoldFenceStale as e:
         rank = e.ranks[0]
         reply = links.ask(h, rank, h.endpoints[rank], PullRelease(request_id=h.request_id, nonce=h.nonce))
         said = f" ({reply.message})" if isinstance(reply, PullError) else ""
@@ -139,4 +143,4 @@ def check_fences(
     return len(fenced) == len(read)
 
 
-__all__ = ["FENCE_WORDS", "FenceReader", "FenceStale", "check_fences"]
+__all__ = ["FENCE_WORDS", "HoldFenceReader", "HoldFenceStale", "check_hold_fences"]

@@ -2,9 +2,9 @@
 digest as soon as it has landed (``Verify`` actions of the ledger), here, off the
 serving thread and off the user's (XXH3 releases the GIL while it hashes; a share of
 block digests, from a producer whose cache is on a GPU, is recomputed from the pool where
-it lies: ``pool_memory``), so that handing a sample out costs nothing per byte. With
+it lies: ``pool.memory``), so that handing a sample out costs nothing per byte. With
 ``screen`` (the reader's sampled values screen), a fingerprinted share's rows are
-screened on the lines its check reads anyway (``pool_memory.fingerprint_screened``), and
+screened on the lines its check reads anyway (``pool.memory.fingerprint_screened``), and
 its hand-out reads nothing more unless they said to look closer. Results go back to the
 ledger."""
 
@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from kv_connector.common.device import on_device
-from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.pool_memory import PoolMemory, check_share
-from kv_connector.reader.records import Action, Verify
+from kv_connector.reader.pool.memory import PoolMemory, check_share
+from kv_connector.reader.push.ledger import ReaderLedger
+from kv_connector.reader.push.records import Action, Verify
 
-log = logging.getLogger("kv_connector.reader.reader")
+log = logging.getLogger("kv_connector.reader.push.reader")
 
 
 class ShareChecker:

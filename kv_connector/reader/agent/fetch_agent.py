@@ -3,7 +3,7 @@ only registered receive pool, and fetches pulled samples for every DataLoader wo
 thread, or process) of the rank.
 
     rank (the trainer's process)  --starts-->  fetch agent (this module, a process)
-      DataLoader worker 0..N-1    --Unix socket (reader.agent_wire)-->  fetch agent
+      DataLoader worker 0..N-1    --Unix socket (agent.wire)-->  fetch agent
       each worker maps the agent's pool (a memory file passed over the socket)
 
 The agent READs a sample once, with a ``PullClient`` whose pool lies in a memory file
@@ -14,7 +14,7 @@ it out (the one copy) and says it is done, and the pages go back. A client that 
 rank does: it reads its standard input, which the rank holds, and exits at its end (the
 rank exiting, however it exits, closes it).
 
-Run by ``agent_client.FetchAgentProcess`` as ``python -m kv_connector.reader.fetch_agent``:
+Run by ``agent.client.FetchAgentProcess`` as ``python -m kv_connector.reader.agent.fetch_agent``:
 its configuration comes as one JSON line on standard input, and it answers with one JSON
 line on standard output (``{"address": ...}`` once it serves, or ``{"error": ...}``).
 It logs how long each phase of its start took (``START_PHASES``), in wall and CPU time,
@@ -32,14 +32,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kv_connector.common.phases import Phase, Phases
-from kv_connector.reader.agent_wire import (
+from kv_connector.reader.agent.wire import (
     AGENT_VERSION,
     AgentAsk,
+    AgentConfig,
     AgentDone,
     AgentFailed,
     AgentFetch,
@@ -52,8 +54,8 @@ from kv_connector.reader.agent_wire import (
     FrameReader,
     frame,
 )
-from kv_connector.reader.lease import Sample
-from kv_connector.reader.pull import FetchError, PullClient
+from kv_connector.reader.pool.lease import Sample
+from kv_connector.reader.pull.client import FetchError, PullClient
 
 log = logging.getLogger("kv_connector.fetch_agent")
 
@@ -72,19 +74,6 @@ START_PHASES = (
 SLOW_START_S = 5.0  # a start slower than this logs a warning naming its slowest phase
 
 
-@dataclass
-class AgentConfig:
-    """How the rank configures its agent (the JSON line on standard input)."""
-
-    socket_dir: str
-    pool_bytes: int
-    timeout_s: float
-    check_values: bool = True
-    secret_hex: str | None = None  # None: the client's default (KV_CONNECTOR_SECRET...)
-    name: str | None = None
-    spawned_at: float | None = None  # the rank's time.time() when it started the process
-
-
 class FetchAgent:
     """Serves fetches from one ``PullClient`` with a shared pool to every client that
     connects to ``address`` (a Unix socket in a directory only this user can enter)."""
@@ -94,14 +83,7 @@ class FetchAgent:
         lap = lap or (lambda _name: None)
         self.config = config
         secret = bytes.fromhex(config.secret_hex) if config.secret_hex is not None else None
-        self.client = PullClient(
-            pool_bytes=config.pool_bytes,
-            secret=secret,
-            check_values=config.check_values,
-            timeout_s=config.timeout_s,
-            name=config.name,
-            shared_pool=True,
-        )
+        self.client = PullClient(msgspec.structs.replace(config.options, shared_pool=True), secret=secret)
         self.client.open(lap)  # the one NIXL agent and the one registration, now
         self.address = str(Path(config.socket_dir) / SOCKET_NAME)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -290,7 +272,7 @@ def main() -> int:
     phases = Phases(time.monotonic, time.process_time, queued_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = AgentConfig(**json.loads(sys.stdin.readline()))
+        config = msgspec.json.decode(sys.stdin.readline().encode(), type=AgentConfig)
         if config.spawned_at is not None:
             phases.add(START_PHASES[0], begun_at - config.spawned_at, begun_cpu, begun_queued)
         agent = FetchAgent(config, phases.lap)
@@ -300,8 +282,14 @@ def main() -> int:
         _say({"error": f"{type(e).__name__}: {e}", "phases": phases.as_dict()})
         return 1
     log_start(agent, phases)
-    _say({"address": agent.address, "pid": os.getpid(), "agent_name": agent.client.name,
-          "phases": phases.as_dict()})
+    _say(
+        {
+            "address": agent.address,
+            "pid": os.getpid(),
+            "agent_name": agent.client.name,
+            "phases": phases.as_dict(),
+        }
+    )
     try:
         while sys.stdin.readline():  # the rank holds the other end; it ends when the rank does
             pass

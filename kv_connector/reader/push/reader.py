@@ -1,7 +1,7 @@
 """HiddenStatesReader: the consumer side's user API. It owns the receive pool (registered
-with the transport once), the ledger of samples (``reader.ledger``), the serving thread
-(``reader.server``) and the checking thread (``reader.checker``). ``get`` hands out the
-next complete, checked sample as a view of the pool on lease (``reader.lease``): no copy,
+with the transport once), the ledger of samples (``reader.push.ledger``), the serving thread
+(``reader.push.server``) and the checking thread (``reader.push.checker``). ``get`` hands out the
+next complete, checked sample as a view of the pool on lease (``reader.pool.lease``): no copy,
 no pass over its bytes; its producer gets its ``Ack``, and its pages return to the pool
 when the lease ends."""
 
@@ -15,30 +15,28 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kv_connector.reader.lease import CopyBuffers, Lease, Sample
-from kv_connector.reader.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
-from kv_connector.reader.pool_memory import device_of, make_pool, register_pool
-from kv_connector.reader.records import AckMode, Key, RequireChecksum, SampleState
-from kv_connector.reader.server import ReaderServer, ServerParts, round_page
-from kv_connector.reader.stats import PoolState, ReaderStats
-from kv_connector.reader.values import screened_clean
+from msgspec.structs import force_setattr
+
+from kv_connector.reader.options import ClientOptions, options_of
+from kv_connector.reader.pool.hand_out import hand_out, values_verdict
+from kv_connector.reader.pool.lease import CopyBuffers, Sample
+from kv_connector.reader.pool.memory import make_pool, register_pool
+from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
+from kv_connector.reader.push.records import AckMode, Key, RequireChecksum
+from kv_connector.reader.push.server import ReaderServer, ServerParts, round_page
+from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
-from kv_connector.wire.identity import decode_metadata
-from kv_connector.wire.provenance import Expectation
 from kv_connector.wire.transport import Transport
 
 if TYPE_CHECKING:
-    from kv_connector.reader.metrics_server import MetricsServer
+    from kv_connector.reader.push.metrics_server import MetricsServer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POOL_BYTES = 256 << 20
 DEFAULT_MAX_LEASES = 64
-COPY_BUFFERS_MIN_BYTES = 64 << 20  # copy buffers kept for reuse: the pool's size, or this
 
 
 def listen_socket(listen: str | socket.socket) -> socket.socket:
@@ -74,28 +72,25 @@ class LeaseLimitError(RuntimeError):
     """The user holds ``max_leases`` samples on lease and asks for another."""
 
 
-@dataclass(frozen=True)
-class ReaderConfig:
-    """How a ``HiddenStatesReader`` listens, pools, checks and hands out; validated when
-    built (a bad value raises ``ValueError`` naming it). The twin of ``SenderConfig``.
+class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a ``HiddenStatesReader`` listens, pools, checks and hands out: the options
+    every client shares (``reader.options.ClientOptions``: ``pool_bytes``, ``name``,
+    ``pool_device``, ``copy``, ``check_values``, ``full_values_check``, ``expect``) and
+    push's own, validated when built (a bad value raises ``ValueError`` naming it).
 
     ``listen``: control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it),
     or a socket already bound to one (held by the caller, e.g. inherited from a
     supervisor, so the port is never released between choosing and listening); the
     reader listens on it and closes it with itself.
-    ``pool_bytes``: receive pool size, registered with the transport once.
     ``page_bytes``: pool page size (rounded up to a multiple of 64); by default the
     first producer's block size.
-    ``name``: the reader's name at producers and in logs (default: a random one).
     ``ack``: ``AckMode.ON_TAKE`` ("on_take") acknowledges a sample to its producer (which
     then frees its blocks) when ``get`` hands it out; ``MANUAL`` ("manual") waits for
     ``ack(sample)``, e.g. after the sample was durably written.
     ``verify``: check each share against the checksum its producer sent, as it lands, on
     the reader's checking thread (on by default); a mismatch is logged with the request id
-    and the share is written again (at most ``reader.ledger.MAX_REWRITES`` times, then the
-    sample is refused and its producer fails it).
-    ``copy``: hand samples out as copies (into reused buffers) instead of views of the
-    pool on lease; their pages return at once. For users who keep samples for long.
+    and the share is written again (at most ``reader.push.ledger.MAX_REWRITES`` times, then
+    the sample is refused and its producer fails it).
     ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
     ``LeaseLimitError`` beyond it, naming them).
     ``require_checksum``: "auto" (default) refuses shares without a checksum from
@@ -107,50 +102,31 @@ class ReaderConfig:
     default that is refused: anyone who reaches the port could write into the pool).
     ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT``
     (port 0 picks one) or on a TCP socket already bound.
-    ``check_values`` (default on): before handing a sample out, screen its states for
-    NaN/Inf, tokens that are zero in every layer and captured layers that are zero at
-    every token (``reader.values``, on the user's thread, in the ``get`` that reaches
-    it): on a host pool a sampled screen (a few elements of every row, about 0.4 ms for
-    64 MiB here, the whole sample looked at only where they show something; with
-    fingerprints, the lines the checking thread read for them, and the hand-out reads
-    nothing more of a clean sample), on a GPU pool a full pass there; ``full_values_check`` reads every
-    value on the host too (about 8 ms for 64 MiB). A bad sample is logged by name and
-    refused to its producer (``reject``), never handed out. ``check_values=False`` hands
-    out what came, as it came.
-    ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
-    that GPU, registered as VRAM: samples land there and are views there, checked there
-    (``reader.pool_memory``), and their pages return in stream order. ``"cpu"`` runs that
-    device code on host memory (what CI tests). ``PoolDeviceError`` when CUDA or the GPU
-    is missing or full.
-    ``expect``: what every sample must be (``wire.provenance.Expectation``: layer ids,
-    dtype, hidden size, model); a sample that differs is refused by name when its
-    producer asks for pages, before any of its bytes move (None: anything).
+
+    The values check runs on the user's thread, in the ``get`` that reaches the sample;
+    with fingerprints it screens the lines the checking thread read for them. A bad
+    sample is logged by name and refused to its producer (``reject``), never handed out.
+    A sample that differs from ``expect`` is refused when its producer asks for pages.
     """
 
     listen: str | socket.socket = "127.0.0.1:0"
-    pool_bytes: int = DEFAULT_POOL_BYTES
     page_bytes: int | None = None
-    name: str | None = None
     ack: AckMode = AckMode.ON_TAKE
     verify: bool = True
-    copy: bool = False
     max_leases: int = DEFAULT_MAX_LEASES
     require_checksum: RequireChecksum = RequireChecksum.AUTO
     sample_timeout_s: float = SAMPLE_TIMEOUT_S
     insecure: bool = False
     metrics_address: str | socket.socket | None = None
-    check_values: bool = True
-    full_values_check: bool = False
-    pool_device: str | None = None
-    expect: Expectation | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         try:
-            object.__setattr__(self, "ack", AckMode(self.ack))
+            force_setattr(self, "ack", AckMode(self.ack))
         except ValueError:
             raise ValueError(f"ack must be 'on_take' or 'manual', got {self.ack!r}") from None
         try:
-            object.__setattr__(self, "require_checksum", RequireChecksum(self.require_checksum))
+            force_setattr(self, "require_checksum", RequireChecksum(self.require_checksum))
         except ValueError:
             choices = ", ".join(repr(c.value) for c in RequireChecksum)
             raise ValueError(
@@ -160,15 +136,11 @@ class ReaderConfig:
             raise ValueError(f"sample_timeout_s must be positive, got {self.sample_timeout_s}")
         if self.max_leases <= 0:
             raise ValueError(f"max_leases must be positive, got {self.max_leases}")
-        if self.pool_bytes <= 0:
-            raise ValueError(f"pool_bytes must be positive, got {self.pool_bytes}")
-        if self.pool_device is not None:
-            device_of(self.pool_device)  # PoolDeviceError naming what is missing, before anything is made
         if self.page_bytes is not None:
             page_bytes = round_page(self.page_bytes)
             if page_bytes > self.pool_bytes:
                 raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {self.pool_bytes}")
-            object.__setattr__(self, "page_bytes", page_bytes)
+            force_setattr(self, "page_bytes", page_bytes)
 
 
 class HiddenStatesReader:
@@ -183,7 +155,7 @@ class HiddenStatesReader:
     ``transport``: the agent to receive with (a ``NixlTransport`` by default).
 
     ``metrics_address`` then names the metrics address really served, and ``metrics`` the
-    server (``reader.metrics`` names the series).
+    server (``reader.push.metrics`` names the series).
 
     Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
     ``close``. The iterator ends each sample's lease when you ask for the next one
@@ -201,11 +173,7 @@ class HiddenStatesReader:
         transport: Transport | None = None,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = ReaderConfig(**options)
-        elif options:
-            raise TypeError(f"pass a ReaderConfig or its fields as keywords, not both: {sorted(options)}")
-        self.config = config
+        self.config = config = options_of(ReaderConfig, config, options)
         listen, pool_bytes, page_bytes = config.listen, config.pool_bytes, config.page_bytes
         self.max_leases = config.max_leases
         self._copy = config.copy
@@ -237,7 +205,7 @@ class HiddenStatesReader:
                 raise
         if not secret:
             log.warning("no shared secret: producers are not authenticated (listening on %s)", self.address)
-        self._copies = CopyBuffers(max_bytes=max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
+        self._copies = CopyBuffers.for_pool(pool_bytes)
         try:
             self._memory = make_pool(pool_bytes, config.pool_device)
             if transport is None:
@@ -417,19 +385,15 @@ class HiddenStatesReader:
         """Check a VERIFIED sample's states where they lie (nothing writes a verified
         sample's pages, so outside the lock); a bad one is rejected. True if it was."""
         with self._lock:
-            rec = self._ledger.samples.get(key)
-            if rec is None or rec.state is not SampleState.VERIFIED:
+            ready = self._ledger.ready_sample(key)
+            if ready is None:
                 return False
-            assert rec.pages is not None and self._ledger.page_bytes is not None
-            m, base = rec.manifest, rec.pages.start * self._ledger.page_bytes
-            screens = [sh.screen for sh in rec.shares.values() if sh.screen is not None]
-            with_checks = len(screens) == len(rec.shares) and not self._full_values_check
-        if with_checks and screened_clean(screens, m.num_tokens, m.num_layers):
-            return False  # screened on its checks' read, which saw nothing to look closer at
-        t0 = time.perf_counter()
-        problem = self._memory.bad_values(base, m, self._full_values_check)
+            m, base, screens = ready.manifest, ready.base, ready.screens
+        verdict = values_verdict(self._memory, base, m, screens, self._full_values_check)
+        problem = verdict.problem
         with self._lock:
-            self._ledger.values_checked(time.perf_counter() - t0)
+            if verdict.looked_s is not None:
+                self._ledger.values_checked(verdict.looked_s)
             if problem is None:
                 return False
             name = m.request_id if m.sample_id is None else f"{m.request_id} (sample {m.sample_id})"
@@ -441,30 +405,22 @@ class HiddenStatesReader:
         if self._check_values and self._bad_values(key):
             return None
         with self._lock:
-            rec = self._ledger.samples.get(key)
-            if rec is None or rec.state is not SampleState.VERIFIED:
-                return None
-            m = rec.manifest
-            nbytes = m.num_tokens * m.geometry.token_bytes
-            got = self._ledger.hand_out(key, nbytes, time.monotonic())
-            assert got is not None and rec.pages is not None and self._ledger.page_bytes is not None
-            self._server.perform(got[1])
-            base = rec.pages.start * self._ledger.page_bytes
-        lease = Lease(key, self._memory.ordered(self._server.release))
+            got = self._ledger.hand_out(key, time.monotonic())
+            if got is None:
+                return None  # discarded since it was queued
+            ready, actions = got
+            self._server.perform(actions)
+        t0 = time.perf_counter()
+        copies = self._copies if copy else None
+        sample = hand_out(self._memory, ready.base, ready.manifest, key, self._server.release, copies)
         if copy:
-            t0 = time.perf_counter()
-            hidden = self._memory.copy_out(base, m, lease, self._copies)  # its pages go back
-            lease = None  # type: ignore[assignment]
             with self._lock:
                 self._ledger.copied(time.perf_counter() - t0)
-        else:
-            hidden = self._memory.leased(base, m, lease)
-        return Sample.of(m, hidden, key[0], decode_metadata(m.metadata), lease)
-
+        return sample
 
 def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:
     """A Prometheus endpoint for ``reader`` (prometheus_client is imported only here)."""
-    from kv_connector.reader.metrics import ReaderCollector
-    from kv_connector.reader.metrics_server import MetricsServer
+    from kv_connector.reader.push.metrics import ReaderCollector
+    from kv_connector.reader.push.metrics_server import MetricsServer
 
     return MetricsServer(listen, [ReaderCollector(reader)])

@@ -17,13 +17,13 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from kv_connector.reader.producers import PeerId
+from kv_connector.reader.push.producers import PeerId
 
 MEMORY = 4096  # grants whose wait ended, remembered for their late WriteDone
 
 
 @dataclass
-class FenceWait:
+class PageFenceWait:
     """The pages of a dropped sample, waiting for its writers."""
 
     request_id: str
@@ -41,7 +41,7 @@ class PageFences:
         self.quarantine_s = quarantine_s
         self.bound_s = max(bound_s, quarantine_s)
         self._memory = memory
-        self._waits: dict[int, FenceWait] = {}  # generation -> its wait
+        self._waits: dict[int, PageFenceWait] = {}  # generation -> its wait
         self._unfenced: collections.OrderedDict[int, tuple[str, range]] = collections.OrderedDict()
         self._fenced: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._next = 1
@@ -63,7 +63,7 @@ class PageFences:
         if not owed and not departed:
             return False
         until = now + self.quarantine_s if departed else 0.0
-        self._waits[generation] = FenceWait(request_id, pages, set(owed), until, now + self.bound_s)
+        self._waits[generation] = PageFenceWait(request_id, pages, set(owed), until, now + self.bound_s)
         return True
 
     def answered(self, generation: int, request_id: str, peer: PeerId) -> bool:
@@ -82,7 +82,7 @@ class PageFences:
                 w.owed.discard(peer)
                 w.until = max(w.until, now + self.quarantine_s)
 
-    def due(self, now: float) -> list[tuple[int, FenceWait, bool]]:
+    def due(self, now: float) -> list[tuple[int, PageFenceWait, bool]]:
         """The waits that are over, removed: (generation, wait, ended by the bound with
         a writer still owing its fence)."""
         out = []

@@ -1,16 +1,16 @@
 """How the reader's ledger (``ledger.py``) ends a request or a sample that will not be
 delivered, once it decided to: the ``Refuse`` its producer's ranks get, with the code and
 the reason (R5 checksum, R8 timeout, R9 limit, R10 unchecked, R11 rejected), the sample
-discarded with its pages held until no WRITE into them can land (R3, R6: ``fences.py``),
+discarded with its pages held until no WRITE into them can land (R3, R6: ``page_fences.py``),
 the log line, and the counts. Pure logic (part of the reader's ledger)."""
 
 from __future__ import annotations
 
-from kv_connector.reader.book import SampleBook
-from kv_connector.reader.producers import PeerId
-from kv_connector.reader.records import Action, Key, Log, SampleRecord, SampleState, Send
-from kv_connector.reader.sample_states import SampleEvent
-from kv_connector.reader.stats import ReaderStats
+from kv_connector.reader.push.book import SampleBook
+from kv_connector.reader.push.producers import PeerId
+from kv_connector.reader.push.records import Action, Key, Log, SampleRecord, SampleState, Send
+from kv_connector.reader.push.sample_states import SampleEvent
+from kv_connector.reader.push.stats import ReaderStats
 from kv_connector.wire import fields, protocol
 
 

@@ -9,9 +9,9 @@ import threading
 import time
 from collections.abc import Hashable
 
-from kv_connector.reader.pool import PagePool, PoolTooSmall
-from kv_connector.reader.pool_memory import PoolMemory
-from kv_connector.reader.pull_links import FetchError
+from kv_connector.reader.pool.memory import PoolMemory
+from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
+from kv_connector.reader.pull.links import FetchError
 
 RETRY_S = 0.002  # between two looks at a full pool
 
@@ -32,7 +32,7 @@ def take_pages(
     deadline = time.monotonic() + timeout_s
     collected = False
     while True:
-        memory.fences.settle()  # leases whose GPU work is done give their pages back
+        memory.lease_fences.settle()  # leases whose GPU work is done give their pages back
         with lock:
             try:
                 pool.request(key, n)

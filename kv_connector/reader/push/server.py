@@ -1,7 +1,7 @@
 """The reader's serving thread, a thin I/O shell around its ledger: it accepts control
 connections, runs the reader's side of each handshake (``handshake.ReaderHandshake``),
 reads producers' messages and NIXL notifications, feeds them to the ledger
-(``reader.ledger.ReaderLedger``), and performs what the ledger answers: messages to
+(``reader.push.ledger.ReaderLedger``), and performs what the ledger answers: messages to
 send, samples to queue for the user, lines to log. A peer that breaks the protocol is
 refused and dropped; nothing a peer sends can stop the thread."""
 
@@ -21,18 +21,18 @@ from dataclasses import dataclass
 
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import Poller
-from kv_connector.reader.checker import ShareChecker
-from kv_connector.reader.ledger import ReaderLedger
-from kv_connector.reader.pool_memory import PoolMemory
-from kv_connector.reader.producers import PeerId
-from kv_connector.reader.records import Action, Key, Log, Ready, Send, Verify
+from kv_connector.reader.pool.memory import PoolMemory
+from kv_connector.reader.push.checker import ShareChecker
+from kv_connector.reader.push.ledger import ReaderLedger
+from kv_connector.reader.push.producers import PeerId
+from kv_connector.reader.push.records import Action, Key, Log, Ready, Send, Verify
 from kv_connector.wire import fields, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, OutputFull, format_address
 from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
 from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.transport import Region, Transport, TransportError
 
-log = logging.getLogger("kv_connector.reader.reader")
+log = logging.getLogger("kv_connector.reader.push.reader")
 
 PAGE_ALIGN = 64  # pool pages are multiples of this, so any dtype can view them
 LEASE_LOG_S = 10.0  # at most one line per this while producers wait on held leases
@@ -104,7 +104,7 @@ class ReaderServer:
         self._wake_lock = threading.Lock()
         self._released: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._checker = ShareChecker(pool, ledger, lock, self.perform, parts.screen)
-        self._fences = pool.fences  # lease ends waiting for a GPU's queued work
+        self._lease_fences = pool.lease_fences  # lease ends waiting for a GPU's queued work
         self._device = pool.device
         self._last_lease_log = 0.0
         self._conns: dict[PeerId, _Conn] = {}
@@ -209,7 +209,7 @@ class ReaderServer:
             with self._lock:
                 due = self._ledger.expecting_writes or self._ledger.departing
             # lease ends waiting for a GPU's queued work are looked at within the busy poll
-            due = due or self._fences.waiting > 0
+            due = due or self._lease_fences.waiting > 0
             # writers need our progress to finish: poll tightly while WRITEs are due
             try:
                 events = self._sel.select(self._poller.timeout(due))
@@ -242,7 +242,7 @@ class ReaderServer:
 
     def take_releases(self) -> None:
         """Return the pages of the leases that ended (call with the lock held)."""
-        self._fences.settle()
+        self._lease_fences.settle()
         now = time.monotonic()
         while True:
             try:

@@ -11,24 +11,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kv_connector.reader.producers import PeerId
-from kv_connector.reader.sample_states import IllegalSampleTransition as IllegalSampleTransition
-from kv_connector.reader.sample_states import SampleEvent, step
-from kv_connector.reader.sample_states import SampleState as SampleState
+from kv_connector.reader.pool.values import RowsScreen
+from kv_connector.reader.push.producers import PeerId
+from kv_connector.reader.push.sample_states import IllegalSampleTransition as IllegalSampleTransition
+from kv_connector.reader.push.sample_states import SampleEvent, step
+from kv_connector.reader.push.sample_states import SampleState as SampleState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
 Key = tuple[str, str]  # (producer id, request id)
-
-
-@dataclass(frozen=True)
-class RowsScreen:
-    """The sampled values screen of a share's rows (``reader.values.screen_rows``):
-    ``suspect`` if a token's sampled values are non-finite or zero in every layer;
-    ``alive``, for each captured layer, whether a sampled value of it was non-zero."""
-
-    suspect: bool
-    alive: tuple[bool, ...]
 
 
 class RequireChecksum(enum.Enum):
@@ -65,6 +56,17 @@ class Ready:
     """A sample is complete and checked: queue it for the user."""
 
     key: Key
+
+
+@dataclass(frozen=True)
+class ReadySample:
+    """A VERIFIED sample as the user's thread hands it out: its manifest, where its pages
+    start in the pool (bytes) and each share's values screen (None: not screened)."""
+
+    key: Key
+    manifest: protocol.Manifest
+    base: int
+    screens: tuple[RowsScreen | None, ...]
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from kv_connector.reader.lease import Sample
-from kv_connector.reader.reader import HiddenStatesReader
+from kv_connector.reader.pool.lease import Sample
+from kv_connector.reader.push.reader import HiddenStatesReader
 
 
 class HiddenStatesDataset(IterableDataset[Sample]):

@@ -28,14 +28,23 @@ where those lines show something does the hand-out look closer (``find_bad_value
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
-
-from kv_connector.reader.records import RowsScreen
 
 CHUNK_ELEMENTS = 1 << 22  # elements reduced at once (bounds the temporaries)
 SAMPLE_ELEMENTS = 32  # a sampled screen reads this many elements at the start and the middle of each row
 MAX_NAMED = 5  # tokens named in a report
+
+
+@dataclass(frozen=True)
+class RowsScreen:
+    """The sampled values screen of a share's rows (``screen_rows``):
+    ``suspect`` if a token's sampled values are non-finite or zero in every layer;
+    ``alive``, for each captured layer, whether a sampled value of it was non-zero."""
+
+    suspect: bool
+    alive: tuple[bool, ...]
 
 
 class BadValues(ValueError):

@@ -23,8 +23,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from kv_connector.common.device import on_device
-from kv_connector.reader.lease import Sample
-from kv_connector.reader.pull_links import FetchError
+from kv_connector.reader.pool.lease import Sample
+from kv_connector.reader.pull.links import FetchError
 
 Asked = TypeVar("Asked")  # a sample whose shares the ranks gave, nothing READ yet
 Pending = TypeVar("Pending")  # its READs posted

@@ -9,8 +9,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator
 
-from kv_connector.reader.producers import PeerId
-from kv_connector.reader.records import Key
+from kv_connector.reader.push.producers import PeerId
+from kv_connector.reader.push.records import Key
 
 
 class Delivered:

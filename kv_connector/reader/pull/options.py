@@ -1,0 +1,36 @@
+"""A pull client's options: the ones every client shares and pull's own, one record a
+``PullClient``, a rank's fetch agent and the configuration line the agent reads all take."""
+
+from __future__ import annotations
+
+from kv_connector.reader.options import ClientOptions
+from kv_connector.reader.pull.links import PAGE_BYTES
+
+FETCH_TIMEOUT_S = 60.0
+
+
+class PullOptions(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a ``PullClient`` pools, checks and hands out: the options every client shares
+    (``reader.options.ClientOptions``) and pull's own.
+
+    ``timeout_s``: how long one fetch may take, connecting and reading included.
+    ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``): what
+    a rank's fetch agent serves its DataLoader workers from (``reader.agent.fetch_agent``).
+
+    A GPU pool (``pool_device="cuda:N"``) whose NIXL cannot register GPU memory is named
+    at the first fetch, when the pool is made; a sample that differs from ``expect`` fails
+    its fetch with ``FetchError("mismatch")`` before it is READ, and its producer frees it.
+    """
+
+    timeout_s: float = FETCH_TIMEOUT_S
+    shared_pool: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.pool_bytes < PAGE_BYTES:
+            raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {self.pool_bytes}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+__all__ = ["FETCH_TIMEOUT_S", "PullOptions"]
