@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kv_connector.cache.blocks import Fingerprinted
 from kv_connector.producer.planning import ShipOrder
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure
 from kv_connector.wire.identity import SampleIdentity

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kv_connector.cache.blocks import Fingerprinted
 from kv_connector.producer.idle_steps import HOLD_NAP_S
 from kv_connector.producer.mode import Finished, RankCache, Settled
 from kv_connector.producer.options import PULL_ENDPOINTS, ConnectorOptions, pull_endpoint
@@ -22,7 +23,6 @@ from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.handle import PullHandle, make_nonce

@@ -29,11 +29,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kv_connector.cache.blocks import CacheBlocks, Fingerprinted
+from kv_connector.cache.hasher import Hasher
 from kv_connector.common.device import on_device
 from kv_connector.producer.hold_fences import FENCE_SLOTS, WORD_BYTES, FenceTable
 from kv_connector.producer.pull_ledger import Held, PullLedger, PullRefused
-from kv_connector.sender.cache_blocks import CacheBlocks, Fingerprinted
-from kv_connector.sender.hasher import Hasher
 from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address, is_loopback
 from kv_connector.wire.identity import make_identity

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kv_connector.cache.blocks import Fingerprinted
 from kv_connector.producer.mode import Finished, RankCache, Settled
 from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import ShipOrder
@@ -20,7 +21,6 @@ from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.common.amx import request_amx
 from kv_connector.producer.engine_bell import doorbell
 from kv_connector.producer.fingerprints import Fingerprints
@@ -25,7 +26,6 @@ from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_inputs import find_input_ids
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import WorkerReport
-from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure

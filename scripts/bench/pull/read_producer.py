@@ -46,8 +46,8 @@ class _Producer:
             checksum=ShareChecksum.FINGERPRINT if checksum else None,  # the connector's default
         )
         self.rounds = 0
+        from kv_connector.cache.blocks import CacheBlocks
         from kv_connector.producer.fingerprints import Fingerprints
-        from kv_connector.sender.cache_blocks import CacheBlocks
 
         self.fingerprints = Fingerprints(CacheBlocks(cache, layout), BLOCK)
 
