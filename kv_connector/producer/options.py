@@ -101,9 +101,6 @@ SHARDING = tuple(s.value for s in Sharding)
 CHECKSUMS = tuple(c.value for c in ChecksumOption)
 DELIVERIES = tuple(d.value for d in Delivery)
 PULL_TIMEOUT_S = 300.0
-# pull mode's one stand-in "reader": the ranks' endpoints (the delivery book admits a
-# request once every rank's endpoint is up)
-PULL_ENDPOINTS = "the ranks' pull endpoints"
 
 # a timeout: a positive number of seconds (a year at most: infinity is no deadline)
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)]
@@ -138,8 +135,8 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     written (it may wait for the reader's credits) before its sample fails (default 5).
     delivery: "push" (default: the ranks WRITE each sample into a reader's pool) or "pull"
     (no reader: each rank holds a finished sample's blocks and serves it to a consumer
-    holding its handle, ``reader.pull``); pull needs no consumer_address, and its
-    ``readers`` is the one stand-in ``PULL_ENDPOINTS``.
+    holding its handle, ``reader.pull``); pull takes no consumer_address (its
+    ``readers`` is empty).
     pull_listen: where each rank's pull endpoint listens, ``HOST`` or ``HOST:PORT`` (the
     port is rank 0's; rank r takes PORT + r); default 127.0.0.1 on a free port.
     pull_timeout_s: a pulled sample not released this long after its request finished is
@@ -169,7 +166,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     def __post_init__(self) -> None:
         if self.pull:
-            if self.readers != (PULL_ENDPOINTS,):
+            if self.readers:
                 raise ValueError(
                     'kv_connector_extra_config.consumer_address is for "delivery": "push"; pull delivery has '
                     "no reader (consumers fetch each sample by its handle)"
@@ -211,7 +208,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                         f'kv_connector_extra_config.{key} is for "delivery": "push"; pull delivery has '
                         "no reader (consumers fetch each sample by its handle)"
                     )
-            addrs: Any = [PULL_ENDPOINTS]
+            addrs: Any = []
         else:
             addr = raw.pop("consumer_address", None)
             addrs = [addr] if isinstance(addr, str) else addr

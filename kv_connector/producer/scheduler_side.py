@@ -1,8 +1,8 @@
 """Scheduler side of the connector: admits new requests once their reader is reachable,
 turns each step's SchedulerOutput into a ship plan, holds finished requests' blocks until
 every worker reported them sent, and tells each finished request where its sample stands,
-in the words of its delivery mode (``push_mode.PushScheduling`` or
-``pull_mode.PullScheduling``, chosen once from the options' ``delivery``)."""
+in the words of its delivery mode (``push.mode.PushScheduling`` or
+``pull.mode.PullScheduling``, chosen once from the options' ``delivery``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
+from kv_connector.producer.delivery import AdmissionKind, DeliveryBook
 from kv_connector.producer.idle_steps import IdleSteps, doorbell
 from kv_connector.producer.mode import Finished, SchedulerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
-from kv_connector.producer.pull_mode import PullScheduling
-from kv_connector.producer.push_mode import PushScheduling
+from kv_connector.producer.pull.mode import PullScheduling
+from kv_connector.producer.push.mode import PushScheduling
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
@@ -96,18 +96,14 @@ class SchedulerSide:
         self.options = options
         self.group = hidden_state_group(kv_cache_config)
         self.producer_id = producer_id
-        router = Router(options.readers, options.sharding)
         # one record per request, read and written by both the planner and the book
         self.requests = RequestTable()
         self.planner = ShipPlanner(self.requests)
-        self.book = DeliveryBook(
-            options.readers, world_size, options.connect_timeout_s, router, table=self.requests
-        )
+        self.book = DeliveryBook(options.connect_timeout_s, table=self.requests)
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
-        self._readers_up = 0  # readers every rank reaches, recounted when a link changes
         self.world_size = world_size
         self.mode: SchedulerMode = SCHEDULER_MODES[options.delivery](
-            options, self.requests, producer_id, world_size
+            options, self.book, producer_id, world_size
         )
         # naps before steps that only wait for held samples, ended by the worker side's news
         # (rung from the workers' processes too) or by a new request
@@ -141,11 +137,11 @@ class SchedulerSide:
             self.book.refuse(rid, problem)
 
     def admit(self, request: Request) -> bool:
-        """May the request start now? Not while no worker can reach its reader (it waits
-        in vLLM's queue, holding no blocks), for at most ``connect_timeout_s``; then it
+        """May the request start now? As its delivery mode says: while it may not, it waits
+        in vLLM's queue, holding no blocks, for at most ``connect_timeout_s``; then it
         runs without shipping and its kv_transfer_params say why."""
         rid = request.request_id
-        a = self.book.admit(rid)
+        a = self.mode.admit(rid)
         self.metrics.waiting(rid, a.kind is AdmissionKind.WAIT)
         if a.kind is AdmissionKind.WAIT:
             return False
@@ -158,10 +154,8 @@ class SchedulerSide:
     def update(self, report: WorkerReport) -> None:
         """The workers' reports of one step."""
         self.mode.update(report)
-        for rid, failure in self.book.update(report.links, report.failures, report.delivered):
+        for rid, failure in self.book.update(report.failures, report.delivered):
             log.error("request %s (already finished) lost its hidden states: %s", rid, failure.why)
-        if report.links:
-            self._readers_up = sum(self.book.is_up(r) for r in self.options.readers)
 
     def _engine_input(self) -> Callable[[], bool] | None:
         """Whether vLLM's engine core has requests waiting to be added (its input queue),
@@ -188,7 +182,7 @@ class SchedulerSide:
             for r in out.scheduled_new_reqs
         ]
         for n in new:
-            if (reader := self.book.started(n.request_id)) is not None:
+            if (reader := self.mode.started(n.request_id)) is not None:
                 log.info(
                     "request %s started before it was admitted (vLLM does not wait on the connector for "
                     "requests that skip the prefix cache, such as prompt_logprobs ones): its sample goes "
@@ -247,4 +241,4 @@ class SchedulerSide:
     def step_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``): admission failures since the last step,
         and the levels of the book when they changed."""
-        return self.metrics.take(self._readers_up)
+        return self.metrics.take(self.mode.reachable())

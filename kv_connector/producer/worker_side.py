@@ -1,6 +1,6 @@
 """Worker side of the connector: finds the cache-only layer's tensor, reads each step's
 slot mapping, checks it off the critical path, and hands complete requests to its
-delivery mode (``push_mode.PushWorker`` or ``pull_mode.PullWorker``, chosen once from
+delivery mode (``push.mode.PushWorker`` or ``pull.mode.PullWorker``, chosen once from
 the options' ``delivery``); what the mode settles goes back to vLLM and the scheduler."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.mode import RankCache, WorkerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan, in_kernel_blocks
-from kv_connector.producer.pull_mode import PullWorker
-from kv_connector.producer.push_mode import PushWorker
+from kv_connector.producer.pull.mode import PullWorker
+from kv_connector.producer.push.mode import PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_inputs import find_input_ids
 from kv_connector.producer.step_stats import StepData, WorkerStats
@@ -428,7 +428,7 @@ class WorkerSide:
 
     def stats(self) -> list[SenderStats]:
         """A snapshot of each sender's counters, in the order of the readers."""
-        return self.mode.stats() if self.mode is not None else []
+        return list(self.mode.stats()) if self.mode is not None else []
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Until this rank reaches every peer its mode needs; False after ``timeout_s``."""

@@ -17,7 +17,7 @@ class _Producer:
     def __init__(self, samples: int, tokens: int, hidden: int, seed: int, checksum: bool) -> None:
         import torch
 
-        from kv_connector.producer.pull_server import PullServer
+        from kv_connector.producer.pull.server import PullServer
         from kv_connector.wire.layout import BlockLayout
         from kv_connector.wire.protocol import ShareChecksum
 

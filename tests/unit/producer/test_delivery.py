@@ -1,11 +1,14 @@
-"""The scheduler's delivery book: admission while readers are unreachable, the deadline,
-routing around down readers, and each finished request's outcome."""
+"""The scheduler's delivery book and push's admission: admission while readers are
+unreachable, the deadline, routing around down readers, and each finished request's
+outcome."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_connector.producer.delivery import DeliveryBook, Router
+from kv_connector.producer.delivery import Admission, DeliveryBook
+from kv_connector.producer.push.admission import ReaderAdmission, Router
+from kv_connector.producer.worker_report import LinkChange
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.outcome import SampleStatus
 
@@ -25,10 +28,45 @@ def wf(why: str) -> SampleFailure:
 R0, R1, R2 = (f"10.0.0.{i}:7000" for i in range(3))
 
 
-def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[DeliveryBook, Clock]:
+class Push:
+    """The book with push's admission over it, as the scheduler side holds them."""
+
+    def __init__(self, book: DeliveryBook, admission: ReaderAdmission) -> None:
+        self.book, self.admission = book, admission
+
+    def update(
+        self, links: list[tuple[str, int, str | None]], failures: dict[str, SampleFailure], done: list[str]
+    ) -> list[tuple[str, SampleFailure]]:
+        self.admission.links([LinkChange(*link) for link in links])
+        return self.book.update(failures, done)
+
+    def admit(self, request_id: str) -> Admission:
+        return self.admission.admit(request_id)
+
+    def started(self, request_id: str) -> str | None:
+        return self.admission.started(request_id)
+
+    def add(self, request_id: str) -> None:
+        self.book.add(request_id)
+
+    def refuse(self, request_id: str, why: str) -> None:
+        self.book.refuse(request_id, why)
+
+    def outcome(self, request_id: str) -> tuple[SampleStatus, str]:
+        return self.book.outcome(request_id)
+
+    def finish(self, request_id: str) -> None:
+        self.book.finish(request_id)
+
+    def __len__(self) -> int:
+        return len(self.book)
+
+
+def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[Push, Clock]:
     clock = Clock()
     addrs = [R0, R1, R2][:readers]
-    return DeliveryBook(addrs, world, 5.0, Router(addrs, policy), clock=clock), clock
+    b = DeliveryBook(5.0, clock=clock)
+    return Push(b, ReaderAdmission(b, addrs, world, Router(addrs, policy))), clock
 
 
 def test_a_request_waits_for_its_reader_then_runs_once_every_rank_is_connected() -> None:
@@ -130,7 +168,7 @@ def test_a_request_not_added_is_admitted_but_leaves_no_state() -> None:
 @pytest.mark.parametrize("world", [0, -1])
 def test_bad_world_size_is_refused(world: int) -> None:
     with pytest.raises(ValueError):
-        DeliveryBook(["a:1"], world, 1.0)
+        ReaderAdmission(DeliveryBook(1.0), ["a:1"], world, Router(["a:1"]))
 
 
 def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_links() -> None:

@@ -14,17 +14,18 @@ from typing import Any
 import torch
 
 from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.mode import Finished, RankCache, Settled
 from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import ShipOrder
-from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.push.admission import ReaderAdmission, Router
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure
-from kv_connector.wire.outcome import SampleOutcome
+from kv_connector.wire.outcome import SampleOutcome, SampleStatus
 
 log = logging.getLogger(__name__)
 
@@ -179,16 +180,32 @@ class PushScheduling:
     """The scheduler side's part of push delivery."""
 
     def __init__(
-        self, options: ConnectorOptions, requests: RequestTable, producer_id: str, world_size: int
+        self, options: ConnectorOptions, book: DeliveryBook, producer_id: str, world_size: int
     ) -> None:
         self.options = options
         self.producer_id = producer_id
         self.hold_nap_s: float | None = None  # push: the short naps only
+        router = Router(options.readers, options.sharding)
+        self.admission = ReaderAdmission(book, options.readers, world_size, router)
+        self._reachable = 0  # readers every rank reaches, recounted when a link changes
 
     def on_new_request(self, request_id: str) -> None:
         pass
 
+    def admit(self, request_id: str) -> Admission:
+        """Not while no worker reaches the request's reader, for at most ``connect_timeout_s``."""
+        return self.admission.admit(request_id)
+
+    def started(self, request_id: str) -> str | None:
+        return self.admission.started(request_id)
+
+    def reachable(self) -> int:
+        return self._reachable
+
     def update(self, report: WorkerReport) -> None:
+        self.admission.links(report.links)
+        if report.links:
+            self._reachable = sum(self.admission.is_up(r) for r in self.options.readers)
         for reader, rank, error in report.links:
             if reader not in self.options.readers:
                 continue
@@ -202,12 +219,16 @@ class PushScheduling:
 
     def request_finished(self, done: Finished) -> dict[str, Any]:
         """The sample's request id, sample id, reader and status: "delivered", "failed"
-        with an "error", or "pending" (on its way)."""
+        with an "error", or "pending" (on its way); one that failed before it ran names the
+        reader it was bound for."""
+        reader = done.reader
+        if reader is None and done.status is SampleStatus.FAILED:
+            reader = self.admission.bound(done.request_id)
         return SampleOutcome(
             status=done.status,
             producer_id=self.producer_id,
             request_id=done.request_id,
             sample_id=done.identity.name_of(done.request_id),
-            consumer_address=done.reader,
+            consumer_address=reader,
             error=done.error,
         ).params()
