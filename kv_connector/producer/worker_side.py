@@ -138,7 +138,7 @@ class WorkerSide:
         # the last failures, for logs and tests (request id -> why); bounded
         self.recent_failures: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.rank = 0
-        # for the scheduler (see take_report): news since the last report
+        # for the scheduler (see build_connector_worker_meta): news since the last report
         self._report_failures: dict[str, SampleFailure] = {}
         self._report_delivered: set[str] = set()
         self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
@@ -418,7 +418,7 @@ class WorkerSide:
                 self.checks.forget(rid)
         return ready
 
-    def take_report(self) -> WorkerReport:
+    def build_connector_worker_meta(self) -> WorkerReport:
         """What the scheduler side should learn this step: changes of this rank's link
         to each reader (None: connected), and requests failed or delivered since."""
         links, endpoints = self.mode.link_changes() if self.mode is not None else ([], {})
@@ -434,7 +434,7 @@ class WorkerSide:
         """Until this rank reaches every peer its mode needs; False after ``timeout_s``."""
         return self.mode is not None and self.mode.wait_connected(timeout_s)
 
-    def step_stats(self) -> StepData | None:
+    def get_kv_connector_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``): the senders' counters and observations
         since the last step, and, on rank 0, the samples shipped, delivered and failed."""
         return self.metrics.take_from(self.mode.metrics_sources() if self.mode is not None else [])

@@ -8,7 +8,7 @@ import pytest
 
 from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.push.admission import ReaderAdmission, Router
-from kv_connector.producer.worker_report import LinkChange
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.outcome import SampleStatus
 
@@ -178,12 +178,14 @@ def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_link
     from kv_connector.producer.scheduler_side import SchedulerSide
 
     side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"}), None, "p")
-    side.update(SimpleNamespace(links=[("10.0.0.1:7000", 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
+    report = WorkerReport(links=[LinkChange("10.0.0.1:7000", 0, None)])
+    output = SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(report=report), finished_sending=None)
+    side.update_connector_output(output)  # type: ignore[arg-type]
     bad = SimpleNamespace(request_id="a b/c", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     good = SimpleNamespace(request_id="cmpl-1-0-ab12", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     for r in (bad, good):
         side.on_new_request(r)  # type: ignore[arg-type]
-        assert side.admit(r)  # type: ignore[arg-type]  # both run; only one ships
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)  # type: ignore[arg-type]  # both run; only one ships
     assert not side.planner.is_tracked("a b/c") and side.planner.is_tracked("cmpl-1-0-ab12")
     hold, params = side.request_finished(bad, [1, 2])  # type: ignore[arg-type]
     assert not hold and params is not None
@@ -203,7 +205,7 @@ def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: 
     for rid in ("bad id 1", "bad id 2", "bad id 3", "bad id 4"):
         r = SimpleNamespace(request_id=rid, kv_transfer_params=None, all_token_ids=[1])
         side.on_new_request(r)  # type: ignore[arg-type]
-        side.admit(r)  # type: ignore[arg-type]
+        side.get_num_new_matched_tokens(r, 0)  # type: ignore[arg-type]
         _, params = side.request_finished(r, [])  # type: ignore[arg-type]
         assert params is not None
         got = params["hidden_states"]["consumer_address"]
