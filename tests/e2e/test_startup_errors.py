@@ -69,7 +69,7 @@ def test_good_config_gives_the_options_and_the_layer_ids(tiny_llama: Path) -> No
     assert config.kv_transfer_config is not None and config.kv_transfer_config.kv_role == "kv_producer"
     options, layer_ids = check_config(config)
     assert layer_ids == LAYER_IDS
-    assert options.readers == (ADDRESS,)
+    assert options.push.readers == (ADDRESS,)
     assert options.include_output_tokens is False
 
 

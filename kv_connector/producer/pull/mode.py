@@ -43,8 +43,8 @@ class PullWorker:
             rc.producer_id,
             rc.rank,
             rc.world_size,
-            pull_endpoint(options.pull_listen, rc.rank),
-            options.pull_timeout_s,
+            pull_endpoint(options.pull.listen, rc.rank),
+            options.pull.timeout_s,
             checksum=rc.checksum,
             on_release=rc.news,
             provenance=rc.provenance,
@@ -60,7 +60,7 @@ class PullWorker:
     def describe(self) -> str:
         return (
             f"pull delivery: serving at {self._server.address}, samples held up to "
-            f"{self.options.pull_timeout_s:.0f} s"
+            f"{self.options.pull.timeout_s:.0f} s"
         )
 
     def ship(
@@ -138,7 +138,7 @@ class PullScheduling:
         self.world_size = world_size
         # an engine that only holds samples waits for consumers: it steps only to notice
         # an expiry (a release, or a new request, ends its nap), a quarter of the hold late at most
-        self.hold_nap_s: float | None = min(HOLD_NAP_S, options.pull_timeout_s / 4)
+        self.hold_nap_s: float | None = min(HOLD_NAP_S, options.pull.timeout_s / 4)
         self.endpoints: dict[int, str] = {}  # each rank's endpoint, as reported
         self._drops: list[str] = []  # failed at their finish: their holds must end
 

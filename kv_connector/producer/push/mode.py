@@ -45,7 +45,7 @@ class PushWorker:
                     world_size=rc.world_size,
                     connect_timeout_s=options.connect_timeout_s,
                     checksum=rc.checksum,
-                    sample_timeout_s=options.sample_timeout_s,
+                    sample_timeout_s=options.push.sample_timeout_s,
                     on_outcome=rc.news,
                     provenance=rc.provenance,
                 ),
@@ -53,12 +53,12 @@ class PushWorker:
                 rc.layout,
                 rc.layer_ids,
             )
-            for address in options.readers
+            for address in options.push.readers
         ]
         self._reported: dict[str, str | None] = {}  # reader -> its last reported link error
 
     def describe(self) -> str:
-        return f"shipping to {', '.join(self.options.readers)}"
+        return f"shipping to {', '.join(self.options.push.readers)}"
 
     def ship(
         self,
@@ -88,7 +88,7 @@ class PushWorker:
         unsafe = sum(s.count_unsafe(busy) for s in self.senders)
         failed = []
         for s in self.senders:
-            failed += s.preempt(busy, max(0.0, t0 + self.options.preempt_timeout_s - time.monotonic()))
+            failed += s.preempt(busy, max(0.0, t0 + self.options.push.preempt_timeout_s - time.monotonic()))
         log.info(
             "rank %d: %d tracked requests preempted, %d shipped ones not yet written; waited %.3f s, "
             "%d failed (not written within preempt_timeout_s)",
@@ -173,7 +173,8 @@ class PushWorker:
         for s in self.senders:
             if s.config.consumer_address == reader:
                 return s
-        raise ValueError(f"no sender to the reader {reader!r} (readers: {', '.join(self.options.readers)})")
+        readers = ", ".join(self.options.push.readers)
+        raise ValueError(f"no sender to the reader {reader!r} (readers: {readers})")
 
 
 class PushScheduling:
@@ -185,8 +186,8 @@ class PushScheduling:
         self.options = options
         self.producer_id = producer_id
         self.hold_nap_s: float | None = None  # push: the short naps only
-        router = Router(options.readers, options.sharding)
-        self.admission = ReaderAdmission(book, options.readers, world_size, router)
+        router = Router(options.push.readers, options.push.sharding)
+        self.admission = ReaderAdmission(book, options.push.readers, world_size, router)
         self._reachable = 0  # readers every rank reaches, recounted when a link changes
 
     def on_new_request(self, request_id: str) -> None:
@@ -205,9 +206,9 @@ class PushScheduling:
     def update(self, report: WorkerReport) -> None:
         self.admission.links(report.links)
         if report.links:
-            self._reachable = sum(self.admission.is_up(r) for r in self.options.readers)
+            self._reachable = sum(self.admission.is_up(r) for r in self.options.push.readers)
         for reader, rank, error in report.links:
-            if reader not in self.options.readers:
+            if reader not in self.options.push.readers:
                 continue
             if error is None:
                 log.info("rank %d reaches the reader at %s", rank, reader)
