@@ -1,4 +1,4 @@
-"""Scheduler side of the connector: admits new requests once their reader is reachable,
+"""Scheduler side of the connector: admits new requests as its delivery mode says,
 turns each step's SchedulerOutput into a ship plan, holds finished requests' blocks until
 every worker reported them sent, and tells each finished request where its sample stands,
 in the words of its delivery mode (``push.mode.PushScheduling`` or
