@@ -23,9 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
-from kv_connector.producer.options import EXAMPLE, ConnectorOptions, captured_layer_order
 from kv_connector.producer.planning import StepPlan
 from kv_connector.producer.scheduler_side import SchedulerSide
+from kv_connector.producer.startup_checks import check_config, configured_layer_ids
 from kv_connector.producer.worker_report import WorkerReport
 from kv_connector.producer.worker_side import WorkerSide
 from kv_connector.sender.stats import SenderStats
@@ -74,82 +74,6 @@ def use_vllm_logging() -> None:
         ours.addHandler(h)
     ours.setLevel(theirs.level or logging.INFO)
     ours.propagate = False
-
-
-def configured_layer_ids(vllm_config: VllmConfig) -> list[int]:
-    """``eagle_aux_hidden_state_layer_ids`` as the user listed them ([] when unset)."""
-    spec = vllm_config.speculative_config
-    hf_config = spec.draft_model_config.hf_config if spec and spec.draft_model_config else None
-    return list(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
-
-
-def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
-    """Validate the engine's configuration; raise ValueError naming the problem and fix.
-
-    Returns the options and the captured layer ids in the order of the states
-    (``captured_layer_order``), which every sample reports, not the configured order."""
-    ktc = vllm_config.kv_transfer_config
-    assert ktc is not None
-    if ktc.kv_role != "kv_producer":
-        raise ValueError(
-            f'HiddenStatesConnector is a producer: set "kv_role":"kv_producer" (got {ktc.kv_role!r}); '
-            f"e.g. {EXAMPLE}"
-        )
-    options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
-    spec = vllm_config.speculative_config
-    if spec is None or spec.method != "extract_hidden_states":
-        raise ValueError(
-            "HiddenStatesConnector needs vLLM's extract_hidden_states speculative method: add "
-            '--speculative-config \'{"method":"extract_hidden_states","num_speculative_tokens":1,'
-            '"draft_model_config":{"hf_config":{"eagle_aux_hidden_state_layer_ids":[...]}}}\''
-        )
-    assert spec.draft_model_config is not None
-    configured = configured_layer_ids(vllm_config)
-    if not configured:
-        raise ValueError("extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config")
-    layer_ids = captured_layer_order(configured)
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ValueError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
-    problem = breakable_graph_problem(vllm_config)
-    if problem is not None:
-        raise ValueError(problem)
-    if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not hasattr(
-        KVConnectorBase_V1, "restore_kv_caches"
-    ):
-        raise ValueError(
-            "HiddenStatesConnector follows sleep mode from vLLM 0.33 on (this vLLM never tells a "
-            "connector that the cache's memory is released and mapped again, so its NIXL "
-            "registration would point at freed memory): upgrade vLLM, or drop --enable-sleep-mode"
-        )
-    return options, layer_ids
-
-
-def breakable_graph_problem(vllm_config: VllmConfig) -> str | None:
-    """Why this engine cannot ship hidden states because its drafter would run inside a
-    breakable CUDA graph, or None. vLLM's V1 model runner wraps the drafter in a
-    ``BreakableCUDAGraphWrapper`` when ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is on (vLLM turns
-    it on by itself for the architectures in ``DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES``)
-    and CUDA graphs are: a replay skips the cache-only layer's Python hook, so every
-    request would fail with "wrote no slots". Model Runner V2 runs the extract_hidden_states
-    drafter without a graph."""
-    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
-    from vllm.config.compilation import CUDAGraphMode
-
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if not is_breakable_cudagraph_enabled() or mode is None or mode == CUDAGraphMode.NONE:
-        return None
-    if getattr(vllm_config.parallel_config, "use_ubatching", False) or vllm_config.use_v2_model_runner:
-        return None
-    model = vllm_config.model_config
-    archs = ", ".join(model.architectures) if model is not None else "this model"
-    return (
-        f"HiddenStatesConnector cannot capture from {archs} with VLLM_USE_BREAKABLE_CUDAGRAPH on "
-        "(vLLM turns it on by itself for some models: DeepSeek V3.2/V4, GLM-5, Kimi, MiniMax-M3) "
-        "and CUDA graphs on the V1 model runner: the extract_hidden_states drafter is then replayed "
-        "from a graph that skips the connector's hook, so no request's hidden states could be "
-        "shipped. Set VLLM_USE_BREAKABLE_CUDAGRAPH=0 (vLLM's own opt-out), or run without CUDA "
-        "graphs (--enforce-eager)."
-    )
 
 
 class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
@@ -237,7 +161,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
-        report = self._worker.take_report()
+        report = self._worker.build_connector_worker_meta()
         return HiddenStatesWorkerMetadata(report=report) if report else None
 
     def shutdown(self) -> None:
@@ -247,7 +171,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     # -------------------------------------------------------------- metrics (both roles)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._worker if self._worker is not None else self._scheduler
-        data = side.step_stats() if side is not None else None
+        data = side.get_kv_connector_stats() if side is not None else None
         return HiddenStatesConnectorStats(data=dict(data)) if data is not None else None
 
     @classmethod
@@ -286,16 +210,11 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         # None: not yet (no worker reaches the request's reader); vLLM asks again next step
         assert self._scheduler is not None
-        if not self._scheduler.admit(request):
-            return None, False
-        return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, HiddenStatesWorkerMetadata):
-            self._scheduler.update(meta.report)
-        self._scheduler.sent(connector_output.finished_sending or ())
+        self._scheduler.update_connector_output(connector_output)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -308,7 +227,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return HiddenStatesConnectorMetadata(plan=self._scheduler.build_plan(scheduler_output))
+        return HiddenStatesConnectorMetadata(plan=self._scheduler.build_connector_meta(scheduler_output))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

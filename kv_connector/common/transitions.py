@@ -1,7 +1,7 @@
 """A state machine's legal transitions as one table: (state, event) -> the state it leads
 to, every pair not in the table illegal. The ledgers' machines (the reader's samples,
 ``reader.push.sample_states``; the sender's jobs, ``sender.job_states``; the pull ledger's
-holds, ``producer.hold_states``) each keep theirs next to their states, and their
+holds, ``producer.pull.hold_states``) each keep theirs next to their states, and their
 ledgers move a record only through ``Transitions.step``, so the table is what is
 enforced. ``None`` stands for "no record yet": the pairs from it are how a record
 begins. A state with no pair out of it is terminal. Pure: no project imports."""

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.producer.planning import StepExpect
-from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.wire import fingerprint
 from kv_connector.wire.protocol import Manifest
 

@@ -1,7 +1,7 @@
 """A delivery mode as the producer's adapters see it: what the worker side
 (``worker_side.WorkerSide``) and the scheduler side (``scheduler_side.SchedulerSide``) ask
-of push (``push_mode``: each rank WRITEs every sample into a reader's pool) and of pull
-(``pull_mode``: each rank holds every sample in vLLM's cache until a consumer READs and
+of push (``push.mode``: each rank WRITEs every sample into a reader's pool) and of pull
+(``pull.mode``: each rank holds every sample in vLLM's cache until a consumer READs and
 releases it). The adapters keep what both modes share (the plan, the slot checks, the
 requests' records, the delivery book) and hold one mode each, chosen once from the
 options' ``delivery``; no other branch on the mode is left in them."""
@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.producer.delivery import Admission
 from kv_connector.producer.planning import ShipOrder
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure
 from kv_connector.wire.identity import SampleIdentity
@@ -120,8 +121,8 @@ class WorkerMode(Protocol):
         """Where this step's transfer metrics come from (``get_kv_connector_stats``)."""
         ...
 
-    def stats(self) -> list[SenderStats]:
-        """A snapshot of the counters, one per reader."""
+    def stats(self) -> Sequence[SenderStats]:
+        """A snapshot of the counters, one per reader (pull has no reader: none)."""
         ...
 
     def wait_connected(self, timeout_s: float) -> bool:
@@ -156,6 +157,20 @@ class SchedulerMode(Protocol):
 
     def on_new_request(self, request_id: str) -> None:
         """A new request is followed."""
+        ...
+
+    def admit(self, request_id: str) -> Admission:
+        """May the request start now (``get_num_new_matched_tokens``)? WAIT: it waits in
+        vLLM's queue, holding no blocks; FAIL: it runs without shipping."""
+        ...
+
+    def started(self, request_id: str) -> str | None:
+        """vLLM scheduled a request it ran without admitting (``build_connector_meta``):
+        it is bound now; where its sample goes, for the log (None: nothing was bound)."""
+        ...
+
+    def reachable(self) -> int:
+        """How many of this mode's peers every rank reaches, for the metrics."""
         ...
 
     def update(self, report: WorkerReport) -> None:

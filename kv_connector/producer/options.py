@@ -101,17 +101,50 @@ SHARDING = tuple(s.value for s in Sharding)
 CHECKSUMS = tuple(c.value for c in ChecksumOption)
 DELIVERIES = tuple(d.value for d in Delivery)
 PULL_TIMEOUT_S = 300.0
-# pull mode's one stand-in "reader": the ranks' endpoints (the delivery book admits a
-# request once every rank's endpoint is up)
-PULL_ENDPOINTS = "the ranks' pull endpoints"
 
 # a timeout: a positive number of seconds (a year at most: infinity is no deadline)
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)]
 ProducerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
+class PushOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Push delivery's options (``ConnectorOptions`` says what each one means)."""
+
+    readers: tuple[str, ...] = ()  # consumer_address; empty in pull delivery
+    sharding: Sharding = Sharding.REQUEST_HASH
+    sample_timeout_s: Seconds = 300.0
+    preempt_timeout_s: Seconds = 5.0
+
+    def __post_init__(self) -> None:
+        for a in self.readers:
+            try:
+                parse_address(a)
+            except ValueError as e:
+                raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
+        if len(set(self.readers)) != len(self.readers):
+            raise ValueError("kv_connector_extra_config.consumer_address lists a reader twice")
+
+
+class PullOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Pull delivery's options (``ConnectorOptions`` says what each one means)."""
+
+    listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"  # pull_listen
+    timeout_s: Seconds = PULL_TIMEOUT_S  # pull_timeout_s
+
+
+# each section's flat keys in kv_connector_extra_config, by field
+_SECTIONS: dict[str, dict[str, str]] = {
+    "push": {"consumer_address": "readers", "sharding": "sharding",
+             "sample_timeout_s": "sample_timeout_s", "preempt_timeout_s": "preempt_timeout_s"},
+    "pull": {"pull_listen": "listen", "pull_timeout_s": "timeout_s"},
+}  # fmt: skip
+
+
 class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The connector's options, decoded from ``kv_connector_extra_config`` by ``parse``.
+    """The connector's options, decoded from ``kv_connector_extra_config`` by ``parse``:
+    what both modes read, and one section per mode (``push``, ``pull``), whose fields are
+    the flat keys below (``consumer_address`` is ``push.readers``, ``pull_listen`` and
+    ``pull_timeout_s`` are ``pull.listen`` and ``pull.timeout_s``).
 
     readers: the readers' control addresses (``consumer_address``: one ``HOST:PORT``, or a
     list of them that shards the samples over several readers, each sample to exactly one).
@@ -138,8 +171,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     written (it may wait for the reader's credits) before its sample fails (default 5).
     delivery: "push" (default: the ranks WRITE each sample into a reader's pool) or "pull"
     (no reader: each rank holds a finished sample's blocks and serves it to a consumer
-    holding its handle, ``reader.pull.client``); pull needs no consumer_address, and its
-    ``readers`` is the one stand-in ``PULL_ENDPOINTS``.
+    holding its handle, ``reader.pull.client``); pull takes no consumer_address.
     pull_listen: where each rank's pull endpoint listens, ``HOST`` or ``HOST:PORT`` (the
     port is rank 0's; rank r takes PORT + r); default 127.0.0.1 on a free port.
     pull_timeout_s: a pulled sample not released this long after its request finished is
@@ -149,52 +181,37 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     name). Default true; false skips the check.
     """
 
-    readers: tuple[str, ...]
     producer_id: ProducerId | None = None
-    sharding: Sharding = Sharding.REQUEST_HASH
     connect_timeout_s: Seconds = 60.0
     drain_timeout_s: Seconds = 60.0
     include_output_tokens: bool = False
     checksum: ChecksumOption = ChecksumOption.AUTO
-    sample_timeout_s: Seconds = 300.0
-    preempt_timeout_s: Seconds = 5.0
     delivery: Delivery = Delivery.PUSH
-    pull_listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
-    pull_timeout_s: Seconds = PULL_TIMEOUT_S
     check_tokens: bool = True
-
-    @property
-    def pull(self) -> bool:
-        return self.delivery is Delivery.PULL
+    push: PushOptions = msgspec.field(default_factory=PushOptions)
+    pull: PullOptions = msgspec.field(default_factory=PullOptions)
 
     def __post_init__(self) -> None:
-        if self.pull:
-            if self.readers != (PULL_ENDPOINTS,):
+        if self.delivery is Delivery.PULL:
+            if self.push.readers:
                 raise ValueError(
                     'kv_connector_extra_config.consumer_address is for "delivery": "push"; pull delivery has '
                     "no reader (consumers fetch each sample by its handle)"
                 )
             try:
-                pull_endpoint(self.pull_listen, 0)
+                pull_endpoint(self.pull.listen, 0)
             except ValueError as e:
                 raise ValueError(f"kv_connector_extra_config.pull_listen: {e}") from None
-            return
-        if not self.readers:
+        elif not self.push.readers:
             raise ValueError(_HINTS["consumer_address"])
-        for a in self.readers:
-            try:
-                parse_address(a)
-            except ValueError as e:
-                raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
-        if len(set(self.readers)) != len(self.readers):
-            raise ValueError("kv_connector_extra_config.consumer_address lists a reader twice")
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
         """The options ``kv_connector_extra_config`` gives, or ValueError naming the key
         and the fix (what vLLM prints when it fails at startup)."""
         raw = dict(extra or {})
-        known = {f for f in cls.__struct_fields__ if f != "readers"} | {"consumer_address"}
+        sectioned = {k for keys in _SECTIONS.values() for k in keys}
+        known = {f for f in cls.__struct_fields__ if f not in _SECTIONS} | sectioned
         unknown = set(raw) - known
         if unknown:
             raise ValueError(
@@ -211,14 +228,19 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                         f'kv_connector_extra_config.{key} is for "delivery": "push"; pull delivery has '
                         "no reader (consumers fetch each sample by its handle)"
                     )
-            addrs: Any = [PULL_ENDPOINTS]
-        else:
-            addr = raw.pop("consumer_address", None)
+        elif "consumer_address" in raw:
+            addr = raw["consumer_address"]
             addrs = [addr] if isinstance(addr, str) else addr
             if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
                 raise ValueError(_HINTS["consumer_address"])
+            raw["consumer_address"] = addrs
+        else:
+            raise ValueError(_HINTS["consumer_address"])
+        nested: dict[str, Any] = {k: v for k, v in raw.items() if k not in sectioned}
+        for section, keys in _SECTIONS.items():
+            nested[section] = {field: raw[key] for key, field in keys.items() if key in raw}
         try:
-            return msgspec.convert({**raw, "readers": addrs}, cls)
+            return msgspec.convert(nested, cls)
         except msgspec.ValidationError as e:
             key = _key_of(str(e))
             if key in _HINTS:
@@ -261,6 +283,11 @@ def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
 
 
 def _key_of(error: str) -> str:
-    """The option a msgspec error is about (its path ends "- at `$.key`")."""
+    """The flat option a msgspec error is about (its path ends "- at `$.key`", or
+    "- at `$.section.field`" for a mode's own)."""
     _, _, path = error.rpartition("at `$.")
-    return path.split("`")[0].split(".")[0].split("[")[0]
+    parts = path.split("`")[0].split("[")[0].split(".")
+    if len(parts) > 1 and parts[0] in _SECTIONS:
+        flat = {field: key for key, field in _SECTIONS[parts[0]].items()}
+        return flat.get(parts[1], parts[1])
+    return parts[0]

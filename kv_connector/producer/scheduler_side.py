@@ -1,24 +1,24 @@
-"""Scheduler side of the connector: admits new requests once their reader is reachable,
+"""Scheduler side of the connector: admits new requests as its delivery mode says,
 turns each step's SchedulerOutput into a ship plan, holds finished requests' blocks until
 every worker reported them sent, and tells each finished request where its sample stands,
-in the words of its delivery mode (``push_mode.PushScheduling`` or
-``pull_mode.PullScheduling``, chosen once from the options' ``delivery``)."""
+in the words of its delivery mode (``push.mode.PushScheduling`` or
+``pull.mode.PullScheduling``, chosen once from the options' ``delivery``)."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kv_connector.producer.delivery import AdmissionKind, DeliveryBook, Router
+from kv_connector.producer.delivery import AdmissionKind, DeliveryBook
 from kv_connector.producer.idle_steps import IdleSteps, doorbell
 from kv_connector.producer.mode import Finished, SchedulerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
-from kv_connector.producer.pull_mode import PullScheduling
-from kv_connector.producer.push_mode import PushScheduling
+from kv_connector.producer.pull.mode import PullScheduling
+from kv_connector.producer.push.mode import PushScheduling
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
@@ -30,6 +30,7 @@ from kv_connector.wire.protocol import request_id_problem
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -96,18 +97,14 @@ class SchedulerSide:
         self.options = options
         self.group = hidden_state_group(kv_cache_config)
         self.producer_id = producer_id
-        router = Router(options.readers, options.sharding)
         # one record per request, read and written by both the planner and the book
         self.requests = RequestTable()
         self.planner = ShipPlanner(self.requests)
-        self.book = DeliveryBook(
-            options.readers, world_size, options.connect_timeout_s, router, table=self.requests
-        )
+        self.book = DeliveryBook(options.connect_timeout_s, table=self.requests)
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
-        self._readers_up = 0  # readers every rank reaches, recounted when a link changes
         self.world_size = world_size
         self.mode: SchedulerMode = SCHEDULER_MODES[options.delivery](
-            options, self.requests, producer_id, world_size
+            options, self.book, producer_id, world_size
         )
         # naps before steps that only wait for held samples, ended by the worker side's news
         # (rung from the workers' processes too) or by a new request
@@ -140,39 +137,48 @@ class SchedulerSide:
         if problem is not None:  # refused alone, at admission: never its connection
             self.book.refuse(rid, problem)
 
-    def admit(self, request: Request) -> bool:
-        """May the request start now? Not while no worker can reach its reader (it waits
-        in vLLM's queue, holding no blocks), for at most ``connect_timeout_s``; then it
-        runs without shipping and its kv_transfer_params say why."""
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """May the request start now? As its delivery mode says: while it may not, it waits
+        in vLLM's queue, holding no blocks (None: vLLM asks again next step), for at most
+        ``connect_timeout_s``; then it runs without shipping and its kv_transfer_params say
+        why. Nothing is ever loaded from outside (0 tokens, synchronously)."""
         rid = request.request_id
-        a = self.book.admit(rid)
+        a = self.mode.admit(rid)
         self.metrics.waiting(rid, a.kind is AdmissionKind.WAIT)
         if a.kind is AdmissionKind.WAIT:
-            return False
+            return None, False
         if a.kind is AdmissionKind.FAIL and self.planner.is_tracked(rid):
             log.error("request %s: %s; it runs without shipping its hidden states", rid, a.why)
             self.planner.drop(rid)
             self.metrics.admission_failed(a.failure.reason if a.failure else FailureReason.OTHER)
-        return True
+        return 0, False
 
-    def update(self, report: WorkerReport) -> None:
-        """The workers' reports of one step."""
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The workers' reports of one step (their ``WorkerReport``s, merged by vLLM), and
+        the requests whose blocks vLLM frees now (every worker reported them sent)."""
+        report = getattr(output.kv_connector_worker_meta, "report", None)
+        if isinstance(report, WorkerReport):
+            self._take_report(report)
+        self.metrics.sent(output.finished_sending or ())
+
+    def _take_report(self, report: WorkerReport) -> None:
         self.mode.update(report)
-        for rid, failure in self.book.update(report.links, report.failures, report.delivered):
+        for rid, failure in self.book.update(report.failures, report.delivered):
             log.error("request %s (already finished) lost its hidden states: %s", rid, failure.why)
-        if report.links:
-            self._readers_up = sum(self.book.is_up(r) for r in self.options.readers)
 
     def _engine_input(self) -> Callable[[], bool] | None:
         """Whether vLLM's engine core has requests waiting to be added (its input queue),
-        found once on the call stack of ``build_plan`` (the engine core's own thread):
+        found once on the call stack of ``build_connector_meta`` (the engine core's own thread):
         None where the engine has none to look at (an in-process engine)."""
         if self._input_waits is None and self._looked_for_input < LOOKS_FOR_INPUT:
             self._looked_for_input += 1
             self._input_waits = engine_input_waits(sys._getframe(1))
         return self._input_waits
 
-    def build_plan(self, out: SchedulerOutput) -> StepPlan:
+    def build_connector_meta(self, out: SchedulerOutput) -> StepPlan:
+        """This step's plan: what each worker ships, holds or drops (the connector metadata)."""
         # an empty step (vLLM steps on while finished requests hold blocks) naps, or not;
         # long while it only holds samples, if a new request can end the nap
         holding_only = not self._unfinished and self.idle.hold_s > 0 and self._engine_input() is not None
@@ -188,7 +194,7 @@ class SchedulerSide:
             for r in out.scheduled_new_reqs
         ]
         for n in new:
-            if (reader := self.book.started(n.request_id)) is not None:
+            if (reader := self.mode.started(n.request_id)) is not None:
                 log.info(
                     "request %s started before it was admitted (vLLM does not wait on the connector for "
                     "requests that skip the prefix cache, such as prompt_logprobs ones): its sample goes "
@@ -240,11 +246,7 @@ class SchedulerSide:
         )
         return hold, self.mode.request_finished(done)
 
-    def sent(self, request_ids: Iterable[str]) -> None:
-        """vLLM frees these requests' blocks now (every worker reported them sent)."""
-        self.metrics.sent(request_ids)
-
-    def step_stats(self) -> StepData | None:
+    def get_kv_connector_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``): admission failures since the last step,
         and the levels of the book when they changed."""
-        return self.metrics.take(self._readers_up)
+        return self.metrics.take(self.mode.reachable())

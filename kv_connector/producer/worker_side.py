@@ -1,6 +1,6 @@
 """Worker side of the connector: finds the cache-only layer's tensor, reads each step's
 slot mapping, checks it off the critical path, and hands complete requests to its
-delivery mode (``push_mode.PushWorker`` or ``pull_mode.PullWorker``, chosen once from
+delivery mode (``push.mode.PushWorker`` or ``pull.mode.PullWorker``, chosen once from
 the options' ``delivery``); what the mode settles goes back to vLLM and the scheduler."""
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.common.amx import request_amx
 from kv_connector.producer.engine_bell import doorbell
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.mode import RankCache, WorkerMode
 from kv_connector.producer.options import ConnectorOptions, Delivery
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan, in_kernel_blocks
-from kv_connector.producer.pull_mode import PullWorker
-from kv_connector.producer.push_mode import PushWorker
+from kv_connector.producer.pull.mode import PullWorker
+from kv_connector.producer.push.mode import PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_inputs import find_input_ids
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import WorkerReport
-from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.sender.loop import SenderError
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
@@ -138,7 +138,7 @@ class WorkerSide:
         # the last failures, for logs and tests (request id -> why); bounded
         self.recent_failures: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.rank = 0
-        # for the scheduler (see take_report): news since the last report
+        # for the scheduler (see build_connector_worker_meta): news since the last report
         self._report_failures: dict[str, SampleFailure] = {}
         self._report_delivered: set[str] = set()
         self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
@@ -418,7 +418,7 @@ class WorkerSide:
                 self.checks.forget(rid)
         return ready
 
-    def take_report(self) -> WorkerReport:
+    def build_connector_worker_meta(self) -> WorkerReport:
         """What the scheduler side should learn this step: changes of this rank's link
         to each reader (None: connected), and requests failed or delivered since."""
         links, endpoints = self.mode.link_changes() if self.mode is not None else ([], {})
@@ -428,13 +428,13 @@ class WorkerSide:
 
     def stats(self) -> list[SenderStats]:
         """A snapshot of each sender's counters, in the order of the readers."""
-        return self.mode.stats() if self.mode is not None else []
+        return list(self.mode.stats()) if self.mode is not None else []
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Until this rank reaches every peer its mode needs; False after ``timeout_s``."""
         return self.mode is not None and self.mode.wait_connected(timeout_s)
 
-    def step_stats(self) -> StepData | None:
+    def get_kv_connector_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``): the senders' counters and observations
         since the last step, and, on rank 0, the samples shipped, delivered and failed."""
         return self.metrics.take_from(self.mode.metrics_sources() if self.mode is not None else [])

@@ -1,2 +1,3 @@
 """One rank's shipping: ``sender`` (the shell ``ship()`` talks to), its pure job ``ledger``,
-the serving ``loop``, the WRITE ``writer``, the share ``hasher`` and its ``stats``."""
+the serving ``loop``, the WRITE ``writer`` and its ``stats``; what it reads from the cache
+and how it hashes it are ``kv_connector.cache``'s."""

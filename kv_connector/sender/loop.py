@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kv_connector.cache.hasher import Hasher, computed
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
-from kv_connector.sender.hasher import Hasher, computed
 from kv_connector.sender.jobs import Failure, FrozenJob, Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter

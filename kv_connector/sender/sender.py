@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from kv_connector.sender.cache_blocks import CacheBlocks, Fingerprinted
+from kv_connector.cache.blocks import CacheBlocks, Fingerprinted
 from kv_connector.sender.jobs import Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderError, SenderLoop

@@ -334,7 +334,7 @@ class Rewrite(_Msg, tag="rewrite", frozen=True):
 # ---- pull delivery: a consumer asks a producer's rank for its share of one sample
 PullNonce = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}\Z")]
 # Why a rank gives no share ("unknown": never held here, or a wrong nonce; the others
-# name how the hold ended, see ``kv_connector.producer.pull_ledger``).
+# name how the hold ended, see ``kv_connector.producer.pull.ledger``).
 PullErrorCode = Literal["unknown", "expired", "released", "preempted", "aborted", "closed", "failed"]
 
 
@@ -346,7 +346,7 @@ class PullFetch(_Msg, tag="pull_fetch", frozen=True):
 
 
 class HoldFence(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where a held sample's fence word lies (``producer.hold_fences``): ``offset`` bytes
+    """Where a held sample's fence word lies (``producer.pull.hold_fences``): ``offset`` bytes
     into the rank's fence table (``table_addr``, ``table_bytes``, host memory the NIXL
     metadata of the handshake registers). It reads ``value`` while the hold is live; a
     consumer READs it after its data READ completed and fails the sample otherwise."""

@@ -30,8 +30,8 @@ def main() -> dict[str, Any]:
 def measure(hidden: int, vocab: int, tokens_n: int) -> dict[str, Any]:
     """The audit's and the consumer's CPU for one row of ``tokens_n`` tokens at this shape."""
     from kv_connector.audit import DEFAULT_POSITIONS, DEFAULT_RATE, LogprobAudit, positions_of
+    from kv_connector.cache.blocks import CacheBlocks
     from kv_connector.reader.pool.memory import fingerprint_screened
-    from kv_connector.sender.cache_blocks import CacheBlocks
     from kv_connector.wire.identity import NO_IDENTITY
     from kv_connector.wire.layout import BlockLayout
 

@@ -34,11 +34,11 @@ def least_cpu_s(fn: Callable[[], object], rounds: int = 5) -> float:
 
 
 def measure(tokens: int = 4096, layout: str = "TLH") -> dict[str, Any]:
+    from kv_connector.cache.blocks import CacheBlocks
     from kv_connector.producer.fingerprints import Fingerprints
     from kv_connector.producer.planning import BlockRecorder, StepSlice
     from kv_connector.reader.pool.memory import fingerprint_screened
     from kv_connector.reader.pool.values import find_bad_values
-    from kv_connector.sender.cache_blocks import CacheBlocks
     from kv_connector.wire import fingerprint
     from kv_connector.wire.block_digest import sample_block_digests, share_digest
     from kv_connector.wire.identity import NO_IDENTITY

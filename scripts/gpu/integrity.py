@@ -2,7 +2,7 @@
 
 Today's record for a GPU cache is the block digests (``kv_connector.wire.block_digest``),
 which the sender's hashing thread computes on the cache's device, on a stream of its own
-(``sender.cache_blocks.share_block_digest``). This check shows:
+(``cache.blocks.share_block_digest``). This check shows:
 
 1. Bit for bit: the digests computed from a cache on ``device`` equal the reader's
    recomputation on the host from the same bytes laid out as they land in its pool, for
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from kv_connector.cache.blocks import share_block_digest, share_checksum
 from kv_connector.reader.pool.lease import sample_view
-from kv_connector.sender.cache_blocks import share_block_digest, share_checksum
 from kv_connector.sender.jobs import Job
 from kv_connector.wire import protocol
 from kv_connector.wire.block_digest import cache_block_digests, sample_block_digests, share_digest

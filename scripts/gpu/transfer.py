@@ -347,9 +347,9 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
     """The producer of pull: a PullServer over a cache on ``device``, and a raw agent
     with the same cache registered."""
     try:
+        from kv_connector.cache.blocks import CacheBlocks
         from kv_connector.producer.fingerprints import Fingerprints
-        from kv_connector.producer.pull_server import PullServer
-        from kv_connector.sender.cache_blocks import CacheBlocks
+        from kv_connector.producer.pull.server import PullServer
         from kv_connector.wire.handle import PullHandle, make_nonce
         from kv_connector.wire.nixl_transport import NixlTransport
 

@@ -206,7 +206,7 @@ e_default = ks.expectation_of(argparse.Namespace(verifier_name_or_path=str(v)))
 e_hub = ks.expectation_of(argparse.Namespace(verifier_name_or_path="meta-llama/Llama-3.1-8B"))
 x = ks.KvHiddenStatesTransfer(mode="worker", expect=e_given)
 x2 = pickle.loads(pickle.dumps(x))
-print(json.dumps({"cfg": cfg, "pull": o.pull, "timeout": o.pull_timeout_s,
+print(json.dumps({"cfg": cfg, "pull": o.delivery.value == "pull", "timeout": o.pull.timeout_s,
                   "cached": t.get_cached(0), "names": sorted(HiddenStatesBackend.registry),
                   "modes": [t.mode.value, w.mode.value, r.mode.value],
                   "pools": [t.pool_mib, w.pool_mib, r.pool_mib], "started": t.agent is not None,

@@ -55,7 +55,7 @@ def engine_config(
 
 
 def check_error(config: VllmConfig) -> str:
-    from kv_connector.connector import check_config
+    from kv_connector.producer.startup_checks import check_config
 
     with pytest.raises(ValueError) as info:
         check_config(config)
@@ -63,13 +63,13 @@ def check_error(config: VllmConfig) -> str:
 
 
 def test_good_config_gives_the_options_and_the_layer_ids(tiny_llama: Path) -> None:
-    from kv_connector.connector import check_config
+    from kv_connector.producer.startup_checks import check_config
 
     config = engine_config(tiny_llama)
     assert config.kv_transfer_config is not None and config.kv_transfer_config.kv_role == "kv_producer"
     options, layer_ids = check_config(config)
     assert layer_ids == LAYER_IDS
-    assert options.readers == (ADDRESS,)
+    assert options.push.readers == (ADDRESS,)
     assert options.include_output_tokens is False
 
 
@@ -79,7 +79,7 @@ def speculative_with(layer_ids: list[int]) -> dict[str, Any]:
 
 
 def test_unsorted_layer_ids_are_reported_in_the_order_vllm_captures_them(tiny_llama: Path) -> None:
-    from kv_connector.connector import check_config
+    from kv_connector.producer.startup_checks import check_config
 
     _, layer_ids = check_config(engine_config(tiny_llama, speculative=speculative_with([3, 1, 2])))
     assert layer_ids == [1, 2, 3]

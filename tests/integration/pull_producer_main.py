@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
-from kv_connector.producer.pull_server import PullServer
-from kv_connector.sender.cache_blocks import CacheBlocks
+from kv_connector.producer.pull.server import PullServer
 from kv_connector.wire import fingerprint, protocol
 from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.layout import BlockLayout

@@ -15,8 +15,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.producer.fingerprints import Fingerprints
-from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout

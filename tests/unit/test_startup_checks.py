@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.connector import check_config
+from kv_connector.producer.startup_checks import check_config
 from scripts.support.vllm_harness import config_only_model, engine_config
 
 KTC = {

@@ -1,4 +1,4 @@
-"""The pull client's side of hold fences (``producer.hold_fences``): once a sample's data
+"""The pull client's side of hold fences (``producer.pull.hold_fences``): once a sample's data
 READs completed, one 8-byte READ per share of its hold's fence word into a word of the
 client's own (host memory, registered beside the pool). The word still holding the value
 the share named means the hold was live after the last byte landed: vLLM cannot have

@@ -17,7 +17,7 @@ class _Producer:
     def __init__(self, samples: int, tokens: int, hidden: int, seed: int, checksum: bool) -> None:
         import torch
 
-        from kv_connector.producer.pull_server import PullServer
+        from kv_connector.producer.pull.server import PullServer
         from kv_connector.wire.layout import BlockLayout
         from kv_connector.wire.protocol import ShareChecksum
 
@@ -46,8 +46,8 @@ class _Producer:
             checksum=ShareChecksum.FINGERPRINT if checksum else None,  # the connector's default
         )
         self.rounds = 0
+        from kv_connector.cache.blocks import CacheBlocks
         from kv_connector.producer.fingerprints import Fingerprints
-        from kv_connector.sender.cache_blocks import CacheBlocks
 
         self.fingerprints = Fingerprints(CacheBlocks(cache, layout), BLOCK)
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from kv_connector.cache.hasher import Hasher
 from kv_connector.common.device import on_device
-from kv_connector.sender.hasher import Hasher
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import SenderLoop
 from kv_connector.sender.writer import ShareWriter

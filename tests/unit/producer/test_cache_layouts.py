@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
+from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, StepPlan, StepSlice, in_kernel_blocks
 from kv_connector.producer.worker_side import read_cache
 from kv_connector.reader.pool.lease import sample_view
-from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.wire.identity import NO_IDENTITY
 from kv_connector.wire.layout import AmbiguousCacheView, BlockLayout, cache_spans, kernel_block_ids
 

@@ -1,11 +1,14 @@
-"""The scheduler's delivery book: admission while readers are unreachable, the deadline,
-routing around down readers, and each finished request's outcome."""
+"""The scheduler's delivery book and push's admission: admission while readers are
+unreachable, the deadline, routing around down readers, and each finished request's
+outcome."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_connector.producer.delivery import DeliveryBook, Router
+from kv_connector.producer.delivery import Admission, DeliveryBook
+from kv_connector.producer.push.admission import ReaderAdmission, Router
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.outcome import SampleStatus
 
@@ -25,10 +28,45 @@ def wf(why: str) -> SampleFailure:
 R0, R1, R2 = (f"10.0.0.{i}:7000" for i in range(3))
 
 
-def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[DeliveryBook, Clock]:
+class Push:
+    """The book with push's admission over it, as the scheduler side holds them."""
+
+    def __init__(self, book: DeliveryBook, admission: ReaderAdmission) -> None:
+        self.book, self.admission = book, admission
+
+    def update(
+        self, links: list[tuple[str, int, str | None]], failures: dict[str, SampleFailure], done: list[str]
+    ) -> list[tuple[str, SampleFailure]]:
+        self.admission.links([LinkChange(*link) for link in links])
+        return self.book.update(failures, done)
+
+    def admit(self, request_id: str) -> Admission:
+        return self.admission.admit(request_id)
+
+    def started(self, request_id: str) -> str | None:
+        return self.admission.started(request_id)
+
+    def add(self, request_id: str) -> None:
+        self.book.add(request_id)
+
+    def refuse(self, request_id: str, why: str) -> None:
+        self.book.refuse(request_id, why)
+
+    def outcome(self, request_id: str) -> tuple[SampleStatus, str]:
+        return self.book.outcome(request_id)
+
+    def finish(self, request_id: str) -> None:
+        self.book.finish(request_id)
+
+    def __len__(self) -> int:
+        return len(self.book)
+
+
+def book(readers: int = 1, world: int = 1, policy: str = "request_hash") -> tuple[Push, Clock]:
     clock = Clock()
     addrs = [R0, R1, R2][:readers]
-    return DeliveryBook(addrs, world, 5.0, Router(addrs, policy), clock=clock), clock
+    b = DeliveryBook(5.0, clock=clock)
+    return Push(b, ReaderAdmission(b, addrs, world, Router(addrs, policy))), clock
 
 
 def test_a_request_waits_for_its_reader_then_runs_once_every_rank_is_connected() -> None:
@@ -130,7 +168,7 @@ def test_a_request_not_added_is_admitted_but_leaves_no_state() -> None:
 @pytest.mark.parametrize("world", [0, -1])
 def test_bad_world_size_is_refused(world: int) -> None:
     with pytest.raises(ValueError):
-        DeliveryBook(["a:1"], world, 1.0)
+        ReaderAdmission(DeliveryBook(1.0), ["a:1"], world, Router(["a:1"]))
 
 
 def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_links() -> None:
@@ -140,12 +178,14 @@ def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_link
     from kv_connector.producer.scheduler_side import SchedulerSide
 
     side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"}), None, "p")
-    side.update(SimpleNamespace(links=[("10.0.0.1:7000", 0, None)], failures={}, delivered=set()))  # type: ignore[arg-type]
+    report = WorkerReport(links=[LinkChange("10.0.0.1:7000", 0, None)])
+    output = SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(report=report), finished_sending=None)
+    side.update_connector_output(output)  # type: ignore[arg-type]
     bad = SimpleNamespace(request_id="a b/c", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     good = SimpleNamespace(request_id="cmpl-1-0-ab12", kv_transfer_params=None, all_token_ids=[1, 2, 3])
     for r in (bad, good):
         side.on_new_request(r)  # type: ignore[arg-type]
-        assert side.admit(r)  # type: ignore[arg-type]  # both run; only one ships
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)  # type: ignore[arg-type]  # both run; only one ships
     assert not side.planner.is_tracked("a b/c") and side.planner.is_tracked("cmpl-1-0-ab12")
     hold, params = side.request_finished(bad, [1, 2])  # type: ignore[arg-type]
     assert not hold and params is not None
@@ -165,7 +205,7 @@ def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: 
     for rid in ("bad id 1", "bad id 2", "bad id 3", "bad id 4"):
         r = SimpleNamespace(request_id=rid, kv_transfer_params=None, all_token_ids=[1])
         side.on_new_request(r)  # type: ignore[arg-type]
-        side.admit(r)  # type: ignore[arg-type]
+        side.get_num_new_matched_tokens(r, 0)  # type: ignore[arg-type]
         _, params = side.request_finished(r, [])  # type: ignore[arg-type]
         assert params is not None
         got = params["hidden_states"]["consumer_address"]

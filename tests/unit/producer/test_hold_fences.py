@@ -1,4 +1,4 @@
-"""Hold fences (``producer.hold_fences``) and the ledger's P7: a hold's fence word holds
+"""Hold fences (``producer.pull.hold_fences``) and the ledger's P7: a hold's fence word holds
 its value exactly while it is held, zeroed in the call that ends it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kv_connector.producer.hold_fences import FenceTable
-from kv_connector.producer.pull_ledger import PullLedger
+from kv_connector.producer.pull.hold_fences import FenceTable
+from kv_connector.producer.pull.ledger import PullLedger
 from kv_connector.wire import protocol
 from tests.unit.producer.test_pull_ledger import held
 

@@ -1,4 +1,4 @@
-"""The pull ledger's table of transitions (``producer.hold_states``) is the machine the
+"""The pull ledger's table of transitions (``producer.pull.hold_states``) is the machine the
 ledger enforces: every state reachable, HELD the only one with a way out, an illegal
 transition raising ``IllegalTransition``, and the ledger moving only through it."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kv_connector.producer.hold_states import HOLDS, HoldEvent, HoldState, IllegalTransition
-from kv_connector.producer.pull_ledger import PullLedger
+from kv_connector.producer.pull.hold_states import HOLDS, HoldEvent, HoldState, IllegalTransition
+from kv_connector.producer.pull.ledger import PullLedger
 from tests.unit.producer.test_pull_ledger import held
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kv_connector.producer.options import ConnectorOptions, Sharding, captured_layer_order
+from kv_connector.producer.options import ConnectorOptions, PushOptions, Sharding, captured_layer_order
 
 GOOD = "127.0.0.1:5555"
 TIMEOUT_KEYS = ["connect_timeout_s", "drain_timeout_s"]
@@ -29,14 +29,13 @@ def parse_error(extra: Any) -> str:
 def test_only_consumer_address_gives_the_documented_defaults() -> None:
     opts = ConnectorOptions.parse({"consumer_address": GOOD})
     assert opts == ConnectorOptions(
-        readers=(GOOD,),
-        sharding=Sharding.REQUEST_HASH,
+        push=PushOptions(readers=(GOOD,), sharding=Sharding.REQUEST_HASH),
         producer_id=None,
         connect_timeout_s=60.0,
         drain_timeout_s=60.0,
         include_output_tokens=False,
     )
-    assert opts.readers == (GOOD,)
+    assert opts.push.readers == (GOOD,)
 
 
 def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
@@ -49,7 +48,7 @@ def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
             "include_output_tokens": True,
         }
     )
-    assert opts.readers == ("[::1]:7000",)
+    assert opts.push.readers == ("[::1]:7000",)
     assert opts.producer_id == "p" * 128
     assert opts.connect_timeout_s == 5.0 and type(opts.connect_timeout_s) is float
     assert opts.drain_timeout_s == 0.25
@@ -59,13 +58,13 @@ def test_every_key_is_read_and_integer_timeouts_become_floats() -> None:
 def test_any_mapping_is_accepted_and_left_unchanged() -> None:
     extra = {"consumer_address": GOOD, "include_output_tokens": False}
     frozen = MappingProxyType(extra)
-    assert ConnectorOptions.parse(frozen).readers == (GOOD,)
+    assert ConnectorOptions.parse(frozen).push.readers == (GOOD,)
     assert extra == {"consumer_address": GOOD, "include_output_tokens": False}
 
 
 @pytest.mark.parametrize("address", ["localhost:0", "10.0.0.1:65535", "[fe80::1]:80", "reader.example:9"])
 def test_well_formed_addresses_are_kept_verbatim(address: str) -> None:
-    assert ConnectorOptions.parse({"consumer_address": address}).readers == (address,)
+    assert ConnectorOptions.parse({"consumer_address": address}).push.readers == (address,)
 
 
 # ------------------------------------------------------------- consumer_address
@@ -173,7 +172,7 @@ def test_a_list_of_readers_shards_samples_over_them() -> None:
     opts = ConnectorOptions.parse(
         {"consumer_address": ["10.0.0.1:1", "10.0.0.2:1"], "sharding": "round_robin"}
     )
-    assert opts.readers == ("10.0.0.1:1", "10.0.0.2:1") and opts.sharding == "round_robin"
+    assert opts.push.readers == ("10.0.0.1:1", "10.0.0.2:1") and opts.push.sharding == "round_robin"
 
 
 @pytest.mark.parametrize(
@@ -258,6 +257,6 @@ def test_an_infinite_timeout_is_no_deadline_and_refused() -> None:
 
 def test_options_built_in_python_check_their_readers_too() -> None:
     with pytest.raises(ValueError, match="consumer_address"):
-        ConnectorOptions(readers=())
+        ConnectorOptions(push=PushOptions(readers=()))
     with pytest.raises(ValueError, match="twice"):
-        ConnectorOptions(readers=(GOOD, GOOD))
+        ConnectorOptions(push=PushOptions(readers=(GOOD, GOOD)))

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_connector.producer.delivery import DeliveryBook, Router
+from kv_connector.producer.delivery import DeliveryBook
 from kv_connector.producer.planning import (
     BlockRecorder,
     NewRequest,
@@ -30,6 +30,7 @@ from kv_connector.producer.planning import (
     check_slots,
     check_step,
 )
+from kv_connector.producer.push.admission import ReaderAdmission, Router
 from kv_connector.producer.request_table import RequestTable
 
 BS = 16  # block size of the simulated scheduler and cache
@@ -639,15 +640,13 @@ def test_router_hash_is_stable_and_spreads_and_round_robin_cycles() -> None:
 def test_ship_orders_carry_the_reader_bound_at_admission_and_finish_reports_it() -> None:
     readers = ["10.0.0.1:1", "10.0.0.2:1"]
     table = RequestTable()
-    planner, book = (
-        ShipPlanner(table),
-        DeliveryBook(readers, 1, 5.0, Router(readers, "round_robin"), table=table),
-    )
-    book.update([(r, 0, None) for r in readers], {}, [])
+    planner, book = ShipPlanner(table), DeliveryBook(5.0, table=table)
+    admission = ReaderAdmission(book, readers, 1, Router(readers, "round_robin"))
+    admission.links([(r, 0, None) for r in readers])
     for rid in ("a", "b", "c"):
         planner.add(rid)
         book.add(rid)
-        assert book.admit(rid).reader is not None
+        assert admission.admit(rid).reader is not None
     plan = planner.plan(
         [NewRequest(r, prompt_of(5), [1], 0) for r in ("a", "b", "c")], [], {"a": 5, "b": 5, "c": 5}
     )

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kv_connector.producer.options import ConnectorOptions, Delivery, pull_endpoint
-from kv_connector.producer.pull_ledger import HoldState, IllegalTransition, PullLedger, PullRefused
+from kv_connector.producer.pull.ledger import HoldState, IllegalTransition, PullLedger, PullRefused
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, make_nonce
 from kv_connector.wire.layout import BlockLayout
@@ -182,10 +182,11 @@ def test_a_share_must_be_its_ranks_stripe_and_inside_the_cache() -> None:
 
 def test_pull_options_need_no_reader_and_refuse_push_only_keys() -> None:
     opts = ConnectorOptions.parse({"delivery": "pull"})
-    assert opts.delivery is Delivery.PULL and opts.pull and opts.pull_listen == "127.0.0.1"
-    assert opts.pull_timeout_s == 300.0 and len(opts.readers) == 1
-    assert ConnectorOptions.parse({"delivery": "pull", "pull_timeout_s": 2}).pull_timeout_s == 2.0
-    assert not ConnectorOptions.parse({"consumer_address": "127.0.0.1:1"}).pull  # push stays the default
+    assert opts.delivery is Delivery.PULL and opts.pull.listen == "127.0.0.1"
+    assert opts.pull.timeout_s == 300.0 and opts.push.readers == ()
+    assert ConnectorOptions.parse({"delivery": "pull", "pull_timeout_s": 2}).pull.timeout_s == 2.0
+    push = ConnectorOptions.parse({"consumer_address": "127.0.0.1:1"})
+    assert push.delivery is Delivery.PUSH  # push stays the default
     for bad, match in (
         ({"consumer_address": "127.0.0.1:1"}, "push"),
         ({"pull_timeout_s": 0}, "pull_timeout_s"),

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from kv_connector.producer import pull_server
+from kv_connector.cache import blocks as cache_blocks
+from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
-from kv_connector.producer.pull_server import PullServer
+from kv_connector.producer.pull import server as pull_server
+from kv_connector.producer.pull.server import PullServer
 from kv_connector.reader.pool.memory import pool_checksum
-from kv_connector.sender import cache_blocks
-from kv_connector.sender.cache_blocks import CacheBlocks
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe

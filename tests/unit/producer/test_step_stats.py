@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kv_connector.producer.delivery import DeliveryBook, Router
+from kv_connector.producer.delivery import DeliveryBook
+from kv_connector.producer.push.admission import ReaderAdmission, Router
 from kv_connector.producer.step_stats import (
     Count,
     Level,
@@ -56,12 +57,13 @@ def test_every_failure_carries_its_reason_from_where_it_fails() -> None:
     submit(led, "c")
     led.fail_all("sender closed: reset by peer")
     closed = led.take_failed()["c"]
-    book = DeliveryBook(["10.0.0.1:7000"], 1, 5.0, Router(["10.0.0.1:7000"]), clock=lambda: 0.0)
+    book = DeliveryBook(5.0, clock=lambda: 0.0)
+    push = ReaderAdmission(book, ["10.0.0.1:7000"], 1, Router(["10.0.0.1:7000"]))
     book.add("r")
-    book.update([("10.0.0.1:7000", 0, "[Errno 111] Connection refused")], {}, [])
-    book.admit("r")
+    push.links([("10.0.0.1:7000", 0, "[Errno 111] Connection refused")])
+    push.admit("r")
     book.connect_timeout_s = 0.0
-    admission = book.admit("r").failure
+    admission = push.admit("r").failure
     timing = SendLedger(checksum=False)
     submit(timing, "t")
     timing.requests_due()
@@ -75,7 +77,7 @@ def test_every_failure_carries_its_reason_from_where_it_fails() -> None:
     assert bad_id is not None
     book.add("x")
     book.refuse("x", bad_id)
-    refused_id = book.admit("x").failure
+    refused_id = push.admit("x").failure
     assert admission is not None and refused_id is not None
 
     cases = [

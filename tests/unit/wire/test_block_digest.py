@@ -11,8 +11,8 @@ import pytest
 import torch
 import xxhash
 
+from kv_connector.cache.blocks import share_block_digest
 from kv_connector.reader.pool.lease import sample_view
-from kv_connector.sender.cache_blocks import share_block_digest
 from kv_connector.sender.jobs import Job
 from kv_connector.wire import protocol
 from kv_connector.wire.block_digest import (

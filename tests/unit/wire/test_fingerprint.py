@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from kv_connector.cache.blocks import CacheBlocks, Share
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.planning import BlockRecorder, StepSlice
-from kv_connector.sender.cache_blocks import CacheBlocks, Share
 from kv_connector.wire import fingerprint
 from kv_connector.wire.identity import NO_IDENTITY
 from kv_connector.wire.layout import BlockLayout

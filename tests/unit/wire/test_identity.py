@@ -12,6 +12,7 @@ import pytest
 from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import NewRequest, ShipOrder
 from kv_connector.producer.scheduler_side import SchedulerSide
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.wire.identity import (
     NO_IDENTITY,
     IdentityError,
@@ -96,7 +97,9 @@ def request(rid: str, params: dict[str, Any] | None, prompt: list[int]) -> Simpl
 
 def scheduler() -> SchedulerSide:
     side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "127.0.0.1:5555"}), None, "prod")
-    side.book.update([("127.0.0.1:5555", 0, None)], {}, [])  # rank 0 reaches the reader
+    report = WorkerReport(links=[LinkChange("127.0.0.1:5555", 0, None)])  # rank 0 reaches the reader
+    output = SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(report=report), finished_sending=None)
+    side.update_connector_output(output)  # type: ignore[arg-type]
     return side
 
 
@@ -107,7 +110,7 @@ def test_a_request_with_a_bad_sample_id_fails_alone_and_says_why() -> None:
     bad = request("bad", {"sample_id": "no spaces"}, [6, 7])
     for r in (good, plain, bad):
         side.on_new_request(r)  # type: ignore[arg-type]
-        assert side.admit(r)  # type: ignore[arg-type]  # every request runs
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)  # type: ignore[arg-type]  # every request runs
     new = [NewRequest(r.request_id, r.all_token_ids[:-1], [i], 0) for i, r in enumerate((good, plain, bad))]
     plan = side.planner.plan(new, [], {"good": 3, "plain": 2, "bad": 2})
     assert plan.ships == [
@@ -130,7 +133,7 @@ def test_bad_metadata_fails_the_request_alone() -> None:
     side = scheduler()
     bad = request("bad", {"sample_id": "1", "metadata": ["not", "an", "object"]}, [1])
     side.on_new_request(bad)  # type: ignore[arg-type]
-    assert side.admit(bad)  # type: ignore[arg-type]
+    assert side.get_num_new_matched_tokens(bad, 0) == (0, False)  # type: ignore[arg-type]
     assert not side.planner.is_tracked("bad")
     _, params = side.request_finished(bad, [])  # type: ignore[arg-type]
     assert params is not None and "metadata must be a JSON object" in params["hidden_states"]["error"]

@@ -123,7 +123,7 @@ def test_producer_and_reader_digests_agree_and_cover_the_manifest() -> None:
     """The producer's digest (digests.share_checksum, from its cache) equals the reader's
     (from its pool) for the same manifest, and a reader holding a manifest that differs in
     any field (sample id, metadata, token ids, layer ids) computes another."""
-    from kv_connector.sender.cache_blocks import share_checksum
+    from kv_connector.cache.blocks import share_checksum
     from kv_connector.sender.jobs import Job
 
     cache, m, pool, block_ids = _landed_sample()

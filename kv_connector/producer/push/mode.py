@@ -13,18 +13,19 @@ from typing import Any
 
 import torch
 
+from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.mode import Finished, RankCache, Settled
 from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import ShipOrder
-from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.push.admission import ReaderAdmission, Router
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.cache_blocks import Fingerprinted
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure
-from kv_connector.wire.outcome import SampleOutcome
+from kv_connector.wire.outcome import SampleOutcome, SampleStatus
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class PushWorker:
                     world_size=rc.world_size,
                     connect_timeout_s=options.connect_timeout_s,
                     checksum=rc.checksum,
-                    sample_timeout_s=options.sample_timeout_s,
+                    sample_timeout_s=options.push.sample_timeout_s,
                     on_outcome=rc.news,
                     provenance=rc.provenance,
                 ),
@@ -52,12 +53,12 @@ class PushWorker:
                 rc.layout,
                 rc.layer_ids,
             )
-            for address in options.readers
+            for address in options.push.readers
         ]
         self._reported: dict[str, str | None] = {}  # reader -> its last reported link error
 
     def describe(self) -> str:
-        return f"shipping to {', '.join(self.options.readers)}"
+        return f"shipping to {', '.join(self.options.push.readers)}"
 
     def ship(
         self,
@@ -87,7 +88,7 @@ class PushWorker:
         unsafe = sum(s.count_unsafe(busy) for s in self.senders)
         failed = []
         for s in self.senders:
-            failed += s.preempt(busy, max(0.0, t0 + self.options.preempt_timeout_s - time.monotonic()))
+            failed += s.preempt(busy, max(0.0, t0 + self.options.push.preempt_timeout_s - time.monotonic()))
         log.info(
             "rank %d: %d tracked requests preempted, %d shipped ones not yet written; waited %.3f s, "
             "%d failed (not written within preempt_timeout_s)",
@@ -172,25 +173,42 @@ class PushWorker:
         for s in self.senders:
             if s.config.consumer_address == reader:
                 return s
-        raise ValueError(f"no sender to the reader {reader!r} (readers: {', '.join(self.options.readers)})")
+        readers = ", ".join(self.options.push.readers)
+        raise ValueError(f"no sender to the reader {reader!r} (readers: {readers})")
 
 
 class PushScheduling:
     """The scheduler side's part of push delivery."""
 
     def __init__(
-        self, options: ConnectorOptions, requests: RequestTable, producer_id: str, world_size: int
+        self, options: ConnectorOptions, book: DeliveryBook, producer_id: str, world_size: int
     ) -> None:
         self.options = options
         self.producer_id = producer_id
         self.hold_nap_s: float | None = None  # push: the short naps only
+        router = Router(options.push.readers, options.push.sharding)
+        self.admission = ReaderAdmission(book, options.push.readers, world_size, router)
+        self._reachable = 0  # readers every rank reaches, recounted when a link changes
 
     def on_new_request(self, request_id: str) -> None:
         pass
 
+    def admit(self, request_id: str) -> Admission:
+        """Not while no worker reaches the request's reader, for at most ``connect_timeout_s``."""
+        return self.admission.admit(request_id)
+
+    def started(self, request_id: str) -> str | None:
+        return self.admission.started(request_id)
+
+    def reachable(self) -> int:
+        return self._reachable
+
     def update(self, report: WorkerReport) -> None:
+        self.admission.links(report.links)
+        if report.links:
+            self._reachable = sum(self.admission.is_up(r) for r in self.options.push.readers)
         for reader, rank, error in report.links:
-            if reader not in self.options.readers:
+            if reader not in self.options.push.readers:
                 continue
             if error is None:
                 log.info("rank %d reaches the reader at %s", rank, reader)
@@ -202,12 +220,16 @@ class PushScheduling:
 
     def request_finished(self, done: Finished) -> dict[str, Any]:
         """The sample's request id, sample id, reader and status: "delivered", "failed"
-        with an "error", or "pending" (on its way)."""
+        with an "error", or "pending" (on its way); one that failed before it ran names the
+        reader it was bound for."""
+        reader = done.reader
+        if reader is None and done.status is SampleStatus.FAILED:
+            reader = self.admission.bound(done.request_id)
         return SampleOutcome(
             status=done.status,
             producer_id=self.producer_id,
             request_id=done.request_id,
             sample_id=done.identity.name_of(done.request_id),
-            consumer_address=done.reader,
+            consumer_address=reader,
             error=done.error,
         ).params()

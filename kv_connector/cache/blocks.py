@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kv_connector.sender.hasher import own_stream
+from kv_connector.cache.hasher import own_stream
 from kv_connector.wire import fingerprint, protocol
 from kv_connector.wire.block_digest import cache_block_digests, share_digest
 from kv_connector.wire.identity import SampleIdentity

@@ -1,6 +1,6 @@
 """Where the producer computes a share's digest: a thread of its own (``Hasher``), so
 that the WRITE path never waits on the GIL for it, and on a GPU a stream of that
-thread's own (``own_stream``). What is computed is ``cache_blocks``'s."""
+thread's own (``own_stream``). What is computed is ``blocks``'s."""
 
 from __future__ import annotations
 

@@ -13,17 +13,16 @@ from typing import Any
 
 import torch
 
+from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.idle_steps import HOLD_NAP_S
 from kv_connector.producer.mode import Finished, RankCache, Settled
-from kv_connector.producer.options import PULL_ENDPOINTS, ConnectorOptions, pull_endpoint
+from kv_connector.producer.options import ConnectorOptions, pull_endpoint
 from kv_connector.producer.planning import ShipOrder
-from kv_connector.producer.pull_server import PullServer
-from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.pull.server import PullServer
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.cache_blocks import Fingerprinted
-from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.outcome import SampleOutcome, SampleStatus
@@ -44,8 +43,8 @@ class PullWorker:
             rc.producer_id,
             rc.rank,
             rc.world_size,
-            pull_endpoint(options.pull_listen, rc.rank),
-            options.pull_timeout_s,
+            pull_endpoint(options.pull.listen, rc.rank),
+            options.pull.timeout_s,
             checksum=rc.checksum,
             on_release=rc.news,
             provenance=rc.provenance,
@@ -61,7 +60,7 @@ class PullWorker:
     def describe(self) -> str:
         return (
             f"pull delivery: serving at {self._server.address}, samples held up to "
-            f"{self.options.pull_timeout_s:.0f} s"
+            f"{self.options.pull.timeout_s:.0f} s"
         )
 
     def ship(
@@ -105,7 +104,7 @@ class PullWorker:
         if self._reported:
             return [], {}
         self._reported = True
-        return [LinkChange(PULL_ENDPOINTS, self.rank, None)], {self.rank: self._server.address}
+        return [], {self.rank: self._server.address}
 
     def sleep(self, why: str, timeout_s: float) -> bool:
         return False  # the endpoint keeps its registration (sleep mode is push's)
@@ -116,8 +115,8 @@ class PullWorker:
     def metrics_sources(self) -> Sequence[MetricsSource]:
         return []
 
-    def stats(self) -> list[SenderStats]:
-        return []
+    def stats(self) -> tuple[()]:
+        return ()
 
     def wait_connected(self, timeout_s: float) -> bool:
         return True  # consumers come to it
@@ -132,19 +131,51 @@ class PullScheduling:
     """The scheduler side's part of pull delivery."""
 
     def __init__(
-        self, options: ConnectorOptions, requests: RequestTable, producer_id: str, world_size: int
+        self, options: ConnectorOptions, book: DeliveryBook, producer_id: str, world_size: int
     ) -> None:
-        self.requests = requests
+        self.book = book
         self.producer_id = producer_id
         self.world_size = world_size
         # an engine that only holds samples waits for consumers: it steps only to notice
         # an expiry (a release, or a new request, ends its nap), a quarter of the hold late at most
-        self.hold_nap_s: float | None = min(HOLD_NAP_S, options.pull_timeout_s / 4)
+        self.hold_nap_s: float | None = min(HOLD_NAP_S, options.pull.timeout_s / 4)
         self.endpoints: dict[int, str] = {}  # each rank's endpoint, as reported
         self._drops: list[str] = []  # failed at their finish: their holds must end
 
     def on_new_request(self, request_id: str) -> None:
-        self.requests.ensure(request_id).nonce = make_nonce()
+        self.book.table.ensure(request_id).nonce = make_nonce()
+
+    def admit(self, request_id: str) -> Admission:
+        """Once every rank reported its endpoint (at the engine's first step): vLLM asks
+        for a finished request's kv_transfer_params before it hands the connector that
+        step's reports, and a handle names every rank's endpoint. For at most
+        ``connect_timeout_s``."""
+        decided = self.book.decided(request_id)
+        if decided is not None:
+            return decided
+        if not self._missing():
+            return self.book.run(request_id, None)
+        return self.book.wait_or_fail(
+            request_id,
+            lambda: (
+                f"ranks {self._missing()} reported no pull endpoint for {self.book.connect_timeout_s:.0f} s"
+            ),
+        )
+
+    def started(self, request_id: str) -> str | None:
+        """A request vLLM ran without admitting it is held and served like any other."""
+        rec = self.book.table.get(request_id)
+        if rec is None or rec.admitted or rec.failed is not None:
+            return None
+        self.book.run(request_id, None)
+        return "the ranks' pull endpoints"
+
+    def reachable(self) -> int:
+        """1 once every rank serves its endpoint."""
+        return int(not self._missing())
+
+    def _missing(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.endpoints]
 
     def update(self, report: WorkerReport) -> None:
         for rank, address in report.endpoints.items():
@@ -159,7 +190,7 @@ class PullScheduling:
         """The sample's ``handle`` (top level, where speculators looks) and its record:
         "ready", or "failed" with an "error"; a failed one's hold ends."""
         status, error = done.status, done.error
-        missing = [r for r in range(self.world_size) if r not in self.endpoints]
+        missing = self._missing()
         if done.aborted:
             status, error = SampleStatus.FAILED, "the request was aborted"
         elif status is not SampleStatus.FAILED and missing:

@@ -1,4 +1,4 @@
-"""The pull ledger's state machine (``pull_ledger.py``): the states of a sample one rank
+"""The pull ledger's state machine (``ledger.py``): the states of a sample one rank
 holds for consumers to READ, the events that move it, and the one table of its legal
 transitions, which the ledger moves every sample through (``HOLDS.step``). Pure.
 

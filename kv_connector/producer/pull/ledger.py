@@ -1,7 +1,7 @@
 """The pull ledger: every sample one rank holds for consumers to READ (pull delivery),
 from the step that computed it to its release, expiry or end, as a state machine. Pure
 logic (no nixl, sockets, threads or clocks: times are passed in). The shells (the
-rank's pull endpoint, ``producer.pull_server``, and the worker side) feed it what
+rank's pull endpoint, ``producer.pull.server``, and the worker side) feed it what
 happened and do what it answers.
 
 The states of a sample (``HoldState``: HELD, then how it ended), the events that move
@@ -26,7 +26,7 @@ Invariants (tests name the one they prove):
       answers "unknown".
   P6  A request is held at most once at a time: holding one already held is the shell's
       bug (``IllegalTransition``).
-  P7  With a fence table (``producer.hold_fences``), a hold's fence word holds its value
+  P7  With a fence table (``producer.pull.hold_fences``), a hold's fence word holds its value
       exactly while it is HELD: it is written when it is held and zeroed in the same call
       that ends it, before ``take_freed`` can report it.
   P8  A consumer that says it is coming (``keep``: its fetch agent is still starting)
@@ -42,10 +42,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kv_connector.producer.hold_fences import FenceTable
-from kv_connector.producer.hold_states import HOLDS, HoldEvent
-from kv_connector.producer.hold_states import HoldState as HoldState
-from kv_connector.producer.hold_states import IllegalTransition as IllegalTransition
+from kv_connector.producer.pull.hold_fences import FenceTable
+from kv_connector.producer.pull.hold_states import HOLDS, HoldEvent
+from kv_connector.producer.pull.hold_states import HoldState as HoldState
+from kv_connector.producer.pull.hold_states import IllegalTransition as IllegalTransition
 from kv_connector.wire.protocol import Manifest, PullErrorCode
 
 REMEMBER = 4096  # ended samples remembered, to say why they are gone

@@ -1,5 +1,5 @@
 """One rank's pull endpoint (pull delivery), a thin I/O shell around its ledger
-(``producer.pull_ledger.PullLedger``).
+(``producer.pull.ledger.PullLedger``).
 
 The rank registers the cache-only layer's tensor with its own NIXL agent once (no copy,
 no staging) and listens on ``pull_listen``. The engine's thread ``hold``s each sample
@@ -29,11 +29,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kv_connector.cache.blocks import CacheBlocks, Fingerprinted
+from kv_connector.cache.hasher import Hasher
 from kv_connector.common.device import on_device
-from kv_connector.producer.hold_fences import FENCE_SLOTS, WORD_BYTES, FenceTable
-from kv_connector.producer.pull_ledger import Held, PullLedger, PullRefused
-from kv_connector.sender.cache_blocks import CacheBlocks, Fingerprinted
-from kv_connector.sender.hasher import Hasher
+from kv_connector.producer.pull.hold_fences import FENCE_SLOTS, WORD_BYTES, FenceTable
+from kv_connector.producer.pull.ledger import Held, PullLedger, PullRefused
 from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address, is_loopback
 from kv_connector.wire.identity import make_identity
@@ -67,7 +67,7 @@ class PullServer:
     the share's bytes (``wire.integrity``; a GPU cache's share is staged to host memory
     for it), ``BLOCKS`` from per-block digests computed where the cache is
     (``wire.block_digest``: nothing staged, 8 bytes per block reach the host); None: none.
-    ``fences``: every hold gets a fence word (``producer.hold_fences``) in a table
+    ``fences``: every hold gets a fence word (``producer.pull.hold_fences``) in a table
     registered beside the cache, which a consumer READs after its data; False only to
     show what fences catch. ``on_release``: called on a connection's thread when a
     consumer released a sample (its blocks go back to vLLM in the next step).

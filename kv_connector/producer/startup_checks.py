@@ -1,0 +1,90 @@
+"""The engine's configuration checked once, at startup, before the connector starts: a
+bad one raises ValueError naming the problem and its fix, which vLLM prints as it fails.
+A vLLM adapter (it reads vLLM's config objects); the options themselves are ``options``'s."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from kv_connector.producer.options import EXAMPLE, ConnectorOptions, captured_layer_order
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def configured_layer_ids(vllm_config: VllmConfig) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` as the user listed them ([] when unset)."""
+    spec = vllm_config.speculative_config
+    hf_config = spec.draft_model_config.hf_config if spec and spec.draft_model_config else None
+    return list(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
+
+
+def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
+    """Validate the engine's configuration; raise ValueError naming the problem and fix.
+
+    Returns the options and the captured layer ids in the order of the states
+    (``captured_layer_order``), which every sample reports, not the configured order."""
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    if ktc.kv_role != "kv_producer":
+        raise ValueError(
+            f'HiddenStatesConnector is a producer: set "kv_role":"kv_producer" (got {ktc.kv_role!r}); '
+            f"e.g. {EXAMPLE}"
+        )
+    options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "extract_hidden_states":
+        raise ValueError(
+            "HiddenStatesConnector needs vLLM's extract_hidden_states speculative method: add "
+            '--speculative-config \'{"method":"extract_hidden_states","num_speculative_tokens":1,'
+            '"draft_model_config":{"hf_config":{"eagle_aux_hidden_state_layer_ids":[...]}}}\''
+        )
+    assert spec.draft_model_config is not None
+    configured = configured_layer_ids(vllm_config)
+    if not configured:
+        raise ValueError("extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config")
+    layer_ids = captured_layer_order(configured)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
+    problem = breakable_graph_problem(vllm_config)
+    if problem is not None:
+        raise ValueError(problem)
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not hasattr(
+        KVConnectorBase_V1, "restore_kv_caches"
+    ):
+        raise ValueError(
+            "HiddenStatesConnector follows sleep mode from vLLM 0.33 on (this vLLM never tells a "
+            "connector that the cache's memory is released and mapped again, so its NIXL "
+            "registration would point at freed memory): upgrade vLLM, or drop --enable-sleep-mode"
+        )
+    return options, layer_ids
+
+
+def breakable_graph_problem(vllm_config: VllmConfig) -> str | None:
+    """Why this engine cannot ship hidden states because its drafter would run inside a
+    breakable CUDA graph, or None. vLLM's V1 model runner wraps the drafter in a
+    ``BreakableCUDAGraphWrapper`` when ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is on (vLLM turns
+    it on by itself for the architectures in ``DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES``)
+    and CUDA graphs are: a replay skips the cache-only layer's Python hook, so every
+    request would fail with "wrote no slots". Model Runner V2 runs the extract_hidden_states
+    drafter without a graph."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if not is_breakable_cudagraph_enabled() or mode is None or mode == CUDAGraphMode.NONE:
+        return None
+    if getattr(vllm_config.parallel_config, "use_ubatching", False) or vllm_config.use_v2_model_runner:
+        return None
+    model = vllm_config.model_config
+    archs = ", ".join(model.architectures) if model is not None else "this model"
+    return (
+        f"HiddenStatesConnector cannot capture from {archs} with VLLM_USE_BREAKABLE_CUDAGRAPH on "
+        "(vLLM turns it on by itself for some models: DeepSeek V3.2/V4, GLM-5, Kimi, MiniMax-M3) "
+        "and CUDA graphs on the V1 model runner: the extract_hidden_states drafter is then replayed "
+        "from a graph that skips the connector's hook, so no request's hidden states could be "
+        "shipped. Set VLLM_USE_BREAKABLE_CUDAGRAPH=0 (vLLM's own opt-out), or run without CUDA "
+        "graphs (--enforce-eager)."
+    )

@@ -1,0 +1,264 @@
+"""The delivery modes' scheduler parts and the worker side, without vLLM: push admits once
+every rank reaches a request's reader, pull once every rank reported its endpoint; the
+worker side hands a step's complete requests to its mode and returns them to vLLM once the
+mode settled them and the scheduler said they finished."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.producer.delivery import DeliveryBook
+from kv_connector.producer.mode import Finished, Settled
+from kv_connector.producer.options import ConnectorOptions
+from kv_connector.producer.planning import BlockRecorder, NewRequest, ShipOrder, ShipPlanner
+from kv_connector.producer.pull.mode import PullScheduling
+from kv_connector.producer.push.mode import PushScheduling
+from kv_connector.producer.slot_check import SlotChecks, StepGate
+from kv_connector.producer.step_stats import MetricsSource
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
+from kv_connector.producer.worker_side import WorkerSide
+from kv_connector.sender.stats import SenderStats
+from kv_connector.wire.failure import FailureReason, SampleFailure
+from kv_connector.wire.handle import decode_handle, make_nonce
+from kv_connector.wire.identity import NO_IDENTITY
+from kv_connector.wire.outcome import SampleStatus
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def finished(rid: str, status: SampleStatus = SampleStatus.PENDING, **kw: Any) -> Finished:
+    fields: dict[str, Any] = dict(
+        request_id=rid, identity=NO_IDENTITY, nonce="n0", hold=True, status=status, error="",
+        reader=None, aborted=False,
+    )  # fmt: skip
+    return Finished(**{**fields, **kw})
+
+
+# ------------------------------------------------------------------ pull, scheduler side
+
+
+def pull(world: int = 2) -> tuple[PullScheduling, DeliveryBook, Clock]:
+    clock = Clock()
+    book = DeliveryBook(5.0, clock=clock)
+    return PullScheduling(ConnectorOptions.parse({"delivery": "pull"}), book, "p", world), book, clock
+
+
+def test_pull_admits_once_every_rank_reported_its_endpoint_and_needs_no_reader() -> None:
+    mode, book, _ = pull()
+    book.add("r")
+    mode.on_new_request("r")
+    assert mode.admit("r").kind == "wait" and mode.reachable() == 0
+    mode.update(WorkerReport(endpoints={0: "127.0.0.1:9000"}))
+    assert mode.admit("r").kind == "wait"  # rank 1 not yet
+    mode.update(WorkerReport(endpoints={1: "127.0.0.1:9001"}))
+    a = mode.admit("r")
+    assert (a.kind, a.reader) == ("run", None) and mode.reachable() == 1
+    assert mode.started("r") is None  # admitted the usual way: nothing to bind
+
+
+def test_pull_fails_a_request_whose_ranks_never_reported_an_endpoint_naming_them() -> None:
+    mode, book, clock = pull(world=3)
+    book.add("r")
+    mode.update(WorkerReport(endpoints={1: "127.0.0.1:9001"}))
+    assert mode.admit("r").kind == "wait"
+    clock.t += 5.1
+    a = mode.admit("r")
+    assert a.kind == "fail" and a.failure is not None and a.failure.reason is FailureReason.UNREACHABLE
+    assert "[0, 2]" in a.why and "5 s" in a.why
+    assert book.outcome("r") == (SampleStatus.FAILED, a.why)
+
+
+def test_pull_hands_out_a_handle_naming_every_rank_endpoint_in_rank_order() -> None:
+    mode, book, _ = pull()
+    book.add("r")
+    mode.on_new_request("r")
+    mode.update(WorkerReport(endpoints={1: "127.0.0.1:9001", 0: "127.0.0.1:9000"}))
+    nonce = make_nonce()
+    params = mode.request_finished(finished("r", nonce=nonce))
+    handle = decode_handle(params["handle"])
+    assert handle.endpoints == ["127.0.0.1:9000", "127.0.0.1:9001"] and handle.nonce == nonce
+    assert params["hidden_states"]["status"] == "ready" and mode.take_drops() == []
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_a_failed_or_aborted_pull_request_gets_no_handle_and_its_hold_ends(aborted: bool) -> None:
+    mode, _, _ = pull(world=1)
+    mode.update(WorkerReport(endpoints={0: "127.0.0.1:9000"}))
+    status = SampleStatus.PENDING if aborted else SampleStatus.FAILED
+    params = mode.request_finished(finished("r", status, error="wrote no slots", aborted=aborted))
+    assert "handle" not in params and params["hidden_states"]["status"] == "failed"
+    assert params["hidden_states"]["error"] == ("the request was aborted" if aborted else "wrote no slots")
+    assert mode.take_drops() == ["r"] and mode.take_drops() == []
+
+
+def test_a_pull_request_vllm_ran_before_admitting_it_is_bound_then() -> None:
+    mode, book, _ = pull(world=1)
+    book.add("early")
+    assert mode.admit("early").kind == "wait"
+    assert mode.started("early") is not None  # scheduled anyway: held like any other
+    assert mode.admit("early").kind == "run" and mode.started("early") is None
+
+
+# ------------------------------------------------------------------ push, scheduler side
+
+R0, R1 = "10.0.0.1:7000", "10.0.0.2:7000"
+
+
+def push(readers: Sequence[str] = (R0,), world: int = 1, **extra: Any) -> tuple[PushScheduling, DeliveryBook]:
+    book = DeliveryBook(5.0, clock=Clock())
+    options = ConnectorOptions.parse({"consumer_address": list(readers), **extra})
+    return PushScheduling(options, book, "p", world), book
+
+
+def test_push_admits_once_every_rank_reaches_the_request_reader() -> None:
+    mode, book = push(world=2)
+    book.add("r")
+    assert mode.admit("r").kind == "wait"
+    mode.update(WorkerReport(links=[LinkChange(R0, 0, None)]))
+    assert mode.admit("r").kind == "wait" and mode.reachable() == 0
+    mode.update(WorkerReport(links=[LinkChange(R0, 1, None)]))
+    a = mode.admit("r")
+    assert (a.kind, a.reader) == ("run", R0) and mode.reachable() == 1
+    mode.update(WorkerReport(links=[LinkChange(R0, 1, "reset by peer")]))
+    assert mode.reachable() == 0 and mode.admit("r").kind == "run"  # admitted once: runs
+
+
+def test_push_names_the_reader_in_the_outcome_and_a_failed_request_its_bound_one() -> None:
+    mode, _ = push(readers=(R0, R1))
+    params = mode.request_finished(finished("ok", SampleStatus.DELIVERED, reader=R1))
+    assert params["hidden_states"]["consumer_address"] == R1
+    params = mode.request_finished(finished("bad id", SampleStatus.FAILED, error="cannot name a sample"))
+    assert params["hidden_states"]["consumer_address"] == mode.admission.router.route("bad id")
+    assert mode.request_finished(finished("later"))["hidden_states"]["consumer_address"] is None
+    rr, _ = push(readers=(R0, R1), sharding="round_robin")
+    params = rr.request_finished(finished("x", SampleStatus.FAILED))
+    assert params["hidden_states"]["consumer_address"] is None
+
+
+# ------------------------------------------------------------------ worker side
+
+BS = 4
+
+
+class FakeMode:
+    """A worker mode that records what the worker side asks of it."""
+
+    def __init__(self) -> None:
+        self.shipped: list[tuple[str, list[int], bool]] = []
+        self.refused: dict[str, str] = {}
+        self.told_finished: set[str] = set()
+        self.to_settle = Settled()
+
+    def describe(self) -> str:
+        return "fake"
+
+    def ship(
+        self, order: ShipOrder, blocks: list[int], gate: StepGate | None, told_finished: bool,
+        words: Fingerprinted | None,
+    ) -> None:  # fmt: skip
+        self.shipped.append((order.request_id, blocks, told_finished))
+
+    def refuse(self, order: ShipOrder, why: str) -> None:
+        self.refused[order.request_id] = why
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        pass
+
+    def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
+        busy = [rid for rid in request_ids if rid in shipped]
+        return {rid: SampleFailure(FailureReason.PREEMPTED, "preempted") for rid in busy}
+
+    def finished(self, request_ids: set[str]) -> None:
+        self.told_finished |= request_ids
+
+    def settle(self) -> Settled:
+        out, self.to_settle = self.to_settle, Settled()
+        return out
+
+    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
+        return [], {0: "127.0.0.1:9000"}
+
+    def sleep(self, why: str, timeout_s: float) -> bool:
+        return False
+
+    def wake(self, cache: torch.Tensor) -> None:
+        pass
+
+    def metrics_sources(self) -> Sequence[MetricsSource]:
+        return []
+
+    def stats(self) -> list[SenderStats]:
+        return []
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, drain_timeout_s: float) -> None:
+        pass
+
+
+def worker() -> tuple[WorkerSide, FakeMode]:
+    options = ConnectorOptions.parse({"delivery": "pull", "check_tokens": False})
+    side = WorkerSide(SimpleNamespace(), options, "p", [1, 2])  # type: ignore[arg-type]
+    mode = FakeMode()
+    side.mode, side.recorder, side.checks = mode, BlockRecorder(BS), SlotChecks(BS)
+    return side, mode
+
+
+def slots_for(table: Sequence[int], n: int) -> torch.Tensor:
+    return torch.tensor([table[p // BS] * BS + p % BS for p in range(n)], dtype=torch.int64)
+
+
+def test_the_worker_side_ships_a_written_request_and_returns_it_once_settled_and_finished() -> None:
+    side, mode = worker()
+    planner = ShipPlanner()
+    planner.add("r")
+    prompt, table = list(range(10, 16)), [5, 2]
+    plan = planner.plan([NewRequest("r", prompt, table, 0)], [], {"r": len(prompt)})
+    side._slots = slots_for(table, len(prompt))
+    side.wait_for_save(plan)
+    assert mode.shipped == [("r", table, False)] and not mode.refused
+    assert side.get_finished(set()) is None  # not settled, not finished
+    mode.to_settle = Settled(done={"r"}, delivered={"r"})
+    assert side.get_finished(set()) is None  # settled, but vLLM has not finished it yet
+    assert side.get_finished({"r"}) == {"r"} and mode.told_finished == {"r"}
+    report = side.build_connector_worker_meta()
+    assert report.delivered == {"r"} and report.endpoints == {0: "127.0.0.1:9000"} and not report.failures
+
+
+def test_the_worker_side_refuses_a_request_written_elsewhere_and_reports_why() -> None:
+    side, mode = worker()
+    planner = ShipPlanner()
+    planner.add("r")
+    prompt, table = list(range(6)), [5, 2]
+    plan = planner.plan([NewRequest("r", prompt, table, 0)], [], {"r": len(prompt)})
+    side._slots = slots_for([5, 3], len(prompt))  # the second block went to block 3, not 2
+    side.wait_for_save(plan)
+    assert not mode.shipped and "r" in mode.refused
+    report = side.build_connector_worker_meta()
+    assert set(report.failures) == {"r"} and report.failures["r"].why == mode.refused["r"]
+    assert side.get_finished({"r"}) == {"r"}  # its blocks go back to vLLM at its finish
+
+
+def test_the_worker_side_reports_a_preempted_shipped_request_as_failed() -> None:
+    side, mode = worker()
+    planner = ShipPlanner()
+    planner.add("r")
+    plan = planner.plan([NewRequest("r", [1, 2, 3], [7], 0)], [], {"r": 3})
+    assert not mode.shipped
+    side._slots = slots_for([7], 3)
+    side.wait_for_save(plan)
+    side.handle_preemptions(SimpleNamespace(preempted=["r"]))  # type: ignore[arg-type]
+    assert side.build_connector_worker_meta().failures["r"].reason is FailureReason.PREEMPTED
