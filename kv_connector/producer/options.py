@@ -134,10 +134,14 @@ class PullOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 # each section's flat keys in kv_connector_extra_config, by field
 _SECTIONS: dict[str, dict[str, str]] = {
-    "push": {"consumer_address": "readers", "sharding": "sharding",
-             "sample_timeout_s": "sample_timeout_s", "preempt_timeout_s": "preempt_timeout_s"},
+    "push": {
+        "consumer_address": "readers",
+        "sharding": "sharding",
+        "sample_timeout_s": "sample_timeout_s",
+        "preempt_timeout_s": "preempt_timeout_s",
+    },
     "pull": {"pull_listen": "listen", "pull_timeout_s": "timeout_s"},
-}  # fmt: skip
+}
 
 
 class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
