@@ -349,14 +349,17 @@ def _producer_proc(conn: Connection, size: Size, device: str) -> None:
     try:
         from kv_connector.cache.blocks import CacheBlocks
         from kv_connector.producer.fingerprints import Fingerprints
-        from kv_connector.producer.pull.server import PullServer
+        from kv_connector.producer.pull.server import PullServer, PullServerConfig
         from kv_connector.wire.handle import PullHandle, make_nonce
         from kv_connector.wire.nixl_transport import NixlTransport
 
         cache = make_cache(size).to(device)
         checksum = ChecksumOption("auto").resolve(cache.is_cuda, size.layout)
         layer_ids = list(range(size.layers))
-        server = PullServer(cache, size.layout, layer_ids, PRODUCER, 0, 1, ("127.0.0.1", 0), 600.0, checksum)
+        config = PullServerConfig(
+            size.layout, tuple(layer_ids), PRODUCER, ("127.0.0.1", 0), 600.0, checksum=checksum
+        )
+        server = PullServer(cache, config)
         taken = Fingerprints(CacheBlocks(cache, size.layout), size.layout.block_size)
         raw = NixlTransport(f"{RAW}source-{os.getpid()}")
         region = raw.register(cache)

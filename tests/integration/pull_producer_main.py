@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
-from kv_connector.producer.pull.server import PullServer
+from kv_connector.producer.pull.server import PullServer, PullServerConfig
 from kv_connector.wire import fingerprint, protocol
 from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.layout import BlockLayout
@@ -73,8 +73,8 @@ class EndingServer(PullServer):
     "reassigned" (preempted, and another sample's row lands in the blocks, as vLLM's reuse
     writes them)."""
 
-    def __init__(self, *args: Any, cache: torch.Tensor, samples: list[dict[str, Any]], **kw: Any) -> None:
-        super().__init__(cache, *args, **kw)
+    def __init__(self, cache: torch.Tensor, config: PullServerConfig, samples: list[dict[str, Any]]) -> None:
+        super().__init__(cache, config)
         self.cache, self.samples = cache, samples
         self.ending: dict[str, str] = {}
 
@@ -107,17 +107,19 @@ def main() -> int:
     checksum = ChecksumOption(spec.get("checksum", "auto")).resolve(cache.is_cuda, layout)
     servers = [
         EndingServer(
-            layout,
-            spec["layer_ids"],
-            producer_id,
-            rank,
-            world,
-            ("127.0.0.1", 0),
-            spec.get("timeout_s", 300.0),
-            checksum=checksum,
-            fences=spec.get("fences", True),
-            cache=cache,
-            samples=spec["samples"],
+            cache,
+            PullServerConfig(
+                layout,
+                tuple(spec["layer_ids"]),
+                producer_id,
+                ("127.0.0.1", 0),
+                spec.get("timeout_s", 300.0),
+                rank,
+                world,
+                checksum=checksum,
+                fences=spec.get("fences", True),
+            ),
+            spec["samples"],
         )
         for rank in range(world)
     ]

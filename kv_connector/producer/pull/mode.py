@@ -19,7 +19,7 @@ from kv_connector.producer.idle_steps import HOLD_NAP_S
 from kv_connector.producer.mode import Finished, RankCache, Settled
 from kv_connector.producer.options import ConnectorOptions, pull_endpoint
 from kv_connector.producer.planning import ShipOrder
-from kv_connector.producer.pull.server import PullServer
+from kv_connector.producer.pull.server import PullServer, PullServerConfig
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
@@ -38,16 +38,18 @@ class PullWorker:
         self.rank = rc.rank
         self.server: PullServer | None = PullServer(
             rc.cache,
-            rc.layout,
-            rc.layer_ids,
-            rc.producer_id,
-            rc.rank,
-            rc.world_size,
-            pull_endpoint(options.pull.listen, rc.rank),
-            options.pull.timeout_s,
-            checksum=rc.checksum,
+            PullServerConfig(
+                layout=rc.layout,
+                layer_ids=tuple(rc.layer_ids),
+                producer_id=rc.producer_id,
+                listen=pull_endpoint(options.pull.listen, rc.rank),
+                timeout_s=options.pull.timeout_s,
+                rank=rc.rank,
+                world_size=rc.world_size,
+                checksum=rc.checksum,
+                provenance=rc.provenance,
+            ),
             on_release=rc.news,
-            provenance=rc.provenance,
         )
         self._reported = False  # its endpoint was reported to the scheduler
 

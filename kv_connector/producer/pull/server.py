@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -54,45 +55,57 @@ IDLE_POLL_S = 0.5  # how often a connection's thread looks whether the endpoint 
 HOLD_WAIT_S = 5.0
 
 
+@dataclass(frozen=True)
+class PullServerConfig:
+    """Who one rank's pull endpoint serves as, where it listens and how it checks its shares.
+
+    The connector builds one from its options and the rank's cache; benchmarks and tests build
+    their own, so the server's constructor keeps only the cache and its collaborators.
+
+    ``layout``: the cache's block layout. ``listen``: (host, port) to bind; port 0 takes any
+    free one. ``timeout_s``: how long a held sample waits for its release after its request
+    finished. ``checksum``: each share's checksum kind (``ChecksumOption.resolve``); None sends
+    none. ``secret``: the handshake's shared secret; None reads it from the environment
+    (``wire.auth``). ``fences``: give every hold a fence word; False only to show what fences
+    catch. ``provenance``: what produced the samples (``wire.provenance``).
+    """
+
+    layout: BlockLayout
+    layer_ids: tuple[int, ...]
+    producer_id: str
+    listen: tuple[str, int]
+    timeout_s: float
+    rank: int = 0
+    world_size: int = 1
+    checksum: ShareChecksum | None = ShareChecksum.XXH3
+    secret: bytes | None = None
+    fences: bool = True
+    provenance: Provenance | None = None
+
+
 class PullServer:
     """Serves one rank's share of held samples to consumers that READ them.
 
-    ``cache``: the cache-only layer's tensor, [num_blocks, ...] in ``layout``, registered
-    with ``transport`` (a ``NixlTransport`` by default) once. ``listen``: (host, port) to
-    bind (port 0: any free one, held from binding on); ``address`` names it.
-    ``timeout_s``: a held sample not released this long after its request ``finished``
-    ends (expired).
-    ``checksum``: how each share's checksum, sent for the consumer to check against the
-    bytes it READ, is computed (``ChecksumOption.resolve``, as push does): ``XXH3`` over
-    the share's bytes (``wire.integrity``; a GPU cache's share is staged to host memory
-    for it), ``BLOCKS`` from per-block digests computed where the cache is
-    (``wire.block_digest``: nothing staged, 8 bytes per block reach the host); None: none.
-    ``fences``: every hold gets a fence word (``producer.pull.hold_fences``) in a table
-    registered beside the cache, which a consumer READs after its data; False only to
-    show what fences catch. ``on_release``: called on a connection's thread when a
-    consumer released a sample (its blocks go back to vLLM in the next step).
+    ``cache``: the cache-only layer's tensor, [num_blocks, ...] in ``config.layout``, registered
+    once with ``transport`` (a ``NixlTransport`` by default). ``address`` names where it listens.
+    ``clock``: the time the ledger's deadlines use. ``on_release``: called on a connection's
+    thread when a consumer released a sample, so its blocks go back to vLLM in the next step.
     """
 
     def __init__(
         self,
         cache: torch.Tensor,
-        layout: BlockLayout,
-        layer_ids: Sequence[int],
-        producer_id: str,
-        rank: int,
-        world_size: int,
-        listen: tuple[str, int],
-        timeout_s: float,
-        checksum: ShareChecksum | None = ShareChecksum.XXH3,
-        secret: bytes | None = None,
+        config: PullServerConfig,
+        *,
         transport: Transport | None = None,
         clock: Callable[[], float] = time.monotonic,
-        fences: bool = True,
         on_release: Callable[[], None] | None = None,
-        provenance: Provenance | None = None,
     ) -> None:
-        secret = secret if secret is not None else auth.load_secret()
-        host, port = listen
+        layout, producer_id = config.layout, config.producer_id
+        rank, world_size = config.rank, config.world_size
+        checksum, fences = config.checksum, config.fences
+        secret = config.secret if config.secret is not None else auth.load_secret()
+        host, port = config.listen
         if checksum is ShareChecksum.BLOCKS and not block_digest.supported(layout):
             raise ValueError(
                 f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} is not"
@@ -103,8 +116,9 @@ class PullServer:
                 "read this producer's cache: set KV_CONNECTOR_SECRET or KV_CONNECTOR_SECRET_FILE "
                 '(the consumers need the same), or keep "pull_listen" on loopback'
             )
+        self.config = config
         self.layout = layout
-        self.layer_ids = [int(i) for i in layer_ids]
+        self.layer_ids = [int(i) for i in config.layer_ids]
         self.producer_id = producer_id
         self.rank, self.world_size = rank, world_size
         self._secret = secret
@@ -112,7 +126,7 @@ class PullServer:
         self._on_release = on_release or (lambda: None)  # a consumer released a sample
         self._checksum = checksum
         # its blocks, read only through here; a padded page's padding is never read
-        self.blocks = CacheBlocks(cache, layout, provenance)
+        self.blocks = CacheBlocks(cache, layout, config.provenance)
         self._sock = socket.create_server((host, port))
         try:
             if transport is None:
@@ -140,7 +154,7 @@ class PullServer:
         self._lock = threading.Lock()  # guards the ledger, the connections and the hashing
         self._held = threading.Condition(self._lock)  # a sample was held (fetches may wait for it)
         table = FenceTable(self._fence_words.numpy().view(np.uint64)) if fences else None
-        self._ledger = PullLedger(timeout_s, fences=table)
+        self._ledger = PullLedger(config.timeout_s, fences=table)
         self._prehash = checksum is ShareChecksum.XXH3 and cache.device.type == "cpu"
         self._hasher: Hasher | None = None  # started on the first finished sample
         self._hashing: dict[tuple[str, str], concurrent.futures.Future[int]] = {}

@@ -26,6 +26,7 @@ check each sample on a thread of its own while they READ the next (``reader.pull
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -40,13 +41,12 @@ from kv_connector.reader.options import options_of
 from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
 from kv_connector.reader.pool.memory import PoolMemory, check_share, device_of, make_pool, register_pool
-from kv_connector.reader.pool.pages import PagePool
+from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
 from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.pull import batch
 from kv_connector.reader.pull.hold_fences import HoldFenceReader, check_hold_fences
 from kv_connector.reader.pull.links import PAGE_BYTES, FetchError, ProducerLinks
 from kv_connector.reader.pull.options import PullOptions
-from kv_connector.reader.pull.pages import take_pages
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import HandleError, PullHandle, decode_handle, handle_of
 from kv_connector.wire.layout import pages_for
@@ -54,6 +54,7 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
+RETRY_S = 0.002  # between two looks at a full pool
 POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005  # a READ polled after 50 us, then at most every 0.5 ms
 
 
@@ -354,11 +355,43 @@ class PullClient:
             self._transport = transport
 
     def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
-        assert self._memory is not None and self._pool is not None
+        """A run of pool pages for the sample, waited for while samples on lease hold the pool.
+
+        Their pages come back as they are released, collected or their GPU work ends; a
+        ``FetchError`` ("pool") says the pool can never hold it, it is being fetched already, or
+        no room came within the client's timeout.
+        """
+        memory, pool = self._memory, self._pool
+        assert memory is not None and pool is not None
         n = pages_for(m.geometry.sample_bytes(m.num_blocks), PAGE_BYTES)
         key = (h.producer_id, h.request_id, h.nonce)
-        o, rid = self.options, h.request_id
-        return take_pages(self._memory, self._pool, self._lock, key, n, rid, o.timeout_s, o.pool_bytes)
+        rid, timeout_s, pool_bytes = h.request_id, self.options.timeout_s, self.options.pool_bytes
+        deadline = time.monotonic() + timeout_s
+        collected = False
+        while True:
+            memory.lease_fences.settle()  # leases whose GPU work is done give their pages back
+            with self._lock:
+                try:
+                    pool.request(key, n)
+                except PoolTooSmall as e:
+                    raise FetchError("pool", f"{e} (PullClient pool_bytes={pool_bytes})") from None
+                except ValueError as e:
+                    raise FetchError("pool", f"sample {rid} is being fetched already: {e}") from None
+                # nobody else waits (each request is made and cancelled under the lock)
+                got = dict(pool.grantable())
+                if key in got:
+                    return got[key]
+                pool.cancel(key)
+            if time.monotonic() >= deadline:
+                raise FetchError(
+                    "pool",
+                    f"no room for sample {rid} in the pool for {timeout_s:.0f} s: release the samples "
+                    "you hold (sample.release(), or drop their tensors), or raise pool_bytes",
+                )
+            if not collected:
+                gc.collect()  # leases whose tensors are only in reference cycles
+                collected = True
+            time.sleep(RETRY_S)
 
     def _give_back(self, h: PullHandle, pages: range) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ class _Producer:
     def __init__(self, samples: int, tokens: int, hidden: int, seed: int, checksum: bool) -> None:
         import torch
 
-        from kv_connector.producer.pull.server import PullServer
+        from kv_connector.producer.pull.server import PullServer, PullServerConfig
         from kv_connector.wire.layout import BlockLayout
         from kv_connector.wire.protocol import ShareChecksum
 
@@ -36,14 +36,14 @@ class _Producer:
         self.blocks = [order[i * nb : (i + 1) * nb] for i in range(samples)]
         self.server = PullServer(
             cache,
-            layout,
-            LAYER_IDS,
-            "bench-producer",
-            0,
-            1,
-            ("127.0.0.1", 0),
-            300.0,
-            checksum=ShareChecksum.FINGERPRINT if checksum else None,  # the connector's default
+            PullServerConfig(
+                layout,
+                tuple(LAYER_IDS),
+                "bench-producer",
+                ("127.0.0.1", 0),
+                300.0,
+                checksum=ShareChecksum.FINGERPRINT if checksum else None,  # the connector's default
+            ),
         )
         self.rounds = 0
         from kv_connector.cache.blocks import CacheBlocks

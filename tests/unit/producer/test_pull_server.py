@@ -17,7 +17,7 @@ from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.options import ChecksumOption
 from kv_connector.producer.pull import server as pull_server
-from kv_connector.producer.pull.server import PullServer
+from kv_connector.producer.pull.server import PullServer, PullServerConfig
 from kv_connector.reader.pool.memory import pool_checksum
 from kv_connector.wire import protocol
 from kv_connector.wire.handle import make_nonce
@@ -47,10 +47,18 @@ class StandIn:
 
 
 def server(cache: torch.Tensor, layout: BlockLayout, checksum: ShareChecksum | None, **kw: Any) -> PullServer:
-    return PullServer(
-        cache, layout, [1, 2, 3], "p", kw.pop("rank", 0), kw.pop("world", 1), ("127.0.0.1", 0), 60.0,
-        checksum=checksum, secret=b"", transport=cast(Transport, StandIn()), **kw,
-    )  # fmt: skip
+    config = PullServerConfig(
+        layout,
+        (1, 2, 3),
+        "p",
+        ("127.0.0.1", 0),
+        60.0,
+        kw.pop("rank", 0),
+        kw.pop("world", 1),
+        checksum,
+        secret=b"",
+    )
+    return PullServer(cache, config, transport=cast(Transport, StandIn()), **kw)
 
 
 def cache_of(layout: BlockLayout) -> torch.Tensor:
