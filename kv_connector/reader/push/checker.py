@@ -59,15 +59,13 @@ class ShareChecker:
 
     def _check(self, v: Verify) -> None:
         with self._lock:
-            s = self._ledger.samples.get(v.key)
-            share = s.shares.get(v.rank) if s is not None else None
-            if s is None or share is None or s.pages is None or share.checking != v.landing:
-                return  # gone, or landed again since: a newer check is queued
-            page_bytes = self._ledger.page_bytes
-            assert page_bytes is not None
-            base, manifest, blocks = s.pages.start * page_bytes, s.manifest, sorted(share.blocks)
+            where = self._ledger.share_to_check(v)
+        if where is None:
+            return  # gone, or landed again since: a newer check is queued
         t0 = time.perf_counter()
-        got, screen = check_share(self._pool, base, manifest, blocks, v.checksum, self._screen)
+        got, screen = check_share(
+            self._pool, where.base, where.manifest, list(where.blocks), v.checksum, self._screen
+        )
         ok, seconds = got == v.digest, time.perf_counter() - t0
         with self._lock:
             now = time.monotonic()

@@ -58,6 +58,7 @@ Invariants (tests name the one they prove):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
 from kv_connector.reader.pool.values import RowsScreen
@@ -76,6 +77,8 @@ from kv_connector.reader.push.records import (
     SampleState,
     Send,
     Share,
+    ShareToCheck,
+    Verify,
 )
 from kv_connector.reader.push.refusals import Refusals
 from kv_connector.reader.push.sample_states import SampleEvent
@@ -96,39 +99,45 @@ LAST_NOTIFICATION_GRACE_S = 0.2  # how long a departed producer's last WriteDone
 DELIVERED_MEMORY = 100_000  # samples remembered for acking resends
 
 
+@dataclass(frozen=True)
+class LedgerConfig:
+    """The ledger's policy: how it acks, what it checks, and the bounds and waits of R3 to R10.
+
+    The reader builds one from its ``ReaderConfig``; tests set single bounds to reach their case.
+    """
+
+    ack_mode: AckMode = AckMode.ON_TAKE
+    max_rewrites: int = MAX_REWRITES  # R5
+    quarantine_s: float = QUARANTINE_S  # R3: a departed writer's pages
+    fence_bound_s: float = FENCE_BOUND_S  # R3: a silent writer's pages
+    grace_s: float = LAST_NOTIFICATION_GRACE_S  # R6
+    delivered_memory: int = DELIVERED_MEMORY  # R4
+    verify: bool = True
+    require_checksum: RequireChecksum = RequireChecksum.AUTO  # R10
+    sample_timeout_s: float = SAMPLE_TIMEOUT_S  # R8
+    max_pending_per_rank: int = MAX_PENDING_PER_RANK  # R9
+    max_sample_tokens: int = MAX_SAMPLE_TOKENS  # R9
+    expect: Expectation | None = None  # what samples must be, else they are refused
+
+
 class ReaderLedger:
+    """The push reader's decisions: every producer message, check result and user call in, actions out.
+
+    ``already_delivered(producer_id, request_id)`` says a sample was delivered before this
+    reader started, so a resend of it is acked and not delivered twice (R4).
+    """
+
     def __init__(
         self,
-        ack_mode: AckMode = AckMode.ON_TAKE,
+        config: LedgerConfig | None = None,
         already_delivered: Callable[[str, str], bool] | None = None,
-        max_rewrites: int = MAX_REWRITES,
-        quarantine_s: float = QUARANTINE_S,
-        fence_bound_s: float = FENCE_BOUND_S,
-        grace_s: float = LAST_NOTIFICATION_GRACE_S,
-        delivered_memory: int = DELIVERED_MEMORY,
-        verify: bool = True,
-        require_checksum: RequireChecksum = RequireChecksum.AUTO,
-        sample_timeout_s: float = SAMPLE_TIMEOUT_S,
-        max_pending_per_rank: int = MAX_PENDING_PER_RANK,
-        max_sample_tokens: int = MAX_SAMPLE_TOKENS,
-        expect: Expectation | None = None,
     ) -> None:
-        self.ack_mode = ack_mode
-        self.max_rewrites = max_rewrites
-        self.quarantine_s = quarantine_s
-        self.grace_s = grace_s
-        self.delivered_memory = delivered_memory
-        self.verify = verify
-        self.require_checksum = require_checksum
-        self.sample_timeout_s = sample_timeout_s
-        self.max_pending_per_rank = max_pending_per_rank
-        self.max_sample_tokens = max_sample_tokens
-        self.expect = expect
+        self.config = config = config or LedgerConfig()
         self.stats = ReaderStats()
         self.producers = Producers()
-        self._book = SampleBook(self._connected, quarantine_s, fence_bound_s)
-        self.samples: dict[Key, SampleRecord] = self._book.samples  # the book's, read by the shells
-        self.delivered = Delivered(delivered_memory, already_delivered)  # handed out (R4)
+        self._book = SampleBook(self._connected, config.quarantine_s, config.fence_bound_s)
+        self._samples: dict[Key, SampleRecord] = self._book.samples
+        self.delivered = Delivered(config.delivered_memory, already_delivered)  # handed out (R4)
         self._refusals = Refusals(self._book, self.stats)
 
     # ------------------------------------------------------------------ pool
@@ -146,6 +155,24 @@ class ReaderLedger:
     # ---------------------------------------------------------------- queries
     def state_of(self, key: Key) -> SampleState | None:
         return self._book.state_of(key)
+
+    def generation_of(self, key: Key) -> int | None:
+        """The generation of the sample's grant of pages, which each WRITE into them names."""
+        s = self._samples.get(key)
+        return s.generation if s is not None and s.generation else None
+
+    def share_to_check(self, v: Verify) -> ShareToCheck | None:
+        """Where the share a ``Verify`` names lies in the pool, or None if its check is moot.
+
+        The checking thread reads the pool outside the lock, so it asks first whether the share
+        is still this landing's (a newer landing queued its own check; a dropped sample needs none).
+        """
+        s = self._samples.get(v.key)
+        share = s.shares.get(v.rank) if s is not None else None
+        if s is None or share is None or s.pages is None or share.checking != v.landing:
+            return None
+        assert self.page_bytes is not None
+        return ShareToCheck(s.pages.start * self.page_bytes, s.manifest, tuple(sorted(share.blocks)))
 
     def world_of(self, producer_id: str) -> int | None:
         return self.producers.world_of(producer_id)
@@ -168,7 +195,7 @@ class ReaderLedger:
 
     def ready(self, producer_id: str | None = None) -> list[Key]:
         """Samples complete and checked, not yet handed out (of ``producer_id``, if given)."""
-        verified = (k for k, s in self.samples.items() if s.state is SampleState.VERIFIED)
+        verified = (k for k, s in self._samples.items() if s.state is SampleState.VERIFIED)
         return [k for k in verified if producer_id is None or k[0] == producer_id]
 
     def leases(self) -> list[SampleRecord]:
@@ -209,7 +236,7 @@ class ReaderLedger:
         if ident is None:
             return []
         awaited = self._book.awaited(*ident)
-        self.producers.gone(peer, now + (self.grace_s if awaited else 0.0))
+        self.producers.gone(peer, now + (self.config.grace_s if awaited else 0.0))
         self._book.page_fences.peer_gone(peer, now)
         return self._departed(now)
 
@@ -245,15 +272,15 @@ class ReaderLedger:
                 return []
             return [Send(peer, protocol.Ack(request_id=m.request_id))]
         assert self.pool is not None and self.page_bytes is not None
-        s = self.samples.get(key)
-        if s is None and m.num_tokens > self.max_sample_tokens:
-            return self._refusals.over_limit(peer, m, self.max_sample_tokens)
-        if s is None and self.expect is not None and (differs := self.expect.mismatches(m)):
+        s = self._samples.get(key)
+        if s is None and m.num_tokens > self.config.max_sample_tokens:
+            return self._refusals.over_limit(peer, m, self.config.max_sample_tokens)
+        if s is None and self.config.expect is not None and (differs := self.config.expect.mismatches(m)):
             return self._refusals.mismatch(peer, m, differs)
-        if s is None and self._book.pending_of(pid, rank) >= self.max_pending_per_rank:
+        if s is None and self._book.pending_of(pid, rank) >= self.config.max_pending_per_rank:
             raise ProtocolError(
-                f"{pid}/rank{rank} has {self.max_pending_per_rank} samples promised and not handed out: "
-                "over its bound"
+                f"{pid}/rank{rank} has {self.config.max_pending_per_rank} samples promised and not "
+                "handed out: over its bound"
             )
         if s is None:
             s = SampleRecord(
@@ -281,7 +308,7 @@ class ReaderLedger:
         another grant than the sample's never lands on it (R3): it fences that grant, or
         names pages a late WRITE changed."""
         pid, _ = self._ident(peer)
-        s = self.samples.get((pid, msg.request_id))
+        s = self._samples.get((pid, msg.request_id))
         if s is None or s.pages is None or s.generation != msg.generation:
             return self._late_write(peer, msg, now)
         s, share = self._share_of(peer, msg.request_id, "write_done")
@@ -320,7 +347,7 @@ class ReaderLedger:
         ``max_rewrites``, its sample is refused (R5). One for an older landing, or a sample
         gone meanwhile, is ignored (its time still counts)."""
         self.stats.verify_s += seconds
-        s = self.samples.get(key)
+        s = self._samples.get(key)
         share = s.shares.get(rank) if s is not None else None
         if s is None or share is None or share.landing != landing or share.checking != landing:
             return []
@@ -334,7 +361,7 @@ class ReaderLedger:
         """A producer gave up on one of its samples (e.g. its WRITE kept failing): drop the
         sample, and tell its other ranks, whose shares can no longer complete it."""
         pid, rank = self._ident(peer)
-        s = self.samples.get((pid, msg.request_id)) if msg.request_id else None
+        s = self._samples.get((pid, msg.request_id)) if msg.request_id else None
         label = f"{pid}/rank{rank}"
         if s is None or rank not in s.shares:
             return [Log("warning", f"{label} says: {msg.code} {msg.message}")]
@@ -356,7 +383,7 @@ class ReaderLedger:
     def ready_sample(self, key: Key) -> ReadySample | None:
         """The sample as the user's thread hands it out, while it is VERIFIED; None when it
         is not ready (discarded, or written again since it was queued)."""
-        s = self.samples.get(key)
+        s = self._samples.get(key)
         if s is None or s.state is not SampleState.VERIFIED:
             return None
         assert s.pages is not None and self.page_bytes is not None
@@ -370,14 +397,14 @@ class ReaderLedger:
         ready = self.ready_sample(key)
         if ready is None:
             return None
-        s, m = self.samples[key], ready.manifest
+        s, m = self._samples[key], ready.manifest
         s.move(SampleEvent.HANDED_OUT)
         s.t_handed_out = now
         self._book.settle_pending(s)
         nbytes = m.num_tokens * m.geometry.token_bytes
         self.stats.handed_out(key[0], m.num_tokens, nbytes, now - s.t_requested, now)
         self.delivered.remember(key, list(s.peers.values()))
-        return ready, (self.ack(key) if self.ack_mode is AckMode.ON_TAKE else [])
+        return ready, (self.ack(key) if self.config.ack_mode is AckMode.ON_TAKE else [])
 
     def release(self, key: Key, now: float) -> list[Action]:
         """HANDED_OUT -> released: the lease ended; its pages return to the pool (R3).
@@ -396,7 +423,7 @@ class ReaderLedger:
         refused, its pages quarantined; HANDED_OUT and not acked yet (manual mode): its
         producer's ranks are refused instead of acked, and a resend is delivered again.
         Its producer fails the request with ``reader refused (rejected): why``."""
-        s = self.samples.get(key)
+        s = self._samples.get(key)
         waiting = self.delivered.owed(key)
         if s is not None and s.state is SampleState.VERIFIED:
             peers = list(s.peers.values())
@@ -416,13 +443,13 @@ class ReaderLedger:
         """Fence waits that ended give their pages back; departures whose grace ended
         are settled; granted samples past their deadline are refused."""
         actions = self._departed(now)
-        actions += self._refusals.expire(now, self.sample_timeout_s)
+        actions += self._refusals.expire(now, self.config.sample_timeout_s)
         return actions + self._page_fences_due(now)
 
     # -------------------------------------------------------------- helpers
     def _requires_checksum(self, producer_id: str) -> bool:
-        if not self.verify or self.require_checksum is not RequireChecksum.AUTO:
-            return self.verify and self.require_checksum is RequireChecksum.ALWAYS
+        if not self.config.verify or self.config.require_checksum is not RequireChecksum.AUTO:
+            return self.config.verify and self.config.require_checksum is RequireChecksum.ALWAYS
         prod = self.producers.by_id.get(producer_id)
         return prod is None or prod.host_cache
 
@@ -469,7 +496,7 @@ class ReaderLedger:
 
     def _share_of(self, peer: PeerId, request_id: str, what: str) -> tuple[SampleRecord, Share]:
         pid, rank = self._ident(peer)
-        s = self.samples.get((pid, request_id))
+        s = self._samples.get((pid, request_id))
         share = s.shares.get(rank) if s is not None else None
         if s is None or s.pages is None or share is None:
             raise ProtocolError(f"{what} for {request_id}, which it was not granted")
@@ -490,13 +517,13 @@ class ReaderLedger:
     def _advance(self, s: SampleRecord) -> list[Action]:
         """Check every share that landed with its digest known; move the sample on."""
         prod = self.producers.by_id.get(s.key[0])
-        return s.advance(self.verify, prod.checksum if prod is not None else ShareChecksum.XXH3)
+        return s.advance(self.config.verify, prod.checksum if prod is not None else ShareChecksum.XXH3)
 
     def _mismatch(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
         m, key = s.manifest, s.key
         self.stats.checksum_mismatches += 1
         s.rewrites += 1
-        if s.rewrites > self.max_rewrites:
+        if s.rewrites > self.config.max_rewrites:
             return self._refusals.checksum(s, rank, now)
         if key[0] not in self.producers:  # nobody left to write it again
             gone = Log("error", f"request {m.request_id}: a share failed its checksum")
@@ -506,7 +533,7 @@ class ReaderLedger:
             Log(
                 "error",
                 f"request {m.request_id} of producer {key[0]}: rank {rank}'s share does not match its "
-                f"checksum; asking for it again ({s.rewrites} of {self.max_rewrites})",
+                f"checksum; asking for it again ({s.rewrites} of {self.config.max_rewrites})",
             ),
             Send(
                 s.shares[rank].peer,

@@ -23,7 +23,7 @@ from kv_connector.reader.options import ClientOptions, options_of
 from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
 from kv_connector.reader.pool.memory import make_pool, register_pool
-from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S, ReaderLedger
+from kv_connector.reader.push.ledger import SAMPLE_TIMEOUT_S, LedgerConfig, ReaderLedger
 from kv_connector.reader.push.records import AckMode, Key, RequireChecksum
 from kv_connector.reader.push.server import ReaderServer, ServerParts, round_page
 from kv_connector.reader.push.stats import PoolState, ReaderStats
@@ -182,12 +182,14 @@ class HiddenStatesReader:
         secret = secret if secret is not None else auth.load_secret()
         self.reader_id = config.name or f"reader-{uuid.uuid4().hex[:12]}"
         self._ledger = ReaderLedger(
-            config.ack,
+            LedgerConfig(
+                ack_mode=config.ack,
+                verify=config.verify,
+                require_checksum=config.require_checksum,
+                sample_timeout_s=config.sample_timeout_s,
+                expect=config.expect,
+            ),
             already_delivered,
-            verify=config.verify,
-            require_checksum=config.require_checksum,
-            sample_timeout_s=config.sample_timeout_s,
-            expect=config.expect,
         )
         if page_bytes is not None:
             self._ledger.set_pages(page_bytes, pool_bytes // page_bytes)

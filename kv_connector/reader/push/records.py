@@ -52,6 +52,15 @@ class Verify:
 
 
 @dataclass(frozen=True)
+class ShareToCheck:
+    """Where a ``Verify``'s share lies in the pool: its sample's first byte, manifest and blocks."""
+
+    base: int
+    manifest: protocol.Manifest
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Ready:
     """A sample is complete and checked: queue it for the user."""
 

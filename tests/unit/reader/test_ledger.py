@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -15,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_connector.reader as wing
-from kv_connector.reader.push.ledger import ReaderLedger
+from kv_connector.reader.push.ledger import LedgerConfig, ReaderLedger
 from kv_connector.reader.push.records import (
     AckMode,
     IllegalSampleTransition,
@@ -60,8 +62,10 @@ def credit(rid: str, n: int = 40, rank: int = 0, world: int = 1) -> protocol.Cre
     return protocol.CreditRequest(manifest=m, blocks=list(stripe(m.num_blocks, rank, world)))
 
 
-def ledger(pages: int = 8, **kw: object) -> ReaderLedger:
-    led = ReaderLedger(**kw)  # type: ignore[arg-type]
+def ledger(
+    pages: int = 8, already_delivered: Callable[[str, str], bool] | None = None, **kw: Any
+) -> ReaderLedger:
+    led = ReaderLedger(LedgerConfig(**kw), already_delivered)
     led.set_pages(PAGE, pages)
     return led
 
@@ -94,8 +98,7 @@ def check_all(led: ReaderLedger, actions: list[object], ok: bool = True) -> list
 def done(led: ReaderLedger, peer: int, rid: str, **kw: object) -> protocol.WriteDone:
     """The WriteDone of ``peer``'s WRITE into the sample's grant (generation 1 if none)."""
     ident = led.identity(peer)
-    s = led.samples.get((ident[0], rid)) if ident is not None else None
-    generation = s.generation if s is not None and s.generation else 1
+    generation = (led.generation_of((ident[0], rid)) if ident is not None else None) or 1
     return protocol.WriteDone(request_id=rid, generation=generation, **kw)  # type: ignore[arg-type]
 
 
@@ -329,7 +332,7 @@ def test_r6_a_gone_producers_incomplete_samples_wait_for_its_last_notifications(
     assert led.forgotten(1) and led.state_of(("p", "lost")) is None
     assert led.state_of(("p", "landing")) is SampleState.VERIFIED  # complete: kept
     assert led.pool is not None and led.pool.free_pages == 2  # lost's pages are quarantined (R3)
-    led.tick(10.3 + led.quarantine_s)
+    led.tick(10.3 + led.config.quarantine_s)
     assert led.pool.free_pages == 5
 
 
@@ -645,7 +648,7 @@ def test_hostile_credit_requests_are_refused_or_granted_and_nothing_leaks(
         assert set(req.blocks) != set(range(m.num_blocks)), e  # only an untiled share is refused
         assert led.state_of(("p", m.request_id)) in (SampleState.PROMISED, SampleState.GRANTED)
         led.peer_gone(1, 0.0)  # the shell drops the peer: its sample goes
-        led.tick(1.0 + led.quarantine_s)
+        led.tick(1.0 + led.config.quarantine_s)
         assert led.pool is not None and led.pool.free_pages == 48 and led.pool.waiting == 0
         return
     need = -(-m.geometry.sample_bytes(m.num_blocks) // PAGE)
