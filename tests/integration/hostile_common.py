@@ -249,7 +249,7 @@ def check(expect: Expect, got: list[protocol.Message]) -> None:
         assert got[0].code == "pool_too_small" and got[0].request_id == expect.detail["request_id"]
     elif k == "grant":
         # granted, or waiting for pages that earlier examples' discarded samples hold in
-        # quarantine (the pool's exact accounting is proven in tests/unit/reader/test_ledger)
+        # quarantine (the pool's exact accounting is proven in tests/unit/reader/push/test_ledger)
         if not got:
             return
         assert len(got) == 1 and isinstance(got[0], protocol.Grant), got

@@ -146,7 +146,7 @@ KINDS = ["valid", "block_beyond", "duplicate_block", "missing_block", "num_block
 @st.composite
 def hostile_credit_requests(draw: st.DrawFn) -> bytes:
     """Credit requests with out-of-range fields, and messages that only a reader may
-    send (what the ledger makes of every decodable one is tests/unit/reader/test_ledger)."""
+    send (what the ledger makes of every decodable one is tests/unit/reader/push/test_ledger)."""
     rid = draw(rids)
     n = draw(st.sampled_from([1, 16, 17, 767, 769, 1 << 17]))
     m = msgspec.to_builtins(manifest(rid, n))
