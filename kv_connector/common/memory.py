@@ -1,11 +1,10 @@
-"""Host memory for buffers that transfers land in: anonymous pages advised to be
-transparent huge pages (2 MiB) where the kernel offers them (``madvise`` mode, the
-default of most distributions), faulted in once when made.
+"""Host memory for buffers that transfers land in, advised to be transparent huge pages.
 
-UCX's shared-memory path (``cma``) pins and copies a buffer page by page, and RDMA NICs
-translate it page by page: huge pages cut those costs (a 64 MiB WRITE between two
-processes here: 7.5 GB/s into 4 KiB pages, 10-11 GB/s into huge pages). A kernel
-without them gives ordinary pages; nothing else changes. Pure: mmap and numpy."""
+UCX's shared-memory path pins and copies a buffer page by page, and RDMA NICs translate it
+page by page, so 2 MiB pages cut both costs. The kernel gives them in its ``madvise`` mode,
+the default of most distributions; without them a buffer gets ordinary pages and nothing
+else changes. Buffers are faulted in once when made. Pure: mmap and numpy.
+"""
 
 from __future__ import annotations
 
@@ -33,11 +32,12 @@ def host_memory(nbytes: int) -> np.ndarray:
 
 
 def shared_host_memory(nbytes: int, name: str = "kv-connector-pool") -> tuple[np.ndarray, int]:
-    """``nbytes`` of zeroed uint8 host memory that other processes can map: an anonymous
-    memory file (``memfd_create``), mapped shared here and faulted in once. Returns the
-    array and the file's descriptor (pass it over a Unix socket; ``mmap`` it there). No
-    name in the file system: the memory is gone once the last process holding the
-    descriptor or a mapping exits, however it exits."""
+    """``nbytes`` of zeroed uint8 host memory that other processes can map, with its descriptor.
+
+    It is an anonymous memory file (``memfd_create``), mapped shared and faulted in once; pass the
+    descriptor over a Unix socket and ``mmap`` it there. It has no name in the file system, so the
+    memory is gone once the last process holding it exits, however it exits.
+    """
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)

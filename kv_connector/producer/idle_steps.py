@@ -1,31 +1,22 @@
 """Naps between the engine steps that schedule nothing, cut short by the engine's news.
 
-vLLM steps its engine without pause while any finished request still holds its blocks
-(``Scheduler.has_requests`` counts them), so a producer holding pulled samples for a
-consumer that has not asked yet, with no request running, turns every core its engine
-and workers have into empty steps: on a small host that starves the consumer itself (a
-2-core machine took 20 s to open a ``PullClient`` beside an idle TP=2 server holding five
-samples). ``IdleSteps`` answers how long the scheduler side naps before such a step: 1 ms
-after the first, doubling to 25 ms; nothing once a step schedules tokens.
+vLLM steps its engine without pause while a finished request still holds its blocks
+(``Scheduler.has_requests`` counts them). A producer holding pulled samples with no request
+running would turn every core of its engine and workers into empty steps, starving a
+consumer on the same small host. ``IdleSteps`` says how long the scheduler side naps before
+such a step: 1 ms after the first, doubling to 25 ms, and nothing once a step schedules tokens.
 
-Even 25 ms is too often for vLLM's multiprocess executor: each step is a message to the
-workers, and a worker's queue busy-waits (``sched_yield``) for 1 s after every message
-it reads, so steps 25 ms apart keep each worker spinning a whole core for as long as the
-samples are held, and a consumer starting on the same small host waits for a core until
-the holds end (docs/design.md). So once the short naps have run their course and the
-engine holds samples with no request in it at all (``holding_only``), a nap lasts
-``hold_s``: the workers go idle after their second of spinning. Nothing is late for it:
-a new request ends the nap (``wake``: the engine's input queue is looked at every 10 ms),
-and so does a consumer's release (the doorbell); only the expiry of a sample nobody
-released is noticed up to ``hold_s`` late.
+Even 25 ms is too often for vLLM's multiprocess executor. Each step is a message to the
+workers, and a worker's queue busy-waits (``sched_yield``) for 1 s after every message.
+So once the engine holds samples and no request at all (``holding_only``), a nap lasts
+``hold_s`` and the workers go idle (docs/design.md). Nothing is late for it: a new request
+ends the nap (``wake``), and so does a consumer's release. Only the expiry of a sample
+nobody released is noticed up to ``hold_s`` late.
 
-A nap ends early when the engine's doorbell (``engine_bell``) rings: the worker side rings
-it when a step would have news for the scheduler (a reader acknowledged or refused a
-sample, a consumer released one: its blocks go back to vLLM in the next step). Without
-it, a producer whose cache is full of samples waiting for their readers napped up to
-25 ms after a reader's ack before vLLM freed those blocks and admitted the next request
-(the data-path bench saw its writer idle for want of granted samples). The policy here
-is pure; the waiting is the bell's.
+A nap also ends when the engine's doorbell (``engine_bell``) rings. The worker side rings it
+when a step would have news for the scheduler: a reader acknowledged or refused a sample, or
+a consumer released one. Its blocks then go back to vLLM in the next step, not a nap later.
+The policy here is pure; the waiting is the bell's.
 """
 
 from __future__ import annotations
@@ -63,10 +54,11 @@ class IdleSteps:
     def rest(
         self, scheduled_tokens: int, holding_only: bool = False, wake: Callable[[], bool] | None = None
     ) -> bool:
-        """Nap before a step (``nap``) unless or until the bell rings or ``wake()`` says a
-        request waits; True if the bell rang (then the next nap starts short again). A
-        ring while no nap was under way ends the next one at once: its news is reported
-        by the step after it."""
+        """Nap before a step unless or until the bell rings or ``wake()`` says a request waits.
+
+        True if the bell rang; the next nap then starts short again. A ring while no nap was under
+        way ends the next one at once, and the step after it reports the news.
+        """
         seconds = self.nap(scheduled_tokens, holding_only)
         if not seconds:
             return False

@@ -32,8 +32,7 @@ class Sharding(str, enum.Enum):
 
 
 class ChecksumOption(str, enum.Enum):
-    """The ``checksum`` option: what a user may ask for, resolved per rank into the one
-    ``ShareChecksum`` (or None) it ships with."""
+    """The ``checksum`` option as a user writes it, resolved per rank into one ``ShareChecksum`` or None."""
 
     AUTO = "auto"  # FINGERPRINT where rows are whole 8-byte words; else XXH3 (a GPU share staged to host)
     FINGERPRINT = "fingerprint"  # a few words of every token slot, taken in the step that wrote it
@@ -42,11 +41,12 @@ class ChecksumOption(str, enum.Enum):
     NONE = "none"
 
     def resolve(self, device_cache: bool, layout: BlockLayout) -> ShareChecksum | None:
-        """How a rank whose cache has ``layout`` (on a device or not) computes its shares'
-        checksums (None: it sends none): as asked, or by default fingerprints taken in the
-        step that wrote each slot, where its rows are whole 8-byte words
-        (``block_digest.supported``); otherwise XXH3 of the bytes (a GPU cache's share
-        staged to host memory). ValueError when a record is asked of rows it cannot read."""
+        """How a rank whose cache has ``layout`` checksums its shares; None means it sends none.
+
+        By default that is fingerprints where a layer's row is whole 8-byte words, else XXH3 of the
+        bytes, staged to host memory from a GPU. ValueError when the record asked for cannot read
+        those rows.
+        """
         whole_words = block_digest.supported(layout)
         if self is ChecksumOption.NONE:
             return None
@@ -63,20 +63,15 @@ class ChecksumOption(str, enum.Enum):
 
 
 def captured_layer_order(configured: Sequence[int]) -> list[int]:
-    """The layer ids in the order vLLM stacks their states: ``hidden_states[:, i]`` holds
-    layer ``captured_layer_order(configured)[i]``, whatever order ``configured``
-    (``eagle_aux_hidden_state_layer_ids``) lists them in.
+    """The layer ids in the order vLLM stacks their states: ``hidden_states[:, i]`` is layer ``[i]`` here.
 
-    vLLM 0.32 does not keep the configured order: ``EagleModelMixin.
-    _set_aux_hidden_state_layers`` (``vllm/model_executor/models/interfaces.py``) stores
-    ``tuple(sorted(set(ids)))``, and each model's forward appends a layer's state when its
-    pass reaches that layer (``_maybe_add_hidden_state``), so the states come in increasing
-    layer id. What the model really uses lives on the model object, which a KV connector
-    never sees (it gets the config and the cache tensors), so this derives the order the
-    way vLLM does: here, and nowhere else in this package.
+    vLLM 0.32 stores ``tuple(sorted(set(ids)))`` in ``EagleModelMixin._set_aux_hidden_state_layers``.
+    Each model's forward appends a layer's state as its pass reaches that layer, so states come
+    in increasing layer id. A KV connector never sees the model object, only its config, so this
+    derives the order as vLLM does, here and nowhere else in the package.
 
-    Raises ValueError naming a duplicate id: vLLM captures each layer once but gives its
-    hidden-state cache one slot per listed id, and fails at the first step.
+    Raises ValueError naming a duplicate id. vLLM captures each layer once but gives each listed
+    id a cache slot, and then fails at its first step.
     """
     seen: set[int] = set()
     for k in configured:
@@ -145,44 +140,41 @@ _SECTIONS: dict[str, dict[str, str]] = {
 
 
 class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The connector's options, decoded from ``kv_connector_extra_config`` by ``parse``:
-    what both modes read, and one section per mode (``push``, ``pull``), whose fields are
-    the flat keys below (``consumer_address`` is ``push.readers``, ``pull_listen`` and
-    ``pull_timeout_s`` are ``pull.listen`` and ``pull.timeout_s``).
+    """The connector's options, decoded from ``kv_connector_extra_config`` by ``parse``.
 
-    readers: the readers' control addresses (``consumer_address``: one ``HOST:PORT``, or a
-    list of them that shards the samples over several readers, each sample to exactly one).
-    sharding: how a request picks its reader: "request_hash" (crc32 of the request id,
-    the default) or "round_robin" (in the order requests complete).
+    Both modes read the common fields; each mode reads its own section (``push``, ``pull``).
+    The sections' fields are flat keys in the config: ``consumer_address`` is ``push.readers``,
+    ``pull_listen`` and ``pull_timeout_s`` are ``pull.listen`` and ``pull.timeout_s``.
+
+    readers: the readers' control addresses (``consumer_address``). One ``HOST:PORT``, or a list
+    that shards the samples over several readers, each sample to exactly one.
+    sharding: how a request picks its reader. "request_hash" (crc32 of the request id) is the
+    default; "round_robin" goes in the order requests complete.
     producer_id: this engine's name at the reader (default: vLLM's engine_id).
     connect_timeout_s: how long a worker keeps trying to reach the reader.
     drain_timeout_s: at shutdown, how long to wait for samples still in flight.
-    include_output_tokens: ship output tokens too, for every request (a request can
-    also ask with ``kv_transfer_params={"include_output_tokens": true}``).
-    checksum: each rank sends an integrity record of its share and the reader checks it on
-    what landed, before the sample is handed out. "auto" (default): "fingerprint" where a
-    layer's row is a whole number of 8-byte words, else "xxh3"; "fingerprint": XXH3-64
-    over a few words of every token slot of every layer, taken with torch where the cache
-    is in the engine step that wrote the slot (``wire.fingerprint``: catches slots read
-    from the wrong blocks and blocks changed after they were written, for ~0.1% of the
-    bytes); diagnostic modes, every byte hashed at both ends: "xxh3" (XXH3-64 of the
-    share's bytes; a GPU cache's share is staged to host memory once for it), "blocks"
-    (XXH3-64 of per-block digests computed with torch where the cache is,
-    ``block_digest``); "none" skips it.
-    sample_timeout_s: a sample granted pages at the reader and not acknowledged this long
-    after fails, and the reader drops it (default 300).
+    include_output_tokens: ship output tokens too, for every request. A single request can ask
+    with ``kv_transfer_params={"include_output_tokens": true}``.
+    checksum: the integrity record each rank sends with its share, checked where it landed.
+    "auto" (default) is "fingerprint" where a layer's row is whole 8-byte words, else "xxh3".
+    "fingerprint" is XXH3-64 over a few words of every token slot, taken in the step that wrote
+    the slot (``wire.fingerprint``). It catches slots read from the wrong blocks and blocks
+    changed after they were written, for about 0.1% of the bytes. Two diagnostic modes hash every
+    byte at both ends: "xxh3" over the share's bytes, "blocks" over per-block digests computed
+    where the cache is (``block_digest``). "none" skips the record.
+    sample_timeout_s: a sample granted pages and not acknowledged this long after fails, and the
+    reader drops it (default 300).
     preempt_timeout_s: how long a preempted request's share may hold the engine step to be
-    written (it may wait for the reader's credits) before its sample fails (default 5).
-    delivery: "push" (default: the ranks WRITE each sample into a reader's pool) or "pull"
-    (no reader: each rank holds a finished sample's blocks and serves it to a consumer
-    holding its handle, ``reader.pull.client``); pull takes no consumer_address.
-    pull_listen: where each rank's pull endpoint listens, ``HOST`` or ``HOST:PORT`` (the
-    port is rank 0's; rank r takes PORT + r); default 127.0.0.1 on a free port.
-    pull_timeout_s: a pulled sample not released this long after its request finished is
-    freed and logged by name; fetching it then fails "expired" (default 300).
-    check_tokens: compare each shipped sample's token ids with the input ids its positions
-    were computed from (read from vLLM's model runner; a mismatch fails the sample by
-    name). Default true; false skips the check.
+    written before its sample fails (default 5).
+    delivery: "push" (default) WRITEs each sample into a reader's pool. "pull" holds a finished
+    sample's blocks on each rank and serves them to a consumer with its handle
+    (``reader.pull.client``); pull takes no consumer_address.
+    pull_listen: where each rank's pull endpoint listens, ``HOST`` or ``HOST:PORT``. The port is
+    rank 0's and rank r takes PORT + r; the default is 127.0.0.1 on a free port.
+    pull_timeout_s: a pulled sample not released this long after its request finished is freed
+    and logged by name; fetching it then fails "expired" (default 300).
+    check_tokens: compare each shipped sample's token ids with the input ids its positions were
+    computed from; a mismatch fails the sample by name. Default true.
     """
 
     producer_id: ProducerId | None = None
@@ -211,8 +203,10 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
-        """The options ``kv_connector_extra_config`` gives, or ValueError naming the key
-        and the fix (what vLLM prints when it fails at startup)."""
+        """The options ``kv_connector_extra_config`` gives, or a ValueError naming the key and the fix.
+
+        vLLM prints that message when it fails at startup.
+        """
         raw = dict(extra or {})
         sectioned = {k for keys in _SECTIONS.values() for k in keys}
         known = {f for f in cls.__struct_fields__ if f not in _SECTIONS} | sectioned
@@ -275,8 +269,7 @@ _HINTS = {
 
 
 def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
-    """(host, port) rank ``rank``'s pull endpoint binds for ``pull_listen`` (port 0: any
-    free one)."""
+    """The (host, port) rank ``rank``'s pull endpoint binds for ``pull_listen``; port 0 takes any free one."""
     if listen.count(":") == 1 or "]:" in listen:
         host, port = parse_address(listen)
     else:
@@ -287,8 +280,10 @@ def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
 
 
 def _key_of(error: str) -> str:
-    """The flat option a msgspec error is about (its path ends "- at `$.key`", or
-    "- at `$.section.field`" for a mode's own)."""
+    """The flat option a msgspec error is about.
+
+    Its path ends "- at `$.key`", or "- at `$.section.field`" for a mode's own option.
+    """
     _, _, path = error.rpartition("at `$.")
     parts = path.split("`")[0].split("[")[0].split(".")
     if len(parts) > 1 and parts[0] in _SECTIONS:

@@ -1,27 +1,24 @@
-"""Block digests: a share's checksum computed where the cache is (a GPU's memory), with
-torch ops, so that only 8 bytes per block reach the host, and recomputed by the reader
-from its pool on CPU.
+"""Block digests: a share's checksum computed where the cache is, recomputed by the reader on CPU.
 
-A block's digest is a weighted sum of its 64-bit words, modulo 2**64:
+Computed with torch on a GPU cache, only 8 bytes per block reach the host. A block's digest
+is a weighted sum of its 64-bit words, modulo 2**64:
 
     digest(block) = sum over its valid tokens t, layers l, words k of
                     W[t, l, k] * x[t, l, k]
 
-where ``x[t, l, k]`` is the k-th 8-byte word of token t's states at layer l (a row of
-``hidden * itemsize`` bytes, which must be a multiple of 8: ``supported``) read as a
-signed int64, ``W`` a fixed table of odd 64-bit weights (splitmix64 of the word's
-position in a ``[block_size, layers, words]`` block), and the valid tokens those of the
-sample (the tail of its last block, which vLLM keeps writing during decode, does not
-count). The coordinates are the sample's (token, layer, word), not byte offsets, so the
-producer's cache blocks (LTH or TLH) and the reader's pool run (arranged differently for
-LTH) give the same number. Integer sums are exact and order-free, so a GPU's reduction
-and the reader's dot products agree bit for bit.
+``x[t, l, k]`` is the k-th 8-byte word of token t's row at layer l, read as a signed int64;
+a row must be a multiple of 8 bytes (``supported``). ``W`` is a fixed table of odd 64-bit
+weights, splitmix64 of the word's position in the block. Only the sample's tokens count, not
+the tail of its last block that vLLM keeps writing during decode.
 
-A share's checksum is XXH3-64 over the manifest's bytes (as for ``integrity``), a tag,
-and each block's (index in the sample, digest) in block order: it binds the manifest
-like the byte checksum does. It detects corruption, not forgery (the secret does that):
-any change of one word changes its block's digest (odd weights), and unrelated changes
-collide with probability about 2**-64.
+The coordinates are the sample's (token, layer, word), not byte offsets. So the producer's
+cache blocks (LTH or TLH) and the reader's pool run give the same number. Integer sums are
+exact and order-free, so a GPU's reduction and the reader's dot products agree bit for bit.
+
+A share's checksum is XXH3-64 over the manifest's bytes, a tag, and each block's index and
+digest in block order. It binds the manifest as the byte checksum does. It detects corruption,
+not forgery (the secret does that). Changing one word changes its block's digest (the weights
+are odd), and unrelated changes collide with probability about 2**-64.
 
 Pure torch, numpy and xxhash; no nixl, vllm or sockets.
 """
@@ -82,9 +79,11 @@ def as_words(x: torch.Tensor) -> torch.Tensor:
 
 
 def digests_of_blocks(blocks: torch.Tensor, valid: int | None = None) -> torch.Tensor:
-    """``[c]`` int64 digests of ``c`` blocks ``[c, block_size, layers, hidden]`` (any strides
-    with the last dimension dense, any device); with ``valid``, only the first ``valid``
-    tokens of each count. Torch ops: the producer's path, on its cache's device."""
+    """The ``[c]`` int64 digests of ``c`` blocks ``[c, block_size, layers, hidden]``, on any device.
+
+    Any strides work if the last dimension is dense; with ``valid``, only the first ``valid``
+    tokens of each block count. This is the producer's path, on its cache's device.
+    """
     x = as_words(blocks)
     _, bs, nl, nw = x.shape
     w = weights(bs, nl, nw, x.device)
@@ -106,10 +105,12 @@ def _block_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
 def cache_block_digests(
     cache: torch.Tensor, m: Manifest, block_ids: list[int], share: Iterable[int]
 ) -> list[int]:
-    """The digests of a share's blocks (by index ``j`` in the sample, at cache block
-    ``block_ids[j]``), read from the cache ``[num_blocks, *block_shape]`` where it is, in
-    chunks of at most ``CHUNK_BYTES`` (the temporaries on its device stay small). The
-    caller runs this on a stream of its own where the cache is on a GPU."""
+    """The digests of a share's blocks, read from the cache ``[num_blocks, *block_shape]`` where it is.
+
+    Block ``j`` of the sample is cache block ``block_ids[j]``. It reads in chunks of at most
+    ``CHUNK_BYTES`` so the temporaries on the device stay small. Where the cache is on a GPU the
+    caller runs this on a stream of its own.
+    """
     g = m.geometry
     view = _block_view(cache, g.layout)
     chunk = max(1, CHUNK_BYTES // g.block_bytes)
@@ -130,9 +131,11 @@ def cache_block_digests(
 
 
 def sample_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> list[int]:
-    """The same digests from a sample's ``[T, layers, hidden]`` CPU view (the reader's
-    pool, either layout), as integer dot products over its dense rows (about 9 GB/s on
-    one core, where a torch multiply-and-sum over the block runs at 1)."""
+    """The same digests from a sample's ``[T, layers, hidden]`` CPU view, as integer dot products.
+
+    This is the reader's path for a host pool of either layout; dot products over the dense rows
+    run several times faster than a torch multiply-and-sum.
+    """
     bs = m.geometry.block_size
     x = as_words(states)
     _, nl, nw = x.shape
@@ -154,9 +157,11 @@ def sample_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]
 
 
 def states_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> list[int]:
-    """The same digests from a sample's ``[T, layers, hidden]`` view with torch ops where it
-    lies (a reader's pool on a GPU), in chunks of at most ``CHUNK_BYTES``: the producer's
-    arithmetic (``digests_of_blocks``) over the sample's blocks instead of the cache's."""
+    """The same digests from a sample's ``[T, layers, hidden]`` view where it lies, with torch ops.
+
+    This is the reader's path for a pool on a GPU: the producer's arithmetic
+    (``digests_of_blocks``) over the sample's blocks, in chunks of at most ``CHUNK_BYTES``.
+    """
     g = m.geometry
     bs, last = g.block_size, m.num_blocks - 1
     share = sorted(share)

@@ -1,20 +1,16 @@
 """Per-sample checksums: which bytes of a sample's blocks count, and their XXH3-64.
 
-Pure logic (no vllm, nixl or torch; xxhash does the hashing, ~14 GiB/s per core here,
-six times zlib's crc32). Each rank checksums its share of a sample: the
-concatenation, in block order, of the bytes of each block that hold the sample's tokens.
-A block's other bytes (the tail of the last block, where vLLM goes on writing decode
-tokens while the WRITE runs) are not part of the sample and are not checksummed.
+Each rank checksums its share of a sample: the bytes of each block that hold the sample's
+tokens, concatenated in block order. The rest of a block is not part of the sample: vLLM goes
+on writing decode tokens into the last block's tail while the WRITE runs. Pure logic: xxhash
+hashes, with no vllm, nixl or torch.
 
-The hash starts with the manifest's msgpack encoding (``manifest_bytes``: request and
-sample ids, metadata, token ids, layer ids, block geometry), so a share matches only the
-manifest its producer hashed it with; the encoding of equal Structs is the same bytes on
-both sides.
+The hash starts with the manifest's msgpack encoding (``manifest_bytes``), so a share matches
+only the manifest its producer hashed it with. Equal Structs encode to the same bytes on both
+sides.
 
-The producer computes it from its cache (``block_checksum`` over contiguous blocks), the
-reader from the sample's run in its pool (``sample_checksum``, where an LTH block's
-layers lie apart); the hash is streamed, so both see the same number for the same bytes
-however they are split.
+The producer hashes its cache (``block_checksum``), the reader its pool (``sample_checksum``).
+The hash is streamed, so both get the same number for the same bytes however they are split.
 """
 
 from __future__ import annotations
@@ -47,9 +43,11 @@ def spans_of_sample(m: Manifest) -> SpanFn:
 def block_checksum(
     buf: Buffer, block_offsets: Iterable[tuple[int, int]], spans_of: SpanFn, prefix: bytes = b""
 ) -> int:
-    """XXH3-64 of ``prefix`` (the manifest's bytes) and a share whose blocks are contiguous
-    in ``buf``: ``block_offsets`` yields (block index in the sample, byte offset of that
-    block in ``buf``), in order."""
+    """XXH3-64 of ``prefix`` and a share whose blocks are contiguous in ``buf``.
+
+    ``prefix`` is the manifest's bytes; ``block_offsets`` yields each block's index in the sample
+    and its byte offset in ``buf``, in order.
+    """
     buf = memoryview(buf).cast("B")  # byte offsets, whatever the buffer's shape
     h = xxhash.xxh3_64(prefix)
     for j, base in block_offsets:
@@ -59,9 +57,11 @@ def block_checksum(
 
 
 def sample_checksum(pool: Buffer, base: int, m: Manifest, share: Iterable[int]) -> int:
-    """XXH3-64 of the manifest's bytes and a share as it landed in the reader's pool, the
-    sample's run starting at byte ``base`` and arranged as ``BlockLayout.arranged_spans``
-    says: the same bytes in the same order as the producer hashed them from its cache."""
+    """XXH3-64 of the manifest's bytes and a share as it landed in the reader's pool at ``base``.
+
+    It reads the spans ``BlockLayout.arranged_spans`` gives, so it hashes the same bytes in the
+    same order as the producer hashed them from its cache.
+    """
     pool = memoryview(pool).cast("B")
     g, nb = m.geometry, m.num_blocks
     h = xxhash.xxh3_64(manifest_bytes(m))

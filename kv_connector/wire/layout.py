@@ -1,16 +1,14 @@
-"""Block geometry: the one home of block, slot, span and page arithmetic. Pure logic (no
-torch, vllm or nixl).
+"""Block geometry: the one home of block, slot, span and page arithmetic. Pure logic.
 
-A producer's cache-only layer holds, per cache block, ``block_size`` tokens of
-``num_layers`` captured hidden states of ``hidden_size`` elements, in one of two orders
-(``Layout``). ``BlockLayout`` is that shape as a typed wire record: it travels nested in
-every manifest, so the reader rebuilds a sample from exactly what the producer's cache
-holds.
+A producer's cache-only layer holds, per cache block, ``block_size`` tokens of ``num_layers``
+captured hidden states of ``hidden_size`` elements, in one of two orders (``Layout``).
+``BlockLayout`` is that shape as a typed wire record. It travels in every manifest, so the
+reader rebuilds a sample from exactly what the producer's cache holds.
 
-A reader's receive pool is cut into pages; each sample gets one contiguous run of pages
-and its blocks are arranged in it so that the whole sample is one tensor view
-(``arranged_spans``): TLH blocks one after the other, a plain [T, L, H] tensor; LTH
-blocks layer by layer, [L, T, H] in memory, a strided [T, L, H] view.
+A reader's receive pool is cut into pages, and each sample gets one contiguous run of them.
+Its blocks are arranged so the whole sample is one tensor view (``arranged_spans``). TLH
+blocks lie one after the other, a plain [T, L, H] tensor. LTH blocks lie layer by layer,
+[L, T, H] in memory, a strided [T, L, H] view.
 """
 
 from __future__ import annotations
@@ -108,11 +106,13 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return num_blocks * self.block_bytes
 
     def arranged_spans(self, num_blocks: int, j: int) -> list[tuple[int, int, int]]:
-        """(offset in the cache block, offset in the sample's run, length) of each piece of
-        block ``j`` of a ``num_blocks``-block sample as the reader's pool holds it: TLH
-        blocks one after the other (the run is [num_blocks * block_size, L, H]); LTH
-        layer-major, layer l of block j at row (l * num_blocks + j) * block_size (the run
-        is [L, num_blocks * block_size, H]), so either is one [T, L, H] view."""
+        """(offset in the cache block, offset in the sample's run, length) of each piece of block ``j``.
+
+        This is where the reader's pool holds a ``num_blocks``-block sample. TLH blocks lie one
+        after the other, a run of [num_blocks * block_size, L, H]. LTH is layer-major: layer l of
+        block j starts at row (l * num_blocks + j) * block_size of an [L, T, H] run. Either is one
+        [T, L, H] view.
+        """
         if not 0 <= j < num_blocks:
             raise ValueError(f"block {j} outside the sample's {num_blocks} blocks")
         if self.layout == "TLH":
@@ -131,9 +131,11 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return out
 
     def valid_spans(self, num_tokens: int, block_index: int) -> list[tuple[int, int]]:
-        """(offset, length) inside block ``block_index`` of a ``num_tokens``-token sample
-        of the bytes holding the sample's tokens: the whole block, except for the last
-        block, whose tail (where vLLM goes on writing decode tokens) is not the sample's."""
+        """(offset, length) of the bytes holding the sample's tokens inside block ``block_index``.
+
+        That is the whole block except the last block's tail, where vLLM goes on writing decode
+        tokens.
+        """
         first = block_index * self.block_size
         k = min(self.block_size, num_tokens - first)
         if k <= 0:
@@ -146,18 +148,15 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CacheView(NamedTuple):
-    """What the producer reads off the cache-only layer's tensor: the order inside a
-    block, the block size, ``block_pitch`` (the elements from one block's start to the
-    next) and ``kernel_blocks``, how many of the tensor's blocks make one block of the
-    KV cache manager.
+    """What the producer reads off the cache-only layer's tensor: order, block size, pitch and split.
 
-    The pitch is one block when blocks are dense, more when vLLM pads each block to a
-    page shared with other KV cache groups (models mixing sliding-window and full
-    attention, Mamba-only models, block-outermost layouts): the padding is never shipped,
-    and only dense blocks can be merged into one descriptor. ``kernel_blocks`` is more
-    than one where vLLM splits each manager block into kernel blocks for the attention
-    backend (``block_size > kernel_block_size``): the tensor then has that many blocks
-    per manager block, and the producer reads it in its own (kernel) blocks."""
+    ``block_pitch`` is the elements from one block's start to the next. It exceeds one block
+    where vLLM pads each block to a page shared with other KV cache groups: models mixing
+    sliding-window and full attention, Mamba-only models, block-outermost layouts. The padding is
+    never shipped, and only dense blocks merge into one descriptor. ``kernel_blocks`` exceeds one
+    where vLLM splits each manager block into kernel blocks for the attention backend
+    (``block_size > kernel_block_size``). The producer then reads in its own kernel blocks.
+    """
 
     layout: Layout
     block_size: int
@@ -181,25 +180,23 @@ def layout_from_view(
     manager_block_size: int | None = None,
     num_blocks: int | None = None,
 ) -> CacheView:
-    """(layout, block_size, block_pitch, kernel_blocks) of the cache-only layer's tensor,
-    read from its view; ``AmbiguousCacheView`` names what makes a view unreadable.
+    """(layout, block_size, block_pitch, kernel_blocks) of the cache-only layer's tensor, read from its view.
 
-    vLLM (0.32, 0.33) hands every layer a view of logical shape [B, H, N, C]: blocks,
-    heads (here the captured layers), tokens, content (here hidden), a permutation of
-    one logical shape over a shared buffer (``create_kv_cache_views``), and its
-    cache-only layer writes through it as ``cache[slot // shape[2], :, slot % shape[2]]``.
-    So dimension 1 must hold the ``num_layers`` captured layers and dimension 2 the
-    tokens of a block; the strides say where the planes (one captured layer's tokens)
-    lie: inside a block one after the other ("LTH", vLLM's LBHNC and BLHNC layouts) or
-    interleaved token by token ("TLH", LBNHC and BLNHC). Layouts that put other blocks
-    or other layers between a block's planes (LHBNC, BHLNC) are refused.
+    ``AmbiguousCacheView`` names what makes a view unreadable. vLLM (0.32, 0.33) hands every
+    layer a view of logical shape [B, H, N, C]: blocks, heads (the captured layers), tokens,
+    content (hidden). It is a permutation over a shared buffer (``create_kv_cache_views``), and
+    the cache-only layer writes through it as ``cache[slot // shape[2], :, slot % shape[2]]``.
 
-    ``strides[0]`` is the pitch of the tensor's blocks, at least one dense block. Where
-    vLLM splits manager blocks of ``manager_block_size`` tokens into kernel blocks, the
-    view is kernel-granular (``shape[2]`` tokens a block, ``num_blocks * kernel_blocks``
-    blocks); ``kernel_blocks`` is the split, checked against ``num_blocks`` (the manager's
-    block count) where it is given. Without ``manager_block_size`` the view is taken as
-    manager-granular.
+    So dimension 1 must hold the captured layers and dimension 2 a block's tokens. The strides
+    say where each layer's plane lies: one after the other inside a block ("LTH": vLLM's LBHNC
+    and BLHNC) or interleaved token by token ("TLH": LBNHC and BLNHC). Layouts that put other
+    blocks or layers between a block's planes (LHBNC, BHLNC) are refused. ``strides[0]`` is the
+    blocks' pitch, at least one dense block.
+
+    Where vLLM splits manager blocks of ``manager_block_size`` tokens into kernel blocks, the
+    view has ``shape[2]`` tokens a block and ``num_blocks * kernel_blocks`` blocks.
+    ``kernel_blocks`` is that split, checked against ``num_blocks`` where it is given. Without
+    ``manager_block_size`` the view is taken as manager-granular.
     """
     if len(shape) != 4 or len(strides) != 4 or shape[3] != hidden_size or strides[3] != 1:
         raise AmbiguousCacheView(
@@ -252,19 +249,21 @@ def layout_from_view(
 
 
 def kernel_block_ids(block_ids: Sequence[int], kernel_blocks: int) -> list[int]:
-    """A block table of manager blocks as the tensor's kernel blocks: manager block ``b``
-    is kernel blocks ``b * kernel_blocks .. b * kernel_blocks + kernel_blocks - 1``
-    (vLLM splits each manager block into consecutive kernel blocks)."""
+    """A block table of manager blocks as the tensor's kernel blocks.
+
+    vLLM splits manager block ``b`` into the consecutive kernel blocks from ``b * kernel_blocks``.
+    """
     if kernel_blocks == 1:
         return list(block_ids)
     return [b * kernel_blocks + i for b in block_ids for i in range(kernel_blocks)]
 
 
 def merge_runs(rows: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """(source offset, destination offset, length) rows with every row that continues
-    the previous one on both sides folded into it: consecutive dense blocks of a TLH
-    cache, written one after the other into a sample's run, become one descriptor.
-    Padded blocks never continue each other, so they stay one row each."""
+    """(source offset, destination offset, length) rows, each folded into the previous if it continues it.
+
+    Consecutive dense blocks of a TLH cache, written one after the other into a sample's run,
+    become one descriptor. Padded blocks never continue each other, so they stay a row each.
+    """
     out: list[tuple[int, int, int]] = []
     for src, dst, n in rows:
         if out:
@@ -279,10 +278,12 @@ def merge_runs(rows: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int
 def cache_spans(
     geometry: BlockLayout, num_blocks: int, block_ids: Sequence[int], share: Iterable[int], pitch: int
 ) -> list[tuple[int, int, int]]:
-    """(offset in the cache's flat bytes, offset in the sample's run, length) of every
-    piece of blocks ``share`` of a ``num_blocks``-block sample whose block ``j`` is cache
-    block ``block_ids[j]``, blocks ``pitch`` bytes apart: what a WRITE (push) or a READ
-    (pull) moves, pieces that continue each other on both sides merged (``merge_runs``)."""
+    """(cache offset, run offset, length) of every piece of the blocks ``share`` of a sample.
+
+    Block ``j`` of the ``num_blocks``-block sample is cache block ``block_ids[j]``, and blocks
+    are ``pitch`` bytes apart. These are what a WRITE (push) or a READ (pull) moves; pieces
+    that continue each other on both sides are merged (``merge_runs``).
+    """
     return merge_runs(
         (block_ids[j] * pitch + src, dst, n)
         for j in share
@@ -306,11 +307,10 @@ def stripe(num_blocks: int, rank: int, world_size: int) -> range:
 
 
 def blocks_for_tokens(slots: Sequence[int], block_size: int, first_position: int) -> list[tuple[int, int]]:
-    """Map slots written for consecutive token positions (starting at ``first_position``)
-    to (block index within the request, cache block id) pairs, checking that each slot
-    sits at its position's offset inside its block.
+    """(block index within the request, cache block id) of slots written for consecutive positions.
 
-    Raises ValueError when the slots disagree with ``block_size``: that is the mistake that
+    Positions start at ``first_position``, and each slot must sit at its position's offset
+    inside its block. ValueError when the slots disagree with ``block_size``: that mistake once
     made vLLM ship all-zero states, so it is an error, never guessed around.
     """
     out: dict[int, int] = {}

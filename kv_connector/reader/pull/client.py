@@ -1,27 +1,19 @@
-"""The pull client: fetch one sample by its handle, READing its blocks with NIXL straight
-from the producer's cache (pull delivery; the producer runs with ``"delivery": "pull"``).
+"""The pull client: fetch a sample by its handle, READing its blocks straight from the producer's cache.
 
-``PullClient.fetch(handle)`` (the handle string, or the whole ``kv_transfer_params`` of
-the producer's response) asks each rank of the producer for its share of the sample
-(``PullFetch``: the manifest and where the share lies in the rank's cache), READs every
-share into one run of its receive pool, checks each share against its checksum (of the
-kind its ``PullShare.digest`` names: XXH3 of the bytes, or block digests recomputed from
-the pool as the push reader does, ``reader.pool.memory``) and the
-states for NaN/Inf and all-zero tokens (``reader.pool.values``), releases the sample on every
-rank (the producer frees its blocks), and returns a ``reader.pool.lease.Sample``: a view of the
-pool on lease, as the push reader hands out, whose pages return when it is released or
-collected.
+This is pull delivery, where the producer runs with ``"delivery": "pull"``. ``fetch(handle)``
+takes the handle string or a response's whole ``kv_transfer_params``. It asks each rank for
+its share (``PullFetch``: the manifest and where the share lies), READs every share into one
+run of its receive pool, and checks each against its checksum (``reader.pool.memory``). It
+screens the states for NaN/Inf and all-zero tokens (``reader.pool.values``) and releases the
+sample on every rank, so the producer frees its blocks. It returns a
+``reader.pool.lease.Sample``, a view of the pool whose pages return on release or collection.
 
-The client owns one NIXL agent and one receive pool registered once, both made on first
-use (the pool in host memory, or with ``pool_device="cuda:N"`` on that GPU, registered as
-VRAM, where samples land, are checked and handed out: ``reader.pool.memory``): a client
-is picklable until then (and after: a copy starts afresh), so a DataLoader can ship it to
-spawned workers. It keeps one authenticated control connection per
-producer rank (``wire.handshake``, the client in the reader's role: with a shared secret
-both ends prove it before any NIXL metadata moves); one that breaks (a producer
-restarted) is made and handshaken again once per request. Thread-safe: several fetches
-may be in flight, from several threads or from one ``fetch_many`` or ``fetch_iter``, which
-check each sample on a thread of its own while they READ the next (``reader.pull.batch``).
+The client makes one NIXL agent and one registered receive pool on first use, in host memory
+or on a GPU (``pool_device="cuda:N"``). Until then it is picklable, and a copy starts afresh,
+so a DataLoader can ship it to spawned workers. It keeps one authenticated control connection
+per producer rank (``wire.handshake``); a broken one is made again once per request. It is
+thread-safe: ``fetch_many`` and ``fetch_iter`` check each sample on a thread of their own
+while they READ the next (``reader.pull.batch``).
 """
 
 from __future__ import annotations
@@ -83,12 +75,11 @@ class _Pending:
 class PullClient:
     """Fetches pulled samples (see the module's docstring).
 
-    ``options``: a ``PullOptions``; or its fields as keywords (``PullClient(pool_bytes=
-    1 << 30)``), not both. Besides the options:
-    ``secret``: the shared secret for the handshakes (default ``KV_CONNECTOR_SECRET`` or
-    ``KV_CONNECTOR_SECRET_FILE``; none: unauthenticated, loopback only on the producer).
-    ``transport``: the agent to READ with (a ``NixlTransport`` by default). A GPU pool
-    without a NIXL for this torch's CUDA raises ``TransportError`` naming the wheel here.
+    ``options``: a ``PullOptions``, or its fields as keywords (``PullClient(pool_bytes=1 << 30)``),
+    not both. ``secret``: the handshakes' shared secret, by default ``KV_CONNECTOR_SECRET`` or
+    ``KV_CONNECTOR_SECRET_FILE``; without one the producer must listen on loopback.
+    ``transport``: the agent to READ with (a ``NixlTransport`` by default). A GPU pool without a
+    NIXL for this torch's CUDA raises ``TransportError`` naming the wheel here.
     """
 
     def __init__(
@@ -156,10 +147,10 @@ class PullClient:
         return tensor.data_ptr() - self._memory.tensor.data_ptr()
 
     def fetch(self, handle: str | Mapping[str, Any], release: bool = True) -> Sample:
-        """The sample named by ``handle`` (or a response's ``kv_transfer_params``), read,
-        checked and released at its producer; ``FetchError`` saying why not. With
-        ``release=False`` the producer keeps holding it until ``release(handle)`` (or its
-        ``pull_timeout_s``)."""
+        """The sample ``handle`` names, read, checked and released at its producer; ``FetchError`` if not.
+
+        With ``release=False`` the producer holds it until ``release(handle)`` or its ``pull_timeout_s``.
+        """
         return self._finish(self._post(self._ask(handle)), release)
 
     def fetch_many(self, handles: Iterable[str | Mapping[str, Any]]) -> list[Sample | FetchError]:
@@ -170,20 +161,21 @@ class PullClient:
     def fetch_iter(
         self, handles: Iterable[str | Mapping[str, Any]], in_flight: int | None = 4
     ) -> Iterator[Sample | FetchError]:
-        """The samples of ``handles`` in their order, each a ``Sample`` or the
-        ``FetchError`` of that one, with up to ``in_flight`` of them asked for and READ
-        ahead (None: all). The next one is asked for on a thread of its own while this
-        one posts the READs, and each is checked and released on the client's checker
-        thread while the next ones are READ (``reader.pull.batch``). The pool must
-        hold ``in_flight`` samples besides those you keep: release each before taking the
-        next (a plain ``for`` loop whose body drops the sample does)."""
+        """The samples of ``handles`` in order, each a ``Sample`` or that sample's ``FetchError``.
+
+        Up to ``in_flight`` of them are asked for and READ ahead (None: all), and each is checked
+        and released on the checker thread while the next ones are READ (``reader.pull.batch``). The
+        pool must hold ``in_flight`` samples besides those you keep, so release each before taking
+        the next; a plain ``for`` loop whose body drops the sample does.
+        """
         stages = batch.Stages(self._ask, self._post, self._finish)
         return batch.fetch_iter(stages, self._checker, handles, in_flight)
 
     def manifest(self, handle: str | Mapping[str, Any]) -> protocol.Manifest:
-        """What ``handle`` names, without reading it: the sample's manifest (token ids,
-        layer ids, block geometry, sample id and metadata), as its producer's rank 0 holds
-        it. The producer keeps holding the sample: ``fetch`` or ``release`` it after."""
+        """What ``handle`` names, without reading it: the sample's manifest as its producer's rank 0 holds it.
+
+        The producer keeps holding the sample; ``fetch`` or ``release`` it after.
+        """
         h = self._decode(handle)
         self._ensure()
         return self._share_of(h, 0).manifest
@@ -244,11 +236,12 @@ class PullClient:
             raise FetchError("mismatch", f"{m.request_id} is not what this client expects: {why}")
 
     def _post(self, a: _Asked) -> _Pending:
-        """Pages for the sample and its READs posted (each copies as it is posted here).
-        Where every READ completed as it was posted (UCX's shared memory copies then),
-        the holds' fence words are READ at once, here: on the checker thread each fence
-        READ waited for the agent's lock behind the next sample's copy, so the last
-        samples of a batch were checked one copy late."""
+        """Pages for the sample and its READs posted.
+
+        Where every READ completed as it was posted (UCX's shared memory copies then), the holds'
+        fence words are READ here at once. On the checker thread a fence READ would wait for the
+        agent's lock behind the next sample's copy.
+        """
         h, shares = a.handle, a.shares
         try:
             pages = self._take_pages(h, shares[0].manifest)
@@ -355,11 +348,11 @@ class PullClient:
             self._transport = transport
 
     def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
-        """A run of pool pages for the sample, waited for while samples on lease hold the pool.
+        """A run of pool pages for the sample, waited for while samples on lease fill the pool.
 
-        Their pages come back as they are released, collected or their GPU work ends; a
-        ``FetchError`` ("pool") says the pool can never hold it, it is being fetched already, or
-        no room came within the client's timeout.
+        Pages come back as samples are released, collected or their GPU work ends. ``FetchError``
+        ("pool") if the pool can never hold the sample, it is being fetched already, or no room came
+        within the client's timeout.
         """
         memory, pool = self._memory, self._pool
         assert memory is not None and pool is not None
