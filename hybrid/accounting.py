@@ -1,13 +1,12 @@
-"""KV cache figures of a hybrid model with hidden-state extraction, computed by vLLM's
-own functions without weights: vLLM's own-group approach, the supplementary-tensor
-design (``plan_kv_cache_configs``, the code the plugin installs), and no extraction.
+"""KV cache figures of a hybrid model with hidden-state extraction, computed by vLLM's own functions.
 
-A real ``VllmConfig`` is built by vLLM's ``EngineArgs`` from a config.json written for
-the shape (``HybridShape.standin_config``); the attention block size is aligned to the
-linear-attention state by vLLM's ``Platform._align_hybrid_block_size`` with the
-attention backend of the chosen platform; each layer's spec is built with vLLM's spec
-classes and state calculators the way the layer builds it, and the cache-only layer's
-spec comes from vLLM's own ``ExtractHiddenStatesModel``.
+Three approaches are compared without weights: vLLM's own group, the supplementary tensor
+the plugin installs (``plan_kv_cache_configs``), and no extraction. vLLM's ``EngineArgs``
+builds a real ``VllmConfig`` from a config.json written for the shape
+(``HybridShape.standin_config``). ``Platform._align_hybrid_block_size`` aligns the attention
+block to the linear-attention state, with the chosen platform's backend. Each layer's spec
+comes from vLLM's spec classes as the layer builds it, and the cache-only layer's from vLLM's
+``ExtractHiddenStatesModel``.
 """
 
 from __future__ import annotations
@@ -56,15 +55,14 @@ ALIGNMENT = {
 
 @dataclass(frozen=True)
 class Setup:
-    """What the figures are computed for (besides the model's shape).
+    """What the figures are computed for, besides the model's shape.
 
-    ``platform``: whose attention backend and block alignment: "cuda" (FlashAttention,
-    16-token kernel blocks; the figures do not depend on the host the report runs on)
-    or "cpu" (vLLM's CPU build on this host: its SSM state dtype, and with it the block
-    size, depend on the CPU's instruction set, see ``hybrid.host``).
-    ``block_size``: the target's attention block size when known (e.g. read off the
-    target's log); None: the one vLLM's alignment picks for the platform. A block too
-    small for the state is rounded up by vLLM's alignment, as vLLM does at start.
+    ``platform``: whose attention backend and block alignment. "cuda" is FlashAttention with
+    16-token kernel blocks, independent of the host. "cpu" is vLLM's CPU build on this host, whose
+    SSM state dtype and block size depend on the CPU's instruction set (``hybrid.host``).
+    ``block_size``: the target's attention block size when known, such as read off its log.
+    None takes the one vLLM's alignment picks; a block too small for the state is rounded up,
+    as vLLM does at start.
     """
 
     layer_ids: tuple[int, ...]
@@ -97,14 +95,15 @@ class GroupFigures:
 
 @dataclass
 class Figures:
-    """One approach's figures. ``bytes_per_block`` counts every tensor (groups and
-    supplementary); ``hidden_state_bytes_per_block`` is what the hidden states cost per
-    attention block (vLLM's approach: the pool blocks its own group spends on one
-    attention block's tokens; a model with no attention group: per hidden-state block);
-    ``token_capacity`` is vLLM's count of tokens of requests ``max_model_len`` long that
-    fit (``num_blocks / blocks per request * max_model_len``, blocks per request summed
-    over every group as its scheduler allocates them). ``shipping``: what one sample of
-    ``Setup.sample_tokens`` tokens costs the connector (``shipping_figures``)."""
+    """One approach's figures.
+
+    ``bytes_per_block`` counts every tensor, groups and supplementary.
+    ``hidden_state_bytes_per_block`` is what the hidden states cost per attention block; in
+    vLLM's approach, the pool blocks its own group spends on one attention block's tokens.
+    ``token_capacity`` is vLLM's count of tokens of ``max_model_len``-long requests that fit,
+    with blocks per request summed over every group as its scheduler allocates them.
+    ``shipping``: what one sample of ``Setup.sample_tokens`` costs the connector.
+    """
 
     block_size: int = 0
     num_blocks: int = 0
@@ -171,9 +170,10 @@ def engine_config(shape: HybridShape, setup: Setup, extraction: bool = True) -> 
 
 
 def attention_backend(platform: str) -> tuple[type[AttentionBackend], int]:
-    """(attention backend class, block size before alignment) vLLM uses on a platform:
-    FlashAttention with the default 16-token block on CUDA, the CPU backend with the
-    CPU platform's 128-token block on CPU."""
+    """(attention backend class, block size before alignment) vLLM uses on a platform.
+
+    CUDA takes FlashAttention with the default 16-token block, the CPU its backend with 128.
+    """
     if platform == "cuda":
         from vllm.config.cache import CacheConfig
         from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -187,10 +187,11 @@ def attention_backend(platform: str) -> tuple[type[AttentionBackend], int]:
 def align_block_size(
     vllm_config: VllmConfig, platform: str, block_size: int | None = None, state_layers: bool = True
 ) -> None:
-    """Set the attention block size (and the state page padding) the way vLLM's
-    platform does at engine start for a hybrid model, starting from ``block_size``
-    (the target's, when given) or the platform's default; a model without state
-    layers (``state_layers`` False: gpt-oss) keeps that block."""
+    """Set the attention block size and the state page padding as vLLM's platform does for a hybrid model.
+
+    It starts from ``block_size`` (the target's, when given) or the platform's default. A model
+    without state layers (gpt-oss) keeps that block.
+    """
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
     from vllm.platforms.interface import Platform
@@ -335,14 +336,14 @@ def figures(
 def shipping_figures(
     vllm_config: VllmConfig, config: KVCacheConfig, pool_bytes: int, layers: int, tokens: int, platform: str
 ) -> dict[str, Any]:
-    """What one sample of ``tokens`` tokens costs the connector: the hidden states'
-    blocks, each ``pitch`` bytes from the next (one page; a whole pool block in a
-    block-outermost layout; more than the block's data when vLLM padded it), the NIXL
-    descriptors the sender posts when no two blocks are consecutive (one per block in
-    the GPU's TLH order, one per layer and block in the CPU's LTH order; consecutive
-    dense TLH blocks merge into one), the bytes shipped, and the cache memory the
-    sample's hidden states hold until shipped: a supplementary tensor's pages, or, in
-    a group of its own, whole pool blocks (no other group can use a block it holds)."""
+    """What one sample of ``tokens`` tokens costs the connector.
+
+    It counts the hidden states' blocks, each ``pitch`` bytes from the next, and the NIXL
+    descriptors the sender posts when no two blocks are consecutive. That is one per block in
+    the GPU's TLH order and one per layer and block in the CPU's LTH order. It also counts the
+    bytes shipped and the cache memory the sample holds until shipped: a supplementary tensor's
+    pages, or whole pool blocks in a group of its own.
+    """
     if isinstance(config, SupplementedKVCacheConfig) and config.supplementary_specs:
         spec: KVCacheSpec = next(iter(config.supplementary_specs.values()))
         pitch = held = spec.page_size_bytes

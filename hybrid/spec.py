@@ -1,19 +1,16 @@
-"""CacheOnlySpec, the split of supplementary specs before vLLM groups the layers, and the
-KV cache configs that give each supplementary layer a tensor of its own.
+"""CacheOnlySpec: the cache-only layer as a supplementary tensor outside vLLM's KV cache groups.
 
-The cache-only layer of ``extract_hidden_states`` (spec ``HiddenStateCacheSpec``) is taken
-out of the specs before vLLM's grouping, so it joins no KV cache group and the KV cache
-coordinator never sees it. It is re-blocked to the block size of the model's
-full-attention group and addressed with that group's block table and slot mapping; its
-tensor holds ``num_blocks`` pages, and the budget pays for one page of it per block:
-``num_blocks = budget // (bytes per block of the groups + sum of supplementary pages)``.
+The cache-only layer of ``extract_hidden_states`` (``HiddenStateCacheSpec``) is taken out of
+the specs before vLLM groups them, so the KV cache coordinator never sees it. It is
+re-blocked to the full-attention group's block size and addressed with that group's block
+table and slot mapping. Its tensor holds ``num_blocks`` pages, and the budget pays one page of
+it per block: ``num_blocks = budget // (bytes per block of the groups + supplementary pages)``.
 
-It applies to every model whose layers vLLM splits into several KV cache groups (state
-layers beside attention, as Qwen3-Next; sliding-window beside full attention, as
-gpt-oss), where vLLM would give the cache-only layer a group of its own with a page
-padded to the common page. A model with no full-attention layer (Mamba-only,
-linear-attention-only) has no block table to lend: it keeps vLLM's own grouping
-(``fallback``, auto mode), or is refused when the design is forced on.
+It applies where vLLM splits layers into several groups: state layers beside attention
+(Qwen3-Next), or sliding-window beside full attention (gpt-oss). There vLLM would give the
+cache-only layer a group of its own, its page padded to the common page. A model with no
+full-attention layer has no block table to lend. It keeps vLLM's grouping in auto mode
+(``fallback``), or is refused when the design is forced on.
 """
 
 from __future__ import annotations
@@ -48,9 +45,10 @@ GetGlobalKVCacheGroups = Callable[["VllmConfig", list[dict[str, KVCacheSpec]]], 
 
 @dataclass(frozen=True, kw_only=True)
 class CacheOnlySpec(HiddenStateCacheSpec):
-    """The cache-only layer as a supplementary tensor: ``[num_blocks, num_kv_heads
-    (captured layers), block_size, head_size (hidden)]``, ``block_size`` being the
-    full-attention group's, never padded to another group's page."""
+    """The cache-only layer as a supplementary tensor ``[num_blocks, layers, block_size, hidden]``.
+
+    ``block_size`` is the full-attention group's, never padded to another group's page.
+    """
 
     @classmethod
     def of(cls, spec: HiddenStateCacheSpec, block_size: int | None = None) -> CacheOnlySpec:
@@ -68,10 +66,11 @@ class NoAttentionGroupError(ValueError):
 
 @dataclass
 class SupplementedKVCacheConfig(KVCacheConfig):
-    """vLLM's ``KVCacheConfig`` plus the supplementary tensors of its worker:
-    ``supplementary_specs`` (layer name -> spec, each a tensor of ``num_blocks`` pages
-    outside every group) and ``supplementary_group`` (the group whose block table and
-    slot mapping address them)."""
+    """vLLM's ``KVCacheConfig`` plus the supplementary tensors of its worker.
+
+    ``supplementary_specs`` maps each layer name to a tensor of ``num_blocks`` pages outside every
+    group; ``supplementary_group`` is the group whose block table and slot mapping address them.
+    """
 
     supplementary_specs: dict[str, CacheOnlySpec] = field(default_factory=dict)
     supplementary_group: int | None = None
@@ -104,14 +103,14 @@ def split_supplementary_specs(
 
 
 def needs_own_group(specs: Mapping[str, KVCacheSpec]) -> bool:
-    """Whether the design applies to these (regular) specs: they mix state layers with
-    attention (Qwen3-Next), or layers that are not one uniform type (sliding-window
-    beside full attention, gpt-oss), and vLLM would give the cache-only layer a KV cache
-    group of its own. A dense model of one attention type (Llama, Qwen3) keeps vLLM's own
-    handling: the cache-only layer joins its one group, blocks of the same size, nothing
-    padded. (A model whose every layer slides keeps it too: vLLM gives the cache-only
-    layer a padded group of its own there, which the connector ships by its pitch, and
-    there is no full-attention block table to lend.)"""
+    """Whether the design applies: vLLM would give the cache-only layer a KV cache group of its own.
+
+    That happens when the specs mix state layers with attention (Qwen3-Next) or layers of
+    several types (sliding-window beside full attention, gpt-oss). A dense model of one attention
+    type (Llama, Qwen3) keeps vLLM's handling: the cache-only layer joins its one group, nothing
+    padded. A model whose every layer slides keeps it too. vLLM gives its cache-only layer a
+    padded group, which the connector ships by its pitch, and no full-attention table is there.
+    """
     if any(isinstance(s, MambaSpec) for s in specs.values()):
         return True
     return bool(specs) and UniformTypeKVCacheSpecs.from_specs(dict(specs)) is None
@@ -154,9 +153,11 @@ FALLBACK_LOGGED = OncePerProcess()  # the line saying vLLM's own grouping applie
 
 
 def _no_attention_layer(regular: Mapping[str, KVCacheSpec], fallback: bool) -> bool:
-    """Whether these regular specs lack a full-attention layer (then vLLM's grouping
-    has no full-attention group): raises ``NoAttentionGroupError`` unless ``fallback``,
-    which logs once per process why vLLM's own grouping applies."""
+    """Whether these specs lack a full-attention layer, so vLLM's grouping has no full-attention group.
+
+    That raises ``NoAttentionGroupError`` unless ``fallback``, which logs once per process why
+    vLLM's own grouping applies.
+    """
     if any(is_full_attention_spec(s) for s in regular.values()):
         return False
     kinds = sorted({type(s).__name__ for s in regular.values()})
@@ -179,10 +180,12 @@ def _no_attention_layer(regular: Mapping[str, KVCacheSpec], fallback: bool) -> b
 def supplemented(
     kv_cache_specs: Sequence[Mapping[str, KVCacheSpec]], fallback: bool = True
 ) -> list[tuple[dict[str, KVCacheSpec], dict[str, CacheOnlySpec]]] | None:
-    """Each worker's (regular, supplementary) specs when the design applies (a model
-    ``needs_own_group`` with a cache-only layer and a full-attention layer), else None:
-    vLLM's own handling. A model without a full-attention layer gets None when
-    ``fallback`` (auto mode; one log line says why), else ``NoAttentionGroupError``."""
+    """Each worker's (regular, supplementary) specs when the design applies, else None for vLLM's handling.
+
+    It applies to a model that ``needs_own_group`` with a cache-only layer and a full-attention
+    layer. A model without a full-attention layer gets None with ``fallback`` (auto mode, one log
+    line says why), else ``NoAttentionGroupError``.
+    """
     split = [split_supplementary_specs(specs) for specs in kv_cache_specs]
     merged_regular: dict[str, KVCacheSpec] = {}
     for regular, _ in split:
@@ -218,18 +221,15 @@ def plan_kv_cache_configs(
 ) -> list[KVCacheConfig]:
     """``get_kv_cache_configs`` with the cache-only layers as supplementary tensors.
 
-    Models without a cache-only layer, and dense models of one attention type
-    (``needs_own_group``), go to vLLM unchanged. So does a model with no full-attention
-    layer when ``fallback`` (auto mode; one log line says why); without it, that model
-    raises ``NoAttentionGroupError``. Otherwise
-    the cache-only layers are split out, vLLM groups and sizes the rest with each
-    worker's memory reduced to exactly what its blocks cost without them, and each
-    worker's config comes back as a ``SupplementedKVCacheConfig``.
+    Models without a cache-only layer, and dense models of one attention type, go to vLLM
+    unchanged. So does a model with no full-attention layer under ``fallback``; without it, that
+    model raises ``NoAttentionGroupError``. Otherwise the cache-only layers are split out, and
+    vLLM groups and sizes the rest. Each worker's memory is reduced to exactly what its
+    supplementary blocks cost, and its config comes back as a ``SupplementedKVCacheConfig``.
 
-    ``get_kv_cache_configs``: the function to call (vLLM's, when None), with vLLM's
-    arguments of the installed release (``hybrid.versions``); ``global_kv_cache_groups``:
-    vLLM 0.33's groups, as its engine core passes them (used when they leave the
-    cache-only layers out; regrouped here when they hold them).
+    ``get_kv_cache_configs``: the function to call, vLLM's when None, with the installed release's
+    arguments (``hybrid.versions``). ``global_kv_cache_groups``: vLLM 0.33's groups as its engine
+    core passes them, used when they leave the cache-only layers out and regrouped when not.
     """
     split = supplemented(kv_cache_specs, fallback)
     if split is None:

@@ -1,12 +1,12 @@
-"""How the producer reads a sample from its cache, in both delivery modes: the
-cache-only layer's tensor as blocks (dense inside, ``pitch`` bytes apart: one block, or
-a page vLLM padded to its other groups' page size), its bytes as one flat view from the
-first block's start to the last one's end (what NIXL registers: push's WRITEs and pull's
-READs both address block ``i`` at ``i * pitch``; the padding is never shipped), a rank's
-share of a sample (``share_of``: its manifest, blocks and stripe), and the share's
-integrity record read from those blocks where they are (``CacheBlocks.record``).
+"""How the producer reads a sample from its cache, in both delivery modes.
 
-The sender (push) and the pull server (pull) read a sample's blocks only through here."""
+The cache-only layer's tensor is blocks, dense inside and ``pitch`` bytes apart; the pitch is
+one block, or a page vLLM padded to its other groups' page size. Its bytes are one flat view
+from the first block's start to the last one's end, which NIXL registers. Push's WRITEs and
+pull's READs both address block ``i`` at ``i * pitch``, so the padding is never shipped.
+``share_of`` gives a rank's share of a sample, and ``CacheBlocks.record`` its integrity record
+read where the blocks are. The sender and the pull server read blocks only through here.
+"""
 
 from __future__ import annotations
 
@@ -64,9 +64,10 @@ def pitch_of(cache: torch.Tensor, layout: BlockLayout) -> int:
 
 
 def flat_bytes(cache: torch.Tensor, block_bytes: int, pitch: int) -> torch.Tensor:
-    """The cache's bytes as one flat uint8 tensor, block i at ``i * pitch``, from the
-    first block's start to the last one's end; ValueError where the tensor is not dense
-    blocks of ``block_bytes`` that far apart."""
+    """The cache's bytes as one flat uint8 tensor, block i at ``i * pitch``.
+
+    ValueError where the tensor is not dense blocks of ``block_bytes`` that far apart.
+    """
     nb = cache.shape[0]
     stride = cache.stride(0) * cache.element_size() if nb > 1 else pitch
     nbytes = (nb - 1) * pitch + block_bytes
@@ -93,10 +94,11 @@ def blocks_view(raw: torch.Tensor, block_bytes: int, pitch: int) -> torch.Tensor
 def share_checksum(
     raw: torch.Tensor, job: ShareOf, stage: bool | None = None, pitch: int | None = None
 ) -> int:
-    """XXH3-64 of ``job``'s manifest and share of its sample's bytes (``integrity``), read
-    from the cache's flat bytes ``raw`` (blocks ``pitch`` bytes apart, one block by
-    default). A host cache is hashed in place; a device cache's share is staged to host
-    memory once (``stage`` forces either path)."""
+    """XXH3-64 of ``job``'s manifest and share (``integrity``), read from the cache's flat bytes ``raw``.
+
+    A host cache is hashed in place; a device cache's share is staged to host memory once.
+    ``stage`` forces either path.
+    """
     m = job.manifest
     pitch = pitch or m.block_bytes
     spans_of, head = spans_of_sample(m), manifest_bytes(m)
@@ -110,10 +112,10 @@ def share_checksum(
 
 
 def share_block_digest(raw: torch.Tensor, job: ShareOf, pitch: int | None = None) -> int:
-    """The checksum of ``job``'s share over its block digests (``block_digest``), computed
-    where the cache's flat bytes ``raw`` (blocks ``pitch`` bytes apart, one block by
-    default) are, on the calling thread's own stream on a GPU; 8 bytes per block reach
-    the host."""
+    """The checksum of ``job``'s share over its block digests (``block_digest``), computed where ``raw`` is.
+
+    On a GPU it runs on the calling thread's own stream, and 8 bytes per block reach the host.
+    """
     m = job.manifest
     g = m.geometry
     blocks = blocks_view(raw, m.block_bytes, pitch or m.block_bytes)
@@ -124,11 +126,12 @@ def share_block_digest(raw: torch.Tensor, job: ShareOf, pitch: int | None = None
 
 
 class CacheBlocks:
-    """The cache-only layer's tensor ``cache`` ([num_blocks, ...] in ``layout``) as a
-    delivery mode reads it: ``raw`` its flat bytes (what is registered), ``pitch``,
-    ``num_blocks``. ``stage``: how XXH3 reads a share: None stages a device cache's
-    shares to host memory and not a host one's; True or False forces either path (a
-    testing hook: the GPU path on CPU)."""
+    """The cache-only layer's tensor ``cache`` as a delivery mode reads it: flat bytes, pitch, blocks.
+
+    ``raw`` is what is registered. ``stage`` says how XXH3 reads a share: None stages a device
+    cache's shares to host memory and not a host one's. True or False forces either path, so
+    tests can take the GPU path on CPU.
+    """
 
     def __init__(
         self, cache: torch.Tensor, layout: BlockLayout, provenance: Provenance | None = None
@@ -170,9 +173,11 @@ class CacheBlocks:
         rank: int,
         world_size: int,
     ) -> Share:
-        """A computed sample's manifest, its blocks (those its tokens fill, in block-table
-        order) and the stripe of them ``rank`` serves; ValueError where it cannot travel
-        (its id, too few blocks, a block outside the cache): nothing is read then."""
+        """A computed sample's manifest, its blocks in block-table order, and the stripe ``rank`` serves.
+
+        ValueError where it cannot travel (its id, too few blocks, a block outside the cache); nothing
+        is read then.
+        """
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
             raise ValueError(problem)
@@ -203,10 +208,11 @@ class CacheBlocks:
         seeds: np.ndarray,
         last: int | np.ndarray = -1,
     ) -> torch.Tensor:
-        """The fingerprint words ``[n, layers]`` (``wire.fingerprint``) of ``n`` token slots
-        (cache block, offset in it) holding their samples' tokens at ``positions``, each
-        of the sample ``seeds`` names (``last``: its last position, -1 when not known yet):
-        one gather where the cache is, nothing waits."""
+        """The fingerprint words ``[n, layers]`` of ``n`` token slots, gathered where the cache is.
+
+        Each slot is (cache block, offset) and holds its sample's token at ``positions``; ``seeds``
+        names the sample and ``last`` its last position (-1 while unknown). Nothing waits.
+        """
         g = self.layout
         blocks = blocks_view(self.raw, g.block_bytes, self.pitch).view(getattr(torch, g.dtype))
         cache = blocks.view(-1, *g.block_shape())
@@ -215,11 +221,12 @@ class CacheBlocks:
         return fingerprint.gather(words, (block_ids, offsets), positions, seeds, g.block_size, last)
 
     def record(self, kind: ShareChecksum, share: ShareOf, words: Fingerprinted | None = None) -> int:
-        """The share's integrity record: its fingerprint from the ``words`` its steps took
-        (``wire.fingerprint``: nothing is read from the cache now), or read from its
-        blocks where they are: block digests on the cache's device (nothing staged, 8
-        bytes per block to the host), or XXH3 over its bytes. ValueError: a fingerprint
-        without words."""
+        """The share's integrity record: its fingerprint from ``words``, or read from its blocks.
+
+        A fingerprint reads nothing from the cache now. Block digests are computed on the cache's
+        device, 8 bytes per block to the host; XXH3 reads the bytes. ValueError for a fingerprint
+        without words.
+        """
         if kind is ShareChecksum.FINGERPRINT:
             if words is None:
                 raise ValueError(f"{share.manifest.request_id}: no fingerprint words were taken of it")

@@ -1,10 +1,9 @@
-"""What to ship and when: the scheduler-side plan and the worker-side block record.
+"""What to ship and when: the scheduler-side plan and the worker-side block record. Pure logic.
 
-Pure logic (no vllm, nixl or torch). The scheduler side (``ShipPlanner``) turns each
-engine step into a ``StepPlan``: which positions of which tracked request are computed in
-this step, and which requests are complete and must be shipped now. The worker side
-(``BlockRecorder``) finds those positions in the slot mapping the cache-only layer really
-wrote with, and records the cache block of every position from those slots.
+The scheduler side (``ShipPlanner``) turns each engine step into a ``StepPlan``: which
+positions of which tracked request this step computes, and which requests are complete and
+ship now. The worker side (``BlockRecorder``) finds those positions in the slot mapping the
+cache-only layer wrote with, and records the cache block of every position from its slot.
 """
 
 from __future__ import annotations
@@ -21,13 +20,12 @@ from kv_connector.wire.layout import blocks_for, blocks_for_tokens, kernel_block
 
 @dataclass(frozen=True)
 class StepSlice:
-    """Positions ``start .. start + num_tokens - 1`` of a request computed in this step.
+    """Positions ``start .. start + num_tokens - 1`` of a request, computed in this step.
 
-    ``block_ids`` is the request's block table (the hidden-state blocks) from index
-    ``blocks_from`` on: only what the workers do not have yet (all of it the first time,
-    the blocks added since otherwise), so a step's plan stays as small as what changed.
-    The worker uses the table only to find the rows of this slice in the step's slot
-    mapping and to cross-check them."""
+    ``block_ids`` is the request's block table from index ``blocks_from`` on: only the blocks the
+    workers do not have yet, so a step's plan stays as small as what changed. The worker uses
+    the table only to find this slice's rows in the step's slot mapping and to cross-check them.
+    """
 
     request_id: str
     start: int
@@ -66,9 +64,11 @@ class StepPlan:
 
 
 def in_kernel_blocks(plan: StepPlan, kernel_blocks: int) -> StepPlan:
-    """The plan with every block table given in the cache tensor's kernel blocks
-    (``layout.kernel_block_ids``): the scheduler plans in the KV cache manager's blocks,
-    the worker reads a tensor vLLM split into ``kernel_blocks`` kernel blocks each."""
+    """The plan with every block table in the cache tensor's kernel blocks (``layout.kernel_block_ids``).
+
+    The scheduler plans in the KV cache manager's blocks, while the worker reads a tensor vLLM
+    split into ``kernel_blocks`` kernel blocks each.
+    """
     if kernel_blocks == 1:
         return plan
     return replace(
@@ -104,12 +104,10 @@ class RunningRequest:
 class ShipPlanner:
     """Scheduler side: follows each request until its prompt is computed.
 
-    By default a request is shipped in the step that computes its last prompt token
-    (prompt tokens only). A request added with ``include_output=True`` is shipped when
-    it finishes instead, with its prompt and all output tokens but the last (the last
-    sampled token never went through a forward pass, so it has no hidden state).
-    The planner's state of a request lives in its ``RequestRecord`` (shared with the
-    delivery book through ``table``).
+    By default a request ships in the step that computes its last prompt token. One added with
+    ``include_output=True`` ships when it finishes, with all output tokens but the last; the last
+    sampled token never went through a forward pass, so it has no hidden state. The planner's
+    state of a request is its ``RequestRecord``, shared with the delivery book through ``table``.
     """
 
     def __init__(self, table: RequestTable | None = None) -> None:
@@ -206,10 +204,12 @@ class ShipPlanner:
             plan.ships.append(self._order(t, t.prompt, tuple(t.block_ids)))
 
     def finish(self, request_id: str, all_token_ids: Sequence[int], block_ids: Sequence[int]) -> bool:
-        """The request finished; True if the connector holds its blocks (a ship was or
-        will be made), False if it never got far enough to ship anything (aborted before
-        its prompt, or for ``include_output`` its tokens, were all computed). The record
-        stays until the caller removes it from the table."""
+        """The request finished; True if the connector holds its blocks because a ship was or will be made.
+
+        False if it never got far enough to ship: it was aborted before its prompt (or, with
+        ``include_output``, its tokens) were all computed. The record stays until the caller removes
+        it from the table.
+        """
         t = self._tracked(request_id)
         if t is None:
             return False
@@ -241,9 +241,11 @@ class Expected:
 
 
 def check_slots(slots: Sequence[int], expected: Sequence[Expected], block_size: int) -> dict[str, str]:
-    """Check each slice against the step's slot mapping the cache-only layer wrote with:
-    its rows are found by the slot of its first position, and every slot of them must sit
-    at its position's offset in the block its table names. Returns {request_id: error}."""
+    """Check each slice against the slot mapping the cache-only layer wrote with; {request_id: error}.
+
+    A slice's rows are found by the slot of its first position. Every slot of them must sit at
+    its position's offset in the block its table names.
+    """
     if not expected:
         return {}
     bs = block_size
@@ -275,11 +277,12 @@ def check_slots(slots: Sequence[int], expected: Sequence[Expected], block_size: 
 
 @dataclass
 class StepExpect:
-    """Where a step's slices must have been written, for ``check_step``. A slice of one
-    position (a decode step) is kept as its expected slot alone, the common case that must
-    stay cheap: it passes ``check_slots`` exactly when that slot is non-negative and in the
-    slot mapping (the slot's offset is its position's, its block is the table's). Longer
-    slices are kept as ``Expected``."""
+    """Where a step's slices must have been written, for ``check_step``.
+
+    A one-position slice (a decode step) is kept as its expected slot alone, the common case
+    that must stay cheap. It passes ``check_slots`` exactly when that slot is non-negative and in
+    the slot mapping. Longer slices are kept as ``Expected``.
+    """
 
     # one-position slices: (request_id, position, block index, cache block), and their slots
     singles: list[tuple[str, int, int, int]] = field(default_factory=list)
@@ -298,11 +301,12 @@ class StepExpect:
 
 
 def check_step(slots: Sequence[int] | np.ndarray, expect: StepExpect, block_size: int) -> dict[str, str]:
-    """``check_slots`` for a step's ``StepExpect``: the same failures, with the same
-    messages. The one-position slices are checked at once against the set of slots
-    written, the longer ones by comparing their rows with the slots their table gives
-    (``_spans_off``); only those that do not pass go through ``check_slots`` (for their
-    message). ``slots``: the step's slot mapping on the host (a list, or an int array)."""
+    """``check_slots`` for a step's ``StepExpect``: the same failures, with the same messages.
+
+    One-position slices are checked at once against the set of slots written. Longer ones compare
+    their rows with the slots their table gives (``_spans_off``). Only those that fail go through
+    ``check_slots``, for its message. ``slots`` is the step's slot mapping on the host.
+    """
     arr = np.asarray(slots, dtype=np.int64)
     listed: list[int] = []  # the slots as Python ints, made when a Python path needs them
     errors: dict[str, str] = {}
@@ -326,12 +330,13 @@ def check_step(slots: Sequence[int] | np.ndarray, expect: StepExpect, block_size
 
 
 def _spans_off(slots: np.ndarray, spans: Sequence[Expected], bs: int) -> list[Expected]:
-    """The slices ``check_slots`` may fail: each slice passes there exactly when the rows
-    from the (last) row holding its first slot hold, one for one, the slots its table
-    gives its positions. With no slot written twice that row is the only one, so a slice
-    whose rows equal those slots passes; every other slice is returned (all of them when
-    a slot was written twice: ``check_slots`` decides those alone). A few array operations
-    per slice instead of a Python loop over its tokens (a prefill chunk has thousands)."""
+    """The slices ``check_slots`` may fail, found with a few array operations a slice.
+
+    A slice passes there exactly when the rows from the last row holding its first slot hold, one
+    for one, the slots its table gives. With no slot written twice that row is the only one, so a
+    slice whose rows equal those slots passes. Every other slice is returned, and all of them when
+    a slot was written twice. This avoids a Python loop over a prefill chunk's thousands of tokens.
+    """
     order = np.argsort(slots, kind="stable")
     ranked = slots[order]
     if bool(np.any((ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0))):
@@ -356,9 +361,10 @@ def _spans_off(slots: np.ndarray, spans: Sequence[Expected], bs: int) -> list[Ex
 
 
 class BlockRecorder:
-    """Worker side: the cache block of each position of each request, read from the slot
-    mapping the cache-only layer wrote with, in units of the cache tensor's own block
-    size."""
+    """Worker side: the cache block of each position of each request, from the step's slot mapping.
+
+    Blocks are in units of the cache tensor's own block size, which may be a kernel block.
+    """
 
     def __init__(self, block_size: int) -> None:
         if block_size <= 0:
@@ -372,11 +378,12 @@ class BlockRecorder:
         self._tables.pop(request_id, None)
 
     def expect(self, slices: Sequence[StepSlice]) -> tuple[StepExpect, dict[str, str]]:
-        """Apply each slice's part of its block table (in step order, when the step runs)
-        and say where its positions must have been written, for ``check_step`` once the
-        step's slot mapping is on the host; returns those, and {request_id: error} for
-        slices whose table is already wrong. Runs on the engine's thread every step, for
-        every running request: kept to a few operations per slice."""
+        """Apply each slice's part of its block table and say where its positions must have been written.
+
+        It returns those, for ``check_step`` once the slot mapping is on the host, and {request_id:
+        error} for slices whose table is already wrong. It runs on the engine's thread every step for
+        every running request, so it costs a few operations a slice.
+        """
         bs = self.block_size
         out = StepExpect()
         singles, firsts, spans = out.singles, out.firsts, out.spans
@@ -423,18 +430,20 @@ class BlockRecorder:
         return errors
 
     def ship_blocks(self, num_tokens: int, table: Sequence[int]) -> list[int]:
-        """The cache blocks of positions 0..num_tokens-1 in order: the request's block
-        table, which every slice's slots are checked against (``check_slots``) before a
-        byte of them is read."""
+        """The cache blocks of positions 0..num_tokens-1 in order: the request's block table.
+
+        Every slice's slots are checked against it (``check_slots``) before a byte of them is read.
+        """
         nb = blocks_for(num_tokens, self.block_size)
         if nb > len(table):
             raise SlotMismatch(f"{num_tokens} tokens need {nb} blocks, the block table has {len(table)}")
         return [int(b) for b in table[:nb]]
 
     def blocks(self, request_id: str, num_tokens: int, table: Sequence[int]) -> tuple[list[int], int]:
-        """The cache blocks of positions 0..num_tokens-1 in order, and how many came from
-        the block table rather than a recorded write (prefix-cache hits, computed by an
-        earlier request)."""
+        """The cache blocks of positions 0..num_tokens-1, and how many came from the block table.
+
+        Those were not recorded writes: prefix-cache hits, computed by an earlier request.
+        """
         rec = self._blocks.get(request_id, {})
         nb = blocks_for(num_tokens, self.block_size)
         if nb > len(table):
@@ -451,8 +460,10 @@ class BlockRecorder:
 
 
 def first_rows(slots: np.ndarray, firsts: np.ndarray) -> np.ndarray:
-    """The row of each slot of ``firsts`` in the step's slot mapping (the last row holding
-    it, as ``check_slots`` finds a slice's first position), or -1 where no row holds it."""
+    """The row of each slot of ``firsts`` in the step's slot mapping, or -1 where no row holds it.
+
+    It is the last row holding the slot, as ``check_slots`` finds a slice's first position.
+    """
     order = np.argsort(slots, kind="stable")
     ranked = slots[order]
     k = np.searchsorted(ranked, firsts, side="right") - 1

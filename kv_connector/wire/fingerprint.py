@@ -1,29 +1,27 @@
-"""Fingerprints: a share's integrity record from a few words of every token slot, taken
-by the producer in the engine step that wrote the slot, and recomputed by the reader on
-what landed.
+"""Fingerprints: a share's integrity record from a few words of every token slot.
 
-For token ``t`` of a sample (its states a ``[layers, words]`` grid of 8-byte words, a
-layer's row of ``hidden * itemsize`` bytes being a whole number of words: ``block_digest.supported``)
-the fingerprint samples one word of every captured layer (``coordinates``), at a
-position that varies with the token's offset in its block, from block to block and from
-sample to sample (``seed``, from its request id): any write of one whole token slot of
-any layer changes a sampled word unless it leaves that word as it was. At the edges of
-every block the position is fixed instead: word 0 of the first layer at a block's first
-token, the last word of the last layer at its last token (and at the sample's last
-token, the end of a partly filled last block): the first and the last valid words of
-every block, in either cache layout, where a zeroed or truncated tail shows.
+The producer takes them in the engine step that wrote the slot, and the reader recomputes
+them on what landed. A layer's row must be a whole number of 8-byte words
+(``block_digest.supported``). For each token the fingerprint samples one word of every
+captured layer (``coordinates``). The word's position varies with the token's offset in its
+block, from block to block, and from sample to sample (``seed``, from its request id). So any
+write of one whole token slot changes a sampled word unless it leaves that word as it was.
 
-A share's record is XXH3-64 over the manifest's bytes, a tag, and the sampled words of
-the share's valid tokens in order. It binds the manifest as the other checksums do.
+At the edges of every block the position is fixed instead. A block's first token samples
+word 0 of the first layer; its last token, and the sample's last, sample the last word of
+the last layer. Those are the first and last valid words of every block in either layout,
+where a zeroed or truncated tail shows.
 
-Where it catches what a hash over both ends cannot: the producer takes its words in the
-step whose forward pass wrote the slots (``gather``, torch where the cache is, no
-host sync), from the slots the block table says, which the step's slot check compares
-with the slot mapping the forward pass used. Blocks changed at any time after that
-(reused, written late, a stale reference) and a block list at shipping time that is not
-the one written no longer match. What it does not catch: a change that spares every
-sampled word (one bit flipped on the link; RDMA's and PCIe's own CRCs cover that, and
-the full checksums, ``integrity`` and ``block_digest``, remain as diagnostic modes).
+A share's record is XXH3-64 over the manifest's bytes, a tag, and the sampled words of its
+valid tokens in order. It binds the manifest as the other checksums do.
+
+It catches what a hash over both ends cannot. The producer takes its words in the step whose
+forward pass wrote the slots (``gather``, where the cache is, no host sync), from the slots
+the block table names. The step's slot check compares those with the slots the forward pass
+used. So blocks changed later (reused, written late, a stale reference) no longer match, nor
+does a block list at shipping time that is not the one written. It misses a change that spares
+every sampled word, such as one bit flipped on the link. RDMA's and PCIe's own CRCs cover
+that, and the full checksums (``integrity``, ``block_digest``) remain as diagnostic modes.
 
 Pure torch, numpy and xxhash; no nixl, vllm or sockets.
 """
@@ -76,11 +74,12 @@ def coordinates(
     block_size: int,
     last: int | np.ndarray = -1,
 ) -> np.ndarray:
-    """``[n, layers]`` int64: the word sampled of each captured layer at each of a
-    sample's token ``positions`` ``[n]``. ``seed``: the sample's, or each position's
-    sample's ``[n]``; ``last``: the sample's last position (``[n]`` likewise; -1 when not
-    known yet), whose last layer's word is the row's last. A fixed table by offset in the
-    block, turned by a per-block amount: a few vector operations a token."""
+    """``[n, layers]`` int64: the word sampled of each captured layer at each of ``positions``.
+
+    ``seed`` is the sample's, or each position's sample's ``[n]``. ``last`` is the sample's last
+    position (-1 while unknown), whose last layer's word is the row's last. A fixed table by
+    offset in the block, turned by a per-block amount, costs a few vector operations a token.
+    """
     pos = np.asarray(positions, dtype=np.int64)
     n = pos.shape[0]
     block, offset = np.divmod(pos, block_size)
@@ -123,9 +122,11 @@ def _offsets(
 
 
 def _read(words: torch.Tensor, index: np.ndarray, width: int = 1) -> torch.Tensor:
-    """The int64 words at storage offsets ``index`` (1-D) of ``words``, where they lie;
-    with ``width``, the ``width`` words from each (``[len(index), width]``): a gather of
-    whole rows where every offset is a multiple of ``width``, else of each word."""
+    """The int64 words at storage offsets ``index`` of ``words``, read where they lie.
+
+    With ``width``, the ``width`` words from each offset (``[len(index), width]``): a gather of
+    whole rows where every offset is a multiple of ``width``, else of each word.
+    """
     storage = words.untyped_storage()
     n = storage.nbytes() // WORD
     aligned = width > 1 and not (index % width).any()
@@ -149,13 +150,13 @@ def gather(
     block_size: int,
     last: int | np.ndarray = -1,
 ) -> torch.Tensor:
-    """The sampled words ``[n, layers]`` (int64, on ``words``'s device) of ``n`` token
-    slots in ``words`` ``[..., layers, words]`` (any strides, the last dimension dense):
-    slot ``i`` at ``words[lead[0][i], lead[1][i], ...]`` holds the sample's token
-    ``positions[i]`` (``coordinates`` for ``seed``, ``block_size`` and ``last``). The
-    words' offsets in the tensor's storage are computed on the host; one 1-D gather
-    reads them where they are. On a GPU the offsets go over from pinned memory, queued
-    on the current stream: nothing waits for the device."""
+    """The sampled words ``[n, layers]`` of ``n`` token slots in ``words`` ``[..., layers, words]``.
+
+    Slot ``i`` at ``words[lead[0][i], lead[1][i], ...]`` holds the sample's token ``positions[i]``;
+    ``coordinates`` picks the words. Their storage offsets are computed on the host and one 1-D
+    gather reads them where they lie. On a GPU the offsets go over from pinned memory on the
+    current stream, so nothing waits for the device.
+    """
     _, offsets = _offsets(words, lead, positions, seed, block_size, last)
     return _read(words, offsets.reshape(-1)).view(len(positions), words.shape[-2])
 
@@ -167,12 +168,13 @@ def gather_lines(
     block_size: int,
     last: int | np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gather`` of a sample's ``[T, layers, words]`` with the ``LINE`` words around each
-    sampled one: ``(sampled [n, layers], lines [n, layers, LINE])``, the line aligned to
-    ``LINE`` words in its row (the last ``LINE`` words where the row's end comes first).
-    A line costs what its one word does to read (the memory moves whole cache lines),
-    and is a sample of the row's values spread over the row from token to token: the
-    values screen's (``reader.pool.values.screen_rows``). Rows of at least ``LINE`` words."""
+    """``gather`` of a sample's ``[T, layers, words]`` with the ``LINE`` words around each sampled one.
+
+    It returns ``(sampled [n, layers], lines [n, layers, LINE])``, each line aligned to ``LINE``
+    words in its row. A line costs what its one word does, since memory moves whole cache lines.
+    It samples the row's values at a new place from token to token, which is what the values
+    screen reads (``reader.pool.values.screen_rows``). Rows must be at least ``LINE`` words.
+    """
     row = words.shape[-1]
     if row < LINE:
         raise ValueError(f"a row of {row} words is shorter than a line ({LINE})")
@@ -221,9 +223,11 @@ def states_record(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> in
 def states_record_lines(
     states: torch.Tensor, m: Manifest, share: Iterable[int]
 ) -> tuple[int, torch.Tensor | None]:
-    """``states_record``, and the lines around its sampled words ``[n, layers, k]`` in the
-    states' dtype (``gather_lines``; None for rows shorter than a line): one read of the
-    share's sampled lines for both the fingerprint and the values screen."""
+    """``states_record`` and the lines around its sampled words, in the states' dtype.
+
+    One read of the share's sampled lines serves both the fingerprint and the values screen;
+    the lines are None for rows shorter than a line (``gather_lines``).
+    """
     share = sorted(share)
     tokens = share_tokens(m, share)
     w = as_words(states)

@@ -1,28 +1,21 @@
-"""Sanity of a sample's hidden states: non-finite values (NaN, Inf), tokens whose states
-are all zero, and captured layers that are all zero over the whole sample, each named by
-token and layer.
+"""Sanity of a sample's hidden states: non-finite values, all-zero tokens and all-zero layers.
 
-An all-zero token is the silent failure of a cache row the forward pass never wrote
-(vLLM PR 46301 shipped such states on hybrid models): real hidden states are never
-exactly zero in every captured layer at once. A token is reported when all of its
-captured layers are zero; one zero layer of one token alone (an embedding row of zeros,
-layer id 0) is not an error, but a captured layer that is zero at every token of a
-sample of two tokens or more is (a layer the extraction never wrote).
+Each fault is named by token and layer. An all-zero token is the silent failure of a cache
+row the forward pass never wrote; real hidden states are never zero in every captured layer
+at once. A token is reported when all its captured layers are zero. One zero layer of one
+token is not an error (an embedding row of zeros). A layer zero at every token of a sample
+of two or more tokens is: the extraction never wrote it.
 
-Pure: torch only. The check reads the sample where it lies (a strided view of the pool
-too; float16 and float8 a bounded chunk of tokens at a time, widened), with one pass:
-the sum of each token's row in each layer (hidden is the contiguous dim in either block
-layout, so this runs at memory speed). NaN and Inf propagate into their row's sum, and
-an all-zero token has only zero sums; only the few tokens whose sums say so are then
-looked at exactly (a sum that overflowed or cancelled to zero is not reported), to name
-their layers. A sample without a fault waits for its device once (on a GPU each wait
-also hands the GIL back).
+Pure: torch only. The check reads the sample where it lies, in one pass summing each token's
+row in each layer; hidden is the contiguous dimension in either layout, so it runs at memory
+speed. Float16 and float8 are widened a bounded chunk of tokens at a time. NaN and Inf
+propagate into their row's sum, and an all-zero token has only zero sums. Only tokens whose
+sums say so are then looked at exactly, to name their layers. A fault-free sample waits for
+its device once.
 
-Where the fingerprint's check reads a sample anyway (the default record, a host pool),
-the sampled screen runs on what that read brought: the 64-byte line around each word
-the fingerprint samples, one of every row, somewhere new from token to token
-(``screen_rows``, a share at a time; ``screened_clean`` over a sample's shares). Only
-where those lines show something does the hand-out look closer (``find_bad_values``).
+Where the fingerprint's check reads a host pool anyway, the sampled screen runs on what it
+brought: the 64-byte line around each sampled word (``screen_rows``, ``screened_clean``).
+Only where those lines show something does the hand-out look closer (``find_bad_values``).
 """
 
 from __future__ import annotations
@@ -39,9 +32,11 @@ MAX_NAMED = 5  # tokens named in a report
 
 @dataclass(frozen=True)
 class RowsScreen:
-    """The sampled values screen of a share's rows (``screen_rows``):
-    ``suspect`` if a token's sampled values are non-finite or zero in every layer;
-    ``alive``, for each captured layer, whether a sampled value of it was non-zero."""
+    """The sampled values screen of a share's rows (``screen_rows``).
+
+    ``suspect``: a token's sampled values are non-finite or zero in every layer. ``alive``: for
+    each captured layer, whether a sampled value of it was non-zero.
+    """
 
     suspect: bool
     alive: tuple[bool, ...]
@@ -54,13 +49,13 @@ class BadValues(ValueError):
 def find_bad_values(
     hidden_states: torch.Tensor, layer_ids: Sequence[int], sample: bool = False
 ) -> str | None:
-    """None when ``hidden_states`` [T, L, H] (any dtype, any strides) are all finite, no
-    token is zero in every layer and no layer is zero at every token (T >= 2); else what
-    is wrong, by token and layer id. With ``sample``, the screen reads ``SAMPLE_ELEMENTS``
-    elements at the start and the middle of every row (two cache lines of a 4096-wide
-    bf16 row: 1.6% of its bytes) and looks at the whole sample only where they show
-    something: a row of garbage, an all-zero token or layer is found as in full, a lone
-    NaN in an element it does not read is not."""
+    """None when ``hidden_states`` [T, L, H] are sane, else what is wrong, by token and layer id.
+
+    Sane means all finite, no token zero in every layer, and no layer zero at every token
+    (T >= 2). With ``sample``, the screen reads ``SAMPLE_ELEMENTS`` at the start and middle of
+    every row, and the whole sample only where they show something. It finds a row of garbage or
+    an all-zero token or layer as a full check does, but not a lone NaN it does not read.
+    """
     h = hidden_states.shape[-1] if hidden_states.dim() == 3 else 0
     if sample and samples(h):
         mid = h // 2
@@ -78,10 +73,11 @@ def samples(hidden: int) -> bool:
 
 
 def screen_rows(rows: torch.Tensor) -> RowsScreen:
-    """The sampled screen over ``rows`` ``[n, layers, k]``: ``k`` values of each of ``n``
-    tokens' rows in each layer, as the fingerprint's check read them
-    (``fingerprint.states_record_lines``: a line of every row, somewhere new from token to
-    token). One wait for the device."""
+    """The sampled screen over ``rows`` ``[n, layers, k]``: ``k`` values of each token's row in each layer.
+
+    The rows are those the fingerprint's check read (``fingerprint.states_record_lines``), and
+    the screen waits for the device once.
+    """
     if rows.shape[0] == 0:
         return RowsScreen(False, (False,) * rows.shape[1])
     wide = None if rows.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
@@ -93,9 +89,11 @@ def screen_rows(rows: torch.Tensor) -> RowsScreen:
 
 
 def screened_clean(parts: Iterable[RowsScreen], num_tokens: int, num_layers: int) -> bool:
-    """True when the screens of a sample's shares (all of them) say what a sampled screen
-    of the whole sample would: no suspect token, and (two tokens or more) no captured layer
-    without a non-zero value. False asks for ``find_bad_values`` (it looks closer)."""
+    """True when a sample's share screens say what a sampled screen of the whole sample would.
+
+    That is no suspect token and, for two tokens or more, no captured layer without a non-zero
+    value. False asks ``find_bad_values`` to look closer.
+    """
     suspect, alive, seen = False, [False] * num_layers, False
     for p in parts:
         seen = True

@@ -1,23 +1,22 @@
-"""The reader's sample ledger: every sample from its first credit request to the release
-of its lease (or its refusal or discard). Pure logic (no nixl, sockets, threads or
-clocks: times are passed in). The reader's shells (``server.py``, ``checker.py``,
-``reader.py``) feed it what happened (and what it took: only the ledger counts) and
-perform the actions it answers (``Send``, ``Verify``, ``Ready``, ``Log``; in
-``records.py`` with the records). A peer's message that does not fit raises
-``ProtocolError`` (the shell refuses that peer, and only it); a transition the state does
-not allow raises ``IllegalSampleTransition``. The ledger decides every transition; its
-samples and pages are kept in ``book.py``, those delivered in ``delivered.py``, the
-producers in ``producers.py``; ``refusals.py`` ends a sample not to be delivered.
+"""The push reader's sample ledger: every sample from its first credit request to its lease's end.
 
-A sample's states (``SampleState``: PROMISED, GRANTED, WRITTEN, VERIFIED, HANDED_OUT),
-the ends by which it leaves the books (released, refused, discarded) and the one table of
-its legal transitions are ``sample_states.py``'s, which draws them; every transition
-goes through that table (``SampleRecord.move``, ``SampleBook.drop``), so a sample never
-moves where the drawing does not. The ledger decides which event happens, and when.
+Pure logic: no nixl, sockets, threads or clocks, so times are passed in. The reader's shells
+(``server.py``, ``checker.py``, ``reader.py``) feed it what happened and perform the actions
+it answers (``Send``, ``Verify``, ``Ready``, ``Log``, in ``records.py``). Only the ledger
+counts and decides. A peer's message that does not fit raises ``ProtocolError``, and the
+shell refuses that peer alone. A transition the state does not allow raises
+``IllegalSampleTransition``. Its samples and pages are kept in ``book.py``, those delivered
+in ``delivered.py``, the producers in ``producers.py``; ``refusals.py`` ends a sample not to
+be delivered.
 
-Each rank's share is checked as soon as it has landed and its digest is known (``Verify``,
-on the reader's checking thread: a hand-out costs nothing per byte); a check of an older
-landing (they are numbered) is ignored.
+A sample's states, its ends (released, refused, discarded) and the one table of its legal
+transitions are ``sample_states.py``'s, which draws them. Every transition goes through that
+table (``SampleRecord.move``, ``SampleBook.drop``), so a sample never moves where the drawing
+does not. The ledger decides which event happens, and when.
+
+Each rank's share is checked on the checking thread as soon as it has landed and its digest
+is known (``Verify``), so a hand-out costs nothing per byte. A check of an older landing is
+ignored; landings are numbered.
 
 Invariants (tests name the one they prove):
   R1  No credit, no write: a producer may write a sample only into the run of pages

@@ -1,9 +1,11 @@
-"""HiddenStatesReader: the consumer side's user API. It owns the receive pool (registered
-with the transport once), the ledger of samples (``reader.push.ledger``), the serving thread
-(``reader.push.server``) and the checking thread (``reader.push.checker``). ``get`` hands out the
-next complete, checked sample as a view of the pool on lease (``reader.pool.lease``): no copy,
-no pass over its bytes; its producer gets its ``Ack``, and its pages return to the pool
-when the lease ends."""
+"""HiddenStatesReader: the push consumer's user API, handing out complete, checked samples on lease.
+
+It owns the receive pool, registered once, the ledger of samples (``reader.push.ledger``), the
+serving thread (``reader.push.server``) and the checking thread (``reader.push.checker``).
+``get`` hands out the next sample as a view of the pool (``reader.pool.lease``), with no copy
+and no pass over its bytes. Its producer gets its ``Ack``, and its pages return to the pool
+when the lease ends.
+"""
 
 from __future__ import annotations
 
@@ -73,40 +75,37 @@ class LeaseLimitError(RuntimeError):
 
 
 class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How a ``HiddenStatesReader`` listens, pools, checks and hands out: the options
-    every client shares (``reader.options.ClientOptions``: ``pool_bytes``, ``name``,
-    ``pool_device``, ``copy``, ``check_values``, ``full_values_check``, ``expect``) and
-    push's own, validated when built (a bad value raises ``ValueError`` naming it).
+    """How a ``HiddenStatesReader`` listens, pools, checks and hands out, validated when built.
 
-    ``listen``: control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it),
-    or a socket already bound to one (held by the caller, e.g. inherited from a
-    supervisor, so the port is never released between choosing and listening); the
-    reader listens on it and closes it with itself.
-    ``page_bytes``: pool page size (rounded up to a multiple of 64); by default the
-    first producer's block size.
-    ``ack``: ``AckMode.ON_TAKE`` ("on_take") acknowledges a sample to its producer (which
-    then frees its blocks) when ``get`` hands it out; ``MANUAL`` ("manual") waits for
-    ``ack(sample)``, e.g. after the sample was durably written.
-    ``verify``: check each share against the checksum its producer sent, as it lands, on
-    the reader's checking thread (on by default); a mismatch is logged with the request id
-    and the share is written again (at most ``reader.push.ledger.MAX_REWRITES`` times, then
-    the sample is refused and its producer fails it).
-    ``max_leases``: how many samples the user may hold on lease at once (``get`` raises
-    ``LeaseLimitError`` beyond it, naming them).
-    ``require_checksum``: "auto" (default) refuses shares without a checksum from
-    producers whose cache is in host memory (hashing it costs them little), "always"
-    from every producer, "never" accepts them.
-    ``sample_timeout_s``: a sample granted pages and not complete this long after is
-    dropped, its pages return to the pool and its producer is told (default 300).
-    ``insecure``: allow listening on a non-loopback address without a shared secret (by
-    default that is refused: anyone who reaches the port could write into the pool).
-    ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT``
-    (port 0 picks one) or on a TCP socket already bound.
+    It holds the options every client shares (``reader.options.ClientOptions``) and push's own; a
+    bad value raises ``ValueError`` naming it.
 
-    The values check runs on the user's thread, in the ``get`` that reaches the sample;
-    with fingerprints it screens the lines the checking thread read for them. A bad
-    sample is logged by name and refused to its producer (``reject``), never handed out.
-    A sample that differs from ``expect`` is refused when its producer asks for pages.
+    ``listen``: the control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it), or a
+    socket already bound to one. A caller holding the socket, such as one inherited from a
+    supervisor, never releases the port between choosing and listening. The reader closes it.
+    ``page_bytes``: the pool's page size, rounded up to a multiple of 64; by default the first
+    producer's block size.
+    ``ack``: ``AckMode.ON_TAKE`` ("on_take") acknowledges a sample when ``get`` hands it out, so
+    its producer frees its blocks. ``MANUAL`` ("manual") waits for ``ack(sample)``, for example
+    once the sample is durably written.
+    ``verify``: check each share against its producer's checksum as it lands (on by default). A
+    mismatch is logged and the share written again, at most ``ledger.MAX_REWRITES`` times; then
+    the sample is refused and its producer fails it.
+    ``max_leases``: how many samples the user may hold on lease at once; ``get`` raises
+    ``LeaseLimitError`` beyond it, naming them.
+    ``require_checksum``: "auto" (default) refuses shares without a checksum from producers whose
+    cache is in host memory, where hashing costs little. "always" refuses them from every
+    producer, and "never" accepts them.
+    ``sample_timeout_s``: a sample granted pages and not complete this long after is dropped and
+    its producer told (default 300).
+    ``insecure``: allow a non-loopback address without a shared secret. That is refused by
+    default, since anyone who reaches the port could write into the pool.
+    ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT`` or a bound
+    TCP socket.
+
+    The values check runs on the user's thread, in the ``get`` that reaches the sample. A bad
+    sample is logged by name and refused to its producer (``reject``), never handed out. A sample
+    that differs from ``expect`` is refused when its producer asks for pages.
     """
 
     listen: str | socket.socket = "127.0.0.1:0"
@@ -146,22 +145,18 @@ class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fiel
 class HiddenStatesReader:
     """Receives hidden states from producers over NIXL.
 
-    ``config``: a ``ReaderConfig``; or its fields as keywords (``HiddenStatesReader(
-    pool_bytes=1 << 30)``), not both. Besides the configuration:
-    ``secret``: shared secret for the handshake; by default from ``KV_CONNECTOR_SECRET``
-    or ``KV_CONNECTOR_SECRET_FILE`` (none: producers are not authenticated).
-    ``already_delivered(producer_id, request_id)``: samples delivered before this reader
-    started (a ledger); a producer resending one gets its ``Ack`` without a transfer.
-    ``transport``: the agent to receive with (a ``NixlTransport`` by default).
+    ``config``: a ``ReaderConfig``, or its fields as keywords (``HiddenStatesReader(pool_bytes=
+    1 << 30)``), not both. ``secret``: the handshake's shared secret, by default from
+    ``KV_CONNECTOR_SECRET`` or ``KV_CONNECTOR_SECRET_FILE``; without one producers are not
+    authenticated. ``already_delivered(producer_id, request_id)``: samples delivered before this
+    reader started; a producer resending one gets its ``Ack`` without a transfer. ``transport``:
+    the agent to receive with (a ``NixlTransport`` by default). ``metrics_address`` names the
+    metrics address really served, and ``metrics`` the server (``reader.push.metrics``).
 
-    ``metrics_address`` then names the metrics address really served, and ``metrics`` the
-    server (``reader.push.metrics`` names the series).
-
-    Iterate over it (or call ``get``) for ``Sample``s; use it as a context manager or call
-    ``close``. The iterator ends each sample's lease when you ask for the next one
-    (reading its ``hidden_states`` then raises ``SampleReleased``), unless you called its
-    ``keep()`` or hold its tensor or a view of it; those return their pages when you call
-    ``release`` or when the last of them is collected.
+    Iterate over it or call ``get`` for ``Sample``s; close it, or use it as a context manager.
+    The iterator ends a sample's lease when you ask for the next; reading its ``hidden_states``
+    then raises ``SampleReleased``. A sample you ``keep()``, or whose tensor or view you hold,
+    returns its pages on ``release`` or when the last of them is collected.
     """
 
     def __init__(
@@ -257,10 +252,11 @@ class HiddenStatesReader:
 
     # ---------------------------------------------------------------- user side
     def get(self, timeout: float | None = None, copy: bool | None = None) -> Sample:
-        """The next complete, checked sample: on lease (a view of the pool), or copied out
-        with ``copy`` (default: the reader's ``copy``). Raises ``TimeoutError`` after
-        ``timeout`` seconds, ``ReaderClosed`` once closed, ``LeaseLimitError`` when the
-        user holds ``max_leases`` samples on lease."""
+        """The next complete, checked sample, on lease as a view of the pool or copied out with ``copy``.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds, ``ReaderClosed`` once closed, and
+        ``LeaseLimitError`` when the user holds ``max_leases`` samples on lease.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         copy = self._copy if copy is None else copy
         while True:
@@ -285,10 +281,12 @@ class HiddenStatesReader:
         return self.samples()
 
     def samples(self, max_samples: int | None = None, timeout: float | None = None) -> Iterator[Sample]:
-        """Yield up to ``max_samples`` samples, each within ``timeout`` seconds. When you
-        ask for the next one, the previous one's lease ends (a pool that holds one sample
-        serves a plain ``for`` loop), unless you called its ``keep()`` or hold its tensor
-        or a view of it: those stay leased until released or collected."""
+        """Yield up to ``max_samples`` samples, each within ``timeout`` seconds.
+
+        Asking for the next one ends the previous one's lease, so a pool that holds one sample serves
+        a plain ``for`` loop. A sample you ``keep()``, or whose tensor or view you hold, stays leased
+        until released or collected.
+        """
         n = 0
         prev: Sample | None = None
         while max_samples is None or n < max_samples:
@@ -309,9 +307,11 @@ class HiddenStatesReader:
             self._server.perform(self._ledger.ack((sample.producer_id, sample.request_id)))
 
     def reject(self, sample: Sample, why: str) -> None:
-        """Refuse a handed-out sample not acknowledged yet (``ack="manual"``), e.g. one
-        whose file cannot be written: its producer fails the request with ``why`` instead
-        of freeing it as delivered. Release its lease as usual."""
+        """Refuse a handed-out sample not acknowledged yet (``ack="manual"``).
+
+        Its producer fails the request with ``why`` instead of freeing it as delivered, for example
+        when the sample's file cannot be written. Release its lease as usual.
+        """
         with self._lock:
             self._server.perform(
                 self._ledger.reject((sample.producer_id, sample.request_id), why, time.monotonic())

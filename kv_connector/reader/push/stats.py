@@ -21,25 +21,21 @@ class ProducerTotals:
 
 @dataclass
 class ReaderStats:
-    """The reader, since it started.
+    """The reader's counts and times since it started.
 
-    samples / tokens / bytes: handed out (bytes: of ``hidden_states``), in all and
-    ``by_producer``; refused: connections and samples refused (protocol errors, pool too
-    small, checksum, ...), of which samples ``refused_pool_too_small``,
-    ``refused_checksum``, ``refused_limit`` (over ``max_sample_tokens``),
-    ``refused_unchecked`` (a required checksum missing), ``refused_timeout`` (not
-    complete by its deadline) and ``refused_mismatch`` (not what ``expect`` says);
-    dropped: samples discarded before they were handed out
-    (refused after their rewrites, or their producer gone or gave up); copy_s: copying
-    samples out of the pool; verify_s: checking shares against their checksums (with
-    fingerprints on a host pool, the values screen of their rows included);
-    checksum_mismatches: shares that failed; resends_acked: resends of samples already
-    delivered, acknowledged without a copy; handout_latency: from a sample's first
-    credit request to its hand-out (pages, transfer, check, and the user's ``get``);
-    first_request_t / last_handout_t: when the first credit request came and the last
-    sample was handed out (``time.monotonic()``; 0.0: not yet), the run's active window;
-    peak_pages_used: the most pool pages ever held at once; values_check_s: checking
-    samples' states for NaN/Inf and all-zero tokens at hand-out (``check_values``).
+    samples / tokens / bytes: handed out, in all and ``by_producer``; bytes are of
+    ``hidden_states``. refused: connections and samples refused. Of those samples:
+    ``refused_pool_too_small``, ``refused_checksum``, ``refused_limit`` (over
+    ``max_sample_tokens``), ``refused_unchecked`` (a required checksum missing),
+    ``refused_timeout`` (not complete by its deadline) and ``refused_mismatch`` (not what
+    ``expect`` says). dropped: samples discarded before hand-out, refused after their rewrites or
+    whose producer is gone or gave up. copy_s: copying samples out of the pool. verify_s:
+    checking shares, with the values screen of a host pool's fingerprinted rows.
+    checksum_mismatches: shares that failed. resends_acked: resends of delivered samples,
+    acknowledged without a copy. handout_latency: from a sample's first credit request to its
+    hand-out. first_request_t / last_handout_t: the run's active window in ``time.monotonic()``,
+    0.0 until it happens. peak_pages_used: the most pool pages held at once. values_check_s:
+    checking states for NaN/Inf and all-zero tokens at hand-out.
     """
 
     samples: int = 0
@@ -103,12 +99,13 @@ class ReaderStats:
 
 @dataclass(frozen=True)
 class PoolState:
-    """The reader's receive pool now, in pages of ``page_bytes`` (0 before the first
-    producer decided the page size): ``free`` + ``granted`` + ``leased`` +
-    ``quarantined`` = ``num_pages``. granted: held by samples on their way (granted,
-    written, checked and waiting for ``get``); leased: held by samples on lease to the
-    user; quarantined: of discarded samples, for a few seconds; waiting: samples that
-    wait for a run of pages (their producers wait)."""
+    """The reader's receive pool now, in pages of ``page_bytes``; 0 before the first producer sets it.
+
+    ``free`` + ``granted`` + ``leased`` + ``quarantined`` = ``num_pages``. granted: held by
+    samples on their way, up to their ``get``. leased: held by samples on lease to the user.
+    quarantined: of discarded samples, for a few seconds. waiting: samples waiting for a run of
+    pages, whose producers wait too.
+    """
 
     page_bytes: int = 0
     num_pages: int = 0
