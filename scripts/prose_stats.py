@@ -15,8 +15,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-# A sentence ends at . ? or ! followed by whitespace and a capital, a quote, a bracket or the end.
-_SENTENCE_END = re.compile(r"(?<=[.?!])\s+(?=[A-Z`\"'(\[*])")
+# A sentence ends at . ? or ! followed by whitespace, whatever comes next: docstrings often start
+# a sentence with a lowercase name (``vLLM``, an option such as ``pool_bytes:``), and the
+# abbreviations that would split wrongly are masked first.
+_SENTENCE_END = re.compile(r"(?<=[.?!])\s+(?=\S)")
 # Indented or bulleted lines inside a docstring (usage examples, tables) are not prose.
 _NOT_PROSE = re.compile(r"^\s{2,}\S|^\s*[-*]\s|^\s*>>>|^\s*\|")
 _ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.")
