@@ -1,15 +1,16 @@
-"""The producer's fingerprints (``wire.fingerprint``), taken in the step that wrote the
-slots: at the end of each step (``wait_for_save``, after the drafter) the worker side
-gathers the sampled words of every position the step computed, from the slots the block
-table gives them (the step's slot check holds those against the slot mapping the forward
-pass used), with one torch gather where the cache is; on a GPU the words are copied to
-pinned host memory asynchronously and an event recorded after the copy, on the engine's
-stream, so the engine never waits. At ship time the words of a sample's tokens make each
-share's record (``SampleWords.record``), read once the step is done.
+"""The producer's fingerprints (``wire.fingerprint``), taken in the step that wrote the slots.
 
-A position no step of this request wrote (a prefix-cache hit: computed by an earlier
-request, its block shared and never reused while referenced) is fingerprinted when the
-sample ships, in the same hook, from the blocks it ships from.
+They are taken where the cache is and copied off asynchronously, so the engine never waits.
+At the end of each step (``wait_for_save``, after the drafter) the worker side gathers the
+sampled words of every position the step computed. One torch gather reads them from the
+slots the block table gives; the step's slot check holds those slots against the forward
+pass's slot mapping. On a GPU the words are copied to pinned host memory without blocking,
+and an event is recorded after the copy on the engine's stream. At ship time the words of a
+sample's tokens make each share's record (``SampleWords.record``), read once the step is done.
+
+A position no step of this request wrote is fingerprinted when the sample ships, in the same
+hook, from the blocks it ships from. Such a position is a prefix-cache hit: an earlier request
+computed it, and its block is shared and never reused while referenced.
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ class SampleWords:
         return np.flatnonzero(~have).astype(np.int64)
 
     def words(self, positions: np.ndarray) -> np.ndarray:
-        """``[n, layers]`` words of the sample's tokens at ``positions`` (a later step's
-        words of a position written again win); waits for the steps that took them (done
-        by the time a share is read: its gate opened). ValueError: a position without words."""
+        """``[n, layers]`` words of the sample's tokens at ``positions``.
+
+        A position written again takes the later step's words. It waits for the steps that
+        took them, which are done by the time a share is read (its gate opened).
+        ValueError: a position without words."""
         if not len(positions):
             return np.zeros((0, 0), dtype=np.int64)
         top = int(positions.max()) + 1
@@ -110,9 +113,10 @@ class Fingerprints:
         self._samples: dict[str, SampleWords] = {}
 
     def take(self, expect: StepExpect, last: Mapping[str, int] | None = None) -> None:
-        """This step's positions (``expect``: where the step's slices were written), on
-        the engine's thread after the drafter: one gather, nothing waits for the device.
-        ``last``: the last position of each sample that ships in this step."""
+        """Takes this step's positions, on the engine's thread after the drafter.
+
+        One gather, and nothing waits for the device. ``expect``: where the step's slices
+        were written. ``last``: the last position of each sample that ships in this step."""
         singles = expect.singles
         runs: list[Run] = [(s[0], s[1], 1) for s in singles]
         pos = [np.fromiter((s[1] for s in singles), dtype=np.int64, count=len(singles))]
@@ -131,20 +135,25 @@ class Fingerprints:
             self._gather(runs, np.concatenate(pos), np.concatenate(blk), last or {})
 
     def ship(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> SampleWords:
-        """The sample's words, at its ship: positions no step wrote are taken now from the
-        blocks it ships from, and its last token again when no step took it knowing it is
-        the last (``wire.fingerprint``: the last word of a partly filled last block). The
-        request is forgotten here."""
+        """The sample's words at its ship; the request is forgotten here.
+
+        Positions no step wrote are taken now, from the blocks it ships from. Its last token
+        is taken again when no step took it knowing it is the last. ``wire.fingerprint``
+        treats that word apart: it is the last of a partly filled last block."""
         got = self.ship_many([(request_id, num_tokens, blocks)])[request_id]
         if isinstance(got, Exception):
             raise got
         return got
 
     def ship_many(self, orders: Sequence[Ship]) -> dict[str, SampleWords | Exception]:
-        """``ship`` for each of a step's samples, with one gather for them all: a ship's
-        gather is mostly numpy's and torch's fixed cost a call, and every sample pays one
-        (a step never knows its last token is the last: the sampler decides after it).
-        A sample whose words cannot be taken gets its error and is forgotten; the others ship."""
+        """``ship`` for each of a step's samples, with one gather for them all.
+
+        A ship's gather is mostly numpy's and torch's fixed cost per call. Every sample pays
+        one, since a step never knows its last token is the last: the sampler decides after
+        it. A sample
+ whose words cannot be taken gets its error and is forgotten; the
+        others ship."""
+
         due: list[tuple[str, np.ndarray, np.ndarray]] = []
         out: dict[str, SampleWords | Exception] = {}
         for rid, num_tokens, blocks in orders:
