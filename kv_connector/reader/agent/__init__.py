@@ -1,2 +1,4 @@
-"""A trainer rank's fetch agent: one process holding the rank's ``PullClient``, and the
-``AgentClient`` its DataLoader workers fetch through over a Unix socket."""
+"""A trainer rank's fetch agent: one process holding the rank's ``PullClient``, and its client.
+
+The rank's DataLoader workers fetch through ``AgentClient``, over a Unix socket."""
+

@@ -1,18 +1,20 @@
-"""The rank's side of its fetch agent (``reader.agent.fetch_agent``): ``FetchAgentProcess``
-starts the agent and holds it (the agent ends when the rank does), and ``AgentClient``
-fetches through it, from any thread or process of the rank (a DataLoader worker gets it
-pickled: its address only).
+"""The rank's side of its fetch agent (``reader.agent.fetch_agent``): a process and its client.
 
-``AgentClient.fetch(handle)`` asks the agent for the sample (the agent READs it into its
-pool, checks it and releases it at the producer), maps the agent's pool once per process
-(the memory file comes over the socket), copies the sample out (the one copy: the
-tensor is the caller's, contiguous [T, L, H]) and tells the agent its pages may go back.
+One agent serves every thread and process of the rank, so the rank registers one pool.
+``FetchAgentProcess`` starts the agent and holds it; the agent ends when the rank does.
+``AgentClient`` fetches through it from any thread or process of the rank. A DataLoader
+worker gets it pickled, which carries its address only.
+
+``AgentClient.fetch(handle)`` asks the agent for the sample. The agent READs it into its
+pool, checks it and releases it at the producer. The client maps the agent's pool once per
+process; the memory file comes over the socket. It copies the sample out, the one copy: the
+tensor is the caller's, contiguous [T, L, H]. Then it tells the agent the pages may go back.
 Each thread has a connection of its own; a process's connections share one mapping.
 
-A sample the rank was handed before its agent serves (the first row a rank fetches
-itself) is kept at its producer while the agent starts: ``start(keep=[params])`` runs a
-``HoldKeeper`` until the agent answers, so a slow start does not let ``pull_timeout_s``
-free the sample (each producer keeps it at most twice ``pull_timeout_s``).
+A sample the rank was handed before its agent serves is kept at its producer while the agent
+starts; it is the first row a rank fetches itself. ``start(keep=[params])`` runs a
+``HoldKeeper`` until the agent answers, so a slow start does not let ``pull_timeout_s`` free
+the sample. Each producer keeps it at most twice ``pull_timeout_s``.
 """
 
 from __future__ import annotations
@@ -71,15 +73,18 @@ class FetchAgentError(RuntimeError):
 
 
 class FetchAgentProcess:
-    """A rank's fetch agent, started by ``start()`` (or on first use of ``address``) in a
-    process of its own and ended by ``close()`` or by the end of this process."""
+    """A rank's fetch agent, run in a process of its own.
+
+    ``start()`` starts it, or the first use of ``address`` does; ``close()`` or the end of
+    this process ends it."""
 
     def __init__(
         self, options: PullOptions | None = None, *, secret: bytes | None = None, **keywords: Any
     ) -> None:
-        """``options``: the agent's ``PullOptions`` (its pool is shared with the rank's
-        workers whatever ``shared_pool`` says); or their fields as keywords, not both, with
-        a pool of ``AGENT_POOL_BYTES`` by default. ``secret``: as ``PullClient``'s."""
+        """``options``: the agent's ``PullOptions``, or their fields as keywords, not both.
+
+        Its pool is shared with the rank's workers whatever ``shared_pool`` says. Given as
+        keywords, the pool is ``AGENT_POOL_BYTES`` by default. ``secret``: as ``PullClient``'s."""
         keywords = keywords if options is not None else {"pool_bytes": AGENT_POOL_BYTES, **keywords}
         options = options_of(PullOptions, options, keywords)
         # its NIXL agent's name, also what keeps of its first samples announce
@@ -105,9 +110,10 @@ class FetchAgentProcess:
 
     def start(self, keep: Iterable[str | Mapping[str, Any]] = ()) -> None:
         """Start the agent now, if it is not started (``FetchAgentError`` if it cannot).
-        ``keep``: handles (or responses' ``kv_transfer_params``) of samples this rank was
-        handed and will fetch through the agent: their producers keep them held while the
-        agent starts (``HoldKeeper``; ``kept`` says what it did)."""
+
+        ``keep``: handles, or responses' ``kv_transfer_params``, of samples this rank was
+        handed and will fetch through the agent. Their producers keep them held while the
+        agent starts (``HoldKeeper``); ``kept`` says what it did."""
         with self._lock:
             if self._proc is not None:
                 if self._proc.poll() is not None:
@@ -156,8 +162,9 @@ class FetchAgentProcess:
             self.start_phases = dict(said.get("phases") or {})
 
     def slow_start(self) -> str | None:
-        """What made the agent's start slow, in a sentence (its slowest phase, and whether
-        it waited for a core), or None for a start within ``SLOW_START_S``."""
+        """What made the agent's start slow, in a sentence; None within ``SLOW_START_S``.
+
+        The sentence names its slowest phase and whether it waited for a core."""
         if self.start_s is None or self.start_s <= SLOW_START_S:
             return None
         name, p = max(self.start_phases.items(), key=lambda kv: kv[1].get("wall_s") or 0.0, default=("", {}))
@@ -262,10 +269,12 @@ class AgentClient:
 
     # ------------------------------------------------------------------ public
     def fetch(self, handle: str | Mapping[str, Any], release: bool = True) -> Sample:
-        """The sample named by ``handle`` (or a response's ``kv_transfer_params``), read
-        and checked by the agent, released at its producer (unless ``release=False``) and
-        copied out of the agent's pool; ``FetchError`` saying why not ("agent" when the
-        agent cannot be reached)."""
+        """The sample named by ``handle`` or a response's ``kv_transfer_params``.
+
+        The agent reads and checks it and releases it at its producer (unless
+        ``release=False``); it is then copied out of the agent's pool. ``FetchError`` says
+        why not ("agent" when the agent cannot be reached)."""
+
         conn = self._conn()
         got = self._ask(conn, AgentFetch(_handle(handle), release), self.timeout_s * 2)
         if isinstance(got, AgentFailed):

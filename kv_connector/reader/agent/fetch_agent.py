@@ -1,24 +1,25 @@
-"""A trainer rank's fetch agent: one process that owns the rank's only NIXL agent and its
-only registered receive pool, and fetches pulled samples for every DataLoader worker (or
-thread, or process) of the rank.
+"""A trainer rank's fetch agent: one process that fetches pulled samples for the whole rank.
+
+It owns the rank's only NIXL agent and its only registered receive pool, and serves every
+DataLoader worker, thread or process of the rank.
 
     rank (the trainer's process)  --starts-->  fetch agent (this module, a process)
       DataLoader worker 0..N-1    --Unix socket (agent.wire)-->  fetch agent
       each worker maps the agent's pool (a memory file passed over the socket)
 
 The agent READs a sample once, with a ``PullClient`` whose pool lies in a memory file
-(``shared_pool=True``), checks and releases it at the producer as ``PullClient.fetch``
-does, and tells the asking client where the sample lies in the pool; the client copies
-it out (the one copy) and says it is done, and the pages go back. A client that goes away
-(a worker killed) has its leases ended when its connection closes. The agent ends when the
-rank does: it reads its standard input, which the rank holds, and exits at its end (the
-rank exiting, however it exits, closes it).
+(``shared_pool=True``). It checks the sample and releases it at the producer, as
+``PullClient.fetch`` does, and tells the asking client where the sample lies in the pool.
+The client copies it out (the one copy) and says it is done, and the pages go back. A
+client that goes away (a worker killed) has its leases ended when its connection closes.
+The agent ends when the rank does. It reads its standard input, which the rank holds, and
+exits at its end; the rank exiting, however it exits, closes it.
 
-Run by ``agent.client.FetchAgentProcess`` as ``python -m kv_connector.reader.agent.fetch_agent``:
-its configuration comes as one JSON line on standard input, and it answers with one JSON
-line on standard output (``{"address": ...}`` once it serves, or ``{"error": ...}``).
-It logs how long each phase of its start took (``START_PHASES``), in wall and CPU time,
-and warns naming the slowest phase when the start took more than ``SLOW_START_S``.
+``agent.client.FetchAgentProcess`` runs it as ``python -m kv_connector.reader.agent.fetch_agent``.
+Its configuration comes as one JSON line on standard input. It answers with one JSON line on
+standard output: ``{"address": ...}`` once it serves, or ``{"error": ...}``. It logs each
+start phase's wall and CPU time (``START_PHASES``). A start longer than ``SLOW_START_S``
+warns, naming the slowest phase.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ SLOW_START_S = 5.0  # a start slower than this logs a warning naming its slowest
 
 
 class FetchAgent:
-    """Serves fetches from one ``PullClient`` with a shared pool to every client that
-    connects to ``address`` (a Unix socket in a directory only this user can enter)."""
+    """Serves fetches from one ``PullClient`` with a shared pool to every client of ``address``.
+
+    ``address`` is a Unix socket in a directory only this user can enter."""
 
     def __init__(self, config: AgentConfig, lap: Callable[[str], object] | None = None) -> None:
         """``lap`` is called with each start phase's name as it ends (``START_PHASES``)."""
@@ -218,9 +220,10 @@ def _say(obj: dict[str, Any]) -> None:
 
 
 def queued_s() -> float | None:
-    """Seconds this process's main thread has waited, runnable, for a core since it began
-    (Linux's run-queue delay, ``/proc/self/schedstat``); None where the kernel does not
-    count it."""
+    """Seconds this process's main thread has waited, runnable, for a core since it began.
+
+    It is Linux's run-queue delay (``/proc/self/schedstat``); None where the kernel does
+    not count it."""
     try:
         with open("/proc/self/schedstat") as f:
             return int(f.read().split()[1]) / 1e9
@@ -229,8 +232,10 @@ def queued_s() -> float | None:
 
 
 def log_start(agent: FetchAgent, phases: Phases) -> None:
-    """One line saying what serves and how long each start phase took; a warning naming
-    the slowest phase when the start took more than ``SLOW_START_S``."""
+    """Logs one line: what serves and how long each start phase took.
+
+    A start longer than ``SLOW_START_S`` logs a warning naming the slowest phase."""
+
     log.info(
         "fetch agent %d: NIXL agent %s, %d MiB pool registered, serving at %s; started in %.1f s: %s",
         os.getpid(),

@@ -1,14 +1,15 @@
-"""Keeps a producer's holds for a consumer that is still starting: while a trainer rank's
-fetch agent starts (``agent.client.FetchAgentProcess.start(keep=...)``), a thread tells
-each producer rank that the handles name a consumer is coming (``PullKeep``), again
-before the hold would end, so a sample handed out before the agent serves is not freed
-by ``pull_timeout_s`` meanwhile. Each rank keeps a hold at most twice ``pull_timeout_s``
-after its request finished (its ledger's P8): a consumer that never comes cannot keep
-blocks for ever.
+"""Keeps a producer's holds for a consumer that is still starting.
 
-No NIXL agent is needed: the keeper's connections (``pull.links.ProducerLinks`` without
-a transport) run the authenticated handshake, announce the pool the agent will have and
-move no memory key.
+A sample handed out before the fetch agent serves must not be freed by ``pull_timeout_s``
+meanwhile. While a trainer rank's fetch agent starts
+(``agent.client.FetchAgentProcess.start(keep=...)``), a thread tells each producer rank
+the handles name that a consumer is coming (``PullKeep``). It says so again before the hold
+would end. Each rank keeps a hold at most twice ``pull_timeout_s`` after its request
+finished (its ledger's P8), so a consumer that never comes cannot keep blocks for ever.
+
+No NIXL agent is needed. The keeper's connections are ``pull.links.ProducerLinks`` without
+a transport: they run the authenticated handshake, announce the pool the agent will have
+and move no memory key.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ MIN_KEEP_S = 0.5  # and never more often than this
 
 @dataclass
 class KeptHolds:
-    """What a keeper did: ``kept``, keeps each producer rank answered; ``held_s``, the
-    seconds the last answer granted per handle (from when it came); ``refused``, the
-    handles a rank would not keep, and why (the fetch will say the same)."""
+    """What a keeper did.
+
+    ``kept``: keeps each producer rank answered. ``held_s``: the seconds the last answer
+    granted per handle, from when it came. ``refused``: the handles a rank would not keep,
+    and why; the fetch will say the same."""
 
     kept: int = 0
     held_s: dict[str, float] = field(default_factory=dict)
@@ -43,9 +46,10 @@ class KeptHolds:
 
 
 class HoldKeeper:
-    """Keeps the holds of ``handles`` (or responses' ``kv_transfer_params``) from
-    ``start()`` to ``stop()``, as a consumer named ``name`` with a pool of ``pool_bytes``
-    to come."""
+    """Keeps the holds of ``handles`` (or responses' ``kv_transfer_params``) from ``start()`` to ``stop()``.
+
+    It speaks as the consumer to come: named ``name``, with a pool of ``pool_bytes``."""
+
 
     def __init__(
         self,

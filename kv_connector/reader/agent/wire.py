@@ -1,5 +1,7 @@
-"""What a rank's fetch agent (``reader.agent.fetch_agent``) and its clients (``reader.agent.client``)
-say to each other over a Unix socket: length-prefixed msgpack frames of the messages below.
+"""What a rank's fetch agent and its clients say to each other over a Unix socket.
+
+The agent is ``reader.agent.fetch_agent``, its clients ``reader.agent.client``. Each
+message below travels as one length-prefixed msgpack frame.
 
     client                                   agent
     (connects)                          <-   AgentHello(pool_bytes), the pool's memory file
@@ -34,8 +36,9 @@ _LEN = struct.Struct(">I")
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How the rank configures its agent (the JSON line on standard input): the options of
-    the agent's ``PullClient``, where its socket lies and the secret."""
+    """How the rank configures its agent, as the JSON line on standard input.
+
+    It holds the options of the agent's ``PullClient``, where its socket lies and the secret."""
 
     socket_dir: str
     options: PullOptions
@@ -96,9 +99,12 @@ class AgentOk(_AgentMsg, tag="ok", frozen=True):
 
 
 class AgentStats(_AgentMsg, tag="stats", frozen=True):
-    """What one agent holds and did: one NIXL agent (``agent_name``), one pool registered
-    (``registered_bytes``), the clients connected now, samples handed out and failed, the
+    """What one agent holds and did.
+
+    It holds one NIXL agent (``agent_name``) and one registered pool (``registered_bytes``).
+    It counts the clients connected now and the samples handed out and failed. It counts the
     leases held now and those freed because their client went away."""
+
 
     pid: int
     agent_name: str
