@@ -1,20 +1,21 @@
 """The step's barrier and its slot-mapping check, off the step's critical path.
 
-The engine never waits for the device here. At the end of a step (after the drafter, which
-wrote the hidden states) the worker side hands ``SlotChecks.add`` the slot mapping the
-cache-only layer wrote with: on a GPU it is copied to pinned host memory asynchronously
-and an event is recorded after the copy, on the engine's stream (so after the drafter);
-on CPU a stand-in that is always done takes its place and the same code runs. A step is
-checked (``planning.check_step``) once its event is done, in step order, by whoever asks
-first: the worker side at its next hook, or a sender thread asking a ``StepGate`` whether
-a request's blocks may be read. Until then nothing reads them: the sender holds the
-request's job (no credit request, no digest, no WRITE).
+The engine never waits for the device here. At the end of a step, after the drafter wrote
+the hidden states, the worker side hands ``SlotChecks.add`` the slot mapping the cache-only
+layer wrote with. On a GPU the mapping is copied to pinned host memory without blocking,
+and an event is recorded after the copy on the engine's stream, so after the drafter. On
+CPU a stand-in that is always done takes the event's place, and the same code runs.
 
-The same step's input ids (the tokens the forward pass computed each row from) travel
-beside its slot mapping: each slice's rows are kept, and a shipped sample's token ids are
+A step is checked (``planning.check_step``) once its event is done, in step order, by
+whoever asks first. That is the worker side at its next hook, or a sender thread asking a
+``StepGate`` whether a request's blocks may be read. Until then nothing reads them: the
+sender holds the request's job (no credit request, no digest, no WRITE).
+
+The same step's input ids travel beside its slot mapping: the tokens the forward pass
+computed each row from. Each slice's rows are kept. A shipped sample's token ids are
 compared with them once its last step is checked (``expect_tokens``). A position computed
-from another token than the sample names (vLLM #56417: a drafter fed back another token
-than the one committed) fails the sample by name; checksums cannot see it.
+from another token than the sample names fails the sample by name; checksums cannot see
+it. vLLM #56417 is such a case: a drafter fed back another token than the one committed.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ class SlotChecks:
     def add(
         self, slots: torch.Tensor | None, expected: StepExpect, inputs: torch.Tensor | None = None
     ) -> StepGate:
-        """The step that just ran (on the calling thread, after its drafter): its slot
-        mapping (None when the step wrote no slots), where its slices must be, and its
-        input ids (at least as many rows as the slot mapping; None: not checked)."""
+        """Adds the step that just ran, on the calling thread after its drafter.
+
+        ``slots``: its slot mapping, None when the step wrote no slots. ``expected``: where
+        its slices must be. ``inputs``: its input ids, at least as many rows as the slot
+        mapping (None: not checked)."""
         if slots is not None and inputs is not None:
             inputs = inputs[: slots.shape[0]] if inputs.shape[0] >= slots.shape[0] else None
         if slots is not None and slots.is_cuda:
@@ -84,9 +87,10 @@ class SlotChecks:
         return StepGate(self, step.seq)
 
     def expect_tokens(self, request_id: str, token_ids: tuple[int, ...], seq: int) -> None:
-        """A sample ships ``token_ids`` from blocks written up to step ``seq``: each of its
-        positions computed in a checked step must have been computed from that token
-        (a mismatch fails it, as a slot mismatch does)."""
+        """A sample ships ``token_ids`` from blocks written up to step ``seq``.
+
+        Each of its positions computed in a checked step must have been computed from that
+        token. A mismatch fails the sample, as a slot mismatch does."""
         with self._lock:
             if self._settled >= seq:
                 self._compare(request_id, token_ids)
@@ -161,8 +165,10 @@ class SlotChecks:
                 kept.setdefault(e.request_id, []).append((e.start, part))
 
     def _compare(self, rid: str, tokens: tuple[int, ...]) -> None:
-        """Fail ``rid`` if a position it ships was computed from another token (the last
-        computation of each position counts: its row is what the cache holds)."""
+        """Fail ``rid`` if a position it ships was computed from another token.
+
+        The last computation of each position counts, since its row is what the cache holds."""
+
         parts = self._inputs.pop(rid, None)
         if not parts or rid in self.failed:
             return
