@@ -1,7 +1,9 @@
-"""Worker side of the connector: finds the cache-only layer's tensor, reads each step's
-slot mapping, checks it off the critical path, and hands complete requests to its
-delivery mode (``push.mode.PushWorker`` or ``pull.mode.PullWorker``, chosen once from
-the options' ``delivery``); what the mode settles goes back to vLLM and the scheduler."""
+"""Worker side of the connector: reads each step's slots and hands complete requests to a mode.
+
+It finds the cache-only layer's tensor, reads each step's slot mapping and checks it off
+the critical path. Complete requests go to its delivery mode, ``push.mode.PushWorker`` or
+``pull.mode.PullWorker``, chosen once from the options' ``delivery``. What the mode settles
+goes back to vLLM and the scheduler."""
 
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def provenance_of(vllm_config: VllmConfig) -> Provenance:
-    """What this worker's samples say produced them: the vLLM, its model runner (the CPU
-    build runs V1 whatever the config says) and the model as vLLM was given it."""
+    """What this worker's samples say produced them: the vLLM, its model runner and the model.
+
+    The model is named as vLLM was given it. The CPU build runs V1 whatever the config says."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -74,8 +77,9 @@ def provenance_of(vllm_config: VllmConfig) -> Provenance:
 
 
 def written_slots(layer_name: str) -> torch.Tensor | None:
-    """The slot mapping vLLM's cache update uses for ``layer_name`` this forward (the
-    forward context's per-layer dict), or None where there is none."""
+    """The slot mapping vLLM's cache update uses for ``layer_name`` this forward, or None.
+
+    It comes from the forward context's per-layer dict."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
@@ -88,9 +92,10 @@ def written_slots(layer_name: str) -> torch.Tensor | None:
 def read_cache(
     cache: torch.Tensor, num_layers: int, hidden_size: int, kv_cache_config: KVCacheConfig | None
 ) -> CacheView:
-    """The cache-only layer's tensor as ``layout.layout_from_view`` reads it, with the
-    hidden-state group's manager block size and block count from vLLM's KV cache
-    config (the view may be split into kernel blocks; the config says by how much).
+    """The cache-only layer's tensor as ``layout.layout_from_view`` reads it.
+
+    The hidden-state group's manager block size and block count come from vLLM's KV cache
+    config. The view may be split into kernel blocks; the config says by how much.
     ``layout.AmbiguousCacheView`` where it cannot be read without a guess."""
     from kv_connector.producer.scheduler_side import hidden_state_group
 
@@ -225,8 +230,10 @@ class WorkerSide:
         )
 
     def save_kv_layer(self, layer_name: str, attn_metadata: object) -> None:
-        """Keep the slot mapping the cache-only layer wrote with: the forward context's
-        for the layer (what vLLM's cache update reads), else its attention metadata's."""
+        """Keep the slot mapping the cache-only layer wrote with.
+
+        That is the forward context's for the layer, which vLLM's cache update reads; else
+        its attention metadata's."""
         if layer_name == self.layer_name:
             slots = written_slots(layer_name)
             if slots is None:
@@ -235,10 +242,11 @@ class WorkerSide:
                 self._slots = slots
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
-        """After the step's drafter: hand the step's slot mapping to the checks (an
-        asynchronous copy and an event on a GPU; the engine never waits for the device),
-        then ship the complete requests, each held by its sender until the step is done
-        and checked (``slot_check``); in pull mode, hold them for consumers."""
+        """After the step's drafter: hand the step's slot mapping to the checks, then ship.
+
+        On a GPU the checks take an asynchronous copy and an event, so the engine never
+        waits for the device. Each complete request is held by its sender until the step is
+        done and checked (``slot_check``). In pull mode they are held for consumers."""
         mode = self.mode
         if plan is None or not plan or self.recorder is None or self.checks is None or mode is None:
             self._slots = None
@@ -334,9 +342,10 @@ class WorkerSide:
             self.fingerprints.forget(rid)
 
     def _fail_unshipped(self, rid: str, why: str) -> None:
-        """A slice of the request was not written where its block table says (or not at
-        all): it will not be shipped. One already shipped is failed by its sender (its
-        gate says why), which reports it."""
+        """A slice of the request was not written where its block table says, or not at all.
+
+        It will not be shipped. One already shipped is failed by its sender, which reports
+        it; its gate says why."""
         if rid in self._shipped or rid in self._failed:
             return
         log.error("request %s: %s; its hidden states will not be shipped", rid, why)
@@ -344,9 +353,10 @@ class WorkerSide:
         self._note_failure(rid, SampleFailure(FailureReason.OTHER, why))
 
     def unregister_kv_caches(self) -> None:
-        """vLLM goes to sleep and releases the cache's memory: the mode stops reading it
-        (push: shares in flight get up to ``drain_timeout_s`` to be acknowledged, the rest
-        fail by name, the cache is deregistered). Nothing reads the cache until
+        """vLLM goes to sleep and releases the cache's memory: the mode stops reading it.
+
+        In push mode, shares in flight get up to ``drain_timeout_s`` to be acknowledged; the
+        rest fail by name, and the cache is deregistered. Nothing reads the cache until
         ``restore_kv_caches``. Idempotent."""
         if self.asleep or self.mode is None:
             return
@@ -357,8 +367,9 @@ class WorkerSide:
         self.asleep = self.mode.sleep(why, self.options.drain_timeout_s)
 
     def restore_kv_caches(self) -> None:
-        """vLLM woke up: the mode reads the cache again (its memory may have moved; push
-        registers it again and connects to every reader again). Idempotent."""
+        """vLLM woke up: the mode reads the cache again. Idempotent.
+
+        Its memory may have moved, so push registers it again and reconnects to every reader."""
         if not self.asleep or self.cache is None or self.mode is None:
             return
         self.mode.wake(self.cache)
@@ -368,10 +379,12 @@ class WorkerSide:
         log.info("rank %d: awake; the cache is registered again", self.rank)
 
     def handle_preemptions(self, plan: StepPlan | None) -> None:
-        """Called before this step reuses preempted requests' blocks: a shipped request's
-        share gets up to ``preempt_timeout_s`` to be safely written (granted, landed,
-        hashed); one that is not by then fails (the reader drops it). Nothing is ever
-        shipped from reused blocks, and a full or hung reader holds the step no longer."""
+        """Called before this step reuses preempted requests' blocks.
+
+        A shipped request's share gets up to ``preempt_timeout_s`` to be safely written:
+        granted, landed, hashed. One that is not by then fails, and the reader drops it.
+        Nothing is ever shipped from reused blocks, and a full or hung reader holds the step
+        no longer."""
         if plan is None or not plan.preempted or self.mode is None:
             return
         for rid in plan.preempted:
@@ -381,9 +394,10 @@ class WorkerSide:
             self._note_failure(rid, failure)
 
     def get_finished(self, finished_req_ids: set[str], shipping: set[str] | None = None) -> set[str] | None:
-        """``shipping``: the requests this step's plan ships and ``wait_for_save`` has not
-        yet (vLLM asks this first when a drafter runs): a request that ships its output
-        tokens is shipped in the step that also tells the workers it finished."""
+        """``shipping``: the requests this step's plan ships and ``wait_for_save`` has not yet.
+
+        vLLM asks this first when a drafter runs. A request that ships its output tokens is
+        shipped in the step that also tells the workers it finished."""
         mode = self.mode
         if mode is None:
             return None
@@ -419,8 +433,10 @@ class WorkerSide:
         return ready
 
     def build_connector_worker_meta(self) -> WorkerReport:
-        """What the scheduler side should learn this step: changes of this rank's link
-        to each reader (None: connected), and requests failed or delivered since."""
+        """What the scheduler side should learn this step.
+
+        It carries changes of this rank's link to each reader (None: connected), and the
+        requests failed or delivered since."""
         links, endpoints = self.mode.link_changes() if self.mode is not None else ([], {})
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
@@ -435,8 +451,11 @@ class WorkerSide:
         return self.mode is not None and self.mode.wait_connected(timeout_s)
 
     def get_kv_connector_stats(self) -> StepData | None:
-        """This step's metrics (``step_stats``): the senders' counters and observations
-        since the last step, and, on rank 0, the samples shipped, delivered and failed."""
+        """This step's metrics (``step_stats``).
+
+        They hold the senders' counters and observations since the last step. On rank 0
+        they also hold the samples shipped, delivered and failed."""
+
         return self.metrics.take_from(self.mode.metrics_sources() if self.mode is not None else [])
 
     def _note_failure(self, rid: str, failure: SampleFailure) -> None:
