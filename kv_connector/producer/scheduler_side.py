@@ -1,8 +1,10 @@
-"""Scheduler side of the connector: admits new requests as its delivery mode says,
-turns each step's SchedulerOutput into a ship plan, holds finished requests' blocks until
-every worker reported them sent, and tells each finished request where its sample stands,
-in the words of its delivery mode (``push.mode.PushScheduling`` or
-``pull.mode.PullScheduling``, chosen once from the options' ``delivery``)."""
+"""Scheduler side of the connector: admission, each step's ship plan, finished requests' blocks.
+
+It admits new requests as its delivery mode says and turns each step's SchedulerOutput
+into a ship plan. It holds finished requests' blocks until every worker reported them sent.
+It tells each finished request where its sample stands, in the words of its delivery mode.
+The mode is ``push.mode.PushScheduling`` or ``pull.mode.PullScheduling``, chosen once from
+the options' ``delivery``."""
 
 from __future__ import annotations
 
@@ -44,9 +46,9 @@ SCHEDULER_MODES: dict[Delivery, type[PushScheduling] | type[PullScheduling]] = {
 def hidden_state_group(kv_cache_config: KVCacheConfig | None, layer_marker: str = "cache_only_layers") -> int:
     """Index of the KV cache group whose block table addresses the hidden states.
 
-    The group that holds the cache-only layer (vLLM's own grouping), found by its spec or
-    layer name; on hybrid models with the supplementary-tensor design, the full-attention
-    group named by ``kv_cache_config.supplementary_group`` (see ``hybrid``).
+    It is the group that holds the cache-only layer in vLLM's own grouping, found by its spec
+    or layer name. On hybrid models with the supplementary-tensor design, it is the
+    full-attention group named by ``kv_cache_config.supplementary_group`` (see ``hybrid``).
     """
     if kv_cache_config is None:
         return 0
@@ -75,9 +77,11 @@ LOOKS_FOR_INPUT = 3  # builds that look for vLLM's input queue before giving up
 
 
 def engine_input_waits(frame: Any) -> Callable[[], bool] | None:
-    """A probe of vLLM's engine core input queue (``EngineCoreProc.input_queue``, where its
-    input thread puts new requests, aborts and shutdowns), found on the stack above
-    ``frame``: True while something waits there. None where no frame's ``self`` has one."""
+    """A probe of vLLM's engine core input queue, found on the stack above ``frame``.
+
+    The queue is ``EngineCoreProc.input_queue``, where the input thread puts new requests,
+    aborts and shutdowns. The probe is True while something waits there. None where no
+    frame's ``self`` has one."""
     while frame is not None:
         q = getattr(frame.f_locals.get("self"), "input_queue", None)
         if isinstance(q, queue.Queue):
@@ -119,9 +123,10 @@ class SchedulerSide:
         self._looked_for_input = 0
 
     def on_new_request(self, request: Request) -> None:
-        """Follow a new request; a request id that cannot travel, or a bad ``sample_id``
-        or ``metadata`` in its kv_transfer_params, fails it alone (it runs without
-        shipping, and says why)."""
+        """Follow a new request.
+
+        A request id that cannot travel, or a bad ``sample_id`` or ``metadata`` in its
+        kv_transfer_params, fails it alone: it runs without shipping, and says why."""
         params = request.kv_transfer_params or {}
         include = bool(params.get("include_output_tokens", self.options.include_output_tokens))
         rid = request.request_id
@@ -140,10 +145,12 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """May the request start now? As its delivery mode says: while it may not, it waits
-        in vLLM's queue, holding no blocks (None: vLLM asks again next step), for at most
-        ``connect_timeout_s``; then it runs without shipping and its kv_transfer_params say
-        why. Nothing is ever loaded from outside (0 tokens, synchronously)."""
+        """May the request start now? Its delivery mode says.
+
+        While it may not, it waits in vLLM's queue holding no blocks (None: vLLM asks again
+        next step). It waits at most ``connect_timeout_s``; then it runs without shipping,
+        and its kv_transfer_params say why. Nothing is ever loaded from outside (0 tokens,
+        synchronously)."""
         rid = request.request_id
         a = self.mode.admit(rid)
         self.metrics.waiting(rid, a.kind is AdmissionKind.WAIT)
@@ -156,8 +163,9 @@ class SchedulerSide:
         return 0, False
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """The workers' reports of one step (their ``WorkerReport``s, merged by vLLM), and
-        the requests whose blocks vLLM frees now (every worker reported them sent)."""
+        """Takes the workers' reports of one step, their ``WorkerReport``s merged by vLLM.
+
+        It also counts the requests whose blocks vLLM frees now: every worker reported them sent."""
         report = getattr(output.kv_connector_worker_meta, "report", None)
         if isinstance(report, WorkerReport):
             self._take_report(report)
@@ -169,9 +177,10 @@ class SchedulerSide:
             log.error("request %s (already finished) lost its hidden states: %s", rid, failure.why)
 
     def _engine_input(self) -> Callable[[], bool] | None:
-        """Whether vLLM's engine core has requests waiting to be added (its input queue),
-        found once on the call stack of ``build_connector_meta`` (the engine core's own thread):
-        None where the engine has none to look at (an in-process engine)."""
+        """Whether vLLM's engine core has requests waiting to be added to its input queue.
+
+        The queue is found once on the call stack of ``build_connector_meta``, the engine
+        core's own thread. None where the engine has none to look at (an in-process engine)."""
         if self._input_waits is None and self._looked_for_input < LOOKS_FOR_INPUT:
             self._looked_for_input += 1
             self._input_waits = engine_input_waits(sys._getframe(1))
@@ -218,10 +227,13 @@ class SchedulerSide:
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold the blocks of a shipped request until the workers report it sent (push) or
-        a consumer released it (pull); its kv_transfer_params name its sample (request id,
-        and sample id: the request's own when it gave none) and say where it stands, as
-        its delivery mode puts it."""
+        """Hold the blocks of a shipped request until it is sent (push) or released (pull).
+
+        In push the workers report it sent; in pull a consumer releases it. Its
+        kv_transfer_params name its sample: the request id, and the sample id (the
+        request's own when it gave none). They say where it stands, as its delivery mode
+        puts it."""
+
         rid = request.request_id
         self._unfinished.discard(rid)
         rec = self.requests.get(rid)
