@@ -1,18 +1,18 @@
 """What a user holds: a ``Sample`` whose tensors are views of the reader's pool, on lease.
 
-A sample's pages stay the sample's while the user may read them, and return to the pool
-(as credits for producers) when the lease ends: ``sample.release()``, the end of a
-``with`` block, or, for a user who never thinks about it, when the last tensor viewing
-the pages is garbage collected. Nothing is copied to hand a sample out.
+Nothing is copied to hand a sample out. A sample's pages stay the sample's while the user
+may read them. They return to the pool, as credits for producers, when the lease ends:
+``sample.release()``, the end of a ``with`` block, or the garbage collection of the last
+tensor viewing the pages, for a user who never thinks about it.
 
-The view: the reader's pool holds a sample as ``layout.BlockLayout.arranged_spans`` says,
-so ``hidden_states`` is one [T, L, H] view: a plain (contiguous) tensor where the
-producer's cache blocks are token-major (vLLM's GPU layout, "TLH"), and a strided one,
+The reader's pool holds a sample as ``layout.BlockLayout.arranged_spans`` says, so
+``hidden_states`` is one [T, L, H] view. It is a plain (contiguous) tensor where the
+producer's cache blocks are token-major (vLLM's GPU layout, "TLH"). It is a strided one,
 [L, T, H] in memory, where they are layer-major (vLLM's CPU layout, "LTH").
 
-``CopyBuffers`` serve the copying mode: a sample copied out of the pool (its pages back
-at once) into a buffer that is reused once its tensor is collected, faulted in once when
-it is made, never fresh zeroed memory per sample.
+``CopyBuffers`` serve the copying mode, where a sample is copied out of the pool and its
+pages go back at once. Its buffer is reused once its tensor is collected. Each buffer is
+faulted in once when it is made, never fresh zeroed memory per sample.
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ class Lease:
 
 
 class Described(Protocol):
-    """What names a received sample and its tokens: a ``wire.protocol.Manifest`` (the
-    pull client's and the reader's) or an ``agent.wire.AgentSample`` (the agent client's)."""
+    """What names a received sample and its tokens.
+
+    The pull client and the reader have a ``wire.protocol.Manifest``; the agent client has
+    an ``agent.wire.AgentSample``."""
 
     @property
     def request_id(self) -> str: ...
@@ -98,11 +100,11 @@ class Sample:
     provenance: what produced it (``wire.provenance.Provenance``: vLLM version, model
         runner, model), or None where its producer did not say.
 
-    ``release()`` (or leaving a ``with`` block) ends the lease: the pages return to the
-    pool, and the tensors must not be read afterwards (``hidden_states`` then raises
-    ``SampleReleased``). Without it the lease ends when the last tensor viewing the
-    pages is collected, or, for a sample from the iterator, when the next one is asked
-    for, unless you called ``keep()`` or hold its tensor or a view of it.
+    ``release()``, or leaving a ``with`` block, ends the lease: the pages return to the
+    pool. The tensors must not be read afterwards; ``hidden_states`` then raises
+    ``SampleReleased``. Without ``release()`` the lease ends when the last tensor viewing
+    the pages is collected. A sample from the iterator is also released when the next one
+    is asked for, unless you called ``keep()`` or hold its tensor or a view of it.
     """
 
     __slots__ = (
@@ -153,9 +155,10 @@ class Sample:
         metadata: dict[str, Any],
         lease: Lease | None = None,
     ) -> Sample:
-        """The sample ``what`` describes (its request and sample ids, its tokens, its
-        layers), holding ``hidden_states`` on ``lease`` (None: a copy), as every
-        client hands one out."""
+        """The sample ``what`` describes, as every client hands one out.
+
+        ``what`` gives its request and sample ids, its tokens and its layers. It holds
+        ``hidden_states`` on ``lease`` (None: a copy)."""
         return cls(
             request_id=what.request_id,
             # by numpy: a third of torch.tensor's time on a list of ints, all of it under the GIL
@@ -171,8 +174,9 @@ class Sample:
 
     @property
     def hidden_states(self) -> torch.Tensor:
-        """[num_tokens, num_layers, hidden_size]; ``SampleReleased`` once the lease ended
-        (its pages may hold another sample by now)."""
+        """[num_tokens, num_layers, hidden_size].
+
+        ``SampleReleased`` once the lease ended, since its pages may hold another sample by now."""
         if self._lease is not None and not self._lease.held:
             raise SampleReleased(
                 f"sample {self.request_id} was released (by release(), a with block, or the "
@@ -183,8 +187,9 @@ class Sample:
         return self._hidden
 
     def keep(self) -> Sample:
-        """Keep this sample on lease when the iterator moves on (until ``release`` or until
-        it is collected). Returns the sample."""
+        """Keep this sample on lease when the iterator moves on. Returns the sample.
+
+        The lease lasts until ``release`` or until the sample is collected."""
         self._kept = True
         return self
 
@@ -194,16 +199,18 @@ class Sample:
         return self._lease is not None and self._lease.held
 
     def release(self) -> None:
-        """End the lease now: its pages go back to the producers. Do not read its tensors
-        afterwards (copy what you keep). A copy, or a sample released already: nothing."""
+        """End the lease now: its pages go back to the producers.
+
+        Do not read its tensors afterwards; copy what you keep. A copy, or a sample released
+        already: nothing."""
         if self._lease is not None:
             self._lease.release()
 
     def let_go(self) -> bool:
-        """The iterator moves on: end the lease unless the user kept the sample
-        (``keep``), its tensor, or a view of its memory. A released sample's
-        ``hidden_states`` raises, so nothing reads reused pages through it. True if the
-        lease ended."""
+        """The iterator moves on: end the lease unless the user kept the sample. True if it ended.
+
+        The user keeps it by ``keep``, by its tensor, or by a view of its memory. A released
+        sample's ``hidden_states`` raises, so nothing reads reused pages through it."""
         if not self.leased or self._kept:
             return False
         # the tensor is referenced by this sample's slot and getrefcount's argument
@@ -243,8 +250,9 @@ def sample_view(raw: torch.Tensor, m: Manifest) -> torch.Tensor:
 
 
 def leased_view(pool: np.ndarray, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
-    """The sample's [T, L, H] view of the pool; the lease ends when no tensor sharing
-    this view's memory is left."""
+    """The sample's [T, L, H] view of the pool.
+
+    The lease ends when no tensor sharing this view's memory is left."""
     arr = pool[base : base + m.geometry.sample_bytes(m.num_blocks)]  # a new array object
     raw = torch.from_numpy(arr)  # its storage keeps ``arr`` alive, and every view the storage
     weakref.finalize(arr, lease.release)
@@ -263,13 +271,16 @@ class CopyBuffers:
 
     @classmethod
     def for_pool(cls, pool_bytes: int) -> CopyBuffers:
-        """Buffers for a client whose pool has ``pool_bytes``: as many kept as the pool
-        holds (a fresh allocation per sample costs more in page faults than the copy)."""
+        """Buffers for a client whose pool has ``pool_bytes``; as many are kept as the pool holds.
+
+        A fresh allocation per sample would cost more in page faults than the copy."""
         return cls(max(pool_bytes, COPY_BUFFERS_MIN_BYTES))
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of uint8 in a reused buffer; back to the pool when its last view is
-        collected."""
+        """``nbytes`` of uint8 in a reused buffer.
+
+        The buffer goes back to the pool when its last view is collected."""
+
         size = max(MIN_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
         with self._lock:
             free = self._free.get(size)
