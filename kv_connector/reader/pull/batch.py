@@ -1,14 +1,15 @@
-"""The pull client's batched fetching (``PullClient.fetch_iter`` and ``fetch_many``): the
-samples of many handles, with up to ``in_flight`` of them READ ahead on the caller's
-thread, the next one asked for meanwhile on the client's asker thread (its round trip
-overlaps the READ being posted: a READ copies on the thread that posts it), and each one
-READ checked (its record, its values) and released at its producer on the client's
-checker thread. Both threads are the client's own, made on first use and ended by its
-``close``; the checks and UCX's copies run without the GIL.
+"""The pull client's batched fetching (``PullClient.fetch_iter`` and ``fetch_many``).
 
-``fetch_iter`` is the pipeline, given the client's ``Stages`` of one fetch: ``ask``
-(every rank's share; the hold is not changed by it), ``post`` (take pages, post the
-READs) and ``finish`` (wait, check, release, hand out).
+It fetches the samples of many handles, with up to ``in_flight`` of them READ ahead on the
+caller's thread. Meanwhile the client's asker thread asks for the next one. That round
+trip overlaps the READ being posted, since a READ copies on the thread that posts it. The
+client's checker thread checks each sample READ (its record, its values) and releases it
+at its producer. Both threads are the client's own, made on first use and ended by its
+``close``. The checks and UCX's copies run without the GIL.
+
+``fetch_iter`` is the pipeline, given the client's ``Stages`` of one fetch. ``ask`` gets
+every rank's share and leaves the hold unchanged. ``post`` takes pages and posts the READs.
+``finish`` waits, checks, releases and hands out.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ class Stages(Generic[Asked, Pending]):
 
 
 class Checker:
-    """The client's two helper threads, each one (its checks run one at a time beside the
-    READs; its asks likewise, in the order of the handles), made on first use on the
-    client's device."""
+    """The client's two helper threads, made on first use on the client's device.
+
+    Each is one thread. Its checks run one at a time beside the READs; its asks likewise,
+    in the order of the handles."""
 
     def __init__(self, name: str, device: torch.device) -> None:
         self._name = name
@@ -82,12 +84,14 @@ def fetch_iter(
     handles: Iterable[Handle],
     in_flight: int | None,
 ) -> Iterator[Sample | FetchError]:
-    """The samples of ``handles`` in their order, each a ``Sample`` or the ``FetchError``
-    of that one, with up to ``in_flight`` of them READ ahead (None: all) and the next one
-    asked for on ``checker``'s asker thread meanwhile; each is finished on its checker
-    thread. Left early, the samples READ ahead are finished and released (their pages go
-    back); the one asked for ahead stays held at its producer, as if never asked for (an
-    answered ask does not change a hold)."""
+    """The samples of ``handles`` in their order, each a ``Sample`` or that one's ``FetchError``.
+
+    Up to ``in_flight`` of them are READ ahead (None: all). Meanwhile ``checker``'s asker
+    thread asks for the next one, and its checker thread finishes each. Left early, the
+    samples READ ahead are finished and released, and their pages go back. The one asked
+    for ahead stays held at its producer, as if never asked for: an answered ask does not
+    change a hold."""
+
     if in_flight is not None and in_flight < 1:
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
     executor, asker = checker.executor(), checker.asker()
