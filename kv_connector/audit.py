@@ -1,14 +1,16 @@
-"""A sampled check on what the states mean: rebuild next-token log-probabilities from the
-last captured layer with the verifier's own final norm and ``lm_head``, and compare them
-with vLLM's ``prompt_logprobs`` for the same positions.
+"""A sampled check on what the states mean, against vLLM's own log-probabilities.
 
-The last captured layer (id = the model's layer count) is the final decoder layer's
-output before the norm; ``log_softmax(lm_head(norm(h[i - 1])))[token i]`` is what vLLM
-reports as prompt token ``i``'s log-probability. A wrong layer, a shifted token, another
-request's rows or a zeroed layer make the two disagree by far more than rounding (vLLM
-#50815: a mean error of 0.11 where a right capture gives 3e-9), though every checksum
-passes. Only those two tensors are read from the model's safetensors. Pure torch and
-safetensors: no vllm, nixl or sockets.
+It rebuilds next-token log-probabilities from the last captured layer with the verifier's
+own final norm and ``lm_head``. It compares them with vLLM's ``prompt_logprobs`` for the
+same positions. Checksums cannot catch a wrong capture; this check can.
+
+The last captured layer (id = the model's layer count) is the final decoder layer's output
+before the norm. vLLM reports ``log_softmax(lm_head(norm(h[i - 1])))[token i]`` as prompt
+token ``i``'s log-probability. A wrong layer, a shifted token, another request's rows or a
+zeroed layer make the two disagree by far more than rounding, though every checksum
+passes. In vLLM #50815 the mean error was 0.11, where a right capture gives 3e-9. Only
+those two tensors are read from the model's safetensors. Pure torch and safetensors: no
+vllm, nixl or sockets.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ class AuditResult:
 
 
 def audited(sample_id: str, rate: float) -> bool:
-    """Whether the row ``sample_id`` is audited at ``rate``: the same answer in every
-    process (a hash of the id, not a random draw), so the driver that asks vLLM for the
-    log-probabilities and the consumer that checks them agree."""
+    """Whether the row ``sample_id`` is audited at ``rate``.
+
+    Every process gives the same answer, a hash of the id and not a random draw. So the
+    driver that asks vLLM for the log-probabilities and the consumer that checks them agree."""
     if rate <= 0:
         return False
     if rate >= 1:
@@ -67,8 +70,9 @@ def audited(sample_id: str, rate: float) -> bool:
 
 
 def positions_of(num_tokens: int, count: int, seed: str) -> list[int]:
-    """Up to ``count`` prompt positions to audit (1..num_tokens-1: position 0 has no
-    log-probability), chosen by ``seed``, the last one always among them."""
+    """Up to ``count`` prompt positions to audit, chosen by ``seed``, the last always among them.
+
+    They lie in 1..num_tokens-1, since position 0 has no log-probability."""
     if num_tokens < 2 or count < 1:
         return []
     rng = random.Random(seed)
@@ -135,8 +139,9 @@ class LogprobAudit:
         return bool(layer_ids) and layer_ids[-1] == self.num_layers
 
     def logprobs(self, states: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """``log_softmax(lm_head(norm(states)))`` at ``next_tokens``: [n] from [n, H]; the
-        norm in fp32, the head in the model's dtype, the softmax in fp32 (as vLLM does)."""
+        """``log_softmax(lm_head(norm(states)))`` at ``next_tokens``: [n] from [n, H].
+
+        As vLLM does, the norm runs in fp32, the head in the model's dtype, the softmax in fp32."""
         h = states.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
         logits = (h.to(self.lm_head.dtype) @ self.lm_head.T).float()
@@ -149,9 +154,10 @@ class LogprobAudit:
         layer_ids: Sequence[int],
         reference: Mapping[int, float],
     ) -> AuditResult:
-        """Compare the log-probabilities the sample's last layer gives at the positions of
-        ``reference`` (position -> vLLM's log-probability of the prompt token there) with
-        vLLM's. ``hidden_states``: [T, L, H]; ``AuditError`` where it does not apply."""
+        """Compare the log-probabilities the sample's last layer gives with vLLM's.
+
+        ``reference`` maps a position to vLLM's log-probability of the prompt token there.
+        ``hidden_states``: [T, L, H]. ``AuditError`` where the audit does not apply."""
         if not self.applies(layer_ids):
             raise AuditError(
                 f"the last captured layer is {list(layer_ids)[-1:]}, not the model's last "
@@ -175,9 +181,10 @@ PromptLogprobs = Sequence[Mapping[str, object] | None]
 def reference_of(
     prompt_logprobs: PromptLogprobs, tokens: Sequence[int], positions: Sequence[int]
 ) -> dict[int, float]:
-    """vLLM's log-probability of each prompt token at ``positions``, from its answer's
-    ``prompt_logprobs`` (per position: {token id: log-probability, or an object with a
-    ``logprob``}; None at position 0). ``AuditError`` where a position is missing."""
+    """vLLM's log-probability of each prompt token at ``positions``, from its answer's ``prompt_logprobs``.
+
+    Each position holds {token id: log-probability, or an object with a ``logprob``}; None
+    at position 0. ``AuditError`` where a position is missing."""
     out: dict[int, float] = {}
     for p in positions:
         entry = prompt_logprobs[p] if p < len(prompt_logprobs) else None
@@ -191,8 +198,10 @@ def reference_of(
 
 
 def states_of_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """A sample file's token ids [T], states [T, L, H] (fp8 files scaled back to float32)
-    and layer ids, as the reader CLI writes them."""
+    """A sample file's token ids [T], states [T, L, H] and layer ids, as the reader CLI writes them.
+
+    States of fp8 files are scaled back to float32."""
+
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
