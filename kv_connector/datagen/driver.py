@@ -1,19 +1,24 @@
-"""``python -m kv_connector.datagen``: send every row of a dataset to a producer vLLM as a
-completion, so its hidden states stream to the reader; retry what failed, confirm what
-arrived, report what did not.
+"""``python -m kv_connector.datagen``: send every row of a dataset to a producer vLLM.
+
+Each row goes as a completion, so its hidden states stream to the reader. The driver
+retries what failed, confirms what arrived and reports what did not.
 
 Each row's token ids go to ``/v1/completions`` (``max_tokens`` 1) with
-``kv_transfer_params = {"sample_id": "<row>"}``; N requests are in flight at once, on N
-threads (the server batches them). What each answer means is ``plan.RowBook``'s to
-decide: "delivered" counts; "failed" (and no answer: connection, 5xx, 429) is retried
-after a backoff, up to ``--retries`` times; a 4xx other than 429, or an answer that is not
-the connector's, gives the row up at once. "pending" (the usual answer for ``max_tokens``
-1: the sample is still on its way when the request finishes) counts as delivered once
-the row's file appears in ``--check-dir`` (or the ``--skip-existing`` directory), written
-after its request went out; a row whose file does not come within ``--confirm-timeout``
-is sent again. Without a directory to look in, "pending" counts as delivered,
-unconfirmed: the connector holds the request's blocks until the reader has the sample,
-and a failure after the answer is only in the producer's log.
+``kv_transfer_params = {"sample_id": "<row>"}``. N requests are in flight at once, on N
+threads; the server batches them. What each answer means is ``plan.RowBook``'s to decide:
+
+- "delivered" counts.
+- "failed", or no answer (connection, 5xx, 429), is retried after a backoff, up to
+  ``--retries`` times.
+- A 4xx other than 429, or an answer that is not the connector's, gives the row up at once.
+- "pending" is the usual answer for ``max_tokens`` 1: the sample is still on its way when
+  the request finishes. It counts as delivered once the row's file appears in
+  ``--check-dir`` (or the ``--skip-existing`` directory), written after its request went
+  out. A row whose file does not come within ``--confirm-timeout`` is sent again.
+
+Without a directory to look in, "pending" counts as delivered, unconfirmed. The connector
+holds the request's blocks until the reader has the sample, and a failure after the answer
+is only in the producer's log.
 
 Exit 0 when every row was delivered, 1 when some were given up (listed), 2 on bad
 arguments, an unreadable dataset or a server that never answered.
@@ -93,8 +98,10 @@ class Client:
     def complete(
         self, row: int, tokens: list[int], logprobs: bool = False
     ) -> tuple[SampleStatus, str, list[Any] | None]:
-        """Send one row; the status its answer names, the error for "failed", and with
-        ``logprobs`` vLLM's ``prompt_logprobs`` for it (the audit's reference)."""
+        """Send one row; the status its answer names, and the error for "failed".
+
+        With ``logprobs`` it also returns vLLM's ``prompt_logprobs`` for the row, the
+        audit's reference."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": tokens,
@@ -223,9 +230,11 @@ class Run:
             self._cond.notify_all()
 
     def _audit(self, row: int) -> str | None:
-        """The logprob audit of an audited row whose file appeared: why it failed, or None
-        (passed, or not audited). A failed row's file is renamed ``.audit-failed``, so no
-        trainer reads it."""
+        """The logprob audit of an audited row whose file appeared: why it failed, or None.
+
+        None means it passed or was not audited. A failed row's file is renamed
+        ``.audit-failed``, so no trainer reads it."""
+
         with self._cond:
             reference = self._references.pop(row, None)
         if self.audit is None or reference is None:
