@@ -1,16 +1,20 @@
-"""Worker side of the design: allocate each supplementary layer's tensor beside vLLM's
-KV cache, and point the extract_hidden_states drafter at the attention group.
+"""Worker side of the design: supplementary tensors beside vLLM's KV cache, and the drafter's group.
 
-Wrappers around vLLM 0.32/0.33 functions, installed by ``hybrid.plugin``:
-``allocate_kv_cache`` (as each model runner looks it up: Model Runner V1 in
-``gpu_model_runner``, V2 in ``gpu/attn_utils``) returns the supplementary views too, so
-vLLM binds them to their layers and hands them to the KV connector's
-``register_kv_caches``. The drafter then writes with the attention group's slot mapping:
-V1's ``ExtractHiddenStatesProposer.validate_same_kv_cache_group`` takes the config's
-``supplementary_group`` for a layer that is in no group (V1 builds the layer's metadata
-from that group), and V2's ``ExtractHiddenStatesSpeculator.propose``, which looks the
-layer up by name in the step's slot mappings and attention metadata (built per group),
-finds it there under that group's slot mapping.
+It allocates each supplementary layer's tensor beside vLLM's KV cache, and points the
+extract_hidden_states drafter at the attention group. It does so by wrapping vLLM
+0.32/0.33 functions, installed by ``hybrid.plugin``.
+
+``allocate_kv_cache`` returns the supplementary views too, so vLLM binds them to their
+layers and hands them to the KV connector's ``register_kv_caches``. It is wrapped where
+each model runner looks it up: Model Runner V1 in ``gpu_model_runner``, V2 in
+``gpu/attn_utils``.
+
+The drafter then writes with the attention group's slot mapping. In V1,
+``ExtractHiddenStatesProposer.validate_same_kv_cache_group`` takes the config's
+``supplementary_group`` for a layer that is in no group; V1 builds the layer's metadata
+from that group. In V2, ``ExtractHiddenStatesSpeculator.propose`` looks the layer up by
+name in the step's slot mappings and attention metadata, built per group. It finds the
+layer there under that group's slot mapping.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ def allocate_supplementary(
     layout: Any,
     kernel_block_sizes: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One zeroed tensor of ``num_blocks`` pages per supplementary layer, viewed as
-    ``[num_blocks, num_kv_heads, block_size, head_size]`` in the resolved KV cache
-    layout by vLLM's own ``create_kv_cache_views``; {} for a config without any."""
+    """One zeroed tensor of ``num_blocks`` pages per supplementary layer; {} for a config without any.
+
+    vLLM's own ``create_kv_cache_views`` views each as ``[num_blocks, num_kv_heads,
+    block_size, head_size]`` in the resolved KV cache layout."""
     if not isinstance(kv_cache_config, SupplementedKVCacheConfig) or not kv_cache_config.supplementary_specs:
         return {}
     group = kv_cache_config.supplementary_group
@@ -131,9 +136,10 @@ def with_supplementary_group(
 
 
 def supplement_draft_inputs(speculator: Any, attn_metadata: Any, slot_mappings: Any) -> list[str]:
-    """Model Runner V2: give each supplementary draft layer the step's slot mapping of
-    the group that addresses it, and cache-only metadata over it (what V1's drafter
-    builds from that group), in the step's dicts. Returns the names added."""
+    """Model Runner V2: put each supplementary draft layer in the step's dicts. Returns the names added.
+
+    Each layer gets the step's slot mapping of the group that addresses it, and cache-only
+    metadata over it: what V1's drafter builds from that group."""
     config = getattr(speculator, "kv_cache_config", None)
     if not isinstance(config, SupplementedKVCacheConfig) or not isinstance(slot_mappings, dict):
         return []
@@ -157,9 +163,11 @@ def supplement_draft_inputs(speculator: Any, attn_metadata: Any, slot_mappings: 
 
 
 def with_supplementary_slots(propose: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap V2's ``ExtractHiddenStatesSpeculator.propose(input_batch, attn_metadata,
-    slot_mappings, ...)`` (called by keyword and by position): the supplementary layer
-    is in the step's dicts before the drafter reads them."""
+    """Wrap V2's ``ExtractHiddenStatesSpeculator.propose(input_batch, attn_metadata, slot_mappings, ...)``.
+
+    The supplementary layer is then in the step's dicts before the drafter reads them. The
+    wrapper takes its arguments by keyword and by position."""
+
 
     @functools.wraps(propose)
     def wrapper(
