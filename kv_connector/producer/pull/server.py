@@ -2,15 +2,20 @@
 (``producer.pull.ledger.PullLedger``).
 
 The rank registers the cache-only layer's tensor with its own NIXL agent once (no copy,
-no staging) and listens on ``pull_listen``. The engine's thread ``hold``s each sample
-the step computed; a consumer connects (one thread per connection), runs the handshake
-of ``wire.handshake`` as the reader's side of it (so with a shared secret both ends
-prove it before this rank's NIXL metadata, sent once per connection, leaves the node),
-then asks for samples by their handle's names: ``PullFetch`` is answered with the
-manifest and where this rank's share lies in the cache (``PullShare``), which the
-consumer READs itself; ``PullRelease`` ends the hold; ``PullKeep`` (a consumer whose fetch
-agent is still starting) keeps it held, within the ledger's bound. The engine's thread takes what
-ended (``take_freed``) and reports it finished to vLLM, which frees the blocks.
+no staging) and listens on ``pull_listen``. The engine's thread ``hold``s each sample the
+step computed. A consumer connects, with one thread per connection. It runs the handshake
+of ``wire.handshake`` as the reader's side of it. With a shared secret, both ends prove it
+before this rank's NIXL metadata leaves the node; that metadata goes once per connection.
+The consumer then asks for samples by their handle's names:
+
+- ``PullFetch`` is answered with the manifest and where this rank's share lies in the
+  cache (``PullShare``); the consumer READs it itself.
+- ``PullRelease`` ends the hold.
+- ``PullKeep`` keeps it held, within the ledger's bound, for a consumer whose fetch agent
+  is still starting.
+
+The engine's thread takes what ended (``take_freed``) and reports it finished to vLLM,
+which frees the blocks.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ HOLD_WAIT_S = 5.0
 class PullServerConfig:
     """Who one rank's pull endpoint serves as, where it listens and how it checks its shares.
 
-    The connector builds one from its options and the rank's cache; benchmarks and tests build
+    The connector builds one from its options and the rank's cache. Benchmarks and tests build
     their own, so the server's constructor keeps only the cache and its collaborators.
 
     ``layout``: the cache's block layout. ``listen``: (host, port) to bind; port 0 takes any
@@ -89,7 +94,7 @@ class PullServer:
     ``cache``: the cache-only layer's tensor, [num_blocks, ...] in ``config.layout``, registered
     once with ``transport`` (a ``NixlTransport`` by default). ``address`` names where it listens.
     ``clock``: the time the ledger's deadlines use. ``on_release``: called on a connection's
-    thread when a consumer released a sample, so its blocks go back to vLLM in the next step.
+    thread when a consumer released a sample. Its blocks then go back to vLLM in the next step.
     """
 
     def __init__(
@@ -190,10 +195,12 @@ class PullServer:
         metadata: Mapping[str, Any] | None = None,
         words: Fingerprinted | None = None,
     ) -> None:
-        """Hold a computed sample for consumers: ``block_ids`` are the cache blocks of its
-        tokens in block-table order; ``words`` its fingerprint words as its steps took them
-        (its record when this rank's checksum is FINGERPRINT). ``ValueError`` if it cannot
-        be served (its id, its identity, its blocks): nothing is held then."""
+        """Hold a computed sample for consumers.
+
+        ``block_ids``: the cache blocks of its tokens, in block-table order. ``words``: its
+        fingerprint words as its steps took them, its record when this rank's checksum is
+        FINGERPRINT. ``ValueError`` if its id, identity or blocks cannot be served; nothing
+        is held then."""
         ident = make_identity(sample_id, metadata)
         s = self.blocks.share_of(
             request_id, token_ids, block_ids, self.layer_ids, ident, self.rank, self.world_size
@@ -205,8 +212,9 @@ class PullServer:
             self._held.notify_all()
 
     def finished(self, request_ids: Iterable[str]) -> None:
-        """These requests finished in vLLM (their handles are out): ``timeout_s`` starts,
-        and on a host cache their shares' checksums are taken in the background."""
+        """These requests finished in vLLM and their handles are out: ``timeout_s`` starts.
+
+        On a host cache their shares' checksums are taken in the background."""
         rids = list(request_ids)
         started: list[tuple[str, str, concurrent.futures.Future[int]]] = []
         with self._lock:
@@ -226,8 +234,9 @@ class PullServer:
             fut.add_done_callback(functools.partial(self._hashed, rid, nonce))
 
     def _hashed(self, rid: str, nonce: str, fut: concurrent.futures.Future[int]) -> None:
-        """A share's checksum taken in the background: kept if the sample is still held
-        (its blocks were not given back to vLLM while they were read)."""
+        """A share's checksum taken in the background, kept if the sample is still held.
+
+        Still held means its blocks were not given back to vLLM while they were read."""
         with self._lock:
             self._hashing.pop((rid, nonce), None)
             if fut.exception() is not None:
@@ -254,8 +263,9 @@ class PullServer:
             return self._ledger.abort(request_ids)
 
     def take_freed(self) -> set[str]:
-        """Samples whose hold ended since the last call (expired ones are logged by name):
-        their blocks may go back to vLLM."""
+        """Samples whose hold ended since the last call; their blocks may go back to vLLM.
+
+        Expired ones are logged by name."""
         with self._lock:
             expired = self._ledger.expire(self._clock())
             freed = self._ledger.take_freed()
@@ -280,9 +290,10 @@ class PullServer:
         return self._transport.metadata
 
     def keep_progress(self, on: bool) -> None:
-        """Make the agent progress as while a consumer reads, for a peer that READs
-        outside this protocol (a benchmark's raw READ): this NIXL has no progress thread
-        of its own. Calls with True and False pair up."""
+        """Make the agent progress as while a consumer reads, for a peer that READs outside this protocol.
+
+        A benchmark's raw READ is such a peer; this NIXL has no progress thread of its own.
+        Calls with True and False pair up."""
         self._reading_changed(+1 if on else -1)
 
     @property
@@ -404,9 +415,10 @@ class PullServer:
     def answer(
         self, msg: protocol.Message
     ) -> protocol.PullShare | protocol.PullReleased | protocol.PullKept | protocol.PullError:
-        """The answer to one consumer request (``PullFetch``, ``PullRelease`` or
-        ``PullKeep``), as a connection's thread sends it; ``ProtocolError`` for any other
-        message."""
+        """The answer to one consumer request, as a connection's thread sends it.
+
+        The request is ``PullFetch``, ``PullRelease`` or ``PullKeep``; any other message
+        raises ``ProtocolError``."""
         if isinstance(msg, protocol.PullKeep):
             try:
                 with self._lock:
@@ -474,10 +486,11 @@ class PullServer:
         )
 
     def _held_for(self, rid: str, nonce: str, ask: Callable[[str, str, float], T]) -> T:
-        """The ledger's answer to a fetch or a keep (``ask``; call with the lock held),
-        waiting up to ``HOLD_WAIT_S`` for a sample not held yet: one whose request ships its
+        """The ledger's answer to a fetch or a keep (``ask``); call with the lock held.
+
+        It waits up to ``HOLD_WAIT_S`` for a sample not held yet. A request that ships its
         output tokens is held in the engine step after its handle went out. A wrong nonce
-        waits the same (P2: it is answered exactly as an unknown request)."""
+        waits the same, since P2 answers it exactly as an unknown request."""
         deadline = time.monotonic() + HOLD_WAIT_S
         while True:
             try:
@@ -489,9 +502,12 @@ class PullServer:
                 self._held.wait(left)
 
     def _share_checksum(self, h: Held) -> int:
-        """The checksum of this rank's share (``CacheBlocks.record``): its fingerprint from
-        the words its steps took, or read from the cache while it is held. The handle is
-        out only once the step that wrote the blocks returned, so they are written."""
+        """The checksum of this rank's share (``CacheBlocks.record``).
+
+        It is the fingerprint from the words its steps took, or read from the cache while
+        the sample is held. The handle is out only once the step that wrote the blocks
+        returned, so they are written."""
+
         assert self._checksum is not None
         with self._lock:
             nonce, words = self._words.get(h.request_id, ("", None))
