@@ -1,11 +1,13 @@
-"""Which GPU a thread works on: ``on_device`` at the start of every thread that touches
-a CUDA cache or drives a NIXL agent holding a VRAM registration; and ``to_host``, a
-tensor brought to host memory where a consumer needs it there (a file).
+"""Which GPU a thread works on (``on_device``), and a tensor brought to host memory (``to_host``).
 
-A new Python thread has no CUDA device of its own: its first CUDA call makes a context on
-GPU 0, whatever the rank's GPU is (a stray context, and memory, on another rank's GPU),
-and UCX, finding no valid CUDA context in the thread that posts a transfer, turns CUDA
-IPC off for it (vLLM's NixlConnector sets the device in its threads for that reason).
+``on_device`` runs at the start of every thread that touches a CUDA cache or drives a NIXL
+agent holding a VRAM registration. ``to_host`` serves a consumer that needs a tensor in
+host memory, such as a file.
+
+A new Python thread has no CUDA device of its own. Its first CUDA call makes a context on
+GPU 0, whatever the rank's GPU is: a stray context, and memory, on another rank's GPU.
+UCX, finding no valid CUDA context in the thread that posts a transfer, turns CUDA IPC
+off for it. vLLM's NixlConnector sets the device in its threads for that reason.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch
 
 
 def on_device(device: torch.device | None) -> None:
-    """Make ``device`` this thread's CUDA device when it is a GPU; nothing for a host
-    device (a CPU cache never initializes CUDA)."""
+    """Make ``device`` this thread's CUDA device when it is a GPU; nothing for a host device.
+
+    So a CPU cache never initializes CUDA."""
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
 
@@ -45,9 +48,11 @@ class HostDone:
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in host memory: ``t`` itself when it is there; else one copy, queued on its
-    device's current stream after the work before it, into pinned memory, waited for by an
-    event of that copy alone (the device's other streams go on). Contiguous."""
+    """``t`` in host memory, contiguous: ``t`` itself when it is there, else one copy.
+
+    The copy goes into pinned memory, queued on its device's current stream after the work
+    before it. An event of that copy alone waits for it, so the device's other streams go on."""
+
     if t.device.type == "cpu":
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
