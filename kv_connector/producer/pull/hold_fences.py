@@ -1,17 +1,20 @@
-"""Hold fences: one 8-byte word per held sample, in a table the rank registers with its
-NIXL agent beside the cache, so a consumer can tell, after its READ completed, that the
-hold was still live while it read (the seqlock's second look).
+"""Hold fences: one 8-byte word per held sample, in a table registered beside the cache.
 
-A hold opens a slot and writes a value no hold of this process had before (a random
-base, counting up; never 0); its end writes 0 to the slot before the ledger lets its
-blocks go back to vLLM. The consumer READs the word after its data READ completed and
-compares it with the value its ``PullShare`` named: equal means the hold was live after
-the last byte landed, so no later sample's writes (vLLM reusing the blocks) can be in
-what it read; anything else, and the sample fails by the name of how the hold ended.
-A table full (more holds at once than slots) opens no fence: such a sample is released
-with an answer instead, as before fences. Pure logic: the table is a numpy view of the
-registered memory.
+With it a consumer can tell, after its READ completed, that the hold was still live while
+it read: the seqlock's second look. The rank registers the table with its NIXL agent.
+
+A hold opens a slot and writes a value no hold of this process had before: a random base,
+counting up, never 0. Its end writes 0 to the slot before the ledger lets its blocks go back
+to vLLM. The consumer READs the word after its data READ completed, and compares it with
+the value its ``PullShare`` named. Equal means the hold was live after the last byte
+landed. So no later sample's writes, from vLLM reusing the blocks, can be in what it read.
+Anything else fails the sample, by the name of how the hold ended.
+
+A full table, with more holds at once than slots, opens no fence; such a sample is
+released with an answer instead. Pure logic: the table is a numpy view of the registered
+memory.
 """
+
 
 from __future__ import annotations
 
