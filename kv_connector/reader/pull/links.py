@@ -1,12 +1,14 @@
-"""The pull client's control connections: one per producer rank's endpoint, made on
-first use, handshaken in the reader's role (``wire.handshake``: with a shared secret both
-ends prove it before the rank's NIXL metadata, loaded here into the client's agent,
-moves), checked to be the producer and rank the handle names, and made again once when
-it breaks (a producer restarted). ``FetchError`` is what a fetch raises.
+"""The pull client's control connections, one per producer rank's endpoint, and ``FetchError``.
 
-Links without a transport (``transport=None``) serve a consumer whose NIXL agent does
-not exist yet (``reader.agent.hold_keeper``): they load no metadata, announce the pool the
-agent will have (``region``) and may only ask what needs no transfer (``PullKeep``)."""
+A connection is made on first use and handshaken in the reader's role (``wire.handshake``).
+With a shared secret both ends prove it before the rank's NIXL metadata moves; that metadata
+is loaded here into the client's agent. Each connection is checked to be the producer and
+rank the handle names. It is made again once when it breaks, as when a producer restarted.
+``FetchError`` is what a fetch raises.
+
+Links without a transport (``transport=None``) serve a consumer whose NIXL agent does not
+exist yet (``reader.agent.hold_keeper``). They load no metadata and announce the pool the
+agent will have (``region``). They may only ask what needs no transfer (``PullKeep``)."""
 
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ PAGE_BYTES = 64 << 10  # the client's pool pages (announced in its Welcome)
 
 
 class FetchError(RuntimeError):
-    """A sample could not be fetched. ``code``: "expired", "unknown", "released",
-    "preempted", "aborted", "closed", "failed" (the producer's answer), "handle" (not a
-    handle), "auth" (the handshake), "connect", "checksum", "values", "pool", "timeout",
-    "transfer", "protocol" or "mismatch" (not the sample ``expect`` describes)."""
+    """A sample could not be fetched; ``code`` says why.
+
+    The producer's answers: "expired", "unknown", "released", "preempted", "aborted",
+    "closed", "failed". The client's own: "handle" (not a handle), "auth" (the handshake),
+    "connect", "checksum", "values", "pool", "timeout", "transfer", "protocol", and
+    "mismatch" (not the sample ``expect`` describes)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
@@ -95,10 +99,13 @@ class ProducerLinks:
         raise AssertionError("unreachable")
 
     def tell(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> bool:
-        """Send one message that gets no answer (a fenced release) on the rank's connection,
-        made if need be; False if it could not be sent (nothing is retried). It does not
-        wait for an ``ask`` under way on the connection: no answer comes of it to take
-        that ask's place (the connection's sends are whole frames, one at a time)."""
+        """Send one message that gets no answer, such as a fenced release, on the rank's connection.
+
+        The connection is made if need be. False if it could not be sent; nothing is
+        retried. It does not wait for an ``ask`` under way on the connection, since no answer
+        comes of it to take that ask's place. The connection's sends are whole frames, one at
+        a time."""
+
         try:
             peer = self._peer(h, rank, endpoint)
         except FetchError:
