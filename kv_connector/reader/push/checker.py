@@ -1,12 +1,15 @@
-"""The reader's checking thread: each rank's share of a sample is checked against its
-digest as soon as it has landed (``Verify`` actions of the ledger), here, off the
-serving thread and off the user's (XXH3 releases the GIL while it hashes; a share of
-block digests, from a producer whose cache is on a GPU, is recomputed from the pool where
-it lies: ``pool.memory``), so that handing a sample out costs nothing per byte. With
-``screen`` (the reader's sampled values screen), a fingerprinted share's rows are
-screened on the lines its check reads anyway (``pool.memory.fingerprint_screened``), and
-its hand-out reads nothing more unless they said to look closer. Results go back to the
-ledger."""
+"""The reader's checking thread: each rank's share is checked against its digest once it landed.
+
+Checking here, off the serving thread and off the user's, means handing a sample out costs
+nothing per byte. The ledger asks for each check with a ``Verify`` action, and the results
+go back to it. XXH3 releases the GIL while it hashes. A share of block digests, from a
+producer whose cache is on a GPU, is recomputed from the pool where it lies
+(``pool.memory``).
+
+``screen`` is the reader's sampled values screen. With it, a fingerprinted share's rows are
+screened on the lines its check reads anyway (``pool.memory.fingerprint_screened``). Its
+hand-out then reads nothing more, unless the screen said to look closer."""
+
 
 from __future__ import annotations
 
