@@ -1,10 +1,11 @@
-"""What the reader's ledger (``ledger.py``) keeps and answers: the record of a sample
-and of each rank's share of it, the reader's options as types, and the actions a shell
-performs (``Send``, ``Verify``, ``Ready``, ``Log``). A record keeps itself consistent
-(its shares tile the sample, each share's landings and digest, its state as shares land
-and are checked, moved only through the table of ``sample_states.py``, whose states it
-names here too); what happens across samples is the ledger's. Pure logic: no nixl,
-sockets, threads or clocks."""
+"""What the reader's ledger (``ledger.py``) keeps and answers.
+
+It holds the record of a sample and of each rank's share of it, the reader's options as
+types, and the actions a shell performs (``Send``, ``Verify``, ``Ready``, ``Log``). A record
+keeps itself consistent: its shares tile the sample, and it tracks each share's landings
+and digest. Its state moves as shares land and are checked, only through the table of
+``sample_states.py``, whose states it names here too. What happens across samples is the
+ledger's. Pure logic: no nixl, sockets, threads or clocks."""
 
 from __future__ import annotations
 
@@ -69,8 +70,10 @@ class Ready:
 
 @dataclass(frozen=True)
 class ReadySample:
-    """A VERIFIED sample as the user's thread hands it out: its manifest, where its pages
-    start in the pool (bytes) and each share's values screen (None: not screened)."""
+    """A VERIFIED sample as the user's thread hands it out.
+
+    It holds its manifest, where its pages start in the pool (bytes), and each share's
+    values screen (None: not screened)."""
 
     key: Key
     manifest: protocol.Manifest
@@ -116,8 +119,9 @@ class Share:
             self.digest, self.digest_due, self.early_digest = self.early_digest, False, None
 
     def digest_came(self, digest: int) -> bool:
-        """Its digest arrived after its WRITE: True if it was due (the share may be checked
-        now); else its WriteDone is still on its way and the digest is kept for it."""
+        """Its digest arrived after its WRITE; True if it was due, and the share may be checked now.
+
+        Else its WriteDone is still on its way, and the digest is kept for it."""
         if self.landed and self.digest_due:
             self.digest, self.digest_due = digest, False
             return True
@@ -175,10 +179,11 @@ class SampleRecord:
         return new
 
     def advance(self, verify: bool, checksum: ShareChecksum) -> list[Action]:
-        """Check every share that landed with its digest known (``Verify``, computed the
-        way ``checksum`` says; with ``verify`` off, or no digest, a share is checked as it
-        lands); then move on: WRITTEN once every share landed, VERIFIED (``Ready``) once
-        every share is checked."""
+        """Check every share that landed with its digest known (``Verify``), then move on.
+
+        The digest is computed the way ``checksum`` says. With ``verify`` off, or no digest,
+        a share is checked as it lands. The sample is WRITTEN once every share landed, and
+        VERIFIED (``Ready``) once every share is checked."""
         if self.state not in (SampleState.GRANTED, SampleState.WRITTEN):
             return []
         actions: list[Action] = []
@@ -198,8 +203,10 @@ class SampleRecord:
         return actions
 
     def grant(self, rank: int | None = None) -> protocol.Grant:
-        """The Grant of its pages, for ``rank`` (None: every rank registered): a WRITE of
-        each rank that gets it is on its way until its WriteDone comes."""
+        """The Grant of its pages, for ``rank`` (None: every rank registered).
+
+        A WRITE of each rank that gets it is on its way until its WriteDone comes."""
+
         assert self.pages is not None and self.generation > 0
         for r, share in self.shares.items():
             if rank is None or r == rank:
