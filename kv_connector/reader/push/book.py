@@ -1,10 +1,11 @@
-"""The reader's books: every sample it holds by key, the receive pool whose pages they
-hold (credits; ``pool/pages.py``) and the fences its dropped samples' pages wait for
-(``page_fences.py``), and how many samples each producer rank has
-promised and not seen handed out (the bound of R9). It answers the read-only queries
-(a sample's state, the leases, the pool by holder) and moves pages; which transition
-happens, and when, is the ledger's (``ledger.py``); a sample enters and leaves the books
-through the table of ``sample_states.py``. Pure logic."""
+"""The reader's books: every sample it holds by key, the pages they hold, and what they wait for.
+
+The books hold the receive pool whose pages the samples hold (credits; ``pool/pages.py``),
+and the fences its dropped samples' pages wait for (``page_fences.py``). They count how
+many samples each producer rank has promised and not seen handed out (the bound of R9).
+They answer the read-only queries (a sample's state, the leases, the pool by holder) and
+move pages. Which transition happens, and when, is the ledger's (``ledger.py``). A sample
+enters and leaves the books through the table of ``sample_states.py``. Pure logic."""
 
 from __future__ import annotations
 
@@ -100,8 +101,9 @@ class SampleBook:
 
     # ---------------------------------------------------------------- changes
     def admit(self, s: SampleRecord) -> None:
-        """A new sample waits in the pool's FIFO for its run of pages (raises
-        ``PoolTooSmall`` when it can never fit: it is not admitted then)."""
+        """A new sample waits in the pool's FIFO for its run of pages.
+
+        Raises ``PoolTooSmall`` when it can never fit; it is not admitted then."""
         assert self.pool is not None
         state = step(None, SampleEvent.REQUESTED, f"sample {s.key[1]} of {s.key[0]}")
         self.pool.request(s.key, s.num_pages)
@@ -146,10 +148,10 @@ class SampleBook:
         return True
 
     def drop(self, s: SampleRecord, now: float, event: SampleEvent) -> None:
-        """The sample leaves the books before it was handed out (``event``: discarded, or
-        refused or rejected); it no longer counts against its ranks (R9); pages it was
-        granted go back once no WRITE into them can land (R3, ``page_fences.py``): at once if
-        none is on its way."""
+        """The sample leaves the books before it was handed out; it no longer counts against its ranks (R9).
+
+        ``event``: discarded, refused or rejected. Pages it was granted go back once no
+        WRITE into them can land (R3, ``page_fences.py``), at once if none is on its way."""
         assert self.pool is not None
         end(s.state, event, f"sample {s.key[1]} of {s.key[0]}")
         del self.samples[s.key]
@@ -167,8 +169,9 @@ class SampleBook:
             self.pool.release(s.key, s.pages)
 
     def page_fences_due(self, now: float) -> list[tuple[int, PageFenceWait, bool]]:
-        """Dropped samples' pages whose fence wait is over return to the pool: (generation,
-        wait, ended by the bound with a writer owing its fence)."""
+        """Dropped samples' pages whose fence wait is over return to the pool.
+
+        Each is (generation, wait, ended by the bound with a writer owing its fence)."""
         due = self.page_fences.due(now)
         for g, w, _ in due:
             assert self.pool is not None

@@ -1,16 +1,19 @@
-"""Push's fence on the reader's pages (R3): the pages of a sample that leaves the books
-undelivered go back to the pool only once no WRITE into them can still land. Every grant
-of pages has a generation, which each WRITE into them names (``WriteDone.generation``);
-a rank that was sent the grant (or a Rewrite) and whose WriteDone has not come is owed a
-fence: it answers ``Fenced`` once its job there ended with no WRITE in flight (or its
-late WriteDone comes). A rank whose connection is gone cannot answer: its transport
-settles the WRITEs in flight within the quarantine, so the pages wait that long. A rank
-that stays connected and never answers is waited for at most ``bound_s``; then the
-pages go back all the same, and the grant is remembered as unfenced: a WriteDone of it
-arriving later names the pages a late WRITE changed (the ledger fails whatever holds
-them then). A WriteDone of a grant fenced already is moot: a fence is sent only once
-the WRITE ended, and its notification may come after it. Pure logic: no nixl, sockets,
-threads or clocks."""
+"""Push's fence on the reader's pages (R3): a dropped sample's pages wait until no WRITE can land.
+
+The pages of a sample that leaves the books undelivered go back to the pool only once no
+WRITE into them can still land. Every grant of pages has a generation, which each WRITE
+into them names (``WriteDone.generation``). A rank that was sent the grant (or a Rewrite)
+and whose WriteDone has not come is owed a fence. It answers ``Fenced`` once its job there
+ended with no WRITE in flight, or its late WriteDone comes.
+
+A rank whose connection is gone cannot answer. Its transport settles the WRITEs in flight
+within the quarantine, so the pages wait that long. A rank that stays connected and never
+answers is waited for at most ``bound_s``. Then the pages go back all the same, and the
+grant is remembered as unfenced. A WriteDone of it arriving later names the pages a late
+WRITE changed, and the ledger fails whatever holds them then.
+
+A WriteDone of a grant fenced already is moot. A fence is sent only once the WRITE ended,
+and its notification may come after it. Pure logic: no nixl, sockets, threads or clocks."""
 
 from __future__ import annotations
 
@@ -58,8 +61,9 @@ class PageFences:
     def wait(
         self, generation: int, request_id: str, pages: range, owed: set[PeerId], departed: bool, now: float
     ) -> bool:
-        """Hold ``pages`` of grant ``generation`` for ``owed`` (and a quarantine if a
-        writer ``departed``); False when nothing can land in them (free them now)."""
+        """Hold ``pages`` of grant ``generation`` for ``owed``; False when nothing can land in them.
+
+        A writer that ``departed`` adds a quarantine. On False, free the pages now."""
         if not owed and not departed:
             return False
         until = now + self.quarantine_s if departed else 0.0
