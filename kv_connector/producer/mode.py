@@ -1,10 +1,12 @@
-"""A delivery mode as the producer's adapters see it: what the worker side
-(``worker_side.WorkerSide``) and the scheduler side (``scheduler_side.SchedulerSide``) ask
-of push (``push.mode``: each rank WRITEs every sample into a reader's pool) and of pull
-(``pull.mode``: each rank holds every sample in vLLM's cache until a consumer READs and
-releases it). The adapters keep what both modes share (the plan, the slot checks, the
-requests' records, the delivery book) and hold one mode each, chosen once from the
-options' ``delivery``; no other branch on the mode is left in them."""
+"""A delivery mode as the producer's adapters see it.
+
+It is what the worker side (``worker_side.WorkerSide``) and the scheduler side
+(``scheduler_side.SchedulerSide``) ask of push and of pull. In push (``push.mode``) each
+rank WRITEs every sample into a reader's pool. In pull (``pull.mode``) each rank holds
+every sample in vLLM's cache until a consumer READs and releases it. The adapters keep
+what both modes share: the plan, the slot checks, the requests' records, the delivery
+book. Each holds one mode, chosen once from the options' ``delivery``, and no other
+branch on the mode."""
 
 from __future__ import annotations
 
@@ -49,9 +51,11 @@ class RankCache:
 
 @dataclass
 class Settled:
-    """What a worker mode settled since it was last asked: ``done``, requests whose blocks
-    may go back to vLLM (delivered, failed, released, expired); ``delivered``, those a
-    reader acknowledged; ``failed``, those that failed after they were shipped, and why."""
+    """What a worker mode settled since it was last asked.
+
+    ``done``: requests whose blocks may go back to vLLM (delivered, failed, released,
+    expired). ``delivered``: those a reader acknowledged. ``failed``: those that failed
+    after they were shipped, and why."""
 
     done: set[str] = field(default_factory=set)
     delivered: set[str] = field(default_factory=set)
@@ -165,8 +169,9 @@ class SchedulerMode(Protocol):
         ...
 
     def started(self, request_id: str) -> str | None:
-        """vLLM scheduled a request it ran without admitting (``build_connector_meta``):
-        it is bound now; where its sample goes, for the log (None: nothing was bound)."""
+        """vLLM scheduled a request it ran without admitting (``build_connector_meta``); it is bound now.
+
+        Returns where its sample goes, for the log (None: nothing was bound)."""
         ...
 
     def reachable(self) -> int:

@@ -1,7 +1,8 @@
-"""The producer's metrics, one engine step at a time, in the form vLLM carries a KV
-connector's stats: a plain dict (``StepData``) taken from each worker rank and from the
-scheduler side every step, merged over the ranks, sent to the API server (msgpack: only
-str keys, ints, floats and lists in it) and observed into Prometheus there
+"""The producer's metrics, one engine step at a time, in the form vLLM carries a KV connector's stats.
+
+Each step a plain dict (``StepData``) is taken from each worker rank and from the
+scheduler side, and merged over the ranks. It is sent to the API server as msgpack, so
+it holds only str keys, ints, floats and lists. There it is observed into Prometheus
 (``connector_metrics``). Pure logic.
 
 What each side reports (``StepStats`` builds one side's dict):
@@ -15,7 +16,7 @@ What each side reports (``StepStats`` builds one side's dict):
   unreachable: failed, ``unreachable``), and the levels of its book: readers every rank
   reaches, requests waiting for one, KV blocks finished requests hold for shipping.
 
-Counts and raw values are deltas; levels are sent when they change, by source (``rank0``,
+Counts and raw values are deltas. Levels are sent when they change, by source (``rank0``,
 ``scheduler``), and the API server keeps the last value of each (``LevelBook``).
 """
 
@@ -137,8 +138,9 @@ def is_empty(d: Mapping[str, object]) -> bool:
 
 
 def merge(a: Mapping[str, object], b: Mapping[str, object]) -> StepData:
-    """Two steps' or two sides' data in a new dict (neither is changed): counts add up,
-    raw values are joined, levels by source (the later wins)."""
+    """Two steps' or two sides' data in a new dict; neither is changed.
+
+    Counts add up, raw values are joined, and levels are kept by source (the later wins)."""
     out = empty()
     for d in (a, b):
         for k, n in _section(d, "counts").items():
@@ -279,9 +281,11 @@ class WorkerStats:
             self._step.fail(reason)
 
     def take_from(self, senders: Sequence[MetricsSource]) -> StepData | None:
-        """This step's data from the senders themselves: nothing is taken (no lock, no
-        snapshot) while their fingerprints stay as they were right after the last take
-        and no sample was shipped or failed meanwhile, so an idle step costs a few reads."""
+        """This step's data from the senders themselves.
+
+        Nothing is taken, no lock and no snapshot, while their fingerprints stay as they were
+        right after the last take and no sample was shipped or failed meanwhile. So an idle
+        step costs a few reads."""
         if [s.metrics_mark() for s in senders] == self._fingerprints and not self.pending:
             return None
         taken = [s.take_metrics() for s in senders]
@@ -313,8 +317,9 @@ class WorkerStats:
 
 
 class SchedulerStats:
-    """The scheduler side's step data: requests failed at admission, and the levels of
-    its book (readers reachable, requests waiting for one, blocks held for shipping)."""
+    """The scheduler side's step data: requests failed at admission, and the levels of its book.
+
+    The levels are readers reachable, requests waiting for one, and blocks held for shipping."""
 
     def __init__(self) -> None:
         self._step = StepStats(SCHEDULER_SOURCE)

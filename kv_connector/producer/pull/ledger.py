@@ -1,14 +1,15 @@
-"""The pull ledger: every sample one rank holds for consumers to READ (pull delivery),
-from the step that computed it to its release, expiry or end, as a state machine. Pure
-logic (no nixl, sockets, threads or clocks: times are passed in). The shells (the
-rank's pull endpoint, ``producer.pull.server``, and the worker side) feed it what
-happened and do what it answers.
+"""The pull ledger: every sample one rank holds for consumers to READ, as a state machine.
 
-The states of a sample (``HoldState``: HELD, then how it ended), the events that move
-it, and the table of its legal transitions are ``hold_states.py``'s; every transition
-goes through that table (``HOLDS.step``), an illegal one raises ``IllegalTransition``.
-A sample that leaves HELD is remembered (boundedly) in its end state, so a late fetch or
-release is answered with why ("expired", "released", ...), never with data.
+A sample lives here from the step that computed it to its release, expiry or end. Pure
+logic: no nixl, sockets, threads or clocks; times are passed in. The shells feed it what
+happened and do what it answers: the rank's pull endpoint (``producer.pull.server``) and
+the worker side.
+
+The states of a sample (``HoldState``: HELD, then how it ended), the events that move it,
+and the table of its legal transitions are ``hold_states.py``'s. Every transition goes
+through that table (``HOLDS.step``); an illegal one raises ``IllegalTransition``. A sample
+that leaves HELD is remembered, boundedly, in its end state. So a late fetch or release is
+answered with why ("expired", "released", ...), never with data.
 
 Invariants (tests name the one they prove):
   P1  Data only while HELD: ``fetch`` returns a sample's record only while it is held,
@@ -73,10 +74,12 @@ class PullRefused(Exception):
 
 @dataclass
 class Held:
-    """A sample one rank holds: ``block_ids`` are the cache blocks of all the sample's
-    blocks in order, ``share`` the range of them this rank serves; ``checksum`` the
-    share's digest once the shell computed it (lazily, on the first fetch); ``fence``
-    its fence's (slot, value), None without a table or with the table full (P7)."""
+    """A sample one rank holds.
+
+    ``block_ids``: the cache blocks of all the sample's blocks, in order. ``share``: the
+    range of them this rank serves. ``checksum``: the share's digest once the shell computed
+    it, lazily on the first fetch. ``fence``: its fence's (slot, value); None without a
+    table or with the table full (P7)."""
 
     request_id: str
     nonce: str
@@ -177,9 +180,10 @@ class PullLedger:
         return h
 
     def keep(self, request_id: str, nonce: str, now: float) -> float:
-        """A consumer holding the handle is coming (P8): the seconds the sample stays held
-        from ``now`` (``timeout_s`` for one whose request has not finished: its clock has
-        not started). ``PullRefused`` as ``fetch`` for one not held."""
+        """A consumer holding the handle is coming (P8): the seconds the sample stays held from ``now``.
+
+        One whose request has not finished gets ``timeout_s``, since its clock has not
+        started. ``PullRefused`` as ``fetch`` for one not held."""
         h = self._live(request_id, nonce, now)
         h.keeps += 1
         if h.finished_at == math.inf:
