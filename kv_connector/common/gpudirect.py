@@ -2,12 +2,12 @@
 reads what landed, and the flush.
 
 An RDMA NIC writing into GPU memory reports completion before the GPU's kernels are sure
-to see the bytes; ``cudaDeviceFlushGPUDirectRDMAWrites`` (to the owner) makes them
-visible. Writes that are CUDA copies (``cuda_ipc`` between processes of one node,
-``cuda_copy`` behind tcp or shared memory) need nothing, nor does host memory. Only a NIC
-writes GPU memory by RDMA, so a node without an RDMA device UCX may use never flushes; the
-GPU's own attributes say when a flush is a no-op. ``plan`` is pure; cuda-bindings is
-imported only to read those attributes and to flush, on a GPU.
+to see the bytes. ``cudaDeviceFlushGPUDirectRDMAWrites`` (to the owner) makes them
+visible. Writes that are CUDA copies need nothing: ``cuda_ipc`` between processes of one
+node, ``cuda_copy`` behind tcp or shared memory. Host memory needs nothing either. Only a
+NIC writes GPU memory by RDMA, so a node without an RDMA device UCX may use never
+flushes. The GPU's own attributes say when a flush is a no-op. ``plan`` is pure;
+cuda-bindings is imported only to read those attributes and to flush, on a GPU.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ _RDMA_TLS = ("rc", "dc", "ud", "ib", "srd", "gga", "all")
 
 
 def usable_rdma_devices(devices: Sequence[str], environ: Mapping[str, str]) -> list[str]:
-    """The RDMA devices of this node UCX may use for an agent: ``devices``, less those
-    ``UCX_NET_DEVICES`` leaves out (``mlx5_0:1,eth0``), none when ``UCX_TLS`` names only
-    transports that do not ride one (``tcp``, ``cuda_ipc,cuda_copy,sm``)."""
+    """The RDMA devices of this node UCX may use for an agent.
+
+    They are ``devices``, less those ``UCX_NET_DEVICES`` leaves out (``mlx5_0:1,eth0``).
+    There are none when ``UCX_TLS`` names only transports that do not ride one (``tcp``,
+    ``cuda_ipc,cuda_copy,sm``)."""
     tls = environ.get("UCX_TLS", "").strip()
     if tls and not tls.startswith("^"):
         names = [t.strip() for t in tls.split(",") if t.strip()]
@@ -70,10 +72,12 @@ def usable_rdma_devices(devices: Sequence[str], environ: Mapping[str, str]) -> l
 
 
 def plan(pool_on_gpu: bool, rdma_devices: Sequence[str], device: DeviceRdma | None) -> Flush:
-    """What a pool does before it reads what landed: nothing for host memory, nor where no
-    RDMA device may write it, nor where the GPU takes no GPUDirect RDMA or orders its
-    writes for their owner already; else a flush when the GPU offers one, a device
-    synchronize when it does not or cannot be asked (``device`` None)."""
+    """What a pool does before it reads what landed.
+
+    Nothing for host memory, nor where no RDMA device may write it. Nothing where the GPU
+    takes no GPUDirect RDMA, or orders its writes for their owner already. Else a flush
+    when the GPU offers one, and a device synchronize when it does not or cannot be asked
+    (``device`` None)."""
     if not pool_on_gpu or not rdma_devices:
         return Flush.NONE
     if device is None:
@@ -151,10 +155,11 @@ def flush_to_owner() -> None:
 
 
 class Visibility:
-    """Called before a pool's memory is read: makes RDMA writes that completed before the
-    call visible to ``device``'s kernels, as ``plan`` decided (nothing, a flush, a device
-    synchronize). Host devices decide nothing and import nothing. ``devices``: the node's
-    RDMA devices, read from sysfs unless given."""
+    """Called before a pool's memory is read: makes RDMA writes that completed before the call visible.
+
+    They become visible to ``device``'s kernels, as ``plan`` decided: nothing, a flush, or a
+    device synchronize. Host devices decide nothing and import nothing. ``devices``: the
+    node's RDMA devices, read from sysfs unless given."""
 
     def __init__(
         self,

@@ -1,13 +1,15 @@
-"""An engine's doorbell across its processes: the worker side rings it when a step would
-have news for the scheduler (a sample acknowledged, refused or released), the scheduler
-side's nap (``idle_steps``) ends when it rings.
+"""An engine's doorbell across its processes: the worker side rings it, the scheduler's nap ends.
 
-vLLM's workers run in processes of their own at TP>1 and in its OpenAI server at any TP,
-so an event in one process is not enough: the scheduler side binds a Unix datagram socket
-in Linux's abstract namespace, named after the engine and this user, and a ring is one
-datagram to it (never blocking; a ring nobody hears is dropped). Rings in the scheduler
+The worker side rings it when a step would have news for the scheduler: a sample
+acknowledged, refused or released. The scheduler side's nap (``idle_steps``) ends when it
+rings.
+
+vLLM's workers run in processes of their own at TP>1, and in its OpenAI server at any TP,
+so an event in one process is not enough. The scheduler side binds a Unix datagram socket
+in Linux's abstract namespace, named after the engine and this user. A ring is one
+datagram to it, never blocking; a ring nobody hears is dropped. Rings in the scheduler
 side's own process set an event as well. A second engine of the same name on this host
-cannot bind the name: its naps then end only by their length (``listening`` says so).
+cannot bind the name, so its naps end only by their length (``listening`` says so).
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ class Doorbell:
 
     # ------------------------------------------------------------------ hearing
     def listen(self) -> bool:
-        """Hear rings from other processes from now on; False where the name is taken
-        (another engine of this name on this host) or abstract sockets are missing."""
+        """Hear rings from other processes from now on.
+
+        False where the name is taken (another engine of this name on this host) or
+        abstract sockets are missing."""
         with self._lock:
             if self._sock is not None:
                 return True
@@ -95,7 +99,8 @@ class Doorbell:
     def wait(
         self, timeout: float, wake: Callable[[], bool] | None = None, slice_s: float = 0.01
     ) -> bool:
-        """Until it rings (True), ``wake()`` says so (False) or ``timeout`` passes (False);
+        """Wait until it rings (True), ``wake()`` says so (False) or ``timeout`` passes (False).
+
         ``wake`` and rings from other processes are looked at every ``slice_s``."""
         deadline = time.monotonic() + timeout
         while True:

@@ -1,10 +1,9 @@
 """The options every client of the reader shares, declared, defaulted and checked once.
 
-``ClientOptions`` is a msgspec Struct, as the producer's ``ConnectorOptions`` is; the
-push reader's ``ReaderConfig``, the pull client's ``PullOptions`` and the fetch agent
-extend it, so a pool, its device, the checks and the hand-out are named the same way
-whichever client a user runs. A bad value raises ``ValueError`` naming it when the
-record is built.
+``ClientOptions`` is a msgspec Struct, as the producer's ``ConnectorOptions`` is. The push
+reader's ``ReaderConfig``, the pull client's ``PullOptions`` and the fetch agent extend it.
+So a pool, its device, the checks and the hand-out are named the same way whichever client
+a user runs. A bad value raises ``ValueError`` naming it when the record is built.
 """
 
 from __future__ import annotations
@@ -25,23 +24,23 @@ AGENT_POOL_BYTES = 1 << 30
 
 
 class ClientOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What every client is configured with (each adds its own fields).
+    """What every client is configured with; each client adds its own fields.
 
     ``name``: the client's name at producers and in logs (default: a random one).
-    ``pool_bytes``: the receive pool, registered with NIXL once; the samples on their way
+    ``pool_bytes``: the receive pool, registered with NIXL once. The samples on their way
     and those on lease share it.
-    ``pool_device``: None (default) keeps the pool in host memory; ``"cuda:N"`` puts it on
-    that GPU, registered as VRAM: samples land, are checked and are views there, and their
-    pages return in stream order. ``"cpu"`` runs that device code on host memory (what CI
-    tests). ``PoolDeviceError`` when CUDA or the GPU is missing.
-    ``copy``: hand samples out as copies (into reused buffers) instead of views of the pool
-    on lease; their pages return at once. For users who keep samples for long.
-    ``check_values`` (default on): refuse a sample whose states hold NaN/Inf, tokens zero
-    in every layer or layers zero at every token (``reader.pool.values``): on a host pool a
-    sampled screen, the whole sample looked at only where it shows something; on a GPU
-    pool a full pass there. ``full_values_check`` reads every value on the host too.
+    ``pool_device``: None (default) keeps the pool in host memory. ``"cuda:N"`` puts it on
+    that GPU, registered as VRAM. Samples then land, are checked and are views there, and
+    their pages return in stream order. ``"cpu"`` runs that device code on host memory,
+    which is what CI tests. ``PoolDeviceError`` when CUDA or the GPU is missing.
+    ``copy``: hand samples out as copies, into reused buffers, instead of views of the pool
+    on lease. Their pages return at once. For users who keep samples for long.
+    ``check_values`` (default on): refuse a sample whose states hold NaN/Inf, tokens zero in
+    every layer or layers zero at every token (``reader.pool.values``). On a host pool it is
+    a sampled screen, and the whole sample is looked at only where it shows something. On a
+    GPU pool it is a full pass there. ``full_values_check`` reads every value on the host too.
     ``expect``: what every sample must be (``wire.provenance.Expectation``: layer ids,
-    dtype, hidden size, model); one that differs is refused by name before its bytes move.
+    dtype, hidden size, model). One that differs is refused by name before its bytes move.
     """
 
     pool_bytes: int = DEFAULT_POOL_BYTES
@@ -65,8 +64,10 @@ Options = TypeVar("Options", bound=ClientOptions)
 
 
 def options_of(kind: type[Options], given: Options | None, keywords: Mapping[str, Any]) -> Options:
-    """``given``, or a ``kind`` built of ``keywords``: a client takes its record or its
-    fields as keywords, and ``TypeError`` says so when it is handed both."""
+    """``given``, or a ``kind`` built of ``keywords``.
+
+    A client takes its record or its fields as keywords; ``TypeError`` says so when it is
+    handed both."""
     if given is None:
         return kind(**keywords)
     if keywords:

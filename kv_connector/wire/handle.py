@@ -1,15 +1,17 @@
-"""A pull handle: the opaque string a producer in pull mode puts at the top of a finished
-request's ``kv_transfer_params`` (``"handle"``, the key speculators reads), naming the
-producer, the pull endpoint of each of its ranks, the request and a nonce. A consumer
-passes it to ``reader.pull.client.PullClient.fetch``.
+"""A pull handle: the opaque string that names a pulled sample and where to fetch it.
 
-The string is ``kvhs1.`` and the URL-safe base64 of a msgpack ``PullHandle``: small (about
-100 characters for one rank), printable, safe in JSON, a file name or a log line. It is
-opaque to users, and strict to decode: a handle that does not decode, or names anything
-out of range, is a ``HandleError``. The nonce is a random 128-bit hex string the producer
-made for the request: without it a request's sample cannot be fetched (a handle cannot
-be forged by guessing request ids); it carries no authority beyond that (the endpoint's
-handshake is what authenticates a consumer, see ``wire.auth``). Pure logic.
+A producer in pull mode puts it at the top of a finished request's ``kv_transfer_params``,
+under ``"handle"``, the key speculators reads. It names the producer, the pull endpoint of
+each of its ranks, the request and a nonce. A consumer passes it to
+``reader.pull.client.PullClient.fetch``.
+
+The string is ``kvhs1.`` and the URL-safe base64 of a msgpack ``PullHandle``. It is small
+(about 100 characters for one rank), printable, and safe in JSON, a file name or a log
+line. It is opaque to users, and strict to decode: a handle that does not decode, or
+names anything out of range, is a ``HandleError``. The nonce is a random 128-bit hex
+string the producer made for the request. Without it a request's sample cannot be
+fetched, so a handle cannot be forged by guessing request ids. It carries no authority
+beyond that: the endpoint's handshake authenticates a consumer (``wire.auth``). Pure logic.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ class HandleError(ValueError):
 
 
 class PullHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """producer_id: the producer's name; request_id: vLLM's id of the request; nonce: the
-    producer's secret for this request; endpoints: ``HOST:PORT`` of each rank's pull
-    endpoint, by rank (one per tensor-parallel rank: each serves its share)."""
+    """What a pull handle names.
+
+    producer_id: the producer's name. request_id: vLLM's id of the request. nonce: the
+    producer's secret for this request. endpoints: ``HOST:PORT`` of each rank's pull
+    endpoint, by rank; there is one per tensor-parallel rank, and each serves its share."""
 
     producer_id: SafeName
     request_id: RequestId

@@ -1,14 +1,14 @@
 """The reader's receive pool accounting: pages, credits and a FIFO of waiting requests.
 
-Pure logic. A credit is a granted page; a producer writes only into pages granted to it,
-and a page returns to the pool only once its sample is done with (released by the user,
-or, after it was discarded, once no WRITE into it can land: ``push/page_fences.py``). Each sample
-gets one contiguous run of pages, so it can be handed out as a view of the pool without
-a copy. Requests are served in arrival order (a large sample is not starved by a stream
-of small ones); runs are taken next-fit from where the last one ended, so a pool whose
-samples come back in about the order they went out behaves as a ring and does not
-fragment. A run that does not fit waits, even with as many pages free in pieces: nothing
-is lost, the producer waits.
+Pure logic. A credit is a granted page, and a producer writes only into pages granted to
+it. A page returns to the pool only once its sample is done with: released by the user,
+or, after it was discarded, once no WRITE into it can land (``push/page_fences.py``).
+Each sample gets one contiguous run of pages, so it can be handed out as a view of the
+pool without a copy. Requests are served in arrival order, so a large sample is not
+starved by a stream of small ones. Runs are taken next-fit from where the last one ended.
+So a pool whose samples come back in about the order they went out behaves as a ring and
+does not fragment. A run that does not fit waits, even with as many pages free in
+pieces: nothing is lost, the producer waits.
 """
 
 from __future__ import annotations
@@ -112,8 +112,10 @@ class PagePool:
         self._free.insert(i, (start, length))
 
     def hand_over(self, key: Hashable, to: Hashable) -> None:
-        """The run held by ``key`` is held by ``to`` from now on (a dropped sample's
-        pages wait for their fence under the grant's name; its key may come again)."""
+        """The run held by ``key`` is held by ``to`` from now on.
+
+        A dropped sample's pages wait for their fence under the grant's name, since its key
+        may come again."""
         if to in self._owner or to in self._waiting:
             raise ValueError(f"{to!r} is already waiting for or holding pages")
         self._owner[to] = self._owner.pop(key)
