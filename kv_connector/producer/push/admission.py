@@ -1,10 +1,10 @@
-"""Push's admission: a new request starts once every rank reaches the reader it is bound
-to, so its sample has somewhere to go.
+"""Push's admission: a new request starts once every rank reaches the reader it is bound to.
 
-Pure logic (no vllm, nixl or torch). The workers report, each step, changes of their link
-to every reader (``ReaderAdmission.links``); ``admit`` then binds a request to a reader
-that is up (``Router``), lets it wait while none is, and fails it after
-``connect_timeout_s`` (``DeliveryBook.wait_or_fail``).
+Waiting for that gives its sample somewhere to go. Pure logic
+: no vllm, nixl or torch. Each step the
+workers report changes of their link to every reader (``ReaderAdmission.links``).
+``admit`` then binds a request to a reader that is up (``Router``) and lets it wait while
+none is. It fails the request after ``connect_timeout_s`` (``DeliveryBook.wait_or_fail``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ NOT_REPORTED = "no worker has reported a connection yet"
 class Router:
     """Picks each sample's reader on the scheduler side, so every rank agrees.
 
-    "request_hash": crc32 of the request id modulo the readers (stable across restarts);
-    "round_robin": in the order requests start, skipping readers no worker can reach. A
-    full reader only delays its own samples and a gone one only fails its own: each
-    reader has its own sender per rank.
+    "request_hash": crc32 of the request id modulo the readers, stable across restarts.
+    "round_robin": in the order requests start, skipping readers no worker can reach. Each
+    reader has its own sender per rank. So a full reader only delays its own samples, and a
+    gone one only fails its own.
     """
 
     def __init__(self, readers: Sequence[str], policy: Sharding | str = Sharding.REQUEST_HASH) -> None:
@@ -40,8 +40,9 @@ class Router:
 
     @property
     def binds(self) -> bool:
-        """Whether a request's reader is fixed before it runs (request_hash, or a single
-        reader), so a request that fails still names the reader it was bound for."""
+        """Whether a request's reader is fixed before it runs: request_hash, or a single reader.
+
+        Then a request that fails still names the reader it was bound for."""
         return self.policy is Sharding.REQUEST_HASH or len(self.readers) == 1
 
     def route(self, request_id: str) -> str:
@@ -66,8 +67,9 @@ class Router:
 
 
 class ReaderAdmission:
-    """Which readers every rank reaches, and the admission that follows from it; the
-    links of every (reader, rank) are its own, a request's verdict is the book's."""
+    """Which readers every rank reaches, and the admission that follows from it.
+
+    The links of every (reader, rank) are its own; a request's verdict is the book's."""
 
     def __init__(self, book: DeliveryBook, readers: Sequence[str], world_size: int, router: Router) -> None:
         if world_size <= 0:
@@ -96,8 +98,10 @@ class ReaderAdmission:
         return ""
 
     def admit(self, request_id: str) -> Admission:
-        """Called each step while a new request waits to start (and again if it is
-        preempted and recomputed: an admitted request always runs)."""
+        """Called each step while a new request waits to start.
+
+        It is called again if the request is preempted and recomputed: an admitted request
+        always runs."""
         decided = self.book.decided(request_id)
         if decided is not None:
             return decided
@@ -117,11 +121,12 @@ class ReaderAdmission:
         )
 
     def started(self, request_id: str) -> str | None:
-        """vLLM scheduled the request: one it ran without admitting (it overrides the
-        connector's "not yet" for requests that skip the prefix cache, such as those
-        asking for ``prompt_logprobs``) is bound now, to a reader that is up or else to
-        the one it routes to, whose sender ships it once connected. The reader it bound
-        such a request to; None for any other."""
+        """vLLM scheduled the request; one it ran without admitting is bound now.
+
+        vLLM overrides the connector's "not yet" for requests that skip the prefix cache,
+        such as those asking for ``prompt_logprobs``. Such a request is bound to a reader
+        that is up, or else to the one it routes to, whose sender ships it once connected.
+        Returns the reader it bound such a request to; None for any other."""
         rec = self.book.table.get(request_id)
         if rec is None or rec.admitted or rec.failed is not None:
             return None
@@ -130,6 +135,7 @@ class ReaderAdmission:
         return reader
 
     def bound(self, request_id: str) -> str | None:
-        """The reader a request that failed before it ran was bound for, where the policy
-        binds one (its kv_transfer_params name it); round robin binds none."""
+        """The reader a request that failed before it ran was bound for; its kv_transfer_params name it.
+
+        Only a policy that binds one gives it; round robin binds none."""
         return self.router.route(request_id) if self.router.binds else None

@@ -164,7 +164,8 @@ class ReaderLedger:
         """Where the share a ``Verify`` names lies in the pool, or None if its check is moot.
 
         The checking thread reads the pool outside the lock, so it asks first whether the share
-        is still this landing's (a newer landing queued its own check; a dropped sample needs none).
+        is still this landing's. A newer landing queued its own check, and a dropped sample
+        needs none.
         """
         s = self._samples.get(v.key)
         share = s.shares.get(v.rank) if s is not None else None
@@ -228,8 +229,9 @@ class ReaderLedger:
         self.producers.ready(peer, hello)
 
     def peer_gone(self, peer: PeerId, now: float) -> list[Action]:
-        """A connection closed. Its rank's slot is free at once (it may reconnect); its
-        samples are judged after a grace in which its last notifications may still
+        """A connection closed; its rank's slot is free at once, so it may reconnect.
+
+        Its samples are judged after a grace in which its last notifications may still
         arrive (R6). Settled at once when nothing of it is awaited."""
         ident = self.producers.identity(peer)
         if ident is None:
@@ -303,9 +305,10 @@ class ReaderLedger:
         return actions + self._grant(now)
 
     def write_done(self, peer: PeerId, msg: protocol.WriteDone, now: float = 0.0) -> list[Action]:
-        """A rank's WRITE of its share landed (its notification arrived). One that names
-        another grant than the sample's never lands on it (R3): it fences that grant, or
-        names pages a late WRITE changed."""
+        """A rank's WRITE of its share landed: its notification arrived.
+
+        One that names another grant than the sample's never lands on it (R3). It fences
+        that grant, or names pages a late WRITE changed."""
         pid, _ = self._ident(peer)
         s = self._samples.get((pid, msg.request_id))
         if s is None or s.pages is None or s.generation != msg.generation:
@@ -341,10 +344,11 @@ class ReaderLedger:
         seconds: float = 0.0,
         screen: RowsScreen | None = None,
     ) -> list[Action]:
-        """A ``Verify``'s result (it took ``seconds``; ``screen``: its rows' values screen):
-        a share that matches is checked; one that does not is written again or, past
-        ``max_rewrites``, its sample is refused (R5). One for an older landing, or a sample
-        gone meanwhile, is ignored (its time still counts)."""
+        """A ``Verify``'s result: it took ``seconds``, and ``screen`` is its rows' values screen.
+
+        A share that matches is checked. One that does not is written again or, past
+        ``max_rewrites``, its sample is refused (R5). One for an older landing, or for a
+        sample gone meanwhile, is ignored; its time still counts."""
         self.stats.verify_s += seconds
         s = self._samples.get(key)
         share = s.shares.get(rank) if s is not None else None
@@ -357,8 +361,9 @@ class ReaderLedger:
         return self._mismatch(s, rank, now)
 
     def producer_refused(self, peer: PeerId, msg: protocol.Refuse, now: float) -> list[Action]:
-        """A producer gave up on one of its samples (e.g. its WRITE kept failing): drop the
-        sample, and tell its other ranks, whose shares can no longer complete it."""
+        """A producer gave up on one of its samples, e.g. its WRITE kept failing.
+
+        Drop the sample, and tell its other ranks, whose shares can no longer complete it."""
         pid, rank = self._ident(peer)
         s = self._samples.get((pid, msg.request_id)) if msg.request_id else None
         label = f"{pid}/rank{rank}"
@@ -371,8 +376,9 @@ class ReaderLedger:
         return self._refusals.gave_up(s, rank, label, msg, now)
 
     def fenced(self, peer: PeerId, msg: protocol.Fenced, now: float) -> list[Action]:
-        """A rank has no WRITE into a dropped sample's grant in flight any more (R3); a
-        fence nothing waits for (its sample landed, or its pages went back) is moot."""
+        """A rank has no WRITE into a dropped sample's grant in flight any more (R3).
+
+        A fence nothing waits for is moot: its sample landed, or its pages went back."""
         self._ident(peer)
         if not self._book.page_fences.answered(msg.generation, msg.request_id, peer):
             return []
@@ -380,8 +386,9 @@ class ReaderLedger:
 
     # ------------------------------------------------------------- the user
     def ready_sample(self, key: Key) -> ReadySample | None:
-        """The sample as the user's thread hands it out, while it is VERIFIED; None when it
-        is not ready (discarded, or written again since it was queued)."""
+        """The sample as the user's thread hands it out, while it is VERIFIED.
+
+        None when it is not ready: discarded, or written again since it was queued."""
         s = self._samples.get(key)
         if s is None or s.state is not SampleState.VERIFIED:
             return None
@@ -390,9 +397,11 @@ class ReaderLedger:
         return ReadySample(key, s.manifest, s.pages.start * self.page_bytes, screens)
 
     def hand_out(self, key: Key, now: float) -> tuple[ReadySample, list[Action]] | None:
-        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease; it is remembered
-        as delivered and its producer acked now (on take) or when the user acks (manual)
-        (R4). None when it is not ready (discarded, or written again since it was queued)."""
+        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease.
+
+        It is remembered as delivered. Its producer is acked now (on take) or when the user
+        acks (manual) (R4). None when it is not ready: discarded, or written again since it
+        was queued."""
         ready = self.ready_sample(key)
         if ready is None:
             return None
@@ -418,10 +427,12 @@ class ReaderLedger:
         return [Send(peer, protocol.Ack(request_id=key[1])) for peer in waiting or ()]
 
     def reject(self, key: Key, why: str, now: float) -> list[Action]:
-        """The consumer will not take a sample (R11): VERIFIED (checked before hand-out) ->
-        refused, its pages quarantined; HANDED_OUT and not acked yet (manual mode): its
-        producer's ranks are refused instead of acked, and a resend is delivered again.
-        Its producer fails the request with ``reader refused (rejected): why``."""
+        """The consumer will not take a sample (R11).
+
+        A VERIFIED sample (checked before hand-out) is refused, and its pages quarantined.
+        For one HANDED_OUT and not acked yet (manual mode), its producer's ranks are refused
+        instead of acked, and a resend is delivered again. Its producer fails the request
+        with ``reader refused (rejected): why``."""
         s = self._samples.get(key)
         waiting = self.delivered.owed(key)
         if s is not None and s.state is SampleState.VERIFIED:
@@ -478,8 +489,9 @@ class ReaderLedger:
         return actions + (self._grant(now) if due else [])
 
     def _late_write(self, peer: PeerId, msg: protocol.WriteDone, now: float) -> list[Action]:
-        """A WriteDone of a grant the sample no longer has (R3): it fences that grant's
-        pages, or (they went back unfenced) fails what holds them now."""
+        """A WriteDone of a grant the sample no longer has (R3).
+
+        It fences that grant's pages or, where they went back unfenced, fails what holds them now."""
         pid, rank = self._ident(peer)
         rid, g = msg.request_id, msg.generation
         label = f"a WRITE of {rid} by {pid}/rank{rank} (grant {g})"

@@ -1,8 +1,11 @@
-"""How the reader's ledger (``ledger.py``) ends a request or a sample that will not be
-delivered, once it decided to: the ``Refuse`` its producer's ranks get, with the code and
-the reason (R5 checksum, R8 timeout, R9 limit, R10 unchecked, R11 rejected), the sample
-discarded with its pages held until no WRITE into them can land (R3, R6: ``page_fences.py``),
-the log line, and the counts. Pure logic (part of the reader's ledger)."""
+"""How the reader's ledger (``ledger.py``) ends a request or a sample that will not be delivered.
+
+Once the ledger decided, this module makes the ``Refuse`` its producer's ranks get, with
+the code and the reason: R5 checksum, R8 timeout, R9 limit, R10 unchecked, R11 rejected.
+It discards the sample, holding its pages until no WRITE into them can land (R3, R6:
+``page_fences.py``). It makes the log line and keeps the counts. Pure logic, part of the
+reader's ledger."""
+
 
 from __future__ import annotations
 
@@ -81,8 +84,9 @@ class Refusals:
         return actions
 
     def overwritten(self, pages: range, label: str, now: float) -> list[Action]:
-        """A late WRITE (``label``) landed in ``pages`` after they went back unfenced (R3):
-        the samples there not handed out are refused; one on lease is named."""
+        """A late WRITE (``label``) landed in ``pages`` after they went back unfenced (R3).
+
+        The samples there not handed out are refused; one on lease is named."""
         actions: list[Action] = [Log("error", f"{label} landed in pages {pages} after they went back")]
         for s in list(self._book.samples.values()):
             if s.pages is None or not set(s.pages) & set(pages):
@@ -97,8 +101,9 @@ class Refusals:
     def gave_up(
         self, s: SampleRecord, rank: int, label: str, msg: protocol.Refuse, now: float
     ) -> list[Action]:
-        """Rank ``rank`` (``label``) of the sample's producer gave up on it: its other ranks,
-        whose shares can no longer complete it, are told; it is discarded."""
+        """Rank ``rank`` (``label``) of the sample's producer gave up on it; it is discarded.
+
+        Its other ranks, whose shares can no longer complete it, are told."""
         actions: list[Action] = [
             Log("error", f"producer {label} gave up on {msg.request_id} ({msg.code}): {msg.message}")
         ]
@@ -115,8 +120,9 @@ class Refusals:
     def rejected(
         self, key: Key, s: SampleRecord | None, peers: list[PeerId], why: str, now: float
     ) -> list[Action]:
-        """The consumer rejected a sample (R11): ``peers`` are refused; a sample not handed
-        out yet (``s``) leaves the books, its pages waiting for their fence."""
+        """The consumer rejected a sample (R11): ``peers`` are refused.
+
+        A sample not handed out yet (``s``) leaves the books, its pages waiting for their fence."""
         self._stats.refused += 1
         refuse = protocol.Refuse(code="rejected", message=fields.clip_text(why), request_id=key[1])
         actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
