@@ -1,9 +1,12 @@
-"""``python -m hybrid.report --config CONFIG.json --layers 2,24,45,47 --budget-gib 20``:
-the KV cache of a hybrid model (Qwen3-Next, Qwen3.5, linear-attention-only) or a
-mixed-window one (gpt-oss) with hidden-state extraction, vLLM's own-group approach next
-to the supplementary-tensor design (or the fallback to vLLM's grouping a model without a
-full-attention group gets), and what one sample costs to ship (``shipping``: blocks,
-descriptors, bytes), as one JSON object on stdout.
+"""The KV cache of a hybrid model with hidden-state extraction, and what one sample costs to ship.
+
+    python -m hybrid.report --config CONFIG.json --layers 2,24,45,47 --budget-gib 20
+
+The models are hybrid ones (Qwen3-Next, Qwen3.5, linear-attention-only) or mixed-window
+ones (gpt-oss). It sets vLLM's own-group approach next to the supplementary-tensor design,
+or next to the fallback to vLLM's grouping that a model without a full-attention group
+gets. ``shipping`` gives a sample's blocks, descriptors and bytes. The report is one JSON
+object on stdout.
 
 Runs on CPU without weights; ``--config`` is a config.json file or a model directory.
 """

@@ -1,8 +1,9 @@
-"""A start's phases, timed in order: the wall time each took, the CPU time the process
-spent in it and the time it waited, runnable, for a core (Linux's run-queue delay), so a
-slow start says which phase was slow and why: it worked (CPU), it was starved (queued:
-other processes had the cores), or it was blocked (neither). Pure: the clocks are passed
-in.
+"""A start's phases, timed in order, so a slow start says which phase was slow and why.
+
+Each phase has the wall time it took, the CPU time the process spent in it, and the time
+it waited, runnable, for a core (Linux's run-queue delay). A slow phase worked (CPU), was
+starved (queued: other processes had the cores), or was blocked (neither). Pure: the
+clocks are passed in.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase: ``wall_s`` seconds passed, ``cpu_s`` of them spent on a core by the
-    process, ``queued_s`` spent runnable but waiting for a core (None where it was not
+    """One phase: ``wall_s`` seconds passed, ``cpu_s`` of them spent on a core by the process.
+
+    ``queued_s`` of them were spent runnable but waiting for a core (None where it was not
     counted)."""
 
     name: str

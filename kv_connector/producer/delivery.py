@@ -1,12 +1,12 @@
 """Scheduler side: where each live request's sample stands, in both delivery modes.
 
-Pure logic (no vllm, nixl or torch). A mode's ``admit`` decides whether a new request
-starts now, waits, or, after waiting ``connect_timeout_s``, starts without shipping and
-is failed (``DeliveryBook.run``, ``wait_or_fail``): a waiting request holds no KV blocks,
-and a failed one reports why in its ``kv_transfer_params``. The workers report, each
-step, the requests that were delivered or failed (``update``), and ``outcome`` says, when
-a request finishes, whether its sample was delivered, failed (and why), or is still on
-its way.
+Pure logic: no vllm, nixl or torch. A mode's ``admit`` decides whether a new request
+starts now or waits. After waiting ``connect_timeout_s`` it starts without shipping and
+is failed (``DeliveryBook.run``, ``wait_or_fail``). A waiting request holds no KV blocks,
+and a failed one reports why in its ``kv_transfer_params``. Each step the workers report
+the requests that were delivered or failed (``update``). When a request finishes,
+``outcome`` says whether its sample was delivered, failed (and why), or is still on its
+way.
 """
 
 from __future__ import annotations
@@ -76,14 +76,17 @@ class DeliveryBook:
         self.table.ensure(request_id)
 
     def refuse(self, request_id: str, why: str) -> None:
-        """The request cannot be shipped at all (e.g. its id, or a bad sample id or metadata
-        in its kv_transfer_params): it fails at admission, alone, and its kv_transfer_params
-        say why."""
+        """The request cannot be shipped at all; it fails at admission, alone.
+
+        The cause is its id, or a bad sample id or metadata in its kv_transfer_params, and
+        its kv_transfer_params say why."""
         self.table.ensure(request_id).failed = SampleFailure(FailureReason.REQUEST_ID, why)
 
     def decided(self, request_id: str) -> Admission | None:
-        """The verdict a request already has (an admitted request always runs, even when
-        it is preempted and recomputed; a failed one runs without shipping), or None."""
+        """The verdict a request already has, or None.
+
+        An admitted request always runs, even when it is preempted and recomputed; a failed
+        one runs without shipping."""
         rec = self.table.get(request_id)
         if rec is not None and rec.admitted:
             return Admission(AdmissionKind.RUN, rec.reader)
@@ -100,8 +103,9 @@ class DeliveryBook:
         return Admission(AdmissionKind.RUN, reader)
 
     def wait_or_fail(self, request_id: str, why: Callable[[], str]) -> Admission:
-        """The request cannot start yet: it waits, from the first time it was asked about,
-        up to ``connect_timeout_s``; then it fails, with ``why()``."""
+        """The request cannot start yet: it waits up to ``connect_timeout_s``, then fails with ``why()``.
+
+        The wait counts from the first time it was asked about."""
         rec = self.table.get(request_id)
         now = since = self._clock()
         if rec is not None:
@@ -117,9 +121,9 @@ class DeliveryBook:
         return Admission(AdmissionKind.FAIL, failure=failure)
 
     def outcome(self, request_id: str) -> tuple[SampleStatus, str]:
-        """Where the request's sample stands now, and why it failed ("" unless failed):
-        pending means still on its way (a later failure is logged by the scheduler with
-        the request id)."""
+        """Where the request's sample stands now, and why it failed ("" unless failed).
+
+        Pending means still on its way; the scheduler logs a later failure with the request id."""
         rec = self.table.get(request_id)
         if rec is not None and rec.failed is not None:
             return SampleStatus.FAILED, rec.failed.why

@@ -1,20 +1,21 @@
-"""Handshake authentication and message integrity: a shared secret, HMAC-SHA256 proofs
-both ways, bound to what each side sends in the handshake, and a session key that tags
-every later control message.
+"""Handshake authentication and message integrity from one shared secret.
+
+HMAC-SHA256 proofs go both ways, bound to what each side sends in the handshake, and a
+session key then tags every later control message.
 
 The secret comes from the environment (``KV_CONNECTOR_SECRET``) or a file named by
 ``KV_CONNECTOR_SECRET_FILE``, never from a command line; it is never logged. An empty one
 is an error, not "no secret".
 
-What the proofs bind (``transcript``): the role (which keeps the directions apart), the
-producer's id and rank, both nonces, and a digest of what the proving side hands over:
-the producer's NIXL metadata (``Auth``), the reader's Welcome (pool address, page size,
-NIXL metadata). A relay between a producer and a reader cannot swap in its own metadata
-without the secret. After the handshake, ``session_key`` derives a key from the secret
-and the transcript, and ``SessionMac`` tags each control message with its direction and
-sequence number: a message cannot be forged, replayed, reordered or moved to another
-connection. Every holder of the secret can act as either role: one secret per trust
-domain.
+What the proofs bind (``transcript``): the role, which keeps the directions apart, the
+producer's id and rank, both nonces, and a digest of what the proving side hands over.
+The producer hands over its NIXL metadata (``Auth``); the reader its Welcome (pool
+address, page size, NIXL metadata). A relay between a producer and a reader cannot swap
+in its own metadata without the secret. After the handshake, ``session_key`` derives a
+key from the secret and the transcript. ``SessionMac`` tags each control message with
+its direction and sequence number. So a message cannot be forged, replayed, reordered or
+moved to another connection. Every holder of the secret can act as either role: one
+secret per trust domain.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def make_nonce() -> bytes:
 
 
 def load_secret() -> bytes | None:
-    """The shared secret from the environment or its file, or None when neither is set;
+    """The shared secret from the environment or its file, or None when neither is set.
+
     ``ValueError`` for a secret that is set but empty."""
     if SECRET_ENV in os.environ:
         value = os.environ[SECRET_ENV]
@@ -110,9 +112,10 @@ def session_key(
 
 
 class SessionMac:
-    """Tags for one side of one connection: ``seal`` what it sends, ``open`` what it
-    receives; each direction counts its messages, so a replayed, dropped or reordered
-    message does not check."""
+    """Tags for one side of one connection: ``seal`` what it sends, ``open`` what it receives.
+
+    Each direction counts its messages, so a replayed, dropped or reordered message does
+    not check."""
 
     def __init__(self, key: bytes, sends: Direction) -> None:
         self._key = key

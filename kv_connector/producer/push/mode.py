@@ -1,7 +1,8 @@
-"""Push delivery: each rank WRITEs every sample into the pool of the reader its request
-was bound to, one ``HiddenStatesSender`` per reader (``sender/``). The worker part
-(``PushWorker``) ships, settles what the readers acknowledged or what failed, and
-suspends the senders while vLLM sleeps; the scheduler part (``PushScheduling``) logs the
+"""Push delivery: each rank WRITEs every sample into the pool of the reader its request was bound to.
+
+There is one ``HiddenStatesSender`` per reader (``sender/``). The worker part
+(``PushWorker``) ships, and settles what the readers acknowledged or what failed. It
+suspends the senders while vLLM sleeps. The scheduler part (``PushScheduling``) logs the
 ranks' links and tells each finished request which reader has its sample."""
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ class PushWorker:
         pass  # nothing is held for a consumer
 
     def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
-        """A shipped request's share gets up to ``preempt_timeout_s`` to be safely written
-        (granted, landed, hashed); one that is not by then fails (the reader drops it, the
-        sender reports it at ``settle``). A full or hung reader holds the step no longer."""
+        """A shipped request's share gets up to ``preempt_timeout_s`` to be safely written.
+
+        Safely written means granted, landed and hashed. One that is not by then fails: the
+        reader drops it, and the sender reports it at ``settle``. A full or hung reader holds
+        the step no longer."""
         busy = [rid for rid in request_ids if rid in shipped]
         if not busy:
             return {}
@@ -125,9 +128,11 @@ class PushWorker:
         return links, {}
 
     def sleep(self, why: str, timeout_s: float) -> bool:
-        """Each sender lets its shares in flight be acknowledged for up to ``timeout_s``
-        (one wait for all readers: acks come in parallel), fails the rest by name (their
-        readers drop them), leaves its reader and deregisters the cache."""
+        """Each sender lets its shares in flight be acknowledged for up to ``timeout_s``.
+
+        There is one wait for all readers, since acks come in parallel. Each sender then
+        fails the rest by name (their readers drop them), leaves its reader and deregisters
+        the cache."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         failed = [rid for s in self.senders for rid in s.suspend(max(0.0, deadline - time.monotonic()), why)]
@@ -219,9 +224,10 @@ class PushScheduling:
         return []
 
     def request_finished(self, done: Finished) -> dict[str, Any]:
-        """The sample's request id, sample id, reader and status: "delivered", "failed"
-        with an "error", or "pending" (on its way); one that failed before it ran names the
-        reader it was bound for."""
+        """The sample's request id, sample id, reader and status.
+
+        The status is "delivered", "failed" with an "error", or "pending" (on its way). One
+        that failed before it ran names the reader it was bound for."""
         reader = done.reader
         if reader is None and done.status is SampleStatus.FAILED:
             reader = self.admission.bound(done.request_id)
