@@ -1,12 +1,13 @@
-"""The KV-cache shape of a hybrid model read from its config.json, and the block
-arithmetic of the supplementary-tensor design: pure logic, no vllm, torch or nixl.
+"""The KV-cache shape of a hybrid model read from its config.json, and the design's block arithmetic.
 
-A hybrid model (Qwen3-Next, Qwen3.5) interleaves gated-delta-net linear-attention layers,
-whose cache is a fixed-size recurrent state per request, with full-attention layers,
-whose cache grows by one page per ``block_size`` tokens. A mixed-window model (gpt-oss)
-interleaves sliding-window layers with full-attention ones. ``HybridShape`` holds the
-fields of config.json that decide those caches' sizes; everything else (MoE,
-vocabulary, vision tower) is ignored.
+The arithmetic is the supplementary-tensor design's. Pure logic: no vllm, torch or nixl.
+
+A hybrid model (Qwen3-Next, Qwen3.5) interleaves gated-delta-net linear-attention layers
+with full-attention layers. A linear layer's cache is a fixed-size recurrent state per
+request; a full-attention layer's grows by one page per ``block_size`` tokens. A
+mixed-window model (gpt-oss) interleaves sliding-window layers with full-attention ones.
+``HybridShape`` holds the fields of config.json that decide those caches' sizes.
+Everything else (MoE, vocabulary, vision tower) is ignored.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ class HybridShape:
     """What decides a hybrid model's cache sizes, as config.json states it.
 
     ``layer_types[i]`` is ``"full_attention"``, ``"linear_attention"`` or
-    ``"sliding_attention"`` (a window of ``sliding_window`` tokens); the ``linear_*``
-    fields matter (and must be positive) only with linear layers, ``sliding_window``
-    only with sliding ones. A model mixes linear with attention layers or sliding with
-    full ones, not all three. ``mamba_ssm_dtype`` is the recurrent state's dtype when the
-    config pins it (Qwen3.5 does; vLLM then uses it for the state cache), else None
-    (the model dtype).
+    ``"sliding_attention"`` (a window of ``sliding_window`` tokens). The ``linear_*``
+    fields matter, and must be positive, only with linear layers; ``sliding_window`` only
+    with sliding ones. A model mixes linear with attention layers or sliding with full
+    ones, not all three. ``mamba_ssm_dtype`` is the recurrent state's dtype when the
+    config pins it; Qwen3.5 does, and vLLM then uses it for the state cache. Else it is
+    None (the model dtype).
     """
 
     architecture: str
@@ -136,13 +137,13 @@ class HybridShape:
         )
 
     def standin_config(self) -> dict[str, Any]:
-        """A Qwen3-Next config.json with this cache shape, for building vLLM's config of a
-        model whose own vLLM module cannot be imported here (Qwen3.5 needs torchvision);
-        a gpt-oss one for a mixed-window model.
+        """A Qwen3-Next config.json with this cache shape, or a gpt-oss one for a mixed-window model.
 
-        Qwen3.5's and Qwen3-Next's vLLM classes compute their gated-delta-net states
-        and attention pages with the same calls on these fields, so every cache spec is
-        the same; the MoE fields are the smallest valid ones (no weights are built)."""
+        It builds vLLM's config of a model whose own vLLM module cannot be imported here
+        (Qwen3.5 needs torchvision). Qwen3.5's and Qwen3-Next's vLLM classes compute their
+        gated-delta-net states and attention pages with the same calls on these fields, so
+        every cache spec is the same. The MoE fields are the smallest valid ones, since no
+        weights are built."""
         n = self.num_layers
         if self.sliding_attention_layers:
             return {
@@ -229,8 +230,9 @@ def parse_layer_ids(text: str, num_layers: int) -> list[int]:
 def exact_num_blocks(
     budget_bytes: int, group_bytes_per_block: int, supplementary_pages: Sequence[int]
 ) -> int:
-    """Blocks a budget holds when every block costs the groups' bytes plus one page of
-    every supplementary tensor: ``budget // (group bytes + sum of pages)``."""
+    """Blocks a budget holds: ``budget // (group bytes + sum of pages)``.
+
+    Every block costs the groups' bytes plus one page of every supplementary tensor."""
     if group_bytes_per_block <= 0:
         raise ValueError(f"group bytes per block must be positive, got {group_bytes_per_block}")
     if any(p <= 0 for p in supplementary_pages):

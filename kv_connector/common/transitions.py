@@ -1,10 +1,11 @@
-"""A state machine's legal transitions as one table: (state, event) -> the state it leads
-to, every pair not in the table illegal. The ledgers' machines (the reader's samples,
-``reader.push.sample_states``; the sender's jobs, ``sender.job_states``; the pull ledger's
-holds, ``producer.pull.hold_states``) each keep theirs next to their states, and their
+"""A state machine's legal transitions as one table: (state, event) -> the state it leads to.
+
+Every pair not in the table is illegal. The ledgers' machines each keep theirs next to
+their states: the reader's samples (``reader.push.sample_states``), the sender's jobs
+(``sender.job_states``), the pull ledger's holds (``producer.pull.hold_states``). Their
 ledgers move a record only through ``Transitions.step``, so the table is what is
-enforced. ``None`` stands for "no record yet": the pairs from it are how a record
-begins. A state with no pair out of it is terminal. Pure: no project imports."""
+enforced. ``None`` stands for "no record yet": the pairs from it are how a record begins.
+A state with no pair out of it is terminal. Pure: no project imports."""
 
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ K = TypeVar("K", bound=enum.Enum)  # one kind of state (``step_as``)
 
 
 class Transitions(Generic[S, E]):
-    """``rules``: (state or None, event) -> the next state; an illegal pair raises what
-    ``illegal`` makes of its message (the machine's own error)."""
+    """``rules``: (state or None, event) -> the next state.
+
+    An illegal pair raises what ``illegal`` makes of its message: the machine's own error."""
 
     def __init__(self, rules: Mapping[tuple[S | None, E], S], illegal: Callable[[str], Exception]) -> None:
         self.rules: Mapping[tuple[S | None, E], S] = rules
         self._illegal = illegal
 
     def step(self, state: S | None, event: E, what: str = "") -> S:
-        """The state ``event`` leads ``state`` to; the machine's error naming ``what`` (the
-        record), the event and the state when the table has no such transition."""
+        """The state ``event`` leads ``state`` to.
+
+        When the table has no such transition, the machine's error names ``what`` (the
+        record), the event and the state."""
         to = self.rules.get((state, event))
         if to is None:
             where = "no record" if state is None else f"state {state.value}"
@@ -35,9 +39,10 @@ class Transitions(Generic[S, E]):
         return to
 
     def step_as(self, kind: type[K], state: S | None, event: E, what: str, otherwise: str) -> K:
-        """``step``, for a machine whose states are two enums (the live ones and the ends):
-        the state it leads to, checked to be a ``kind``; the machine's error saying
-        ``what`` ``otherwise`` when it is of the other kind."""
+        """``step``, for a machine whose states are two enums: the live ones and the ends.
+
+        Returns the state it leads to, checked to be a ``kind``. When it is of the other
+        kind, the machine's error says ``what`` ``otherwise``."""
         to = self.step(state, event, what)
         if not isinstance(to, kind):
             raise self._illegal(f"{what}: {event.value} {otherwise} ({to.value})")

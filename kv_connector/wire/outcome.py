@@ -1,5 +1,6 @@
-"""What a finished request's ``kv_transfer_params["hidden_states"]`` says of its sample:
-one record, built by the producer's scheduler side and read by clients (the datagen
+"""What a finished request's ``kv_transfer_params["hidden_states"]`` says of its sample.
+
+It is one record, built by the producer's scheduler side and read by clients (the datagen
 driver, a trainer), so both ends agree on its keys and values. Pure logic."""
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ class OutcomeError(ValueError):
 
 
 class SampleOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
-    """``consumer_address``: the reader it was bound for (None: round robin had not picked
-    one when it failed, or pull delivery); ``sample_id``: the request's own id when it
-    named none; ``delivery``: "pull" for a sample a consumer fetches by the handle beside
-    this record (omitted for push)."""
+    """One request's outcome, as its kv_transfer_params carry it.
+
+    ``consumer_address``: the reader it was bound for. None in pull delivery, or when
+    round robin had not picked one when it failed. ``sample_id``: the request's own id when
+    it named none. ``delivery``: "pull" for a sample a consumer fetches by the handle beside
+    this record; omitted for push."""
 
     status: SampleStatus
     producer_id: str

@@ -1,6 +1,7 @@
-"""How every client makes a ``Sample`` of a checked run of its pool: the values verdict
-and the hand-out as a view on lease or as a copy. One module, so the push reader and the
-pull client cannot drift apart in what they refuse or how they lend."""
+"""How every client makes a ``Sample`` of a checked run of its pool: the values verdict and the hand-out.
+
+The hand-out is a view on lease or a copy. One module, so the push reader and the pull
+client cannot drift apart in what they refuse or how they lend."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from kv_connector.wire.protocol import Manifest
 
 @dataclass(frozen=True)
 class ValuesVerdict:
-    """What is wrong with a sample's states (None: nothing), and how long looking at them
-    where they lie took (None: the screen its checks read sufficed)."""
+    """What is wrong with a sample's states (None: nothing), and how long looking at them took.
+
+    The time is that of looking where they lie; None when the screen its checks read sufficed."""
+
 
     problem: str | None
     looked_s: float | None
@@ -27,9 +30,10 @@ class ValuesVerdict:
 def values_verdict(
     memory: PoolMemory, base: int, m: Manifest, screens: Sequence[RowsScreen | None], full: bool
 ) -> ValuesVerdict:
-    """The states of the sample at ``base``: NaN/Inf, all-zero tokens or layers. Where
-    every share was screened as its check read it (``screens``) and that screen saw
-    nothing, nothing more is read; otherwise the sample is looked at where it lies, every
+    """The states of the sample at ``base``: NaN/Inf, all-zero tokens or layers.
+
+    Where every share was screened as its check read it (``screens``) and that screen saw
+    nothing, nothing more is read. Otherwise the sample is looked at where it lies, every
     value with ``full``."""
     screened = [s for s in screens if s is not None]
     whole = bool(screens) and len(screened) == len(screens)
@@ -48,9 +52,10 @@ def hand_out(
     release: Callable[[Key], None],
     copies: CopyBuffers | None,
 ) -> Sample:
-    """The sample at ``base`` of ``memory``: a view of the pool on lease, whose end calls
-    ``release(key)`` once the work queued before it is done; or, with ``copies``, a copy
-    whose pages go back at once."""
+    """The sample at ``base`` of ``memory``: a view of the pool on lease, or with ``copies`` a copy.
+
+    The lease's end calls ``release(key)`` once the work queued before it is done. A copy's
+    pages go back at once."""
     lease = Lease(key, memory.ordered(release))
     metadata = decode_metadata(m.metadata)
     if copies is not None:

@@ -1,9 +1,11 @@
-"""The pull client's side of hold fences (``producer.pull.hold_fences``): once a sample's data
-READs completed, one 8-byte READ per share of its hold's fence word into a word of the
-client's own (host memory, registered beside the pool). The word still holding the value
-the share named means the hold was live after the last byte landed: vLLM cannot have
-reused the blocks while they were read, and the consumer's release needs no answer. A
-share whose word changed names its rank: the client asks it how the hold ended.
+"""The pull client's side of hold fences (``producer.pull.hold_fences``): one READ of each share's fence word.
+
+Once a sample's data READs completed, one 8-byte READ per share copies its hold's fence
+word into a word of the client's own: host memory, registered beside the pool. The word
+still holding the value the share named means the hold was live after the last byte
+landed. So vLLM cannot have reused the blocks while they were read, and the consumer's
+release needs no answer. A share whose word changed names its rank, and the client asks
+it how the hold ended.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ class HoldFenceReader:
         self._slots = threading.Condition(threading.Lock())
 
     def check(self, reads: Sequence[tuple[str, PullShare]], deadline: float) -> None:
-        """READ each (peer agent, share)'s fence word and compare; ``HoldFenceStale`` naming
-        the ranks whose hold ended (or whose READ failed), ``TimeoutError`` past ``deadline``."""
+        """READ each (peer agent, share)'s fence word and compare.
+
+        ``HoldFenceStale`` names the ranks whose hold ended or whose READ failed;
+        ``TimeoutError`` past ``deadline``."""
         slots = self._take(len(reads), deadline)
         try:
             failed: list[int] = []
@@ -123,9 +127,10 @@ def check_hold_fences(
     shares: Sequence[PullShare],
     timeout_s: float,
 ) -> bool:
-    """The fences of a sample's shares, once their READs completed: ``FetchError`` saying
-    how a hold ended (its rank's answer to a release) if one did. True if every share
-    READ had a fence (its release then needs no answer)."""
+    """The fences of a sample's shares, once their READs completed.
+
+    ``FetchError`` says how a hold ended (its rank's answer to a release) if one did. True
+    if every share READ had a fence; its release then needs no answer."""
     read = [s for s in shares if s.block_ids]
     fenced = [s for s in read if s.fence is not None]
     if not fenced:

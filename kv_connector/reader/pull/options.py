@@ -1,5 +1,7 @@
-"""A pull client's options: the ones every client shares and pull's own, one record a
-``PullClient``, a rank's fetch agent and the configuration line the agent reads all take."""
+"""A pull client's options: the ones every client shares, and pull's own.
+
+One record that a ``PullClient``, a rank's fetch agent and the agent's configuration line
+all take."""
 
 from __future__ import annotations
 
@@ -10,16 +12,16 @@ FETCH_TIMEOUT_S = 60.0
 
 
 class PullOptions(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How a ``PullClient`` pools, checks and hands out: the options every client shares
-    (``reader.options.ClientOptions``) and pull's own.
+    """How a ``PullClient`` pools, checks and hands out.
 
+    It holds the options every client shares (``reader.options.ClientOptions``) and pull's own.
     ``timeout_s``: how long one fetch may take, connecting and reading included.
-    ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``): what
-    a rank's fetch agent serves its DataLoader workers from (``reader.agent.fetch_agent``).
+    ``shared_pool``: the host pool in a memory file other processes map (``pool_fd``). A
+    rank's fetch agent serves its DataLoader workers from it (``reader.agent.fetch_agent``).
 
-    A GPU pool (``pool_device="cuda:N"``) whose NIXL cannot register GPU memory is named
-    at the first fetch, when the pool is made; a sample that differs from ``expect`` fails
-    its fetch with ``FetchError("mismatch")`` before it is READ, and its producer frees it.
+    A GPU pool (``pool_device="cuda:N"``) whose NIXL cannot register GPU memory is named at
+    the first fetch, when the pool is made. A sample that differs from ``expect`` fails its
+    fetch with ``FetchError("mismatch")`` before it is READ, and its producer frees it.
     """
 
     timeout_s: float = FETCH_TIMEOUT_S
