@@ -163,12 +163,15 @@ def test_tcp_under_a_gpu_buffer_names_the_setting_that_avoids_it() -> None:
     pull_gpu = Pairing(Op.READ, Mem.GPU, Mem.GPU, Reach.SAME_NODE)
     fix = advice(pull_gpu, ["tcp/lo"])
     assert fix is not None and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in fix and "push" in fix
+    assert "nixl#2208" in fix and "1.5.1" in fix  # the NIXL that sets it itself
     for pairing in (
         Pairing(Op.WRITE, Mem.GPU, Mem.HOST, Reach.SAME_NODE),
         Pairing(Op.READ, Mem.HOST, Mem.GPU, Reach.SAME_NODE),
     ):
         fix = advice(pairing, ["tcp/lo"])
         assert fix is not None and "UCX_RMA_PPLN_ENABLE=y" in fix and "pool_device" in fix
+        # a WRITE into another process's host memory has the mapped pool as its faster pairing
+        assert ("node_pool=True" in fix) is (pairing.op is Op.WRITE)
     other = advice(Pairing(Op.WRITE, Mem.GPU, Mem.GPU, Reach.OTHER_NODE), ["tcp/eth0"])
     assert other is not None and "RDMA" in other
     # no GPU buffer, or no tcp: nothing to say
