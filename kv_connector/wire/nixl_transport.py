@@ -235,6 +235,7 @@ class NixlTransport:
         )
         self._kinds: set[tuple[str, ...]] = set()
         self._read: set[str] = set()  # report files read
+        self._every: dict[ucx_report.Pairing, set[str]] = {}  # pairing -> transports, over all sizes
         self.name = name
         self.failed_polls = 0
         self._regs: dict[Region, Any] = {}
@@ -397,7 +398,7 @@ class NixlTransport:
         remote: Region,
         spans: Sequence[tuple[int, int, int]] | np.ndarray,
         notif: bytes,
-    ) -> Transfer:
+    ) -> _Transfer:
         arr = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
         if arr.size == 0:
             raise TransportError(f"a {op} needs at least one span")
@@ -473,12 +474,12 @@ class NixlTransport:
                     "WRITE", xfer.peer, self._tails_region, xfer.remote, span, xfer.notif
                 )
             except TransportError:
-                self._tail_slots.append(slot)
+                self._free_slot(xfer)
                 raise
             xfer.tail_xfer.kind = ()  # not a pairing of its own: reported as node_pool's
             self._kinds.add(())
         try:
-            finished = self.poll(xfer.tail_xfer)
+            finished = self.poll(xfer.tail_xfer)  # its handle released once done
         except TransportError:
             self._free_slot(xfer)
             raise
@@ -537,6 +538,7 @@ class NixlTransport:
             c = ucx_report.choice_of(file_name, text, self.name)
             if c is not None and c.pairing.reach is not ucx_report.Reach.SELF:  # its loopback
                 choices.append(c)
+                self._every.setdefault(c.pairing, set()).update(c.transports)
         new: dict[ucx_report.Pairing, tuple[str, ...]] = {}
         with _CHOICES_LOCK:
             for pairing, found in ucx_report.bulk(choices).items():
@@ -557,6 +559,15 @@ class NixlTransport:
                     fix,
                 )
         return new
+
+    def rdma_into(self, op: ucx_report.Op, local: ucx_report.Mem) -> bool | None:
+        """Whether UCX chose an RDMA transport (``ucx_report.any_rdma``) for any size of
+        ``op`` into this agent's ``local`` memory, as its report said; None while it said
+        nothing of such a transfer (no report, or none completed yet)."""
+        seen = [ts for p, ts in self._every.items() if p.op is op and p.local is local]
+        if not seen:
+            return None
+        return ucx_report.any_rdma(t for ts in seen for t in ts)
 
     def _report_files(self) -> list[str]:
         if self._report is None:

@@ -160,6 +160,12 @@ def kind_of(transport: str) -> Kind:
     return Kind.RDMA if _RDMA.match(name) else Kind.OTHER
 
 
+def any_rdma(transports: Iterable[str]) -> bool:
+    """Whether a NIC may have written the bytes: a transport of kind RDMA, or one this
+    module does not know (taken as RDMA, so a GPU pool flushes rather than not)."""
+    return any(kind_of(t) in (Kind.RDMA, Kind.OTHER) for t in transports)
+
+
 @dataclass(frozen=True)
 class Pairing:
     """One kind of transfer an agent posts: ``local`` is its own buffer's memory."""

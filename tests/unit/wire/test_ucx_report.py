@@ -16,6 +16,7 @@ from kv_connector.wire.ucx_report import (
     Pairing,
     Reach,
     advice,
+    any_rdma,
     bulk,
     choice_of,
     engine_config,
@@ -216,3 +217,18 @@ def test_printed_tables_are_read_too() -> None:
         ],
     }
     assert table_transports("no tables here\n") == {}
+
+
+@pytest.mark.parametrize(
+    ("transports", "want"),
+    [
+        (["cuda_ipc/cuda"], False),
+        (["cuda_copy/cuda", "cma/memory", "tcp/lo"], False),
+        (["cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"], True),  # UCX splits a large READ over both
+        (["srd/efa_0"], True),
+        (["gdaki/mlx5_0"], True),  # a transport not known here counts as RDMA: flush rather than not
+        ([], False),
+    ],
+)
+def test_which_transports_may_have_written_by_rdma(transports: list[str], want: bool) -> None:
+    assert any_rdma(transports) is want
