@@ -6,8 +6,11 @@ to see the bytes. ``cudaDeviceFlushGPUDirectRDMAWrites`` (to the owner) makes th
 visible. Writes that are CUDA copies need nothing: ``cuda_ipc`` between processes of one
 node, ``cuda_copy`` behind tcp or shared memory. Host memory needs nothing either. Only a
 NIC writes GPU memory by RDMA, so a node without an RDMA device UCX may use never
-flushes. The GPU's own attributes say when a flush is a no-op. ``plan`` is pure;
-cuda-bindings is imported only to read those attributes and to flush, on a GPU.
+flushes. The GPU's own attributes say when a flush is a no-op. A pull pool's own agent
+posts every READ into it, so it learns UCX's transports and skips the flush while none is
+RDMA (``needs_flush``). A push pool cannot learn its producers' and flushes as planned.
+``plan`` and ``needs_flush`` are pure; cuda-bindings is imported only to read those
+attributes and to flush, on a GPU.
 """
 
 from __future__ import annotations
@@ -85,6 +88,13 @@ def plan(pool_on_gpu: bool, rdma_devices: Sequence[str], device: DeviceRdma | No
     if not device.supported or device.writes_ordering >= ORDERING_OWNER:
         return Flush.NONE
     return Flush.FLUSH if device.flush_options & OPTION_HOST else Flush.SYNCHRONIZE
+
+
+def needs_flush(planned: Flush, rdma_writes: bool | None) -> bool:
+    """Whether a pool flushes (or synchronizes) now: as ``planned``, unless the transports
+    that wrote it are known (``rdma_writes`` not None) and none of them is RDMA (every
+    write a CUDA copy: ``cuda_ipc``, ``cuda_copy``)."""
+    return planned is not Flush.NONE and rdma_writes is not False
 
 
 def node_rdma_devices(root: Path = RDMA_DEVICES) -> list[str]:
@@ -170,6 +180,10 @@ class Visibility:
         self.device = device
         self.plan = Flush.NONE
         self.calls = 0  # flushes or synchronizes done
+        self.skipped = 0  # calls where the transports known wrote no byte by RDMA
+        # set by a pool whose agent posts every transfer into it (a pull pool): whether any
+        # transport UCX chose for them is RDMA, None while it knows none
+        self.rdma_writes: Callable[[], bool | None] | None = None
         self._lock = threading.Lock()
         self._do: Callable[[], None] = lambda: None
         if device.type != "cuda":
@@ -196,6 +210,10 @@ class Visibility:
 
     def __call__(self) -> None:
         if self.plan is Flush.NONE:
+            return
+        if not needs_flush(self.plan, None if self.rdma_writes is None else self.rdma_writes()):
+            with self._lock:
+                self.skipped += 1
             return
         with torch.cuda.device(self.device):
             self._do()

@@ -10,6 +10,11 @@ Before its UCX context exists, an agent gets the UCX settings GPU buffers need o
 ``UCX_*``) and asks UCX to describe its WRITE and READ choices in files of a directory of
 its own; at the first completion of each kind of transfer it reads them, logs the
 transport of each pairing and warns where ``tcp`` carries a GPU buffer.
+
+A reader whose pool is a memory file publishes it (``publish_pool``); a producer's agent
+on the same node then maps it at ``add_peer`` and makes each WRITE into it a copy of its
+own followed by a NIXL notification (``wire.node_pool``), reported as the ``node_pool``
+transport of its pairing.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kv_connector.wire import ucx_report
+from kv_connector.common.device import DeviceEvent
+from kv_connector.wire import node_pool, ucx_report
 from kv_connector.wire.transport import MemType, Region, Transfer, TransportError
 
 log = logging.getLogger(__name__)
@@ -37,6 +44,10 @@ _DONE, _PROC, _ERR = "DONE", "PROC", "ERR"
 
 
 NIXL_VERSION = "1.5.1"
+
+# a WRITE into a mapped pool is told by a NIXL WRITE of its last bytes again, from a slot
+TAIL_BYTES = 64
+TAIL_SLOTS = 1024
 
 
 def nixl_wheel(torch_cuda: str | None) -> str:
@@ -93,6 +104,36 @@ def mem_type_of(tensor: torch.Tensor) -> tuple[MemType, int]:
     raise TransportError(f"cannot register memory on device {tensor.device}")
 
 
+class _MappedWrite:
+    """One WRITE done as a copy into a peer's mapped pool. Once the copy is done its
+    notification rides a NIXL WRITE of the copy's last bytes again (``tail``: pool offset,
+    length), so NIXL delivers it after the data and makes its progress as for any WRITE
+    (a standalone notification has no completion to poll)."""
+
+    __slots__ = ("done", "kind", "nbytes", "notif", "op", "peer", "remote", "slot", "tail", "tail_xfer")
+
+    def __init__(
+        self,
+        done: DeviceEvent,
+        peer: str,
+        nbytes: int,
+        notif: bytes,
+        kind: tuple[str, ...],
+        remote: Region,
+        tail: tuple[int, int],
+    ) -> None:
+        self.done = done
+        self.peer = peer
+        self.nbytes = nbytes
+        self.notif = notif
+        self.op = "WRITE"
+        self.kind = kind
+        self.remote = remote
+        self.tail = tail
+        self.slot: int | None = None
+        self.tail_xfer: _Transfer | None = None
+
+
 class _Transfer:
     """One posted WRITE or READ; poll it with ``NixlTransport.poll`` until it is done."""
 
@@ -114,7 +155,7 @@ _CHOICES_LOCK = threading.Lock()
 
 def ucx_choices() -> dict[str, dict[str, list[str]]]:
     """What UCX chose in this process, as its agents read it: agent -> pairing -> the
-    transports of its large transfers."""
+    transports of its large transfers (``node_pool`` for WRITEs into a mapped pool)."""
     out: dict[str, dict[str, list[str]]] = {}
     with _CHOICES_LOCK:
         for (agent, pairing), ts in sorted(_CHOICES.items(), key=lambda x: (x[0][0], str(x[0][1]))):
@@ -194,10 +235,18 @@ class NixlTransport:
         )
         self._kinds: set[tuple[str, ...]] = set()
         self._read: set[str] = set()  # report files read
+        self._every: dict[ucx_report.Pairing, set[str]] = {}  # pairing -> transports, over all sizes
         self.name = name
         self.failed_polls = 0
         self._regs: dict[Region, Any] = {}
         self._peers: set[str] = set()
+        self._tensors: dict[Region, torch.Tensor] = {}  # each registration's bytes, for mapped WRITEs
+        self._mapped: dict[str, node_pool.MappedPool] = {}  # peer -> its pool, mapped here
+        self._offer: str | None = None  # the path of this agent's published pool
+        self._copy_stream: Any = None  # a GPU's stream of mapped WRITEs, made at the first
+        self._tails: torch.Tensor | None = None  # the notifications' WRITEs' bytes, a slot each
+        self._tails_region: Region | None = None
+        self._tail_slots = list(range(TAIL_SLOTS))
 
     @property
     def metadata(self) -> bytes:
@@ -218,13 +267,27 @@ class NixlTransport:
             raise TransportError(f"cannot register {nbytes} bytes of {mem_type}: {e}") from e
         region = Region(tensor.data_ptr(), nbytes, mem_type, dev)
         self._regs[region] = reg
+        self._tensors[region] = node_pool.byte_view(tensor)
         return region
+
+    def publish_pool(self, region: Region, fd: int) -> None:
+        """Offer ``region`` (registered here, host memory in the memory file ``fd``) to
+        producers on this node, which then copy into it instead of WRITEs through UCX;
+        withdrawn at ``close``. Nothing where ``KV_CONNECTOR_NODE_POOL`` is off."""
+        if node_pool.switched_off(os.environ) or region.mem_type != "DRAM" or region not in self._regs:
+            return
+        offer = node_pool.make_offer(self.name, fd, region.addr, region.nbytes)
+        self._offer = str(node_pool.publish(offer))
+        log.info(
+            "NIXL agent %s: pool of %d bytes offered to producers on this node", self.name, region.nbytes
+        )
 
     def deregister(self, region: Region) -> None:
         """Release a registration made by ``register`` (before the memory is freed or
         remapped); the agent's ``metadata`` no longer names it. No WRITE may be in flight
         from it. Nothing happens for a region not registered."""
         reg = self._regs.pop(region, None)
+        self._tensors.pop(region, None)
         if reg is None:
             return
         try:
@@ -240,9 +303,23 @@ class NixlTransport:
             raise TransportError(f"cannot load a remote agent's metadata: {e}") from e
         peer = name.decode() if isinstance(name, bytes) else str(name)
         self._peers.add(peer)
+        if peer not in self._mapped and not node_pool.switched_off(os.environ):
+            mapped, why = node_pool.attach(peer)
+            if mapped is not None:
+                self._mapped[peer] = mapped
+                log.info(
+                    "NIXL agent %s: %s's pool is on this node and mapped: WRITEs into it are copies",
+                    self.name,
+                    peer,
+                )
+            else:
+                log.debug("NIXL agent %s: %s's pool not mapped: %s", self.name, peer, why)
         return peer
 
     def remove_peer(self, peer: str) -> None:
+        mapped = self._mapped.pop(peer, None)
+        if mapped is not None:
+            mapped.close()
         if peer in self._peers:
             self._peers.discard(peer)
             try:
@@ -260,8 +337,46 @@ class NixlTransport:
     ) -> Transfer:
         """Post one WRITE of ``spans`` = (local offset, remote offset, length) rows from
         ``local`` into the peer's ``remote`` region, with ``notif`` delivered after the
-        data landed."""
+        data landed. Into a peer's pool mapped here, a copy of our own (``node_pool``)."""
+        mapped = self._mapped.get(peer)
+        if mapped is not None and remote.mem_type == "DRAM" and mapped.covers(remote.addr, remote.nbytes):
+            return self._copy("WRITE", peer, mapped, local, remote, spans, notif)
         return self._post("WRITE", peer, local, remote, spans, notif)
+
+    def _copy(
+        self,
+        op: str,
+        peer: str,
+        mapped: node_pool.MappedPool,
+        local: Region,
+        remote: Region,
+        spans: Sequence[tuple[int, int, int]] | np.ndarray,
+        notif: bytes,
+    ) -> Transfer:
+        arr = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+        if arr.size == 0:
+            raise TransportError(f"a {op} needs at least one span")
+        src = self._tensors.get(local)
+        if src is None:
+            raise TransportError(f"a {op} from memory not registered with {self.name}")
+        rows = arr.copy()
+        rows[:, 1] += remote.addr - mapped.addr  # offsets in the mapped pool
+        stream = None
+        if src.device.type == "cuda":
+            if not mapped.pin(src.device):
+                return self._post(op, peer, local, remote, spans, notif)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
+            stream = self._copy_stream
+        try:
+            done = node_pool.copy_spans(src, mapped.tensor, rows, stream)
+        except (ValueError, RuntimeError) as e:
+            raise TransportError(f"cannot copy a {op} into {peer}'s mapped pool: {e}") from e
+        last = rows[-1]
+        n = min(TAIL_BYTES, int(last[2]))
+        tail = (int(last[1] + last[2]) - n, n)  # the last bytes written, as offsets in the pool
+        kind = (peer, op, local.mem_type, "mapped")
+        return _MappedWrite(done, peer, int(arr[:, 2].sum()), notif, kind, remote, tail)
 
     def read(
         self,
@@ -283,7 +398,7 @@ class NixlTransport:
         remote: Region,
         spans: Sequence[tuple[int, int, int]] | np.ndarray,
         notif: bytes,
-    ) -> Transfer:
+    ) -> _Transfer:
         arr = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
         if arr.size == 0:
             raise TransportError(f"a {op} needs at least one span")
@@ -315,6 +430,8 @@ class NixlTransport:
     def poll(self, xfer: Transfer) -> bool:
         """True once the WRITE (or READ) completed (its handle is then released); raises
         ``TransportError`` if it failed."""
+        if isinstance(xfer, _MappedWrite):
+            return self._poll_mapped(xfer)
         assert isinstance(xfer, _Transfer)
         try:
             state = self._agent.check_xfer_state(xfer.handle)
@@ -335,6 +452,56 @@ class NixlTransport:
                     log.debug("NIXL agent %s: UCX's report unread: %s", self.name, e)
             return True
         raise TransportError(f"a {xfer.op} of {xfer.nbytes} bytes with {xfer.peer} failed")
+
+    def _poll_mapped(self, xfer: _MappedWrite) -> bool:
+        if xfer.tail_xfer is None:
+            if not xfer.done.query() or not self._tail_slots:
+                return False
+            if self._tails is None:
+                self._tails = torch.zeros(TAIL_SLOTS * TAIL_BYTES, dtype=torch.uint8)
+                self._tails_region = self.register(self._tails)
+            assert self._tails_region is not None
+            mapped = self._mapped.get(xfer.peer)
+            if mapped is None:
+                raise TransportError(f"{xfer.peer} was removed before a copy into its pool was told")
+            slot = xfer.slot = self._tail_slots.pop()
+            at, n = xfer.tail
+            self._tails[slot * TAIL_BYTES : slot * TAIL_BYTES + n] = mapped.tensor[at : at + n]
+            base = mapped.addr - xfer.remote.addr  # the pool's offsets, as the remote region's
+            span = [(slot * TAIL_BYTES, base + at, n)]
+            try:
+                xfer.tail_xfer = self._post(
+                    "WRITE", xfer.peer, self._tails_region, xfer.remote, span, xfer.notif
+                )
+            except TransportError:
+                self._free_slot(xfer)
+                raise
+            xfer.tail_xfer.kind = ()  # not a pairing of its own: reported as node_pool's
+            self._kinds.add(())
+        try:
+            finished = self.poll(xfer.tail_xfer)  # its handle released once done
+        except TransportError:
+            self._free_slot(xfer)
+            raise
+        if not finished:
+            return False
+        self._free_slot(xfer)
+        if xfer.kind not in self._kinds:
+            self._kinds.add(xfer.kind)
+            local = ucx_report.Mem.GPU if xfer.kind[2] == "VRAM" else ucx_report.Mem.HOST
+            pairing = ucx_report.Pairing(
+                ucx_report.Op.WRITE, local, ucx_report.Mem.HOST, ucx_report.Reach.SAME_NODE
+            )
+            with _CHOICES_LOCK:
+                key = (self.name, pairing)
+                _CHOICES[key] = tuple(sorted({*_CHOICES.get(key, ()), node_pool.TRANSPORT}))
+            log.info("NIXL agent %s: a %s is a copy into %s's mapped pool", self.name, pairing, xfer.peer)
+        return True
+
+    def _free_slot(self, xfer: _MappedWrite) -> None:
+        if xfer.slot is not None:
+            self._tail_slots.append(xfer.slot)
+            xfer.slot = None
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as (peer name, message); also makes UCX progress."""
@@ -371,6 +538,7 @@ class NixlTransport:
             c = ucx_report.choice_of(file_name, text, self.name)
             if c is not None and c.pairing.reach is not ucx_report.Reach.SELF:  # its loopback
                 choices.append(c)
+                self._every.setdefault(c.pairing, set()).update(c.transports)
         new: dict[ucx_report.Pairing, tuple[str, ...]] = {}
         with _CHOICES_LOCK:
             for pairing, found in ucx_report.bulk(choices).items():
@@ -392,6 +560,15 @@ class NixlTransport:
                 )
         return new
 
+    def rdma_into(self, op: ucx_report.Op, local: ucx_report.Mem) -> bool | None:
+        """Whether UCX chose an RDMA transport (``ucx_report.any_rdma``) for any size of
+        ``op`` into this agent's ``local`` memory, as its report said; None while it said
+        nothing of such a transfer (no report, or none completed yet)."""
+        seen = [ts for p, ts in self._every.items() if p.op is op and p.local is local]
+        if not seen:
+            return None
+        return ucx_report.any_rdma(t for ts in seen for t in ts)
+
     def _report_files(self) -> list[str]:
         if self._report is None:
             return []
@@ -408,8 +585,15 @@ class NixlTransport:
             self._own_report = False
 
     def close(self) -> None:
+        if self._offer is not None:
+            node_pool.withdraw(Path(self._offer))
+            self._offer = None
         for peer in list(self._peers):
             self.remove_peer(peer)
+        for mapped in self._mapped.values():
+            mapped.close()
+        self._mapped.clear()
+        self._tensors.clear()
         for reg in self._regs.values():
             try:
                 self._agent.deregister_memory(reg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -94,3 +94,11 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PublishesPool(Protocol):
+    """A transport that can offer a host pool in a memory file to producers on its node
+    (``nixl_transport.NixlTransport``; ``wire.node_pool``)."""
+
+    def publish_pool(self, region: Region, fd: int) -> None: ...

@@ -49,6 +49,11 @@ UCX_DEFAULTS = (
     ),
 )
 
+# NIXL's UCX plugin sets CUDA_IPC_ENABLE_GET_ZCOPY itself only after this release (ai-dynamo/
+# nixl#2208, merged 2026-09-04; 1.5.1's plugin holds no such key): until then our default does
+NIXL_WITHOUT_GET_ZCOPY = "1.5.1"
+NIXL_GET_ZCOPY_PR = "ai-dynamo/nixl#2208"
+
 # UCX tests this glob against a choice's short name ("put(multi) from cuda/GPU0 to host"),
 # both before writing its file and before printing its table; the table's test uses the
 # long name ("remote memory write by ucp_put*..."), which it does not match: files, no output
@@ -155,6 +160,12 @@ def kind_of(transport: str) -> Kind:
     return Kind.RDMA if _RDMA.match(name) else Kind.OTHER
 
 
+def any_rdma(transports: Iterable[str]) -> bool:
+    """Whether a NIC may have written the bytes: a transport of kind RDMA, or one this
+    module does not know (taken as RDMA, so a GPU pool flushes rather than not)."""
+    return any(kind_of(t) in (Kind.RDMA, Kind.OTHER) for t in transports)
+
+
 @dataclass(frozen=True)
 class Pairing:
     """One kind of transfer an agent posts: ``local`` is its own buffer's memory."""
@@ -255,17 +266,23 @@ def advice(pairing: Pairing, transports: Iterable[str]) -> str | None:
         if pairing.op is Op.READ:
             return (
                 f"set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y {off}: UCX turns cuda_ipc READs off where "
-                "NVML finds no NVLink; or push instead of pull (a WRITE between GPUs of one node "
-                "goes over cuda_ipc)"
+                f"NVML finds no NVLink, and NIXL up to {NIXL_WITHOUT_GET_ZCOPY} does not turn them "
+                f"back on (NIXL's UCX plugin sets it itself from {NIXL_GET_ZCOPY_PR}); or push "
+                "instead of pull (a WRITE between GPUs of one node goes over cuda_ipc)"
             )
         return (
             "a WRITE between two GPUs of one node goes over cuda_ipc when UCX_TLS allows it and "
             "the posting thread has the GPU's CUDA context (UCX turns CUDA IPC off without one)"
         )
+    faster = (
+        "or keep both ends on GPUs (pool_device): between GPUs of one node UCX uses cuda_ipc"
+        if pairing.op is Op.READ
+        else "or push into a reader with node_pool=True, whose host pool this producer then maps and "
+        "copies into (no UCX in the data path); or keep both ends on GPUs (pool_device)"
+    )
     return (
         f"set UCX_RMA_PPLN_ENABLE=y {off}: UCX then pipelines it through cuda_ipc / cuda_copy and "
-        "shared memory; or keep both ends on GPUs (pool_device): between GPUs of one node UCX uses "
-        "cuda_ipc"
+        f"shared memory; {faster}"
     )
 
 

@@ -4,8 +4,8 @@ msgspec wheels, no vLLM):
 
     python -m scripts.gpu_check --tier device
 
-Three checks, each in a process of its own with a time limit, each ``{"ok": ..., figures}``
-in the one JSON line printed at the end (8 minutes at most in all):
+Five checks, each in a process of its own with a time limit, each ``{"ok": ..., figures}``
+in the one JSON line printed at the end (10 minutes at most in all):
 
   integrity   a: the producer's integrity record (block digests) computed on the GPU, bit
               for bit against the reader's host reference, and its cost per GB
@@ -21,6 +21,9 @@ in the one JSON line printed at the end (8 minutes at most in all):
   gpu_pool    the same into pools on the GPU (``pool_device``): VRAM to VRAM, against
               raw NIXL VRAM to VRAM, every sample's tensor on the GPU; and what the pool
               does to make RDMA writes visible there (``gpudirect``)
+  node_pool   push from the GPU cache into a host pool the reader offers to producers on
+              its node (``node_pool=True``): the sender copies into the mapped, pinned
+              pages instead of a UCX WRITE; against raw UCX WRITEs into host memory
 
 Each pairing (push or pull, cache and pool memory) gets a line on stderr and a row of
 ``pairings`` in the JSON: GB/s ours and raw, ours over raw, the transports UCX picked for
@@ -56,8 +59,9 @@ from scripts.gpu import carry
 
 REPO = Path(__file__).resolve().parents[2]
 # check -> (what it needs seconds for at most, on a GPU)
-LIMITS_S = {"integrity": 90, "step_path": 60, "nixl": 180, "gpu_pool": 150}
+LIMITS_S = {"integrity": 90, "step_path": 60, "nixl": 180, "gpu_pool": 150, "node_pool": 90}
 CHECKS = list(LIMITS_S)
+TRANSFER_CHECKS = ("nixl", "gpu_pool", "node_pool")  # those with pairings
 NEEDS = ["nixl", "msgspec", "xxhash", "numpy"]  # besides torch
 
 
@@ -117,6 +121,11 @@ def run_check(name: str, device: torch.device) -> dict[str, Any]:
 
         size = transfer.GPU_SIZE if device.type == "cuda" else transfer.CPU_SIZE
         return transfer.check(device, size, pool_device=str(device))
+    if name == "node_pool":
+        from scripts.gpu import transfer
+
+        size = transfer.GPU_SIZE if device.type == "cuda" else transfer.CPU_SIZE
+        return transfer.check_node_pool(device, size)
     raise SystemExit(f"unknown check {name!r}; the checks are {', '.join(CHECKS)}")
 
 
@@ -125,7 +134,7 @@ def spawn_check(
 ) -> dict[str, Any]:
     """``run_check`` in a new process: its result, with ``tables`` the transports of UCX's
     printed protocol tables (nixl, gpu_pool)."""
-    tables = tables and name in ("nixl", "gpu_pool")
+    tables = tables and name in TRANSFER_CHECKS
     env = {**env, "UCX_PROTO_INFO": "y"} if tables else env
     cmd = [sys.executable, "-m", "scripts.gpu.device_tier", "--check", name, "--device", device]
     t0 = time.monotonic()
@@ -138,7 +147,7 @@ def spawn_check(
     if proc.returncode != 0 or not lines:
         return {"ok": False, "error": (proc.stderr or proc.stdout).strip()[-3000:]}
     out: dict[str, Any] = {"ok": True, **json.loads(lines[-1]), "seconds": time.monotonic() - t0}
-    if name in ("nixl", "gpu_pool"):  # what the agents warned of the transports UCX picked
+    if name in TRANSFER_CHECKS:  # what the agents warned of the transports UCX picked
         out["ucx_warnings"] = [ln for ln in proc.stderr.splitlines() if "a GPU buffer over TCP" in ln]
     if tables:
         from kv_connector.wire.ucx_report import table_transports

@@ -168,9 +168,12 @@ def _answer(conn: Connection, timeout: float = 600) -> Any:
 
 
 # ---------------------------------------------------------------------------- push
-def _reader_proc(conn: Connection, size: Size, pool_device: str | None, check_values: bool) -> None:
+def _reader_proc(
+    conn: Connection, size: Size, pool_device: str | None, check_values: bool, node_pool: bool = False
+) -> None:
     """The consumer of push: a HiddenStatesReader, and a raw NIXL target pool, both in
-    host memory or on ``pool_device``."""
+    host memory or on ``pool_device``; ``node_pool``: the reader's pool offered to
+    producers on this node (``wire.node_pool``)."""
     try:
         from kv_connector.reader import HiddenStatesReader
         from kv_connector.wire.nixl_transport import NixlTransport
@@ -185,6 +188,7 @@ def _reader_proc(conn: Connection, size: Size, pool_device: str | None, check_va
             pool_device=pool_device,
             check_values=check_values,
             require_checksum="auto" if check_values else "never",
+            node_pool=node_pool,
         ) as reader:
             conn.send(
                 (reader.address, raw.metadata, region.addr, region.nbytes, region.mem_type, region.device_id)
@@ -250,13 +254,16 @@ def push(
     pool_device: str | None = None,
     option: ChecksumOption = ChecksumOption.AUTO,
     check_values: bool = True,
+    node_pool: bool = False,
 ) -> dict[str, Any]:
-    """Push, checked and timed; ``option``, ``check_values``: for a diagnosis."""
+    """Push, checked and timed; ``option``, ``check_values``: for a diagnosis; ``node_pool``:
+    into a host pool the reader offers to this node's producers (copies, not UCX WRITEs;
+    the raw WRITEs still go through UCX, so ``d`` is the mapped path against UCX's)."""
     from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
     from kv_connector.wire.nixl_transport import NixlTransport
     from kv_connector.wire.transport import Region
 
-    conn, proc = _spawn(_reader_proc, size, pool_device, check_values)
+    conn, proc = _spawn(_reader_proc, size, pool_device, check_values, node_pool)
     try:
         address, raw_md, pool_addr, pool_bytes, pool_mem, pool_dev = _answer(conn)
         cache = make_cache(size).to(device)
@@ -504,11 +511,14 @@ def pairings(checked: dict[str, Any]) -> list[dict[str, Any]]:
         ("push", "raw_write_GBps", "finish_to_usable_ms_median"),
         ("pull", "raw_read_GBps", "fetch_to_usable_ms_median"),
     ):
+        if mode not in checked:
+            continue
         r = checked[mode]
         kind = {"VRAM": "GPU", "DRAM": "host"}
+        mapped = " (node_pool)" if checked.get("node_pool") else ""
         rows.append(
             {
-                "pairing": f"{mode}: {kind[r['cache_mem']]} cache -> {kind[r['pool_mem']]} pool",
+                "pairing": f"{mode}: {kind[r['cache_mem']]} cache -> {kind[r['pool_mem']]} pool{mapped}",
                 "ours_GBps": round(r["ours_GBps"], 3),
                 "raw_GBps": round(r[raw_key], 3),
                 "of_raw": round(r["d"], 3),
@@ -555,6 +565,19 @@ def gpudirect_probe(device: torch.device) -> dict[str, Any]:
                 gpudirect.flush_to_owner()
 
         out["flush_call_us"] = per_call_us(flush)  # the call itself, whatever the plan
+    return out
+
+
+def check_node_pool(device: torch.device, size: Size) -> dict[str, Any]:
+    """Push from a cache on ``device`` into a host pool the reader offers to producers on
+    this node (``node_pool``): the sender copies into the mapped pages; against raw UCX
+    WRITEs into host memory."""
+    out: dict[str, Any] = {
+        "size": asdict(size),
+        "node_pool": True,
+        "push": push(device, size, node_pool=True),
+    }
+    out["pairings"] = pairings(out)
     return out
 
 

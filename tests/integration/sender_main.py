@@ -20,7 +20,7 @@ from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
-from kv_connector.wire.nixl_transport import NixlTransport
+from kv_connector.wire.nixl_transport import NixlTransport, ucx_choices
 from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.provenance import Provenance
 from tests.integration.common import make_cache, token_ids
@@ -124,6 +124,7 @@ def main() -> int:
                 "elapsed_s": elapsed,
                 "stats": stats,
                 "garbled": transport.garbled,
+                "transports": ucx_choices(),  # what its agent read or did for each pairing
             }
         ),
         flush=True,

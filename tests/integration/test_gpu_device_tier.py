@@ -98,18 +98,27 @@ def test_the_device_tier_runs_on_host_tensors_without_vllm(tmp_path: Path) -> No
             assert r["transports"] and r["raw_transports"], r
             assert r["finish_to_usable_ms"] > 0, r
     assert out["gpu_pool"]["gpudirect"] == {"plan": "none"}  # a host device flushes nothing
+    # push into a pool the reader offers to this node: compared, timed, its row names the
+    # mapped path as the transport of ours and UCX's for raw
+    m = out["node_pool"]
+    assert m["ok"] and m["push"]["samples_compared"] == 5 and m["push"]["d"] > 0, m
+    (row,) = m["pairings"]
+    assert row["pairing"] == "push: host cache -> host pool (node_pool)", row
+    assert row["transports"] == ["node_pool"] and row["raw_transports"], row
+    assert "node_pool" not in row["raw_transports"] and row["finish_to_usable_ms"] > 0, row
     assert [(r["check"], r["pairing"][:4]) for r in out["pairings"]] == [
         ("nixl", "push"),
         ("nixl", "pull"),
         ("gpu_pool", "push"),
         ("gpu_pool", "pull"),
+        ("node_pool", "push"),
     ], out["pairings"]
     # the agents ran with the package's UCX defaults, and UCX printed no table
     assert "RMA_PPLN_ENABLE=y" in out["ucx_settings"]["engine_config"], out["ucx_settings"]
     assert "ucx_tables" not in out["nixl"]
     assert out["nixl"]["ucx_warnings"] == [] and out["gpu_pool"]["ucx_warnings"] == []
     lines = [ln for ln in proc.stderr.splitlines() if "GB/s, raw" in ln]
-    assert len(lines) == 4 and all("of raw); over " in ln for ln in lines), proc.stderr[-2000:]
+    assert len(lines) == 5 and all("of raw); over " in ln for ln in lines), proc.stderr[-2000:]
 
 
 def test_the_carry_set_fits_what_the_device_tool_carries() -> None:

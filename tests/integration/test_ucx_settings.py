@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, os, numpy as np, torch
 from kv_connector.wire.nixl_transport import NixlTransport, ucx_choices
+from kv_connector.wire.ucx_report import Mem, Op
 a, b = NixlTransport("ucx-settings-a"), NixlTransport("ucx-settings-b")
 src = torch.arange(4 << 20, dtype=torch.int64).to(torch.uint8)
 dst = torch.zeros(4 << 20, dtype=torch.uint8)
@@ -32,14 +33,17 @@ spans = [(i << 20, i << 20, 1 << 20) for i in range(4)]
 x = a.write(peer, ra, rb, spans, b"n")
 while not a.poll(x):
     b.notifications()
+rdma_before = a.rdma_into(Op.READ, Mem.HOST)  # no READ yet: not known
 x = a.read(peer, rback, rb, spans)
 while not a.poll(x):
     b.notifications()
 assert torch.equal(src, dst) and torch.equal(src, back)
+rdma = [rdma_before, a.rdma_into(Op.READ, Mem.HOST), a.rdma_into(Op.READ, Mem.GPU)]
 report = a._report if os.environ.get("SHOW_REPORT_DIR") else None
 a.close()
 b.close()
-print("RESULT " + json.dumps({"choices": ucx_choices(), "report_left": report and os.path.exists(report)}))
+left = report and os.path.exists(report)
+print("RESULT " + json.dumps({"choices": ucx_choices(), "report_left": left, "rdma": rdma}))
 """
 
 
@@ -97,6 +101,9 @@ def test_each_pairing_is_read_from_ucx_with_nothing_printed_nor_left(monkeypatch
     assert "ucx-settings-b" not in choices  # the target posted nothing
     assert "remote memory" not in out + err  # no table printed
     assert got["report_left"] is False  # the agent's report directory went with it
+    # what a pull pool asks before it flushes: unknown before the first READ, then no RDMA
+    # on loopback (shared memory or tcp); nothing known of READs into a GPU
+    assert got["rdma"] == [None, False, None]
 
 
 def test_without_the_report_nothing_is_read(monkeypatch: pytest.MonkeyPatch) -> None:

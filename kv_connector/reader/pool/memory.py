@@ -19,7 +19,8 @@ Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull clien
   be synchronized by the user before letting a sample go (as with torch's own memory).
   Before any check or hand-out reads what landed, RDMA writes into the GPU are made
   visible to its kernels (``common.gpudirect``: a flush on a node with an RDMA device,
-  nothing where every write is a CUDA copy).
+  nothing where every write is a CUDA copy; a pull pool, whose own agent READs, skips it
+  while UCX's report names no RDMA transport for those READs: ``narrow_visibility``).
   On a host device (``pool_device="cpu"``) the same code runs on memory torch allocates:
   what CI tests; ``None`` is the host pool tuned for CPUs.
 
@@ -47,6 +48,7 @@ from kv_connector.wire.block_digest import sample_block_digests, share_digest, s
 from kv_connector.wire.integrity import sample_checksum
 from kv_connector.wire.protocol import Manifest, ShareChecksum
 from kv_connector.wire.transport import Region, Transport, TransportError
+from kv_connector.wire.ucx_report import Mem, Op
 
 
 class PoolDeviceError(ValueError):
@@ -346,6 +348,16 @@ def register_pool(transport: Transport, pool: PoolMemory) -> Region:
         ) from e
 
 
+def narrow_visibility(pool: PoolMemory, transport: Transport) -> None:
+    """For a pool whose own agent READs every byte into it (pull): make its GPUDirect
+    visibility flush only while UCX chose an RDMA transport for those READs (the agent's
+    report says; ``gpudirect.needs_flush``). Nothing for a host pool, or a transport that
+    reads no report."""
+    rdma_into = getattr(transport, "rdma_into", None)
+    if isinstance(pool, DevicePool) and rdma_into is not None:
+        pool.visible.rdma_writes = functools.partial(rdma_into, Op.READ, Mem.GPU)
+
+
 def make_pool(nbytes: int, pool_device: str | torch.device | None, shared: bool = False) -> PoolMemory:
     """The pool for ``pool_device`` (None: the host pool; ``shared``: one other processes
     can map)."""
@@ -366,6 +378,7 @@ __all__ = [
     "device_of",
     "fingerprint_screened",
     "make_pool",
+    "narrow_visibility",
     "pool_checksum",
     "register_pool",
 ]

@@ -32,7 +32,14 @@ import torch
 from kv_connector.reader.options import options_of
 from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
-from kv_connector.reader.pool.memory import PoolMemory, check_share, device_of, make_pool, register_pool
+from kv_connector.reader.pool.memory import (
+    PoolMemory,
+    check_share,
+    device_of,
+    make_pool,
+    narrow_visibility,
+    register_pool,
+)
 from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
 from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.pull import batch
@@ -339,6 +346,7 @@ class PullClient:
             lap("pool allocation")
             self._region = register_pool(transport, memory)
             lap("pool registration")
+            narrow_visibility(memory, transport)
             self._memory = memory
             self._pool = PagePool(num_pages)
             self._links = ProducerLinks(

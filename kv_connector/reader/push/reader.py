@@ -31,7 +31,7 @@ from kv_connector.reader.push.server import ReaderServer, ServerParts, round_pag
 from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import auth
 from kv_connector.wire.control import format_address, is_loopback, parse_address
-from kv_connector.wire.transport import Transport
+from kv_connector.wire.transport import PublishesPool, Transport
 
 if TYPE_CHECKING:
     from kv_connector.reader.push.metrics_server import MetricsServer
@@ -102,6 +102,10 @@ class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     default, since anyone who reaches the port could write into the pool.
     ``metrics_address``: serve Prometheus metrics (``GET /metrics``) on ``HOST:PORT`` or a bound
     TCP socket.
+    ``node_pool``: keep the host pool in a memory file and offer it to producers on this node
+    (``wire.node_pool``). They then copy each share into it instead of a WRITE through UCX,
+    which has no zero-copy path from a GPU into another process's host memory. Producers on
+    other nodes, and those with ``KV_CONNECTOR_NODE_POOL=0``, WRITE as before.
 
     The values check runs on the user's thread, in the ``get`` that reaches the sample. A bad
     sample is logged by name and refused to its producer (``reject``), never handed out. A sample
@@ -117,9 +121,12 @@ class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     sample_timeout_s: float = SAMPLE_TIMEOUT_S
     insecure: bool = False
     metrics_address: str | socket.socket | None = None
+    node_pool: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.node_pool and self.pool_device is not None:
+            raise ValueError("node_pool offers a host pool to producers: leave pool_device unset")
         try:
             force_setattr(self, "ack", AckMode(self.ack))
         except ValueError:
@@ -204,13 +211,16 @@ class HiddenStatesReader:
             log.warning("no shared secret: producers are not authenticated (listening on %s)", self.address)
         self._copies = CopyBuffers.for_pool(pool_bytes)
         try:
-            self._memory = make_pool(pool_bytes, config.pool_device)
+            self._memory = make_pool(pool_bytes, config.pool_device, shared=config.node_pool)
             if transport is None:
                 from kv_connector.wire.nixl_transport import NixlTransport
 
                 transport = NixlTransport(self.reader_id)
             self._transport = transport
             region = register_pool(transport, self._memory)
+            fd = getattr(self._memory, "fd", None)
+            if fd is not None and isinstance(transport, PublishesPool):
+                transport.publish_pool(region, fd)
         except Exception:
             lsock.close()
             raise
@@ -419,6 +429,7 @@ class HiddenStatesReader:
             with self._lock:
                 self._ledger.copied(time.perf_counter() - t0)
         return sample
+
 
 def serve_metrics(reader: HiddenStatesReader, listen: str | socket.socket) -> MetricsServer:
     """A Prometheus endpoint for ``reader`` (prometheus_client is imported only here)."""

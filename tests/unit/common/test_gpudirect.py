@@ -15,6 +15,7 @@ import pytest
 from kv_connector.common.gpudirect import (
     DeviceRdma,
     Flush,
+    needs_flush,
     node_rdma_devices,
     plan,
     usable_rdma_devices,
@@ -117,3 +118,43 @@ def test_host_pools_never_import_cuda_bindings() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "clean", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("planned", "rdma_writes", "want"),
+    [
+        (Flush.NONE, True, False),  # nothing planned: nothing to narrow
+        (Flush.FLUSH, None, True),  # writers unknown (a push pool, or nothing read yet)
+        (Flush.FLUSH, True, True),
+        (Flush.FLUSH, False, False),  # every write a CUDA copy (cuda_ipc): no flush
+        (Flush.SYNCHRONIZE, False, False),
+        (Flush.SYNCHRONIZE, None, True),
+    ],
+)
+def test_a_pool_that_knows_its_writers_flushes_only_after_rdma(
+    planned: Flush, rdma_writes: bool | None, want: bool
+) -> None:
+    assert needs_flush(planned, rdma_writes) is want
+
+
+def test_a_pull_pool_on_a_device_asks_its_agent_about_its_reads() -> None:
+    import torch
+
+    from kv_connector.reader.pool.memory import DevicePool, HostPool, narrow_visibility
+    from kv_connector.wire.ucx_report import Mem, Op
+
+    asked: list[tuple[Op, Mem]] = []
+
+    class Agent:
+        def rdma_into(self, op: Op, local: Mem) -> bool | None:
+            asked.append((op, local))
+            return False
+
+    pool = DevicePool(1 << 12, torch.device("cpu"))
+    narrow_visibility(pool, Agent())  # type: ignore[arg-type]
+    assert pool.visible.rdma_writes is not None and pool.visible.rdma_writes() is False
+    assert asked == [(Op.READ, Mem.GPU)]
+    narrow_visibility(HostPool(1 << 12), Agent())  # type: ignore[arg-type]  # a host pool: nothing to do
+    bare = DevicePool(1 << 12, torch.device("cpu"))
+    narrow_visibility(bare, object())  # type: ignore[arg-type]  # no report: flushes as planned
+    assert bare.visible.rdma_writes is None

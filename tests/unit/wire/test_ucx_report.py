@@ -16,6 +16,7 @@ from kv_connector.wire.ucx_report import (
     Pairing,
     Reach,
     advice,
+    any_rdma,
     bulk,
     choice_of,
     engine_config,
@@ -163,12 +164,15 @@ def test_tcp_under_a_gpu_buffer_names_the_setting_that_avoids_it() -> None:
     pull_gpu = Pairing(Op.READ, Mem.GPU, Mem.GPU, Reach.SAME_NODE)
     fix = advice(pull_gpu, ["tcp/lo"])
     assert fix is not None and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in fix and "push" in fix
+    assert "nixl#2208" in fix and "1.5.1" in fix  # the NIXL that sets it itself
     for pairing in (
         Pairing(Op.WRITE, Mem.GPU, Mem.HOST, Reach.SAME_NODE),
         Pairing(Op.READ, Mem.HOST, Mem.GPU, Reach.SAME_NODE),
     ):
         fix = advice(pairing, ["tcp/lo"])
         assert fix is not None and "UCX_RMA_PPLN_ENABLE=y" in fix and "pool_device" in fix
+        # a WRITE into another process's host memory has the mapped pool as its faster pairing
+        assert ("node_pool=True" in fix) is (pairing.op is Op.WRITE)
     other = advice(Pairing(Op.WRITE, Mem.GPU, Mem.GPU, Reach.OTHER_NODE), ["tcp/eth0"])
     assert other is not None and "RDMA" in other
     # no GPU buffer, or no tcp: nothing to say
@@ -213,3 +217,18 @@ def test_printed_tables_are_read_too() -> None:
         ],
     }
     assert table_transports("no tables here\n") == {}
+
+
+@pytest.mark.parametrize(
+    ("transports", "want"),
+    [
+        (["cuda_ipc/cuda"], False),
+        (["cuda_copy/cuda", "cma/memory", "tcp/lo"], False),
+        (["cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"], True),  # UCX splits a large READ over both
+        (["srd/efa_0"], True),
+        (["gdaki/mlx5_0"], True),  # a transport not known here counts as RDMA: flush rather than not
+        ([], False),
+    ],
+)
+def test_which_transports_may_have_written_by_rdma(transports: list[str], want: bool) -> None:
+    assert any_rdma(transports) is want
