@@ -1,18 +1,18 @@
 """What the protocol costs per sample, at samples small enough that the copy no longer
-hides it: push (e) against a raw NIXL WRITE (r) and its acknowledged ceiling (ra), and pull
-against a raw NIXL READ and its checked ceiling, at 1 and 4 MiB samples in host memory,
-in pairs (``scripts.bench.paired``).
+hides it: push and pull against raw NIXL transfers of the same bytes, in pairs.
 
-A sample is one cache block of 128 tokens x 4 layers: hidden 1024 makes it 1 MiB, hidden
-4096 makes it 4 MiB, so that every arm moves whole blocks and the same bytes. The depth is
-the data-path arms': 4 samples in flight.
+Push (e, the data path's harness rank and reader) runs against r (raw WRITEs), ra (raw
+WRITEs reused only once acknowledged) and ea (the bench's raw connector in e's engine steps,
+held until acknowledged: the ceiling). Pull runs against raw READs and the checked raw READ.
+A sample is one cache block of 128 tokens x 4 layers in host memory: hidden 1024 makes it
+1 MiB, hidden 4096 makes it 4 MiB. The depth is the data-path arms': 4 samples in flight.
 
-Figures: ``d_1MiB``/``d_4MiB`` (e's GB/s over r's), their ceilings ``acked_raw_over_raw_*``
-(ra over r), ``pull_read_*_over_raw`` with ``checked_raw_*_over_raw``, and
-``protocol_us_per_sample``: the CPU microseconds a sample costs each end beyond the raw
-transfer's (medians over the pairs).
+Figures: ``d_1MiB`` and ``d_4MiB`` (e's GB/s over r's) with their ceilings
+``acked_raw_over_raw_*`` (ea over r); ``pull_read_4MiB_over_raw`` with
+``checked_raw_4MiB_over_raw``; ``protocol_us_per_sample``, the CPU microseconds a sample
+costs each end beyond its ceiling arm's (medians over pairs of e against ea).
 
-    python -m scripts.bench.protocol     # a few minutes on 2 cores; prints JSON last
+    python -m scripts.bench.protocol     # about 2 minutes on 2 cores; prints JSON last
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def say(text: str) -> None:
 
 def _us_per_sample(p: Pairs, key: str, n: int) -> float:
     """The median over pairs of (A's CPU seconds at one end - B's) per sample, in us."""
-    return round(statistics.median((a.detail[key] - b.detail[key]) / n * 1e6 for a, b in zip(p.a, p.b)), 1)
+    diffs = [(a.detail[key] - b.detail[key]) / n * 1e6 for a, b in zip(p.a, p.b, strict=True)]
+    return round(statistics.median(diffs), 1)
 
 
 def push(name: str, pairs: int = PAIRS) -> dict[str, Any]:
@@ -82,7 +83,8 @@ def push(name: str, pairs: int = PAIRS) -> dict[str, Any]:
     ceiling, crng = ea.ratio(_gb).rounded()
     return {
         "d": med, "d_range": rng, "engine_acked_raw_over_raw": ceiling, "engine_acked_raw_range": crng,
-        "acked_raw_over_raw": ra.ratio(_gb).rounded()[0], "e_over_engine_acked_raw": cost.ratio(_gb).rounded()[0],
+        "acked_raw_over_raw": ra.ratio(_gb).rounded()[0],
+        "e_over_engine_acked_raw": cost.ratio(_gb).rounded()[0],
         "samples_per_round": n,
         "us_per_sample": {
             "e": round(statistics.median(r.seconds for r in d.a) / n * 1e6, 1),
