@@ -85,6 +85,7 @@ class SenderLoop:
         self._handshake_conn: FramedConnection | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._wake_pending = False  # a byte waits in the pipe: another wake need not write one
         self.closed = False
         # why the thread died, if it did: it never ships again (``ship`` fails fast)
         self.dead: str | None = None
@@ -101,6 +102,10 @@ class SenderLoop:
         self.thread.start()
 
     def wake(self) -> None:
+        """Wake the thread; one byte stands for every wake until the thread reads it."""
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
 
@@ -204,6 +209,7 @@ class SenderLoop:
                     if key.data == "wake":
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
+                        self._wake_pending = False  # after the read: a later wake writes again
                     else:
                         for msg in self._conn.receive():
                             self._handle(msg)

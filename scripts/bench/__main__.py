@@ -21,7 +21,7 @@ def main() -> None:
     argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from scripts.bench import audit, datapath, fp8, integrity, model, step
+    from scripts.bench import audit, datapath, fp8, integrity, model, protocol, step
     from scripts.bench.pull import run as pull
 
     start = machine_state()
@@ -35,13 +35,15 @@ def main() -> None:
     print("per step:", json.dumps(steps), flush=True)
     pull_out = pull.main()
     print("pull:", json.dumps(pull_out), flush=True)
+    protocol_out = protocol.main()
+    print("protocol:", json.dumps(protocol_out), flush=True)
     fp8_out = fp8.main()
     print("fp8 files:", json.dumps(fp8_out), flush=True)
     integrity_out = integrity.main()
     print("integrity records:", json.dumps(integrity_out), flush=True)
     audit_out = audit.main()
     print("logprob audit:", json.dumps(audit_out), flush=True)
-    summary = summarise(model_out, datapath_out, steps, pull_out, fp8_out)
+    summary = summarise(model_out, datapath_out, steps, pull_out, fp8_out, protocol_out)
     summary["integrity_cpu_s_per_GB"] = {
         layout: {"producer": m["producer_cpu_s_per_GB"], "reader": m["reader_cpu_s_per_GB"]}
         for layout, m in integrity_out.items()

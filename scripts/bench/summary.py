@@ -100,6 +100,13 @@ CEILINGS: dict[str, str] = {
 }
 
 
+# figures whose target is within 10% of their ceiling (``scripts.bench.protocol``)
+NEAR_CEILING: dict[str, str] = {
+    "d_4MiB": "acked_raw_over_raw_4MiB",
+    "pull_read_4MiB_over_raw": "checked_raw_4MiB_over_raw",
+}
+
+
 def missed(summary: dict[str, Any]) -> list[str]:
     """The targets a median missed (figures this run did not measure are not counted),
     each with this machine's ceiling for it where the run measured one."""
@@ -114,6 +121,10 @@ def missed(summary: dict[str, Any]) -> list[str]:
             word = "ceiling" if op == ">=" else "floor"
             at = f"; this machine's {word} {bound}" if bound is not None else ""
             out.append(f"{key} {value} (target {op} {target}{at})")
+    for key, bound_key in NEAR_CEILING.items():
+        bound = ceilings.get(bound_key)
+        if key in summary and bound is not None and summary[key] < 0.9 * bound:
+            out.append(f"{key} {summary[key]} (target: within 10% of its ceiling {bound_key} {bound})")
     ceiling = ceilings.get("manifest_only_over_file")
     if "pull_over_file" in summary and ceiling is not None and summary["pull_over_file"] < 0.95 * ceiling:
         out.append(f"pull_over_file {summary['pull_over_file']} (target: within 5% of its ceiling {ceiling})")
@@ -135,12 +146,17 @@ def summarise(
     steps: dict[str, Any],
     pull: dict[str, Any],
     fp8: dict[str, Any],
+    protocol: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The last line's figures from each arm's result (``main()`` of ``model``,
-    ``datapath``, ``step``, ``pull.run`` and ``fp8``), with the targets they missed."""
+    ``datapath``, ``step``, ``pull.run``, ``fp8`` and ``protocol``), with the targets they missed."""
     summary = _figures(model, datapath, steps, pull)
     summary["profile"] = _profile(model, datapath)
     summary["ceilings"] = _ceilings(model, datapath, pull)
+    if protocol is not None:
+        for key in ("d_1MiB", "d_4MiB", "pull_read_4MiB_over_raw", "protocol_us_per_sample"):
+            summary[key] = protocol[key]
+        summary["ceilings"].update(protocol["ceilings"])
     summary["fp8"] = {**fp8["writer"], "worst_relative_error": fp8["error"]}
     summary["missed"] = missed(summary)
     return summary

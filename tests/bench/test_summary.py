@@ -66,3 +66,12 @@ def test_pull_over_file_within_five_percent_of_its_ceiling_and_one_agent_per_ran
     assert missed({"rank_agent_over_worker_clients": 0.97}) == [
         "rank_agent_over_worker_clients 0.97 (target >= 1.0)"
     ]
+
+
+def test_the_small_sample_figures_are_held_within_ten_percent_of_their_ceilings() -> None:
+    ceilings = {"acked_raw_over_raw_4MiB": 0.9, "checked_raw_4MiB_over_raw": 0.8}
+    assert missed({"d_4MiB": 0.82, "pull_read_4MiB_over_raw": 0.73, "ceilings": ceilings}) == []
+    assert missed({"d_4MiB": 0.8, "pull_read_4MiB_over_raw": 0.7, "ceilings": ceilings}) == [
+        "d_4MiB 0.8 (target: within 10% of its ceiling acked_raw_over_raw_4MiB 0.9)",
+        "pull_read_4MiB_over_raw 0.7 (target: within 10% of its ceiling checked_raw_4MiB_over_raw 0.8)",
+    ]

@@ -8,8 +8,11 @@ producer whose cache is on a GPU, is recomputed from the pool where it lies
 
 ``screen`` is the reader's sampled values screen. With it, a fingerprinted share's rows are
 screened on the lines its check reads anyway (``pool.memory.fingerprint_screened``). Its
-hand-out then reads nothing more, unless the screen said to look closer."""
+hand-out then reads nothing more, unless the screen said to look closer.
 
+A fingerprinted share in a host pool is checked on the thread that learned it landed. Its
+check reads a few words a token, less than the hand-off to this thread costs.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from kv_connector.common.device import on_device
 from kv_connector.reader.pool.memory import PoolMemory, check_share
 from kv_connector.reader.push.ledger import ReaderLedger
 from kv_connector.reader.push.records import Action, Verify
+from kv_connector.wire.protocol import ShareChecksum
 
 log = logging.getLogger("kv_connector.reader.push.reader")
 
@@ -42,11 +46,16 @@ class ShareChecker:
         self._lock = lock
         self._perform = perform
         self._q: queue.SimpleQueue[Verify | None] = queue.SimpleQueue()
+        self._inline = pool.device.type == "cpu"  # host memory: nothing waits for a GPU's stream
         self._thread = threading.Thread(target=self._run, name="hs-reader-check", daemon=True)
         self._thread.start()
 
     def submit(self, v: Verify) -> None:
-        self._q.put(v)
+        """Check a fingerprinted share of a host pool now, on the caller's thread; queue the others."""
+        if self._inline and v.checksum is ShareChecksum.FINGERPRINT:
+            self._check_logged(v)
+        else:
+            self._q.put(v)
 
     def close(self) -> None:
         self._q.put(None)
@@ -55,10 +64,13 @@ class ShareChecker:
     def _run(self) -> None:
         on_device(self._pool.device)  # a pool on a GPU is checked there
         while (v := self._q.get()) is not None:
-            try:
-                self._check(v)
-            except Exception:  # a check that cannot run must not stop the others
-                log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
+            self._check_logged(v)
+
+    def _check_logged(self, v: Verify) -> None:
+        try:
+            self._check(v)
+        except Exception:  # a check that cannot run must not stop the others
+            log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
 
     def _check(self, v: Verify) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from scripts.bench.datapath.shape import BLOCK, HIDDEN, LAYERS, TOKEN_BYTES
+from scripts.bench.datapath.shape import BLOCK, HIDDEN, LAYERS
 from scripts.bench.paired import cpu_seconds
 
 
@@ -85,15 +85,16 @@ class RawArm:
         in_flight: int,
         checks: bool = False,
         acked: bool = False,
+        hidden: int = HIDDEN,
     ) -> None:
         from kv_connector.wire.nixl_transport import NixlTransport
         from kv_connector.wire.transport import Region
 
         self.n_req, self.tokens, self.num_blocks, self.in_flight = n_req, tokens, num_blocks, in_flight
-        self.block_bytes = BLOCK * TOKEN_BYTES
+        self.block_bytes = BLOCK * len(LAYERS) * hidden * 2
         self.nb = -(-tokens // BLOCK)
         pool_bytes = in_flight * self.nb * self.block_bytes
-        self.cache = torch.randn(num_blocks, len(LAYERS), BLOCK, HIDDEN, dtype=torch.bfloat16)
+        self.cache = torch.randn(num_blocks, len(LAYERS), BLOCK, hidden, dtype=torch.bfloat16)
         self._hasher = ThreadPoolExecutor(1) if checks else None
         ctx = mp.get_context("spawn")
         self.conn, b = ctx.Pipe()

@@ -18,18 +18,20 @@ from pathlib import Path
 
 from scripts.bench.datapath.drive import drive, harness_rank
 from scripts.bench.datapath.raw import raw_target_proc
-from scripts.bench.datapath.shape import BLOCK, TOKEN_BYTES
+from scripts.bench.datapath.shape import BLOCK, HIDDEN, LAYERS
 from scripts.bench.paired import cpu_seconds
 
 
 class RawEngineArm:
     """ea: the raw connector, held until acknowledged, in e's harness rank."""
 
-    def __init__(self, model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int) -> None:
+    def __init__(
+        self, model_dir: Path, n_req: int, tokens: int, num_blocks: int, pool_bytes: int, hidden: int = HIDDEN
+    ) -> None:
         from scripts.bench import raw_connector
 
         self.n_req, self.tokens = n_req, tokens
-        self.sample_bytes = -(-tokens // BLOCK) * BLOCK * TOKEN_BYTES
+        self.sample_bytes = -(-tokens // BLOCK) * BLOCK * len(LAYERS) * hidden * 2
         ctx = mp.get_context("spawn")
         self.conn, b = ctx.Pipe()
         acks, acks_in = ctx.Pipe(duplex=False)
