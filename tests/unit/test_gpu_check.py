@@ -34,7 +34,7 @@ def test_it_imports_and_names_its_checks() -> None:
     from scripts.gpu import device_tier
 
     assert gpu_check.CHECKS == ["dense", "hybrid", "block_digests", "write", "extraction_cost"]
-    assert device_tier.CHECKS == ["integrity", "step_path", "nixl", "gpu_pool"]
+    assert device_tier.CHECKS == ["integrity", "step_path", "nixl", "gpu_pool", "node_pool"]
     assert sum(device_tier.LIMITS_S.values()) <= 8 * 60  # the tier's promise on one H100
 
 
