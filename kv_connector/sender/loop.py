@@ -14,11 +14,13 @@ import selectors
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_connector.cache.hasher import Hasher, computed
 from kv_connector.common.device import on_device
 from kv_connector.common.poller import IDLE_POLL_S
+from kv_connector.sender.config import SenderConfig
 from kv_connector.sender.jobs import Failure, FrozenJob, Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.writer import ShareWriter
@@ -40,47 +42,51 @@ class SenderError(RuntimeError):
     """The sender cannot reach or work with the reader."""
 
 
+@dataclass(frozen=True)
+class LoopParts:
+    """What the loop works with: the agent, the job ledger and its lock, the WRITE path.
+
+    ``digest`` computes a job's share checksum (None: checksums off); ``inline_digest`` says it
+    is cheap enough for this thread (fingerprints of a CPU cache), with no hand-off to the
+    hashing thread. ``open_gates`` releases held jobs and is True while some wait for their
+    step; ``device`` is the cache's, set on the thread first.
+    """
+
+    transport: Transport
+    ledger: SendLedger
+    lock: threading.Lock
+    writer: ShareWriter
+    digest: Callable[[Job], int] | None = None
+    device: torch.device | None = None
+    open_gates: Callable[[], bool] | None = None
+    inline_digest: bool = False
+
+
 class SenderLoop:
     """The thread of one ``HiddenStatesSender``; every touch of the ledger is under
     ``lock``, which ``ship`` shares."""
 
     def __init__(
-        self,
-        address: str,
-        me: handshake.ProducerIdentity,
-        connect_timeout_s: float,
-        secret: bytes | None,
-        transport: Transport,
-        ledger: SendLedger,
-        lock: threading.Lock,
-        writer: ShareWriter,
-        digest: Callable[[Job], int] | None,
-        sample_timeout_s: float = 300.0,
-        device: torch.device | None = None,
-        open_gates: Callable[[], bool] | None = None,
-        on_outcome: Callable[[], None] | None = None,
-        inline_digest: bool = False,
+        self, config: SenderConfig, me: handshake.ProducerIdentity, secret: bytes | None, parts: LoopParts
     ) -> None:
-        self.address = address
-        self._device = device
-        self._open_gates = open_gates  # releases held jobs; True while some wait for their step
-        self._on_outcome = on_outcome or (lambda: None)  # a sample was acked or refused
+        self.address = config.consumer_address
+        self._device = parts.device
+        self._open_gates = parts.open_gates  # releases held jobs; True while some wait for their step
+        self._on_outcome = config.on_outcome or (lambda: None)  # a sample was acked or refused
         self.me = me
         self.rank = me.rank
-        self.connect_timeout_s = connect_timeout_s
+        self.connect_timeout_s = config.connect_timeout_s
         self._secret = secret
-        self._transport = transport
-        self._ledger = ledger
-        self._lock = lock
-        self._writer = writer
-        self._digest = digest
-        self.sample_timeout_s = sample_timeout_s
+        self._transport = parts.transport
+        self._ledger = parts.ledger
+        self._lock = parts.lock
+        self._writer = parts.writer
+        self._digest = parts.digest
+        self.sample_timeout_s = config.sample_timeout_s
         self._next_deadline_check = 0.0
-        # ``inline_digest``: the digest is cheap (a fingerprint of words the steps took, on a
-        # CPU cache) and computed on this thread, with no hand-off to the hashing thread and
-        # back (two wakes a sample, each a chance to hold the GIL the engine wants)
-        hashed_apart = digest is not None and not inline_digest
-        self._hasher = Hasher(f"hs-hash-r{me.rank}", device) if hashed_apart else None
+        # an inline digest saves two wakes a sample, each a chance to hold the GIL the engine wants
+        hashed_apart = parts.digest is not None and not parts.inline_digest
+        self._hasher = Hasher(f"hs-hash-r{me.rank}", parts.device) if hashed_apart else None
         self._conn: FramedConnection | None = None
         self._handshake_conn: FramedConnection | None = None
         self._wake_r, self._wake_w = os.pipe()

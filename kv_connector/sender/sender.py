@@ -10,16 +10,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from kv_connector.cache.blocks import CacheBlocks, Fingerprinted
+from kv_connector.sender.config import SenderConfig as SenderConfig  # its settings, built where it is
 from kv_connector.sender.jobs import Job, log_failed
 from kv_connector.sender.ledger import SendLedger
-from kv_connector.sender.loop import SenderError, SenderLoop
+from kv_connector.sender.loop import LoopParts, SenderError, SenderLoop
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.sender.writer import SETTLE_S, ShareWriter
 from kv_connector.wire import auth, handshake
@@ -27,7 +27,6 @@ from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ShareChecksum
-from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -40,42 +39,6 @@ class ReadyGate(Protocol):
         """Without waiting: (the step that wrote them is done and checked, why the request
         must fail instead, or None)."""
         ...
-
-
-@dataclass(frozen=True)
-class SenderConfig:
-    """Where and as whom a rank ships.
-
-    consumer_address: the reader's control address, ``HOST:PORT``.
-    producer_id: shared by all ranks of one producer engine, unique among producers.
-    rank / world_size: this rank and how many ranks share each sample's blocks.
-    connect_timeout_s: how long to keep trying to reach the reader.
-    checksum: how each share's checksum, sent with its WRITE for the reader to check, is
-    computed: ``XXH3`` over the share's bytes (on a GPU cache this stages them to host
-    memory once), ``BLOCKS`` from per-block digests where the cache is (``block_digest``:
-    torch ops on a stream of their own, 8 bytes per block to the host; the way for a GPU
-    cache, whose rows must be whole 8-byte words); None sends none.
-    sample_timeout_s: a sample granted pages and not acknowledged this long after fails
-    (and the reader is told), whatever the connection does.
-    on_outcome: called on the sender's thread when the reader acknowledged or refused a
-    sample (``take_finished`` / ``take_failed`` have news); it must not block.
-    """
-
-    consumer_address: str
-    producer_id: str
-    rank: int = 0
-    world_size: int = 1
-    connect_timeout_s: float = 60.0
-    checksum: ShareChecksum | None = ShareChecksum.XXH3
-    sample_timeout_s: float = 300.0
-    on_outcome: Callable[[], None] | None = None
-    provenance: Provenance | None = None  # what produced the samples, in every manifest
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        if self.connect_timeout_s <= 0 or self.sample_timeout_s <= 0:
-            raise ValueError("connect_timeout_s and sample_timeout_s must be positive")
 
 
 class HiddenStatesSender:
@@ -139,22 +102,17 @@ class HiddenStatesSender:
             "VRAM" if cache.is_cuda else "DRAM",
             config.checksum or ShareChecksum.XXH3,
         )
-        self._loop = SenderLoop(
-            config.consumer_address,
-            me,
-            config.connect_timeout_s,
-            secret,
+        parts = LoopParts(
             transport,
             self._ledger,
             self._lock,
             writer,
             self._share_checksum if config.checksum else None,
-            config.sample_timeout_s,
             cache.device,
             self._open_gates,
-            config.on_outcome,
             inline_digest=config.checksum is ShareChecksum.FINGERPRINT and cache.device.type == "cpu",
         )
+        self._loop = SenderLoop(config, me, secret, parts)
         self._loop.start()
 
     @property

@@ -13,8 +13,9 @@ import torch
 
 from kv_connector.cache.hasher import Hasher
 from kv_connector.common.device import on_device
+from kv_connector.sender.config import SenderConfig
 from kv_connector.sender.ledger import SendLedger
-from kv_connector.sender.loop import SenderLoop
+from kv_connector.sender.loop import LoopParts, SenderLoop
 from kv_connector.sender.writer import ShareWriter
 from kv_connector.wire import handshake
 from kv_connector.wire.transport import Region
@@ -85,7 +86,9 @@ def test_sender_loop_thread_sets_the_cache_device_first(set_device_calls: Calls)
     ledger = SendLedger()
     writer = ShareWriter(object(), Region(0, 1, "VRAM", 1), ledger, lock, 3, lambda f: None, GPU1)  # type: ignore[arg-type]
     me = handshake.ProducerIdentity("p", 3, 4, "agent", 4096, "VRAM", "blocks")
-    loop = SenderLoop(address_of(sock), me, 30.0, None, object(), ledger, lock, writer, None, device=GPU1)  # type: ignore[arg-type]
+    config = SenderConfig(address_of(sock), "p", rank=3, world_size=4, connect_timeout_s=30.0)
+    parts = LoopParts(object(), ledger, lock, writer, device=GPU1)  # type: ignore[arg-type]
+    loop = SenderLoop(config, me, None, parts)
     try:
         loop.start()
         assert _wait_for(set_device_calls, "hs-sender-r3") == [GPU1]
