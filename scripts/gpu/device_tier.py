@@ -59,7 +59,7 @@ from scripts.gpu import carry
 
 REPO = Path(__file__).resolve().parents[2]
 # check -> (what it needs seconds for at most, on a GPU)
-LIMITS_S = {"integrity": 90, "step_path": 60, "nixl": 180, "gpu_pool": 150, "node_pool": 90}
+LIMITS_S = {"integrity": 60, "step_path": 45, "nixl": 150, "gpu_pool": 120, "node_pool": 60}
 CHECKS = list(LIMITS_S)
 TRANSFER_CHECKS = ("nixl", "gpu_pool", "node_pool")  # those with pairings
 NEEDS = ["nixl", "msgspec", "xxhash", "numpy"]  # besides torch
