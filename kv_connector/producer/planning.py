@@ -300,18 +300,30 @@ class StepExpect:
         return [Expected(rid, p, 1, j, (b,)) for rid, p, j, b in self.singles] + self.spans
 
 
-def check_step(slots: Sequence[int] | np.ndarray, expect: StepExpect, block_size: int) -> dict[str, str]:
+SortedSlots = tuple[np.ndarray, np.ndarray]  # a slot mapping's stable argsort, and its slots in that order
+
+
+def sort_slots(slots: np.ndarray) -> SortedSlots:
+    """The step's slots sorted once, for ``check_step`` and ``first_rows`` to share."""
+    order = np.argsort(slots, kind="stable")
+    return order, slots[order]
+
+
+def check_step(
+    slots: Sequence[int] | np.ndarray, expect: StepExpect, block_size: int, ranked: SortedSlots | None = None
+) -> dict[str, str]:
     """``check_slots`` for a step's ``StepExpect``: the same failures, with the same messages.
 
     One-position slices are checked at once against the set of slots written. Longer ones compare
     their rows with the slots their table gives (``_spans_off``). Only those that fail go through
-    ``check_slots``, for its message. ``slots`` is the step's slot mapping on the host.
+    ``check_slots``, for its message. ``slots`` is the step's slot mapping on the host;
+    ``ranked`` its ``sort_slots``, when the caller has it.
     """
     arr = np.asarray(slots, dtype=np.int64)
     listed: list[int] = []  # the slots as Python ints, made when a Python path needs them
     errors: dict[str, str] = {}
     if expect.spans:
-        off = _spans_off(arr, expect.spans, block_size)
+        off = _spans_off(arr, expect.spans, block_size, ranked or sort_slots(arr))
         if off:
             listed = arr.tolist()
             errors.update(check_slots(listed, off, block_size))
@@ -329,7 +341,9 @@ def check_step(slots: Sequence[int] | np.ndarray, expect: StepExpect, block_size
     return errors
 
 
-def _spans_off(slots: np.ndarray, spans: Sequence[Expected], bs: int) -> list[Expected]:
+def _spans_off(
+    slots: np.ndarray, spans: Sequence[Expected], bs: int, sorted_slots: SortedSlots
+) -> list[Expected]:
     """The slices ``check_slots`` may fail, found with a few array operations a slice.
 
     A slice passes there exactly when the rows from the last row holding its first slot hold, one
@@ -337,8 +351,7 @@ def _spans_off(slots: np.ndarray, spans: Sequence[Expected], bs: int) -> list[Ex
     slice whose rows equal those slots passes. Every other slice is returned, and all of them when
     a slot was written twice. This avoids a Python loop over a prefill chunk's thousands of tokens.
     """
-    order = np.argsort(slots, kind="stable")
-    ranked = slots[order]
+    order, ranked = sorted_slots
     if bool(np.any((ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0))):
         return list(spans)
     off: list[Expected] = []
@@ -459,13 +472,12 @@ class BlockRecorder:
 
 
 
-def first_rows(slots: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+def first_rows(slots: np.ndarray, firsts: np.ndarray, ranked_slots: SortedSlots | None = None) -> np.ndarray:
     """The row of each slot of ``firsts`` in the step's slot mapping, or -1 where no row holds it.
 
     It is the last row holding the slot, as ``check_slots`` finds a slice's first position.
     """
-    order = np.argsort(slots, kind="stable")
-    ranked = slots[order]
+    order, ranked = ranked_slots or sort_slots(slots)
     k = np.searchsorted(ranked, firsts, side="right") - 1
     at = np.clip(k, 0, None)
     found = (k >= 0) & (ranked[at] == firsts) if len(ranked) else np.zeros(len(firsts), dtype=bool)

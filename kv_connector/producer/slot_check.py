@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kv_connector.common.device import DeviceEvent, HostDone
-from kv_connector.producer.planning import StepExpect, check_step, first_rows
+from kv_connector.producer.planning import SortedSlots, StepExpect, check_step, first_rows, sort_slots
 
 MAX_NAMED = 3  # positions a token mismatch names
 
@@ -126,10 +126,13 @@ class SlotChecks:
             self._settled = step.seq
             if step.slots is not None and step.expected:
                 slots = step.slots.numpy()
-                for rid, why in check_step(slots, step.expected, self.block_size).items():
+                # one sort serves both checks; a step of one-position slices needs none
+                needed = bool(step.expected.spans) or step.inputs is not None
+                ranked = sort_slots(slots) if needed else None
+                for rid, why in check_step(slots, step.expected, self.block_size, ranked).items():
                     self._fail(rid, why)
                 if step.inputs is not None:
-                    self._keep_inputs(slots, step)
+                    self._keep_inputs(slots, step, ranked)
             if self._due:
                 due = [d for d in self._due if d[0] <= step.seq]
                 self._due = [d for d in self._due if d[0] > step.seq]
@@ -141,7 +144,7 @@ class SlotChecks:
             self.failed[rid] = why
             self._news[rid] = why
 
-    def _keep_inputs(self, slots: np.ndarray, step: _Step) -> None:
+    def _keep_inputs(self, slots: np.ndarray, step: _Step, ranked: SortedSlots | None) -> None:
         """Each slice's input ids, from the row its first slot is in (a slice whose slots
         failed their check is failed already). One-position slices (decode steps) in one
         gather: a step may hold hundreds."""
@@ -152,7 +155,7 @@ class SlotChecks:
             [*ex.firsts, *(e.blocks[0] * self.block_size + e.start % self.block_size for e in spans)],
             dtype=np.int64,
         )
-        rows = first_rows(slots, firsts)
+        rows = first_rows(slots, firsts, ranked)
         ones = len(ex.firsts)
         if ones:
             got = ids[np.clip(rows[:ones], 0, None)].tolist()
