@@ -58,7 +58,7 @@ import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from kv_connector.files.fp8 import Fp8Scale
-from kv_connector.files.keep import RowStore
+from kv_connector.files.keep import RowStore, claim_folder
 from kv_connector.files.rank_sampler import RankKeptBatchSampler
 from kv_connector.reader import (
     AGENT_POOL_BYTES,
@@ -145,6 +145,8 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self._missed: int | None = None  # the row get_cached did not find, which get_generated fetches
         # what every row must be (layer ids, model): a row that is not fails by name
         self.expect = msgspec.convert(expect, Expectation) if isinstance(expect, dict) else expect
+        if keep is not None:  # refused at once where the folder keeps another run's rows
+            claim_folder(keep, self.keep_describes())
         default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
         self.pool_mib = pool_mib if pool_mib is not None else default
         if self.pool_mib < 1:
@@ -154,6 +156,16 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self._address = agent_address
         self._client: PullClient | AgentClient | None = None
         self._released: set[str] = set()  # by get_generated: delete() need not ask the producer
+
+    def keep_describes(self) -> dict[str, str]:
+        """What this run's kept rows are (``files.keep.claim_folder``): the layout, and the
+        model and layer ids the trainer expects, where it knows them."""
+        out = {"layout": f"fp8-{self.keep_fp8.value}" if self.keep_fp8 is not None else "safetensors"}
+        if self.expect is not None and self.expect.model is not None:
+            out["model"] = self.expect.model
+        if self.expect is not None and self.expect.layer_ids is not None:
+            out["layer_ids"] = ",".join(map(str, self.expect.layer_ids))
+        return out
 
     @property
     def agent_address(self) -> str:

@@ -9,15 +9,19 @@ set aside, counted, and its row fetched again. speculators' file backends read t
 folder without this package.
 
 At the budget keeping stops (a warning, once): nothing kept is evicted, since the
-sampler will ask for it again. Two runs may share a folder: a row is the same whoever
-keeps it, each file appears whole by its rename, and each run counts the folder as it
-found it plus its own files against its budget (so together they may pass it by the rows
-they keep at once).
+sampler will ask for it again. Two runs may share a folder when they keep the same rows:
+the folder names what it keeps (``keep.json``: the layout, and the model and layer ids
+where the run knows them), written once by the first run, and a run that would keep
+other rows (another model, other layers, another layout) is refused at its start
+(``claim_folder``); rows alike are safe to keep at once, since each file appears whole by
+its rename and every read verifies it. Each run counts the folder as it found it plus its
+own files against its budget (so together they may pass it by the rows they keep at once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 RECORD_KEY = "kv_keep_xxh3"  # the file's integrity record, in its metadata
 TMP_ROOT = ".keep-tmp"  # each process's temporary files, in a folder of its own
 DAMAGED_SUFFIX = ".damaged"
+MANIFEST = "keep.json"  # what the folder's rows are, written once by the first run
 MAX_QUEUED = 64  # rows waiting for the writer; beyond, a row is not kept (never waited for)
 
 
@@ -56,6 +61,41 @@ def record_of(tensors: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
+
+
+class KeepFolderMismatch(ValueError):
+    """The keep folder holds other rows than this run would keep (another model, other
+    layers, another layout): sharing it would hand one run the other's states."""
+
+
+def claim_folder(root: Path | str, describes: dict[str, str]) -> dict[str, str]:
+    """Bind ``root`` (made if missing) to what its rows are: the first run writes
+    ``describes`` as the folder's ``keep.json`` (created whole, only if absent); a later
+    run whose ``describes`` differs in a key both name is refused (``KeepFolderMismatch``).
+    Returns what the folder says it keeps."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / MANIFEST
+    tmp = root / f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(describes, sort_keys=True))
+    try:
+        os.link(tmp, path)  # atomic: the first run's, whole, or nothing
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    theirs: dict[str, str] = json.loads(path.read_text())
+    differs = [
+        f"{k}: the folder keeps {theirs[k]!r}, this run {v!r}"
+        for k, v in sorted(describes.items())
+        if k in theirs and theirs[k] != v
+    ]
+    if differs:
+        raise KeepFolderMismatch(
+            f"the keep folder {root} holds other rows than this run keeps ({'; '.join(differs)}): "
+            "give this run a folder of its own"
+        )
+    return theirs
 
 
 @dataclass
