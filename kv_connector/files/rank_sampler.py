@@ -27,11 +27,9 @@ Batch = NDArray[np.int64]
 def partition(lengths: NDArray[np.int64], num_replicas: int, seed: int) -> list[Batch]:
     """Each rank's rows (sorted indices), fixed by ``seed`` alone: longest first (ties in
     a seeded order) to the rank with the fewest tokens so far, so the ranks' token counts
-    differ by at most one row's."""
+    differ by at most one row's (with fewer rows than ranks, some ranks get none)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
-    if len(lengths) < num_replicas:
-        raise ValueError(f"{len(lengths)} rows cannot give each of {num_replicas} ranks one")
     order = np.random.default_rng(seed).permutation(len(lengths))
     order = order[np.argsort(-lengths[order], kind="stable")]
     heap = [(0, 0, r) for r in range(num_replicas)]  # (tokens, rows, rank)
@@ -79,7 +77,10 @@ def epoch_batches(
     lengths: NDArray[np.int64], parts: list[Batch], max_len: int, seed: int, epoch: int
 ) -> list[list[Batch]]:
     """Every rank's batches for ``epoch``: its rows shuffled by (seed, epoch, rank),
-    packed, and grown to the most batches any rank has."""
+    packed, and grown to the most batches any rank has; none on any rank where a rank has
+    no rows (fewer rows than ranks: speculators' sampler drops them too)."""
+    if any(len(rows) == 0 for rows in parts):
+        return [[] for _ in parts]
     per_rank = []
     for r, rows in enumerate(parts):
         shuffled = rows[np.random.default_rng([seed, epoch, r]).permutation(len(rows))]
