@@ -145,8 +145,12 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self._missed: int | None = None  # the row get_cached did not find, which get_generated fetches
         # what every row must be (layer ids, model): a row that is not fails by name
         self.expect = msgspec.convert(expect, Expectation) if isinstance(expect, dict) else expect
+        # keeps rows unless it reads some of the folder's layers (its rows would have fewer)
+        self._keeps = True
         if keep is not None:  # refused at once where the folder keeps another run's rows
-            claim_folder(keep, self.keep_describes())
+            mine = self.keep_describes()
+            theirs = claim_folder(keep, mine)
+            self._keeps = theirs.get("layer_ids", mine.get("layer_ids")) == mine.get("layer_ids")
         default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
         self.pool_mib = pool_mib if pool_mib is not None else default
         if self.pool_mib < 1:
@@ -247,13 +251,15 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             self._address = None
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
-        """Row ``file_idx`` from the keep folder, verified; None (it is generated, then
-        kept) without one, or where it is not kept yet or was damaged."""
+        """Row ``file_idx`` from the keep folder, verified, with the layers the trainer
+        expects (by id, where the row holds more); None (it is generated, then kept)
+        without one, or where it is not kept yet or was damaged."""
         store = self.store
         if store is None:
             return None
-        got = store.get(file_idx)
-        self._missed = file_idx if got is None else None
+        layer_ids = self.expect.layer_ids if self.expect is not None else None
+        got = store.get(file_idx, layer_ids)  # a row kept with more layers: the trainer's, by id
+        self._missed = file_idx if got is None and self._keeps else None
         return got
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:

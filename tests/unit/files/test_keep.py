@@ -5,6 +5,7 @@ writing leaves no row behind, only its temporary folder, which the next store re
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -291,3 +292,94 @@ def test_a_writer_killed_mid_write_leaves_only_whole_rows_and_the_restart_refetc
     restart.close()
     got = RowStore(tmp_path).get(nxt)
     assert got is not None and bool((got["hidden_states"] == float(nxt)).all())
+
+
+@pytest.mark.parametrize("fp8", [None, Fp8Scale.TOKEN, Fp8Scale.LAYER])
+def test_a_row_with_more_layers_is_read_for_the_layer_ids_asked_by_id(
+    tmp_path: Path, fp8: Fp8Scale | None
+) -> None:
+    """A row kept with layers 1, 2, 4 read for [4, 1] gives layers 4 then 1 (by id, not
+    position), equal to a full read's; a layer's damaged bytes do not stop a read of the
+    others (they are not read) but a read that needs them finds the damage; an id the row
+    lacks is a miss."""
+    store = RowStore(tmp_path, fp8=fp8)
+    kept(store, 1, seed=1)
+    kept(store, 2, seed=2)
+    store.close()
+    whole = RowStore(tmp_path, fp8=fp8).get(1)
+    some = RowStore(tmp_path, fp8=fp8).get(1, [4, 1])
+    assert whole is not None and some is not None
+    assert torch.equal(some["token_ids"], whole["token_ids"])
+    assert torch.equal(some["hidden_states"], whole["hidden_states"][:, [2, 0]])
+    same = RowStore(tmp_path, fp8=fp8).get(1, [1, 2, 4])
+    assert same is not None and torch.equal(same["hidden_states"], whole["hidden_states"])
+    missing = RowStore(tmp_path, fp8=fp8)
+    assert missing.get(1, [3]) is None and missing.stats.misses == 1 and missing.stats.damaged == 0
+    # damage layer 2 (position 1) of the last token: the file's last tensor is hidden_states
+    # (names in order: hidden_states, [scales,] token_ids), so find its bytes by its header
+    import struct
+
+    raw = bytearray(file_of(tmp_path, 2).read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, _end = json.loads(raw[8 : 8 + n])["hidden_states"]["data_offsets"]
+    width = H * (1 if fp8 is not None else 2)
+    at = 8 + n + begin + ((T - 1) * L + 1) * width + 3  # token T-1, position 1, a byte in
+    raw[at] ^= 0x10
+    file_of(tmp_path, 2).write_bytes(bytes(raw))
+    other = RowStore(tmp_path, fp8=fp8)
+    got = other.get(2, [1, 4])
+    assert got is not None and other.stats.damaged == 0  # layer 2's bytes were not needed
+    want = row(2)[1][:, [0, 2]]
+    if fp8 is None:
+        assert torch.equal(got["hidden_states"], want)
+    assert other.get(2, [2]) is None and other.stats.damaged == 1  # set aside
+
+
+def test_a_run_of_some_of_the_folders_layers_shares_it() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        claim_folder(d, {"layout": "safetensors", "layer_ids": "1,2,4"})
+        assert claim_folder(d, {"layout": "safetensors", "layer_ids": "4,1"})["layer_ids"] == "1,2,4"
+        with pytest.raises(KeepFolderMismatch):
+            claim_folder(d, {"layout": "safetensors", "layer_ids": "1,3"})
+
+
+DRAFTER = """
+import json, sys, torch
+from kv_connector.speculators import KvHiddenStatesTransfer
+t = KvHiddenStatesTransfer(mode="worker", keep=sys.argv[1], expect={"layer_ids": [1, 4]})
+got = t.get_cached(1)
+none = t.get_cached(5)
+torch.save(got, sys.argv[2])
+print(json.dumps({"missed": t._missed, "none": none is None, "keeps": t._keeps}))
+"""
+
+
+def test_speculators_backend_reads_a_drafters_layers_of_rows_kept_with_more(tmp_path: Path) -> None:
+    """Our speculators backend over a folder kept with layers 1, 2, 4, for a drafter that
+    expects 1 and 4: each row comes back with those two layers, found by id; the run does
+    not keep rows into that folder (its fetched rows would hold fewer layers)."""
+    keep = tmp_path / "keep"
+    claim_folder(keep, {"layout": "safetensors", "layer_ids": "1,2,4"})
+    store = RowStore(keep)
+    kept(store, 1, seed=1)
+    store.close()
+    site = Path(os.environ.get("SPECULATORS_SITE") or Path(sys.prefix) / "speculators-site-packages")
+    if not (site / "hs_connectors").is_dir():
+        pytest.skip(f"speculators is not installed in {site}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "got.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", DRAFTER, str(keep), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.splitlines()[-1])
+    assert said == {"missed": None, "none": True, "keeps": False}
+    got = torch.load(out)
+    assert torch.equal(got["hidden_states"], row(1)[1][:, [0, 2]])
+    assert torch.equal(got["token_ids"], row(1)[0])
