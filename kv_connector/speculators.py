@@ -30,6 +30,13 @@ Capture once, train many (``--kv-hs-keep DIR``): ``get_cached`` reads a row from
 ``get_generated`` fetched it, behind the hand-out; later epochs ask vLLM only for rows
 not kept, and speculators' file backend trains other drafters from DIR.
 
+``--kv-hs-sampler rank-kept`` keeps each trainer rank's rows across epochs
+(``files.rank_sampler``; speculators' own sampler reshuffles rows across ranks, so a row
+kept on one node is asked of another the next epoch): ``from_train_args`` puts it in the
+place of speculators' sampler in ``speculators.train.dataloader``, where its loaders are
+built, before the trainer builds them; ``use_sampler`` does the same for code that calls
+``create_train_val_loaders`` itself.
+
 The only module that imports speculators' packages; it is optional (the rest of
 kv_connector never needs it).
 """
@@ -51,7 +58,8 @@ import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from kv_connector.files.fp8 import Fp8Scale
-from kv_connector.files.keep import RowStore
+from kv_connector.files.keep import RowStore, claim_folder
+from kv_connector.files.rank_sampler import RankKeptBatchSampler
 from kv_connector.reader import (
     AGENT_POOL_BYTES,
     DEFAULT_POOL_BYTES,
@@ -79,6 +87,30 @@ class FetchMode(enum.Enum):
 
     RANK = "rank"  # one fetch agent (one NIXL agent, one pool) shared by the rank's workers
     WORKER = "worker"  # a PullClient (a NIXL agent and a pool) in each DataLoader worker
+
+
+class SamplerKind(enum.Enum):
+    """Which batch sampler speculators' loaders use."""
+
+    SPECULATORS = "speculators"  # its own: every row reshuffled across ranks each epoch
+    RANK_KEPT = "rank-kept"  # each rank's rows fixed by seed, shuffled within it (files.rank_sampler)
+
+
+_SPECULATORS_SAMPLER: dict[str, Any] = {}  # speculators' own class, once replaced
+
+
+def use_sampler(kind: SamplerKind | str) -> None:
+    """Make speculators' loaders built from now on in this process use ``kind``'s sampler:
+    the name ``speculators.train.dataloader`` builds its sampler from (the only place it
+    chooses one) is pointed at ours, or back at its own."""
+    kind = SamplerKind(kind)
+    if kind is SamplerKind.SPECULATORS and not _SPECULATORS_SAMPLER:
+        return  # never replaced: nothing to import or undo
+    import speculators.train.dataloader as loaders
+
+    _SPECULATORS_SAMPLER.setdefault("cls", loaders.MultipackDistributedBatchSamplerV2)
+    chosen = RankKeptBatchSampler if kind is SamplerKind.RANK_KEPT else _SPECULATORS_SAMPLER["cls"]
+    loaders.MultipackDistributedBatchSamplerV2 = chosen  # type: ignore[misc]
 
 
 def agent_name(mode: FetchMode) -> str:
@@ -113,6 +145,12 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self._missed: int | None = None  # the row get_cached did not find, which get_generated fetches
         # what every row must be (layer ids, model): a row that is not fails by name
         self.expect = msgspec.convert(expect, Expectation) if isinstance(expect, dict) else expect
+        # keeps rows unless it reads some of the folder's layers (its rows would have fewer)
+        self._keeps = True
+        if keep is not None:  # refused at once where the folder keeps another run's rows
+            mine = self.keep_describes()
+            theirs = claim_folder(keep, mine)
+            self._keeps = theirs.get("layer_ids", mine.get("layer_ids")) == mine.get("layer_ids")
         default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
         self.pool_mib = pool_mib if pool_mib is not None else default
         if self.pool_mib < 1:
@@ -122,6 +160,16 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self._address = agent_address
         self._client: PullClient | AgentClient | None = None
         self._released: set[str] = set()  # by get_generated: delete() need not ask the producer
+
+    def keep_describes(self) -> dict[str, str]:
+        """What this run's kept rows are (``files.keep.claim_folder``): the layout, and the
+        model and layer ids the trainer expects, where it knows them."""
+        out = {"layout": f"fp8-{self.keep_fp8.value}" if self.keep_fp8 is not None else "safetensors"}
+        if self.expect is not None and self.expect.model is not None:
+            out["model"] = self.expect.model
+        if self.expect is not None and self.expect.layer_ids is not None:
+            out["layer_ids"] = ",".join(map(str, self.expect.layer_ids))
+        return out
 
     @property
     def agent_address(self) -> str:
@@ -203,13 +251,15 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             self._address = None
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
-        """Row ``file_idx`` from the keep folder, verified; None (it is generated, then
-        kept) without one, or where it is not kept yet or was damaged."""
+        """Row ``file_idx`` from the keep folder, verified, with the layers the trainer
+        expects (by id, where the row holds more); None (it is generated, then kept)
+        without one, or where it is not kept yet or was damaged."""
         store = self.store
         if store is None:
             return None
-        got = store.get(file_idx)
-        self._missed = file_idx if got is None else None
+        layer_ids = self.expect.layer_ids if self.expect is not None else None
+        got = store.get(file_idx, layer_ids)  # a row kept with more layers: the trainer's, by id
+        self._missed = file_idx if got is None and self._keeps else None
         return got
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
@@ -327,6 +377,15 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
         )
         _add(
             parser,
+            "--kv-hs-sampler",
+            choices=[k.value for k in SamplerKind],
+            default=SamplerKind.SPECULATORS.value,
+            help="rank-kept: each trainer rank reads the same rows every epoch (fixed by --seed, "
+            "shuffled within the rank each epoch, as many batches on every rank), so with --kv-hs-keep "
+            "later epochs find every row in the node's folder; speculators: its own sampler",
+        )
+        _add(
+            parser,
             "--kv-hs-fetch-timeout-s",
             type=float,
             default=DEFAULT_FETCH_TIMEOUT_S,
@@ -353,6 +412,7 @@ class KvHiddenStatesBackend(HiddenStatesBackend):
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> KvHiddenStatesTransfer:
         pool_mib = getattr(args, "kv_hs_pool_mib", None)
+        use_sampler(getattr(args, "kv_hs_sampler", None) or SamplerKind.SPECULATORS.value)
         return KvHiddenStatesTransfer(
             pool_mib=None if pool_mib is None else int(pool_mib),
             fetch_timeout_s=float(getattr(args, "kv_hs_fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)),
@@ -392,7 +452,9 @@ __all__ = [
     "FetchMode",
     "KvHiddenStatesBackend",
     "KvHiddenStatesTransfer",
+    "SamplerKind",
     "register",
+    "use_sampler",
 ]
 
 

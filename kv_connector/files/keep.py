@@ -5,19 +5,24 @@ Each row is written once, in speculators' own file layout (``hs_<file_idx>.safet
 row was handed to the trainer, so keeping never delays a row. A file is written under a
 temporary name and renamed (a reader never sees a torn one) and carries an integrity
 record (XXH3-64 of its tensors' bytes) that every read here verifies: a damaged file is
-set aside, counted, and its row fetched again. speculators' file backends read the same
-folder without this package.
+set aside, counted, and its row fetched again; a record per part (tokens, each layer)
+lets a read of some layers, found by their ids, verify them without the others' bytes.
+speculators' file backends read the same folder without this package.
 
 At the budget keeping stops (a warning, once): nothing kept is evicted, since the
-sampler will ask for it again. Two runs may share a folder: a row is the same whoever
-keeps it, each file appears whole by its rename, and each run counts the folder as it
-found it plus its own files against its budget (so together they may pass it by the rows
-they keep at once).
+sampler will ask for it again. Two runs may share a folder when they keep the same rows:
+the folder names what it keeps (``keep.json``: the layout, and the model and layer ids
+where the run knows them), written once by the first run, and a run that would keep
+other rows (another model, other layers, another layout) is refused at its start
+(``claim_folder``); rows alike are safe to keep at once, since each file appears whole by
+its rename and every read verifies it. Each run counts the folder as it found it plus its
+own files against its budget (so together they may pass it by the rows they keep at once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -27,6 +32,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -38,8 +44,11 @@ from kv_connector.files.safetensors_io import write_atomically
 log = logging.getLogger(__name__)
 
 RECORD_KEY = "kv_keep_xxh3"  # the file's integrity record, in its metadata
+PARTS_KEY = "kv_keep_xxh3_parts"  # the same per part (tokens, each layer, scales): reads of some layers
+LAYERS_KEY = "layer_ids"  # the captured layer ids of the row's states, in order
 TMP_ROOT = ".keep-tmp"  # each process's temporary files, in a folder of its own
 DAMAGED_SUFFIX = ".damaged"
+MANIFEST = "keep.json"  # what the folder's rows are, written once by the first run
 MAX_QUEUED = 64  # rows waiting for the writer; beyond, a row is not kept (never waited for)
 
 
@@ -56,6 +65,66 @@ def record_of(tensors: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
+
+
+class KeepFolderMismatch(ValueError):
+    """The keep folder holds other rows than this run would keep (another model, other
+    layers, another layout): sharing it would hand one run the other's states."""
+
+
+def claim_folder(root: Path | str, describes: dict[str, str]) -> dict[str, str]:
+    """Bind ``root`` (made if missing) to what its rows are: the first run writes
+    ``describes`` as the folder's ``keep.json`` (created whole, only if absent); a later
+    run whose ``describes`` differs in a key both name is refused (``KeepFolderMismatch``),
+    except a run whose layer ids are some of the folder's (it reads its layers by id).
+    Returns what the folder says it keeps."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / MANIFEST
+    tmp = root / f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(describes, sort_keys=True))
+    try:
+        os.link(tmp, path)  # atomic: the first run's, whole, or nothing
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    theirs: dict[str, str] = json.loads(path.read_text())
+    differs = [
+        f"{k}: the folder keeps {theirs[k]!r}, this run {v!r}"
+        for k, v in sorted(describes.items())
+        if k in theirs and theirs[k] != v and not (k == LAYERS_KEY and _some_of(v, theirs[k]))
+    ]
+    if differs:
+        raise KeepFolderMismatch(
+            f"the keep folder {root} holds other rows than this run keeps ({'; '.join(differs)}): "
+            "give this run a folder of its own"
+        )
+    return theirs
+
+
+def digest(t: torch.Tensor) -> str:
+    """XXH3-64 of one tensor's bytes (hex)."""
+    return xxhash.xxh3_64_hexdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def parts_record(tensors: dict[str, torch.Tensor]) -> str:
+    """Each part's own record (JSON): the token ids, each layer of the states by position,
+    the fp8 scales; what a read of some layers verifies without the others' bytes."""
+    states = tensors["hidden_states"]
+    parts: dict[str, object] = {
+        "token_ids": digest(tensors["token_ids"]),
+        "layers": [digest(states[:, p]) for p in range(states.shape[1])],
+    }
+    if SCALES_KEY in tensors:
+        parts["scales"] = digest(tensors[SCALES_KEY])
+    return json.dumps(parts)
+
+
+def layer_ids_of(meta: dict[str, str]) -> list[int] | None:
+    """The row's captured layer ids, as its metadata names them (None: not named)."""
+    said = meta.get(LAYERS_KEY)
+    return [int(i) for i in said.split(",") if i.strip()] if said else None
 
 
 @dataclass
@@ -105,13 +174,19 @@ class RowStore:
         )
         self._writer: threading.Thread | None = None
 
-    def get(self, file_idx: int) -> dict[str, torch.Tensor] | None:
+    def get(self, file_idx: int, layer_ids: list[int] | None = None) -> dict[str, torch.Tensor] | None:
         """Row ``file_idx`` as speculators' backends return it (``token_ids`` int64 [T],
-        ``hidden_states`` [T, L, H]), verified; None if it is not kept or was damaged."""
+        ``hidden_states`` [T, L, H]), verified; None if it is not kept or was damaged.
+        ``layer_ids``: only these captured layers, in this order, found by their ids in the
+        row's metadata (never by position) and read and verified alone, where the row holds
+        more; None (a miss) where it lacks one."""
         path = file_of(self.root, file_idx)
         try:
             with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
                 meta = f.metadata() or {}
+                stored = layer_ids_of(meta)
+                if layer_ids is not None and stored is not None and list(layer_ids) != stored:
+                    return self._some_layers(f, meta, path, stored, list(layer_ids))
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
         except FileNotFoundError:
             self._count("misses")
@@ -123,11 +198,43 @@ class RowStore:
         if want is None or record_of(tensors) != want:
             self._set_aside(path, "its integrity record does not match its bytes" if want else "no record")
             return None
+        if layer_ids is not None and stored is None:
+            self._count("misses")  # a row that does not name its layers cannot be read by id
+            return None
         self._count("hits")
         states = tensors["hidden_states"]
         if SCALES_KEY in tensors:
             states = dequantize(states, tensors[SCALES_KEY], self.dtype)
         return {"token_ids": tensors["token_ids"], "hidden_states": states}
+
+    def _some_layers(
+        self, f: Any, meta: dict[str, str], path: Path, stored: list[int], wanted: list[int]
+    ) -> dict[str, torch.Tensor] | None:
+        """The ``wanted`` layers of an open row file, each sliced out of the file by its
+        position among the row's ``stored`` ids and checked against its own record."""
+        if any(i not in stored for i in wanted) or PARTS_KEY not in meta:
+            self._count("misses")  # the row lacks a wanted layer (or per-layer records)
+            return None
+        parts = json.loads(meta[PARTS_KEY])
+        positions = [stored.index(i) for i in wanted]
+        tokens = f.get_tensor("token_ids")
+        sliced = f.get_slice("hidden_states")
+        layers = [sliced[:, p : p + 1] for p in positions]
+        scales = f.get_tensor(SCALES_KEY) if SCALES_KEY in f.keys() else None  # noqa: SIM118
+        bad = digest(tokens) != parts["token_ids"] or any(
+            digest(t[:, 0]) != parts["layers"][p] for t, p in zip(layers, positions, strict=True)
+        )
+        if scales is not None and digest(scales) != parts.get("scales"):
+            bad = True
+        if bad:
+            self._set_aside(path, "a layer's or its tokens' record does not match its bytes")
+            return None
+        self._count("hits")
+        states = torch.cat(layers, dim=1)
+        if scales is not None:
+            per_layer = scales.shape[1] > 1
+            states = dequantize(states, scales[:, positions] if per_layer else scales, self.dtype)
+        return {"token_ids": tokens, "hidden_states": states}
 
     def put(
         self, file_idx: int, token_ids: torch.Tensor, hidden_states: torch.Tensor, meta: dict[str, str]
@@ -175,6 +282,7 @@ class RowStore:
             tensors = {"hidden_states": q, SCALES_KEY: scales, "token_ids": token_ids}
             meta["fp8_scale"], meta["dtype"] = self.fp8.value, str(states.dtype).removeprefix("torch.")
         meta[RECORD_KEY] = record_of(tensors)
+        meta[PARTS_KEY] = parts_record(tensors)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._lock:
             if self.budget_bytes is not None and self._used + size > self.budget_bytes:
@@ -224,6 +332,11 @@ class RowStore:
             if name != host or not pid.isdigit() or _alive(int(pid)):
                 continue
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _some_of(ids: str, of: str) -> bool:
+    """Whether the layer ids ``ids`` ("1,4") are all among ``of`` ("1,2,4")."""
+    return set(ids.split(",")) <= set(of.split(","))
 
 
 def _alive(pid: int) -> bool:

@@ -3,7 +3,9 @@ summary (``scripts.bench.summary``: the figures, their ceilings and the targets 
 as one JSON object, the last line printed. The first and the last lines name the machine
 and its load.
 
-    python -m scripts.bench          # about 30 minutes on 2 cores; needs an idle machine
+    python -m scripts.bench             # about 40 minutes on 2 cores; needs an idle machine
+    python -m scripts.bench --only keep # one arm alone (its figures, the same last line)
+    python -m scripts.bench --only protocol
 """
 
 from __future__ import annotations
@@ -18,15 +20,30 @@ from scripts.bench.summary import flatten, summarise
 
 
 def main() -> None:
-    argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__).parse_args()
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__)
+    ap.add_argument("--only", choices=["keep", "protocol"], help="run this arm alone")
+    only = ap.parse_args().only
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from scripts.bench import audit, datapath, fp8, integrity, model, protocol, step
+    from scripts.bench import audit, datapath, fp8, integrity, keep, model, protocol, step
     from scripts.bench.pull import run as pull
 
     start = machine_state()
     print("machine at start:", json.dumps(start), flush=True)
     t0 = time.time()
+    if only == "keep":
+        keep_out = keep.main()
+        print("keep:", json.dumps(keep_out), flush=True)
+        end = machine_state()
+        last = {**keep.figures(keep_out), "machine": {**start, "load_avg_end": end["load_avg"]}}
+        last["seconds"] = round(time.time() - t0, 1)
+        print(json.dumps(last), flush=True)
+        return
+    if only == "protocol":
+        protocol_out = protocol.main()
+        print("protocol:", json.dumps(protocol_out), flush=True)
+        print(json.dumps({k: v for k, v in protocol_out.items() if not k.startswith(("push_", "pull_4"))}))
+        return
     model_out = model.main()
     print("model-level:", json.dumps(flatten(model_out)), flush=True)
     datapath_out = datapath.main()
@@ -43,6 +60,8 @@ def main() -> None:
     print("integrity records:", json.dumps(integrity_out), flush=True)
     audit_out = audit.main()
     print("logprob audit:", json.dumps(audit_out), flush=True)
+    keep_out = keep.main()
+    print("keep:", json.dumps(keep_out), flush=True)
     summary = summarise(model_out, datapath_out, steps, pull_out, fp8_out, protocol_out)
     summary["integrity_cpu_s_per_GB"] = {
         layout: {"producer": m["producer_cpu_s_per_GB"], "reader": m["reader_cpu_s_per_GB"]}
@@ -50,6 +69,7 @@ def main() -> None:
     }
     summary["audit_ms_per_sample"] = audit_out["audit_ms_per_sample"]
     summary["audit_share_of_consumer_cpu"] = audit_out["audit_share_of_consumer_cpu"]
+    summary.update(keep.figures(keep_out))
     end = machine_state()
     summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}
     del summary["machine"]["load_avg"]

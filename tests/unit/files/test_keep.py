@@ -5,16 +5,27 @@ writing leaves no row behind, only its temporary folder, which the next store re
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kv_connector.files.fp8 import Fp8Scale
-from kv_connector.files.keep import DAMAGED_SUFFIX, TMP_ROOT, RowStore, file_of
+from kv_connector.files.keep import (
+    DAMAGED_SUFFIX,
+    MANIFEST,
+    TMP_ROOT,
+    KeepFolderMismatch,
+    RowStore,
+    claim_folder,
+    file_of,
+)
 
 T, L, H = 37, 3, 64
 
@@ -167,3 +178,208 @@ def test_two_stores_sharing_a_folder_keep_whole_rows(tmp_path: Path) -> None:
         got = check.get(i)
         assert got is not None and torch.equal(got["hidden_states"], row(i)[1])
     assert check.stats.damaged == 0
+
+
+WRITER = """
+import sys, torch
+from kv_connector.files.keep import RowStore, claim_folder
+root, first, rows, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+claim_folder(root, {"layout": "safetensors", "layer_ids": "1,2,4"})
+s = RowStore(root)
+for k in range(rows):
+    i = (first + k) % rows  # both runs keep every row, from different starts
+    g = torch.Generator().manual_seed(i)
+    s.put(i, torch.arange(size, dtype=torch.int64) + i, torch.randn(size, 3, 64, generator=g), {})
+    while s._queue.qsize() > 2:  # keep each row, not MAX_QUEUED at once
+        __import__("time").sleep(0.001)
+s.close()
+print(s.stats.kept)
+"""
+
+
+def writer_row(i: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.arange(size, dtype=torch.int64) + i, torch.randn(size, 3, 64, generator=g)
+
+
+def test_two_runs_sharing_a_folder_keep_whole_verified_rows(tmp_path: Path) -> None:
+    """Two processes keep the same rows into one folder at once while this one reads it:
+    every read is a whole verified row or a miss, never a damaged one, and in the end
+    every row is there, exact."""
+    rows, size = 24, 2048
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(first), str(rows), str(size)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for first in (0, rows // 2)
+    ]
+    reader = RowStore(tmp_path)
+    while any(p.poll() is None for p in procs):
+        for i in range(rows):
+            got = reader.get(i)
+            assert got is None or torch.equal(got["hidden_states"], writer_row(i, size)[1]), i
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and all(int(o) >= 1 for o in outs), outs
+    assert reader.stats.damaged == 0 and reader.stats.hits > 0
+    for i in range(rows):
+        got = reader.get(i)
+        assert got is not None and torch.equal(got["token_ids"], writer_row(i, size)[0]), i
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(DAMAGED_SUFFIX)]
+
+
+def test_a_run_that_would_keep_other_rows_is_refused(tmp_path: Path) -> None:
+    """The folder names what it keeps once; a run of the same model and layers (or one
+    that does not know them) shares it, one of another model, layers or layout is refused."""
+    first = {"layout": "safetensors", "model": "m", "layer_ids": "1,2,4"}
+    assert claim_folder(tmp_path, first) == first
+    assert claim_folder(tmp_path, dict(first)) == first
+    assert claim_folder(tmp_path, {"layout": "safetensors"}) == first  # knows less: shares it
+    for other in ({"layer_ids": "1,2,3"}, {"model": "n"}, {"layout": "fp8-token"}):
+        with pytest.raises(KeepFolderMismatch, match="give this run a folder of its own"):
+            claim_folder(tmp_path, {**first, **other})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST]  # no temporary left
+
+
+KILLED = """
+import sys, torch
+from kv_connector.files.keep import RowStore
+s = RowStore(sys.argv[1])
+print(s._tmp, flush=True)
+i = 0
+while True:  # rows of 48 MiB, one after another, until killed
+    s.put(i, torch.arange(4096, dtype=torch.int64), torch.full((4096, 3, 2048), float(i)), {})
+    while s._queue.qsize() > 0:
+        __import__("time").sleep(0.001)
+    i += 1
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_only_whole_rows_and_the_restart_refetches(tmp_path: Path) -> None:
+    """A process keeping rows is killed (SIGKILL) while a row's temporary file is being
+    written: every row file left verifies, the torn one is under no row's name, the next
+    store clears the dead process's folder, and the row not kept is a miss, so it is
+    fetched and kept again."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        tmp = Path(proc.stdout.readline().strip())
+        deadline = time.monotonic() + 120
+        while not (list(tmp.glob("*.tmp")) and list(tmp_path.glob("hs_*.safetensors"))):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.0005)
+        time.sleep(0.005)  # into the row's bytes
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    # whatever it was writing is under its temporary name only: no row file is torn
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".hs.*"))
+    kept_rows = sorted(int(p.stem.split("_")[1]) for p in tmp_path.glob("hs_*.safetensors"))
+    restart = RowStore(tmp_path)
+    assert not tmp.exists()  # the dead writer's folder is gone
+    for i in kept_rows:
+        got = restart.get(i)
+        assert got is not None and bool((got["hidden_states"] == float(i)).all()), i
+    nxt = max(kept_rows) + 1  # the row being written when it died: not kept, so fetched again
+    assert restart.get(nxt) is None and restart.stats.damaged == 0
+    states = torch.full((4096, 3, 2048), float(nxt))
+    assert restart.put(nxt, torch.arange(4096, dtype=torch.int64), states, {})
+    restart.close()
+    got = RowStore(tmp_path).get(nxt)
+    assert got is not None and bool((got["hidden_states"] == float(nxt)).all())
+
+
+@pytest.mark.parametrize("fp8", [None, Fp8Scale.TOKEN, Fp8Scale.LAYER])
+def test_a_row_with_more_layers_is_read_for_the_layer_ids_asked_by_id(
+    tmp_path: Path, fp8: Fp8Scale | None
+) -> None:
+    """A row kept with layers 1, 2, 4 read for [4, 1] gives layers 4 then 1 (by id, not
+    position), equal to a full read's; a layer's damaged bytes do not stop a read of the
+    others (they are not read) but a read that needs them finds the damage; an id the row
+    lacks is a miss."""
+    store = RowStore(tmp_path, fp8=fp8)
+    kept(store, 1, seed=1)
+    kept(store, 2, seed=2)
+    store.close()
+    whole = RowStore(tmp_path, fp8=fp8).get(1)
+    some = RowStore(tmp_path, fp8=fp8).get(1, [4, 1])
+    assert whole is not None and some is not None
+    assert torch.equal(some["token_ids"], whole["token_ids"])
+    assert torch.equal(some["hidden_states"], whole["hidden_states"][:, [2, 0]])
+    same = RowStore(tmp_path, fp8=fp8).get(1, [1, 2, 4])
+    assert same is not None and torch.equal(same["hidden_states"], whole["hidden_states"])
+    missing = RowStore(tmp_path, fp8=fp8)
+    assert missing.get(1, [3]) is None and missing.stats.misses == 1 and missing.stats.damaged == 0
+    # damage layer 2 (position 1) of the last token: the file's last tensor is hidden_states
+    # (names in order: hidden_states, [scales,] token_ids), so find its bytes by its header
+    import struct
+
+    raw = bytearray(file_of(tmp_path, 2).read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, _end = json.loads(raw[8 : 8 + n])["hidden_states"]["data_offsets"]
+    width = H * (1 if fp8 is not None else 2)
+    at = 8 + n + begin + ((T - 1) * L + 1) * width + 3  # token T-1, position 1, a byte in
+    raw[at] ^= 0x10
+    file_of(tmp_path, 2).write_bytes(bytes(raw))
+    other = RowStore(tmp_path, fp8=fp8)
+    got = other.get(2, [1, 4])
+    assert got is not None and other.stats.damaged == 0  # layer 2's bytes were not needed
+    want = row(2)[1][:, [0, 2]]
+    if fp8 is None:
+        assert torch.equal(got["hidden_states"], want)
+    assert other.get(2, [2]) is None and other.stats.damaged == 1  # set aside
+
+
+def test_a_run_of_some_of_the_folders_layers_shares_it() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        claim_folder(d, {"layout": "safetensors", "layer_ids": "1,2,4"})
+        assert claim_folder(d, {"layout": "safetensors", "layer_ids": "4,1"})["layer_ids"] == "1,2,4"
+        with pytest.raises(KeepFolderMismatch):
+            claim_folder(d, {"layout": "safetensors", "layer_ids": "1,3"})
+
+
+DRAFTER = """
+import json, sys, torch
+from kv_connector.speculators import KvHiddenStatesTransfer
+t = KvHiddenStatesTransfer(mode="worker", keep=sys.argv[1], expect={"layer_ids": [1, 4]})
+got = t.get_cached(1)
+none = t.get_cached(5)
+torch.save(got, sys.argv[2])
+print(json.dumps({"missed": t._missed, "none": none is None, "keeps": t._keeps}))
+"""
+
+
+def test_speculators_backend_reads_a_drafters_layers_of_rows_kept_with_more(tmp_path: Path) -> None:
+    """Our speculators backend over a folder kept with layers 1, 2, 4, for a drafter that
+    expects 1 and 4: each row comes back with those two layers, found by id; the run does
+    not keep rows into that folder (its fetched rows would hold fewer layers)."""
+    keep = tmp_path / "keep"
+    claim_folder(keep, {"layout": "safetensors", "layer_ids": "1,2,4"})
+    store = RowStore(keep)
+    kept(store, 1, seed=1)
+    store.close()
+    site = Path(os.environ.get("SPECULATORS_SITE") or Path(sys.prefix) / "speculators-site-packages")
+    if not (site / "hs_connectors").is_dir():
+        pytest.skip(f"speculators is not installed in {site}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "got.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", DRAFTER, str(keep), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.splitlines()[-1])
+    assert said == {"missed": None, "none": True, "keeps": False}
+    got = torch.load(out)
+    assert torch.equal(got["hidden_states"], row(1)[1][:, [0, 2]])
+    assert torch.equal(got["token_ids"], row(1)[0])
