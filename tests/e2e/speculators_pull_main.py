@@ -19,7 +19,8 @@ With ``KV_TEST_KEEP=DIR`` the trainer keeps its rows there (``--kv-hs-keep``) an
 (the workers' writers keep rows behind the hand-out): the report says how many rows the
 agent fetched by the end of each epoch and how many rows of a later epoch differ from
 the first's, and speculators' own file backend (``FileTransfer``) reads every row from
-DIR, compared with the first epoch's.
+DIR, compared with the first epoch's. ``KV_TEST_SAMPLER`` passes ``--kv-hs-sampler``; the
+report names the train loader's batch sampler.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main() -> int:
     epochs = int(os.environ.get("KV_TEST_EPOCHS", "1"))
     if keep:
         argv += ["--kv-hs-keep", keep]
+    if sampler := os.environ.get("KV_TEST_SAMPLER"):
+        argv += ["--kv-hs-sampler", sampler]
     args = parser.parse_args(argv)
     if verifier := os.environ.get("KV_TEST_VERIFIER"):  # what speculators' own parser would set
         args.verifier_name_or_path, args.target_layer_ids = verifier, [1, 2]
@@ -131,6 +134,7 @@ def main() -> int:
         "fetched_by_epoch": fetched_by_epoch,
         "later_epochs_differ": differ,
         "rows_from_keep_files": from_file,
+        "sampler": type(train.batch_sampler).__name__,
         "nixl_agent_pids": agents,
         "agent": None
         if stats is None

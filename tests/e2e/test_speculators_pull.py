@@ -136,12 +136,14 @@ def test_speculators_dataloader_trains_from_pulled_samples(
     print(f"{len(rows)} rows through speculators' DataLoader, worst relative error {worst:.2e}")
 
 
+@pytest.mark.parametrize("sampler", ["", "rank-kept"])
 def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_dataset(
-    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path, sampler: str
 ) -> None:
     """``--kv-hs-keep DIR``: the first epoch fetches every row from vLLM and keeps it; the
     next epochs read every row from DIR (vLLM is asked for no row again), exactly the
-    first epoch's; speculators' own file backend reads every row from DIR."""
+    first epoch's; speculators' own file backend reads every row from DIR. With speculators'
+    sampler, and with ours that keeps each rank's rows (``--kv-hs-sampler rank-kept``)."""
     site = speculators_site()
     rows = prompts_of(LENGTHS, seed=32)
     data, keep = tmp_path / "data", tmp_path / "keep"
@@ -159,7 +161,7 @@ def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_data
             [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "2", "rank"],
             env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
                  "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep),
-                 "KV_TEST_EPOCHS": "3"},
+                 "KV_TEST_EPOCHS": "3", "KV_TEST_SAMPLER": sampler},
             capture_output=True, text=True, timeout=600, cwd=REPO,
         )  # fmt: skip
         assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
@@ -170,6 +172,8 @@ def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_data
         )
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
+    want = "RankKeptBatchSampler" if sampler else "MultipackDistributedBatchSamplerV2"
+    assert report["sampler"] == want, report
     first, second, last = report["fetched_by_epoch"]
     assert 0 < first < len(rows) and second == first, report  # epoch 2: every row from DIR
     assert last == len(rows), report  # epoch 3 as well; the validation rows once, in the end
