@@ -182,7 +182,10 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         if self._address is None:
             if self.agent is None:
                 self.agent = FetchAgentProcess(
-                    pool_bytes=self.pool_mib << 20, timeout_s=self.fetch_timeout_s, name=agent_name(self.mode)
+                    pool_bytes=self.pool_mib << 20,
+                    timeout_s=self.fetch_timeout_s,
+                    name=agent_name(self.mode),
+                    expect=self.expect,  # checked before the row is READ, as a worker's client does
                 )
             try:
                 self.agent.start(keep=keep or [])

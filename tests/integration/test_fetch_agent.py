@@ -27,6 +27,7 @@ from kv_connector.reader import AgentClient, FetchAgentProcess, FetchError
 from kv_connector.reader.agent.fetch_agent import START_PHASES
 from kv_connector.reader.agent.wire import AgentFetch, AgentHello, AgentSample, FrameReader, frame
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
+from kv_connector.wire.provenance import Expectation
 from scripts.support.proc_tree import made_a_nixl_agent
 from tests.integration.common import REPO, child_env, expected_states, make_cache, token_ids
 from tests.integration.test_pull import LTH, NUM_CACHE_BLOCKS, SEED, TLH, Producer, samples_spec, spec_of
@@ -253,6 +254,22 @@ def test_the_producers_refusals_pass_through_and_bad_input_is_named(producers: l
         sock.close()
         assert client.stats().failed == 2  # the forged handle and the non-handle
         client.close()
+
+
+def test_an_agent_with_an_expectation_fails_another_sample_by_name_unread(producers: list[Producer]) -> None:
+    """The rank's agent checks what the trainer expects before its READ, as a client does."""
+    samples = samples_spec(2, TLH, seed=6)
+    p = Producer(spec_of(TLH, samples))
+    producers.append(p)
+    expect = Expectation(layer_ids=[1, 2, 3], dtype="bfloat16")
+    with FetchAgentProcess(pool_bytes=1 << 20, expect=expect) as agent:
+        client = AgentClient(agent.address)
+        with pytest.raises(FetchError) as e:
+            client.fetch(p.handles["req-0"])
+        assert e.value.code == "mismatch" and "expected [1, 2, 3]" in e.value.message, e.value
+        assert client.stats().fetched == 0  # nothing was READ
+        client.close()
+    assert p.settled([1])["held"] == [1]  # its producer freed it at once; req-1 is still held
 
 
 def test_frames_round_trip_and_bounds() -> None:
