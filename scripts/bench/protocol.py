@@ -10,7 +10,10 @@ A sample is one cache block of 128 tokens x 4 layers in host memory: hidden 1024
 Figures: ``d_1MiB`` and ``d_4MiB`` (e's GB/s over r's) with their ceilings
 ``acked_raw_over_raw_*`` (ea over r); ``pull_read_4MiB_over_raw`` with
 ``checked_raw_4MiB_over_raw``; ``protocol_us_per_sample``, the CPU microseconds a sample
-costs each end beyond its ceiling arm's (medians over pairs of e against ea).
+costs each end beyond its ceiling arm's (medians over pairs of e against ea); and
+``d_cpu_bound_*``, the ``d`` that e's CPU per sample alone allows on the cores this run may
+use (both ends' CPU seconds per sample over the cores: no schedule of its threads can move a
+sample faster), so a target above it is shown to need less CPU, not shorter waits.
 
     python -m scripts.bench.protocol     # about 2 minutes on 2 cores; prints JSON last
 """
@@ -18,6 +21,7 @@ costs each end beyond its ceiling arm's (medians over pairs of e against ea).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -44,6 +48,14 @@ def _us_per_sample(p: Pairs, key: str, n: int) -> float:
     """The median over pairs of (A's CPU seconds at one end - B's) per sample, in us."""
     diffs = [(a.detail[key] - b.detail[key]) / n * 1e6 for a, b in zip(p.a, p.b, strict=True)]
     return round(statistics.median(diffs), 1)
+
+
+def _cpu_us(runs: list[Run], n: int) -> dict[str, float]:
+    """Each end's CPU microseconds per sample, the median over ``runs``."""
+    return {
+        end: round(statistics.median(r.detail[f"{end}_cpu_s"] for r in runs) / n * 1e6, 1)
+        for end in ("producer", "reader")
+    }
 
 
 def push(name: str, pairs: int = PAIRS) -> dict[str, Any]:
@@ -81,6 +93,10 @@ def push(name: str, pairs: int = PAIRS) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     med, rng = d.ratio(_gb).rounded()
     ceiling, crng = ea.ratio(_gb).rounded()
+    r_us = statistics.median(r.seconds for r in d.b) / n * 1e6
+    cores = len(os.sched_getaffinity(0))
+    e_cpu = _cpu_us(d.a, n)
+    floor_us = (e_cpu["producer"] + e_cpu["reader"]) / cores  # e's CPU spread over every core
     return {
         "d": med, "d_range": rng, "engine_acked_raw_over_raw": ceiling, "engine_acked_raw_range": crng,
         "acked_raw_over_raw": ra.ratio(_gb).rounded()[0],
@@ -91,6 +107,8 @@ def push(name: str, pairs: int = PAIRS) -> dict[str, Any]:
             "ea": round(statistics.median(r.seconds for r in ea.a) / n * 1e6, 1),
             "r": round(statistics.median(r.seconds for r in d.b) / n * 1e6, 1),
         },
+        "cpu_us_per_sample": {"e": e_cpu, "ea": _cpu_us(ea.a, n), "cores": cores},
+        "d_cpu_bound": round(r_us / floor_us, 3),
         # beyond the raw WRITE held until acknowledged in the same engine steps (ea)
         "protocol_us_per_sample": {
             "producer": _us_per_sample(cost, "producer_cpu_s", n),
@@ -139,6 +157,10 @@ def main(pairs: int = PAIRS) -> dict[str, Any]:
         "acked_raw_over_raw_1MiB": out["push_1MiB"]["engine_acked_raw_over_raw"],
         "acked_raw_over_raw_4MiB": out["push_4MiB"]["engine_acked_raw_over_raw"],
         "checked_raw_4MiB_over_raw": out["pull_4MiB"]["checked_raw_over_raw"],
+    }
+    out["bounds"] = {
+        "d_cpu_bound_1MiB": out["push_1MiB"]["d_cpu_bound"],
+        "d_cpu_bound_4MiB": out["push_4MiB"]["d_cpu_bound"],
     }
     out["protocol_us_per_sample"] = {
         "push_4MiB": out["push_4MiB"]["protocol_us_per_sample"],

@@ -105,6 +105,8 @@ NEAR_CEILING: dict[str, str] = {
     "d_4MiB": "acked_raw_over_raw_4MiB",
     "pull_read_4MiB_over_raw": "checked_raw_4MiB_over_raw",
 }
+# where a run measured it, the bound its own CPU per sample puts on a figure above
+CPU_BOUNDS: dict[str, str] = {"d_4MiB": "d_cpu_bound_4MiB"}
 
 
 def missed(summary: dict[str, Any]) -> list[str]:
@@ -124,7 +126,9 @@ def missed(summary: dict[str, Any]) -> list[str]:
     for key, bound_key in NEAR_CEILING.items():
         bound = ceilings.get(bound_key)
         if key in summary and bound is not None and summary[key] < 0.9 * bound:
-            out.append(f"{key} {summary[key]} (target: within 10% of its ceiling {bound_key} {bound})")
+            cpu = summary.get("bounds", {}).get(CPU_BOUNDS.get(key, ""))
+            at = f"; its CPU per sample bounds it at {cpu}" if cpu is not None else ""
+            out.append(f"{key} {summary[key]} (target: within 10% of its ceiling {bound_key} {bound}{at})")
     ceiling = ceilings.get("manifest_only_over_file")
     if "pull_over_file" in summary and ceiling is not None and summary["pull_over_file"] < 0.95 * ceiling:
         out.append(f"pull_over_file {summary['pull_over_file']} (target: within 5% of its ceiling {ceiling})")
@@ -154,7 +158,7 @@ def summarise(
     summary["profile"] = _profile(model, datapath)
     summary["ceilings"] = _ceilings(model, datapath, pull)
     if protocol is not None:
-        for key in ("d_1MiB", "d_4MiB", "pull_read_4MiB_over_raw", "protocol_us_per_sample"):
+        for key in ("d_1MiB", "d_4MiB", "pull_read_4MiB_over_raw", "protocol_us_per_sample", "bounds"):
             summary[key] = protocol[key]
         summary["ceilings"].update(protocol["ceilings"])
     summary["fp8"] = {**fp8["writer"], "worst_relative_error": fp8["error"]}

@@ -18,3 +18,7 @@ def test_push_at_small_samples_gives_its_ratio_ceiling_and_cost_per_sample(
     # e is paired against ea as well: its time per sample and the CPU beyond ea's, each end
     assert set(out["us_per_sample"]) == {"e", "ea", "r"} and min(out["us_per_sample"].values()) > 0
     assert set(out["protocol_us_per_sample"]) == {"producer", "reader"}
+    # each end's CPU per sample for e and ea, and the d that e's CPU alone would allow
+    cpu = out["cpu_us_per_sample"]
+    assert min(cpu["e"]["producer"], cpu["e"]["reader"], cpu["ea"]["producer"]) > 0
+    assert cpu["cores"] >= 1 and out["d_cpu_bound"] > 0
