@@ -150,9 +150,8 @@ class Fingerprints:
 
         A ship's gather is mostly numpy's and torch's fixed cost per call. Every sample pays
         one, since a step never knows its last token is the last: the sampler decides after
-        it. A sample
- whose words cannot be taken gets its error and is forgotten; the
-        others ship."""
+        it. A sample whose words cannot be taken gets its error and is forgotten; the others
+        ship."""
 
         due: list[tuple[str, np.ndarray, np.ndarray]] = []
         out: dict[str, SampleWords | Exception] = {}

@@ -19,6 +19,9 @@ each ``{"ok": ..., figures, "log_tail": ...}`` in the one JSON line printed at t
             Model Runner V2 and CUDA graphs as vLLM defaults (which runner ran is read from
             vLLM's log and from the samples' provenance); every sample against
             transformers' ``output_hidden_states`` on the same GPU
+  hybrid    the same on a tiny random hybrid Qwen3-Next (bf16; layers 1, 4, 8) with the
+            hybrid plugin on (``HIDDEN_STATES_SUPPLEMENTARY=1``): its gated delta net is
+            vLLM's Triton kernels, its cache-only layer our supplementary tensor
   eager     the same with ``enforce_eager=True``, run when ``engine`` failed (CUDA graphs
             or the model itself?)
   v1        the same on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``), run when
@@ -28,7 +31,9 @@ each ``{"ok": ..., figures, "log_tail": ...}`` in the one JSON line printed at t
   pull      ``"delivery": "pull"``: each sample fetched by its handle with ``PullClient``,
             run when ``engine`` passed and time is left
 
-Without CUDA it refuses at once, with the reason. Its runs on an H200 have not yet got a
+Our package's vLLM plugins (``pyproject.toml``'s ``vllm.general_plugins``) are declared in
+the unpacked carry, so vLLM loads them in every process as it would from an installed
+package. Without CUDA it refuses at once, with the reason. Its runs on an H200 have not yet got a
 sample out of vLLM (docs/benchmarks.md, "GPU runs").
 """
 
@@ -52,6 +57,7 @@ import time
 import traceback
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -61,17 +67,33 @@ VLLM_TAR = "vllm-0.33.0-py.tar.xz"
 NIXL_TAR = "nixl-cu13-1.5.1-ucx.tar.xz"
 STAND_IN = Path(__file__).resolve().parent / "stand_in_kernels.py"
 # stage -> its time limit on a GPU, seconds
-LIMITS_S = {"import": 120, "engine": 150, "eager": 150, "v1": 150, "gpu_pool": 150, "pull": 150}
+LIMITS_S = {
+    "import": 120, "engine": 150, "hybrid": 150, "eager": 150, "v1": 150, "gpu_pool": 150, "pull": 150,
+}  # fmt: skip
 STAGES = list(LIMITS_S)
 TOTAL_S = 330  # every stage together: the command stays under 6 minutes with the set-up
 MIN_STAGE_S = 90  # an optional stage starts only with this much of TOTAL_S left
 TAIL = 3000
-MODEL_FAMILY = "llama"
-DTYPE = "float32"
-LAYER_IDS = [1, 2, 4]
 PROMPT_LENGTHS = [1, 7, 129, 300]
 MAX_MODEL_LEN = 1024
-TOLERANCE = 1e-2  # relative error, fp32 on both sides (TF32 or reduction order apart)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A tiny model a stage builds and checks: its family (``make_tiny_model``), the dtype vLLM
+    runs it in, the layers captured (the layer count itself: the last layer's output, before
+    the final norm) and the relative error allowed against transformers in fp32."""
+
+    family: str
+    dtype: str
+    layer_ids: tuple[int, ...]
+    tolerance: float
+
+
+DENSE = ModelCase("llama", "float32", (1, 2, 4), 1e-2)  # fp32 both sides: TF32 or reduction order apart
+HYBRID = ModelCase("qwen3_next", "bfloat16", (1, 4, 8), 5e-2)  # bf16 in vLLM against fp32
+LAYER_IDS = list(DENSE.layer_ids)
+TOLERANCE = DENSE.tolerance
 # "cpu": the engine stages' own code rehearsed on vLLM's CPU build (its defaults, eager, the
 # reference on the host): a check of this module, saying nothing of a GPU
 REHEARSAL = os.environ.get("ENGINE_TIER_REHEARSAL") == "cpu"
@@ -79,7 +101,7 @@ REF_DEVICE = "cpu" if REHEARSAL else "cuda"
 # log lines worth keeping whole (the runner, backends, graphs, compilation, failures)
 LOG_KEYS = re.compile(
     r"Model Runner|model runner|backend|cudagraph|CUDA graph|Capturing|torch.compile|Compil|"
-    r"_C\.|_C_stable|Error|ERROR|Traceback|reader|stand-in|Triton|triton"
+    r"_C\.|_C_stable|Error|ERROR|Traceback|reader|stand-in|Triton|triton|supplementary"
 )
 LOG_NOISE = re.compile(r"Processed prompts|Rendering prompts|Loading weights|LD_PRELOAD|non-default args")
 
@@ -144,8 +166,27 @@ def set_up(carry: Path, work: Path) -> tuple[list[Path], dict[str, Any]]:
     shutil.copyfile(STAND_IN, tree / "vllm" / "_C_stable_libtorch.py")
     report["nixl_files"] = unpack_tar(carry / NIXL_TAR, nixl)
     report["wheels"] = install_wheels(sorted((carry / "wheels").glob("*.whl")), site)
+    report["plugins"] = declare_plugins(site)
     report["seconds"] = round(time.monotonic() - t0, 1)
     return [site, tree, nixl], report
+
+
+def declare_plugins(site: Path) -> list[str]:
+    """Our package's ``vllm.general_plugins`` entry points, as ``pyproject.toml`` names them,
+    in a dist-info under ``site``: the repository travels as a folder, not installed, and vLLM
+    finds plugins only by entry point. The names declared."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    plugins: dict[str, str] = project.get("entry-points", {}).get("vllm.general_plugins", {})
+    info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+    )
+    lines = "".join(f"{k} = {v}\n" for k, v in plugins.items())
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{lines}")
+    return sorted(plugins)
 
 
 def stage_env(path: list[Path]) -> dict[str, str]:
@@ -327,7 +368,7 @@ def skip_reason(name: str, done: dict[str, dict[str, Any]], left: float) -> str 
         return "engine passed (v1 runs only to tell Model Runner V2 from vLLM when it fails)"
     if name in ("gpu_pool", "pull") and engine is not None and not engine.get("ok"):
         return "engine failed"
-    if name in ("v1", "gpu_pool", "pull") and left < MIN_STAGE_S:
+    if name in ("hybrid", "v1", "gpu_pool", "pull") and left < MIN_STAGE_S:
         return f"{left:.0f} s of the tier's {TOTAL_S} s left"
     if left < 10:
         return f"{left:.0f} s of the tier's {TOTAL_S} s left"
@@ -404,6 +445,7 @@ def child(name: str, work: Path, result_file: Path) -> NoReturn:
     stages: dict[str, Callable[[Path], dict[str, Any]]] = {
         "import": stage_import,
         "engine": lambda w: stage_engine(w, eager=False),
+        "hybrid": lambda w: stage_engine(w, eager=False, case=HYBRID),
         "eager": lambda w: stage_engine(w, eager=True),
         "v1": lambda w: stage_engine(w, eager=False, v1=True),
         "gpu_pool": lambda w: stage_engine(w, eager=False, pool_device="cuda:0"),
@@ -573,7 +615,9 @@ CONNECTOR = {
 }
 
 
-def llm_kwargs(model: str, address: str | None, eager: bool, pull: bool) -> dict[str, Any]:
+def llm_kwargs(
+    model: str, address: str | None, eager: bool, pull: bool, case: ModelCase = DENSE
+) -> dict[str, Any]:
     """``LLM``'s arguments for a stage, every name as vLLM 0.33 spells it
     (``entrypoints/llm.py``, ``engine/arg_utils.py``, ``config/{attention,compilation,
     kernel,speculative,kv_transfer}.py``)."""
@@ -581,24 +625,26 @@ def llm_kwargs(model: str, address: str | None, eager: bool, pull: bool) -> dict
     spec = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(case.layer_ids)}},
     }
     if REHEARSAL:
         return {
             "model": model,
             "skip_tokenizer_init": True,
-            "dtype": DTYPE,
+            "dtype": case.dtype,
             "max_model_len": MAX_MODEL_LEN,
             "max_num_seqs": 16,
             "enforce_eager": True,
             "kv_cache_memory_bytes": 128 << 20,
+            # vLLM's CPU build runs a hybrid model only without it (its mamba "align" mode is Triton)
+            "enable_prefix_caching": case is not HYBRID,
             "speculative_config": spec,
             "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": extra},
         }
     return {
         "model": model,
         "skip_tokenizer_init": True,
-        "dtype": DTYPE,
+        "dtype": case.dtype,
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": 16,
         "gpu_memory_utilization": 0.2,
@@ -620,7 +666,7 @@ class StageError(RuntimeError):
         self.partial = partial
 
 
-def reference_states(model_dir: Path, batch: list[list[int]]) -> list[Any]:
+def reference_states(model_dir: Path, batch: list[list[int]], layer_ids: tuple[int, ...]) -> list[Any]:
     """transformers' hidden states of each prompt on the GPU, fp32: ``output_hidden_states[k]``
     for k below the layer count, the last decoder layer's output (before the final norm,
     what vLLM captures) for k equal to it."""
@@ -643,17 +689,19 @@ def reference_states(model_dir: Path, batch: list[list[int]]) -> list[Any]:
                 res = model(torch.tensor([p], device=REF_DEVICE), output_hidden_states=True, use_cache=False)
             finally:
                 hook.remove()
-            rows = [last[0][0] if k == n else res.hidden_states[k][0] for k in LAYER_IDS]
+            rows = [last[0][0] if k == n else res.hidden_states[k][0] for k in layer_ids]
             out.append(torch.stack(rows, dim=1).float())
     del model
     return out
 
 
-def compare(samples: dict[tuple[int, ...], Any], batch: list[list[int]], model_dir: Path) -> dict[str, Any]:
+def compare(
+    samples: dict[tuple[int, ...], Any], batch: list[list[int]], model_dir: Path, case: ModelCase = DENSE
+) -> dict[str, Any]:
     """Every prompt's sample against transformers: token ids exact, relative error."""
     import torch
 
-    refs = reference_states(model_dir, batch)
+    refs = reference_states(model_dir, batch, case.layer_ids)
     per_prompt = []
     problems = []
     for p, ref in zip(batch, refs, strict=True):
@@ -672,10 +720,10 @@ def compare(samples: dict[tuple[int, ...], Any], batch: list[list[int]], model_d
         err = float((got - ref).norm() / ref.norm())
         row["relative_error"] = err
         row["max_abs_error"] = float((got - ref).abs().max())
-        if err >= TOLERANCE:
-            problems.append(f"{len(p)} tokens: relative error {err:.3g} >= {TOLERANCE}")
-        if list(s["layer_ids"]) != LAYER_IDS:
-            problems.append(f"{len(p)} tokens: layer ids {s['layer_ids']} != {LAYER_IDS}")
+        if err >= case.tolerance:
+            problems.append(f"{len(p)} tokens: relative error {err:.3g} >= {case.tolerance}")
+        if list(s["layer_ids"]) != list(case.layer_ids):
+            problems.append(f"{len(p)} tokens: layer ids {s['layer_ids']} != {list(case.layer_ids)}")
         per_prompt.append(row)
     extra = set(samples) - {tuple(p) for p in batch}
     if extra:
@@ -684,7 +732,7 @@ def compare(samples: dict[tuple[int, ...], Any], batch: list[list[int]], model_d
     return {
         "per_prompt": per_prompt,
         "worst_relative_error": max(errs) if errs else None,
-        "tolerance": TOLERANCE,
+        "tolerance": case.tolerance,
         "problems": problems,
     }
 
@@ -705,12 +753,19 @@ def engine_facts(llm: Any) -> dict[str, Any]:
 
 
 def stage_engine(
-    work: Path, eager: bool, pool_device: str | None = None, pull: bool = False, v1: bool = False
+    work: Path,
+    eager: bool,
+    pool_device: str | None = None,
+    pull: bool = False,
+    v1: bool = False,
+    case: ModelCase = DENSE,
 ) -> dict[str, Any]:
-    """A tiny Llama through vLLM with our connector; every sample against transformers
-    (``v1``: on vLLM's V1 model runner)."""
+    """A tiny model through vLLM with our connector; every sample against transformers
+    (``v1``: on vLLM's V1 model runner; ``case``: which model)."""
     if v1:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read by vLLM when it builds its config
+    if case is HYBRID:  # the plugin installs, or the stage fails saying why (never silently off)
+        os.environ["HIDDEN_STATES_SUPPLEMENTARY"] = "1"
     import torch
 
     from scripts.support.make_tiny_model import build_tiny_model
@@ -720,8 +775,10 @@ def stage_engine(
         "pool_device": pool_device,
         "delivery": "pull" if pull else "push",
         "v1_runner_asked": v1,
+        "model": case.family,
+        "dtype": case.dtype,
     }
-    model = build_tiny_model(work / "tiny-llama", MODEL_FAMILY, seed=0, dtype=DTYPE)
+    model = build_tiny_model(work / f"tiny-{case.family}", case.family, seed=0, dtype=case.dtype)
     batch = prompts()
     report["prompt_lengths"] = [len(p) for p in batch]
     samples: dict[tuple[int, ...], dict[str, Any]] = {}
@@ -733,7 +790,7 @@ def stage_engine(
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t0 = time.monotonic()
         if pull:
-            llm = LLM(**llm_kwargs(str(model), None, eager, pull=True))
+            llm = LLM(**llm_kwargs(str(model), None, eager, pull=True, case=case))
             report["engine_start_s"] = round(time.monotonic() - t0, 1)
             attempt(report, "engine", lambda: engine_facts(llm))
             checkpoint(report)
@@ -746,7 +803,7 @@ def stage_engine(
             if pool_device is not None:
                 reader_opts["pool_device"] = pool_device
             with HiddenStatesReader(**reader_opts) as reader:
-                llm = LLM(**llm_kwargs(str(model), reader.address, eager, pull=False))
+                llm = LLM(**llm_kwargs(str(model), reader.address, eager, pull=False, case=case))
                 report["engine_start_s"] = round(time.monotonic() - t0, 1)
                 attempt(report, "engine", lambda: engine_facts(llm))
                 checkpoint(report)
@@ -756,7 +813,7 @@ def stage_engine(
                 samples = push_samples(reader, len(batch), report)
         report["samples"] = len(samples)
         checkpoint(report)
-        report["comparison"] = compare(samples, batch, model)
+        report["comparison"] = compare(samples, batch, model, case)
     except BaseException as e:
         raise StageError(f"{type(e).__name__}: {e}", report) from e
     if not REHEARSAL:

@@ -107,7 +107,10 @@ from vllm.config import AttentionConfig, CompilationConfig
 from vllm.config.utils import is_init_field
 from vllm.v1.engine.llm_engine import LLMEngine
 
-model = str(build_tiny_model(sys.argv[1], "llama", seed=0, dtype=et.DTYPE))
+models = {
+    case: str(build_tiny_model(f"{sys.argv[1]}-{case.family}", case.family, seed=0, dtype=case.dtype))
+    for case in (et.DENSE, et.HYBRID)
+}
 got = {}
 
 class Stop(Exception):
@@ -119,8 +122,8 @@ def capture(cls, engine_args, *args, **kwargs):
 
 LLMEngine.from_engine_args = classmethod(capture)
 out = []
-for eager, pull in ((False, False), (True, True)):
-    kw = et.llm_kwargs(model, None if pull else "127.0.0.1:1", eager, pull)
+for eager, pull, case in ((False, False, et.DENSE), (True, True, et.DENSE), (False, False, et.HYBRID)):
+    kw = et.llm_kwargs(models[case], None if pull else "127.0.0.1:1", eager, pull, case)
     # LLM drops keys its config classes do not know: each must be one
     for key, cls in (("attention_config", AttentionConfig), ("compilation_config", CompilationConfig)):
         assert all(is_init_field(cls, k) for k in kw[key]), (key, kw[key])
@@ -137,6 +140,8 @@ for eager, pull in ((False, False), (True, True)):
         "connector": cfg.kv_transfer_config.kv_connector,
         "extra": cfg.kv_transfer_config.kv_connector_extra_config,
         "eager": cfg.model_config.enforce_eager,
+        "dtype": str(cfg.model_config.dtype),
+        "layer_ids": cfg.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids,
     })
 print(json.dumps(out))
 """
@@ -146,12 +151,12 @@ def test_every_option_the_tier_passes_is_accepted_by_vllm_033(carried_tree: Path
     """The carried vLLM 0.33 builds its whole engine config from the tier's ``LLM``
     arguments (on its CPU platform: names and values, not what a GPU then does)."""
     proc = run_py(
-        ["-c", OPTIONS_CHECK, str(tmp_path / "tiny-llama")],
+        ["-c", OPTIONS_CHECK, str(tmp_path / "tiny")],
         env={"VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": f"{carried_tree}{os.pathsep}{REPO}"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    engine, pull = json.loads(proc.stdout.strip().splitlines()[-1])
-    for cfg in (engine, pull):
+    engine, pull, hybrid = json.loads(proc.stdout.strip().splitlines()[-1])
+    for cfg in (engine, pull, hybrid):
         assert cfg["backend"] == "TRITON_ATTN"
         assert cfg["custom_ops"] == ["none"]
         assert cfg["rms_norm"][0] == "native"
@@ -159,6 +164,9 @@ def test_every_option_the_tier_passes_is_accepted_by_vllm_033(carried_tree: Path
         assert cfg["connector"] == "HiddenStatesConnector"
     assert engine["extra"] == {"consumer_address": "127.0.0.1:1"} and not engine["eager"]
     assert pull["extra"] == {"delivery": "pull"} and pull["eager"]
+    # the hybrid stage's model in its own dtype, its own layers captured
+    assert engine["dtype"] == "torch.float32" and engine["layer_ids"] == list(engine_tier.DENSE.layer_ids)
+    assert hybrid["dtype"] == "torch.bfloat16" and hybrid["layer_ids"] == list(engine_tier.HYBRID.layer_ids)
 
 
 STAND_IN_CHECK = r"""
@@ -241,3 +249,22 @@ def test_the_stages_that_only_explain_a_failure_run_only_after_one() -> None:
     assert skip("engine", {"import": {"ok": False}}, 300) == "import vllm failed"
     assert engine_tier.STAGES[:2] == ["import", "engine"]
     assert engine_tier.TOTAL_S <= 330  # with its set-up, the tier's promise: under 6 minutes
+
+
+def test_the_unpacked_carry_declares_our_plugins_as_an_installed_package_would(tmp_path: Path) -> None:
+    """The repository travels as a folder: vLLM finds our plugins only through the entry
+    points that ``declare_plugins`` writes, the ones ``pyproject.toml`` names."""
+    from importlib.metadata import distributions
+
+    names = engine_tier.declare_plugins(tmp_path)
+    assert names == ["hybrid_supplementary", "kv_connector_amx"]
+    found = {
+        ep.name: ep.value
+        for d in distributions(path=[str(tmp_path)])
+        for ep in d.entry_points
+        if ep.group == "vllm.general_plugins"
+    }
+    assert found == {
+        "hybrid_supplementary": "hybrid.plugin:register",
+        "kv_connector_amx": "kv_connector.vllm_plugin:register",
+    }
