@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,6 +26,7 @@ from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStat
 from kv_connector.producer.planning import StepPlan
 from kv_connector.producer.scheduler_side import SchedulerSide
 from kv_connector.producer.startup_checks import check_config, configured_layer_ids
+from kv_connector.producer.sync_watch import SyncWatch, Watched, requested
 from kv_connector.producer.worker_report import WorkerReport
 from kv_connector.producer.worker_side import WorkerSide
 from kv_connector.sender.stats import SenderStats
@@ -106,7 +107,11 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
             )
         else:
-            self._worker = WorkerSide(vllm_config, self.options, producer_id, layer_ids, kv_cache_config)
+            worker = WorkerSide(vllm_config, self.options, producer_id, layer_ids, kv_cache_config)
+            # KV_CONNECTOR_SYNC_CHECK=1 on a GPU: each hook's host syncs counted (sync_watch)
+            self._worker = worker
+            if requested():
+                self._worker = cast(WorkerSide, Watched(worker, SyncWatch(lambda: worker.rank)))
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,8 @@ each ``{"ok": ..., figures, "log_tail": ...}`` in the one JSON line printed at t
             pushing into a ``HiddenStatesReader`` host pool in the engine's parent process;
             Model Runner V2 and CUDA graphs as vLLM defaults (which runner ran is read from
             vLLM's log and from the samples' provenance); every sample against
-            transformers' ``output_hidden_states`` on the same GPU
+            transformers' ``output_hidden_states`` on the same GPU; the host syncs inside
+            our worker hooks (``host_syncs``, from ``KV_CONNECTOR_SYNC_CHECK``'s log lines)
   hybrid    the same on a tiny random hybrid Qwen3-Next (bf16; layers 1, 4, 8) with the
             hybrid plugin on (``HIDDEN_STATES_SUPPLEMENTARY=1``): its gated delta net is
             vLLM's Triton kernels, its cache-only layer our supplementary tensor
@@ -101,8 +102,10 @@ REF_DEVICE = "cpu" if REHEARSAL else "cuda"
 # log lines worth keeping whole (the runner, backends, graphs, compilation, failures)
 LOG_KEYS = re.compile(
     r"Model Runner|model runner|backend|cudagraph|CUDA graph|Capturing|torch.compile|Compil|"
-    r"_C\.|_C_stable|Error|ERROR|Traceback|reader|stand-in|Triton|triton|supplementary"
+    r"_C\.|_C_stable|Error|ERROR|Traceback|reader|stand-in|Triton|triton|supplementary|host sync"
 )
+SYNC_LINE = re.compile(r"host sync inside the connector's (\w+) \((\d+) so far\)")
+SYNC_COUNTING = "counting host syncs inside the connector's hooks"
 LOG_NOISE = re.compile(r"Processed prompts|Rendering prompts|Loading weights|LD_PRELOAD|non-default args")
 
 
@@ -261,9 +264,19 @@ def spawn_stage(name: str, work: Path, env: dict[str, str], limit_s: float) -> d
     out["exit_code"] = rc
     if name != "import":
         out["runner_from_log"] = runner_from_log(text)
+        out["host_syncs"] = syncs_from_log(text)
     out["log_lines"] = key_lines(text)
     out["log_tail"] = text[-TAIL:]
     return out
+
+
+def syncs_from_log(log: str) -> dict[str, Any]:
+    """The host syncs the connector counted inside its hooks (``KV_CONNECTOR_SYNC_CHECK``):
+    whether it counted, and the most each hook reached (no hook: none seen)."""
+    hooks: dict[str, int] = {}
+    for hook, n in SYNC_LINE.findall(log):
+        hooks[hook] = max(hooks.get(hook, 0), int(n))
+    return {"counted": SYNC_COUNTING in log, "in_hooks": hooks}
 
 
 def versions() -> dict[str, Any]:
@@ -325,8 +338,10 @@ def status(out: dict[str, Any]) -> str:
     if out.get("skipped"):
         return f"skipped ({out['skipped']})"
     comparison = out.get("comparison") or out.get("partial", {}).get("comparison") or {}
+    syncs = out.get("host_syncs") or {}
     facts = (
         f"runner {out.get('runner_from_log')}, worst relative error {comparison.get('worst_relative_error')}"
+        + (f", host syncs in our hooks {syncs.get('in_hooks')}" if syncs.get("counted") else "")
     )
     if out.get("ok"):
         return f"ok in {out.get('seconds')} s ({facts})"
@@ -766,6 +781,7 @@ def stage_engine(
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read by vLLM when it builds its config
     if case is HYBRID:  # the plugin installs, or the stage fails saying why (never silently off)
         os.environ["HIDDEN_STATES_SUPPLEMENTARY"] = "1"
+    os.environ["KV_CONNECTOR_SYNC_CHECK"] = "1"  # each host sync in our hooks logged (a GPU only)
     import torch
 
     from scripts.support.make_tiny_model import build_tiny_model

@@ -268,3 +268,24 @@ def test_the_unpacked_carry_declares_our_plugins_as_an_installed_package_would(t
         "hybrid_supplementary": "hybrid.plugin:register",
         "kv_connector_amx": "kv_connector.vllm_plugin:register",
     }
+
+
+def test_the_tier_reads_the_host_syncs_the_connector_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """``syncs_from_log`` against the lines ``SyncWatch`` itself writes (a GPU raises the
+    warnings; here the hook raises torch's words)."""
+    import logging
+    import warnings
+
+    from kv_connector.producer.sync_watch import SyncWatch
+
+    assert engine_tier.syncs_from_log("no such lines") == {"counted": False, "in_hooks": {}}
+    with caplog.at_level(logging.INFO, logger="kv_connector.producer"):
+        watch = SyncWatch(lambda: 0, set_mode=lambda mode: None)
+        for syncs in (1, 2):
+            with watch.hook("wait_for_save"):
+                for _ in range(syncs):
+                    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        with watch.hook("save_kv_layer"):
+            pass
+    log = "\n".join(r.getMessage() for r in caplog.records)
+    assert engine_tier.syncs_from_log(log) == {"counted": True, "in_hooks": {"wait_for_save": 3}}
