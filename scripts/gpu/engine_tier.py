@@ -31,6 +31,10 @@ each ``{"ok": ..., figures, "log_tail": ...}`` in the one JSON line printed at t
             ``engine`` passed and time is left
   pull      ``"delivery": "pull"``: each sample fetched by its handle with ``PullClient``,
             run when ``engine`` passed and time is left
+  speed     ``a_over_a0`` on the GPU: the Llama's prefill tokens/s with our connector (every
+            sample taken by a reader) over the same engine's without a connector, two
+            engines alive at once, new prompts each round, in alternating pairs; two
+            engines' start-up rarely fits after the others: ``--only import,speed``
 
 Our package's vLLM plugins (``pyproject.toml``'s ``vllm.general_plugins``) are declared in
 the unpacked carry, so vLLM loads them in every process as it would from an installed
@@ -70,6 +74,7 @@ STAND_IN = Path(__file__).resolve().parent / "stand_in_kernels.py"
 # stage -> its time limit on a GPU, seconds
 LIMITS_S = {
     "import": 120, "engine": 150, "hybrid": 150, "eager": 150, "v1": 150, "gpu_pool": 150, "pull": 150,
+    "speed": 240,
 }  # fmt: skip
 STAGES = list(LIMITS_S)
 TOTAL_S = 330  # every stage together: the command stays under 6 minutes with the set-up
@@ -381,9 +386,9 @@ def skip_reason(name: str, done: dict[str, dict[str, Any]], left: float) -> str 
         return "engine passed (eager runs only to tell CUDA graphs from the model when it fails)"
     if name == "v1" and engine is not None and engine.get("ok"):
         return "engine passed (v1 runs only to tell Model Runner V2 from vLLM when it fails)"
-    if name in ("gpu_pool", "pull") and engine is not None and not engine.get("ok"):
+    if name in ("gpu_pool", "pull", "speed") and engine is not None and not engine.get("ok"):
         return "engine failed"
-    if name in ("hybrid", "v1", "gpu_pool", "pull") and left < MIN_STAGE_S:
+    if name in ("hybrid", "v1", "gpu_pool", "pull", "speed") and left < MIN_STAGE_S:
         return f"{left:.0f} s of the tier's {TOTAL_S} s left"
     if left < 10:
         return f"{left:.0f} s of the tier's {TOTAL_S} s left"
@@ -465,6 +470,7 @@ def child(name: str, work: Path, result_file: Path) -> NoReturn:
         "v1": lambda w: stage_engine(w, eager=False, v1=True),
         "gpu_pool": lambda w: stage_engine(w, eager=False, pool_device="cuda:0"),
         "pull": lambda w: stage_engine(w, eager=False, pull=True),
+        "speed": stage_speed,
     }
     try:
         out: dict[str, Any] = {"ok": True, **stages[name](work)}
@@ -837,6 +843,79 @@ def stage_engine(
     problems = report["comparison"]["problems"]
     if problems:
         raise StageError("; ".join(problems), report)
+    return report
+
+
+SPEED_PAIRS = 3 if REHEARSAL else 7
+SPEED_PROMPTS = 16 if REHEARSAL else 64  # a round: this many new prompts of SPEED_TOKENS tokens
+SPEED_TOKENS = 256 if REHEARSAL else 1000  # under MAX_MODEL_LEN with the output token
+
+
+def stage_speed(work: Path) -> dict[str, Any]:
+    """``a_over_a0`` on this GPU: prefill tokens/s of the Llama with our connector pushing
+    into a reader that takes every sample (timed to the last one taken) over the same
+    engine without a connector, both alive at once, new prompts each round, pairs in
+    alternating order (as ``make bench`` pairs them)."""
+    import statistics
+
+    from scripts.support.make_tiny_model import build_tiny_model
+
+    report: dict[str, Any] = {
+        "pairs": SPEED_PAIRS, "prompts_per_round": SPEED_PROMPTS, "tokens_per_prompt": SPEED_TOKENS,
+    }  # fmt: skip
+    model = str(build_tiny_model(work / "tiny-llama", DENSE.family, seed=0, dtype=DENSE.dtype))
+    try:
+        from vllm import LLM, SamplingParams
+
+        from kv_connector.reader import HiddenStatesReader
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        tokens = SPEED_PROMPTS * SPEED_TOKENS
+        with HiddenStatesReader(pool_bytes=1 << 30) as reader:
+            t0 = time.monotonic()
+            a = LLM(**llm_kwargs(model, reader.address, eager=False, pull=False))
+            plain = llm_kwargs(model, None, eager=False, pull=False)
+            del plain["kv_transfer_config"]
+            a0 = LLM(**plain)
+            report["engines_start_s"] = round(time.monotonic() - t0, 1)
+            checkpoint(report)
+            rounds = iter(range(1, 1 << 20))
+
+            def batch() -> list[Any]:
+                r = random.Random(next(rounds))
+                ids = [[r.randrange(1, 1000) for _ in range(SPEED_TOKENS)] for _ in range(SPEED_PROMPTS)]
+                return token_prompts(ids)
+
+            def with_connector() -> float:
+                prompts = batch()
+                t = time.monotonic()
+                a.generate(prompts, params, use_tqdm=False)
+                for _ in range(SPEED_PROMPTS):
+                    reader.get(timeout=60).release()
+                return tokens / (time.monotonic() - t)
+
+            def without() -> float:
+                prompts = batch()
+                t = time.monotonic()
+                a0.generate(prompts, params, use_tqdm=False)
+                return tokens / (time.monotonic() - t)
+
+            with_connector(), without()  # warm-up: first touches out of the timing
+            ratios: list[float] = []
+            arms: dict[str, list[float]] = {"a": [], "a0": []}
+            for i in range(SPEED_PAIRS):
+                first, second = (with_connector, without) if i % 2 == 0 else (without, with_connector)
+                x, y = first(), second()
+                got_a, got_a0 = (x, y) if i % 2 == 0 else (y, x)
+                arms["a"].append(round(got_a, 1))
+                arms["a0"].append(round(got_a0, 1))
+                ratios.append(got_a / got_a0)
+                report["tokens_per_s"] = arms
+                checkpoint(report)
+        report["a_over_a0"] = round(statistics.median(ratios), 3)
+        report["a_over_a0_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+    except BaseException as e:
+        raise StageError(f"{type(e).__name__}: {e}", report) from e
     return report
 
 

@@ -38,3 +38,19 @@ def test_an_engine_stage_runs_its_own_code_on_vllms_cpu_build(
     assert out["runner_from_log"] == "v1"
     assert any('"model_runner": "v1"' in p for p in out["provenance"])
     assert "engine tier stage" in out["log_tail"]
+
+
+def test_the_speed_stage_pairs_the_engine_with_and_without_our_connector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``a_over_a0``'s glue: two engines alive at once, every sample taken, pairs of rounds
+    (the figure itself means nothing on two shared cores)."""
+    monkeypatch.setenv("ENGINE_TIER_REHEARSAL", "cpu")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    out = engine_tier.spawn_stage("speed", tmp_path, engine_tier.stage_env([]), limit_s=400)
+    assert out["ok"], out.get("error") or out["log_tail"]
+    arms = out["tokens_per_s"]  # the rehearsal's own number of pairs (fewer than a GPU's)
+    assert out["pairs"] >= 3 and len(arms["a"]) == len(arms["a0"]) == out["pairs"]
+    assert min(arms["a"] + arms["a0"]) > 0 and out["a_over_a0"] > 0
+    lo, hi = out["a_over_a0_range"]
+    assert lo <= out["a_over_a0"] <= hi

@@ -245,6 +245,8 @@ def test_the_stages_that_only_explain_a_failure_run_only_after_one() -> None:
     assert skip("eager", failed, 300) is None and skip("v1", failed, 300) is None
     assert skip("gpu_pool", passed, 300) is None and skip("pull", passed, 300) is None
     assert skip("gpu_pool", failed, 300) and skip("pull", failed, 300)
+    assert skip("speed", failed, 300) and skip("speed", passed, 300) is None
+    assert skip("hybrid", failed, 300) is None  # its own model: it says something even then
     assert skip("pull", passed, engine_tier.MIN_STAGE_S - 1)  # no time for an optional stage
     assert skip("engine", {"import": {"ok": False}}, 300) == "import vllm failed"
     assert engine_tier.STAGES[:2] == ["import", "engine"]
