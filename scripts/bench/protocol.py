@@ -105,7 +105,7 @@ def push(name: str, pairs: int = PAIRS) -> dict[str, Any]:
         "us_per_sample": {
             "e": round(statistics.median(r.seconds for r in d.a) / n * 1e6, 1),
             "ea": round(statistics.median(r.seconds for r in ea.a) / n * 1e6, 1),
-            "r": round(statistics.median(r.seconds for r in d.b) / n * 1e6, 1),
+            "r": round(r_us, 1),
         },
         "cpu_us_per_sample": {"e": e_cpu, "ea": _cpu_us(ea.a, n), "cores": cores},
         "d_cpu_bound": round(r_us / floor_us, 3),

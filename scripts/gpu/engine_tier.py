@@ -98,8 +98,6 @@ class ModelCase:
 
 DENSE = ModelCase("llama", "float32", (1, 2, 4), 1e-2)  # fp32 both sides: TF32 or reduction order apart
 HYBRID = ModelCase("qwen3_next", "bfloat16", (1, 4, 8), 5e-2)  # bf16 in vLLM against fp32
-LAYER_IDS = list(DENSE.layer_ids)
-TOLERANCE = DENSE.tolerance
 # "cpu": the engine stages' own code rehearsed on vLLM's CPU build (its defaults, eager, the
 # reference on the host): a check of this module, saying nothing of a GPU
 REHEARSAL = os.environ.get("ENGINE_TIER_REHEARSAL") == "cpu"
@@ -854,10 +852,9 @@ SPEED_TOKENS = 256 if REHEARSAL else 1000  # under MAX_MODEL_LEN with the output
 def stage_speed(work: Path) -> dict[str, Any]:
     """``a_over_a0`` on this GPU: prefill tokens/s of the Llama with our connector pushing
     into a reader that takes every sample (timed to the last one taken) over the same
-    engine without a connector, both alive at once, new prompts each round, pairs in
-    alternating order (as ``make bench`` pairs them)."""
-    import statistics
-
+    engine without a connector, both alive at once, new prompts each round, paired by
+    ``make bench``'s own ``run_pairs``."""
+    from scripts.bench.paired import Run, run_pairs
     from scripts.support.make_tiny_model import build_tiny_model
 
     report: dict[str, Any] = {
@@ -886,34 +883,25 @@ def stage_speed(work: Path) -> dict[str, Any]:
                 ids = [[r.randrange(1, 1000) for _ in range(SPEED_TOKENS)] for _ in range(SPEED_PROMPTS)]
                 return token_prompts(ids)
 
-            def with_connector() -> float:
+            def with_connector() -> Run:
                 prompts = batch()
                 t = time.monotonic()
                 a.generate(prompts, params, use_tqdm=False)
                 for _ in range(SPEED_PROMPTS):
                     reader.get(timeout=60).release()
-                return tokens / (time.monotonic() - t)
+                return Run(time.monotonic() - t, tokens)
 
-            def without() -> float:
+            def without() -> Run:
                 prompts = batch()
                 t = time.monotonic()
                 a0.generate(prompts, params, use_tqdm=False)
-                return tokens / (time.monotonic() - t)
+                return Run(time.monotonic() - t, tokens)
 
-            with_connector(), without()  # warm-up: first touches out of the timing
-            ratios: list[float] = []
-            arms: dict[str, list[float]] = {"a": [], "a0": []}
-            for i in range(SPEED_PAIRS):
-                first, second = (with_connector, without) if i % 2 == 0 else (without, with_connector)
-                x, y = first(), second()
-                got_a, got_a0 = (x, y) if i % 2 == 0 else (y, x)
-                arms["a"].append(round(got_a, 1))
-                arms["a0"].append(round(got_a0, 1))
-                ratios.append(got_a / got_a0)
-                report["tokens_per_s"] = arms
-                checkpoint(report)
-        report["a_over_a0"] = round(statistics.median(ratios), 3)
-        report["a_over_a0_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+            pairs = run_pairs(with_connector, without, SPEED_PAIRS)  # after a warm-up pair
+        report["tokens_per_s"] = {
+            "a": [round(r.rate, 1) for r in pairs.a], "a0": [round(r.rate, 1) for r in pairs.b],
+        }  # fmt: skip
+        report["a_over_a0"], report["a_over_a0_range"] = pairs.ratio().rounded()
     except BaseException as e:
         raise StageError(f"{type(e).__name__}: {e}", report) from e
     return report
