@@ -36,6 +36,9 @@ log = logging.getLogger("kv_connector.reader.push.reader")
 
 PAGE_ALIGN = 64  # pool pages are multiples of this, so any dtype can view them
 LEASE_LOG_S = 10.0  # at most one line per this while producers wait on held leases
+# deadlines (handshakes, samples, fences, departures) are looked at no oftener than this: the
+# busy poll turns many times a sample, and its deadlines are seconds long
+HOUSEKEEPING_S = 0.005
 MAX_CONNECTIONS = 1024  # or half the file descriptors the process may open, if fewer
 MAX_UNPROVEN_PER_HOST = 32  # connections of one host still in their handshake
 
@@ -107,6 +110,7 @@ class ReaderServer:
         self._lease_fences = pool.lease_fences  # lease ends waiting for a GPU's queued work
         self._device = pool.device
         self._last_lease_log = 0.0
+        self._last_housekeeping = 0.0
         self._conns: dict[PeerId, _Conn] = {}
         self._by_agent: dict[str, _Conn] = {}  # connected and departing producers' agents
         self._departing: dict[PeerId, _Conn] = {}
@@ -253,6 +257,9 @@ class ReaderServer:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if now - self._last_housekeeping < HOUSEKEEPING_S:
+            return
+        self._last_housekeeping = now
         self._log_held_leases(now)
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
