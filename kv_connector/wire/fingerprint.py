@@ -199,6 +199,21 @@ def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
     return skip + np.arange(lengths.sum(), dtype=np.int64)
 
 
+def share_spans(m: Manifest, share: Iterable[int]) -> list[tuple[int, int]]:
+    """The share's valid tokens as ``[start, end)`` ranges, one per run of consecutive blocks."""
+    bs, total = m.geometry.block_size, m.num_tokens
+    spans: list[tuple[int, int]] = []
+    for j in sorted(share):
+        start, end = j * bs, min((j + 1) * bs, total)
+        if start >= end:
+            continue
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    return spans
+
+
 def record(m: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) -> int:
     """A share's fingerprint from the sampled words ``[n, layers]`` of its valid tokens in order."""
     w = words.cpu().numpy() if isinstance(words, torch.Tensor) else words
@@ -211,13 +226,17 @@ def record(m: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) 
 def states_record(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> int:
     """The share's fingerprint recomputed from a sample's ``[T, layers, hidden]`` view
     where it lies (the reader's pool, host or GPU): the words its tokens' slots hold now."""
-    share = sorted(share)
+    return record(m, share, states_words(states, m, share))
+
+
+def states_words(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> torch.Tensor:
+    """The sampled words ``[n, layers]`` of the share's valid tokens in ``states``, gathered
+    where they lie and not waited for (``record`` reads them)."""
     tokens = share_tokens(m, share)
     if not len(tokens):
-        return record(m, share, np.zeros((0, m.num_layers), dtype=np.int64))
+        return torch.zeros((0, m.num_layers), dtype=torch.int64)
     g = m.geometry
-    words = gather(as_words(states), (tokens,), tokens, seed_of(m.request_id), g.block_size, m.num_tokens - 1)
-    return record(m, share, words)
+    return gather(as_words(states), (tokens,), tokens, seed_of(m.request_id), g.block_size, m.num_tokens - 1)
 
 
 def states_record_lines(

@@ -10,12 +10,13 @@ Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull clien
   NIXL as VRAM, so a producer's WRITE (push) or the trainer's READ (pull) lands where
   training runs: no host staging, no copy in the trainer. The checks run with torch where
   the pool is, on a stream of the pool's own (they never queue behind the training step):
-  block digests (what a producer with a GPU cache sends) and the values screen on the
-  GPU; XXH3 (what a producer with a host cache sends) after one copy of the sample to
-  the host. A lease ends in stream order: when a sample is released or its last view is
-  collected, an event is recorded on the releasing thread's current stream, and the pages
-  return to producers only once the work queued before it is done (``LeaseFences``), so a
-  kernel still reading a sample never sees the next one land. Work on other streams must
+  fingerprints, each with the values screen of its share's whole rows in the same pass and
+  one wait, and block digests on the GPU; XXH3 (what a producer with a host cache sends)
+  after one copy of the sample to the host. A lease ends in stream order: when a sample
+  is released or its last view is collected, an event is recorded on the releasing
+  thread's current stream, and the pages return to producers only once the work queued
+  before it is done (``LeaseFences``), so a kernel still reading a sample never sees the
+  next one land. Work on other streams must
   be synchronized by the user before letting a sample go (as with torch's own memory).
   Before any check or hand-out reads what landed, RDMA writes into the GPU are made
   visible to its kernels (``common.gpudirect``: a flush on a node with an RDMA device,
@@ -42,7 +43,7 @@ from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.common.gpudirect import Visibility
 from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.pool.lease import CopyBuffers, Key, Lease, leased_view, sample_view
-from kv_connector.reader.pool.values import RowsScreen, find_bad_values, samples, screen_rows
+from kv_connector.reader.pool.values import RowsScreen, find_bad_values, samples, screen_flags, screen_rows
 from kv_connector.wire import fingerprint
 from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
 from kv_connector.wire.integrity import sample_checksum
@@ -115,9 +116,10 @@ class PoolMemory(Protocol):
         ...
 
     def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
-        """A share's fingerprint (``checksum`` of kind ``FINGERPRINT``) and, where the
-        values screen samples (host memory, wide rows), the screen of the share's rows from
-        the lines its words were read in (``fingerprint_screened``); else None."""
+        """A share's fingerprint (``checksum`` of kind ``FINGERPRINT``) and the values screen
+        of the share's rows: in host memory, where the screen samples (wide rows), from the
+        lines its words were read in (``fingerprint_screened``), else None; in a device pool,
+        of its whole rows in the same pass."""
         ...
 
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
@@ -299,7 +301,15 @@ class DevicePool:
         return sample_checksum(host.numpy().data, 0, m, blocks)
 
     def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
-        return self.checksum(base, m, blocks, ShareChecksum.FINGERPRINT), None  # screened whole, in one pass
+        """The fingerprint and the screen of the share's whole rows: both queued on the pool's
+        stream, then one wait for them (the hand-out then reads nothing more)."""
+        self.visible()
+        with self._side():
+            states = sample_view(run_of(self.tensor, base, m), m)
+            words = fingerprint.states_words(states, m, blocks)
+            flags = screen_flags(states, fingerprint.share_spans(m, blocks))
+            digest = fingerprint.record(m, blocks, words)  # the wait: the flags are done with it
+            return digest, RowsScreen.of(flags)
 
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
         self.visible()

@@ -15,7 +15,10 @@ its device once.
 
 Where the fingerprint's check reads a host pool anyway, the sampled screen runs on what it
 brought: the 64-byte line around each sampled word (``screen_rows``, ``screened_clean``).
-Only where those lines show something does the hand-out look closer (``find_bad_values``).
+A pool on a GPU screens a share's whole rows in the pass and the wait its check has anyway
+(``screen_flags``): a GPU sums them in microseconds, where a wait of its own at hand-out
+costs a hand-back of the GIL. Only where a screen shows something does the hand-out look
+closer (``find_bad_values``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 CHUNK_ELEMENTS = 1 << 22  # elements reduced at once (bounds the temporaries)
 SAMPLE_ELEMENTS = 32  # a sampled screen reads this many elements at the start and the middle of each row
 MAX_NAMED = 5  # tokens named in a report
+_OWN_SUMS = (torch.float32, torch.float64, torch.bfloat16)  # dtypes summed in their own precision
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class RowsScreen:
 
     suspect: bool
     alive: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, flags: torch.Tensor) -> RowsScreen:
+        """The screen ``screen_flags`` queued, read (a wait for its device)."""
+        got = flags.tolist()
+        return cls(bool(got[0]), tuple(bool(a) for a in got[1:]))
 
 
 class BadValues(ValueError):
@@ -80,12 +90,43 @@ def screen_rows(rows: torch.Tensor) -> RowsScreen:
     """
     if rows.shape[0] == 0:
         return RowsScreen(False, (False,) * rows.shape[1])
-    wide = None if rows.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
-    sums = rows.sum(dim=2) if wide is None else rows.to(wide).sum(dim=2)  # [n, L]
-    alive = (sums != 0).any(dim=0)
-    suspect = (~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)).any()
-    got = torch.cat([suspect.view(1), alive]).tolist()
-    return RowsScreen(got[0], tuple(got[1:]))
+    sums = _row_sums(rows)  # [n, L]
+    return RowsScreen.of(torch.cat([_suspects(sums).any().view(1), (sums != 0).any(dim=0)]))
+
+
+def screen_flags(states: torch.Tensor, spans: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """The screen of the whole rows of the tokens in ``spans`` (``[start, end)`` of ``states``
+    ``[T, L, H]``), queued where the states lie and not waited for: ``[1 + L]`` bools, whether
+    a token is suspect, then whether each layer holds a non-zero sum. ``RowsScreen.of`` reads
+    them. Every value is read, a bounded chunk of tokens at a time."""
+    _, n_layers, hidden = states.shape
+    step = _chunk_tokens(states, n_layers * hidden)
+    alive = torch.zeros(n_layers, dtype=torch.bool, device=states.device)
+    seen = torch.zeros((), dtype=torch.bool, device=states.device)
+    for start, end in spans:
+        for t0 in range(start, end, step):
+            sums = _row_sums(states[t0 : min(t0 + step, end)])
+            alive |= (sums != 0).any(dim=0)
+            seen |= _suspects(sums).any()
+    return torch.cat([seen.view(1), alive])
+
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Each token's sum in each layer ``[t, L]`` of ``rows`` ``[t, L, k]``: float16 and float8
+    widened to float32 (their sums overflow early), the others in their own dtype."""
+    return rows.sum(dim=2) if rows.dtype in _OWN_SUMS else rows.to(torch.float32).sum(dim=2)
+
+
+def _suspects(sums: torch.Tensor) -> torch.Tensor:
+    """The tokens ``[t]`` whose row sums ``[t, L]`` hold NaN/Inf or are zero in every layer."""
+    return ~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)
+
+
+def _chunk_tokens(states: torch.Tensor, row_elements: int) -> int:
+    """Tokens summed at once: all where the sum needs no widened copy, else a bounded chunk."""
+    if states.dtype in _OWN_SUMS:
+        return max(1, states.shape[0])
+    return max(1, CHUNK_ELEMENTS // max(1, row_elements))
 
 
 def screened_clean(parts: Iterable[RowsScreen], num_tokens: int, num_layers: int) -> bool:
@@ -110,8 +151,8 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
         return None
     # float16 and float8 sums overflow early: sum those in float32 (a chunk at a time: the
     # widened copy is the only temporary; a sum in the states' own dtype needs none)
-    wide = None if hidden_states.dtype in (torch.float32, torch.float64, torch.bfloat16) else torch.float32
-    step = t_total if wide is None else max(1, CHUNK_ELEMENTS // (n_layers * hidden))
+    wide = None if hidden_states.dtype in _OWN_SUMS else torch.float32
+    step = _chunk_tokens(hidden_states, n_layers * hidden)
     non_finite: list[tuple[int, list[int]]] = []  # (token, layer ids)
     zero: list[int] = []
     device = hidden_states.device
@@ -120,9 +161,9 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
     suspects: list[torch.Tensor] = []
     for t0 in range(0, t_total, step):
         chunk = hidden_states[t0 : t0 + step]
-        sums = chunk.sum(dim=2) if wide is None else chunk.to(wide).sum(dim=2)  # [t, L]
+        sums = _row_sums(chunk)  # [t, L]
         alive |= (sums != 0).any(dim=0)
-        suspects.append(~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1))
+        suspects.append(_suspects(sums))
         seen |= suspects[-1].any()
     # one wait for the device (or none on the host) for a sample without a fault: on a GPU
     # each wait is also a hand-back of the GIL, which a busy thread beside may hold for long

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from kv_connector.reader.pool.hand_out import values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Lease, sample_view
 from kv_connector.reader.pool.memory import (
     DevicePool,
@@ -24,6 +25,7 @@ from kv_connector.reader.pool.memory import (
     make_pool,
     run_of,
 )
+from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ShareChecksum
@@ -91,6 +93,39 @@ def test_the_device_pool_screens_values_as_the_host_pool_does() -> None:
     assert dev.bad_values(BASE, m) == host.bad_values(BASE, m)
     problem = dev.bad_values(BASE, m)
     assert problem is not None and "token 3 (layer ids 5)" in problem and "token 20" in problem
+
+
+@pytest.mark.parametrize("layout", ["LTH", "TLH"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_device_pool_screens_every_value_of_a_share_in_its_check(layout: str, dtype: str) -> None:
+    """The check's screen reads each share's whole rows, so what no sampled line would read
+    shows, in the share that holds it; a clean sample's hand-out then reads nothing more."""
+    m = manifest(layout, dtype, 40)  # blocks of 16: two whole, one of 8 tokens
+    _, dev = both_pools(m)
+    view = sample_view(run_of(dev.tensor, BASE, m), m)
+    view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(3)).to(view.dtype))
+    shares = ([0, 2], [1])  # a TP stripe: two runs of blocks, and the block between them
+
+    def screens() -> list[RowsScreen | None]:
+        got = [dev.screened(BASE, m, s) for s in shares]
+        assert [d for d, _ in got] == [dev.checksum(BASE, m, s, ShareChecksum.FINGERPRINT) for s in shares]
+        return [screen for _, screen in got]
+
+    assert screens() == [RowsScreen(False, (True, True, True))] * 2
+    clean = values_verdict(dev, BASE, m, screens(), full=False)
+    assert clean.problem is None and clean.looked_s is None  # nothing read at hand-out
+    view[37, 1, 41] = float("nan")  # block 2's, in the middle of a row
+    assert [s.suspect for s in screens() if s is not None] == [True, False]
+    problem = values_verdict(dev, BASE, m, screens(), full=False).problem
+    assert problem is not None and "token 37 (layer ids 5)" in problem
+    view[37, 1, 41] = 1.0
+    view[20].zero_()  # block 1's token, zero in every layer
+    assert [s.suspect for s in screens() if s is not None] == [False, True]
+    view[20] = 1.0
+    view[:, 2].zero_()  # a layer never written
+    assert all(s is not None and s.alive == (True, True, False) and not s.suspect for s in screens())
+    problem = values_verdict(dev, BASE, m, screens(), full=False).problem
+    assert problem is not None and "captured layer ids 7 all zero" in problem
 
 
 def test_a_lease_ends_through_the_fences_when_released_collected_or_copied() -> None:
@@ -232,8 +267,8 @@ def test_a_host_pool_screens_a_fingerprinted_share_on_the_lines_its_check_reads(
         digest, screen = host.screened(BASE, m, share)
         assert digest == host.checksum(BASE, m, share, ShareChecksum.FINGERPRINT)
         assert screen is not None and not screen.suspect and all(screen.alive)
-        # a GPU's pool screens the whole sample in one pass at hand-out: no screen here
-        assert dev.screened(BASE, m, share) == (digest, None)
+        # a GPU's pool screens the share's whole rows in the same pass
+        assert dev.screened(BASE, m, share) == (digest, RowsScreen(False, (True, True, True)))
         assert (
             check_share(host, BASE, m, share, ShareChecksum.XXH3, True)[1] is None
         )  # only with fingerprints
