@@ -71,7 +71,7 @@ from kv_connector.reader import (
     handle_of,
 )
 from kv_connector.reader.pull.options import FETCH_TIMEOUT_S
-from kv_connector.wire.provenance import Description, Expectation
+from kv_connector.wire.provenance import Expectation
 
 BACKEND = "kv-hidden-states"
 DEFAULT_POOL_MIB = DEFAULT_POOL_BYTES >> 20  # each worker's, in worker mode
@@ -268,7 +268,9 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """``token_ids`` int64 [T] and ``hidden_states`` [T, L, H] (the producer's dtype,
         contiguous) of the sample the server's ``kv_transfer_params`` name; raises
-        ``FetchError`` saying why not (speculators retries the row)."""
+        ``FetchError`` saying why not (speculators retries the row), "mismatch" where it is
+        not what the trainer expects (the client or the rank's agent checks its manifest
+        before it READs)."""
         if self.mode is FetchMode.RANK and self._client is None:
             self._start_agent(keep=[hs_transfer_params])  # the row's sample waits for the agent
         try:
@@ -278,13 +280,6 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             if late is None or e.code != "expired":
                 raise
             raise FetchError(e.code, f"{e.message} ({late})") from None
-        if self.expect is not None:
-            h = sample.hidden_states
-            dtype = str(h.dtype).removeprefix("torch.")
-            said = Description(sample.layer_ids, dtype, h.shape[-1], sample.provenance)
-            if differs := self.expect.mismatches(said):
-                why = "; ".join(differs)
-                raise FetchError("mismatch", f"{sample.request_id} is not what the trainer expects: {why}")
         if len(self._released) >= MAX_REMEMBERED:
             self._released.clear()  # forgotten ones are only released once more (harmless)
         self._released.add(handle_of(hs_transfer_params))
