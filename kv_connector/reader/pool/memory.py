@@ -6,22 +6,23 @@ Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull clien
 - ``HostPool`` (``pool_device=None``, the default): host memory in transparent huge pages
   (``common.memory``); shares are checked in place with xxhash and numpy on the host; a
   sample is a numpy-backed view whose collection ends its lease.
-- ``DevicePool`` (``pool_device="cuda:N"``): memory on the trainer's GPU, registered with
-  NIXL as VRAM, so a producer's WRITE (push) or the trainer's READ (pull) lands where
-  training runs: no host staging, no copy in the trainer. The checks run with torch where
-  the pool is, on a stream of the pool's own (they never queue behind the training step):
-  fingerprints, each with the values screen of its share's whole rows in the same pass and
-  one wait, and block digests on the GPU; XXH3 (what a producer with a host cache sends)
-  after one copy of the sample to the host. A lease ends in stream order: when a sample
-  is released or its last view is collected, an event is recorded on the releasing
-  thread's current stream, and the pages return to producers only once the work queued
-  before it is done (``LeaseFences``), so a kernel still reading a sample never sees the
-  next one land. Work on other streams must
-  be synchronized by the user before letting a sample go (as with torch's own memory).
-  Before any check or hand-out reads what landed, RDMA writes into the GPU are made
-  visible to its kernels (``common.gpudirect``: a flush on a node with an RDMA device,
-  nothing where every write is a CUDA copy; a pull pool, whose own agent READs, skips it
-  while UCX's report names no RDMA transport for those READs: ``narrow_visibility``).
+- ``DevicePool`` (``pool_device="cuda:N"``): memory on the trainer's GPU, registered
+  with NIXL as VRAM, so a producer's WRITE (push) or the trainer's READ (pull) lands
+  where training runs: no host staging, no copy in the trainer. The checks run with
+  torch where the pool is, on a stream of the pool's own (they never queue behind the
+  training step): fingerprints, each with the values screen of its share's whole rows in
+  the same pass and one wait, and block digests on the GPU; XXH3 (the diagnostic mode,
+  and what rows of no whole number of words get) after one copy of the sample to the
+  host. A lease ends in stream order: when a sample is released or its last view is
+  collected, an event is recorded on the releasing thread's current stream, and the
+  pages return to producers only once the work queued before it is done
+  (``LeaseFences``), so a kernel still reading a sample never sees the next one land.
+  Work on other streams must be synchronized by the user before letting a sample go (as
+  with torch's own memory). Before any check or hand-out reads what landed, RDMA writes
+  into the GPU are made visible to its kernels (``common.gpudirect``: a flush on a node
+  with an RDMA device, nothing where every write is a CUDA copy; a pull pool, whose own
+  agent READs, skips it while UCX's report names no RDMA transport for those READs:
+  ``narrow_visibility``).
   On a host device (``pool_device="cpu"``) the same code runs on memory torch allocates:
   what CI tests; ``None`` is the host pool tuned for CPUs.
 
