@@ -99,8 +99,8 @@ def screen_flags(states: torch.Tensor, spans: Iterable[tuple[int, int]]) -> torc
     ``[T, L, H]``), queued where the states lie and not waited for: ``[1 + L]`` bools, whether
     a token is suspect, then whether each layer holds a non-zero sum. ``RowsScreen.of`` reads
     them. Every value is read, a bounded chunk of tokens at a time."""
-    _, n_layers, hidden = states.shape
-    step = _chunk_tokens(states, n_layers * hidden)
+    n_layers = states.shape[1]
+    step = _chunk_tokens(states)
     alive = torch.zeros(n_layers, dtype=torch.bool, device=states.device)
     seen = torch.zeros((), dtype=torch.bool, device=states.device)
     for start, end in spans:
@@ -122,11 +122,12 @@ def _suspects(sums: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(sums).all(dim=1) | (sums == 0).all(dim=1)
 
 
-def _chunk_tokens(states: torch.Tensor, row_elements: int) -> int:
-    """Tokens summed at once: all where the sum needs no widened copy, else a bounded chunk."""
+def _chunk_tokens(states: torch.Tensor) -> int:
+    """Tokens of ``states`` ``[T, L, H]`` summed at once: all where the sum needs no widened
+    copy, else a bounded chunk."""
     if states.dtype in _OWN_SUMS:
         return max(1, states.shape[0])
-    return max(1, CHUNK_ELEMENTS // max(1, row_elements))
+    return max(1, CHUNK_ELEMENTS // max(1, states.shape[1] * states.shape[2]))
 
 
 def screened_clean(parts: Iterable[RowsScreen], num_tokens: int, num_layers: int) -> bool:
@@ -152,7 +153,7 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
     # float16 and float8 sums overflow early: sum those in float32 (a chunk at a time: the
     # widened copy is the only temporary; a sum in the states' own dtype needs none)
     wide = None if hidden_states.dtype in _OWN_SUMS else torch.float32
-    step = _chunk_tokens(hidden_states, n_layers * hidden)
+    step = _chunk_tokens(hidden_states)
     non_finite: list[tuple[int, list[int]]] = []  # (token, layer ids)
     zero: list[int] = []
     device = hidden_states.device
