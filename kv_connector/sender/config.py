@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.protocol import MAX_CREDITS_AHEAD, ShareChecksum
 from kv_connector.wire.provenance import Provenance
+
+CREDITS_AHEAD = 2  # two samples' pages ahead: the next sample's, and one to spare
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class SenderConfig:
     (and the reader is told), whatever the connection does.
     on_outcome: called on the sender's thread when the reader acknowledged or refused a
     sample (``take_finished`` / ``take_failed`` have news); it must not block.
+    credits_ahead: runs of pages a producer of one rank asks the reader to grant ahead of
+    its samples, so that each goes out without a credit round trip (``protocol.Credit``);
+    0 asks for none. Ranks of a larger world ask for none: they must write the same pages.
     """
 
     consumer_address: str
@@ -37,9 +42,12 @@ class SenderConfig:
     sample_timeout_s: float = 300.0
     on_outcome: Callable[[], None] | None = None
     provenance: Provenance | None = None  # what produced the samples, in every manifest
+    credits_ahead: int = CREDITS_AHEAD
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         if self.connect_timeout_s <= 0 or self.sample_timeout_s <= 0:
             raise ValueError("connect_timeout_s and sample_timeout_s must be positive")
+        if not 0 <= self.credits_ahead <= MAX_CREDITS_AHEAD:
+            raise ValueError(f"credits_ahead must be 0 to {MAX_CREDITS_AHEAD}, got {self.credits_ahead}")

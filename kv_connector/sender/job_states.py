@@ -12,6 +12,8 @@ States of a job (``JobState``), on the current connection to the reader, and its
                                                 requested nor hashed before ``hold(False)``
     WAITING   -- request_sent ----> REQUESTED   credit request sent
     REQUESTED -- granted ---------> GRANTED     pages granted; WRITE due
+    WAITING   -- placed ----------> GRANTED     a new job placed in a credit held ahead
+                                                (``Placed`` sent, no round trip); WRITE due
     GRANTED   -- write_posted ----> WRITING     at most one WRITE in flight; its digest
                                                 rides with it, or follows
     GRANTED   -- nothing_to_write > WRITTEN     this rank has no block of it
@@ -59,6 +61,7 @@ class JobEvent(enum.Enum):
     SUBMITTED = "submitted"
     REQUEST_SENT = "request_sent"
     GRANTED = "granted"
+    PLACED = "placed"
     NOTHING_TO_WRITE = "nothing_to_write"
     WRITE_POSTED = "write_posted"
     WRITE_COMPLETED = "write_completed"
@@ -76,6 +79,7 @@ JOBS: Transitions[JobState | JobEnd, JobEvent] = Transitions(
         (None, _E.SUBMITTED): _S.WAITING,
         (_S.WAITING, _E.REQUEST_SENT): _S.REQUESTED,
         (_S.REQUESTED, _E.GRANTED): _S.GRANTED,
+        (_S.WAITING, _E.PLACED): _S.GRANTED,
         (_S.GRANTED, _E.WRITE_POSTED): _S.WRITING,
         (_S.GRANTED, _E.NOTHING_TO_WRITE): _S.WRITTEN,
         (_S.WRITING, _E.WRITE_COMPLETED): _S.WRITTEN,

@@ -52,6 +52,7 @@ class Job:
     frozen: bool = False  # preempted: its blocks are being reused; no WRITE may read them again
     held: bool = False  # its step may still be running on the device: nothing reads its blocks yet
     t_granted: float = 0.0
+    asked: bool = False  # requested or placed before: a resend asks for its pages again
     digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
     t_wait: float = 0.0  # since when it waits for a working reader
     t_write: float = 0.0  # when its last WRITE was posted, or completed

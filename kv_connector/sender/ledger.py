@@ -45,6 +45,11 @@ Invariants (tests name the one they prove):
       the shell), the reader gets ``Fenced`` with the grant's generation, and only then
       may give those pages to another sample. A Refuse of a job no longer here is
       ignored (it ended by itself; its own fence went out).
+  S10 Only a job never requested or placed before is placed in a credit held ahead
+      (``protocol.Credit``), the oldest first, in the first credit that holds it; when
+      the oldest such job fits none, every credit is given back (the reader may need
+      those pages for it). A lost connection drops every credit (S2), and a credit the
+      reader recalls is given back unless a job was placed in it.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.failure import refused as failure_reason_of
 from kv_connector.wire.layout import pages_for
-from kv_connector.wire.protocol import Grant, Manifest, ProtocolError, Refuse, Rewrite
+from kv_connector.wire.protocol import Credit, Grant, Manifest, ProtocolError, Refuse, Rewrite
 
 MAX_WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted this many times in all
 WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)
@@ -87,6 +92,7 @@ class SendLedger:
         self._jobs: dict[str, Job] = {}
         self._finished: list[str] = []
         self._failed: dict[str, SampleFailure] = {}
+        self._credits: list[Credit] = []  # held ahead, on the current connection (S10)
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, request_id: str) -> bool:
@@ -166,12 +172,46 @@ class SendLedger:
         return job
 
     # ---------------------------------------------------------- shell events
+    @property
+    def credits(self) -> int:
+        """Credits held ahead on the current connection."""
+        return len(self._credits)
+
+    def place_due(self, now: float, page_bytes: int) -> tuple[list[Job], list[int]]:
+        """New jobs placed in credits held ahead (WAITING -> GRANTED, oldest first; the
+        shell sends each a ``Placed``), and the generations of the credits to give back
+        because the oldest job left fits none of them (S10)."""
+        placed: list[Job] = []
+        for j in self._jobs.values():
+            if not self._credits:
+                break
+            if j.state is not JobState.WAITING or j.held or j.asked:
+                continue
+            m = j.manifest
+            need = pages_for(m.geometry.sample_bytes(m.num_blocks), page_bytes)
+            fit = next((c for c in self._credits if c.num_pages >= need), None)
+            if fit is None:
+                back = [c.generation for c in self._credits]
+                self._credits.clear()
+                return placed, back
+            self._credits.remove(fit)
+            j.state = step(j.state, JobEvent.PLACED, j.request_id)
+            j.grant = Grant(
+                request_id=j.request_id, first_page=fit.first_page, num_pages=need, generation=fit.generation
+            )
+            j.asked, j.t_granted = True, now
+            self._meter.granted(now - j.t_submit)
+            self.stats.placed += 1
+            placed.append(j)
+        return placed, []
+
     def requests_due(self) -> list[Job]:
         """WAITING jobs, oldest first: each gets a credit request now (WAITING ->
         REQUESTED). A job's digest is computed once, whatever the connection."""
         due = [j for j in self._jobs.values() if j.state is JobState.WAITING and not j.held]
         for j in due:
             j.state = step(j.state, JobEvent.REQUEST_SENT, j.request_id)
+            j.asked = True
         return due
 
     def digests_due(self) -> list[Job]:
@@ -308,6 +348,31 @@ class SendLedger:
         self._meter.granted(now - job.t_submit)
         self.reader_works(now)
 
+    def on_credit(self, credit: Credit, page_bytes: int, pool_bytes: int) -> None:
+        """A run of pages held ahead (S10); one outside the reader's pool, or one held
+        already, is the reader's protocol error."""
+        if (credit.first_page + credit.num_pages) * page_bytes > pool_bytes:
+            raise ProtocolError(f"credit {credit.generation} names pages outside the reader's pool")
+        if any(c.generation == credit.generation for c in self._credits):
+            raise ProtocolError(f"credit {credit.generation} granted twice")
+        self._credits.append(credit)
+        self.stats.credits += 1
+
+    def on_recall(self, generation: int) -> bool:
+        """The reader wants credit ``generation`` back: True if it is held unused (the shell
+        gives it back); False if a job was placed in it (its ``Placed`` answers) (S10)."""
+        held = next((c for c in self._credits if c.generation == generation), None)
+        if held is None:
+            return False
+        self._credits.remove(held)
+        return True
+
+    def give_back_credits(self) -> list[int]:
+        """Every credit held unused, no longer held (the shell gives them back: it leaves)."""
+        back = [c.generation for c in self._credits]
+        self._credits.clear()
+        return back
+
     def on_rewrite(self, msg: Rewrite) -> bool:
         """The reader's checksum of this rank's share failed: write it again into the same
         pages. True if a WRITE will follow because of it (False: one is due anyway)."""
@@ -367,6 +432,7 @@ class SendLedger:
         """Every job goes back to WAITING, its grant gone (S2); the shell has settled the
         WRITEs in flight first. A preempted job cannot be written again (S8): it fails.
         Returns how many jobs will be resent, and the failures."""
+        self._credits.clear()
         for j in [j for j in self._jobs.values() if j.ack_due]:
             self._finish(j, now)
         for j in self._jobs.values():

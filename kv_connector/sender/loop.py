@@ -223,8 +223,19 @@ class SenderLoop:
                 self._send_requests()
                 self._send_digests()
                 self._check_deadlines()
+            self._give_back_credits()
         finally:
             sel.close()
+
+    def _give_back_credits(self) -> None:
+        """Leaving (closed or paused): the credits held unused go back, so that the reader
+        frees them now rather than after the quarantine of a lost connection."""
+        with self._lock:
+            back = self._ledger.give_back_credits()
+        with contextlib.suppress(OSError, ConnectionClosed):
+            for g in back:
+                assert self._conn is not None
+                self._conn.send(protocol.CreditReturned(generation=g))
 
     def _leave(self, why: str) -> None:
         """Paused while connected: settle the WRITEs in flight, forget the reader."""
@@ -349,6 +360,15 @@ class SenderLoop:
                 with self._lock:
                     self._ledger.on_grant(msg, self._writer.page_bytes, self._writer.pool_bytes, now)
                 self._writer.wake()
+            case protocol.Credit():
+                with self._lock:
+                    self._ledger.on_credit(msg, self._writer.page_bytes, self._writer.pool_bytes)
+            case protocol.CreditRecall():
+                with self._lock:
+                    back = self._ledger.on_recall(msg.generation)
+                if back:
+                    assert self._conn is not None
+                    self._conn.send(protocol.CreditReturned(generation=msg.generation))
             case protocol.Rewrite():
                 try:
                     with self._lock:
@@ -393,15 +413,31 @@ class SenderLoop:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
 
     def _send_requests(self) -> bool:
-        """A credit request for every job that has none on this connection (new ones,
-        and after a reconnect all that were not acknowledged), oldest first; its digest
-        is computed meanwhile, once."""
+        """Every job that has no pages on this connection: a new one placed in a credit
+        held ahead (``Placed``; its WRITE is due at once), else a credit request (new
+        ones, and after a reconnect all that were not acknowledged), oldest first; its
+        digest is computed meanwhile, once (a placed job's before its WRITE, where this
+        thread computes it)."""
         assert self._conn is not None
         with self._lock:
+            placed, returned = self._ledger.place_due(time.monotonic(), self._writer.page_bytes)
             due = self._ledger.requests_due()
             to_hash = self._ledger.digests_due() if self._digest is not None else []
+        for g in returned:
+            self._conn.send(protocol.CreditReturned(generation=g))
+        for job in placed:
+            assert job.grant is not None
+            g = job.grant.generation
+            self._conn.send(protocol.Placed(manifest=job.manifest, blocks=list(job.share), generation=g))
         for job in due:
             self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
+        self._hash(to_hash)
+        if placed:
+            self._writer.wake()
+        return bool(due or placed)
+
+    def _hash(self, to_hash: list[Job]) -> None:
+        """Each job's digest: on this thread where it is cheap, else on the hashing thread."""
         for job in to_hash:  # hashed while the reader grants pages
             assert self._digest is not None
             if self._hasher is None:
@@ -409,7 +445,6 @@ class SenderLoop:
                 continue
             fut = self._hasher.submit(functools.partial(self._digest, job))
             fut.add_done_callback(functools.partial(self._digest_done, job.request_id))
-        return bool(due)
 
     def _send_digests(self) -> bool:
         """A ``ShareDigest`` for every WRITE that went out before its digest was ready."""

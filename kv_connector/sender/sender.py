@@ -101,6 +101,7 @@ class HiddenStatesSender:
             layout.block_bytes,
             "VRAM" if cache.is_cuda else "DRAM",
             config.checksum or ShareChecksum.XXH3,
+            config.credits_ahead if config.world_size == 1 else 0,
         )
         parts = LoopParts(
             transport,

@@ -21,7 +21,8 @@ class SenderStats:
     bytes there, on the writer's thread: with ``write_s`` it tells a slow copy from a wait);
     rewrites: shares written again after the reader's checksum failed; write_retries:
     WRITEs posted again after failing in NIXL; reconnects: connections made after a
-    lost one; writes: completed WRITEs.
+    lost one; writes: completed WRITEs; credits: runs of pages the reader granted ahead;
+    placed: jobs placed in one (no credit round trip).
     """
 
     requests: int = 0
@@ -35,6 +36,8 @@ class SenderStats:
     write_retries: int = 0
     reconnects: int = 0
     writes: int = 0
+    credits: int = 0
+    placed: int = 0
 
     def snapshot(self) -> SenderStats:
         return dataclasses.replace(self)

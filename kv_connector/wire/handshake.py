@@ -68,6 +68,7 @@ class ProducerIdentity:
     block_bytes: int
     cache_mem: MemType = "DRAM"  # where the cache lives (the reader's checksum policy)
     digest: protocol.ShareChecksum = protocol.ShareChecksum.XXH3  # how its shares' checksums are computed
+    credits_ahead: int = 0  # runs of pages it asks to be granted ahead (``protocol.Credit``)
 
 
 def as_producer(
@@ -94,6 +95,7 @@ def as_producer(
             nonce=nonce,
             cache_mem=me.cache_mem,
             digest=me.digest,
+            credits_ahead=me.credits_ahead,
         )
     )
     ch = conn.receive_one(max(0.0, deadline - time.monotonic()))

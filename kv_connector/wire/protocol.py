@@ -30,6 +30,9 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
     14: ``Manifest.provenance`` (``wire.provenance``: vLLM version, model runner, model);
         ``RefuseCode`` "mismatch" (a sample other than the consumer expects).
     15: ``PullKeep``/``PullKept``: a consumer still starting keeps a sample's hold.
+    16: credits ahead for a producer of one rank: ``Hello.credits_ahead``, ``Credit`` (a run of
+        pages granted before any sample needs it), ``Placed`` (a sample written into one, no
+        round trip), ``CreditRecall`` and ``CreditReturned``.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
+MAX_CREDITS_AHEAD = 8  # runs of pages a reader may grant one producer ahead of its samples
 
 class ProtocolError(ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
@@ -104,6 +108,9 @@ class Hello(_Msg, tag="hello", frozen=True):
     nonce: Nonce
     cache_mem: MemType = "DRAM"
     digest: ShareChecksum = ShareChecksum.XXH3
+    # runs of pages this rank asks to be granted ahead of its samples (``Credit``); a reader
+    # grants them to a producer of one rank only (TP ranks must write the same pages)
+    credits_ahead: Annotated[int, msgspec.Meta(ge=0, le=MAX_CREDITS_AHEAD)] = 0
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
@@ -247,6 +254,50 @@ class Grant(_Msg, tag="grant", frozen=True):
     @property
     def pages(self) -> range:
         return range(self.first_page, self.first_page + self.num_pages)
+
+
+class Credit(_Msg, tag="credit", frozen=True):
+    """Reader -> producer (one that asked for credits ahead): the run of pool pages
+    ``first_page .. first_page + num_pages``, granted before any sample needs it. The
+    producer places its next new sample at the run's start (``Placed``) and WRITEs at
+    once, or gives the run back (``CreditReturned``); a lost connection voids it."""
+
+    generation: Generation  # unique to this run; the WRITE of the sample placed in it names it
+    first_page: PageIndex
+    num_pages: Annotated[int, msgspec.Meta(gt=0, le=MAX_PAGES)]
+
+    @property
+    def pages(self) -> range:
+        return range(self.first_page, self.first_page + self.num_pages)
+
+
+class Placed(_Msg, tag="placed", frozen=True):
+    """Producer -> reader: this rank's sample (all its blocks: a producer of one rank) is
+    placed at the start of credit ``generation``; its WRITE follows without an answer, and
+    the pages beyond the sample's go back to the pool. Sent before the WRITE is posted."""
+
+    manifest: Manifest
+    blocks: Annotated[list[BlockIndex], msgspec.Meta(max_length=MAX_BLOCKS)]
+    generation: Generation
+
+    def __post_init__(self) -> None:
+        if sorted(self.blocks) != list(range(self.manifest.num_blocks)):
+            raise ValueError("a placed sample is written whole, by its producer's only rank")
+
+
+class CreditRecall(_Msg, tag="credit_recall", frozen=True):
+    """Reader -> producer: give credit ``generation`` back if no sample is placed in it yet
+    (another sample waits for pages). A credit already placed is not answered: its
+    ``Placed`` is on its way."""
+
+    generation: Generation
+
+
+class CreditReturned(_Msg, tag="credit_returned", frozen=True):
+    """Producer -> reader: credit ``generation`` is given back unused (nothing was written
+    into it): its pages are the pool's again."""
+
+    generation: Generation
 
 
 class Ack(_Msg, tag="ack", frozen=True):
@@ -456,6 +507,10 @@ Message = (
     | Welcome
     | CreditRequest
     | Grant
+    | Credit
+    | Placed
+    | CreditRecall
+    | CreditReturned
     | Ack
     | Refuse
     | WriteDone

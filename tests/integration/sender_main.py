@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.producer.fingerprints import Fingerprints
+from kv_connector.sender.config import CREDITS_AHEAD
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
@@ -58,6 +59,7 @@ def main() -> int:
         ),
         sample_timeout_s=spec.get("sample_timeout_s", 300.0),
         provenance=msgspec.convert(spec["provenance"], Provenance) if spec.get("provenance") else None,
+        credits_ahead=spec.get("credits_ahead", CREDITS_AHEAD),
     )
     layer_ids = spec.get("layer_ids", list(range(layout.num_layers)))
     # fault injection through the transport: WRITEs that land wrong bytes, or that NIXL refuses
@@ -72,7 +74,24 @@ def main() -> int:
     if spec.get("stage_checksum"):
         sender.blocks.stage = True  # checksum through the GPU cache's staging path, on CPU memory
     t0 = time.monotonic()
-    for s in spec["samples"]:  # fingerprint words taken as the step that wrote the slots takes them
+    want = {s["request_id"] for s in spec["samples"]}
+    finished: list[str] = []
+    failed: dict[str, str] = {}
+    deadline = t0 + spec.get("timeout_s", 60.0)
+
+    def settle() -> None:
+        nonlocal finished
+        finished += sender.take_finished()
+        failed.update({rid: f.why for rid, f in sender.take_failed().items()})
+
+    # ``in_flight``: at most that many samples unacknowledged at a time, shipped as earlier
+    # ones are acknowledged (as an engine whose cache holds that many does); default all at once
+    in_flight = spec.get("in_flight", len(spec["samples"]))
+    for i, s in enumerate(spec["samples"]):
+        while i - len(finished) - len(failed) >= in_flight and time.monotonic() < deadline:
+            settle()
+            time.sleep(0.001)
+        # fingerprint words taken as the step that wrote the slots takes them
         words = Fingerprints(CacheBlocks(cache, layout), layout.block_size).ship(
             s["request_id"], s["num_tokens"], s["block_ids"]
         )
@@ -102,13 +121,8 @@ def main() -> int:
 
         atexit.register(drain)
         return 0
-    want = {s["request_id"] for s in spec["samples"]}
-    finished: list[str] = []
-    failed: dict[str, str] = {}
-    deadline = t0 + spec.get("timeout_s", 60.0)
     while len(finished) + len(failed) < len(want) and time.monotonic() < deadline:
-        finished += sender.take_finished()
-        failed.update({rid: f.why for rid, f in sender.take_failed().items()})
+        settle()
         time.sleep(0.002)
     elapsed = time.monotonic() - t0
     stats = sender.stats().as_dict()

@@ -94,6 +94,8 @@ def test_the_cli_serves_what_it_received_and_wrote(tmp_path: Path) -> None:
                 (R + "pool_pages", {"state": "leased"}, 0),
                 (R + "pool_pages", {"state": "granted"}, 0),
                 (R + "producers_connected", {}, 0),  # both senders closed
+                # every page free: a credit granted as its producer left waits a quarantine
+                (R + "pool_pages", {"state": "quarantined"}, 0),
             ],
             timeout=30,
         )

@@ -66,6 +66,52 @@ def test_more_samples_than_the_pool_holds_are_throttled_not_lost(senders: Sender
     check(got, samples, layout, seed=2)
 
 
+@pytest.mark.parametrize("ahead", [2, 0], ids=["credits-ahead", "no-credits"])
+def test_samples_of_a_producer_of_one_rank_go_into_credits_ahead_without_a_round_trip(
+    ahead: int, senders: Senders
+) -> None:
+    """A producer of one rank places most samples in runs of pages granted ahead (no
+    credit request, no grant); its first, and any larger than its credits, ask. Byte-exact
+    either way, and with no credits asked for, none is granted."""
+    layout = CPU_LAYOUT
+    rng = random.Random(8)
+    sizes = [3 * layout.block_size] + [rng.randint(1, 3 * layout.block_size) for _ in range(29)]
+    samples = plan(sizes, seed=8, layout=layout)
+    with HiddenStatesReader(pool_bytes=16 * layout.block_bytes) as reader:
+        got, res = senders.deliver(reader, layout, 8, samples, credits_ahead=ahead, in_flight=3)
+        assert reader.stats().samples == len(samples)
+    assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
+    check(got, samples, layout, seed=8)
+    placed, credits = res["stats"]["placed"], res["stats"]["credits"]
+    if ahead:
+        assert placed >= len(samples) // 2 and credits >= placed, res["stats"]
+    else:
+        assert placed == credits == 0
+
+
+def test_two_producers_share_a_small_pool_through_recalled_credits(senders: Senders) -> None:
+    """Credits ahead are recalled whenever another producer's sample waits for pages, and
+    given back when a sample fits none: two producers of one rank, samples of many sizes, a
+    pool of two of the largest; every sample arrives byte-exact and none fails."""
+    layout = CPU_LAYOUT
+    rng = random.Random(9)
+    a = plan([rng.randint(1, 3 * layout.block_size) for _ in range(20)], seed=9, layout=layout)
+    b = plan([rng.randint(1, 3 * layout.block_size) for _ in range(20)], seed=10, layout=layout)
+    for s in b:
+        s["request_id"] = "b-" + s["request_id"]
+    with HiddenStatesReader(pool_bytes=6 * layout.block_bytes) as reader:
+        pa = senders.ship(reader, layout, 9, a, producer_id="pa", in_flight=3)
+        pb = senders.ship(reader, layout, 10, b, producer_id="pb", in_flight=3)
+        got = collect(reader, len(a) + len(b))
+        results = [finish_sender(p) for p in (pa, pb)]
+    for res in results:
+        assert res["rc"] == 0 and not res["failed"], res["stderr"][-3000:]
+    check({k: v for k, v in got.items() if not k.startswith("b-")}, a, layout, seed=9)
+    check({k: v for k, v in got.items() if k.startswith("b-")}, b, layout, seed=10)
+    # credits were granted between the two producers' waits, and recalled or placed
+    assert sum(r["stats"]["credits"] for r in results) > 0
+
+
 def test_blocks_larger_than_pages_travel_in_pieces(senders: Senders) -> None:
     layout = CPU_LAYOUT
     samples = plan([1, 33, 100], seed=3, layout=layout)

@@ -76,6 +76,30 @@ class PagePool:
             out.append((key, run))
         return out
 
+    def take_now(self, key: Hashable, n: int) -> range | None:
+        """A run of ``n`` pages for ``key`` at once, or None: only when no request waits
+        (those come first, R7) and a run fits now; nothing is queued."""
+        if n <= 0:
+            raise ValueError(f"a run needs at least one page, got {n}")
+        if self._waiting or key in self._owner:
+            return None
+        run = self._take(n)
+        if run is not None:
+            self._owner[key] = run
+        return run
+
+    def shrink(self, key: Hashable, n: int) -> range:
+        """``key`` keeps the first ``n`` pages of its run; the rest go back. Returns what it keeps."""
+        pages = self._owner.get(key)
+        if pages is None or not 0 < n <= len(pages):
+            raise ValueError(f"{key!r} holds no run of at least {n} pages")
+        kept, rest = range(pages.start, pages.start + n), range(pages.start + n, pages.stop)
+        if rest:
+            self._owner[key] = rest
+            self.release(key, rest)
+        self._owner[key] = kept
+        return kept
+
     def _take(self, n: int) -> range | None:
         """Next fit: the first free run that holds ``n`` pages at or after the cursor,
         else from the start."""

@@ -110,6 +110,18 @@ class SampleBook:
         s.state = state
         self.samples[s.key] = s
 
+    def place(self, s: SampleRecord, credit: tuple[str, int], generation: int, now: float) -> None:
+        """A new sample placed at the start of a credit's run (``credits.py``): it holds the
+        run's first pages under that credit's generation, the rest go back to the pool."""
+        assert self.pool is not None
+        state = step(None, SampleEvent.REQUESTED, f"sample {s.key[1]} of {s.key[0]}")
+        pages = self.pool.shrink(credit, s.num_pages)
+        self.pool.hand_over(credit, s.key)
+        s.state = state
+        s.move(SampleEvent.GRANTED)
+        s.pages, s.t_granted, s.generation = pages, now, generation
+        self.samples[s.key] = s
+
     def promised(self, producer_id: str, rank: int) -> None:
         """A rank registered its share of a sample not handed out yet."""
         self._pending[(producer_id, rank)] += 1

@@ -52,16 +52,22 @@ Invariants (tests name the one they prove):
   R11 A sample the consumer rejects (``reject``: non-finite or all-zero states, a file it
       cannot write) is refused to every rank of its producer with the reason and never
       acked; one already acked cannot be rejected.
+  R12 Credits ahead (``credits.py``) go only to a producer of one rank that asked for
+      them, only while no sample waits for pages, and are recalled once one does; a
+      sample placed in one holds the run's first pages under the credit's generation,
+      the rest go back at once; a credit whose holder left waits a quarantine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
 from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.push.book import SampleBook
+from kv_connector.reader.push.credits import Credits, HeldCredit
 from kv_connector.reader.push.delivered import Delivered
 from kv_connector.reader.push.producers import PeerId, Producers
 from kv_connector.reader.push.records import (
@@ -138,6 +144,7 @@ class ReaderLedger:
         self._samples: dict[Key, SampleRecord] = self._book.samples
         self.delivered = Delivered(config.delivered_memory, already_delivered)  # handed out (R4)
         self._refusals = Refusals(self._book, self.stats)
+        self.credits = Credits()  # R12
 
     # ------------------------------------------------------------------ pool
     def set_pages(self, page_bytes: int, num_pages: int) -> None:
@@ -203,8 +210,10 @@ class ReaderLedger:
         return self._book.leases()
 
     def pool_state(self) -> PoolState:
-        """The pool's pages by what holds them (for metrics and progress lines)."""
-        return self._book.pool_state()
+        """The pool's pages by what holds them (for metrics and progress lines); credits
+        ahead count as granted."""
+        state = self._book.pool_state()
+        return dataclasses.replace(state, granted=state.granted + self.credits.pages_held)
 
     def producers_connected(self) -> dict[str, int]:
         """Producer id -> how many of its ranks are connected."""
@@ -239,6 +248,8 @@ class ReaderLedger:
         awaited = self._book.awaited(*ident)
         self.producers.gone(peer, now + (self.config.grace_s if awaited else 0.0))
         self._book.page_fences.peer_gone(peer, now)
+        for g, credit in self.credits.of_peer(peer):  # a WRITE into one may still land (R12)
+            self._credit_back(g, "", credit, None, now)
         return self._departed(now)
 
     def _departed(self, now: float) -> list[Action]:
@@ -246,6 +257,7 @@ class ReaderLedger:
         incomplete samples are discarded (R6)."""
         actions: list[Action] = []
         for pid in self.producers.departed(now):
+            self.credits.forget(pid)
             for s in self._book.incomplete_of(pid):
                 actions += self._discard(s, now, "its producer is gone")
         return actions
@@ -294,6 +306,7 @@ class ReaderLedger:
                 self._book.admit(s)
             except PoolTooSmall as e:
                 return self._refusals.pool_too_small(peer, m, e)
+            self.credits.saw(pid, s.num_pages)
         elif s.manifest != m:
             raise ProtocolError(f"rank {rank} sent a manifest of {m.request_id} that differs from the first")
         if s.register(rank, peer, frozenset(req.blocks), current=self.producers.current(pid, rank)):
@@ -304,6 +317,84 @@ class ReaderLedger:
             actions += self._advance(s)
         return actions + self._grant(now)
 
+    def placed(self, peer: PeerId, msg: protocol.Placed, now: float) -> list[Action]:
+        """A producer of one rank placed a new sample at the start of a credit it holds (R12).
+
+        Its WRITE is on its way, or landed already (its WriteDone kept with the credit). A
+        sample refused here (delivered already, over a limit, not what the consumer
+        expects) leaves the credit's pages waiting for that WRITE's fence."""
+        pid, rank = self._ident(peer)
+        m = msg.manifest
+        key = (pid, m.request_id)
+        credit = self.credits.take(peer, msg.generation)
+        if credit is None:
+            raise ProtocolError(f"{m.request_id} placed in credit {msg.generation}, which it does not hold")
+        assert self.pool is not None and self.page_bytes is not None
+        need = pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
+        problem = None
+        if need > len(credit.pages):
+            problem = f"{m.request_id} needs {need} pages, placed in a credit of {len(credit.pages)}"
+        elif key in self._samples:
+            problem = f"{m.request_id} placed in a credit, but it was asked for before"
+        elif self._book.pending_of(pid, rank) >= self.config.max_pending_per_rank:
+            bound = self.config.max_pending_per_rank
+            problem = f"{pid}/rank{rank} has {bound} samples promised and not handed out: over its bound"
+        if problem is not None:
+            self._credit_back(msg.generation, m.request_id, credit, None, now)
+            raise ProtocolError(problem)
+        refused: list[Action] | None = None
+        if self.delivered.known(key):  # R4: acknowledged, never delivered twice
+            self.stats.resends_acked += 1
+            owed = self.delivered.resent(key, peer)
+            refused = [] if owed else [Send(peer, protocol.Ack(request_id=m.request_id))]
+        elif m.num_tokens > self.config.max_sample_tokens:
+            refused = self._refusals.over_limit(peer, m, self.config.max_sample_tokens)
+        elif self.config.expect is not None and (differs := self.config.expect.mismatches(m)):
+            refused = self._refusals.mismatch(peer, m, differs)
+        if refused is not None:
+            self._credit_back(msg.generation, m.request_id, credit, peer, now)
+            return refused + self._grant(now)
+        s = SampleRecord(key, m, 1, need)
+        s.t_requested = now
+        if not self.stats.first_request_t:
+            self.stats.first_request_t = now
+        self._book.place(s, ("credit", msg.generation), msg.generation, now)
+        self.credits.saw(pid, need)
+        self.credits.placed += 1
+        if s.register(rank, peer, frozenset(msg.blocks), current=self.producers.current(pid, rank)):
+            self._book.promised(pid, rank)
+        s.grant(rank)  # its WRITE is on its way: a fence is owed if the sample is dropped
+        landed = self.write_done(peer, credit.early, now) if credit.early is not None else []
+        return landed + self._grant(now)
+
+    def credit_returned(self, peer: PeerId, msg: protocol.CreditReturned, now: float) -> list[Action]:
+        """A credit given back unused: its pages are the pool's again (R12)."""
+        self._ident(peer)
+        credit = self.credits.take(peer, msg.generation)
+        if credit is None:
+            raise ProtocolError(f"returned credit {msg.generation}, which it does not hold")
+        if credit.early is not None:
+            raise ProtocolError(f"returned credit {msg.generation}, into which it wrote")
+        assert self.pool is not None
+        self.pool.release(("credit", msg.generation), credit.pages)
+        return self._grant(now)
+
+    def _credit_back(
+        self, generation: int, request_id: str, credit: HeldCredit, owed: PeerId | None, now: float
+    ) -> None:
+        """A credit's pages go back once no WRITE into them can land: at once if its WRITE
+        landed, after ``owed``'s fence, or after a quarantine (no one left to fence it)."""
+        assert self.pool is not None
+        key = ("credit", generation)
+        landed = credit.early is not None
+        fences = self._book.page_fences
+        if not landed and fences.wait(
+            generation, request_id, credit.pages, {owed} if owed is not None else set(), owed is None, now
+        ):
+            self.pool.hand_over(key, ("fence", generation))
+        else:
+            self.pool.release(key, credit.pages)
+
     def write_done(self, peer: PeerId, msg: protocol.WriteDone, now: float = 0.0) -> list[Action]:
         """A rank's WRITE of its share landed: its notification arrived.
 
@@ -311,6 +402,8 @@ class ReaderLedger:
         that grant, or names pages a late WRITE changed."""
         pid, _ = self._ident(peer)
         s = self._samples.get((pid, msg.request_id))
+        if s is None and self.credits.stash(peer, msg):  # it overtook its Placed (R12)
+            return []
         if s is None or s.pages is None or s.generation != msg.generation:
             return self._late_write(peer, msg, now)
         s, share = self._share_of(peer, msg.request_id, "write_done")
@@ -522,7 +615,29 @@ class ReaderLedger:
             grant = s.grant()
             actions += [Send(peer, grant) for peer in s.peers.values()]
             actions += self._advance(s)
+        actions += self._credits_ahead()
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.pool.used_pages)
+        return actions
+
+    def _credits_ahead(self) -> list[Action]:
+        """Credits to the producers that asked, while no sample waits for pages; recalled
+        once one does (R12)."""
+        pool = self.pool
+        assert pool is not None
+        if pool.waiting:
+            return [Send(peer, protocol.CreditRecall(generation=g)) for g, peer in self.credits.to_recall()]
+        actions: list[Action] = []
+        for pid, prod in self.producers.by_id.items():
+            peer = prod.ranks.get(0) if prod.credits_ahead and prod.world_size == 1 else None
+            size = self.credits.size_for(pid) if peer is not None else None
+            if peer is None or size is None:
+                continue
+            while self.credits.held_by(peer) < prod.credits_ahead:
+                g = self._book.page_fences.new_generation()
+                run = pool.take_now(("credit", g), size)
+                if run is None:
+                    return actions
+                actions.append(Send(peer, self.credits.hold(g, peer, pid, run)))
         return actions
 
     def _advance(self, s: SampleRecord) -> list[Action]:

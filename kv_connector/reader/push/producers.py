@@ -22,6 +22,7 @@ class Producer:
     ranks: dict[int, PeerId] = field(default_factory=dict)
     host_cache: bool = True
     checksum: ShareChecksum = ShareChecksum.XXH3
+    credits_ahead: int = 0  # credits its one rank asked for (0 for a producer of more ranks)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Producers:
         prod.ranks[hello.rank] = peer
         prod.host_cache = hello.cache_mem == "DRAM"
         prod.checksum = hello.digest
+        prod.credits_ahead = hello.credits_ahead if hello.world_size == 1 else 0
         self._peer_rank[peer] = (hello.producer_id, hello.rank)
         return prod
 

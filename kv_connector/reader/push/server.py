@@ -365,6 +365,10 @@ class ReaderServer:
         match msg:
             case protocol.CreditRequest():
                 self.perform(self._ledger.credit_request(c.id, msg, now))
+            case protocol.Placed():
+                self.perform(self._ledger.placed(c.id, msg, now))
+            case protocol.CreditReturned():
+                self.perform(self._ledger.credit_returned(c.id, msg, now))
             case protocol.ShareDigest():
                 self.perform(self._ledger.share_digest(c.id, msg))
             case protocol.Fenced():
@@ -424,7 +428,8 @@ class ReaderServer:
         )
         self._send(c, welcome)
         c.conn.mac = c.hs.session()  # every later frame, both ways, carries the session's tag
-        log.info("producer %s connected (world size %d)", c.label, h.world_size)
+        ahead = h.credits_ahead if h.world_size == 1 else 0
+        log.info("producer %s connected (world size %d, %d credits ahead)", c.label, h.world_size, ahead)
 
     def _poll_notifs(self) -> bool:
         notifs = self._transport.notifications()

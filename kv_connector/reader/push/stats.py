@@ -102,9 +102,9 @@ class PoolState:
     """The reader's receive pool now, in pages of ``page_bytes``; 0 before the first producer sets it.
 
     ``free`` + ``granted`` + ``leased`` + ``quarantined`` = ``num_pages``. granted: held by
-    samples on their way, up to their ``get``. leased: held by samples on lease to the user.
-    quarantined: of discarded samples, for a few seconds. waiting: samples waiting for a run of
-    pages, whose producers wait too.
+    samples on their way, up to their ``get``, and by credits ahead (R12). leased: held by
+    samples on lease to the user. quarantined: of discarded samples, for a few seconds.
+    waiting: samples waiting for a run of pages, whose producers wait too.
     """
 
     page_bytes: int = 0
