@@ -12,10 +12,11 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kv_connector.sender.config import CREDITS_AHEAD
 from kv_connector.wire import block_digest
 from kv_connector.wire.control import parse_address
 from kv_connector.wire.layout import BlockLayout
-from kv_connector.wire.protocol import ShareChecksum
+from kv_connector.wire.protocol import MAX_CREDITS_AHEAD, ShareChecksum
 
 EXAMPLE = (
     '--kv-transfer-config \'{"kv_connector":"HiddenStatesConnector",'
@@ -109,6 +110,7 @@ class PushOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     sharding: Sharding = Sharding.REQUEST_HASH
     sample_timeout_s: Seconds = 300.0
     preempt_timeout_s: Seconds = 5.0
+    credits_ahead: Annotated[int, msgspec.Meta(ge=0, le=MAX_CREDITS_AHEAD)] = CREDITS_AHEAD
 
     def __post_init__(self) -> None:
         for a in self.readers:
@@ -134,6 +136,7 @@ _SECTIONS: dict[str, dict[str, str]] = {
         "sharding": "sharding",
         "sample_timeout_s": "sample_timeout_s",
         "preempt_timeout_s": "preempt_timeout_s",
+        "credits_ahead": "credits_ahead",
     },
     "pull": {"pull_listen": "listen", "pull_timeout_s": "timeout_s"},
 }
@@ -166,6 +169,9 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     reader drops it (default 300).
     preempt_timeout_s: how long a preempted request's share may hold the engine step to be
     written before its sample fails (default 5).
+    credits_ahead: runs of pages an engine of one rank (no tensor parallelism) asks each reader
+    to grant ahead of its samples, so that each sample's WRITE goes out without a credit round
+    trip; 0 asks for none (default 2; 0 to 8). TP ranks always ask per sample.
     delivery: "push" (default) WRITEs each sample into a reader's pool. "pull" holds a finished
     sample's blocks on each rank and serves them to a consumer with its handle
     (``reader.pull.client``); pull takes no consumer_address.
@@ -259,6 +265,7 @@ _HINTS = {
     "drain_timeout_s": _SECONDS,
     "sample_timeout_s": _SECONDS,
     "preempt_timeout_s": _SECONDS,
+    "credits_ahead": f"must be a whole number from 0 to {MAX_CREDITS_AHEAD}",
     "include_output_tokens": "must be true or false",
     "check_tokens": "must be true or false",
     "checksum": f"must be one of {CHECKSUMS}",

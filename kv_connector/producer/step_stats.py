@@ -7,9 +7,10 @@ it holds only str keys, ints, floats and lists. There it is observed into Promet
 
 What each side reports (``StepStats`` builds one side's dict):
 
-* every worker rank: its senders' bytes written, WRITEs, rewrites, WRITE retries and
-  reconnects (deltas since the last step), each WRITE's latency and each sample's wait
-  for credits (raw values, for histograms), and its samples in flight (a level);
+* every worker rank: its senders' bytes written, WRITEs, rewrites, WRITE retries,
+  reconnects and samples placed in credits ahead (deltas since the last step), each
+  WRITE's latency and each sample's wait for credits (raw values, for histograms), and
+  its samples in flight (a level);
 * worker rank 0 only: samples shipped, delivered and failed by reason. Every rank has a
   job for every sample, so one rank counts each sample once;
 * the scheduler side: requests that never ran their ship (their reader stayed
@@ -44,6 +45,7 @@ class Count(enum.Enum):
     REWRITES = "rewrites"
     WRITE_RETRIES = "write_retries"
     RECONNECTS = "reconnects"
+    PLACED_AHEAD = "placed_ahead"
 
 
 class Observed(enum.Enum):
@@ -95,6 +97,10 @@ COUNTERS: dict[Count, MetricSpec] = {
     ),
     Count.RECONNECTS: MetricSpec(
         PREFIX + "reconnects", "Connections to a reader made again after one was lost, all ranks."
+    ),
+    Count.PLACED_AHEAD: MetricSpec(
+        PREFIX + "samples_placed_ahead",
+        "Samples placed in pages a reader granted ahead, with no credit round trip (an engine of one rank).",
     ),
 }
 FAILED = MetricSpec(PREFIX + "samples_failed", "Samples that will never reach a reader, by reason.")
@@ -184,6 +190,7 @@ def summary(d: StepData) -> dict[str, int | float]:
         "credit wait ms avg": round(1e3 * sum(waits) / len(waits), 3) if waits else 0.0,
         "rewrites": counts.get(Count.REWRITES.value, 0),
         "reconnects": counts.get(Count.RECONNECTS.value, 0),
+        "placed ahead": counts.get(Count.PLACED_AHEAD.value, 0),
     }
 
 
@@ -308,6 +315,7 @@ class WorkerStats:
             step.count(Count.REWRITES, cur.rewrites - prev.rewrites)
             step.count(Count.WRITE_RETRIES, cur.write_retries - prev.write_retries)
             step.count(Count.RECONNECTS, cur.reconnects - prev.reconnects)
+            step.count(Count.PLACED_AHEAD, cur.placed - prev.placed)
             step.observe(Observed.WRITE_LATENCY, obs.write_latency_s)
             step.observe(Observed.CREDIT_WAIT, obs.credit_wait_s)
             in_flight += busy

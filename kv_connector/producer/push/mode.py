@@ -49,6 +49,7 @@ class PushWorker:
                     sample_timeout_s=options.push.sample_timeout_s,
                     on_outcome=rc.news,
                     provenance=rc.provenance,
+                    credits_ahead=options.push.credits_ahead,
                 ),
                 rc.cache,
                 rc.layout,

@@ -260,3 +260,11 @@ def test_options_built_in_python_check_their_readers_too() -> None:
         ConnectorOptions(push=PushOptions(readers=()))
     with pytest.raises(ValueError, match="twice"):
         ConnectorOptions(push=PushOptions(readers=(GOOD, GOOD)))
+
+
+def test_credits_ahead_defaults_to_two_and_bad_values_are_named() -> None:
+    assert ConnectorOptions.parse({"consumer_address": GOOD}).push.credits_ahead == 2
+    assert ConnectorOptions.parse({"consumer_address": GOOD, "credits_ahead": 0}).push.credits_ahead == 0
+    for bad in (-1, 9, 1.5, "2", None, True):
+        msg = parse_error({"consumer_address": GOOD, "credits_ahead": bad})
+        assert "kv_connector_extra_config.credits_ahead must be a whole number from 0 to 8" in msg, msg

@@ -243,3 +243,13 @@ def test_the_log_line_summarises_a_step() -> None:
     s = summary(d)
     assert (s["samples shipped"], s["delivered"], s["failed"], s["MB written"]) == (3, 2, 1, 5.0)
     assert s["WRITE ms avg"] == 2.0 and s["credit wait ms avg"] == 500.0
+
+
+def test_samples_placed_in_credits_ahead_are_counted_as_deltas() -> None:
+    w = WorkerStats(0)
+    first = SenderMetrics(SenderStats(placed=3, credits=4), SenderObservations([], []), 0)
+    second = SenderMetrics(SenderStats(placed=5, credits=6), SenderObservations([], []), 0)
+    d1, d2 = w.take([first]), w.take([second])
+    assert d1 is not None and d2 is not None
+    assert d1["counts"]["placed_ahead"] == 3 and d2["counts"]["placed_ahead"] == 2
+    assert summary(d2)["placed ahead"] == 2
