@@ -320,16 +320,10 @@ def test_a_pull_share_in_padded_pages_says_its_pitch_and_blocks_must_fit_it() ->
 
 
 def test_credits_ahead_messages_round_trip_and_refuse_what_does_not_fit() -> None:
-    m = protocol.Manifest(
-        request_id="a",
-        token_ids=list(range(40)),
-        layer_ids=[1, 2],
-        geometry=BlockLayout("LTH", 16, 2, 8, "float32"),
-        num_blocks=3,
-    )
+    m = manifest()
     msgs: list[protocol._Msg] = [
         protocol.Credit(generation=3, first_page=4, num_pages=2),
-        protocol.Placed(manifest=m, blocks=[0, 1, 2], generation=3),
+        protocol.Placed(manifest=m, blocks=list(range(m.num_blocks)), generation=3),
         protocol.CreditRecall(generation=3),
         protocol.CreditReturned(generation=3),
     ]
@@ -338,24 +332,12 @@ def test_credits_ahead_messages_round_trip_and_refuse_what_does_not_fit() -> Non
     assert protocol.Credit(generation=3, first_page=4, num_pages=2).pages == range(4, 6)
     placed = msgspec.msgpack.decode(protocol.encode(msgs[1]))
     with pytest.raises(ProtocolError, match="written whole"):  # a producer of one rank writes it all
-        protocol.decode(msgspec.msgpack.encode({**placed, "blocks": [0, 2]}))
+        protocol.decode(msgspec.msgpack.encode({**placed, "blocks": [0]}))
     with pytest.raises(ProtocolError):
         protocol.decode(
             msgspec.msgpack.encode({**msgspec.msgpack.decode(protocol.encode(msgs[0])), "num_pages": 0})
         )
-    h = msgspec.msgpack.decode(
-        protocol.encode(
-            protocol.Hello(
-                version=protocol.PROTOCOL_VERSION,
-                producer_id="p",
-                rank=0,
-                world_size=1,
-                agent_name="p-0",
-                block_bytes=64,
-                nonce=bytes(32),
-            )
-        )
-    )
+    h = msgspec.msgpack.decode(protocol.encode(MESSAGES[0]))  # a Hello
     assert protocol.decode(msgspec.msgpack.encode(h)).credits_ahead == 0  # type: ignore[union-attr]
     with pytest.raises(ProtocolError):
         protocol.decode(msgspec.msgpack.encode({**h, "credits_ahead": protocol.MAX_CREDITS_AHEAD + 1}))
