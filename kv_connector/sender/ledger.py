@@ -50,6 +50,11 @@ Invariants (tests name the one they prove):
       the oldest such job fits none, every credit is given back (the reader may need
       those pages for it). A lost connection drops every credit (S2), and a credit the
       reader recalls is given back unless a job was placed in it.
+  S11 What the reader hears of a failed job never overtakes the job's own CreditRequest
+      or Placed: a failure of a job whose message the shell has taken to send and not
+      sent yet is parked (``park``) and handed back once it was sent (``announced``), so
+      the reader never admits a sample after its refusal and holds its pages until the
+      deadline.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ class SendLedger:
         self._finished: list[str] = []
         self._failed: dict[str, SampleFailure] = {}
         self._credits: list[Credit] = []  # held ahead, on the current connection (S10)
+        self._announcing: set[str] = set()  # taken to send a CreditRequest or Placed, not sent yet (S11)
+        self._parked: dict[str, list[Failure]] = {}  # their failures, told once it was sent
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, request_id: str) -> bool:
@@ -202,6 +209,7 @@ class SendLedger:
             j.asked, j.t_granted = True, now
             self._meter.granted(now - j.t_submit)
             self.stats.placed += 1
+            self._announcing.add(j.request_id)
             placed.append(j)
         return placed, []
 
@@ -212,7 +220,25 @@ class SendLedger:
         for j in due:
             j.state = step(j.state, JobEvent.REQUEST_SENT, j.request_id)
             j.asked = True
+            self._announcing.add(j.request_id)
         return due
+
+    def park(self, failure: Failure) -> bool:
+        """Keep ``failure`` if its job's CreditRequest or Placed is taken to send and not sent
+        yet: True then, and the shell tells the reader nothing now (S11)."""
+        if failure.request_id not in self._announcing:
+            return False
+        self._parked.setdefault(failure.request_id, []).append(failure)
+        return True
+
+    def announced(self, request_ids: Iterable[str]) -> list[Failure]:
+        """The shell sent (or, its connection lost, gave up sending) these jobs' CreditRequest
+        or Placed: the failures parked meanwhile, in order, to be told now (S11)."""
+        out: list[Failure] = []
+        for rid in request_ids:
+            self._announcing.discard(rid)
+            out += self._parked.pop(rid, [])
+        return out
 
     def digests_due(self) -> list[Job]:
         """Jobs whose share's digest must be computed now (once per job, whatever the

@@ -423,14 +423,20 @@ class SenderLoop:
             placed, returned = self._ledger.place_due(time.monotonic(), self._writer.page_bytes)
             due = self._ledger.requests_due()
             to_hash = self._ledger.digests_due() if self._digest is not None else []
-        for g in returned:
-            self._conn.send(protocol.CreditReturned(generation=g))
-        for job in placed:
-            assert job.grant is not None
-            g = job.grant.generation
-            self._conn.send(protocol.Placed(manifest=job.manifest, blocks=list(job.share), generation=g))
-        for job in due:
-            self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
+        try:
+            for g in returned:
+                self._conn.send(protocol.CreditReturned(generation=g))
+            for job in placed:
+                assert job.grant is not None
+                g = job.grant.generation
+                self._conn.send(protocol.Placed(manifest=job.manifest, blocks=list(job.share), generation=g))
+            for job in due:
+                self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
+        finally:  # failures of these jobs meanwhile were parked: told after their message (S11)
+            with self._lock:
+                parked = self._ledger.announced(j.request_id for j in placed + due)
+            for f in parked:
+                self.tell_reader(f)
         self._hash(to_hash)
         if placed:
             self._writer.wake()
@@ -490,7 +496,11 @@ class SenderLoop:
     def tell_reader(self, failure: Failure) -> None:
         """A granted request failed: the reader drops its sample (the other ranks' shares
         included: it can never complete). A WRITE still in flight is polled to its end;
-        once none is, the grant is fenced (S9)."""
+        once none is, the grant is fenced (S9). A job whose CreditRequest or Placed this
+        thread is about to send is told after it (S11)."""
+        with self._lock:
+            if self._ledger.park(failure):
+                return
         conn = self._conn
         if conn is not None and failure.tell_reader:
             with contextlib.suppress(OSError):

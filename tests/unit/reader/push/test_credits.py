@@ -140,6 +140,21 @@ def test_r12_r3_a_credits_pages_wait_for_the_fence_of_a_sample_refused_as_placed
     assert s.free + s.granted + s.leased == s.num_pages
 
 
+def test_r12_s11_a_placed_sample_the_producer_refuses_after_its_placed_frees_its_pages_at_the_fence() -> None:
+    """The order the sender keeps (its S11): Placed, then its Refuse, then its Fenced."""
+    led = ledger(pages=12)
+    c1, _ = first_sample(led)
+    led.placed(1, placed("b", c1.generation), 1.0)
+    before = led.pool_state()
+    led.producer_refused(1, protocol.Refuse(code="preempted", message="preempted", request_id="b"), 1.5)
+    assert led.state_of(("p", "b")) is None
+    assert led.pool_state().free == before.free  # its WRITE may still land: not free yet
+    led.fenced(1, protocol.Fenced(request_id="b", generation=c1.generation), 2.0)
+    s = led.pool_state()
+    assert s.quarantined == 0 and s.free > before.free
+    assert s.free + s.granted + s.leased == s.num_pages
+
+
 def test_r12_r4_a_delivered_sample_placed_again_is_acked_and_its_credit_freed_when_it_lands() -> None:
     led = ledger(pages=12, already_delivered=lambda pid, rid: rid == "old")
     c1, _ = first_sample(led)
