@@ -278,23 +278,14 @@ class ReaderLedger:
         prod = self.producers.by_id[pid]
         m = req.manifest
         key = (pid, m.request_id)
-        if self.delivered.known(key):
-            # a resend of a sample already handed out: acknowledge, never deliver twice (R4)
-            self.stats.resends_acked += 1
-            if self.delivered.resent(key, peer):  # its ack still awaited (manual mode): ack it then
-                return []
-            return [Send(peer, protocol.Ack(request_id=m.request_id))]
         assert self.pool is not None and self.page_bytes is not None
         s = self._samples.get(key)
-        if s is None and m.num_tokens > self.config.max_sample_tokens:
-            return self._refusals.over_limit(peer, m, self.config.max_sample_tokens)
-        if s is None and self.config.expect is not None and (differs := self.config.expect.mismatches(m)):
-            return self._refusals.mismatch(peer, m, differs)
-        if s is None and self._book.pending_of(pid, rank) >= self.config.max_pending_per_rank:
-            raise ProtocolError(
-                f"{pid}/rank{rank} has {self.config.max_pending_per_rank} samples promised and not "
-                "handed out: over its bound"
-            )
+        if s is None or self.delivered.known(key):
+            answer = self._answer_instead(peer, m, key)
+            if answer is not None:
+                return answer
+        if s is None and (over := self._over_pending_bound(pid, rank)) is not None:
+            raise ProtocolError(over)
         if s is None:
             s = SampleRecord(
                 key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
@@ -336,21 +327,12 @@ class ReaderLedger:
             problem = f"{m.request_id} needs {need} pages, placed in a credit of {len(credit.pages)}"
         elif key in self._samples:
             problem = f"{m.request_id} placed in a credit, but it was asked for before"
-        elif self._book.pending_of(pid, rank) >= self.config.max_pending_per_rank:
-            bound = self.config.max_pending_per_rank
-            problem = f"{pid}/rank{rank} has {bound} samples promised and not handed out: over its bound"
+        else:
+            problem = self._over_pending_bound(pid, rank)
         if problem is not None:
             self._credit_back(msg.generation, m.request_id, credit, None, now)
             raise ProtocolError(problem)
-        refused: list[Action] | None = None
-        if self.delivered.known(key):  # R4: acknowledged, never delivered twice
-            self.stats.resends_acked += 1
-            owed = self.delivered.resent(key, peer)
-            refused = [] if owed else [Send(peer, protocol.Ack(request_id=m.request_id))]
-        elif m.num_tokens > self.config.max_sample_tokens:
-            refused = self._refusals.over_limit(peer, m, self.config.max_sample_tokens)
-        elif self.config.expect is not None and (differs := self.config.expect.mismatches(m)):
-            refused = self._refusals.mismatch(peer, m, differs)
+        refused = self._answer_instead(peer, m, key)
         if refused is not None:
             self._credit_back(msg.generation, m.request_id, credit, peer, now)
             return refused + self._grant(now)
@@ -366,6 +348,28 @@ class ReaderLedger:
         s.grant(rank)  # its WRITE is on its way: a fence is owed if the sample is dropped
         landed = self.write_done(peer, credit.early, now) if credit.early is not None else []
         return landed + self._grant(now)
+
+    def _answer_instead(self, peer: PeerId, m: protocol.Manifest, key: Key) -> list[Action] | None:
+        """What a new sample gets instead of pages, None if nothing: an Ack if it was
+        delivered before (R4: never twice; none yet while its first ack is owed), a
+        refusal if it is over the token limit or not what the consumer expects."""
+        if self.delivered.known(key):
+            self.stats.resends_acked += 1
+            if self.delivered.resent(key, peer):  # its ack still awaited (manual mode): ack it then
+                return []
+            return [Send(peer, protocol.Ack(request_id=m.request_id))]
+        if m.num_tokens > self.config.max_sample_tokens:
+            return self._refusals.over_limit(peer, m, self.config.max_sample_tokens)
+        if self.config.expect is not None and (differs := self.config.expect.mismatches(m)):
+            return self._refusals.mismatch(peer, m, differs)
+        return None
+
+    def _over_pending_bound(self, pid: str, rank: int) -> str | None:
+        """Why a rank may not promise one more sample (a protocol error), None if it may."""
+        bound = self.config.max_pending_per_rank
+        if self._book.pending_of(pid, rank) < bound:
+            return None
+        return f"{pid}/rank{rank} has {bound} samples promised and not handed out: over its bound"
 
     def credit_returned(self, peer: PeerId, msg: protocol.CreditReturned, now: float) -> list[Action]:
         """A credit given back unused: its pages are the pool's again (R12)."""
