@@ -185,33 +185,33 @@ def gather_lines(
     return lines.gather(2, pick.unsqueeze(2)).squeeze(2), lines
 
 
-def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
-    """The valid token positions of a share's blocks (indices in the sample), in order."""
+def _runs(m: Manifest, share: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The ``[start, end)`` token bounds of each run of the share's consecutive blocks that
+    hold valid tokens (two int64 arrays)."""
     bs, total = m.geometry.block_size, m.num_tokens
     js = np.fromiter(sorted(share), dtype=np.int64)
+    js = js[js * bs < total]
     if not len(js):
-        return np.zeros(0, dtype=np.int64)
-    if js[-1] - js[0] == len(js) - 1:  # one run of blocks (every share but a TP stripe's)
-        return np.arange(js[0] * bs, min((js[-1] + 1) * bs, total), dtype=np.int64)
-    starts = js * bs
-    lengths = np.minimum(bs, total - starts)
+        return js, js
+    cut = np.flatnonzero(np.diff(js) != 1) + 1
+    first, last = js[np.r_[0, cut]], js[np.r_[cut - 1, len(js) - 1]]
+    return first * bs, np.minimum((last + 1) * bs, total)
+
+
+def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
+    """The valid token positions of a share's blocks (indices in the sample), in order."""
+    starts, ends = _runs(m, share)
+    if len(starts) == 1:  # one run of blocks (every share but a TP stripe's)
+        return np.arange(starts[0], ends[0], dtype=np.int64)
+    lengths = ends - starts
     skip = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)  # each run's start less what came before
     return skip + np.arange(lengths.sum(), dtype=np.int64)
 
 
 def share_spans(m: Manifest, share: Iterable[int]) -> list[tuple[int, int]]:
     """The share's valid tokens as ``[start, end)`` ranges, one per run of consecutive blocks."""
-    bs, total = m.geometry.block_size, m.num_tokens
-    spans: list[tuple[int, int]] = []
-    for j in sorted(share):
-        start, end = j * bs, min((j + 1) * bs, total)
-        if start >= end:
-            continue
-        if spans and spans[-1][1] == start:
-            spans[-1] = (spans[-1][0], end)
-        else:
-            spans.append((start, end))
-    return spans
+    starts, ends = _runs(m, share)
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
 def record(m: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) -> int:

@@ -8,6 +8,8 @@ fingerprint samples is not caught (the full checksums are for that)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -174,7 +176,7 @@ def test_the_words_are_a_small_part_of_the_bytes_and_cover_every_block_edge() ->
     assert (other != word).any()  # and from sample to sample
 
 
-def test_a_shares_tokens_are_its_blocks_valid_positions_in_order() -> None:
+def test_a_shares_tokens_and_spans_are_its_blocks_valid_positions_in_order() -> None:
     from kv_connector.wire.protocol import Manifest
 
     g = BlockLayout("TLH", 16, 2, 8, "float32")
@@ -185,6 +187,10 @@ def test_a_shares_tokens_are_its_blocks_valid_positions_in_order() -> None:
         for share in ([], list(range(nb)), list(range(0, nb, 2)), list(range(1, nb, 3)), [nb - 1]):
             want = [p for j in sorted(share) for p in range(j * 16, min((j + 1) * 16, total))]
             assert fingerprint.share_tokens(m, share).tolist() == want, (total, share)
+            spans = fingerprint.share_spans(m, share)  # the same tokens, as maximal runs
+            assert [p for a, b in spans for p in range(a, b)] == want, (total, share)
+            assert all(a < b for a, b in spans), spans
+            assert all(x[1] < y[0] for x, y in itertools.pairwise(spans)), spans
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
