@@ -11,7 +11,8 @@ Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull clien
   where training runs: no host staging, no copy in the trainer. The checks run with
   torch where the pool is, on a stream of the pool's own (they never queue behind the
   training step): fingerprints, each with the values screen of its share's whole rows in
-  the same pass and one wait, and block digests on the GPU; XXH3 (the diagnostic mode,
+  the same pass, either with one wait or queued behind an event that the push reader's
+  serving thread looks at (``queue_fingerprint``), and block digests on the GPU; XXH3 (the diagnostic mode,
   and what rows of no whole number of words get) after one copy of the sample to the
   host. A lease ends in stream order: when a sample is released or its last view is
   collected, an event is recorded on the releasing thread's current stream, and the
@@ -36,6 +37,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -262,6 +264,32 @@ def device_of(pool_device: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+@dataclass
+class QueuedCheck:
+    """A share's fingerprint (and values screen) queued on a device pool's stream, its
+    results copied to host memory behind ``event``: ``result`` reads them once
+    ``event.query()`` says the work is done, and never waits for the device."""
+
+    event: DeviceEvent
+    manifest: Manifest
+    blocks: list[int]
+    words: torch.Tensor  # the sampled words [n, layers], on the host
+    flags: torch.Tensor | None  # ``screen_flags``, on the host; None without the screen
+
+    def result(self) -> tuple[int, RowsScreen | None]:
+        digest = fingerprint.record(self.manifest, self.blocks, self.words)
+        return digest, None if self.flags is None else RowsScreen.of(self.flags)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to pinned host memory on the current stream, not waited for (itself on the host)."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
 class DevicePool:
     """Pool memory on ``device`` (a GPU, or the host for CI), checked with torch there."""
 
@@ -311,6 +339,21 @@ class DevicePool:
             flags = screen_flags(states, fingerprint.share_spans(m, blocks))
             digest = fingerprint.record(m, blocks, words)  # the wait: the flags are done with it
             return digest, RowsScreen.of(flags)
+
+    def queue_fingerprint(self, base: int, m: Manifest, blocks: list[int], screen: bool) -> QueuedCheck:
+        """``checksum`` of kind FINGERPRINT (with ``screen``, ``screened``) queued on the pool's
+        stream and not waited for: the caller looks at the event and reads the result when
+        it is done, so no thread blocks on the device and none is handed the check."""
+        self.visible()
+        with self._side():
+            states = sample_view(run_of(self.tensor, base, m), m)
+            words = _to_host(fingerprint.states_words(states, m, blocks))
+            flags = _to_host(screen_flags(states, fingerprint.share_spans(m, blocks))) if screen else None
+            event: DeviceEvent = HostDone()
+            if self._stream is not None:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self._stream)
+        return QueuedCheck(event, m, blocks, words, flags)
 
     def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
         self.visible()
@@ -385,6 +428,7 @@ __all__ = [
     "LeaseFences",
     "PoolDeviceError",
     "PoolMemory",
+    "QueuedCheck",
     "check_share",
     "device_of",
     "fingerprint_screened",

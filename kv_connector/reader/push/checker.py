@@ -11,11 +11,16 @@ screened on the lines its check reads anyway (``pool.memory.fingerprint_screened
 hand-out then reads nothing more, unless the screen said to look closer.
 
 A fingerprinted share in a host pool is checked on the thread that learned it landed. Its
-check reads a few words a token, less than the hand-off to this thread costs.
+check reads a few words a token, less than the hand-off to this thread costs. In a device
+pool, that thread queues the check on the pool's stream (``DevicePool.queue_fingerprint``)
+and reads its result when the check's event says it is done, in a later turn of its busy
+poll (``settle``): no thread waits for the device and none is handed the sample. The other
+kinds (block digests, XXH3) run here.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -23,7 +28,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from kv_connector.common.device import on_device
-from kv_connector.reader.pool.memory import PoolMemory, check_share
+from kv_connector.reader.pool.memory import DevicePool, LeaseFences, PoolMemory, QueuedCheck, check_share
+from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.push.ledger import ReaderLedger
 from kv_connector.reader.push.records import Action, Verify
 from kv_connector.wire.protocol import ShareChecksum
@@ -46,16 +52,34 @@ class ShareChecker:
         self._lock = lock
         self._perform = perform
         self._q: queue.SimpleQueue[Verify | None] = queue.SimpleQueue()
+        # a device pool (a GPU's, or CI's on the host) queues a fingerprint check on its stream
+        self._device_pool = pool if isinstance(pool, DevicePool) else None
+        self._queued = LeaseFences(pool.device)  # checks queued on the device, with their events
         self._inline = pool.device.type == "cpu"  # host memory: nothing waits for a GPU's stream
         self._thread = threading.Thread(target=self._run, name="hs-reader-check", daemon=True)
         self._thread.start()
 
     def submit(self, v: Verify) -> None:
-        """Check a fingerprinted share of a host pool now, on the caller's thread; queue the others."""
-        if self._inline and v.checksum is ShareChecksum.FINGERPRINT:
+        """Check a fingerprinted share now on the caller's thread (a host pool), or queue it
+        on the device pool's stream (read by ``settle``); hand the others to this thread."""
+        if v.checksum is not ShareChecksum.FINGERPRINT:
+            self._q.put(v)
+        elif self._device_pool is not None:
+            self._queue_logged(v)
+        elif self._inline:
             self._check_logged(v)
         else:
             self._q.put(v)
+
+    @property
+    def waiting(self) -> int:
+        """Checks queued on the device and not read yet."""
+        return self._queued.waiting
+
+    def settle(self) -> int:
+        """Read the queued checks whose work is done (call with the lock held, as the
+        serving thread's busy poll does); returns how many still wait."""
+        return self._queued.settle()
 
     def close(self) -> None:
         self._q.put(None)
@@ -72,6 +96,35 @@ class ShareChecker:
         except Exception:  # a check that cannot run must not stop the others
             log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
 
+    def _queue_logged(self, v: Verify) -> None:
+        try:
+            self._queue(v)
+        except Exception:  # a check that cannot run must not stop the others
+            log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
+
+    def _queue(self, v: Verify) -> None:
+        assert self._device_pool is not None
+        with self._lock:
+            where = self._ledger.share_to_check(v)
+        if where is None:
+            return  # gone, or landed again since: a newer check is queued
+        t0 = time.perf_counter()
+        pool, blocks = self._device_pool, list(where.blocks)
+        queued = pool.queue_fingerprint(where.base, where.manifest, blocks, self._screen)
+        self._queued.add(functools.partial(self._read_logged, v, queued, t0), queued.event)
+
+    def _read_logged(self, v: Verify, queued: QueuedCheck, t0: float) -> None:
+        try:
+            got, screen = queued.result()
+            self._checked(v, got == v.digest, time.perf_counter() - t0, screen)
+        except Exception:
+            log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
+
+    def _checked(self, v: Verify, ok: bool, seconds: float, screen: RowsScreen | None) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, now, seconds, screen))
+
     def _check(self, v: Verify) -> None:
         with self._lock:
             where = self._ledger.share_to_check(v)
@@ -81,7 +134,4 @@ class ShareChecker:
         got, screen = check_share(
             self._pool, where.base, where.manifest, list(where.blocks), v.checksum, self._screen
         )
-        ok, seconds = got == v.digest, time.perf_counter() - t0
-        with self._lock:
-            now = time.monotonic()
-            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, now, seconds, screen))
+        self._checked(v, got == v.digest, time.perf_counter() - t0, screen)

@@ -213,7 +213,7 @@ class ReaderServer:
             with self._lock:
                 due = self._ledger.expecting_writes or self._ledger.departing
             # lease ends waiting for a GPU's queued work are looked at within the busy poll
-            due = due or self._lease_fences.waiting > 0
+            due = due or self._lease_fences.waiting > 0 or self._checker.waiting > 0
             # writers need our progress to finish: poll tightly while WRITEs are due
             try:
                 events = self._sel.select(self._poller.timeout(due))
@@ -247,6 +247,7 @@ class ReaderServer:
     def take_releases(self) -> None:
         """Return the pages of the leases that ended (call with the lock held)."""
         self._lease_fences.settle()
+        self._checker.settle()  # checks queued on a device pool's stream, read once done
         now = time.monotonic()
         while True:
             try:

@@ -109,6 +109,10 @@ def test_a_device_pool_screens_every_value_of_a_share_in_its_check(layout: str, 
     def screens() -> list[RowsScreen | None]:
         got = [dev.screened(BASE, m, s) for s in shares]
         assert [d for d, _ in got] == [dev.checksum(BASE, m, s, ShareChecksum.FINGERPRINT) for s in shares]
+        queued = [dev.queue_fingerprint(BASE, m, s, True) for s in shares]  # the serving thread's way
+        assert all(q.event.query() for q in queued) and [q.result() for q in queued] == got
+        bare = [dev.queue_fingerprint(BASE, m, s, False).result() for s in shares]  # no screen
+        assert bare == [(d, None) for d, _ in got]
         return [screen for _, screen in got]
 
     assert screens() == [RowsScreen(False, (True, True, True))] * 2
