@@ -185,33 +185,35 @@ def gather_lines(
     return lines.gather(2, pick.unsqueeze(2)).squeeze(2), lines
 
 
-def _runs(m: Manifest, share: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The ``[start, end)`` token bounds of each run of the share's consecutive blocks that
-    hold valid tokens (two int64 arrays)."""
+def share_spans(m: Manifest, share: Iterable[int]) -> list[tuple[int, int]]:
+    """The share's valid tokens as ``[start, end)`` ranges, one per run of consecutive blocks."""
     bs, total = m.geometry.block_size, m.num_tokens
-    js = np.fromiter(sorted(share), dtype=np.int64)
-    js = js[js * bs < total]
-    if not len(js):
-        return js, js
-    cut = np.flatnonzero(np.diff(js) != 1) + 1
-    first, last = js[np.r_[0, cut]], js[np.r_[cut - 1, len(js) - 1]]
-    return first * bs, np.minimum((last + 1) * bs, total)
+    js = sorted(share)
+    if not js:
+        return []
+    if js[-1] - js[0] == len(js) - 1:  # one run of blocks (every share but a TP stripe's): no numpy
+        start, end = js[0] * bs, min((js[-1] + 1) * bs, total)
+        return [(start, end)] if start < end else []
+    a = np.asarray(js, dtype=np.int64)
+    a = a[a * bs < total]  # blocks past the last token hold none
+    if not len(a):
+        return []
+    cut = np.flatnonzero(np.diff(a) != 1) + 1
+    first, last = a[np.concatenate(([0], cut))], a[np.concatenate((cut - 1, [len(a) - 1]))]
+    return list(zip((first * bs).tolist(), np.minimum((last + 1) * bs, total).tolist(), strict=True))
 
 
 def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
     """The valid token positions of a share's blocks (indices in the sample), in order."""
-    starts, ends = _runs(m, share)
-    if len(starts) == 1:  # one run of blocks (every share but a TP stripe's)
-        return np.arange(starts[0], ends[0], dtype=np.int64)
-    lengths = ends - starts
+    spans = share_spans(m, share)
+    if len(spans) == 1:
+        return np.arange(spans[0][0], spans[0][1], dtype=np.int64)
+    if not spans:
+        return np.zeros(0, dtype=np.int64)
+    bounds = np.asarray(spans, dtype=np.int64)
+    starts, lengths = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
     skip = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)  # each run's start less what came before
     return skip + np.arange(lengths.sum(), dtype=np.int64)
-
-
-def share_spans(m: Manifest, share: Iterable[int]) -> list[tuple[int, int]]:
-    """The share's valid tokens as ``[start, end)`` ranges, one per run of consecutive blocks."""
-    starts, ends = _runs(m, share)
-    return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
 def record(m: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) -> int:
