@@ -433,10 +433,11 @@ class SenderLoop:
             for job in due:
                 self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
         finally:  # failures of these jobs meanwhile were parked: told after their message (S11)
-            with self._lock:
-                parked = self._ledger.announced(j.request_id for j in placed + due)
-            for f in parked:
-                self.tell_reader(f)
+            if placed or due:
+                with self._lock:
+                    parked = self._ledger.announced(j.request_id for j in placed + due)
+                for f in parked:
+                    self.tell_reader(f)
         self._hash(to_hash)
         if placed:
             self._writer.wake()
