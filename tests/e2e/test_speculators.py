@@ -45,9 +45,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 LAYER_IDS = [1, 2, 4]
 HIDDEN = 128
 LENGTHS = [1, 7, 127, 128, 129, 300, 45, 600, 2, 64, 999, 33]
-READER_LATE_S = 8.0  # the reader starts this long after the driver (connect_timeout_s 5)
+CONNECT_TIMEOUT_S = 5  # the producer's wait for a reader, after which a row fails (and is retried)
+READER_LATE_S = CONNECT_TIMEOUT_S + 2.0  # the reader starts this long after the first rows were served
 TOLERANCE = 0.02  # relative error per sample, bf16 against the fp32 reference
 SPEC_MAIN = REPO / "tests" / "e2e" / "speculators_main.py"
+
+
+def _wait_for_line(log: Path, text: str, timeout_s: float) -> None:
+    """Until ``text`` appears in the server's log (a row was served)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {text!r} in the server's log within {timeout_s:.0f} s:\n{tail(log)}")
+        time.sleep(0.2)
 
 
 def speculators_site() -> Path:
@@ -85,7 +95,7 @@ def test_speculators_loads_every_row_the_driver_and_the_reader_cli_produced(
     try:
         with ApiServer(
             tiny_llama_bf16,
-            {"consumer_address": address_of(held), "connect_timeout_s": 5},
+            {"consumer_address": address_of(held), "connect_timeout_s": CONNECT_TIMEOUT_S},
             LAYER_IDS,
             tmp_path,
             args=["--dtype", "bfloat16", "--block-size", "128"],
@@ -97,6 +107,9 @@ def test_speculators_loads_every_row_the_driver_and_the_reader_cli_produced(
                  "--audit-model", str(tiny_llama_bf16), "--audit-rate", "1"],  # every row's meaning
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
             )  # fmt: skip
+            # late enough that the first rows' samples waited out the producer's
+            # connect_timeout_s, however long the driver takes to start: they fail first
+            _wait_for_line(server.log, "POST /v1/completions", timeout_s=300)
             time.sleep(READER_LATE_S)
             cli = subprocess.Popen(
                 [sys.executable, "-m", "kv_connector.reader", "--listen-fd", str(held.fileno()),
