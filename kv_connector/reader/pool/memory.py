@@ -11,8 +11,8 @@ Two kinds behind one face (``PoolMemory``), chosen by the reader's or pull clien
   where training runs: no host staging, no copy in the trainer. The checks run with
   torch where the pool is, on a stream of the pool's own (they never queue behind the
   training step): fingerprints, each with the values screen of its share's whole rows in
-  the same pass, either with one wait or queued behind an event that the push reader's
-  serving thread looks at (``queue_fingerprint``), and block digests on the GPU; XXH3 (the diagnostic mode,
+  the same pass, queued behind an event that the push reader's serving thread looks at
+  (``queue_fingerprint``) or waited for, and block digests on the GPU; XXH3 (the diagnostic mode,
   and what rows of no whole number of words get) after one copy of the sample to the
   host. A lease ends in stream order: when a sample is released or its last view is
   collected, an event is recorded on the releasing thread's current stream, and the
@@ -281,7 +281,7 @@ class QueuedCheck:
         return digest, None if self.flags is None else RowsScreen.of(self.flags)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied to pinned host memory on the current stream, not waited for (itself on the host)."""
     if t.device.type == "cpu":
         return t
@@ -332,13 +332,9 @@ class DevicePool:
     def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
         """The fingerprint and the screen of the share's whole rows: both queued on the pool's
         stream, then one wait for them (the hand-out then reads nothing more)."""
-        self.visible()
-        with self._side():
-            states = sample_view(run_of(self.tensor, base, m), m)
-            words = fingerprint.states_words(states, m, blocks)
-            flags = screen_flags(states, fingerprint.share_spans(m, blocks))
-            digest = fingerprint.record(m, blocks, words)  # the wait: the flags are done with it
-            return digest, RowsScreen.of(flags)
+        queued = self.queue_fingerprint(base, m, blocks, True)
+        queued.event.synchronize()
+        return queued.result()
 
     def queue_fingerprint(self, base: int, m: Manifest, blocks: list[int], screen: bool) -> QueuedCheck:
         """``checksum`` of kind FINGERPRINT (with ``screen``, ``screened``) queued on the pool's
@@ -347,8 +343,8 @@ class DevicePool:
         self.visible()
         with self._side():
             states = sample_view(run_of(self.tensor, base, m), m)
-            words = _to_host(fingerprint.states_words(states, m, blocks))
-            flags = _to_host(screen_flags(states, fingerprint.share_spans(m, blocks))) if screen else None
+            words = _pinned_copy(fingerprint.states_words(states, m, blocks))
+            flags = _pinned_copy(screen_flags(states, fingerprint.share_spans(m, blocks))) if screen else None
             event: DeviceEvent = HostDone()
             if self._stream is not None:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -65,9 +65,9 @@ class ShareChecker:
         if v.checksum is not ShareChecksum.FINGERPRINT:
             self._q.put(v)
         elif self._device_pool is not None:
-            self._queue_logged(v)
+            self._logged(v, self._queue)
         elif self._inline:
-            self._check_logged(v)
+            self._logged(v, self._check)
         else:
             self._q.put(v)
 
@@ -88,18 +88,13 @@ class ShareChecker:
     def _run(self) -> None:
         on_device(self._pool.device)  # a pool on a GPU is checked there
         while (v := self._q.get()) is not None:
-            self._check_logged(v)
+            self._logged(v, self._check)
 
-    def _check_logged(self, v: Verify) -> None:
+    def _logged(self, v: Verify, step: Callable[..., None], *args: object) -> None:
+        """``step(v, *args)``; a check that cannot run is logged and must not stop the others."""
         try:
-            self._check(v)
-        except Exception:  # a check that cannot run must not stop the others
-            log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
-
-    def _queue_logged(self, v: Verify) -> None:
-        try:
-            self._queue(v)
-        except Exception:  # a check that cannot run must not stop the others
+            step(v, *args)
+        except Exception:
             log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
 
     def _queue(self, v: Verify) -> None:
@@ -111,14 +106,11 @@ class ShareChecker:
         t0 = time.perf_counter()
         pool, blocks = self._device_pool, list(where.blocks)
         queued = pool.queue_fingerprint(where.base, where.manifest, blocks, self._screen)
-        self._queued.add(functools.partial(self._read_logged, v, queued, t0), queued.event)
+        self._queued.add(functools.partial(self._logged, v, self._read, queued, t0), queued.event)
 
-    def _read_logged(self, v: Verify, queued: QueuedCheck, t0: float) -> None:
-        try:
-            got, screen = queued.result()
-            self._checked(v, got == v.digest, time.perf_counter() - t0, screen)
-        except Exception:
-            log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
+    def _read(self, v: Verify, queued: QueuedCheck, t0: float) -> None:
+        got, screen = queued.result()
+        self._checked(v, got == v.digest, time.perf_counter() - t0, screen)
 
     def _checked(self, v: Verify, ok: bool, seconds: float, screen: RowsScreen | None) -> None:
         with self._lock:
