@@ -32,6 +32,9 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
+
+import msgspec
 
 from kv_connector.files.console import RunMonitor
 from kv_connector.files.fp8 import SCALES_KEY, Fp8Scale, quantize
@@ -49,6 +52,8 @@ from kv_connector.reader import (
 )
 from kv_connector.wire import auth
 from kv_connector.wire.control import parse_address
+from kv_connector.wire.layout import DType
+from kv_connector.wire.provenance import Expectation
 
 log = logging.getLogger("kv_connector.reader")
 
@@ -263,8 +268,49 @@ def _parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port); "
         "the address really served is printed as the second line",
     )
+    expect = ap.add_argument_group(
+        "what every sample must be",
+        "a sample that differs is refused to its producer by name, counted (refused_mismatch, the "
+        "metrics' refusals by reason) and never written; unset: anything is taken",
+    )
+    expect.add_argument(
+        "--expect-layers", metavar="IDS", default=None, help="the captured layer ids, in order: 1,2,4"
+    )
+    expect.add_argument(
+        "--expect-model",
+        metavar="NAME",
+        default=None,
+        help="the producer's model, exactly or as its last path components (Qwen/Qwen3-8B "
+        "matches /models/Qwen/Qwen3-8B)",
+    )
+    expect.add_argument("--expect-dtype", choices=list(get_args(DType)), default=None)
+    expect.add_argument("--expect-hidden-size", type=int, metavar="N", default=None)
     ap.add_argument("--log-level", default="INFO")
     return ap
+
+
+def expectation(args: argparse.Namespace) -> Expectation | None:
+    """The ``--expect-*`` flags as the reader's ``expect``; None when none is given.
+    ``ValueError`` names a bad value."""
+    layers: list[int] | None = None
+    if args.expect_layers is not None:
+        try:
+            layers = [int(x) for x in args.expect_layers.split(",")]
+        except ValueError:
+            bad = args.expect_layers
+            raise ValueError(f"--expect-layers: comma-separated integers, not {bad!r}") from None
+    given = {
+        "layer_ids": layers,
+        "dtype": args.expect_dtype,
+        "hidden_size": args.expect_hidden_size,
+        "model": args.expect_model,
+    }
+    if all(v is None for v in given.values()):
+        return None
+    try:
+        return msgspec.convert(given, Expectation)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"--expect-*: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--pool-mib must be positive")
     if not args.sample_timeout > 0:
         return fail("--sample-timeout must be positive")
+    try:
+        expect = expectation(args)
+    except ValueError as e:
+        return fail(str(e))
     try:  # before anything is made on disk: a secret that is set but empty, an open listen
         secret = auth.load_secret()
         if not secret and not args.insecure and args.listen_fd is None:
@@ -335,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             insecure=args.insecure,
             metrics_address=args.metrics,
             check_values=False,  # the files' own check below reads every value (--check-values)
+            expect=expect,
         )
     except MetricsAddressError as e:
         journal.close()
@@ -353,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     print(reader.address, flush=True)
     if reader.metrics_address is not None:
         print(reader.metrics_address, flush=True)
+    if expect is not None:
+        log.info("taking only samples that are %s", describe(expect))
     monitor = RunMonitor(reader)  # the progress line, file metrics, the summary at exit
     fp8 = Fp8Scale(args.fp8) if args.fp8 is not None else None
     files = SampleFiles(reader, out, FileLayout(args.layout), journal, args.check_values, monitor, fp8)
@@ -379,12 +432,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         journal.close()
         monitor.close()
-        summary(files)
+        summary(files, reader.stats().refused_mismatch)
     return 0
 
 
-def summary(files: SampleFiles) -> None:
+def describe(expect: Expectation) -> str:
+    """``expect`` in words: "layers [1, 2, 4], dtype bfloat16, ..."."""
+    parts = [
+        f"{name} {value}"
+        for name, value in (
+            ("layers", expect.layer_ids),
+            ("dtype", expect.dtype),
+            ("hidden size", expect.hidden_size),
+            ("of model", expect.model),
+        )
+        if value is not None
+    ]
+    return ", ".join(parts)
+
+
+def summary(files: SampleFiles, mismatched: int = 0) -> None:
     log.info("done: %d samples written to %s, %d refused", files.written, files.out, files.rejected)
+    if mismatched:
+        log.warning("%d samples were refused for not being what --expect-* says", mismatched)
     if files.unnamed:
         log.warning(
             "%d samples had no integer sample id and were written to %s (speculators does not read them)",

@@ -197,6 +197,43 @@ def test_cli_refuses_samples_with_nan_or_zero_states_and_goes_on(tmp_path: Path)
     journal.close()
 
 
+def test_cli_takes_only_what_its_expect_flags_say_and_refuses_the_rest_by_name(tmp_path: Path) -> None:
+    """``--expect-*``: another model's samples, or other layers, are refused to their
+    producer naming the difference, never written, and counted in the summary; the expected
+    producer's sample is written."""
+    out = tmp_path / "out"
+    model = {"vllm_version": "0.32.0", "model_runner": "v1"}
+    cli, address = start_cli(
+        out, "--max-samples", "1", "--expect-layers", "0,1", "--expect-model", "org/tiny",
+        "--expect-dtype", "float32", "--expect-hidden-size", "32",
+    )  # fmt: skip
+    other = send(address, [{"request_id": "o-1", "num_tokens": 5, "block_ids": [2]}], producer="other",
+                 provenance={**model, "model": "/models/org/huge"})  # fmt: skip
+    layers = send(address, [{"request_id": "l-1", "num_tokens": 5, "block_ids": [2]}], producer="layers",
+                  provenance={**model, "model": "org/tiny"}, layer_ids=[1, 0])  # fmt: skip
+    good = {"request_id": "g-1", "num_tokens": 20, "block_ids": [3, 4]}
+    res = send(address, [good], producer="producer", provenance={**model, "model": "/models/org/tiny"})
+    rc, err = stop(cli)
+    assert rc == 0 and res["rc"] == 0 and res["finished"] == ["g-1"], err[-3000:]
+    assert other["rc"] == 1 and "model /models/org/huge, expected org/tiny" in other["failed"]["o-1"]
+    assert layers["rc"] == 1 and "layer ids [1, 0], expected [0, 1]" in layers["failed"]["l-1"]
+    assert sorted(os.listdir(out)) == [".delivered", ".tmp", "producer"]
+    check_file(out / "producer" / "g-1.safetensors", good)
+    assert "taking only samples that are layers [0, 1], dtype float32, hidden size 32, of model org/tiny" in err
+    assert "2 samples were refused for not being what --expect-* says" in err
+
+
+def test_cli_expect_flags_with_bad_values_end_in_one_line_errors(tmp_path: Path) -> None:
+    for flags, says in (
+        (["--expect-layers", "1,x"], "--expect-layers: comma-separated integers"),
+        (["--expect-layers", "1,1"], "repeat an id"),
+        (["--expect-hidden-size", "0"], "--expect-*"),
+    ):
+        r = run_cli("--listen", "127.0.0.1:0", "--out", str(tmp_path / "o"), *flags)
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and says in errors[0], (flags, r.stderr[-2000:])
+
+
 def test_a_sample_whose_file_cannot_be_written_is_refused_alone(tmp_path: Path) -> None:
     """A file where a producer's directory should be: that producer's sample is refused
     to it with the reason (it fails by name, no restart loop), the other one is written."""
