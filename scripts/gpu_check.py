@@ -293,6 +293,9 @@ def part(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    from scripts.support.stopping import raise_on_termination
+
+    raise_on_termination()  # SIGTERM/SIGHUP unwind like Ctrl-C: every stage's processes stop
     tier = argparse.ArgumentParser(add_help=False)
     tier.add_argument("--tier", choices=["device", "engine", "vllm"], default="vllm")
     known, rest = tier.parse_known_args()

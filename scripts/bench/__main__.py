@@ -3,9 +3,14 @@ summary (``scripts.bench.summary``: the figures, their ceilings and the targets 
 as one JSON object, the last line printed. The first and the last lines name the machine
 and its load.
 
-    python -m scripts.bench             # about 40 minutes on 2 cores; needs an idle machine
-    python -m scripts.bench --only keep # one arm alone (its figures, the same last line)
-    python -m scripts.bench --only protocol
+    python -m scripts.bench               # every arm; needs an idle machine (docs/benchmarks.md
+                                          # gives each CPU kind's time: over 40 minutes on 2 cores)
+    python -m scripts.bench --only ARM    # one arm alone: its line, then its figures as the last
+    python -m scripts.bench --only keep   # the arms: model, datapath, step, pull, protocol, fp8,
+                                          # integrity, audit, keep
+
+Stopped (Ctrl-C, SIGTERM, SIGHUP), it ends every process its arms started, vLLM's servers
+with their engines included, and exits 130 (143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -13,63 +18,70 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from scripts.bench.paired import machine_state
 from scripts.bench.summary import flatten, summarise
+from scripts.support.stopping import Terminated, exit_status, raise_on_termination
+
+ARMS = ("model", "datapath", "step", "pull", "protocol", "fp8", "integrity", "audit", "keep")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__)
-    ap.add_argument("--only", choices=["keep", "protocol"], help="run this arm alone")
-    only = ap.parse_args().only
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+def run_arm(name: str) -> dict[str, Any]:
+    """One arm's result (its module's ``main()``)."""
     from scripts.bench import audit, datapath, fp8, integrity, keep, model, protocol, step
     from scripts.bench.pull import run as pull
 
-    start = machine_state()
-    print("machine at start:", json.dumps(start), flush=True)
-    t0 = time.time()
-    if only == "keep":
-        keep_out = keep.main()
-        print("keep:", json.dumps(keep_out), flush=True)
-        end = machine_state()
-        last = {**keep.figures(keep_out), "machine": {**start, "load_avg_end": end["load_avg"]}}
-        last["seconds"] = round(time.time() - t0, 1)
-        print(json.dumps(last), flush=True)
-        return
-    if only == "protocol":
-        protocol_out = protocol.main()
-        print("protocol:", json.dumps(protocol_out), flush=True)
-        print(json.dumps({k: v for k, v in protocol_out.items() if not k.startswith(("push_", "pull_4"))}))
-        return
-    model_out = model.main()
-    print("model-level:", json.dumps(flatten(model_out)), flush=True)
-    datapath_out = datapath.main()
-    print("data path:", json.dumps(flatten(datapath_out)), flush=True)
-    steps = step.main()
-    print("per step:", json.dumps(steps), flush=True)
-    pull_out = pull.main()
-    print("pull:", json.dumps(pull_out), flush=True)
-    protocol_out = protocol.main()
-    print("protocol:", json.dumps(protocol_out), flush=True)
-    fp8_out = fp8.main()
-    print("fp8 files:", json.dumps(fp8_out), flush=True)
-    integrity_out = integrity.main()
-    print("integrity records:", json.dumps(integrity_out), flush=True)
-    audit_out = audit.main()
-    print("logprob audit:", json.dumps(audit_out), flush=True)
-    keep_out = keep.main()
-    print("keep:", json.dumps(keep_out), flush=True)
-    summary = summarise(model_out, datapath_out, steps, pull_out, fp8_out, protocol_out)
+    mains: dict[str, Callable[[], dict[str, Any]]] = {
+        "model": model.main,
+        "datapath": datapath.main,
+        "step": step.main,
+        "pull": pull.main,
+        "protocol": protocol.main,
+        "fp8": fp8.main,
+        "integrity": integrity.main,
+        "audit": audit.main,
+        "keep": keep.main,
+    }
+    return mains[name]()
+
+
+def only(name: str, start: dict[str, Any], t0: float) -> None:
+    """One arm alone: its line, then its figures as the last line."""
+    from scripts.bench import keep
+
+    out = run_arm(name)
+    print(f"{name}:", json.dumps(flatten(out)), flush=True)
+    if name == "protocol":
+        last = {k: v for k, v in out.items() if not k.startswith(("push_", "pull_4"))}
+    else:
+        last = keep.figures(out) if name == "keep" else flatten(out)
+    end = machine_state()
+    last["machine"] = {**start, "load_avg_end": end["load_avg"]}
+    last["seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(last), flush=True)
+
+
+def everything(start: dict[str, Any], t0: float) -> None:
+    from scripts.bench import keep
+
+    out: dict[str, dict[str, Any]] = {}
+    labels = {"model": "model-level", "datapath": "data path", "step": "per step", "fp8": "fp8 files",
+              "integrity": "integrity records", "audit": "logprob audit"}  # fmt: skip
+    for name in ARMS:
+        out[name] = run_arm(name)
+        print(f"{labels.get(name, name)}:", json.dumps(flatten(out[name])), flush=True)
+    summary = summarise(out["model"], out["datapath"], out["step"], out["pull"], out["fp8"], out["protocol"])
     summary["integrity_cpu_s_per_GB"] = {
         layout: {"producer": m["producer_cpu_s_per_GB"], "reader": m["reader_cpu_s_per_GB"]}
-        for layout, m in integrity_out.items()
+        for layout, m in out["integrity"].items()
     }
-    summary["audit_ms_per_sample"] = audit_out["audit_ms_per_sample"]
-    summary["audit_share_of_consumer_cpu"] = audit_out["audit_share_of_consumer_cpu"]
-    summary.update(keep.figures(keep_out))
+    summary["audit_ms_per_sample"] = out["audit"]["audit_ms_per_sample"]
+    summary["audit_share_of_consumer_cpu"] = out["audit"]["audit_share_of_consumer_cpu"]
+    summary.update(keep.figures(out["keep"]))
     end = machine_state()
     summary["machine"] = {**start, "load_avg_start": start["load_avg"], "load_avg_end": end["load_avg"]}
     del summary["machine"]["load_avg"]
@@ -78,5 +90,26 @@ def main() -> None:
     print(json.dumps(summary), flush=True)
 
 
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__)
+    ap.add_argument("--only", choices=ARMS, help="run this arm alone")
+    arm = ap.parse_args().only
+    raise_on_termination()  # SIGTERM/SIGHUP unwind like Ctrl-C: every arm stops what it started
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    start = machine_state()
+    print("machine at start:", json.dumps(start), flush=True)
+    t0 = time.time()
+    try:
+        if arm is not None:
+            only(arm, start, t0)
+        else:
+            everything(start, t0)
+    except KeyboardInterrupt as e:
+        print(f"stopped ({e or 'SIGINT'}) after {time.time() - t0:.0f} s", flush=True)
+        return exit_status(e) if isinstance(e, Terminated) else 130
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

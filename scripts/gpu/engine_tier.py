@@ -66,6 +66,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from scripts.support.stopping import ends_with_parent
+
 REPO = Path(__file__).resolve().parents[2]
 CARRY = REPO / ".gpu-carry" / "engine"
 VLLM_TAR = "vllm-0.33.0-py.tar.xz"
@@ -241,7 +243,13 @@ def spawn_stage(name: str, work: Path, env: dict[str, str], limit_s: float) -> d
     t0 = time.monotonic()
     with log_file.open("wb") as log:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=ends_with_parent(),  # not left holding the GPU if the check dies
         )
         timed_out = False
         try:
@@ -250,7 +258,8 @@ def spawn_stage(name: str, work: Path, env: dict[str, str], limit_s: float) -> d
             timed_out = True
             kill_group(proc)
             rc = proc.wait()
-        kill_group(proc)  # whatever it left running (an engine core holding the GPU)
+        finally:
+            kill_group(proc)  # what it left running (an engine core holding the GPU), stopped or not
     seconds = round(time.monotonic() - t0, 1)
     text = log_file.read_text(errors="replace")
     out: dict[str, Any]

@@ -8,7 +8,9 @@ CPU build's ``vllm`` console script dies at start (PackageNotFoundError), so the
 ``vllm.entrypoints.openai.api_server`` is run directly: it takes ``vllm serve``'s flags.
 The server logs to a file (it logs a lot, and a pipe nobody reads would block it), whose
 tail every failure quotes. It runs in a process group of its own: ``stop()`` ends the
-server and whatever it started (engine core, workers), and returns once the group is empty.
+server and whatever it started (engine core, workers), and returns once the group is empty;
+if the process that started it dies first, the kernel sends it SIGTERM
+(``scripts.support.stopping``).
 
     with VllmServer(model, connector_config({"delivery": "pull"}), [1, 2], workdir) as server:
         server.http.post_json("/v1/completions", {...})
@@ -29,6 +31,7 @@ from typing import Any
 
 from kv_connector.datagen.httpclient import Server as Http
 from scripts.support.deaths import FAULT_ENV, explain
+from scripts.support.stopping import ends_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_DEADLINE_S = 420.0
@@ -112,7 +115,13 @@ class VllmServer:
     def start(self) -> VllmServer:
         with self.log.open("wb") as f:  # a file, not a pipe: the server logs a lot and must not block
             self.proc = subprocess.Popen(
-                self.cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
+                self.cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=REPO,
+                start_new_session=True,
+                preexec_fn=ends_with_parent(),  # not left behind if whoever started it dies
             )
         self.t0 = time.monotonic()
         return self
