@@ -9,6 +9,7 @@ Prometheus endpoint is scraped at the end.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import sys
@@ -16,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from scripts.support.stopping import raise_on_termination
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--out", default="demo-out", help="where the tiny model is built")
     args = ap.parse_args()
+    raise_on_termination()  # SIGTERM/SIGHUP unwind like Ctrl-C: vLLM's engine stops with the demo
 
     import torch
 
@@ -81,6 +85,8 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    quiet_chat_template_warmup()
 
     llm = LLM(
         model=str(model),
@@ -152,14 +158,30 @@ def main() -> None:
         raise SystemExit(1)
 
 
+class _NoChatTemplateWarmup(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning and its traceback where the failure
+    is the missing tokenizer: the tiny model has none (``skip_tokenizer_init``), its prompts
+    are token ids, and no chat template is ever rendered."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Chat template warmup failed"):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, ValueError) and "skip_tokenizer_init" in str(error))
+
+
+def quiet_chat_template_warmup() -> None:
+    """vLLM's ``LLM`` warms its chat template up at start, which cannot work without a
+    tokenizer: its warning (a traceback a newcomer reads as a failure) is dropped."""
+    logging.getLogger("vllm.renderers.base").addFilter(_NoChatTemplateWarmup())
+
+
 def shut_down(llm: Any) -> None:
     """Stop vLLM's engine before the reader closes, its own shutdown notes silenced.
 
     The producer closes its connections first, so the reader's close is not taken for a
     lost reader (a retry warning) and the engine does not die at interpreter exit.
     """
-    import logging
-
     logging.getLogger("vllm").setLevel(logging.WARNING)
     llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
 

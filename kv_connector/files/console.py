@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from kv_connector.files.progress import RateWindow, Reading
+from kv_connector.files.progress import RATE_WINDOW_S, RateWindow, Reading
 from kv_connector.files.stats import FileStats
 from kv_connector.reader import HiddenStatesReader
 
@@ -67,7 +67,8 @@ class ProgressPrinter:
         self.stream = stream if stream is not None else sys.stderr
         self.live = self.stream.isatty() if tty is None else tty
         self.interval_s = interval_s or (LIVE_INTERVAL_S if self.live else LOG_INTERVAL_S)
-        self.progress = RateWindow()
+        # a log line's rates cover the time since the line before it, not only its last seconds
+        self.progress = RateWindow() if self.live else RateWindow(max(RATE_WINDOW_S, self.interval_s))
         self._lock = threading.Lock()
         self._shown = False
         self._stop = threading.Event()

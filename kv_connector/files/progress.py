@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from kv_connector.files.stats import FileStats
 from kv_connector.reader import PoolState, ReaderStats
 
+RATE_WINDOW_S = 5.0  # the live line's rates: over its last seconds
+
 
 @dataclass(frozen=True)
 class Reading:
@@ -49,7 +51,7 @@ def pool_use(pool: PoolState) -> float | None:
 class RateWindow:
     """Rates over the last ``window_s`` seconds of readings, and the run's extremes."""
 
-    def __init__(self, window_s: float = 5.0) -> None:
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
         if window_s <= 0:
             raise ValueError("window_s must be positive")
         self.window_s = window_s
@@ -70,6 +72,10 @@ class RateWindow:
         if use is not None:
             self.peak_pool_use = max(self.peak_pool_use, use)
 
+    def measured(self) -> bool:
+        """Whether the window holds a time span to take rates over."""
+        return len(self._recent) >= 2 and self._recent[-1].t > self._recent[0].t
+
     def rates(self) -> tuple[float, float, float]:
         """(samples/s, tokens/s, bytes/s) over the window; zeros until two readings."""
         if len(self._recent) < 2:
@@ -81,22 +87,20 @@ class RateWindow:
         return (b.samples - a.samples) / dt, (b.tokens - a.tokens) / dt, (b.bytes - a.bytes) / dt
 
     def line(self) -> str:
-        """``1,234 samples | 45.6k tok/s | 1.23 GB/s | pool 37% (2 waiting) | 2 producers``"""
+        """``1,234 samples | 45.6k tok/s | 1.23 GB/s | pool 37% (2 waiting) | 2 producers``; the
+        rates appear once there are two readings to take them over."""
         r = self.last
         if r is None:
             return "waiting for producers"
-        _, tok_s, byte_s = self.rates()
         use = pool_use(r.pool)
         pool = "pool -" if use is None else f"pool {100 * use:.0f}%"
         if r.pool.waiting:
             pool += f" ({r.pool.waiting} waiting)"
-        parts = [
-            f"{r.samples:,} samples",
-            f"{si(tok_s)} tok/s",
-            f"{byte_s / 1e9:.2f} GB/s",
-            pool,
-            f"{r.producers} producer{'' if r.producers == 1 else 's'}",
-        ]
+        parts = [f"{r.samples:,} samples"]
+        if self.measured():  # no rate before two readings: a 0.00 there would mean nothing
+            _, tok_s, byte_s = self.rates()
+            parts += [f"{si(tok_s)} tok/s", f"{byte_s / 1e9:.2f} GB/s"]
+        parts += [pool, f"{r.producers} producer{'' if r.producers == 1 else 's'}"]
         if r.files:
             parts.append(f"{r.files:,} files")
         return " | ".join(parts)

@@ -20,7 +20,7 @@ def test_the_progress_line_shows_rates_over_its_window() -> None:
     p = RateWindow(window_s=5.0)
     assert p.line() == "waiting for producers"
     p.add(reading(0.0, 0))
-    assert p.line() == "0 samples | 0 tok/s | 0.00 GB/s | pool 0% | 1 producer"
+    assert p.line() == "0 samples | pool 0% | 1 producer"  # one reading: no rate to speak of
     p.add(reading(1.0, 100, free=6, waiting=2, producers=2))
     assert p.line() == "100 samples | 100.0k tok/s | 0.20 GB/s | pool 40% (2 waiting) | 2 producers"
     for t in range(2, 12):
@@ -72,7 +72,7 @@ def test_the_live_line_is_cleared_for_a_log_record_and_stays_at_the_end() -> Non
         logging.getLogger("kv_connector.test").warning("after")  # the filter is gone
     finally:
         root.removeHandler(handler)
-    first = "0 samples | 0 tok/s | 0.00 GB/s | pool 0% | 1 producer"
+    first = "0 samples | pool 0% | 1 producer"
     last = "10 samples | 10.0k tok/s | 0.02 GB/s | pool 0% | 1 producer"
     assert out.getvalue() == f"\r{first}\x1b[K\r\x1b[Ksomething happened\n\r{last}\x1b[K\nafter\n"
 
@@ -93,3 +93,21 @@ def test_off_a_terminal_progress_goes_out_as_plain_lines() -> None:
     printer.close()  # a last reading, for the summary; no line
     assert lines == ["10 samples | 10.0k tok/s | 0.02 GB/s | pool 0% | 1 producer"]
     assert printer.progress.last is not None and printer.progress.last.samples == 20
+
+
+def test_a_log_lines_rates_cover_the_time_since_the_line_before() -> None:
+    """Off a terminal a line comes every ``interval_s`` (10 s): its rates are over that whole
+    interval, not its last 5 s (which read 0.00 GB/s whenever samples came in bursts)."""
+    import io
+
+    from kv_connector.files.console import ProgressPrinter
+
+    lines: list[str] = []
+    readings = iter([reading(0.0, 0), reading(3.0, 30), reading(10.0, 30), reading(20.0, 30)])
+    printer = ProgressPrinter(lambda: next(readings), stream=io.StringIO(), interval_s=10, emit=lines.append)
+    printer.tick()
+    printer.tick()  # t=3: 30 samples in 3 s
+    printer.tick()  # t=10: none since t=3, but 30 in the 10 s since the first reading
+    assert lines[-1] == "30 samples | 3.0k tok/s | 0.01 GB/s | pool 0% | 1 producer"
+    printer.tick()  # t=20: none in the last 10 s: idle, and it says so
+    assert lines[-1] == "30 samples | 0 tok/s | 0.00 GB/s | pool 0% | 1 producer"
