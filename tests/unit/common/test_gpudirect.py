@@ -91,7 +91,7 @@ from kv_connector.common.gpudirect import Flush
 from kv_connector.reader.pool.lease import CopyBuffers, Lease
 from kv_connector.reader.pool.memory import make_pool
 from kv_connector.wire.protocol import ShareChecksum
-from tests.unit.reader.pool.test_memory import manifest
+from tests.unit.reader.pool.helpers import manifest
 
 m = manifest("TLH", "bfloat16", 40)
 for device in ("cpu", None):  # the device pool on the host device, the host pool

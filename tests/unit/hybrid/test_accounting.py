@@ -25,7 +25,7 @@ import pytest
 
 from hybrid.shapes import HybridShape
 from tests.isa import KINDS, as_if_cpu
-from tests.unit.hybrid.test_shapes import QWEN3_5_9B, QWEN3_NEXT_80B_A3B
+from tests.unit.hybrid.shapes import QWEN3_5_9B, QWEN3_NEXT_80B_A3B
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from hybrid.shapes import FULL, LINEAR, SLIDING, HybridShape
-from tests.unit.hybrid.test_shapes import QWEN3_NEXT_80B_A3B
+from tests.unit.hybrid.shapes import QWEN3_NEXT_80B_A3B
 
 pytestmark = pytest.mark.slow
 

@@ -1,121 +1,18 @@
 """Hybrid-model shapes read from config.json, and the exact-budget block count (pure
 logic: no vllm). The published config.json dicts of Qwen3-Next-80B-A3B and Qwen3.5-9B
-live here for the tests that run vLLM's functions on them (test_hybrid_accounting)."""
+live in ``tests.unit.hybrid.shapes``, shared with the tests that run vLLM's functions on
+them (test_accounting, test_mixed)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hybrid.shapes import FULL, LINEAR, HybridShape, exact_num_blocks, parse_layer_ids
-
-# Qwen/Qwen3-Next-80B-A3B-Instruct config.json as published on Hugging Face (every field).
-QWEN3_NEXT_80B_A3B: dict[str, Any] = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "decoder_sparse_step": 1,
-    "eos_token_id": 151645,
-    "full_attention_interval": 4,
-    "head_dim": 256,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 5120,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_value_head_dim": 128,
-    "max_position_embeddings": 262144,
-    "mlp_only_layers": [],
-    "model_type": "qwen3_next",
-    "moe_intermediate_size": 512,
-    "norm_topk_prob": True,
-    "num_attention_heads": 16,
-    "num_experts": 512,
-    "num_experts_per_tok": 10,
-    "num_hidden_layers": 48,
-    "num_key_value_heads": 2,
-    "output_router_logits": False,
-    "partial_rotary_factor": 0.25,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 10000000,
-    "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 512,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.57.0.dev0",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
-
-# Qwen/Qwen3.5-9B config.json as published (language model under text_config; the
-# vision tower's fields do not touch the KV cache and are abridged).
-QWEN3_5_9B: dict[str, Any] = {
-    "architectures": ["Qwen3_5ForConditionalGeneration"],
-    "model_type": "qwen3_5",
-    "image_token_id": 248056,
-    "video_token_id": 248057,
-    "vision_start_token_id": 248053,
-    "vision_end_token_id": 248054,
-    "tie_word_embeddings": False,
-    "text_config": {
-        "model_type": "qwen3_5_text",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "attn_output_gate": True,
-        "dtype": "bfloat16",
-        "eos_token_id": 248044,
-        "full_attention_interval": 4,
-        "head_dim": 256,
-        "hidden_act": "silu",
-        "hidden_size": 4096,
-        "initializer_range": 0.02,
-        "intermediate_size": 12288,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_value_head_dim": 128,
-        "mamba_ssm_dtype": "float32",
-        "max_position_embeddings": 262144,
-        "mlp_only_layers": [],
-        "mtp_num_hidden_layers": 1,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 32,
-        "num_key_value_heads": 4,
-        "rms_norm_eps": 1e-06,
-        "rope_parameters": {
-            "mrope_interleaved": True,
-            "mrope_section": [11, 11, 10],
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 10000000,
-            "rope_type": "default",
-        },
-        "use_cache": True,
-        "vocab_size": 248320,
-    },
-    "vision_config": {
-        "depth": 27,
-        "hidden_size": 1152,
-        "intermediate_size": 4304,
-        "num_heads": 16,
-        "out_hidden_size": 4096,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    },
-}
-QWEN3_5_9B["text_config"]["layer_types"] = QWEN3_5_9B["text_config"]["layer_types"] * 8
+from tests.unit.hybrid.shapes import QWEN3_5_9B, QWEN3_NEXT_80B_A3B
 
 
 def test_qwen3_next_shape() -> None:

@@ -10,7 +10,7 @@ import pytest
 from kv_connector.producer.pull.hold_fences import FenceTable
 from kv_connector.producer.pull.ledger import PullLedger
 from kv_connector.wire import protocol
-from tests.unit.producer.test_pull_ledger import held
+from tests.unit.producer.helpers import held
 
 
 def table(n: int = 8, first: int | None = None) -> FenceTable:

@@ -8,7 +8,7 @@ import pytest
 
 from kv_connector.producer.pull.hold_states import HOLDS, HoldEvent, HoldState, IllegalTransition
 from kv_connector.producer.pull.ledger import PullLedger
-from tests.unit.producer.test_pull_ledger import held
+from tests.unit.producer.helpers import held
 
 
 def test_every_state_is_reachable_and_only_held_has_a_way_out() -> None:

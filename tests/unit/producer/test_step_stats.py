@@ -26,7 +26,7 @@ from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.stats import SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason, SampleFailure
-from tests.unit.sender.test_ledger import PAGE, POOL, grant, post, submit, to_writing
+from tests.unit.sender.helpers import PAGE, POOL, grant, post, submit, to_writing
 
 
 def refused(code: protocol.RefuseCode) -> SampleFailure:

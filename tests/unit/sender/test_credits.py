@@ -7,20 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kv_connector.sender.job_states import JobState
-from kv_connector.sender.ledger import SendLedger
-from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason
 from kv_connector.wire.protocol import ProtocolError
-from tests.unit.sender.test_ledger import PAGE, POOL, ledger, post, submit
-
-
-def credit(generation: int, first: int = 0, pages: int = 3) -> protocol.Credit:
-    return protocol.Credit(generation=generation, first_page=first, num_pages=pages)
-
-
-def held(led: SendLedger, *credits: protocol.Credit) -> None:
-    for c in credits:
-        led.on_credit(c, PAGE, POOL)
+from tests.unit.sender.helpers import PAGE, POOL, credit, held, ledger, post, submit
 
 
 def test_s10_a_new_job_is_placed_in_a_credit_at_its_start_with_no_request() -> None:

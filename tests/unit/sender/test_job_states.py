@@ -9,7 +9,7 @@ import pytest
 
 from kv_connector.sender import job_states
 from kv_connector.sender.job_states import JOBS, IllegalJobTransition, JobEnd, JobEvent, JobState, end, step
-from tests.unit.sender.test_ledger import PAGE, ledger, post, submit, to_writing
+from tests.unit.sender.helpers import PAGE, ledger, post, submit, to_writing
 
 
 def test_every_state_and_end_is_reachable_and_only_the_ends_are_terminal() -> None:

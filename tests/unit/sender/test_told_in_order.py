@@ -18,8 +18,7 @@ from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import LoopParts, SenderLoop
 from kv_connector.wire import handshake, protocol
 from kv_connector.wire.failure import FailureReason
-from tests.unit.sender.test_credits import credit, held
-from tests.unit.sender.test_ledger import PAGE, ledger, submit
+from tests.unit.sender.helpers import PAGE, credit, held, ledger, submit
 
 
 class _Writer:

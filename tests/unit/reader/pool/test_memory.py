@@ -29,30 +29,7 @@ from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import ShareChecksum
-
-POOL = 1 << 20
-BASE = 4096
-
-
-class Later:
-    """An event that is done once told so."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-
-def manifest(layout: str, dtype: str, tokens: int) -> protocol.Manifest:
-    g = BlockLayout(layout, 16, 3, 64, dtype)  # type: ignore[arg-type]
-    return protocol.Manifest(
-        request_id="r",
-        token_ids=list(range(tokens)),
-        layer_ids=[2, 5, 7],
-        geometry=g,
-        num_blocks=g.blocks_for(tokens),
-    )
+from tests.unit.reader.pool.helpers import BASE, POOL, Later, manifest
 
 
 def both_pools(m: protocol.Manifest, seed: int = 0) -> tuple[HostPool, DevicePool]:

@@ -20,7 +20,7 @@ from kv_connector.reader.push.checker import ShareChecker
 from kv_connector.reader.push.records import Action, ShareToCheck, Verify
 from kv_connector.wire import fingerprint
 from kv_connector.wire.protocol import ShareChecksum
-from tests.unit.reader.pool.test_memory import BASE, POOL, Later, manifest
+from tests.unit.reader.pool.helpers import BASE, POOL, Later, manifest
 
 
 class _Ledger:

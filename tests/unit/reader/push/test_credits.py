@@ -11,7 +11,7 @@ from kv_connector.reader.push.ledger import ReaderLedger
 from kv_connector.reader.push.records import SampleState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import ProtocolError
-from tests.unit.reader.push.test_ledger import (
+from tests.unit.reader.push.helpers import (
     check_all,
     connected,
     credit,

@@ -15,7 +15,7 @@ from kv_connector.reader.push.metrics import ReaderCollector
 from kv_connector.reader.push.records import Verify
 from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
-from tests.unit.reader.push.test_ledger import (
+from tests.unit.reader.push.helpers import (
     PAGE,
     connected,
     credit,

@@ -17,7 +17,7 @@ from kv_connector.reader.push.sample_states import (
     end,
     step,
 )
-from tests.unit.reader.push.test_ledger import ledger, verified, written
+from tests.unit.reader.push.helpers import ledger, verified, written
 
 
 def test_every_state_and_end_is_reachable_and_only_the_ends_are_terminal() -> None:
