@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from scripts.bench import keep
-from tests.e2e.test_speculators import speculators_site
+from tests.e2e.common import speculators_site
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

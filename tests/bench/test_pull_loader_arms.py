@@ -23,7 +23,7 @@ import pytest
 from scripts.bench.pull.loader import Loader, loaders
 from scripts.bench.pull.servers import servers
 from scripts.bench.pull.shape import HIDDEN, LAYER_IDS, NULL_ARM, ROW_TOKENS
-from tests.e2e.test_speculators import speculators_site
+from tests.e2e.common import speculators_site
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

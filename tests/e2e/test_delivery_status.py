@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
+from tests.e2e.common import BLOCK, LAYER_IDS
 from tests.e2e.conftest import Reference, prompts_of, relative_error, run_producer, start_producer
-from tests.e2e.test_producer_pipeline import BLOCK, LAYER_IDS
 from tests.ports import address_of, held_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

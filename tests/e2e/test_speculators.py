@@ -34,21 +34,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.e2e.api_server import ApiServer, tail
+from tests.e2e.common import HIDDEN, LAYER_IDS, SPEC_MAIN, speculators_site
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
 from tests.ports import address_of, held_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-# The tiny Llama has 4 layers: ids 1 and 2 are the drafter's auxiliary layers, 4 (the
-# layer count) the final layer's output before the norm, which speculators takes as the
-# verifier's last hidden state (the last of the captured layers).
-LAYER_IDS = [1, 2, 4]
-HIDDEN = 128
 LENGTHS = [1, 7, 127, 128, 129, 300, 45, 600, 2, 64, 999, 33]
 CONNECT_TIMEOUT_S = 5  # the producer's wait for a reader, after which a row fails (and is retried)
 READER_LATE_S = CONNECT_TIMEOUT_S + 2.0  # the reader starts this long after the first rows were served
 TOLERANCE = 0.02  # relative error per sample, bf16 against the fp32 reference
-SPEC_MAIN = REPO / "tests" / "e2e" / "speculators_main.py"
 
 
 def _wait_for_line(log: Path, text: str, timeout_s: float) -> None:
@@ -58,14 +53,6 @@ def _wait_for_line(log: Path, text: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"no {text!r} in the server's log within {timeout_s:.0f} s:\n{tail(log)}")
         time.sleep(0.2)
-
-
-def speculators_site() -> Path:
-    env = os.environ.get("SPECULATORS_SITE")
-    site = Path(env) if env else Path(sys.prefix) / "speculators-site-packages"
-    if not (site / "speculators").is_dir() or not (site / "hs_connectors").is_dir():
-        pytest.skip(f"speculators is not installed in {site} (scripts/setup_env.sh installs it)")
-    return site
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kv_connector.reader import HiddenStatesReader, Sample
 
 REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "kv_connector.reader"]  # the reader CLI
 
 # the caches the sender processes ship from, and the samples planned on them
 NUM_CACHE_BLOCKS = 64
@@ -228,3 +229,29 @@ class Senders:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+def start_cli(out: Path, *args: str, **kw: Any) -> tuple[subprocess.Popen[str], str]:
+    """The reader CLI on any free port; returns it and the address it printed."""
+    cli = subprocess.Popen(
+        [*CLI, "--listen", "127.0.0.1:0", "--out", str(out), "--pool-mib", "1", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+    assert cli.stdout is not None
+    address = cli.stdout.readline().strip()
+    assert address, cli.communicate()[1][-3000:]
+    return cli, address
+
+
+def stop_cli(cli: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str]:
+    """Wait for the reader CLI to exit (killed after ``timeout``): its status and stderr."""
+    try:
+        rc = cli.wait(timeout=timeout)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        _, err = cli.communicate()
+    return rc, err

@@ -10,7 +10,7 @@ import pytest
 from tests.integration.common import Senders
 
 if TYPE_CHECKING:
-    from tests.integration.test_pull import Producer
+    from tests.integration.pull_common import Producer
 
 
 @pytest.fixture

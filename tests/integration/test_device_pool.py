@@ -24,7 +24,7 @@ from tests.integration.common import (
     same_bytes,
     token_ids,
 )
-from tests.integration.test_pull import LAYER_IDS, NUM_CACHE_BLOCKS, SEED, Producer, samples_spec, spec_of
+from tests.integration.pull_common import LAYER_IDS, NUM_CACHE_BLOCKS, SEED, Producer, samples_spec, spec_of
 
 pytestmark = pytest.mark.integration
 

@@ -30,7 +30,7 @@ from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from kv_connector.wire.provenance import Expectation
 from scripts.support.proc_tree import made_a_nixl_agent
 from tests.integration.common import REPO, child_env, expected_states, make_cache, token_ids
-from tests.integration.test_pull import LTH, NUM_CACHE_BLOCKS, SEED, TLH, Producer, samples_spec, spec_of
+from tests.integration.pull_common import LTH, NUM_CACHE_BLOCKS, SEED, TLH, Producer, samples_spec, spec_of
 
 pytestmark = pytest.mark.integration
 

@@ -18,16 +18,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kv_connector.wire.layout import BlockLayout
-from tests.e2e.test_speculators import speculators_site
+from tests.e2e.common import speculators_site
 from tests.integration.common import (
     REPO,
     expected_states,
     finish_sender,
     layout_dict,
     make_cache,
+    start_cli,
     start_sender,
+    stop_cli,
 )
-from tests.integration.test_reader_cli import start_cli, stop
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +49,7 @@ def test_speculators_fp8transfer_reads_every_fp8_file(scale: str, tmp_path: Path
         address=address, layout=layout_dict(LAYOUT), num_cache_blocks=16, seed=4, finite=True, samples=SAMPLES
     )
     res = finish_sender(start_sender(spec))
-    rc, err = stop(cli)
+    rc, err = stop_cli(cli)
     assert rc == 0 and res["rc"] == 0 and not res["failed"], err[-3000:]
     cache = make_cache(LAYOUT, 16, 4, finite=True)
     originals = {

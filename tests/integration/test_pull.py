@@ -8,9 +8,7 @@ match its checksum (XXH3 of its bytes, or block digests taken where the cache is
 
 from __future__ import annotations
 
-import json
 import pickle
-import random
 import subprocess
 import sys
 import time
@@ -25,112 +23,19 @@ from kv_connector.wire import protocol
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from kv_connector.wire.layout import BlockLayout, stripe
 from kv_connector.wire.provenance import Expectation
-from tests.integration.common import REPO, child_env, expected_states, layout_dict, make_cache, token_ids
+from tests.integration.common import REPO, child_env, expected_states, make_cache, token_ids
+from tests.integration.pull_common import (
+    LAYER_IDS,
+    LTH,
+    NUM_CACHE_BLOCKS,
+    SEED,
+    TLH,
+    Producer,
+    samples_spec,
+    spec_of,
+)
 
 pytestmark = pytest.mark.integration
-
-LAYER_IDS = [1, 2, 4]
-NUM_CACHE_BLOCKS = 48
-SEED = 7
-
-
-class Producer:
-    """The producer process: ``handles`` of its samples; ``poll()`` runs an engine step."""
-
-    def __init__(self, spec: dict[str, Any], env: dict[str, str | None] | None = None) -> None:
-        self.spec = spec
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "integration" / "pull_producer_main.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(env),
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            _, err = self.proc.communicate(timeout=30)
-            raise AssertionError(f"producer died: {err[-3000:]}")
-        first = json.loads(line)
-        self.handles: dict[str, str] = first["handles"]
-        self.endpoints: list[str] = first["endpoints"]
-
-    def poll(self) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("poll\n")
-        self.proc.stdin.flush()
-        result: dict[str, Any] = json.loads(self.proc.stdout.readline())
-        return result
-
-    def settled(self, held: list[int], within_s: float = 10.0) -> dict[str, Any]:
-        """Poll until each rank holds ``held`` samples (or ``within_s`` passes); the last
-        poll. A fenced release gets no answer: its rank takes it when it comes."""
-        deadline = time.monotonic() + within_s
-        while (polled := self.poll())["held"] != held and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return polled
-
-    def fault(self, request_id: str, kind: str) -> None:
-        """One fault of docs/reliability.md on the sample's blocks (pull_producer_main.py)."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"fault {request_id} {kind}\n")
-        self.proc.stdin.flush()
-        assert json.loads(self.proc.stdout.readline()) == "faulted"
-
-    def end(self, request_id: str, how: str) -> None:
-        """The sample's hold ends right after each rank answers its next fetch (``how``:
-        "released" or "reassigned"), while the consumer READs."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"end {request_id} {how}\n")
-        self.proc.stdin.flush()
-        assert json.loads(self.proc.stdout.readline()) == "ending"
-
-    def garble(self, request_id: str) -> None:
-        """Change the first state of the sample's first block in the producer's cache."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"garble {request_id}\n")
-        self.proc.stdin.flush()
-        assert json.loads(self.proc.stdout.readline()) == "garbled"
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            try:
-                _, err = self.proc.communicate("quit\n", timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                _, err = self.proc.communicate()
-            return err
-        return ""
-
-
-def samples_spec(n: int, layout: BlockLayout, seed: int = 3) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        tokens = rng.choice(
-            [1, layout.block_size - 1, layout.block_size, layout.block_size + 1, 3 * layout.block_size + 5]
-        )
-        nb = layout.blocks_for(tokens)
-        out.append(
-            {
-                "request_id": f"req-{i}",
-                "num_tokens": tokens,
-                "block_ids": rng.sample(range(NUM_CACHE_BLOCKS), nb),
-            }
-        )
-    return out
-
-
-def spec_of(layout: BlockLayout, samples: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return dict(
-        layout=layout_dict(layout), num_cache_blocks=NUM_CACHE_BLOCKS, seed=SEED, layer_ids=LAYER_IDS,
-        samples=samples, **extra,
-    )  # fmt: skip
-
-
-LTH = BlockLayout("LTH", 16, 3, 32, "float32")
-TLH = BlockLayout("TLH", 16, 3, 32, "bfloat16")
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -411,7 +316,6 @@ os.kill(os.getpid(), signal.SIGKILL)  # a DataLoader worker killed before its re
 def test_a_sample_read_by_a_consumer_killed_before_its_release_is_freed_by_the_timeout(
     producers: list[Producer],
 ) -> None:
-    import time
 
     p = Producer(spec_of(LTH, samples_spec(1, LTH), timeout_s=12.0))
     producers.append(p)

@@ -11,7 +11,6 @@ import resource
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +22,22 @@ from kv_connector.files.journal import Journal
 from kv_connector.files.naming import safe_name
 from kv_connector.wire.layout import BlockLayout
 from tests.integration.common import (
+    CLI,
     expected_states,
     finish_sender,
     layout_dict,
     make_cache,
     same_bytes,
+    start_cli,
     start_sender,
+    stop_cli,
     token_ids,
 )
 from tests.ports import address_of, held_port
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-m", "kv_connector.reader"]
 LAYOUT = BlockLayout("LTH", 16, 2, 32, "float32")
-
-
-def start_cli(out: Path, *args: str, **kw: Any) -> tuple[subprocess.Popen[str], str]:
-    """The reader CLI on any free port; returns it and the address it printed."""
-    cli = subprocess.Popen(
-        [*CLI, "--listen", "127.0.0.1:0", "--out", str(out), "--pool-mib", "1", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-    assert cli.stdout is not None
-    address = cli.stdout.readline().strip()
-    assert address, cli.communicate()[1][-3000:]
-    return cli, address
 
 
 def send(
@@ -60,16 +46,6 @@ def send(
     spec = dict(address=address, layout=layout_dict(LAYOUT), num_cache_blocks=16, seed=9, finite=True,
                 samples=samples, producer_id=producer, **kw)  # fmt: skip
     return finish_sender(start_sender(spec))
-
-
-def stop(cli: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str]:
-    try:
-        rc = cli.wait(timeout=timeout)
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-        _, err = cli.communicate()
-    return rc, err
 
 
 def check_file(
@@ -104,7 +80,7 @@ def test_cli_writes_each_sample_atomically_and_exits_after_max_samples(tmp_path:
     host, port = address.rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0
     res = send(address, samples)
-    rc, err = stop(cli)
+    rc, err = stop_cli(cli)
     assert rc == 0, err[-3000:]
     assert res["rc"] == 0
     assert sorted(os.listdir(out)) == [".delivered", ".tmp", "producer"]
@@ -128,7 +104,7 @@ def test_cli_names_files_safely_whatever_the_ids(tmp_path: Path) -> None:
     cli, address = start_cli(out, "--max-samples", "3")
     res_a = send(address, [same, longest], producer="prod-a")
     res_b = send(address, [same], producer="prod-b")
-    rc, err = stop(cli)
+    rc, err = stop_cli(cli)
     assert rc == 0 and res_a["rc"] == 0 and res_b["rc"] == 0, err[-3000:]
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors"))
     long_name = safe_name(long_id) + ".safetensors"
@@ -156,7 +132,7 @@ def test_speculators_layout_names_files_by_row_and_a_regenerated_row_replaces_it
     assert res["rc"] == 0, res["stderr"][-3000:]
     before = (out / "hs_1.safetensors").stat().st_ino
     res = send(address, [again])
-    rc, err = stop(cli)
+    rc, err = stop_cli(cli)
     assert rc == 0 and res["rc"] == 0, err[-3000:]
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors"))
     assert files == ["hs_0.safetensors", "hs_1.safetensors", "unnamed/producer/cmpl-c.safetensors",
@@ -181,7 +157,7 @@ def test_cli_refuses_samples_with_nan_or_zero_states_and_goes_on(tmp_path: Path)
     ]
     cli, address = start_cli(out, "--max-samples", "4")
     res = send(address, samples)
-    rc, err = stop(cli)
+    rc, err = stop_cli(cli)
     assert rc == 0, err[-3000:]
     assert res["rc"] == 1 and sorted(res["finished"]) == ["good-1", "good-4"]
     assert set(res["failed"]) == {"nan-2", "zero-3"}
@@ -213,7 +189,7 @@ def test_cli_takes_only_what_its_expect_flags_say_and_refuses_the_rest_by_name(t
                   provenance={**model, "model": "org/tiny"}, layer_ids=[1, 0])  # fmt: skip
     good = {"request_id": "g-1", "num_tokens": 20, "block_ids": [3, 4]}
     res = send(address, [good], producer="producer", provenance={**model, "model": "/models/org/tiny"})
-    rc, err = stop(cli)
+    rc, err = stop_cli(cli)
     assert rc == 0 and res["rc"] == 0 and res["finished"] == ["g-1"], err[-3000:]
     assert other["rc"] == 1 and "model /models/org/huge, expected org/tiny" in other["failed"]["o-1"]
     assert layers["rc"] == 1 and "layer ids [1, 0], expected [0, 1]" in layers["failed"]["l-1"]
@@ -245,7 +221,7 @@ def test_a_sample_whose_file_cannot_be_written_is_refused_alone(tmp_path: Path) 
     cli, address = start_cli(out, "--max-samples", "2")
     res_x = send(address, [s], producer="prod-x")
     res_y = send(address, [s], producer="prod-y")
-    rc, err = stop(cli)
+    rc, err = stop_cli(cli)
     assert rc == 0, err[-3000:]
     assert res_x["rc"] == 1 and list(res_x["failed"]) == ["r-1"]
     why = res_x["failed"]["r-1"]
@@ -283,7 +259,7 @@ def test_a_failing_disk_stops_the_cli_without_acking_and_loses_nothing(tmp_path:
             dict(address=address_of(held), layout=layout_dict(layout), num_cache_blocks=20, seed=9,
                  finite=True, samples=[big], connect_timeout_s=60, timeout_s=90)
         )  # fmt: skip
-        rc, err = stop(cli)
+        rc, err = stop_cli(cli)
         assert rc == 1, err[-3000:]
         errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
         assert len(errors) == 1 and "File too large" in errors[0] and "not acknowledged" in errors[0], err
@@ -294,7 +270,7 @@ def test_a_failing_disk_stops_the_cli_without_acking_and_loses_nothing(tmp_path:
              "--pool-mib", "24"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(held.fileno(),),
         )  # fmt: skip
-        rc, err = stop(cli, timeout=90)
+        rc, err = stop_cli(cli, timeout=90)
         res = finish_sender(sender)
     finally:
         held.close()
