@@ -14,10 +14,17 @@ from typing import Any
 import pytest
 import torch
 
-from kv_connector.reader import HiddenStatesReader, Sample
+from kv_connector.reader import HiddenStatesReader, ReaderConfig, Sample
+from kv_connector.wire.provenance import Expectation
 from scripts.support.deaths import FAULT_ENV, explain
+from tests.engines import STARTS, Engines, EngineSpec, SharedProducer, Start
 
 REPO = Path(__file__).resolve().parents[2]
+
+# The tiny Llama's shared in-process push engine: fp32, every layer captured (4: the last
+# layer's output before the norm), chunked prefill (256 tokens a step), prefix caching on
+LLAMA_LAYERS = [1, 2, 3, 4]
+LLAMA_BLOCK = 128
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -78,10 +85,44 @@ def llama_reference(tiny_llama: Path) -> Reference:
     return Reference(tiny_llama)
 
 
+@pytest.fixture
+def llama_push(request: pytest.FixtureRequest, engines: Engines, tiny_llama: Path) -> SharedProducer:
+    """The tiny Llama's shared in-process push engine (``LLAMA_LAYERS``, block 128, 256
+    tokens a step, prefix caching on), its reader expecting exactly its samples."""
+    spec = EngineSpec.of(
+        tiny_llama,
+        LLAMA_LAYERS,
+        block_size=LLAMA_BLOCK,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+    )
+    expect = Expectation(layer_ids=LLAMA_LAYERS, dtype="float32", hidden_size=128, model=tiny_llama.name)
+    return engines.get(spec, request.fixturename, ReaderConfig(expect=expect))
+
+
+@pytest.fixture
+def pull_server(
+    request: pytest.FixtureRequest,
+    engines: Engines,
+    tiny_llama: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Any:
+    """The tiny Llama's OpenAI server in pull delivery (``common.LAYER_IDS``, block 128; a
+    sample nobody fetches is held ``common.PULL_TIMEOUT_S``), shared by the tests that train
+    speculators from it: a ``tests.e2e.api_server.ApiServer``."""
+    from tests.e2e.common import BLOCK, LAYER_IDS, PULL_TIMEOUT_S
+
+    extra = {"delivery": "pull", "pull_timeout_s": PULL_TIMEOUT_S}
+    spec = EngineSpec.server(tiny_llama, LAYER_IDS, extra, block_size=BLOCK)
+    return engines.server(spec, tmp_path_factory.getbasetemp() / "pull-server", request.fixturename)
+
+
 def run_producer(
     spec: dict[str, Any], timeout: float = 600, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run tests/e2e/producer_main.py; return its JSON result (rc and stderr included)."""
+    """Run tests/e2e/producer_main.py on an engine of its own; return its JSON result (rc
+    and stderr included)."""
+    STARTS.count("producer", Start.FRESH)
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "e2e" / "producer_main.py"), json.dumps(spec)],
         capture_output=True,
@@ -100,6 +141,8 @@ def run_producer(
 
 
 def start_producer(spec: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start tests/e2e/producer_main.py on an engine of its own."""
+    STARTS.count("producer", Start.FRESH)
     return subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "e2e" / "producer_main.py"), json.dumps(spec)],
         stdout=subprocess.PIPE,

@@ -1,6 +1,14 @@
 """A real producer: vLLM (CPU build) with extract_hidden_states and HiddenStatesConnector,
-in its own process. Reads a JSON spec from argv, runs generate(), prints one JSON line
-with each prompt's request id and kv_transfer_params, and exits without stepping again."""
+in its own process.
+
+One run: ``producer_main.py SPEC`` builds the engine from the JSON spec, runs generate() on
+its prompts, prints one JSON line with each prompt's request id and kv_transfer_params, and
+exits without stepping again.
+
+Serving: ``producer_main.py --serve ENGINE`` builds the engine once, prints ``READY_MARK``,
+then takes one JSON run a line on stdin (the spec's prompts and sampling keys) and answers
+each with a line ``RESULT_MARK`` + its JSON result, until stdin closes: the engine the tests
+of one configuration share (``tests.engines``)."""
 
 from __future__ import annotations
 
@@ -8,14 +16,18 @@ import json
 import os
 import sys
 import time
+from typing import Any
+
+READY_MARK = "@@producer-ready"
+RESULT_MARK = "@@producer-result "
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
+def build(spec: dict[str, Any]) -> Any:
+    """The engine the spec describes (an ``LLM``)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if spec.get("inprocess", True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     if spec.get("faults"):  # faults in what vLLM computes, for the tests of the checks that see them
         from tests.e2e.state_faults import install
@@ -25,7 +37,7 @@ def main() -> int:
     extra = {"consumer_address": spec["address"], **spec.get("extra", {})}
     # what a test pins of vLLM's configuration; the rest is vLLM's choice for this host
     pinned = {k: spec[k] for k in ("block_size", "mamba_ssm_cache_dtype") if spec.get(k) is not None}
-    llm = LLM(
+    return LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype=spec.get("dtype", "float32"),
@@ -49,6 +61,14 @@ def main() -> int:
             "kv_connector_extra_config": extra,
         },
     )
+
+
+def run(llm: Any, spec: dict[str, Any], inprocess: bool) -> dict[str, Any]:
+    """generate() on the spec's prompts; the JSON result (each output's request id,
+    kv_transfer_params, tokens, prompt logprobs; the in-process scheduler's state after
+    ``drain_steps`` more steps)."""
+    from vllm import SamplingParams
+
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
 
     def kv_params(i: int) -> dict[str, object] | None:
@@ -69,13 +89,13 @@ def main() -> int:
             detokenize=False,  # no tokenizer (skip_tokenizer_init): nothing to detokenize
             extra_args={"kv_transfer_params": kv} if (kv := kv_params(i)) else None,
         )
-        for i, m in enumerate(spec.get("max_tokens", [1] * len(prompts)))
+        for i, m in enumerate(spec.get("max_tokens") or [1] * len(prompts))
     ]
     print("producer: generating", file=sys.stderr, flush=True)  # a marker for tests
     t0 = time.monotonic()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.monotonic() - t0
-    result = {
+    result: dict[str, Any] = {
         "elapsed_s": elapsed,
         "outputs": [
             {
@@ -92,14 +112,33 @@ def main() -> int:
             for o in outs
         ],
     }
-    if spec.get("inprocess", True):
+    if inprocess:
         # the in-process engine's scheduler: every block back in the pool?
         for _ in range(int(spec.get("drain_steps", 0))):
             llm.llm_engine.step()
             time.sleep(0.05)
-        sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
         result["kv_usage"] = sched.kv_cache_manager.usage
         result["held_requests"] = sorted(sched.requests)
+    return result
+
+
+def serve(spec: dict[str, Any]) -> int:
+    llm = build(spec)
+    print(READY_MARK, flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            result = run(llm, json.loads(line), spec.get("inprocess", True))
+            print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1] == "--serve":
+        return serve(json.loads(sys.argv[2]))
+    spec = json.loads(sys.argv[1])
+    llm = build(spec)
+    result = run(llm, spec, spec.get("inprocess", True))
     print(json.dumps(result), flush=True)
     if spec.get("linger_s"):
         time.sleep(spec["linger_s"])

@@ -1,11 +1,13 @@
 """A real producer in pull mode: vLLM (CPU build, in-process engine) with
 extract_hidden_states and HiddenStatesConnector, ``"delivery": "pull"``. Runs generate()
-on the prompts of its JSON spec, prints one JSON line with each prompt's
-kv_transfer_params and generated token ids, then serves its samples while answering commands on stdin, one a
-line: "step" (a few engine steps, which report released and expired samples to vLLM;
-prints vLLM's KV cache usage and the requests it still holds), "overwrite VICTIM TOKEN
-DONOR" (prompt VICTIM's token TOKEN gets prompt DONOR's first row in vLLM's cache, no
-engine step taken; prints "overwritten") and "quit"."""
+on the prompts of its JSON spec (if it has any), prints one JSON line with each prompt's
+kv_transfer_params and generated token ids, then serves its samples while answering
+commands on stdin, one a line: "generate RUN" (generate() on the JSON run's ``prompts``,
+``max_tokens`` and ``kv_params``, answered as the first), "step" (a few engine steps, which
+report released and expired samples to vLLM; prints vLLM's KV cache usage and the requests
+it still holds), "overwrite VICTIM TOKEN DONOR" (the last run's prompt VICTIM's token TOKEN
+gets prompt DONOR's first row in vLLM's cache, no engine step taken; prints "overwritten")
+and "quit"."""
 
 from __future__ import annotations
 
@@ -39,11 +41,46 @@ def overwrite(llm: Any, sched: Any, request_ids: list[str], victim: int, token: 
     llm.collective_rpc(write)
 
 
+def generate(llm: Any, run: dict[str, Any]) -> list[str]:
+    """generate() on ``run``'s prompts (``max_tokens`` and ``kv_params`` per prompt); prints
+    each output's kv_transfer_params and generated tokens as one JSON line; returns the
+    engine's request ids (vLLM adds a suffix to the caller's), as the handles name them."""
+    from vllm import SamplingParams
+
+    from kv_connector.wire.handle import decode_handle
+
+    prompts = [{"prompt_token_ids": p} for p in run["prompts"]]
+    kv_params = run.get("kv_params") or [None] * len(prompts)
+    params = [
+        SamplingParams(
+            max_tokens=m,
+            temperature=0.0,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": kv} if kv else None,
+        )
+        for m, kv in zip(run["max_tokens"], kv_params, strict=True)
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    print(
+        json.dumps(
+            {
+                "outputs": [o.kv_transfer_params for o in outs],
+                "generated": [list(o.outputs[0].token_ids) for o in outs],
+            }
+        ),
+        flush=True,
+    )
+    return [
+        decode_handle(h).request_id if (h := (o.kv_transfer_params or {}).get("handle")) else o.request_id
+        for o in outs
+    ]
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     llm = LLM(
         model=spec["model"],
@@ -68,29 +105,14 @@ def main() -> int:
             "kv_connector_extra_config": {"delivery": "pull", **spec.get("extra", {})},
         },
     )
-    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in spec["max_tokens"]]
-    outs = llm.generate(prompts, params)
-    print(
-        json.dumps(
-            {
-                "outputs": [o.kv_transfer_params for o in outs],
-                "generated": [list(o.outputs[0].token_ids) for o in outs],
-            }
-        ),
-        flush=True,
-    )
     sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
-    from kv_connector.wire.handle import decode_handle
-
-    # the engine's own ids (vLLM adds a suffix to the caller's), as the handles name them
-    request_ids = [
-        decode_handle(h).request_id if (h := (o.kv_transfer_params or {}).get("handle")) else o.request_id
-        for o in outs
-    ]
+    request_ids = generate(llm, spec) if spec.get("prompts") else []
     for line in sys.stdin:
         if line.strip() == "quit":
             break
+        if line.startswith("generate "):
+            request_ids = generate(llm, json.loads(line[len("generate ") :]))
+            continue
         if line.startswith("overwrite "):
             victim, token, donor = (int(x) for x in line.split()[1:])
             overwrite(llm, sched, request_ids, victim, token, donor)

@@ -24,20 +24,30 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.e2e.api_server import ApiServer, tail
+from tests.e2e.common import (
+    LAYER_IDS,
+    PULL_MAIN,
+    PULL_TIMEOUT_S,
+    SPEC_MAIN,
+    UDS_SITE,
+    kv_cache_usage,
+    log_since,
+    speculators_site,
+)
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
-from tests.e2e.test_speculators import speculators_site
-from tests.e2e.test_speculators_pull import LAYER_IDS, PULL_MAIN, SPEC_MAIN, kv_cache_usage
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# alone: its bound is the time a start takes, which a second test on the same cores stretches
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.alone]
 
-PULL_TIMEOUT_S = 30.0  # the producer's hold, and the bound on the second trainer's first row
 LENGTHS = [7, 127, 128, 129, 300, 45]
 FIRST_ROW_MAIN = REPO / "tests" / "e2e" / "speculators_first_row_main.py"
 
 
 def test_a_second_trainer_right_after_a_first_has_its_first_row_served_within_the_hold(
-    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+    pull_server: ApiServer, tiny_llama: Path, llama_reference: Reference, tmp_path: Path
 ) -> None:
+    """On the shared pull server: its hold (``PULL_TIMEOUT_S``) bounds the second trainer's
+    first row."""
     site = speculators_site()
     rows = prompts_of(LENGTHS, seed=41)
     data = tmp_path / "data"
@@ -48,38 +58,37 @@ def test_a_second_trainer_right_after_a_first_has_its_first_row_served_within_th
         env=env, check=True, timeout=300, capture_output=True,
     )  # fmt: skip
     prompt = prompts_of([200], seed=43)[0]
-    extra = {"delivery": "pull", "pull_timeout_s": PULL_TIMEOUT_S}
-    with ApiServer(tiny_llama, extra, LAYER_IDS, tmp_path, args=["--block-size", "128"]) as server:
-        first_env = {**env, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts" / "support" / "uds_site"),
-                                                           str(REPO), str(site)]),
-                     "KV_TEST_OPENAI_UDS": str(server.socket_path)}  # fmt: skip
-        first = subprocess.Popen(
-            [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(tmp_path / "first.st"),
-             "4", "rank"],
-            env=first_env, stdout=subprocess.PIPE, stderr=(tmp_path / "first.err").open("w"), text=True,
-            cwd=REPO,
-        )  # fmt: skip
-        assert first.stdout is not None
-        first_report: dict[str, Any] = {}
-        for line in first.stdout:  # its report comes once its rows are in; it exits after
-            if line.startswith("{"):
-                first_report = json.loads(line)
-                break
-        second = subprocess.run(
-            [sys.executable, str(FIRST_ROW_MAIN), str(server.socket_path), str(tiny_llama),
-             json.dumps(prompt), str(tmp_path / "second.st")],
-            env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
-        first.communicate(timeout=300)
-        assert second.returncode == 0, f"{second.stderr[-5000:]}\n{tail(server.log)}"
-        report = json.loads(second.stdout.splitlines()[-1])
+    server = pull_server
+    log_from = server.log.stat().st_size  # what the server says from here on is this test's
+    first_env = {**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
+                 "KV_TEST_OPENAI_UDS": str(server.socket_path)}  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(tmp_path / "first.st"),
+         "4", "rank"],
+        env=first_env, stdout=subprocess.PIPE, stderr=(tmp_path / "first.err").open("w"), text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    assert first.stdout is not None
+    first_report: dict[str, Any] = {}
+    for line in first.stdout:  # its report comes once its rows are in; it exits after
+        if line.startswith("{"):
+            first_report = json.loads(line)
+            break
+    second = subprocess.run(
+        [sys.executable, str(FIRST_ROW_MAIN), str(server.socket_path), str(tiny_llama),
+         json.dumps(prompt), str(tmp_path / "second.st")],
+        env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    first.communicate(timeout=300)
+    assert second.returncode == 0, f"{second.stderr[-5000:]}\n{tail(server.log)}"
+    report = json.loads(second.stdout.splitlines()[-1])
+    usage = kv_cache_usage(server)
+    for _ in range(30):  # the last release reaches vLLM within a step or two
+        if usage == 0:
+            break
+        time.sleep(0.5)
         usage = kv_cache_usage(server)
-        for _ in range(30):  # the last release reaches vLLM within a step or two
-            if usage == 0:
-                break
-            time.sleep(0.5)
-            usage = kv_cache_usage(server)
-        log = server.log.read_text()
+    log = log_since(server, log_from)
     first_err = (tmp_path / "first.err").read_text()[-5000:]
     assert first.returncode == 0 and first_report.get("errors") == 0, (first_report, first_err)
     assert first_report["rows"] == list(range(len(rows)))

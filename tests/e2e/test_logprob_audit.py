@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kv_connector.audit import LogprobAudit
-from kv_connector.reader import HiddenStatesReader
-from tests.e2e.conftest import prompts_of, run_and_collect
+from tests.e2e.conftest import prompts_of
+from tests.engines import Run, SharedProducer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -25,12 +25,13 @@ NAMED = [1, 2, 4]
 TINY_MAX_ERROR = 1e-3
 
 
-def test_the_audit_passes_real_states_and_fails_the_faults_checksums_cannot_see(tiny_llama: Path) -> None:
+def test_the_audit_passes_real_states_and_fails_the_faults_checksums_cannot_see(
+    llama_push: SharedProducer, tiny_llama: Path
+) -> None:
     prompts = prompts_of([40, 129, 300], seed=70)
-    with HiddenStatesReader() as reader:
-        spec = dict(model=str(tiny_llama), address=reader.address, layer_ids=CAPTURED, block_size=128)
-        spec.update(prompts=prompts, prompt_logprobs=0)
-        got, res, _ = run_and_collect(reader, spec, len(prompts))
+    assert list(llama_push.spec.layer_ids) == CAPTURED
+    out = llama_push.collect(Run(prompts, prompt_logprobs=0), len(prompts))
+    got, res = out.samples, out.result
     audit = LogprobAudit.from_model(tiny_llama)
     samples = [got[o["request_id"]] for o in res["outputs"]]
     worst = 0.0

@@ -5,29 +5,27 @@ the computed tokens there, vLLM #44485.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from kv_connector.reader import HiddenStatesReader
-from tests.e2e.conftest import Reference, check_samples, prompts_of, run_and_collect
+from tests.e2e.conftest import LLAMA_BLOCK, LLAMA_LAYERS, Reference, check_samples, prompts_of
+from tests.engines import Run, SharedProducer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-LAYER_IDS = [1, 2, 4]
-BLOCK = 128
 
-
-def test_prefix_cache_hits_ship_every_token_row_exact(tiny_llama: Path, llama_reference: Reference) -> None:
-    (prefix,) = prompts_of([2 * BLOCK + 7], seed=60)
-    tails = prompts_of([5, BLOCK + 3, 1], seed=61)
-    prompts = [prefix] + [prefix + t for t in tails]
-    with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_llama), address=reader.address, layer_ids=LAYER_IDS, block_size=BLOCK,
-            prompts=prompts, enable_prefix_caching=True, max_num_seqs=1,  # one after the other: hits
-        )  # fmt: skip
-        got, res, _ = run_and_collect(reader, spec, len(prompts))
-    cached = [o["num_cached_tokens"] for o in res["outputs"]]
-    assert cached[0] == 0 and all(c >= 2 * BLOCK for c in cached[1:]), cached  # the prefix's full blocks hit
-    check_samples(got, res, prompts, llama_reference, LAYER_IDS, set())
+def test_prefix_cache_hits_ship_every_token_row_exact(
+    llama_push: SharedProducer, llama_reference: Reference
+) -> None:
+    """The shared engine caches prefixes: a prompt, then three that extend it (a later run:
+    they hit its blocks), each sample exact over every token row."""
+    assert llama_push.spec.enable_prefix_caching
+    (prefix,) = prompts_of([2 * LLAMA_BLOCK + 7], seed=60)
+    tails = prompts_of([5, LLAMA_BLOCK + 3, 1], seed=61)
+    first = llama_push.collect(Run([prefix]), 1)
+    assert first.result["outputs"][0]["num_cached_tokens"] == 0
+    check_samples(first.samples, first.result, [prefix], llama_reference, LLAMA_LAYERS, set())
+    prompts = [prefix + t for t in tails]
+    out = llama_push.collect(Run(prompts), len(prompts))
+    cached = [o["num_cached_tokens"] for o in out.result["outputs"]]
+    assert all(c >= 2 * LLAMA_BLOCK for c in cached), cached  # the prefix's full blocks hit
+    check_samples(out.samples, out.result, prompts, llama_reference, LLAMA_LAYERS, set())

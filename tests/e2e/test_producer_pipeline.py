@@ -12,13 +12,18 @@ from typing import Any
 import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
-from tests.e2e.conftest import Reference, check_samples, prompts_of, relative_error, run_and_collect
+from tests.e2e.common import BLOCK, LAYER_IDS
+from tests.e2e.conftest import (
+    LLAMA_LAYERS,
+    Reference,
+    check_samples,
+    prompts_of,
+    relative_error,
+    run_and_collect,
+)
+from tests.engines import Run, SharedProducer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-LAYER_IDS = [1, 2, 4]
-# pinned in every engine these tests build (vLLM's CPU default); the connector reads it from the tensor
-BLOCK = 128
 
 
 def check_against_reference(
@@ -32,22 +37,16 @@ def check_against_reference(
     return check_samples(got, result, prompts, ref, LAYER_IDS, with_output)
 
 
-def test_inprocess_engine_chunked_prefill_mixed_batch(tiny_llama: Path, llama_reference: Reference) -> None:
+def test_inprocess_engine_chunked_prefill_mixed_batch(
+    llama_push: SharedProducer, llama_reference: Reference
+) -> None:
+    """The shared engine takes 256 tokens a step: 700 and 1000 span several steps, each
+    batch mixes prefills and decodes."""
     lengths = [1, BLOCK, BLOCK + 1, 2 * BLOCK, 700, 37, 1000, 5]
     prompts = prompts_of(lengths, seed=11)
-    with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_llama),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            prompts=prompts,
-            max_tokens=[1, 1, 3, 1, 2, 5, 1, 4],
-            max_num_batched_tokens=256,  # chunked prefill: 700 and 1000 span several steps
-            inprocess=True,
-        )
-        got, result, _ = run_and_collect(reader, spec, len(prompts))
-    worst = check_against_reference(got, result, prompts, llama_reference, with_output=set())
+    run = Run(prompts, max_tokens=[1, 1, 3, 1, 2, 5, 1, 4])
+    out = llama_push.collect(run, len(prompts))
+    worst = check_samples(out.samples, out.result, prompts, llama_reference, LLAMA_LAYERS, set())
     print(f"worst relative error {worst:.2e}")
 
 
@@ -70,28 +69,19 @@ def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_re
 
 
 def test_output_tokens_of_a_request_that_finishes_while_others_run_free_their_blocks(
-    tiny_llama: Path, llama_reference: Reference
+    llama_push: SharedProducer, llama_reference: Reference
 ) -> None:
     """A request shipping its output tokens is shipped in the step that also tells the
     workers it finished; with a drafter (extract_hidden_states), vLLM asks for finished
     transfers before the step's shipping: the finish must still be followed, or vLLM holds
     the request's blocks for ever. Here it finishes while a longer request still decodes."""
     prompts = prompts_of([40, 200, 9], seed=13)
-    with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_llama),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            prompts=prompts,
-            max_tokens=[3, 12, 2],
-            with_output=[0, 2],  # they finish while the second decodes
-            inprocess=True,
-            drain_steps=3,
-        )
-        got, result, _ = run_and_collect(reader, spec, len(prompts))
-    check_against_reference(got, result, prompts, llama_reference, with_output={0, 2})
-    assert result["held_requests"] == [] and result["kv_usage"] == 0.0, result
+    run = Run(
+        prompts, max_tokens=[3, 12, 2], with_output=[0, 2], drain_steps=3
+    )  # 0, 2 finish while 1 decodes
+    out = llama_push.collect(run, len(prompts))
+    check_samples(out.samples, out.result, prompts, llama_reference, LLAMA_LAYERS, with_output={0, 2})
+    assert out.result["held_requests"] == [] and out.result["kv_usage"] == 0.0, out.result
 
 
 def test_unsorted_layer_ids_label_each_slice_with_its_layer(

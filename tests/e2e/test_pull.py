@@ -7,8 +7,8 @@ answers "expired"."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,8 +19,10 @@ import pytest
 
 from kv_connector.reader import FetchError, PullClient
 from kv_connector.wire.handle import decode_handle
-from scripts.support.deaths import FAULT_ENV, explain
+from scripts.support.deaths import explain
+from tests.e2e.common import kv_cache_usage
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
+from tests.engines import STARTS, Engines, EngineSpec, Start, base_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,16 +32,34 @@ PULL_TIMEOUT_S = 25.0
 
 
 class PullProducer:
+    """``pull_producer_main.py`` in its own process (vLLM's log and ours go to its stdout,
+    kept in ``lines``); its commands as methods."""
+
     def __init__(self, spec: dict[str, Any]) -> None:
+        STARTS.count("pull producer", Start.FRESH if spec.get("prompts") else Start.SHARED)
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "e2e" / "pull_producer_main.py"), json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO)},
+            env=base_env(),
         )
         self.lines: list[str] = []  # what it printed besides its JSON lines (vLLM's log, ours)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        kv_params: list[dict[str, Any] | None] | None = None,
+    ) -> dict[str, Any]:
+        """generate() on these prompts: each output's kv_transfer_params and generated tokens."""
+        run = {"prompts": prompts, "max_tokens": max_tokens, "kv_params": kv_params}
+        answer: dict[str, Any] = self.command("generate " + json.dumps(run))
+        return answer
 
     def first(self) -> dict[str, Any]:
         return self._answer()
@@ -83,74 +103,79 @@ class PullProducer:
     def stop(self) -> str:
         """Its output since the last answer, ending with how it or its workers died."""
         if self.proc.poll() is not None:
-            log = "".join(self.lines) + (self.proc.stderr.read() if self.proc.stderr else "")
+            log = "".join(self.lines) + (self.proc.stdout.read() if self.proc.stdout else "")
         else:
             try:
-                out, err = self.proc.communicate("quit\n", timeout=60)
+                out, _ = self.proc.communicate("quit\n", timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                out, err = self.proc.communicate()
-            log = "".join(self.lines) + out + err
+                out, _ = self.proc.communicate()
+            log = "".join(self.lines) + out
         why = explain(log, self.proc.returncode, "producer")
         return log + (f"\n{why}" if why else "")
 
 
+@pytest.fixture
+def llama_pull(request: pytest.FixtureRequest, engines: Engines, tiny_llama: Path) -> PullProducer:
+    """The tiny Llama's in-process pull producer (``LAYER_IDS``, block 128, the default
+    record; a sample nobody fetches freed after ``PULL_TIMEOUT_S``), shared by this module's
+    tests: each generates its own prompts."""
+    spec = {"model": str(tiny_llama), "layer_ids": LAYER_IDS, "block_size": BLOCK,
+            "extra": {"pull_timeout_s": PULL_TIMEOUT_S}}  # fmt: skip
+    key = (
+        EngineSpec.of(tiny_llama, LAYER_IDS, {"delivery": "pull", "pull_timeout_s": PULL_TIMEOUT_S}),
+        "pull",
+    )
+    return engines.shared(key, request.fixturename, lambda: PullProducer(spec))
+
+
 def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
-    tiny_llama: Path, llama_reference: Reference
+    llama_pull: PullProducer, llama_reference: Reference
 ) -> None:
     lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 300, 45]
     prompts = prompts_of(lengths, seed=24)
     never = len(prompts)  # one more prompt, never fetched: the timeout frees it
     prompts.append(prompts_of([200], seed=25)[0])
-    spec = {
-        "model": str(tiny_llama),
-        "layer_ids": LAYER_IDS,
-        "block_size": BLOCK,
-        "prompts": prompts,
-        "max_tokens": [1, 3, 1, 2, 1, 4, 1],
-        "extra": {"pull_timeout_s": PULL_TIMEOUT_S},
-    }
-    producer = PullProducer(spec)
-    try:
-        outputs = producer.first()["outputs"]
-        t_done = time.monotonic()
-        params = outputs[:never]
-        for p in outputs:
-            assert p["hidden_states"]["status"] == "ready" and p["hidden_states"]["delivery"] == "pull", p
-            assert set(p) == {"handle", "hidden_states"} and len(p["handle"]) < 300
-        with PullClient(pool_bytes=16 << 20) as client:
-            samples = [client.fetch(params[0])]  # one, then the rest in flight together
-            many = client.fetch_many(params[1:])
-            assert not any(isinstance(s, FetchError) for s in many), many
-            samples += [s for s in many if not isinstance(s, FetchError)]
-            worst = 0.0
-            for i, s in enumerate(samples):
-                assert s.token_ids.tolist() == prompts[i]
-                assert s.hidden_states.shape == (len(prompts[i]), len(LAYER_IDS), 128)
-                assert s.request_id == decode_handle(params[i]["handle"]).request_id
-                err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
-                assert err < 1e-4, (i, err)
-                worst = max(worst, err)
-                s.release()
-            print(f"{len(samples)} samples, worst relative error {worst:.2e}")
-            with pytest.raises(FetchError) as e:
-                client.fetch(params[2])  # released: its blocks may hold anything now
-            assert e.value.code == "released"
-            # every fetched sample's blocks go back to vLLM; the one never fetched holds
-            # its blocks until pull_timeout_s, then it is freed too
-            state = producer.step_until_held([outputs[never]["hidden_states"]["request_id"]])
-            assert state["held"] == [outputs[never]["hidden_states"]["request_id"]], state
-            assert state["kv_usage"] > 0
-            while time.monotonic() < t_done + PULL_TIMEOUT_S + 60 and state["held"]:
-                time.sleep(1.0)
-                state = producer.step()
-            assert state == {"kv_usage": 0.0, "held": []}, state
-            assert time.monotonic() >= t_done + PULL_TIMEOUT_S - 5
-            with pytest.raises(FetchError) as e:
-                client.fetch(outputs[never])
-            assert e.value.code == "expired"
-    finally:
-        log = producer.stop()
+    producer = llama_pull
+    log_from = len(producer.lines)
+    outputs = producer.generate(prompts, [1, 3, 1, 2, 1, 4, 1])["outputs"]
+    t_done = time.monotonic()
+    params = outputs[:never]
+    for p in outputs:
+        assert p["hidden_states"]["status"] == "ready" and p["hidden_states"]["delivery"] == "pull", p
+        assert set(p) == {"handle", "hidden_states"} and len(p["handle"]) < 300
+    with PullClient(pool_bytes=16 << 20) as client:
+        samples = [client.fetch(params[0])]  # one, then the rest in flight together
+        many = client.fetch_many(params[1:])
+        assert not any(isinstance(s, FetchError) for s in many), many
+        samples += [s for s in many if not isinstance(s, FetchError)]
+        worst = 0.0
+        for i, s in enumerate(samples):
+            assert s.token_ids.tolist() == prompts[i]
+            assert s.hidden_states.shape == (len(prompts[i]), len(LAYER_IDS), 128)
+            assert s.request_id == decode_handle(params[i]["handle"]).request_id
+            err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
+            assert err < 1e-4, (i, err)
+            worst = max(worst, err)
+            s.release()
+        print(f"{len(samples)} samples, worst relative error {worst:.2e}")
+        with pytest.raises(FetchError) as e:
+            client.fetch(params[2])  # released: its blocks may hold anything now
+        assert e.value.code == "released"
+        # every fetched sample's blocks go back to vLLM; the one never fetched holds
+        # its blocks until pull_timeout_s, then it is freed too
+        state = producer.step_until_held([outputs[never]["hidden_states"]["request_id"]])
+        assert state["held"] == [outputs[never]["hidden_states"]["request_id"]], state
+        assert state["kv_usage"] > 0
+        while time.monotonic() < t_done + PULL_TIMEOUT_S + 60 and state["held"]:
+            time.sleep(1.0)
+            state = producer.step()
+        assert state == {"kv_usage": 0.0, "held": []}, state
+        assert time.monotonic() >= t_done + PULL_TIMEOUT_S - 5
+        with pytest.raises(FetchError) as e:
+            client.fetch(outputs[never])
+        assert e.value.code == "expired"
+    log = "".join(producer.lines[log_from:])
     assert "was not released within pull_timeout_s" in log, log[-3000:]
 
 
@@ -160,7 +185,7 @@ def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
     ids=["before-ask", "after-ask", "none"],
 )
 def test_a_row_overwritten_after_generate_returned_fails_its_sample_by_name(
-    checksum: str, asked: bool, tiny_llama: Path, llama_reference: Reference
+    checksum: str, asked: bool, llama_pull: PullProducer, tiny_llama: Path, llama_reference: Reference
 ) -> None:
     """One token's row of a held sample is overwritten in vLLM's cache with another
     prompt's row right after ``generate()`` returned, with no engine step since: before
@@ -169,17 +194,15 @@ def test_a_row_overwritten_after_generate_returned_fails_its_sample_by_name(
     and hands out nothing, and the other samples arrive exact; with the record off the
     changed row is handed out."""
     prompts = prompts_of([BLOCK + 9, 40, 70], seed=31)
-    spec = {
-        "model": str(tiny_llama),
-        "layer_ids": LAYER_IDS,
-        "block_size": BLOCK,
-        "prompts": prompts,
-        "max_tokens": [1, 1, 1],
-        "extra": {"checksum": checksum},
-    }
-    producer = PullProducer(spec)
-    try:
+    if checksum == "auto":  # the default record: the module's shared producer
+        producer = llama_pull
+        outputs = producer.generate(prompts, [1, 1, 1])["outputs"]
+    else:
+        spec = {"model": str(tiny_llama), "layer_ids": LAYER_IDS, "block_size": BLOCK, "prompts": prompts,
+                "max_tokens": [1, 1, 1], "extra": {"checksum": checksum}}  # fmt: skip
+        producer = PullProducer(spec)
         outputs = producer.first()["outputs"]
+    try:
         with PullClient(pool_bytes=16 << 20) as client:
             if asked:
                 assert client.manifest(outputs[0]).token_ids == prompts[0]
@@ -199,12 +222,17 @@ def test_a_row_overwritten_after_generate_returned_fails_its_sample_by_name(
                 s = client.fetch(outputs[i])
                 assert relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS)) < 1e-4
                 s.release()
+            if checksum == "auto":  # the failed sample's hold ends now: the shared engine holds nothing
+                with contextlib.suppress(FetchError):
+                    client.release(outputs[0])
+                assert producer.step_until_held([])["held"] == []
     finally:
-        producer.stop()
+        if checksum != "auto":
+            producer.stop()
 
 
 def test_output_tokens_in_pull_mode_are_exact_over_the_whole_sequence(
-    tiny_llama: Path, llama_reference: Reference
+    llama_pull: PullProducer, llama_reference: Reference
 ) -> None:
     """``include_output_tokens`` in pull delivery: the sample of a request that generated
     is held in the engine step after its response went out (the in-process engine takes
@@ -213,33 +241,22 @@ def test_output_tokens_in_pull_mode_are_exact_over_the_whole_sequence(
     exact against transformers over that whole sequence."""
     prompts = prompts_of([5, BLOCK - 2, 300], seed=27)
     max_tokens = [1, 4, 9]
-    spec = {
-        "model": str(tiny_llama),
-        "layer_ids": LAYER_IDS,
-        "block_size": BLOCK,
-        "prompts": prompts,
-        "max_tokens": max_tokens,
-        "extra": {"include_output_tokens": True},
-    }
-    producer = PullProducer(spec)
-    try:
-        first = producer.first()
-        assert all(p["hidden_states"]["status"] == "ready" for p in first["outputs"]), first
-        producer.step()  # the step that holds what request_finished shipped
-        with PullClient(pool_bytes=16 << 20) as client:
-            for prompt, n, params, generated in zip(
-                prompts, max_tokens, first["outputs"], first["generated"], strict=True
-            ):
-                s = client.fetch(params)
-                want = prompt + generated[:-1]
-                assert len(generated) == n and s.token_ids.tolist() == want
-                err = relative_error(s.hidden_states, llama_reference.states(want, LAYER_IDS))
-                assert err < 1e-4, (len(prompt), n, err)
-                s.release()
-        state = producer.step_until_held([])
-        assert state["held"] == [] and state["kv_usage"] == 0.0, state
-    finally:
-        producer.stop()
+    producer = llama_pull
+    first = producer.generate(prompts, max_tokens, [{"include_output_tokens": True}] * len(prompts))
+    assert all(p["hidden_states"]["status"] == "ready" for p in first["outputs"]), first
+    producer.step()  # the step that holds what request_finished shipped
+    with PullClient(pool_bytes=16 << 20) as client:
+        for prompt, n, params, generated in zip(
+            prompts, max_tokens, first["outputs"], first["generated"], strict=True
+        ):
+            s = client.fetch(params)
+            want = prompt + generated[:-1]
+            assert len(generated) == n and s.token_ids.tolist() == want
+            err = relative_error(s.hidden_states, llama_reference.states(want, LAYER_IDS))
+            assert err < 1e-4, (len(prompt), n, err)
+            s.release()
+    state = producer.step_until_held([])
+    assert state["held"] == [] and state["kv_usage"] == 0.0, state
 
 
 def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample(
@@ -251,7 +268,6 @@ def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.api_server import ApiServer, tail
-    from tests.e2e.test_speculators_pull import kv_cache_usage
 
     prompts = prompts_of([1, BLOCK, BLOCK + 1, 300, 700], seed=26)
     with (
@@ -331,7 +347,6 @@ def test_preempted_requests_fail_by_name_and_the_rest_arrive_exact(
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.api_server import ApiServer, tail
-    from tests.e2e.test_speculators_pull import kv_cache_usage
 
     prompts = prompts_of([200, 150, 250, 180, 220, 130, 240, 170], seed=41)
     # 11 blocks of 128 tokens: the prompts and 120 outputs each overflow it

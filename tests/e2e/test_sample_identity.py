@@ -5,19 +5,16 @@ its kv_transfer_params, while the rest of its batch ships."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from kv_connector.reader import HiddenStatesReader
-from tests.e2e.conftest import Reference, prompts_of, relative_error, run_and_collect
-from tests.e2e.test_producer_pipeline import BLOCK, LAYER_IDS
+from tests.e2e.conftest import LLAMA_LAYERS, Reference, prompts_of, relative_error
+from tests.engines import Run, SharedProducer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_sample_ids_and_metadata_reach_the_reader_and_a_bad_one_fails_alone(
-    tiny_llama: Path, llama_reference: Reference
+    llama_push: SharedProducer, llama_reference: Reference
 ) -> None:
     prompts = prompts_of([5, 130, 40, 7], seed=41)
     kv_params = [
@@ -26,19 +23,15 @@ def test_sample_ids_and_metadata_reach_the_reader_and_a_bad_one_fails_alone(
         {"sample_id": "bad id!"},
         {"sample_id": "3", "metadata": ["not", "an", "object"]},
     ]
-    with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_llama),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            prompts=prompts,
-            kv_params=kv_params,
-            max_tokens=[1, 3, 1, 2],
-            with_output=[1],
-            drain_steps=3,  # the in-process engine ships an output-token sample at its next step
-        )
-        got, result, log = run_and_collect(reader, spec, 2)
+    run = Run(
+        prompts,
+        kv_params=kv_params,
+        max_tokens=[1, 3, 1, 2],
+        with_output=[1],
+        drain_steps=3,  # the in-process engine ships an output-token sample at its next step
+    )
+    out = llama_push.collect(run, 2)
+    got, result, log = out.samples, out.result, out.log
     outs = result["outputs"]
     # the good ones: the sample carries its id and metadata, the response names it
     first, plain = got[outs[0]["request_id"]], got[outs[1]["request_id"]]
@@ -49,7 +42,7 @@ def test_sample_ids_and_metadata_reach_the_reader_and_a_bad_one_fails_alone(
     assert first.token_ids.tolist() == prompts[0]
     assert plain.token_ids.tolist() == prompts[1] + outs[1]["output_token_ids"][:-1]
     for s in (first, plain):
-        ref = llama_reference.states(s.token_ids.tolist(), LAYER_IDS)
+        ref = llama_reference.states(s.token_ids.tolist(), LLAMA_LAYERS)
         assert relative_error(s.hidden_states, ref) < 1e-4
     # the bad ones: ran, shipped nothing, and say why
     for o, fragment in ((outs[2], "may only contain"), (outs[3], "metadata must be a JSON object")):

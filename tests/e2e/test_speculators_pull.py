@@ -23,36 +23,41 @@ from safetensors.torch import load_file
 from kv_connector.reader import FetchError, PullClient
 from kv_connector.wire.handle import PullHandle, decode_handle, make_nonce
 from tests.e2e.api_server import ApiServer, tail
+from tests.e2e.common import (
+    HIDDEN,
+    LAYER_IDS,
+    PULL_MAIN,
+    SPEC_MAIN,
+    UDS_SITE,
+    kv_cache_usage,
+    log_since,
+    requests_done,
+    speculators_site,
+)
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
-from tests.e2e.test_speculators import speculators_site
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-LAYER_IDS = [1, 2, 4]  # auxiliary layers 1, 2; the verifier's last state: layer 4 of 4
-HIDDEN = 128
 LENGTHS = [1, 7, 127, 128, 129, 300, 45, 600]
-SPEC_MAIN = REPO / "tests" / "e2e" / "speculators_main.py"
-PULL_MAIN = REPO / "tests" / "e2e" / "speculators_pull_main.py"
-UDS_SITE = REPO / "scripts" / "support" / "uds_site"
-
-
-def kv_cache_usage(server: ApiServer) -> float:
-    for line in server.http.get_text("/metrics").splitlines():
-        if line.startswith("vllm:kv_cache_usage_perc{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:kv_cache_usage_perc in /metrics")
 
 
 def files_under(path: Path) -> set[Path]:
     return {p for p in path.rglob("*")}
 
 
-@pytest.mark.parametrize(("mode", "workers"), [("rank", 12), ("worker", 2)])
+# two workers prove one agent serves them all (rank) or one each (worker); speculators' default
+# of 12 is make bench's (scripts.bench.pull), where its cost is measured
+@pytest.mark.parametrize(("mode", "workers"), [("rank", 2), ("worker", 2)])
 def test_speculators_dataloader_trains_from_pulled_samples(
-    tiny_llama: Path, llama_reference: Reference, tmp_path: Path, mode: str, workers: int
+    pull_server: ApiServer,
+    tiny_llama: Path,
+    llama_reference: Reference,
+    tmp_path: Path,
+    mode: str,
+    workers: int,
 ) -> None:
-    """With the rank's fetch agent (the default) and speculators' default 12 workers, one
-    NIXL agent (one registered pool) serves the rank: the producer serves one consumer
+    """With the rank's fetch agent (the default), one NIXL agent (one registered pool) serves
+    the rank's workers: the producer serves one consumer
     agent besides this test's own client, and no worker maps NIXL's UCX plugin; with a
     client per worker, at most one agent per worker."""
     site = speculators_site()
@@ -66,49 +71,48 @@ def test_speculators_dataloader_trains_from_pulled_samples(
     )  # fmt: skip
     before = files_under(data)
     out_file = tmp_path / "loaded.safetensors"
-    with ApiServer(
-        tiny_llama, {"delivery": "pull"}, LAYER_IDS, tmp_path, args=["--block-size", "128"]
-    ) as server:
-        # the server's own answer, asked directly
-        resp = server.http.post_json(
-            "/v1/completions",
-            {"model": str(tiny_llama), "prompt": rows[2], "max_tokens": 1, "temperature": 0},
-        )
-        params = resp["kv_transfer_params"]
-        assert params["hidden_states"]["status"] == "ready" and decode_handle(params["handle"])
-        h = decode_handle(params["handle"])
-        with PullClient(secret=b"not the producer's") as stranger, pytest.raises(FetchError) as e:
-            stranger.fetch(params)  # a consumer whose secret the producer does not share
-        assert e.value.code == "auth"
-        with PullClient() as client:
-            own_agent = client.name
-            with pytest.raises(FetchError) as e:
-                client.fetch(PullHandle(h.producer_id, h.request_id, make_nonce(), h.endpoints).encode())
-            assert e.value.code == "unknown"  # a forged handle: no data, and nothing freed
-            direct = client.fetch(params)
-            assert direct.token_ids.tolist() == rows[2]
-            with pytest.raises(FetchError) as e:
-                client.fetch(params)
-            assert e.value.code == "released"
+    server = pull_server
+    log_from = server.log.stat().st_size  # what the server says from here on is this test's
+    # the server's own answer, asked directly
+    resp = server.http.post_json(
+        "/v1/completions",
+        {"model": str(tiny_llama), "prompt": rows[2], "max_tokens": 1, "temperature": 0},
+    )
+    params = resp["kv_transfer_params"]
+    assert params["hidden_states"]["status"] == "ready" and decode_handle(params["handle"])
+    h = decode_handle(params["handle"])
+    with PullClient(secret=b"not the producer's") as stranger, pytest.raises(FetchError) as e:
+        stranger.fetch(params)  # a consumer whose secret the producer does not share
+    assert e.value.code == "auth"
+    with PullClient() as client:
+        own_agent = client.name
+        with pytest.raises(FetchError) as e:
+            client.fetch(PullHandle(h.producer_id, h.request_id, make_nonce(), h.endpoints).encode())
+        assert e.value.code == "unknown"  # a forged handle: no data, and nothing freed
+        direct = client.fetch(params)
+        assert direct.token_ids.tolist() == rows[2]
+        with pytest.raises(FetchError) as e:
+            client.fetch(params)
+        assert e.value.code == "released"
 
-        proc = subprocess.run(
-            [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file),
-             str(workers), mode],
-            env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
-                 "KV_TEST_OPENAI_UDS": str(server.socket_path),
-                 # the trainer expects the verifier's layers 1, 2 and its last (4): every row is checked
-                 "KV_TEST_VERIFIER": str(tiny_llama)},
-            capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
-        assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
-        report = json.loads(proc.stdout.splitlines()[-1])
+    proc = subprocess.run(
+        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file),
+         str(workers), mode],
+        env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
+             "KV_TEST_OPENAI_UDS": str(server.socket_path),
+             # the trainer expects the verifier's layers 1, 2 and its last (4): every row is checked
+             "KV_TEST_VERIFIER": str(tiny_llama)},
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
+    report = json.loads(proc.stdout.splitlines()[-1])
+    usage = kv_cache_usage(server)
+    for _ in range(30):  # the last releases reach vLLM within an engine step or two
+        if usage == 0:
+            break
+        time.sleep(0.5)
         usage = kv_cache_usage(server)
-        for _ in range(30):  # the last releases reach vLLM within an engine step or two
-            if usage == 0:
-                break
-            time.sleep(0.5)
-            usage = kv_cache_usage(server)
-        served = set(re.findall(r"serves consumer agent (\S+) \(a (\d+) MiB pool\)", server.log.read_text()))
+    served = set(re.findall(r"serves consumer agent (\S+) \(a (\d+) MiB pool\)", log_since(server, log_from)))
     assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
     assert report["processes"] >= workers  # the workers were alive when counted
     consumers = {name for name, _mib in served} - {own_agent}
@@ -138,7 +142,7 @@ def test_speculators_dataloader_trains_from_pulled_samples(
 
 @pytest.mark.parametrize("sampler", ["", "rank-kept"])
 def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_dataset(
-    tiny_llama: Path, llama_reference: Reference, tmp_path: Path, sampler: str
+    pull_server: ApiServer, llama_reference: Reference, tmp_path: Path, sampler: str
 ) -> None:
     """``--kv-hs-keep DIR``: the first epoch fetches every row from vLLM and keeps it; the
     next epochs read every row from DIR (vLLM is asked for no row again), exactly the
@@ -154,22 +158,17 @@ def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_data
         env=env, check=True, timeout=300, capture_output=True,
     )  # fmt: skip
     out_file = tmp_path / "loaded.safetensors"
-    with ApiServer(
-        tiny_llama, {"delivery": "pull"}, LAYER_IDS, tmp_path, args=["--block-size", "128"]
-    ) as server:
-        proc = subprocess.run(
-            [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "2", "rank"],
-            env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
-                 "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep),
-                 "KV_TEST_EPOCHS": "3", "KV_TEST_SAMPLER": sampler},
-            capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
-        assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
-        prompts = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in server.http.get_text("/metrics").splitlines()
-            if line.startswith("vllm:request_success_total{")
-        )
+    server = pull_server
+    done_before = requests_done(server)
+    proc = subprocess.run(
+        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "2", "rank"],
+        env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
+             "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep),
+             "KV_TEST_EPOCHS": "3", "KV_TEST_SAMPLER": sampler},
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
+    prompts = requests_done(server) - done_before
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
     want = "RankKeptBatchSampler" if sampler else "MultipackDistributedBatchSamplerV2"
