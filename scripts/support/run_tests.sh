@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# make test: the suite on vLLM 0.32 (the CPU build) in two parts, then tests/unit on vLLM
+# 0.33.0's Python code; prints each part's wall time and the whole run's.
+#  1. everything but the tests marked alone or multinode, on pytest-xdist's workers (one a
+#     CPU, at most 4), a module's tests on one worker (--dist loadfile: its shared engine
+#     starts once; xdist's loadgroup does not group on pytest 9, which ignores its renaming);
+#  2. the tests marked alone (a time bound a busy machine stretches) or multinode (network
+#     namespaces, four-rank engines), one at a time.
+# TEST_WORKERS overrides the number of workers; PYTEST_ARGS is passed to every part;
+# JUNIT_DIR, where set, gets each 0.32 part's junit XML (parallel.xml, alone.xml).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=.venv/bin/python
+workers="${TEST_WORKERS:-$(n=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); echo $(( n < 4 ? n : 4 )))}"  # nproc obeys OMP_NUM_THREADS
+t0=$(date +%s)
+status=0
+part() {  # NAME, then the command; its wall time is printed, a failure remembered
+  local name=$1 t=$(date +%s)
+  shift
+  "$@" || status=1
+  echo "make test: ${name} took $(( $(date +%s) - t )) s"
+}
+$PY -m scripts.support.env_report
+junit() { [ -n "${JUNIT_DIR:-}" ] && echo "--junitxml=${JUNIT_DIR}/$1.xml"; }
+part "vLLM 0.32, ${workers} workers" env EXPECT_VLLM=0.32.0 $PY -m pytest -q -rs --durations=30 \
+  -n "$workers" --dist loadfile -m "not alone and not multinode" $(junit parallel) ${PYTEST_ARGS:-} tests
+part "vLLM 0.32, alone" env EXPECT_VLLM=0.32.0 $PY -m pytest -q -rs --durations=10 \
+  -m "alone or multinode" $(junit alone) ${PYTEST_ARGS:-} tests
+part "vLLM 0.33 unit" make --no-print-directory test-vllm033 TEST_WORKERS="$workers"
+echo "make test: $(( $(date +%s) - t0 )) s in all (exit ${status})"
+exit $status
