@@ -3,8 +3,9 @@ summary (``scripts.bench.summary``: the figures, their ceilings and the targets 
 as one JSON object, the last line printed. The first and the last lines name the machine
 and its load.
 
-    python -m scripts.bench               # every arm; needs an idle machine (docs/benchmarks.md
-                                          # gives each CPU kind's time: over 40 minutes on 2 cores)
+    python -m scripts.bench               # every arm; needs an idle machine: on 2 cores about
+                                          # 33-36 minutes on AVX-512 (AMD EPYC), over 40 on AVX2
+                                          # (its model arm alone 16; docs/benchmarks.md)
     python -m scripts.bench --only ARM    # one arm alone: its line, then its figures as the last
     python -m scripts.bench --only keep   # the arms: model, datapath, step, pull, protocol, fp8,
                                           # integrity, audit, keep
