@@ -1,4 +1,4 @@
-"""The pull producer process of the integration tests (``pull_producer_main.py``: samples held
+"""The pull producer process of the integration tests (``pull_servers_main.py``: samples held
 in one ``PullServer`` per rank, on a deterministic cache) and the samples planned on it."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Producer:
     def __init__(self, spec: dict[str, Any], env: dict[str, str | None] | None = None) -> None:
         self.spec = spec
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "integration" / "pull_producer_main.py"), json.dumps(spec)],
+            [sys.executable, str(REPO / "tests" / "integration" / "pull_servers_main.py"), json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -56,7 +56,7 @@ class Producer:
         return polled
 
     def fault(self, request_id: str, kind: str) -> None:
-        """One fault of docs/reliability.md on the sample's blocks (pull_producer_main.py)."""
+        """One fault of docs/reliability.md on the sample's blocks (pull_servers_main.py)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(f"fault {request_id} {kind}\n")
         self.proc.stdin.flush()

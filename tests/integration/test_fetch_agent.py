@@ -1,5 +1,5 @@
 """A rank's fetch agent between real processes over real NIXL, without vLLM: a producer
-process holds samples in its ``PullServer`` (``pull_producer_main.py``); one fetch agent
+process holds samples in its ``PullServer`` (``pull_servers_main.py``); one fetch agent
 (``reader.agent.fetch_agent``, its own process) READs them for clients in several threads and
 processes of the "rank", which map its pool. Byte-exact samples, one NIXL agent and one
 registration however many clients fetch, the leases of a client killed while it held a

@@ -1,5 +1,5 @@
 """Pull delivery between real processes over real NIXL, without vLLM: a producer process
-holds samples in one ``PullServer`` per rank (``pull_producer_main.py``), this process
+holds samples in one ``PullServer`` per rank (``pull_servers_main.py``), this process
 fetches them with ``reader.pull.client.PullClient``, READing the blocks straight from the
 producer's cache. Byte-exact samples, TP shares gathered into one sample, releases that
 free the producer's blocks, the timeout, and the errors a consumer must see clearly: an
