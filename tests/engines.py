@@ -47,13 +47,23 @@ class Start(Enum):
 
 
 class _Starts:
-    """The engines the suite's tests started, by kind and how (printed at the run's end)."""
+    """The engines the suite's tests started, by kind and how (printed at the run's end).
+
+    ``test`` is the test running now (``tests/conftest.py`` sets it): a test that starts an
+    engine of its own must say why with ``@pytest.mark.fresh_engine("why")``."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter[tuple[str, Start]] = collections.Counter()
         self.reused = 0
+        self.test: Any = None  # the pytest item running now, if any
 
     def count(self, kind: str, how: Start) -> None:
+        unsaid = self.test is not None and self.test.get_closest_marker("fresh_engine") is None
+        if how is Start.FRESH and unsaid:
+            raise AssertionError(
+                f"{self.test.nodeid} starts a {kind} of its own: use a shared engine (tests/engines.py) "
+                'or say why with @pytest.mark.fresh_engine("why")'
+            )
         self.counts[(kind, how)] += 1
 
     def dump(self) -> dict[str, Any]:
@@ -103,8 +113,12 @@ class EngineSpec:
     kv_cache_memory_bytes: int = 128 << 20
     tp: int = 1
     inprocess: bool = True
+    kv_role: str = "kv_producer"
+    mamba_ssm_cache_dtype: str | None = None
     extra: tuple[tuple[str, str], ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    # faults injected into vLLM's forward (tests/e2e/state_faults.py): a prompt's first token -> fault
+    faults: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def of(
@@ -113,6 +127,7 @@ class EngineSpec:
         layer_ids: Sequence[int],
         extra: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        faults: Mapping[int, str] | None = None,
         **engine: Any,
     ) -> EngineSpec:
         return cls(
@@ -120,6 +135,7 @@ class EngineSpec:
             layer_ids=tuple(layer_ids),
             extra=tuple(sorted((k, json.dumps(v)) for k, v in (extra or {}).items())),
             env=tuple(sorted((env or {}).items())),
+            faults=tuple(sorted((faults or {}).items())),
             **engine,
         )
 
@@ -173,7 +189,10 @@ class EngineSpec:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "tp": self.tp,
             "inprocess": self.inprocess,
+            "kv_role": self.kv_role,
+            "mamba_ssm_cache_dtype": self.mamba_ssm_cache_dtype,
             "extra": self.extra_config(),
+            "faults": {str(token): fault for token, fault in self.faults},
         }
 
 

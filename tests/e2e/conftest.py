@@ -16,8 +16,8 @@ import torch
 
 from kv_connector.reader import HiddenStatesReader, ReaderConfig, Sample
 from kv_connector.wire.provenance import Expectation
-from scripts.support.deaths import FAULT_ENV, explain
-from tests.engines import STARTS, Engines, EngineSpec, SharedProducer, Start
+from scripts.support.deaths import explain
+from tests.engines import STARTS, Engines, EngineSpec, Run, SharedProducer, Start, base_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,18 +117,25 @@ def pull_server(
     return engines.server(spec, tmp_path_factory.getbasetemp() / "pull-server", request.fixturename)
 
 
+def producer_command(spec: EngineSpec, run: Run, address: str) -> list[str]:
+    """tests/e2e/producer_main.py's command line: one run on an engine of ``spec`` shipping to
+    ``address``."""
+    return [sys.executable, str(REPO / "tests" / "e2e" / "producer_main.py"),
+            json.dumps({**spec.as_spec(address), **run.as_json()})]  # fmt: skip
+
+
 def run_producer(
-    spec: dict[str, Any], timeout: float = 600, env: dict[str, str] | None = None
+    spec: EngineSpec, run: Run, address: str, timeout: float = 600, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run tests/e2e/producer_main.py on an engine of its own; return its JSON result (rc
-    and stderr included)."""
+    """``run`` on an engine of its own (``spec``, shipping to ``address``), to the end;
+    producer_main.py's JSON result with ``rc``, ``stderr`` and ``log``."""
     STARTS.count("producer", Start.FRESH)
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "e2e" / "producer_main.py"), json.dumps(spec)],
+        producer_command(spec, run, address),
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(env or {})},
+        env=base_env({**dict(spec.env), **(env or {})}),
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
@@ -140,24 +147,27 @@ def run_producer(
     return result
 
 
-def start_producer(spec: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """Start tests/e2e/producer_main.py on an engine of its own."""
+def start_producer(
+    spec: EngineSpec, run: Run, address: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``run`` on an engine of its own (``spec``, shipping to ``address``), started."""
     STARTS.count("producer", Start.FRESH)
     return subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "e2e" / "producer_main.py"), json.dumps(spec)],
+        producer_command(spec, run, address),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(env or {})},
+        env=base_env({**dict(spec.env), **(env or {})}),
     )
 
 
 def run_and_collect(
-    reader: HiddenStatesReader, spec: dict[str, Any], n: int, env: dict[str, str] | None = None
+    reader: HiddenStatesReader, spec: EngineSpec, run: Run, n: int, env: dict[str, str] | None = None
 ) -> tuple[dict[str, Sample], dict[str, Any], str]:
-    """Start the producer, take n samples (each exactly once), wait for it, and check no
-    extra sample follows; returns (samples by request id, its JSON result, its log)."""
-    proc = start_producer(spec, env=env)
+    """``run`` on an engine of its own (``spec``) shipping to ``reader``: take n samples
+    (each exactly once), wait for the producer, and check no extra sample follows; returns
+    (samples by request id, its JSON result, its log)."""
+    proc = start_producer(spec, run, reader.address, env=env)
     got: dict[str, Sample] = {}
     try:
         while len(got) < n:

@@ -26,6 +26,7 @@ import torch
 from kv_connector.common.amx import cpu_has_amx
 from kv_connector.reader import HiddenStatesReader
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error, run_and_collect, run_producer
+from tests.engines import EngineSpec, Run
 from tests.ports import address_of, held_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -61,18 +62,16 @@ def test_vllms_plugin_loader_gives_every_process_amx_before_its_first_forward() 
     assert got == {"before": False, "after": cpu_has_amx()}
 
 
-def spec(model: Path, address: str, prompts: list[list[int]], **extra: object) -> dict[str, object]:
-    return dict(
-        model=str(model), address=address, layer_ids=LAYER_IDS, block_size=BLOCK, dtype="bfloat16",
-        prompts=prompts, extra=extra,
-    )  # fmt: skip
+def spec(model: Path, **extra: object) -> EngineSpec:
+    return EngineSpec.of(model, LAYER_IDS, extra, block_size=BLOCK, dtype="bfloat16")
 
 
+@pytest.mark.fresh_engine("the first step of a new process (vLLM sets AMX up once a process)")
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_a_first_step_of_few_bf16_tokens_without_a_reader_runs(tiny_llama_bf16: Path, tokens: int) -> None:
     prompts = prompts_of([tokens], seed=48)
     with held_port() as held:  # nobody listens: the request runs without shipping
-        res = run_producer(spec(tiny_llama_bf16, address_of(held), prompts, connect_timeout_s=1))
+        res = run_producer(spec(tiny_llama_bf16, connect_timeout_s=1), Run(prompts), address_of(held))
     assert res["rc"] == 0, res["log"][-6000:]
     (out,) = res["outputs"]
     assert out["kv_transfer_params"]["hidden_states"]["status"] == "failed"  # no reader, said so
@@ -80,10 +79,11 @@ def test_a_first_step_of_few_bf16_tokens_without_a_reader_runs(tiny_llama_bf16: 
     assert "runs without shipping its hidden states" in res["log"]
 
 
+@pytest.mark.fresh_engine("the first step of a new process (vLLM sets AMX up once a process)")
 def test_a_first_step_of_one_bf16_token_ships_its_states(tiny_llama_bf16: Path) -> None:
     prompts = prompts_of([1], seed=49)
     with HiddenStatesReader() as reader:
-        got, _, _ = run_and_collect(reader, spec(tiny_llama_bf16, reader.address, prompts), 1)
+        got, _, _ = run_and_collect(reader, spec(tiny_llama_bf16), Run(prompts), 1)
     (sample,) = got.values()
     assert sample.token_ids.tolist() == prompts[0]
     want = Reference(tiny_llama_bf16).states(prompts[0], LAYER_IDS)

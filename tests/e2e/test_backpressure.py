@@ -14,10 +14,12 @@ import pytest
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.common import BLOCK, LAYER_IDS
 from tests.e2e.conftest import Reference, prompts_of, relative_error, start_producer
+from tests.engines import EngineSpec, Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@pytest.mark.fresh_engine("a KV budget and a reader pool too small for the batch")
 def test_slow_trainer_throttles_the_producer_and_loses_nothing(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
@@ -25,17 +27,11 @@ def test_slow_trainer_throttles_the_producer_and_loses_nothing(
     prompts = prompts_of([300, 129, 50, 256, 1, 300, 200, 128, 77, 260, 300, 10], seed=21)
     # pool: 6 blocks, i.e. two 3-block samples; KV budget: ~32 blocks of the model's layers
     with HiddenStatesReader(pool_bytes=6 * block_bytes) as reader:
-        spec = dict(
-            model=str(tiny_llama),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            prompts=prompts,
-            max_num_seqs=4,
-            kv_cache_memory_bytes=8 << 20,
+        spec = EngineSpec.of(
+            tiny_llama, LAYER_IDS, block_size=BLOCK, max_num_seqs=4, kv_cache_memory_bytes=8 << 20,
             inprocess=False,
-        )
-        proc = start_producer(spec)
+        )  # fmt: skip
+        proc = start_producer(spec, Run(prompts), reader.address)
         got: dict[str, Sample] = {}
         try:
             for _ in prompts:

@@ -14,28 +14,20 @@ import pytest
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.common import BLOCK, LAYER_IDS
 from tests.e2e.conftest import Reference, prompts_of, relative_error, run_producer, start_producer
+from tests.engines import EngineSpec, Run
 from tests.ports import address_of, held_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@pytest.mark.fresh_engine("no reader at the address its connector was given")
 def test_without_a_reader_requests_fail_clearly_in_their_kv_transfer_params(tiny_llama: Path) -> None:
     held = held_port()  # ours for the whole test, and nobody listens on it: refused
     address = address_of(held)
     prompts = prompts_of([5, 40, 300], seed=31)
     with held:
-        res = run_producer(
-            dict(
-                model=str(tiny_llama),
-                address=address,
-                layer_ids=LAYER_IDS,
-                block_size=BLOCK,
-                prompts=prompts,
-                max_tokens=[1, 3, 2],
-                extra={"connect_timeout_s": 3},
-            ),
-            timeout=300,
-        )
+        spec = EngineSpec.of(tiny_llama, LAYER_IDS, {"connect_timeout_s": 3}, block_size=BLOCK)
+        res = run_producer(spec, Run(prompts, max_tokens=[1, 3, 2]), address, timeout=300)
     assert res["rc"] == 0, res["stderr"][-4000:]
     # they waited for the reader for the deadline, not forever
     assert 3.0 <= res["elapsed_s"] < 60, res["elapsed_s"]
@@ -49,22 +41,15 @@ def test_without_a_reader_requests_fail_clearly_in_their_kv_transfer_params(tiny
     assert "runs without shipping its hidden states" in res["log"]
 
 
+@pytest.mark.fresh_engine("a reader that starts after the engine")
 def test_requests_wait_for_a_reader_that_starts_late_and_arrive_exact(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
     # the reader's port, held (refusing connections) until the reader takes the socket
     held = held_port()
     prompts = prompts_of([7, 130, 260, 1], seed=32)
-    spec = dict(
-        model=str(tiny_llama),
-        address=address_of(held),
-        layer_ids=LAYER_IDS,
-        block_size=BLOCK,
-        prompts=prompts,
-        max_tokens=[1, 40, 2, 1],
-        extra={"connect_timeout_s": 120},
-    )
-    proc = start_producer(spec)
+    spec = EngineSpec.of(tiny_llama, LAYER_IDS, {"connect_timeout_s": 120}, block_size=BLOCK)
+    proc = start_producer(spec, Run(prompts, max_tokens=[1, 40, 2, 1]), address_of(held))
     got: dict[str, Sample] = {}
     try:
         assert proc.stderr is not None

@@ -29,6 +29,7 @@ import torch
 from hybrid.host import cpu_ssm_state_is_float32
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.conftest import Reference, check_samples, prompts_of, run_and_collect
+from tests.engines import EngineSpec, Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -112,6 +113,7 @@ def check_hybrid_samples(
     )
 
 
+@pytest.mark.fresh_engine("the hybrid model, an engine per SSM state dtype")
 @pytest.mark.parametrize("state_dtype", [PLATFORM_STATE, OTHER_STATE])
 def test_inprocess_chunked_prefill_across_attention_blocks(
     tiny_qwen3_next: Path,
@@ -123,26 +125,19 @@ def test_inprocess_chunked_prefill_across_attention_blocks(
     lengths = [1, block - 1, block, block + 1, 600, 37, 1000, 5]
     prompts = prompts_of(lengths, seed=21)
     with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_qwen3_next),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            prompts=prompts,
-            dtype="bfloat16",
-            max_model_len=MAX_LEN,
-            kv_cache_memory_bytes=BUDGET,
-            max_tokens=[1, 2, 1, 3, 1, 4, 2, 1],
-            max_num_batched_tokens=block,  # 600 and 1000 take several steps
-            enable_prefix_caching=False,
+        spec = EngineSpec.of(
+            tiny_qwen3_next, LAYER_IDS, dtype="bfloat16", block_size=None, max_model_len=MAX_LEN,
+            kv_cache_memory_bytes=BUDGET, max_num_batched_tokens=block,  # 600 and 1000 take several steps
             mamba_ssm_cache_dtype=state_dtype,
-            inprocess=True,
-        )
-        got, result, log = run_and_collect(reader, spec, len(prompts), env=hybrid_plugin_env)
+        )  # fmt: skip
+        run = Run(prompts, max_tokens=[1, 2, 1, 3, 1, 4, 2, 1])
+        got, result, log = run_and_collect(reader, spec, run, len(prompts), env=hybrid_plugin_env)
     assert check_plugin_was_active(log, tiny_qwen3_next, state_dtype) == block
     worst = check_hybrid_samples(got, result, prompts, qwen3_next_reference, with_output=set())
     print(f"block {block} ({state_dtype} state): worst relative error {worst:.3e}")
 
 
+@pytest.mark.fresh_engine("the hybrid model in vLLM's multi-process engine")
 def test_multiprocess_engine_with_output_tokens(
     tiny_qwen3_next: Path, qwen3_next_reference: Reference, hybrid_plugin_env: dict[str, str]
 ) -> None:
@@ -150,19 +145,12 @@ def test_multiprocess_engine_with_output_tokens(
     lengths = [3, block, 300, block + 1]
     prompts = prompts_of(lengths, seed=22)
     with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_qwen3_next),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            prompts=prompts,
-            dtype="bfloat16",
-            max_model_len=MAX_LEN,
-            kv_cache_memory_bytes=BUDGET,
-            max_tokens=[2, 1, 4, 6],
-            with_output=[2, 3],  # shipped at finish: prompt + outputs, across a block boundary
-            enable_prefix_caching=False,
-            inprocess=False,
-        )
-        got, result, log = run_and_collect(reader, spec, len(prompts), env=hybrid_plugin_env)
+        spec = EngineSpec.of(
+            tiny_qwen3_next, LAYER_IDS, dtype="bfloat16", block_size=None, max_model_len=MAX_LEN,
+            kv_cache_memory_bytes=BUDGET, inprocess=False,
+        )  # fmt: skip
+        # 2 and 3 shipped at finish: prompt + outputs, across a block boundary
+        run = Run(prompts, max_tokens=[2, 1, 4, 6], with_output=[2, 3])
+        got, result, log = run_and_collect(reader, spec, run, len(prompts), env=hybrid_plugin_env)
     assert check_plugin_was_active(log, tiny_qwen3_next, PLATFORM_STATE) == block
     check_hybrid_samples(got, result, prompts, qwen3_next_reference, with_output={2, 3})

@@ -25,6 +25,7 @@ import torch
 
 from kv_connector.reader import HiddenStatesReader
 from tests.e2e.conftest import Reference, check_samples, prompts_of, run_and_collect
+from tests.engines import EngineSpec, Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,22 +49,16 @@ def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def gpt_oss_spec(model: Path, address: str, dtype: str) -> dict[str, object]:
-    prompts = prompts_of(GPT_OSS_LENGTHS, seed=31)
-    return dict(
-        model=str(model),
-        address=address,
-        layer_ids=GPT_OSS_LAYERS,
-        prompts=prompts,
-        dtype=dtype,
-        max_model_len=MAX_LEN,
-        kv_cache_memory_bytes=BUDGET,
-        max_tokens=[1, 2, 1, 3, 1, 1, 2, 1, 1, 2],
-        with_output=[3, 8],  # prompt + outputs, across the window's edge
-        max_num_batched_tokens=256,  # 300 and 700 take several steps
-        enable_prefix_caching=False,
-        inprocess=True,
-    )
+def gpt_oss_spec(model: Path, dtype: str) -> tuple[EngineSpec, Run]:
+    """gpt-oss's engine and its run: prompts across the sliding window's edge, two of them
+    shipped with their outputs (3 and 8); 256 tokens a step (300 and 700 take several)."""
+    spec = EngineSpec.of(
+        model, GPT_OSS_LAYERS, dtype=dtype, block_size=None, max_model_len=MAX_LEN,
+        kv_cache_memory_bytes=BUDGET, max_num_batched_tokens=256,
+    )  # fmt: skip
+    max_tokens = [1, 2, 1, 3, 1, 1, 2, 1, 1, 2]
+    run = Run(prompts_of(GPT_OSS_LENGTHS, seed=31), max_tokens=max_tokens, with_output=[3, 8])
+    return spec, run
 
 
 # (per sample, per token) relative error. fp32: 4e-7 measured. bf16: ~7e-3 per token,
@@ -73,6 +68,7 @@ def gpt_oss_spec(model: Path, address: str, dtype: str) -> dict[str, object]:
 TOLERANCE = {"float32": (1e-4, 1e-3), "bfloat16": (0.1, 0.8)}
 
 
+@pytest.mark.fresh_engine("gpt-oss, an engine per dtype")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpt_oss_ships_through_the_full_attention_group(
     tiny_gpt_oss: dict[str, Path], hybrid_plugin_env: dict[str, str], dtype: str
@@ -80,10 +76,9 @@ def test_gpt_oss_ships_through_the_full_attention_group(
     model = tiny_gpt_oss[dtype]
     env = {**hybrid_plugin_env, "HIDDEN_STATES_SUPPLEMENTARY": "auto"}
     with HiddenStatesReader() as reader:
-        spec = gpt_oss_spec(model, reader.address, dtype)
-        prompts = spec["prompts"]
-        assert isinstance(prompts, list)
-        got, result, log = run_and_collect(reader, spec, len(prompts), env=env)
+        spec, run = gpt_oss_spec(model, dtype)
+        prompts = [list(p) for p in run.prompts]
+        got, result, log = run_and_collect(reader, spec, run, len(prompts), env=env)
     m = re.search(
         r"supplementary tensor for cache_only_layers\.4: (\d+) blocks x (\d+) bytes "
         r"\((\d+) tokens of 3 layers x 128\), addressed by KV cache group (\d+)",
@@ -109,6 +104,7 @@ def test_gpt_oss_ships_through_the_full_attention_group(
     print(f"gpt-oss {dtype}, block {tokens}: worst relative error {worst:.3e}")
 
 
+@pytest.mark.fresh_engine("the supplementary-tensor design off")
 def test_gpt_oss_ships_from_vllms_padded_group_with_the_design_off(
     tiny_gpt_oss: dict[str, Path], hybrid_plugin_env: dict[str, str]
 ) -> None:
@@ -117,10 +113,9 @@ def test_gpt_oss_ships_from_vllms_padded_group_with_the_design_off(
     model = tiny_gpt_oss["float32"]
     env = {**hybrid_plugin_env, "HIDDEN_STATES_SUPPLEMENTARY": "0"}
     with HiddenStatesReader() as reader:
-        spec = gpt_oss_spec(model, reader.address, "float32")
-        prompts = spec["prompts"]
-        assert isinstance(prompts, list)
-        got, result, log = run_and_collect(reader, spec, len(prompts), env=env)
+        spec, run = gpt_oss_spec(model, "float32")
+        prompts = [list(p) for p in run.prompts]
+        got, result, log = run_and_collect(reader, spec, run, len(prompts), env=env)
     m = re.search(r"page alignment wastes (\d+) bytes", log)
     assert m and int(m.group(1)) > 0, log[-3000:]
     assert "supplementary tensor for" not in log
@@ -148,6 +143,7 @@ def tiny_linear_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(out, "qwen3_next_linear", seed=0, dtype="bfloat16")
 
 
+@pytest.mark.fresh_engine("a linear-attention-only model, an engine per layer set")
 @pytest.mark.parametrize("layer_ids", [LINEAR_LAYERS, [1, 4]], ids=["3-layers", "2-layers"])
 def test_linear_attention_only_model_falls_back_and_ships(
     tiny_linear_only: Path, hybrid_plugin_env: dict[str, str], layer_ids: list[int]
@@ -158,21 +154,12 @@ def test_linear_attention_only_model_falls_back_and_ships(
     env = {**hybrid_plugin_env, "HIDDEN_STATES_SUPPLEMENTARY": "auto"}
     prompts = prompts_of([1, 7, 200, 300, 600], seed=32)
     with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_linear_only),
-            address=reader.address,
-            layer_ids=layer_ids,
-            prompts=prompts,
-            dtype="bfloat16",
-            max_model_len=MAX_LEN,
-            kv_cache_memory_bytes=BUDGET,
-            max_tokens=[1, 2, 1, 3, 1],
-            with_output=[1],
-            max_num_batched_tokens=256,
-            enable_prefix_caching=False,
-            inprocess=True,
-        )
-        got, result, log = run_and_collect(reader, spec, len(prompts), env=env)
+        spec = EngineSpec.of(
+            tiny_linear_only, layer_ids, dtype="bfloat16", block_size=None, max_model_len=MAX_LEN,
+            kv_cache_memory_bytes=BUDGET, max_num_batched_tokens=256,
+        )  # fmt: skip
+        run = Run(prompts, max_tokens=[1, 2, 1, 3, 1], with_output=[1])
+        got, result, log = run_and_collect(reader, spec, run, len(prompts), env=env)
     lines = [ln for ln in log.splitlines() if "vLLM's own grouping applies" in ln]
     assert len(lines) == 1 and "has none (layers: ['MambaSpec'])" in lines[0], log[-3000:]
     assert "supplementary tensor for" not in log

@@ -25,6 +25,7 @@ import torch
 
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.conftest import run_and_collect
+from tests.engines import EngineSpec, Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -103,6 +104,7 @@ def predictable_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_predictable_llama(tmp_path_factory.mktemp("models") / "predictable-llama")
 
 
+@pytest.mark.fresh_engine("a model whose weights make every value predictable")
 def test_every_value_names_its_token_and_layer(predictable_llama: Path) -> None:
     ids = random.Random(7).sample(range(1, VOCAB), sum(LENGTHS))  # distinct: a token names its place
     prompts, at = [], 0
@@ -110,19 +112,10 @@ def test_every_value_names_its_token_and_layer(predictable_llama: Path) -> None:
         prompts.append(ids[at : at + n])
         at += n
     with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(predictable_llama),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            max_num_batched_tokens=BUDGET,
-            prompts=prompts,
-            max_tokens=MAX_TOKENS,
-            with_output=[WITH_OUTPUT],
-            inprocess=True,
-            drain_steps=3,  # an in-process engine ships output tokens on a later step
-        )
-        got, result, _ = run_and_collect(reader, spec, len(prompts))
+        spec = EngineSpec.of(predictable_llama, LAYER_IDS, block_size=BLOCK, max_num_batched_tokens=BUDGET)
+        # an in-process engine ships output tokens on a later step: drain_steps
+        run = Run(prompts, max_tokens=MAX_TOKENS, with_output=[WITH_OUTPUT], drain_steps=3)
+        got, result, _ = run_and_collect(reader, spec, run, len(prompts))
     place = {tok: (p, pos) for p, prompt in enumerate(prompts) for pos, tok in enumerate(prompt)}
     for i, (o, prompt) in enumerate(zip(result["outputs"], prompts, strict=True)):
         s = got[o["request_id"]]

@@ -16,29 +16,23 @@ import pytest
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.common import BLOCK, LAYER_IDS
 from tests.e2e.conftest import Reference, prompts_of, relative_error, start_producer
+from tests.engines import EngineSpec, Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@pytest.mark.fresh_engine("a KV budget small enough for vLLM to preempt")
 def test_requests_preempted_while_their_writes_wait_arrive_exact(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
     block_bytes = BLOCK * len(LAYER_IDS) * 128 * 4  # one block of the tiny model (hidden 128, fp32)
     prompts = prompts_of([200, 150, 250, 180, 220, 130, 240, 170], seed=41)
     with HiddenStatesReader(pool_bytes=4 * block_bytes) as reader:  # two 2-block samples
-        spec = dict(
-            model=str(tiny_llama),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            prompts=prompts,
-            max_tokens=[300] * len(prompts),
-            max_num_seqs=len(prompts),
-            max_model_len=640,
-            kv_cache_memory_bytes=5
-            << 20,  # 11 blocks of BLOCK (128) tokens: prompt + 300 outputs overflow it
-        )
-        proc = start_producer(spec)
+        spec = EngineSpec.of(
+            tiny_llama, LAYER_IDS, block_size=BLOCK, max_num_seqs=len(prompts), max_model_len=640,
+            kv_cache_memory_bytes=5 << 20,  # 11 blocks of 128 tokens: prompt + 300 outputs overflow it
+        )  # fmt: skip
+        proc = start_producer(spec, Run(prompts, max_tokens=[300] * len(prompts)), reader.address)
         got: dict[str, Sample] = {}
         try:
             while len(got) < len(prompts):

@@ -21,7 +21,7 @@ from tests.e2e.conftest import (
     relative_error,
     run_and_collect,
 )
-from tests.engines import Run, SharedProducer
+from tests.engines import EngineSpec, Run, SharedProducer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -50,21 +50,14 @@ def test_inprocess_engine_chunked_prefill_mixed_batch(
     print(f"worst relative error {worst:.2e}")
 
 
+@pytest.mark.fresh_engine("vLLM's multi-process engine")
 def test_multiprocess_engine_and_output_tokens_opt_in(tiny_llama: Path, llama_reference: Reference) -> None:
     lengths = [3, BLOCK, 300, 129]
     prompts = prompts_of(lengths, seed=12)
     with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_llama),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            prompts=prompts,
-            max_tokens=[2, 1, 4, 6],
-            with_output=[2, 3],
-            inprocess=False,
-        )
-        got, result, _ = run_and_collect(reader, spec, len(prompts))
+        spec = EngineSpec.of(tiny_llama, LAYER_IDS, block_size=BLOCK, inprocess=False)
+        run = Run(prompts, max_tokens=[2, 1, 4, 6], with_output=[2, 3])
+        got, result, _ = run_and_collect(reader, spec, run, len(prompts))
     check_against_reference(got, result, prompts, llama_reference, with_output={2, 3})
 
 
@@ -84,6 +77,7 @@ def test_output_tokens_of_a_request_that_finishes_while_others_run_free_their_bl
     assert out.result["held_requests"] == [] and out.result["kv_usage"] == 0.0, out.result
 
 
+@pytest.mark.fresh_engine("layer ids given unsorted, and the start-up log's one line about them")
 def test_unsorted_layer_ids_label_each_slice_with_its_layer(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
@@ -92,16 +86,8 @@ def test_unsorted_layer_ids_label_each_slice_with_its_layer(
     layer at a time (a mislabelled slice is another layer: off by ~1, not 1e-6)."""
     prompts = prompts_of([5, BLOCK + 2, 300], seed=14)
     with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(tiny_llama),
-            address=reader.address,
-            layer_ids=[3, 1, 2],
-            block_size=BLOCK,
-            prompts=prompts,
-            max_num_batched_tokens=BLOCK,
-            inprocess=True,
-        )
-        got, result, log = run_and_collect(reader, spec, len(prompts))
+        spec = EngineSpec.of(tiny_llama, [3, 1, 2], block_size=BLOCK, max_num_batched_tokens=BLOCK)
+        got, result, log = run_and_collect(reader, spec, Run(prompts), len(prompts))
     for o, prompt in zip(result["outputs"], prompts, strict=True):
         s = got[o["request_id"]]
         assert s.token_ids.tolist() == prompt
@@ -112,6 +98,8 @@ def test_unsorted_layer_ids_label_each_slice_with_its_layer(
     assert log.count("every sample reports layer_ids=[1, 2, 3]") == 1, log[-3000:]
 
 
+@pytest.mark.fresh_engine("TP=4: four worker processes")
+@pytest.mark.alone  # four ranks on two cores: a second test beside them stretches vLLM's shutdown grace
 @pytest.mark.multinode
 def test_real_tensor_parallel_4_engine_matches_transformers(tmp_path: Path) -> None:
     """vLLM's own TP=4 executor (four CPU worker processes, gloo), each rank shipping its
@@ -123,17 +111,9 @@ def test_real_tensor_parallel_4_engine_matches_transformers(tmp_path: Path) -> N
     lengths = [1, BLOCK, BLOCK + 1, 300, 700]
     prompts = prompts_of(lengths, seed=13)
     with HiddenStatesReader() as reader:
-        spec = dict(
-            model=str(model),
-            address=reader.address,
-            layer_ids=LAYER_IDS,
-            block_size=BLOCK,
-            prompts=prompts,
-            tp=4,
-            inprocess=False,
-            max_num_batched_tokens=256,
-        )
-        got, result, _ = run_and_collect(
-            reader, spec, len(prompts), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        )
+        spec = EngineSpec.of(
+            model, LAYER_IDS, block_size=BLOCK, tp=4, inprocess=False, max_num_batched_tokens=256,
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        )  # fmt: skip
+        got, result, _ = run_and_collect(reader, spec, Run(prompts), len(prompts))
     check_against_reference(got, result, prompts, Reference(model), with_output=set())

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.e2e.conftest import run_producer
+from tests.engines import EngineSpec, Run
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,18 +110,10 @@ def test_missing_speculative_config_names_extract_hidden_states(tiny_llama: Path
     assert "extract_hidden_states" in msg and "--speculative-config" in msg
 
 
+@pytest.mark.fresh_engine("vLLM failing to start")
 def test_vllm_fails_to_start_as_a_kv_consumer_and_says_why(tiny_llama: Path) -> None:
-    result = run_producer(
-        {
-            "model": str(tiny_llama),
-            "address": ADDRESS,
-            "layer_ids": LAYER_IDS,
-            "prompts": [[1, 2, 3]],
-            "kv_role": "kv_consumer",
-            "max_model_len": 1024,
-        },
-        timeout=300,
-    )
+    spec = EngineSpec.of(tiny_llama, LAYER_IDS, block_size=None, kv_role="kv_consumer", max_model_len=1024)
+    result = run_producer(spec, Run([[1, 2, 3]]), ADDRESS, timeout=300)
     assert result["rc"] != 0
     assert "outputs" not in result, "generate() ran although the connector was misconfigured"
     stderr = result["stderr"]
@@ -128,19 +121,12 @@ def test_vllm_fails_to_start_as_a_kv_consumer_and_says_why(tiny_llama: Path) -> 
     assert '"kv_role":"kv_producer"' in stderr and "'kv_consumer'" in stderr
 
 
+@pytest.mark.fresh_engine("vLLM failing to start")
 def test_vllm_with_duplicate_layer_ids_fails_to_start_and_says_why(tiny_llama: Path) -> None:
     """Without the check vLLM starts, then fails at its first step with a tensor-shape
     error that names neither the layer ids nor the fix."""
-    result = run_producer(
-        {
-            "model": str(tiny_llama),
-            "address": ADDRESS,
-            "layer_ids": [1, 2, 2],
-            "prompts": [[1, 2, 3]],
-            "max_model_len": 1024,
-        },
-        timeout=300,
-    )
+    spec = EngineSpec.of(tiny_llama, [1, 2, 2], block_size=None, max_model_len=1024)
+    result = run_producer(spec, Run([[1, 2, 3]]), ADDRESS, timeout=300)
     assert result["rc"] != 0
     assert "outputs" not in result, "generate() ran although the layer ids name a layer twice"
     assert "lists layer 2 more than once" in result["stderr"], result["stderr"][-3000:]

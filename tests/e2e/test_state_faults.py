@@ -19,6 +19,7 @@ from kv_connector.audit import LogprobAudit
 from kv_connector.reader import HiddenStatesReader, ReaderConfig, Sample
 from scripts.support.deaths import explain
 from tests.e2e.conftest import Reference, prompts_of, relative_error, start_producer
+from tests.engines import EngineSpec, Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,14 +37,16 @@ def _run(
     for i, name in enumerate(faults):
         prompts[i][0] = MARK + FAULTS.index(name)
     with HiddenStatesReader(ReaderConfig(check_values=check_values)) as reader:
-        spec = dict(
-            model=str(model), address=reader.address, layer_ids=CAPTURED, block_size=128, max_num_seqs=1,
-            prompts=prompts, prompt_logprobs=0, max_tokens=[4 if f == "output" else 1 for f in faults],
+        spec = EngineSpec.of(
+            model, CAPTURED, {"check_tokens": check_tokens}, block_size=128, max_num_seqs=1,
+            faults={MARK + FAULTS.index(f): f for f in faults},
+        )  # fmt: skip
+        run = Run(
+            prompts, prompt_logprobs=0, max_tokens=[4 if f == "output" else 1 for f in faults],
             with_output=[i for i, f in enumerate(faults) if f == "output"],
-            faults={str(MARK + FAULTS.index(f)): f for f in faults}, extra={"check_tokens": check_tokens},
             drain_steps=3,  # an in-process engine ships output tokens on a later step
         )  # fmt: skip
-        proc = start_producer(spec)
+        proc = start_producer(spec, run, reader.address)
         got: dict[str, Sample] = {}
         try:
             while proc.poll() is None or len(got) < len(faults):
@@ -66,6 +69,7 @@ def _run(
     return got, runs, out + err, stats
 
 
+@pytest.mark.fresh_engine("faults injected into vLLM's own forward")
 def test_faults_checksums_cannot_see_are_each_caught_by_their_check(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -97,6 +101,7 @@ def test_faults_checksums_cannot_see_are_each_caught_by_their_check(
         assert why in log and f"position {position} from" in log, (fault, log[-4000:])
 
 
+@pytest.mark.fresh_engine("faults injected into vLLM's own forward")
 def test_with_the_token_check_and_values_screen_off_their_faults_arrive(
     tiny_llama: Path, llama_reference: Reference
 ) -> None:
