@@ -11,8 +11,8 @@ and the run's end prints how many engines the tests started.
 
 ``make test`` runs the suite on pytest-xdist's workers (``--dist loadfile``: a module's tests
 run on one worker, so a module's shared engine starts once), and the workers' engine counts
-are summed at the end. Tests marked ``alone`` (a time bound) or ``multinode`` (the machine's
-network namespaces) run afterwards, by themselves.
+are summed at the end. Tests marked ``alone`` (a time bound a busy machine stretches) run
+afterwards, by themselves.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.engines import STARTS, Engines, iter_engines
+from tests.engines import STARTS, Engines, Start, iter_engines
 
 LAST_USER: dict[str, str] = {}  # fixture name -> node id of the last collected test using it
 
@@ -79,7 +79,21 @@ class _WorkerStarts:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from scripts.support.vllm_server import VllmServer
+
     config.pluginmanager.register(_WorkerStarts(), "engine-starts")
+    # every OpenAI server a test starts in this process (its own, a shared one, a bench arm's)
+    VllmServer.on_start.append(lambda s: STARTS.count("openai server", getattr(s, "start_kind", Start.FRESH)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """The test running now, for the engine count's check of ``fresh_engine``."""
+    STARTS.test = item
+    try:
+        return (yield)
+    finally:
+        STARTS.test = None
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

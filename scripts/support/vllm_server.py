@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kv_connector.datagen.httpclient import Server as Http
 from scripts.support.deaths import FAULT_ENV, explain
@@ -79,6 +79,9 @@ class VllmServer:
     are more ``vllm serve`` flags; ``env`` is added to this process's environment (with
     ``OMP_NUM_THREADS=1`` and the repository on ``PYTHONPATH``)."""
 
+    # called with each server as it starts (the tests count their engines with it)
+    on_start: ClassVar[list[Callable[[VllmServer], None]]] = []
+
     def __init__(
         self,
         model: Path,
@@ -113,6 +116,8 @@ class VllmServer:
         self.t0 = 0.0
 
     def start(self) -> VllmServer:
+        for hook in VllmServer.on_start:
+            hook(self)
         with self.log.open("wb") as f:  # a file, not a pipe: the server logs a lot and must not block
             self.proc = subprocess.Popen(
                 self.cmd,

@@ -15,6 +15,7 @@ from tests.e2e.common import speculators_site
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@pytest.mark.fresh_engine("the arm's own server")
 def test_the_keep_arm_fetches_each_row_once_with_the_rank_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     speculators_site()  # skips without speculators
     monkeypatch.setattr(keep, "ROWS", 6)

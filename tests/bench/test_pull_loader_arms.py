@@ -31,6 +31,7 @@ ROWS = 2
 WORKERS = 2
 
 
+@pytest.mark.fresh_engine("the arm's own two servers")
 def test_every_loader_arm_delivers_every_row_and_counts_what_fetches(tmp_path: Path) -> None:
     speculators_site()  # skips without speculators
     work = Path(tempfile.mkdtemp(dir=tmp_path))

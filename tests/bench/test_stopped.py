@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ENGINE_UP_S = 300.0  # the arm's server reaches its engine core within this on a slow host
 
 
+@pytest.mark.fresh_engine("the benchmark's own server, stopped with it")
 def test_the_benchmark_stopped_in_an_arm_leaves_no_process_behind() -> None:
     speculators_site()  # the keep arm's trainers need it
     STARTS.count("openai server", Start.FRESH)  # the arm's own

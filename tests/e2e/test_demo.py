@@ -15,6 +15,7 @@ from tests.engines import STARTS, Start, base_env
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@pytest.mark.fresh_engine("the demo's own engine")
 def test_the_demo_ends_well_and_prints_no_traceback(tmp_path: Path) -> None:
     STARTS.count("producer", Start.FRESH)  # the demo's own engine
     proc = subprocess.run(

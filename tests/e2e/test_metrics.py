@@ -32,6 +32,7 @@ P = "vllm:hidden_states_"
 R = "hidden_states_reader_"
 
 
+@pytest.mark.fresh_engine("a server's metrics, counted from its start")
 def test_the_servers_and_the_readers_metrics_count_what_was_shipped(tiny_llama: Path, tmp_path: Path) -> None:
     rng = random.Random(16)
     held = held_port()  # the second reader's address: never up, connections refused
@@ -153,6 +154,7 @@ def test_the_servers_and_the_readers_metrics_count_what_was_shipped(tiny_llama: 
         print(report)
 
 
+@pytest.mark.fresh_engine("a TP=2 server")
 def test_tensor_parallel_ranks_are_merged_each_sample_counted_once(tiny_llama: Path, tmp_path: Path) -> None:
     """TP=2 (vLLM's own executor, two worker processes): the ranks' stats are merged by
     vLLM each step. Each sample counts once, its bytes are the two stripes' sum, every

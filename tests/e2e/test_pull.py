@@ -184,6 +184,7 @@ def test_generate_in_pull_mode_serves_every_sample_and_frees_every_block(
     [("auto", False), ("auto", True), ("none", False)],
     ids=["before-ask", "after-ask", "none"],
 )
+@pytest.mark.fresh_engine("with the record off (the none case)")
 def test_a_row_overwritten_after_generate_returned_fails_its_sample_by_name(
     checksum: str, asked: bool, llama_pull: PullProducer, tiny_llama: Path, llama_reference: Reference
 ) -> None:
@@ -259,6 +260,7 @@ def test_output_tokens_in_pull_mode_are_exact_over_the_whole_sequence(
     assert state["held"] == [] and state["kv_usage"] == 0.0, state
 
 
+@pytest.mark.fresh_engine("a TP=2 server")
 def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample(
     tiny_llama: Path, llama_reference: Reference, tmp_path: Path
 ) -> None:
@@ -336,6 +338,7 @@ def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample
         assert "Aborted request" in server.log.read_text() or "abort" in server.log.read_text().lower()
 
 
+@pytest.mark.fresh_engine("a KV budget small enough for vLLM to preempt")
 def test_preempted_requests_fail_by_name_and_the_rest_arrive_exact(
     tiny_llama: Path, llama_reference: Reference, tmp_path: Path
 ) -> None:

@@ -26,6 +26,7 @@ BLOCK = 128  # pinned in the server's configuration (--block-size), so prompts c
 SAMPLE_TIMEOUT_S = 300.0
 
 
+@pytest.mark.fresh_engine("a server whose log must show no refused connection from its start")
 def test_openai_server_delivers_prompt_states(
     tiny_llama: Path, llama_reference: Reference, tmp_path: Path
 ) -> None:

@@ -64,6 +64,7 @@ def tiny_llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.mark.fresh_engine("a bf16 server whose reader starts late")
 def test_speculators_loads_every_row_the_driver_and_the_reader_cli_produced(
     tiny_llama_bf16: Path, tmp_path: Path
 ) -> None:
