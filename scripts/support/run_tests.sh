@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # make test: the suite on vLLM 0.32 (the CPU build) in two parts, then tests/unit on vLLM
 # 0.33.0's Python code; prints each part's wall time and the whole run's.
-#  1. everything but the tests marked alone or multinode, on pytest-xdist's workers (one a
+#  1. everything but the tests marked alone, on pytest-xdist's workers (one a
 #     CPU, at most 4), a module's tests on one worker (--dist loadfile: its shared engine
 #     starts once; xdist's loadgroup does not group on pytest 9, which ignores its renaming);
-#  2. the tests marked alone (a time bound a busy machine stretches) or multinode (network
-#     namespaces, four-rank engines), one at a time.
+#  2. the tests marked alone (a time bound a busy machine stretches, a four-rank engine on
+#     two cores), one at a time.
 # TEST_WORKERS overrides the number of workers; PYTEST_ARGS is passed to every part;
 # JUNIT_DIR, where set, gets each 0.32 part's junit XML (parallel.xml, alone.xml).
 set -uo pipefail
@@ -23,9 +23,9 @@ part() {  # NAME, then the command; its wall time is printed, a failure remember
 $PY -m scripts.support.env_report
 junit() { [ -n "${JUNIT_DIR:-}" ] && echo "--junitxml=${JUNIT_DIR}/$1.xml"; }
 part "vLLM 0.32, ${workers} workers" env EXPECT_VLLM=0.32.0 $PY -m pytest -q -rs --durations=30 \
-  -n "$workers" --dist loadfile -m "not alone and not multinode" $(junit parallel) ${PYTEST_ARGS:-} tests
+  -n "$workers" --dist loadfile -m "not alone" $(junit parallel) ${PYTEST_ARGS:-} tests
 part "vLLM 0.32, alone" env EXPECT_VLLM=0.32.0 $PY -m pytest -q -rs --durations=10 \
-  -m "alone or multinode" $(junit alone) ${PYTEST_ARGS:-} tests
+  -m alone $(junit alone) ${PYTEST_ARGS:-} tests
 part "vLLM 0.33 unit" make --no-print-directory test-vllm033 TEST_WORKERS="$workers"
 echo "make test: $(( $(date +%s) - t0 )) s in all (exit ${status})"
 exit $status

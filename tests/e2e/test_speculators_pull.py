@@ -161,7 +161,7 @@ def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_data
     server = pull_server
     done_before = requests_done(server)
     proc = subprocess.run(
-        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "2", "rank"],
+        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "1", "rank"],
         env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
              "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep),
              "KV_TEST_EPOCHS": "3", "KV_TEST_SAMPLER": sampler},
