@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export NIXL_LOG_LEVEL ?= WARN
 # vLLM 0.33.0's Python code (its CUDA wheel less the compiled files), for test-vllm033
 VLLM033_DIR ?= $(VENV)/vllm-0.33
-# pytest-xdist's workers: one a CPU, at most 4
+# pytest-xdist's workers: one a CPU, at most 4 (nproc obeys OMP_NUM_THREADS, exported above)
 TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: setup demo test test-vllm033 test-fast lint bench clean
@@ -25,7 +25,7 @@ demo: setup
 # and the vLLM engines started, to keep .ci/run within 45 minutes on the slowest CPU kind
 # (AVX2 runs vLLM's CPU kernels about 2x slower than AVX-512)
 test: setup
-	bash scripts/support/run_tests.sh
+	TEST_WORKERS=$(TEST_WORKERS) bash scripts/support/run_tests.sh
 
 # tests/unit again on vLLM 0.33.0's own Python code, on CPU (no model runs: 0.33 has no
 # CPU kernels); the code is fetched once (scripts/fetch_vllm033.sh), a failed fetch fails.

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.engines import STARTS, Engines, Start, iter_engines
+from tests.engines import STARTS, Engines, Start
 
 LAST_USER: dict[str, str] = {}  # fixture name -> node id of the last collected test using it
 
@@ -34,9 +34,11 @@ settings.load_profile("machine_independent")
 @pytest.fixture(scope="session")
 def engines() -> Iterator[Engines]:
     """The shared vLLM engines, by spec (``engines.get``, ``engines.server``)."""
-    for running in iter_engines():
-        running.last_user = LAST_USER
-        yield running
+    engines = Engines(LAST_USER)
+    try:
+        yield engines
+    finally:
+        engines.close()
 
 
 @pytest.hookimpl(trylast=True)

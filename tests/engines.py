@@ -18,25 +18,28 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import queue
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from scripts.support.deaths import FAULT_ENV, explain
+from scripts.support.deaths import explain, program_env
+from tests.e2e.producer_main import READY_MARK, RESULT_MARK
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 PRODUCER_MAIN = REPO / "tests" / "e2e" / "producer_main.py"
-READY_MARK = "@@producer-ready"  # tests/e2e/producer_main.py's
-RESULT_MARK = "@@producer-result "
+
+
+def producer_main(*args: str) -> list[str]:
+    """The command line of tests/e2e/producer_main.py with ``args``."""
+    return [sys.executable, str(PRODUCER_MAIN), *args]
 
 
 class Start(Enum):
@@ -223,12 +226,6 @@ class Run:
         }
 
 
-def base_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A producer process's environment: this one's, one OpenMP thread, fault dumps, the
-    repository on the path, then ``env``."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(env or {})}
-
-
 @dataclass
 class RunOutcome:
     """What one run on a shared engine gave: the samples by request id, producer_main's JSON
@@ -251,22 +248,16 @@ class SharedProducer:
     proc: subprocess.Popen[str] = field(init=False)
     startup_log: list[str] = field(default_factory=list)
     _lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
-    _log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         STARTS.count("producer", Start.SHARED)
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(PRODUCER_MAIN),
-                "--serve",
-                json.dumps(self.spec.as_spec(self.reader.address)),
-            ],
+            producer_main("--serve", json.dumps(self.spec.as_spec(self.reader.address))),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=base_env(dict(self.spec.env)),
+            env=program_env(dict(self.spec.env)),
             start_new_session=True,
         )
         threading.Thread(target=self._pump, name="producer-output", daemon=True).start()
@@ -369,11 +360,11 @@ class Engines:
     last one collected that uses the same fixture (``last_user``, set at collection), and a
     test that fails retires the engines it used."""
 
-    def __init__(self) -> None:
+    def __init__(self, last_user: dict[str, str]) -> None:
         self._running: dict[Key, SharedProducer | Any] = {}
         self._fixture_of: dict[Key, str] = {}
         self.used_by_test: list[Key] = []
-        self.last_user: dict[str, str] = {}  # fixture name -> node id of its last test
+        self.last_user = last_user  # fixture name -> node id of its last test
 
     def shared(self, key: Key, fixture: str, start: Callable[[], T]) -> T:
         """The running engine of ``key`` for ``fixture``; ``start()`` makes one (any object
@@ -457,11 +448,3 @@ class Engines:
 
 def _stop(engine: Any) -> None:
     engine.stop()
-
-
-def iter_engines() -> Iterator[Engines]:
-    engines = Engines()
-    try:
-        yield engines
-    finally:
-        engines.close()

@@ -77,13 +77,11 @@ class RateWindow:
         return len(self._recent) >= 2 and self._recent[-1].t > self._recent[0].t
 
     def rates(self) -> tuple[float, float, float]:
-        """(samples/s, tokens/s, bytes/s) over the window; zeros until two readings."""
-        if len(self._recent) < 2:
+        """(samples/s, tokens/s, bytes/s) over the window; zeros until it is ``measured()``."""
+        if not self.measured():
             return 0.0, 0.0, 0.0
         a, b = self._recent[0], self._recent[-1]
         dt = b.t - a.t
-        if dt <= 0:
-            return 0.0, 0.0, 0.0
         return (b.samples - a.samples) / dt, (b.tokens - a.tokens) / dt, (b.bytes - a.bytes) / dt
 
     def line(self) -> str:

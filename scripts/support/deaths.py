@@ -6,12 +6,24 @@ vLLM with ``FAULT_ENV``, so a fatal signal also dumps every thread's Python fram
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+from collections.abc import Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Python's faulthandler: on SIGSEGV, SIGFPE, SIGABRT, SIGBUS and SIGILL, the frames of
 # every thread go to stderr (inherited by vLLM's engine core and workers)
 FAULT_ENV = {"PYTHONFAULTHANDLER": "1"}
+
+
+def program_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a program a benchmark or a test starts (a vLLM server, a producer):
+    this process's, one OpenMP thread, ``FAULT_ENV``, the repository on the path, then ``extra``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(extra or {})}
+
 
 # vLLM's lines for a child that died: "Worker proc VllmWorker-0 died unexpectedly (exit
 # code: -4)" (multiproc executor), "Process EngineCore_DP0 (PID: 7) died with exit code -9"

@@ -6,12 +6,13 @@
 #     starts once; xdist's loadgroup does not group on pytest 9, which ignores its renaming);
 #  2. the tests marked alone (a time bound a busy machine stretches, a four-rank engine on
 #     two cores), one at a time.
-# TEST_WORKERS overrides the number of workers; PYTEST_ARGS is passed to every part;
+# TEST_WORKERS: the number of workers (make test passes its own: one a CPU, at most 4);
+# PYTEST_ARGS is passed to every part;
 # JUNIT_DIR, where set, gets each 0.32 part's junit XML (parallel.xml, alone.xml).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
-workers="${TEST_WORKERS:-$(n=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); echo $(( n < 4 ? n : 4 )))}"  # nproc obeys OMP_NUM_THREADS
+workers="${TEST_WORKERS:-1}"  # make test sets it (the Makefile's TEST_WORKERS)
 t0=$(date +%s)
 status=0
 part() {  # NAME, then the command; its wall time is printed, a failure remembered

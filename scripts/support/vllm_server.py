@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kv_connector.datagen.httpclient import Server as Http
-from scripts.support.deaths import FAULT_ENV, explain
+from scripts.support.deaths import explain, program_env
 from scripts.support.stopping import ends_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,7 +110,7 @@ class VllmServer:
             "--kv-transfer-config", json.dumps(kv_transfer_config),
             "--uds", str(self.socket_path), *args,
         ]  # fmt: skip
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", **FAULT_ENV, "PYTHONPATH": str(REPO), **(env or {})}
+        self.env = program_env(env)
         self.stop_timeout_s = stop_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.t0 = 0.0

@@ -14,8 +14,9 @@ import time
 import psutil
 import pytest
 
+from scripts.support.deaths import program_env
 from tests.e2e.common import speculators_site
-from tests.engines import STARTS, Start, base_env
+from tests.engines import STARTS, Start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -31,7 +32,7 @@ def test_the_benchmark_stopped_in_an_arm_leaves_no_process_behind() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=base_env(),
+        env=program_env(),
         start_new_session=True,  # a group of its own, as ``timeout`` makes one
     )
     seen: dict[int, str] = {}  # every process under the benchmark, by pid

@@ -7,7 +7,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ import torch
 
 from kv_connector.reader import HiddenStatesReader, ReaderConfig, Sample
 from kv_connector.wire.provenance import Expectation
-from scripts.support.deaths import explain
-from tests.engines import STARTS, Engines, EngineSpec, Run, SharedProducer, Start, base_env
+from scripts.support.deaths import explain, program_env
+from tests.engines import STARTS, Engines, EngineSpec, Run, SharedProducer, Start, producer_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,8 +119,7 @@ def pull_server(
 def producer_command(spec: EngineSpec, run: Run, address: str) -> list[str]:
     """tests/e2e/producer_main.py's command line: one run on an engine of ``spec`` shipping to
     ``address``."""
-    return [sys.executable, str(REPO / "tests" / "e2e" / "producer_main.py"),
-            json.dumps({**spec.as_spec(address), **run.as_json()})]  # fmt: skip
+    return producer_main(json.dumps({**spec.as_spec(address), **run.as_json()}))
 
 
 def run_producer(
@@ -135,7 +133,7 @@ def run_producer(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=base_env({**dict(spec.env), **(env or {})}),
+        env=program_env({**dict(spec.env), **(env or {})}),
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
@@ -157,7 +155,7 @@ def start_producer(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=base_env({**dict(spec.env), **(env or {})}),
+        env=program_env({**dict(spec.env), **(env or {})}),
     )
 
 

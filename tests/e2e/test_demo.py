@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import STARTS, Start, base_env
+from scripts.support.deaths import program_env
+from tests.engines import STARTS, Start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -20,7 +21,7 @@ def test_the_demo_ends_well_and_prints_no_traceback(tmp_path: Path) -> None:
     STARTS.count("producer", Start.FRESH)  # the demo's own engine
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.demo", "--prompts", "12", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=base_env(),
+        capture_output=True, text=True, timeout=600, env=program_env(),
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]

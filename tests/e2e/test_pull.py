@@ -19,10 +19,10 @@ import pytest
 
 from kv_connector.reader import FetchError, PullClient
 from kv_connector.wire.handle import decode_handle
-from scripts.support.deaths import explain
+from scripts.support.deaths import explain, program_env
 from tests.e2e.common import kv_cache_usage
 from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
-from tests.engines import STARTS, Engines, EngineSpec, Start, base_env
+from tests.engines import STARTS, Engines, EngineSpec, Start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,7 +43,7 @@ class PullProducer:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=base_env(),
+            env=program_env(),
         )
         self.lines: list[str] = []  # what it printed besides its JSON lines (vLLM's log, ours)
 

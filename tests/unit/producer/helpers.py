@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 from kv_connector.producer.pull.ledger import PullLedger
-from kv_connector.wire import protocol
-from kv_connector.wire.layout import BlockLayout
+from tests.unit.sender.helpers import LAYOUT, manifest
 
-LAYOUT = BlockLayout("LTH", 16, 2, 8, "float32")
-
-
-def manifest(rid: str, n: int = 40) -> protocol.Manifest:
-    return protocol.Manifest(
-        request_id=rid,
-        token_ids=list(range(n)),
-        layer_ids=[1, 2],
-        geometry=LAYOUT,
-        num_blocks=LAYOUT.blocks_for(n),
-    )
+__all__ = ["LAYOUT", "held", "manifest"]
 
 
 def held(led: PullLedger, rid: str, nonce: str = "a" * 32, t: float = 0.0) -> None:
