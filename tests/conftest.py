@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.engines import STARTS, Engines, Start
+from tests.engines import FAILED, STARTS, Engines, Start
 
 LAST_USER: dict[str, str] = {}  # fixture name -> node id of the last collected test using it
 
@@ -55,8 +55,11 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A test that failed retires the shared engines it used (what it left in them is
-    unknown); after its last test, an engine stops."""
+    unknown; ``FAILED`` in its stash says so to other shared processes); after its last
+    test, an engine stops."""
     report = yield
+    if report.failed:
+        item.stash[FAILED] = True
     engines = getattr(item, "funcargs", {}).get("engines")
     if isinstance(engines, Engines):
         if report.failed:

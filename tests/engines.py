@@ -29,12 +29,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from scripts.support.deaths import explain, program_env
 from tests.e2e.producer_main import READY_MARK, RESULT_MARK
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 PRODUCER_MAIN = REPO / "tests" / "e2e" / "producer_main.py"
+FAILED = pytest.StashKey[bool]()  # in a test item's stash: one of its phases failed
 
 
 def producer_main(*args: str) -> list[str]:

@@ -11,7 +11,11 @@ three token slots of its first block zeroed; "swap" its first block replaced by 
 block; "layer" its second captured layer zeroed over the whole sample; "bit" one bit
 flipped in a word no fingerprint samples; prints "faulted"), "end REQUEST_ID HOW" (the
 hold ends right after each rank answers the sample's next fetch, while the consumer
-READs: HOW "released" or "reassigned"; prints "ending"), "quit". The spec's "fences"
+READs: HOW "released" or "reassigned"; prints "ending"), "hold SAMPLES" (more samples,
+a JSON list as the spec's, held as the first ones were; prints their handles), "reset"
+(every hold ends, the cache is as it was made, what was freed is forgotten: the next test
+of a module finds the process as new; prints how many each rank holds), "quit". The
+spec's "fences"
 (default true) is the servers' option. The spec's "checksum" is the connector's
 option ("auto" by default), resolved per rank as the connector does; a sample's
 fingerprint words are taken when it is held, as the worker side takes them in the step
@@ -73,9 +77,11 @@ class EndingServer(PullServer):
     "reassigned" (preempted, and another sample's row lands in the blocks, as vLLM's reuse
     writes them)."""
 
-    def __init__(self, cache: torch.Tensor, config: PullServerConfig, samples: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, cache: torch.Tensor, config: PullServerConfig, held: dict[str, dict[str, Any]]
+    ) -> None:
         super().__init__(cache, config)
-        self.cache, self.samples = cache, samples
+        self.cache, self.samples = cache, held  # the samples held, by request id (main's)
         self.ending: dict[str, str] = {}
 
     def answer(
@@ -89,43 +95,26 @@ class EndingServer(PullServer):
             self.answer(protocol.PullRelease(request_id=msg.request_id, nonce=msg.nonce))
         elif how == "reassigned":
             self.preempt([msg.request_id])
-            fault(self.cache, self.layout, self.samples, msg.request_id, "slot")
+            fault(self.cache, self.layout, list(self.samples.values()), msg.request_id, "slot")
         return out
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
-    layout = BlockLayout(**spec["layout"])
-    cache = make_cache(
-        layout, spec["num_cache_blocks"], spec["seed"], finite=True, pad_bytes=spec.get("pad_bytes", 0)
-    )
-    for s in spec["samples"]:  # states bad from the start ("before": a fault's kind): the step wrote them so
+def hold_all(
+    servers: list[EndingServer],
+    cache: torch.Tensor,
+    layout: BlockLayout,
+    samples: list[dict[str, Any]],
+    held: dict[str, dict[str, Any]],
+) -> dict[str, str]:
+    """Hold ``samples`` on every rank (the states of one with a "before" fault written bad
+    first), add them to ``held``, start their clocks; their handles."""
+    held.update((s["request_id"], s) for s in samples)
+    for s in samples:  # states bad from the start ("before": a fault's kind): the step wrote them so
         if s.get("before"):
-            fault(cache, layout, spec["samples"], s["request_id"], s["before"])
-    world = spec.get("world_size", 1)
-    producer_id = spec.get("producer_id", "producer")
-    checksum = ChecksumOption(spec.get("checksum", "auto")).resolve(cache.is_cuda, layout)
-    servers = [
-        EndingServer(
-            cache,
-            PullServerConfig(
-                layout,
-                tuple(spec["layer_ids"]),
-                producer_id,
-                ("127.0.0.1", 0),
-                spec.get("timeout_s", 300.0),
-                rank,
-                world,
-                checksum=checksum,
-                fences=spec.get("fences", True),
-            ),
-            spec["samples"],
-        )
-        for rank in range(world)
-    ]
-    endpoints = [s.address for s in servers]
+            fault(cache, layout, list(held.values()), s["request_id"], s["before"])
+    producer_id, endpoints = servers[0].config.producer_id, [s.address for s in servers]
     handles = {}
-    for s in spec["samples"]:
+    for s in samples:
         rid, nonce = s["request_id"], make_nonce()
         for server in servers:
             words = Fingerprints(CacheBlocks(cache, layout), layout.block_size).ship(
@@ -136,25 +125,67 @@ def main() -> int:
         handles[rid] = PullHandle(producer_id, rid, nonce, endpoints).encode()
     for server in servers:
         server.finished(handles)  # as vLLM's finish does: the handles are out, the clocks start
-    print(json.dumps({"handles": handles, "endpoints": endpoints}), flush=True)
+    return handles
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    layout = BlockLayout(**spec["layout"])
+    cache = make_cache(
+        layout, spec["num_cache_blocks"], spec["seed"], finite=True, pad_bytes=spec.get("pad_bytes", 0)
+    )
+    made = cache.clone()
+    world = spec.get("world_size", 1)
+    checksum = ChecksumOption(spec.get("checksum", "auto")).resolve(cache.is_cuda, layout)
+    held: dict[str, dict[str, Any]] = {}  # the samples held since the start or the last reset
+    servers = [
+        EndingServer(
+            cache,
+            PullServerConfig(
+                layout,
+                tuple(spec["layer_ids"]),
+                spec.get("producer_id", "producer"),
+                ("127.0.0.1", 0),
+                spec.get("timeout_s", 300.0),
+                rank,
+                world,
+                checksum=checksum,
+                fences=spec.get("fences", True),
+            ),
+            held,
+        )
+        for rank in range(world)
+    ]
+    handles = hold_all(servers, cache, layout, spec["samples"], held)
+    print(json.dumps({"handles": handles, "endpoints": [s.address for s in servers]}), flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "poll":
             freed = [sorted(s.take_freed()) for s in servers]
             print(json.dumps({"freed": freed, "held": [s.held for s in servers]}), flush=True)
         elif cmd.startswith("garble "):
-            block = next(s for s in spec["samples"] if s["request_id"] == cmd.split()[1])["block_ids"][0]
+            block = held[cmd.split()[1]]["block_ids"][0]
             cache[block].view(-1)[0] += 1  # token 0 of layer 0 in either layout
             print(json.dumps("garbled"), flush=True)
         elif cmd.startswith("fault "):
             _, rid, kind = cmd.split()
-            fault(cache, layout, spec["samples"], rid, kind)
+            fault(cache, layout, list(held.values()), rid, kind)
             print(json.dumps("faulted"), flush=True)
         elif cmd.startswith("end "):
             _, rid, how = cmd.split()
             for server in servers:
                 server.ending[rid] = how
             print(json.dumps("ending"), flush=True)
+        elif cmd.startswith("hold "):
+            print(json.dumps(hold_all(servers, cache, layout, json.loads(cmd[5:]), held)), flush=True)
+        elif cmd == "reset":
+            for server in servers:
+                server.drop(list(held))
+                server.ending.clear()
+                server.take_freed()
+            held.clear()
+            cache.copy_(made)
+            print(json.dumps([s.held for s in servers]), flush=True)
         elif cmd == "quit":
             break
     for server in servers:

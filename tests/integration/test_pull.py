@@ -4,7 +4,12 @@ fetches them with ``reader.pull.client.PullClient``, READing the blocks straight
 producer's cache. Byte-exact samples, TP shares gathered into one sample, releases that
 free the producer's blocks, the timeout, and the errors a consumer must see clearly: an
 expired, released, forged or stale handle, an unauthenticated peer, a share that does not
-match its checksum (XXH3 of its bytes, or block digests taken where the cache is)."""
+match its checksum (XXH3 of its bytes, or block digests taken where the cache is).
+
+A producer process is shared by the module's tests of one configuration (``pulls``): each
+test holds its own samples on it, and it is reset after the test (every hold ended, its
+cache as made), so a test finds it as new. Tests that stop their producer or start a
+second one of their own use ``producers``."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from tests.integration.pull_common import (
     SEED,
     TLH,
     Producer,
+    SharedProducers,
     samples_spec,
     spec_of,
 )
@@ -41,7 +47,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
 def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
-    layout: BlockLayout, world: int, producers: list[Producer], monkeypatch: pytest.MonkeyPatch
+    layout: BlockLayout, world: int, pulls: SharedProducers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import threading
 
@@ -56,8 +62,7 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
 
     monkeypatch.setattr(pool_memory, "find_bad_values", values_check)
     samples = samples_spec(6, layout)
-    p = Producer(spec_of(layout, samples, world_size=world))
-    producers.append(p)
+    p = pulls.lend(spec_of(layout, samples, world_size=world))
     cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
     with PullClient(pool_bytes=4 << 20) as client:
         pickle.loads(pickle.dumps(client))  # picklable before first use (DataLoader workers)
@@ -89,6 +94,7 @@ def test_every_sample_is_read_byte_exact_and_its_blocks_are_freed(
 
 def test_fetch_iter_streams_with_a_pool_of_exactly_its_reads_ahead_and_gives_pages_back_when_left(
     producers: list[Producer],
+    pulls: SharedProducers,
 ) -> None:
     """``fetch_iter`` keeps ``in_flight`` samples asked for and READ ahead in a pool that
     holds just that many (each one the loop drops returns its pages before the next READ),
@@ -98,8 +104,7 @@ def test_fetch_iter_streams_with_a_pool_of_exactly_its_reads_ahead_and_gives_pag
 
     samples = samples_spec(8, LTH)
     assert all(LTH.sample_bytes(LTH.blocks_for(s["num_tokens"])) <= PAGE_BYTES for s in samples)
-    p = Producer(spec_of(LTH, samples))
-    producers.append(p)
+    p = pulls.lend(spec_of(LTH, samples))
     cache = make_cache(LTH, NUM_CACHE_BLOCKS, SEED, finite=True)
     handles = [p.handles[s["request_id"]] for s in samples]
     with PullClient(pool_bytes=2 * PAGE_BYTES, timeout_s=5) as client:  # two samples, no more
@@ -147,11 +152,10 @@ def test_fetch_iter_streams_with_a_pool_of_exactly_its_reads_ahead_and_gives_pag
 
 @pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
 def test_copying_mode_hands_out_contiguous_copies_in_reused_buffers(
-    layout: BlockLayout, producers: list[Producer]
+    layout: BlockLayout, pulls: SharedProducers
 ) -> None:
     samples = samples_spec(6, layout)
-    p = Producer(spec_of(layout, samples))
-    producers.append(p)
+    p = pulls.lend(spec_of(layout, samples))
     cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
     kept = []
     with PullClient(pool_bytes=1 << 20, copy=True) as client:
@@ -170,10 +174,9 @@ def test_copying_mode_hands_out_contiguous_copies_in_reused_buffers(
     assert p.settled([0])["held"] == [0]
 
 
-def test_a_manifest_is_read_without_the_states_and_the_sample_stays_held(producers: list[Producer]) -> None:
+def test_a_manifest_is_read_without_the_states_and_the_sample_stays_held(pulls: SharedProducers) -> None:
     samples = samples_spec(2, LTH)
-    p = Producer(spec_of(LTH, samples, world_size=2))
-    producers.append(p)
+    p = pulls.lend(spec_of(LTH, samples, world_size=2))
     with PullClient() as client:
         m = client.manifest(p.handles["req-0"])
         assert m.request_id == "req-0" and m.num_tokens == samples[0]["num_tokens"]
@@ -189,10 +192,9 @@ def test_a_manifest_is_read_without_the_states_and_the_sample_stays_held(produce
     assert p.settled([0, 0])["held"] == [0, 0]
 
 
-def test_a_sample_other_than_expected_fails_by_name_unread_and_is_freed(producers: list[Producer]) -> None:
+def test_a_sample_other_than_expected_fails_by_name_unread_and_is_freed(pulls: SharedProducers) -> None:
     samples = samples_spec(2, LTH)
-    p = Producer(spec_of(LTH, samples, world_size=2))
-    producers.append(p)
+    p = pulls.lend(spec_of(LTH, samples, world_size=2))
     with PullClient(expect=Expectation(layer_ids=[1, 2, 3], dtype="bfloat16")) as client:
         with pytest.raises(FetchError) as e:
             client.fetch(p.handles["req-0"])
@@ -230,10 +232,9 @@ def test_a_sample_never_released_is_freed_by_the_timeout_and_then_expired(produc
     assert "req-1 was not released within pull_timeout_s" in p.stop()
 
 
-def test_forged_and_stale_handles_get_a_clear_error_and_no_data(producers: list[Producer]) -> None:
+def test_forged_and_stale_handles_get_a_clear_error_and_no_data(pulls: SharedProducers) -> None:
     samples = samples_spec(1, LTH)
-    p = Producer(spec_of(LTH, samples))
-    producers.append(p)
+    p = pulls.lend(spec_of(LTH, samples))
     real = decode_handle(p.handles["req-0"])
     with PullClient() as client:
         forged = PullHandle(real.producer_id, real.request_id, make_nonce(), real.endpoints).encode()
@@ -279,10 +280,9 @@ def test_a_restarted_producer_is_handshaken_again_and_its_old_handles_fail(produ
 
 @pytest.mark.parametrize("client_secret", [None, "wrong"])
 def test_a_consumer_without_the_producers_secret_is_refused(
-    client_secret: str | None, producers: list[Producer]
+    client_secret: str | None, pulls: SharedProducers
 ) -> None:
-    p = Producer(spec_of(LTH, samples_spec(1, LTH)), env={"KV_CONNECTOR_SECRET": "s3cret"})
-    producers.append(p)
+    p = pulls.lend(spec_of(LTH, samples_spec(1, LTH)), env={"KV_CONNECTOR_SECRET": "s3cret"})
     secret = client_secret.encode() if client_secret else None
     with PullClient(secret=secret) as client, pytest.raises(FetchError) as e:
         if secret is None:
@@ -295,10 +295,9 @@ def test_a_consumer_without_the_producers_secret_is_refused(
         assert client.fetch(p.handles["req-0"]).request_id == "req-0"
 
 
-def test_a_producer_with_a_secret_is_refused_by_a_consumer_expecting_none(producers: list[Producer]) -> None:
+def test_a_producer_with_a_secret_is_refused_by_a_consumer_expecting_none(pulls: SharedProducers) -> None:
     """The other way round: the consumer has a secret, the producer none."""
-    p = Producer(spec_of(LTH, samples_spec(1, LTH)), env={"KV_CONNECTOR_SECRET": None})
-    producers.append(p)
+    p = pulls.lend(spec_of(LTH, samples_spec(1, LTH)), env={"KV_CONNECTOR_SECRET": None})
     with PullClient(secret=b"mine") as client, pytest.raises(FetchError) as e:
         client.fetch(p.handles["req-0"])
     assert e.value.code == "auth"
@@ -314,11 +313,10 @@ os.kill(os.getpid(), signal.SIGKILL)  # a DataLoader worker killed before its re
 
 
 def test_a_sample_read_by_a_consumer_killed_before_its_release_is_freed_by_the_timeout(
-    producers: list[Producer],
+    pulls: SharedProducers,
 ) -> None:
 
-    p = Producer(spec_of(LTH, samples_spec(1, LTH), timeout_s=12.0))
-    producers.append(p)
+    p = pulls.lend(spec_of(LTH, samples_spec(1, LTH), timeout_s=12.0))
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", KILLED_CONSUMER, p.handles["req-0"]],
@@ -337,14 +335,13 @@ def test_a_sample_read_by_a_consumer_killed_before_its_release_is_freed_by_the_t
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
 def test_block_digests_taken_where_the_cache_is_are_verified_by_the_client(
-    layout: BlockLayout, world: int, monkeypatch: pytest.MonkeyPatch, producers: list[Producer]
+    layout: BlockLayout, world: int, monkeypatch: pytest.MonkeyPatch, pulls: SharedProducers
 ) -> None:
     """The checksum a GPU cache gets by default (block digests computed with torch where
     the cache is, nothing staged), forced on a CPU cache as push's tests do: every share
     says so and the client recomputes the block digests from the bytes it READ."""
     samples = samples_spec(6, layout, seed=5)
-    p = Producer(spec_of(layout, samples, world_size=world, checksum="blocks"))
-    producers.append(p)
+    p = pulls.lend(spec_of(layout, samples, world_size=world, checksum="blocks"))
     checked: list[str] = []
     real = pool_memory.sample_block_digests
 
@@ -374,7 +371,7 @@ def test_block_digests_taken_where_the_cache_is_are_verified_by_the_client(
 @pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
 @pytest.mark.parametrize("layout", [LTH, TLH], ids=["LTH", "TLH"])
 def test_blocks_in_padded_pages_are_read_without_their_padding(
-    layout: BlockLayout, checksum: str, producers: list[Producer]
+    layout: BlockLayout, checksum: str, pulls: SharedProducers
 ) -> None:
     """A cache whose blocks lie in pages vLLM padded to its other groups' page size (a
     hybrid model's cache-only layer in vLLM's own grouping): each share says its blocks'
@@ -382,8 +379,7 @@ def test_blocks_in_padded_pages_are_read_without_their_padding(
     the checksum (taken over the same blocks by the module push uses) matches."""
     samples = samples_spec(4, layout, seed=8)
     pad = 3 * layout.block_bytes + 40  # not a whole number of blocks
-    p = Producer(spec_of(layout, samples, world_size=2, checksum=checksum, pad_bytes=pad))
-    producers.append(p)
+    p = pulls.lend(spec_of(layout, samples, world_size=2, checksum=checksum, pad_bytes=pad))
     cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True, pad_bytes=pad)
     with PullClient(pool_bytes=4 << 20) as client:
         got = client.fetch_many([p.handles[s["request_id"]] for s in samples])
@@ -396,14 +392,13 @@ def test_blocks_in_padded_pages_are_read_without_their_padding(
 
 @pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
 def test_a_block_garbled_after_its_digest_was_taken_fails_the_fetch_by_name(
-    checksum: str, producers: list[Producer]
+    checksum: str, pulls: SharedProducers
 ) -> None:
     """A block that changes in the cache after its share's checksum was taken (as when
     vLLM reuses it): the next fetch READs the new bytes, they do not match, and the fetch
     fails naming the sample, whichever kind of checksum the producer sends."""
     samples = samples_spec(2, TLH, seed=6)
-    p = Producer(spec_of(TLH, samples, checksum=checksum))
-    producers.append(p)
+    p = pulls.lend(spec_of(TLH, samples, checksum=checksum))
     with PullClient() as client:
         first = client.fetch(p.handles["req-0"], release=False)  # the checksum is taken, kept
         first.release()
@@ -429,7 +424,7 @@ def faulted_spec(layout: BlockLayout) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("checksum", ["auto", "none"])
 @pytest.mark.parametrize("kind", [*FAULTS, "bit"])
 def test_a_fault_after_the_step_that_wrote_a_sample_fails_it_by_name_before_anyone_asked(
-    kind: str, checksum: str, producers: list[Producer]
+    kind: str, checksum: str, pulls: SharedProducers
 ) -> None:
     """The sample is held (its words taken as the step that wrote it takes them) and its
     blocks are damaged before any consumer asked for it, as vLLM's reuse or a late write
@@ -439,8 +434,7 @@ def test_a_fault_after_the_step_that_wrote_a_sample_fails_it_by_name_before_anyo
     fingerprint samples is the documented exception: handed out either way."""
     layout = TLH
     samples = faulted_spec(layout)
-    p = Producer(spec_of(layout, samples, checksum=checksum, world_size=2))
-    producers.append(p)
+    p = pulls.lend(spec_of(layout, samples, checksum=checksum, world_size=2))
     p.fault("req-0", kind)
     cache = make_cache(layout, NUM_CACHE_BLOCKS, SEED, finite=True)
     original = expected_states(cache, layout, samples[0]["block_ids"], samples[0]["num_tokens"])
@@ -461,7 +455,7 @@ def test_a_fault_after_the_step_that_wrote_a_sample_fails_it_by_name_before_anyo
 @pytest.mark.parametrize("fences", [True, False], ids=["fences", "no-fences"])
 @pytest.mark.parametrize("how", ["released", "reassigned"])
 def test_a_hold_that_ends_while_its_sample_is_read_fails_it_by_name(
-    how: str, fences: bool, producers: list[Producer]
+    how: str, fences: bool, pulls: SharedProducers
 ) -> None:
     """Each rank ends the sample's hold right after it answered the fetch, while the
     consumer READs: released (as by another consumer), or reassigned (preempted, and
@@ -471,8 +465,7 @@ def test_a_hold_that_ends_while_its_sample_is_read_fails_it_by_name(
     hold is still caught by the fingerprint (its bytes changed), but a released one, whose
     blocks vLLM may reuse any moment, is handed out."""
     samples = faulted_spec(TLH)
-    p = Producer(spec_of(TLH, samples, world_size=2, fences=fences))
-    producers.append(p)
+    p = pulls.lend(spec_of(TLH, samples, world_size=2, fences=fences))
     p.end("req-0", how)
     with PullClient(check_values=False) as client:
         if fences or how == "reassigned":
@@ -493,11 +486,10 @@ def test_a_hold_that_ends_while_its_sample_is_read_fails_it_by_name(
 
 
 def test_a_layer_zeroed_over_a_whole_sample_is_caught_by_the_values_screen_without_a_record(
-    producers: list[Producer],
+    pulls: SharedProducers,
 ) -> None:
     samples = faulted_spec(TLH)
-    p = Producer(spec_of(TLH, samples, checksum="none"))
-    producers.append(p)
+    p = pulls.lend(spec_of(TLH, samples, checksum="none"))
     p.fault("req-0", "layer")
     with PullClient() as client:
         with pytest.raises(FetchError) as e:
@@ -507,7 +499,7 @@ def test_a_layer_zeroed_over_a_whole_sample_is_caught_by_the_values_screen_witho
 
 
 def test_with_fingerprints_a_wide_samples_values_are_screened_on_the_lines_its_checks_read(
-    producers: list[Producer], monkeypatch: pytest.MonkeyPatch
+    pulls: SharedProducers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default record (fingerprints) and rows wide enough for the screen to sample: each
     share's rows are screened on the lines its check reads, so a good sample is handed out
@@ -526,8 +518,7 @@ def test_with_fingerprints_a_wide_samples_values_are_screened_on_the_lines_its_c
     wide = BlockLayout("TLH", 16, 3, 256, "bfloat16")
     samples = [*faulted_spec(wide), {"request_id": "req-2", "num_tokens": 20, "block_ids": [5, 6]}]
     samples[0]["before"], samples[1]["before"] = "layer", "tail"
-    p = Producer(spec_of(wide, samples))
-    producers.append(p)
+    p = pulls.lend(spec_of(wide, samples))
     cache = make_cache(wide, NUM_CACHE_BLOCKS, SEED, finite=True)
     with PullClient() as client:
         got = client.fetch(p.handles["req-2"])
@@ -542,3 +533,23 @@ def test_with_fingerprints_a_wide_samples_values_are_screened_on_the_lines_its_c
                 client.fetch(p.handles[rid])
             assert e.value.code == "values" and why in e.value.message, e.value.message
         assert len(looked_closer) == 2
+
+
+def test_a_shared_producer_is_as_new_after_its_reset(pulls: SharedProducers) -> None:
+    """What lets the module's tests share a producer: after a test that damaged its cache
+    and left samples held, the reset ends every hold and puts the cache back as made, and
+    the same samples held again arrive exact."""
+    samples = samples_spec(3, TLH, seed=6)
+    p = pulls.lend(spec_of(TLH, samples, checksum="xxh3"))
+    p.garble(samples[0]["request_id"])
+    p.fault(samples[1]["request_id"], "tail")
+    assert p.poll()["held"] == [3]
+    assert p.reset() == [0] and p.poll() == {"freed": [[]], "held": [0]}
+    handles = p.hold(samples)
+    cache = make_cache(TLH, NUM_CACHE_BLOCKS, SEED, finite=True)
+    with PullClient() as client:
+        got = client.fetch_many([handles[s["request_id"]] for s in samples])
+    for s, sample in zip(samples, got, strict=True):
+        assert not isinstance(sample, FetchError), sample
+        assert torch.equal(sample.hidden_states, expected_states(cache, TLH, s["block_ids"], s["num_tokens"]))
+    assert p.settled([0])["held"] == [0]
