@@ -17,7 +17,9 @@ afterwards, by themselves.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from hypothesis import HealthCheck, settings
 
 from tests.engines import FAILED, STARTS, Engines, Start
 
+MODULE_SECONDS = Path(__file__).parent / "module_seconds.json"  # scripts/support/module_seconds.py
 LAST_USER: dict[str, str] = {}  # fixture name -> node id of the last collected test using it
 
 settings.register_profile("machine_independent", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -43,7 +46,12 @@ def engines() -> Iterator[Engines]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each fixture's last test, so that its shared engine stops after it (``Engines``)."""
+    """The longest modules first (``tests/module_seconds.json``), a module's tests in their
+    order: pytest-xdist's workers (``--dist loadfile --no-loadscope-reorder``) take modules
+    in this order, so the run does not end on a long module started last. Then each
+    fixture's last test, so that its shared engine stops after it (``Engines``)."""
+    table: dict[str, float] = json.loads(MODULE_SECONDS.read_text())
+    items.sort(key=lambda item: -table.get(item.nodeid.split("::", 1)[0], 0.0))
     LAST_USER.clear()
     for item in items:
         for name in getattr(item, "fixturenames", ()):

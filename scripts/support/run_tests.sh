@@ -3,7 +3,9 @@
 # 0.33.0's Python code; prints each part's wall time and the whole run's.
 #  1. everything but the tests marked alone, on pytest-xdist's workers (one a
 #     CPU, at most 4), a module's tests on one worker (--dist loadfile: its shared engine
-#     starts once; xdist's loadgroup does not group on pytest 9, which ignores its renaming);
+#     starts once; xdist's loadgroup does not group on pytest 9, which ignores its renaming),
+#     the longest modules first (tests/module_seconds.json; xdist's own reorder, by the
+#     number of tests, would start the long single-test modules last);
 #  2. the tests marked alone (a time bound a busy machine stretches, a four-rank engine on
 #     two cores), one at a time.
 # TEST_WORKERS: the number of workers (make test passes its own: one a CPU, at most 4);
@@ -24,7 +26,7 @@ part() {  # NAME, then the command; its wall time is printed, a failure remember
 $PY -m scripts.support.env_report
 junit() { [ -n "${JUNIT_DIR:-}" ] && echo "--junitxml=${JUNIT_DIR}/$1.xml"; }
 part "vLLM 0.32, ${workers} workers" env EXPECT_VLLM=0.32.0 $PY -m pytest -q -rs --durations=30 \
-  -n "$workers" --dist loadfile -m "not alone" $(junit parallel) ${PYTEST_ARGS:-} tests
+  -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone" $(junit parallel) ${PYTEST_ARGS:-} tests
 part "vLLM 0.32, alone" env EXPECT_VLLM=0.32.0 $PY -m pytest -q -rs --durations=10 \
   -m alone $(junit alone) ${PYTEST_ARGS:-} tests
 part "vLLM 0.33 unit" make --no-print-directory test-vllm033 TEST_WORKERS="$workers"

@@ -59,3 +59,32 @@ def test_a_fresh_engine_must_be_announced_and_counts_add_up_across_workers() -> 
     assert total.counts[("producer", Start.SHARED)] == 2 and total.counts[("producer", Start.FRESH)] == 2
     assert total.reused == 6
     assert total.report()[0] == "vLLM engines started by the tests: 4; tests that found theirs running: 6"
+
+
+def test_module_seconds_sum_a_modules_tests_over_runs_longest_first(tmp_path: Any) -> None:
+    from scripts.support.module_seconds import module_seconds
+
+    xml = (
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.e2e.test_a" name="x" time="1.5"/>'
+        '<testcase classname="tests.e2e.test_a" name="y" time="2.0"/>'
+        '<testcase classname="tests.unit.test_b" name="z" time="9.25"/>'
+        "</testsuite></testsuites>"
+    )
+    (tmp_path / "one.xml").write_text(xml)
+    (tmp_path / "two.xml").write_text(xml.replace("tests.unit.test_b", "tests.bench.test_c"))
+    got = module_seconds([tmp_path / "one.xml", tmp_path / "two.xml"])
+    assert got == {"tests/bench/test_c.py": 9.2, "tests/unit/test_b.py": 9.2, "tests/e2e/test_a.py": 7.0}
+    assert list(got) == ["tests/bench/test_c.py", "tests/unit/test_b.py", "tests/e2e/test_a.py"]
+
+
+def test_the_module_table_names_existing_modules_longest_first() -> None:
+    """``tests/conftest.py`` orders the run by ``tests/module_seconds.json``: every entry
+    names a module that exists (a renamed one would silently go last)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    table = json.loads((root / "tests" / "module_seconds.json").read_text())
+    assert table and all((root / m).is_file() for m in table), [m for m in table if not (root / m).is_file()]
+    assert list(table.values()) == sorted(table.values(), reverse=True)
