@@ -65,6 +65,7 @@ NIXL_CU13 = "nixl-cu13==1.5.1"
 # stand-ins for what cannot travel, each imported unguarded on the engine's path
 STAND_IN_KERNELS = (Path(__file__).resolve().parent / "stand_in_kernels.py").read_text()
 STAND_IN_FLASH_ATTN = (Path(__file__).resolve().parent / "stand_in_flash_attn.py").read_text()
+STAND_IN_MOE = (Path(__file__).resolve().parent / "stand_in_moe.py").read_text()
 STAND_IN_LLGUIDANCE = (
     '"""Stand-in: vLLM names these types in an annotation; structured output is not run."""\n\n\n'
     "class LLMatcher:\n    pass\n\n\nclass LLTokenizer:\n    pass\n"
@@ -72,6 +73,8 @@ STAND_IN_LLGUIDANCE = (
 STAND_INS = {
     # platforms/cuda.py: `import vllm._C_stable_libtorch` (compiled for torch 2.14)
     "vllm/_C_stable_libtorch.py": STAND_IN_KERNELS,
+    # platforms/cuda.py: `import vllm._moe_C_stable_libtorch` under suppress(ImportError): MoE ops
+    "vllm/_moe_C_stable_libtorch.py": STAND_IN_MOE,
     "vllm/vllm_flash_attn/__init__.py": STAND_IN_FLASH_ATTN,
     # v1/structured_output/backend_guidance.py evaluates llguidance.LLMatcher in a dataclass
     "llguidance/__init__.py": STAND_IN_LLGUIDANCE,
