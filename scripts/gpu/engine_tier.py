@@ -11,30 +11,41 @@ each ``{"ok": ..., figures, "log_tail": ...}`` in the one JSON line printed at t
 (also written to ``$OUT/engine.json`` when ``OUT`` is set):
 
   import    ``import vllm``: its version, platform, the attention backends that import,
-            the stand-in's ops (a UVA view and a weak alias checked on the GPU), a Triton
+            the stand-ins' ops (a UVA view and a weak alias checked on the GPU), a Triton
             kernel, our connector and NIXL
-  engine    a tiny random Llama (fp32) in ``LLM`` with TRITON_ATTN, ``custom_ops:
-            ["none"]``, ``extract_hidden_states`` (layers 1, 2, 4) and our connector
-            pushing into a ``HiddenStatesReader`` host pool in the engine's parent process;
-            Model Runner V2 and CUDA graphs as vLLM defaults (which runner ran is read from
-            vLLM's log and from the samples' provenance); every sample against
-            transformers' ``output_hidden_states`` on the same GPU; the host syncs inside
-            our worker hooks (``host_syncs``, from ``KV_CONNECTOR_SYNC_CHECK``'s log lines)
-  hybrid    the same on a tiny random hybrid Qwen3-Next (bf16; layers 1, 4, 8) with the
-            hybrid plugin on (``HIDDEN_STATES_SUPPLEMENTARY=1``): its gated delta net is
-            vLLM's Triton kernels, its cache-only layer our supplementary tensor
-  eager     the same with ``enforce_eager=True``, run when ``engine`` failed (CUDA graphs
-            or the model itself?)
+  eager     a tiny random Llama (fp32) in ``LLM`` with ``enforce_eager=True``,
+            TRITON_ATTN, ``custom_ops: ["none"]``, ``extract_hidden_states`` (layers 1, 2,
+            4) and our connector pushing into a ``HiddenStatesReader`` host pool in the
+            engine's parent process; every sample against transformers'
+            ``output_hidden_states`` on the same GPU; the host syncs inside our worker
+            hooks (``host_syncs``, from ``KV_CONNECTOR_SYNC_CHECK``'s log lines). First:
+            the shortest way to a sample, and it compiles the Triton kernels ``engine``
+            reuses
+  engine    the same with torch.compile and CUDA graphs (Model Runner V2 and async
+            scheduling as vLLM defaults; which runner ran is read from vLLM's log and from
+            the samples' provenance), its start cut where nothing tested is lost: the KV
+            cache's size given (no throwaway capture in memory profiling), no JIT warm-up
+            of every kernel variant, graphs for batch sizes 1-16 only
   v1        the same on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``), run when
             ``engine`` failed and time is left (Model Runner V2, or vLLM itself?)
-  gpu_pool  the same into a reader pool on the GPU (``pool_device="cuda:0"``), run when
-            ``engine`` passed and time is left
+  hybrid    the same on a tiny random hybrid Qwen3-Next (bf16; layers 1, 4, 8) with the
+            hybrid plugin on (``HIDDEN_STATES_SUPPLEMENTARY=1``) and prefix caching off:
+            its gated delta net is vLLM's Triton kernels (prefill too:
+            ``gdn_prefill_backend="triton"``), its MoE the ``_moe_C`` stand-in's ops, its
+            cache-only layer our supplementary tensor
+  hybrid_prefix  the same with prefix caching on (``mamba_cache_mode="align"``, vLLM's
+            default on a GPU), run when ``hybrid`` passed
+  gpu_pool  the dense model into a reader pool on the GPU (``pool_device="cuda:0"``), run
+            when ``engine`` passed and time is left
   pull      ``"delivery": "pull"``: each sample fetched by its handle with ``PullClient``,
             run when ``engine`` passed and time is left
   speed     ``a_over_a0`` on the GPU: the Llama's prefill tokens/s with our connector (every
             sample taken by a reader) over the same engine's without a connector, two
-            engines alive at once, new prompts each round, in alternating pairs; two
-            engines' start-up rarely fits after the others: ``--only import,speed``
+            engines alive at once, new prompts each round, in alternating pairs
+
+A call runs its stages within ``--total-s`` (``TOTAL_S`` by default); ``PLAN`` is the GPU host's calls
+(docs/usage.md, "GPU check"): ``import,eager,engine,v1``, then ``hybrid,hybrid_prefix``,
+then ``gpu_pool,pull,speed``.
 
 Our package's vLLM plugins (``pyproject.toml``'s ``vllm.general_plugins``) are declared in
 the unpacked carry, so vLLM loads them in every process as it would from an installed
@@ -73,14 +84,28 @@ CARRY = REPO / ".gpu-carry" / "engine"
 VLLM_TAR = "vllm-0.33.0-py.tar.xz"
 NIXL_TAR = "nixl-cu13-1.5.1-ucx.tar.xz"
 STAND_IN = Path(__file__).resolve().parent / "stand_in_kernels.py"
-# stage -> its time limit on a GPU, seconds
+# stage -> its time limit on a GPU, seconds, in the order they run: eager first (the
+# shortest way to a first sample, and it leaves the Triton kernels compiled for engine),
+# the hybrid model after the dense one (its Triton kernels autotune about 100
+# configurations cold: a call of its own), prefix caching on only after a first hybrid
+# sample with it off
 LIMITS_S = {
-    "import": 120, "engine": 150, "hybrid": 150, "eager": 150, "v1": 150, "gpu_pool": 150, "pull": 150,
-    "speed": 240,
+    "import": 120, "eager": 240, "engine": 300, "v1": 240, "hybrid": 480, "hybrid_prefix": 300,
+    "gpu_pool": 200, "pull": 200, "speed": 300,
 }  # fmt: skip
 STAGES = list(LIMITS_S)
-TOTAL_S = 330  # every stage together: the command stays under 6 minutes with the set-up
-MIN_STAGE_S = 90  # an optional stage starts only with this much of TOTAL_S left
+TOTAL_S = 540  # one call's stages together: under a 10-minute command with the set-up (7 s)
+MIN_STAGE_S = 90  # an optional stage starts only with this much of the call's time left
+# the GPU host's calls, in order (docs/usage.md, "GPU check"), each with its own --total-s:
+# a wrong guess costs one call, not the whole time
+# (stages, --total-s): the first two fit a 15-minute lease with the machine's start; the
+# third runs when those two ended early or on a later lease
+PLAN: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("import", "eager", "engine", "v1"), 400),
+    (("hybrid", "hybrid_prefix"), 330),
+    (("gpu_pool", "pull", "speed"), 330),
+)
+OPTIONAL = ("v1", "hybrid", "hybrid_prefix", "gpu_pool", "pull", "speed")  # run only with MIN_STAGE_S left
 TAIL = 3000
 PROMPT_LENGTHS = [1, 7, 129, 300]
 MAX_MODEL_LEN = 1024
@@ -304,7 +329,7 @@ def versions() -> dict[str, Any]:
     }
 
 
-def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
+def run(names: list[str], carry: Path, keep: bool, total_s: float = TOTAL_S) -> dict[str, Any]:
     """Set up the carry, then the stages in order, each as far as the time allows."""
     refuse_without_cuda()
     missing = carry_missing(carry)
@@ -326,7 +351,7 @@ def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
     env = stage_env(path)
     done: dict[str, dict[str, Any]] = {}
     for name in names:
-        left = TOTAL_S - (time.monotonic() - t0)
+        left = total_s - (time.monotonic() - t0)
         why = skip_reason(name, done, left)
         if why:
             done[name] = {"ok": None, "skipped": why}
@@ -336,8 +361,8 @@ def run(names: list[str], carry: Path, keep: bool) -> dict[str, Any]:
         print(f"gpu_check engine: {name}: {status(done[name])}", file=sys.stderr, flush=True)
         write_out({**result, "partial": True})  # what ran so far, should the whole command be killed
     ran = [n for n in names if not done[n].get("skipped")]
-    # eager and v1 only say why engine failed: the tier passes when engine (and the rest) did
-    result["ok"] = bool(ran) and all(done[n].get("ok") for n in ran if n not in ("eager", "v1"))
+    # v1 only says why engine failed: the tier passes when every other stage that ran did
+    result["ok"] = bool(ran) and all(done[n].get("ok") for n in ran if n != "v1")
     result["seconds"] = round(time.monotonic() - t0, 1)
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
@@ -389,16 +414,17 @@ def skip_reason(name: str, done: dict[str, dict[str, Any]], left: float) -> str 
     if name != "import" and imp is not None and not imp.get("vllm_version"):
         return "import vllm failed"
     engine = done.get("engine")
-    if name == "eager" and engine is not None and engine.get("ok"):
-        return "engine passed (eager runs only to tell CUDA graphs from the model when it fails)"
     if name == "v1" and engine is not None and engine.get("ok"):
         return "engine passed (v1 runs only to tell Model Runner V2 from vLLM when it fails)"
     if name in ("gpu_pool", "pull", "speed") and engine is not None and not engine.get("ok"):
         return "engine failed"
-    if name in ("hybrid", "v1", "gpu_pool", "pull", "speed") and left < MIN_STAGE_S:
-        return f"{left:.0f} s of the tier's {TOTAL_S} s left"
+    hybrid = done.get("hybrid")
+    if name == "hybrid_prefix" and hybrid is not None and not hybrid.get("ok"):
+        return "hybrid failed (prefix caching on comes after a first hybrid sample with it off)"
+    if name in OPTIONAL and left < MIN_STAGE_S:
+        return f"only {left:.0f} s of the call's time left"
     if left < 10:
-        return f"{left:.0f} s of the tier's {TOTAL_S} s left"
+        return f"only {left:.0f} s of the call's time left"
     return None
 
 
@@ -441,6 +467,9 @@ def main(argv: list[str] | None = None) -> None:
         "--carry", type=Path, default=CARRY, help="the carried folder (default .gpu-carry/engine)"
     )
     ap.add_argument("--only", default=",".join(STAGES), help="comma-separated stages to run, in order")
+    ap.add_argument(
+        "--total-s", type=float, default=TOTAL_S, help=f"the stages' time together (default {TOTAL_S})"
+    )
     ap.add_argument("--plan", action="store_true", help="build the carry where missing and print its measure")
     ap.add_argument("--keep", action="store_true", help="keep the unpacked carry and the stages' logs")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
@@ -452,11 +481,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.plan:
         print(json.dumps(plan(args.carry)), flush=True)
         return
+    if args.total_s <= 0:
+        raise SystemExit(f"--total-s must be positive, not {args.total_s:g}")
     names = [n for n in args.only.split(",") if n]
     for n in names:
         if n not in STAGES:
             raise SystemExit(f"unknown stage {n!r}; the stages are {', '.join(STAGES)}")
-    result = run(names, args.carry, args.keep)
+    result = run(names, args.carry, args.keep, args.total_s)
     write_out(result)
     print(json.dumps(result), flush=True)
     if not result.get("ok"):
@@ -471,10 +502,11 @@ def child(name: str, work: Path, result_file: Path) -> NoReturn:
     PARTIAL_FILE = result_file.with_suffix(".partial.json")
     stages: dict[str, Callable[[Path], dict[str, Any]]] = {
         "import": stage_import,
-        "engine": lambda w: stage_engine(w, eager=False),
-        "hybrid": lambda w: stage_engine(w, eager=False, case=HYBRID),
         "eager": lambda w: stage_engine(w, eager=True),
+        "engine": lambda w: stage_engine(w, eager=False),
         "v1": lambda w: stage_engine(w, eager=False, v1=True),
+        "hybrid": lambda w: stage_engine(w, eager=False, case=HYBRID),
+        "hybrid_prefix": lambda w: stage_engine(w, eager=False, case=HYBRID, prefix_caching=True),
         "gpu_pool": lambda w: stage_engine(w, eager=False, pool_device="cuda:0"),
         "pull": lambda w: stage_engine(w, eager=False, pull=True),
         "speed": stage_speed,
@@ -558,7 +590,54 @@ def stand_in_checks() -> dict[str, Any]:
     attempt(report, "uva_view", uva)
     attempt(report, "weak_ref", weak_ref)
     report["fallbacks"] = stand_in.FALLBACKS
+    attempt(report, "moe", moe_stand_in_check)
     return report
+
+
+def moe_stand_in_check() -> dict[str, Any]:
+    """The ``_moe_C`` stand-in's ops (router top-k, block alignment, the top-k sum) as the
+    fused-MoE layer calls them, captured in a CUDA graph and replayed on new logits: the
+    replay must equal the same calls run eagerly, which it cannot if an op syncs with the
+    host (capture fails) or baked a value of its inputs into the graph."""
+    import torch
+    import vllm._moe_C_stable_libtorch as moe  # type: ignore[import-not-found]
+
+    tokens, experts, k, block, width = 8, 8, 2, 4, 16
+    cuda = torch.device("cuda")
+    logits = torch.randn(tokens, experts, device=cuda)
+    weights = torch.empty(tokens, k, device=cuda)
+    ids = torch.empty(tokens, k, dtype=torch.int32, device=cuda)
+    sources = torch.empty_like(ids)
+    cap = tokens * k + experts * (block - 1)
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=cuda)
+    block_experts = torch.empty((cap + block - 1) // block, dtype=torch.int32, device=cuda)
+    padded = torch.empty(1, dtype=torch.int32, device=cuda)
+    expert_out = torch.randn(tokens, k, width, device=cuda)
+    summed = torch.empty(tokens, width, device=cuda)
+    ops = torch.ops._moe_C
+
+    def step() -> None:
+        ops.topk_softmax(weights, ids, sources, logits, True, None, None)
+        ops.moe_align_block_size(ids, experts, block, sorted_ids, block_experts, padded, None, None)
+        ops.moe_sum(expert_out, summed, ids, None)
+
+    outputs = (weights, ids, sorted_ids, block_experts, padded, summed)
+    step()  # warm up outside the capture, as vLLM does
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    logits.copy_(torch.randn(tokens, experts, device=cuda))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [t.clone() for t in outputs]
+    step()
+    torch.cuda.synchronize()
+    return {
+        "defined": moe.DEFINED,
+        "failed": moe.FAILED,
+        "replay_equals_eager": all(torch.equal(a, b) for a, b in zip(replayed, outputs, strict=True)),
+    }
 
 
 def attention_backends() -> dict[str, str]:
@@ -643,12 +722,24 @@ CONNECTOR = {
 }
 
 
+# CUDA graphs captured for these batch sizes only (vLLM's default is about 50 of them):
+# the prompts run piecewise-compiled either way, a few graphs prove the capture
+CAPTURE_SIZES = [1, 2, 4, 8, 16]
+KV_CACHE_BYTES = 256 << 20
+
+
 def llm_kwargs(
-    model: str, address: str | None, eager: bool, pull: bool, case: ModelCase = DENSE
+    model: str,
+    address: str | None,
+    eager: bool,
+    pull: bool,
+    case: ModelCase = DENSE,
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
     """``LLM``'s arguments for a stage, every name as vLLM 0.33 spells it
-    (``entrypoints/llm.py``, ``engine/arg_utils.py``, ``config/{attention,compilation,
-    kernel,speculative,kv_transfer}.py``)."""
+    (``entrypoints/llm.py``, ``engine/arg_utils.py``, ``config/{attention,cache,compilation,
+    kernel,speculative,kv_transfer}.py``). ``prefix_caching``: the hybrid model's (the
+    dense model's is vLLM's default)."""
     extra: dict[str, Any] = {"delivery": "pull"} if pull else {"consumer_address": address}
     spec = {
         "method": "extract_hidden_states",
@@ -669,21 +760,33 @@ def llm_kwargs(
             "speculative_config": spec,
             "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": extra},
         }
-    return {
+    kw: dict[str, Any] = {
         "model": model,
         "skip_tokenizer_init": True,
         "dtype": case.dtype,
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": 16,
-        "gpu_memory_utilization": 0.2,
+        # the KV cache's size given: vLLM still compiles the model in its profile run, but
+        # skips the memory profiling's throwaway CUDA-graph capture (v1/worker/gpu_worker.py)
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
         "enforce_eager": eager,
         "attention_config": {"backend": "TRITON_ATTN"},
-        "compilation_config": {"custom_ops": ["none"]},
-        # vLLM's own native RMSNorm, never its compiled one (which does not travel)
-        "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}},
+        "compilation_config": {"custom_ops": ["none"], "cudagraph_capture_sizes": CAPTURE_SIZES},
+        "kernel_config": {
+            # vLLM's own native RMSNorm, never its compiled one (which does not travel)
+            "ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
+            # no compiling of every top-k/top-p and attention kernel variant at start
+            "enable_jit_warmup": False,
+        },
         "speculative_config": spec,
         "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": extra},
     }
+    if case is HYBRID:
+        # gated delta net prefill: vLLM picks FlashInfer on capability 9.0 without asking
+        # whether it is installed (it is not on the host); its Triton kernels are carried
+        kw["additional_config"] = {"gdn_prefill_backend": "triton"}
+        kw["enable_prefix_caching"] = prefix_caching  # on: mamba_cache_mode "align"
+    return kw
 
 
 class StageError(RuntimeError):
@@ -777,6 +880,11 @@ def engine_facts(llm: Any) -> dict[str, Any]:
         "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
         "block_size": cfg.cache_config.block_size,
         "custom_ops": list(cc.custom_ops),
+        "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
+        "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+        "mamba_cache_mode": str(getattr(cfg.cache_config, "mamba_cache_mode", None)),
+        "jit_warmup": bool(getattr(cfg.kernel_config, "enable_jit_warmup", True)),
+        "additional_config": dict(cfg.additional_config or {}),
     }
 
 
@@ -787,13 +895,17 @@ def stage_engine(
     pull: bool = False,
     v1: bool = False,
     case: ModelCase = DENSE,
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
     """A tiny model through vLLM with our connector; every sample against transformers
-    (``v1``: on vLLM's V1 model runner; ``case``: which model)."""
+    (``v1``: on vLLM's V1 model runner; ``case``: which model; ``prefix_caching``: the
+    hybrid model's)."""
     if v1:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read by vLLM when it builds its config
     if case is HYBRID:  # the plugin installs, or the stage fails saying why (never silently off)
         os.environ["HIDDEN_STATES_SUPPLEMENTARY"] = "1"
+        # MoE routing without the padding sentinel the stand-in's ops need not honour
+        os.environ["VLLM_MOE_SKIP_PADDING"] = "0"
     os.environ["KV_CONNECTOR_SYNC_CHECK"] = "1"  # each host sync in our hooks logged (a GPU only)
     import torch
 
@@ -806,6 +918,7 @@ def stage_engine(
         "v1_runner_asked": v1,
         "model": case.family,
         "dtype": case.dtype,
+        "prefix_caching": prefix_caching if case is HYBRID else None,
     }
     model = build_tiny_model(work / f"tiny-{case.family}", case.family, seed=0, dtype=case.dtype)
     batch = prompts()
@@ -819,7 +932,9 @@ def stage_engine(
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t0 = time.monotonic()
         if pull:
-            llm = LLM(**llm_kwargs(str(model), None, eager, pull=True, case=case))
+            llm = LLM(
+                **llm_kwargs(str(model), None, eager, pull=True, case=case, prefix_caching=prefix_caching)
+            )
             report["engine_start_s"] = round(time.monotonic() - t0, 1)
             attempt(report, "engine", lambda: engine_facts(llm))
             checkpoint(report)
@@ -832,7 +947,16 @@ def stage_engine(
             if pool_device is not None:
                 reader_opts["pool_device"] = pool_device
             with HiddenStatesReader(**reader_opts) as reader:
-                llm = LLM(**llm_kwargs(str(model), reader.address, eager, pull=False, case=case))
+                llm = LLM(
+                    **llm_kwargs(
+                        str(model),
+                        reader.address,
+                        eager,
+                        pull=False,
+                        case=case,
+                        prefix_caching=prefix_caching,
+                    )
+                )
                 report["engine_start_s"] = round(time.monotonic() - t0, 1)
                 attempt(report, "engine", lambda: engine_facts(llm))
                 checkpoint(report)
