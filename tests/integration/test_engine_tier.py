@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from scripts.gpu import carry as device_carry
-from scripts.gpu import engine_carry, engine_tier
+from scripts.gpu import cuda_rehearsal, engine_carry, engine_tier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,93 +99,112 @@ def test_the_carried_vllm_imports_in_a_python_with_only_the_gpu_hosts_packages(c
     assert len(carried) == len(found["vllm_modules"]) > 500  # the carried tree, not the venv's vLLM
 
 
-OPTIONS_CHECK = r"""
-import json, sys
-from scripts.gpu import engine_tier as et
-from scripts.support.make_tiny_model import build_tiny_model
-from vllm import LLM
-from vllm.config import AttentionConfig, CompilationConfig, KernelConfig
-from vllm.config.utils import is_init_field
-from vllm.v1.engine.llm_engine import LLMEngine
+def rehearse_on_an_h100(
+    carried_tree: Path, work: Path, stages: str, prelude: str = ""
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``scripts.gpu.cuda_rehearsal`` in the GPU host's restricted Python (``prelude`` run
+    first, in the same process) and its JSON line."""
+    wheels = [a for w in engine_carry.WHEELS for a in ("--wheel", w.split("==")[0])]
+    argv = ["--carried", str(carried_tree), *wheels, "--work", str(work), "--stages", stages]
+    code = f"{prelude}\nfrom scripts.gpu import cuda_rehearsal\ncuda_rehearsal.main({argv!r})"
+    proc = run_py(["-c", code])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stderr[-3000:]
+    return proc, json.loads(lines[-1])
 
-models = {
-    case: str(build_tiny_model(f"{sys.argv[1]}-{case.family}", case.family, seed=0, dtype=case.dtype))
-    for case in (et.DENSE, et.HYBRID)
-}
-got = {}
 
-class Stop(Exception):
-    pass
+def test_on_a_capability_9_gpu_vllm_builds_what_the_tier_asks_and_every_op_on_its_path_is_defined(
+    carried_tree: Path, tmp_path: Path
+) -> None:
+    """vLLM 0.33's own CUDA platform at capability 9.0 builds each engine stage's config
+    from every option the tier passes, and its model (on the meta device): the backends it
+    picks are the ones the tier asked for and the stand-ins provide, and no op the chosen
+    code calls is missing."""
+    proc, out = rehearse_on_an_h100(carried_tree, tmp_path, ",".join(cuda_rehearsal.STAGES))
+    assert proc.returncode == 0 and out["ok"], json.dumps(out)[-4000:]
+    assert out["platform"]["is_cuda"] and out["platform"]["capability"] == [9, 0]
+    stages = out["stages"]
+    assert list(stages) == list(cuda_rehearsal.STAGES)
+    for name, stage in stages.items():
+        assert stage["unmet"] == {} and stage["unknown_keys"] == [], name
+        config = stage["config"]
+        # every option the tier passes, as vLLM took it
+        assert config["attention_backend"] == "TRITON_ATTN" and config["custom_ops"] == ["none"]
+        assert config["rms_norm_priority"][0] == "native"
+        assert config["method"] == "extract_hidden_states" and config["connector"] == "HiddenStatesConnector"
+        # what cuts a cold start: the cache's size given, no JIT warm-up, few graphs
+        assert config["kv_cache_memory_bytes"] == engine_tier.KV_CACHE_BYTES and config["jit_warmup"] is False
+        assert stage["config"]["model_runner_v2"] is True, name
+        assert stage["attention"] == ["TRITON_ATTN"], name
+        assert stage["drafter"]["model"] == "ExtractHiddenStatesModel"
+        assert stage["drafter"]["attention"] == ["CACHE_ONLY_ATTN"]
+        assert (
+            stage["dispatch"]["RMSNormGated" if name.startswith("hybrid") else "RMSNorm"] == "forward_native"
+        )
+    assert stages["eager"]["config"]["cudagraph_mode"] == "NONE"
+    for name in ("engine", "hybrid", "hybrid_prefix"):
+        assert stages[name]["config"]["capture_sizes"] == engine_tier.CAPTURE_SIZES
+        assert stages[name]["config"]["cudagraph_mode"] != "NONE"
+        assert "NoOpEliminationPass" in stages[name]["post_grad_passes"]
+    for name in ("hybrid", "hybrid_prefix"):
+        hybrid = stages[name]
+        assert hybrid["moe"]["backend"] == "TRITON"
+        assert hybrid["moe"]["experts"].endswith("TritonExperts")
+        assert hybrid["moe"]["router"].endswith("FusedTopKRouter")
+        assert hybrid["gdn"]["prefill"] == "triton"  # FlashInfer is what vLLM picks unasked
+        # the MoE's ops found on the path, each computed by the stand-in
+        for op in ("_moe_C.topk_softmax", "_moe_C.moe_align_block_size", "_moe_C.moe_sum"):
+            assert hybrid["ops"][op] == "native", (name, op)
+    # the hybrid model's gated delta net prefill on Triton; prefix caching off, then on
+    hybrid, hybrid_prefix = stages["hybrid"]["config"], stages["hybrid_prefix"]["config"]
+    assert (
+        hybrid["additional_config"] == hybrid_prefix["additional_config"] == {"gdn_prefill_backend": "triton"}
+    )
+    assert hybrid["prefix_caching"] is False and hybrid["mamba_cache_mode"] == "none"
+    assert hybrid_prefix["prefix_caching"] is True and hybrid_prefix["mamba_cache_mode"] == "align"
+    engine, pull = stages["engine"]["config"], stages["pull"]["config"]
+    assert engine["additional_config"] == {}
+    assert stages["engine"]["moe"] is None and stages["engine"]["gdn"] is None
+    assert engine["connector_extra"] == {"consumer_address": "127.0.0.1:1"} and not engine["eager"]
+    assert pull["connector_extra"] == {"delivery": "pull"}
+    assert stages["eager"]["config"]["eager"]
+    # each model in its own dtype, its own layers captured
+    assert engine["dtype"] == "torch.float32" and engine["layer_ids"] == list(engine_tier.DENSE.layer_ids)
+    assert hybrid["dtype"] == "torch.bfloat16" and hybrid["layer_ids"] == list(engine_tier.HYBRID.layer_ids)
 
-def capture(cls, engine_args, *args, **kwargs):
-    got["args"] = engine_args
-    raise Stop
 
-LLMEngine.from_engine_args = classmethod(capture)
-out = []
-stages = (
-    (False, False, et.DENSE, False), (True, True, et.DENSE, False), (False, False, et.HYBRID, False),
-    (False, False, et.HYBRID, True),
-)
-for eager, pull, case, prefix in stages:
-    kw = et.llm_kwargs(models[case], None if pull else "127.0.0.1:1", eager, pull, case, prefix)
-    # LLM drops keys its config classes do not know: each must be one
-    configs = (("attention_config", AttentionConfig), ("compilation_config", CompilationConfig),
-               ("kernel_config", KernelConfig))
-    for key, cls in configs:
-        assert all(is_init_field(cls, k) for k in kw[key]), (key, kw[key])
-    try:
-        LLM(**kw)
-    except Stop:
-        pass
-    cfg = got["args"].create_engine_config()
-    out.append({
-        "backend": cfg.attention_config.backend.name,
-        "custom_ops": list(cfg.compilation_config.custom_ops),
-        "rms_norm": cfg.kernel_config.ir_op_priority.rms_norm,
-        "method": cfg.speculative_config.method,
-        "connector": cfg.kv_transfer_config.kv_connector,
-        "extra": cfg.kv_transfer_config.kv_connector_extra_config,
-        "eager": cfg.model_config.enforce_eager,
-        "dtype": str(cfg.model_config.dtype),
-        "layer_ids": cfg.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids,
-        "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
-        "jit_warmup": cfg.kernel_config.enable_jit_warmup,
-        "capture_sizes": kw["compilation_config"]["cudagraph_capture_sizes"],
-        "additional": cfg.additional_config,
-        "prefix_caching": cfg.cache_config.enable_prefix_caching,
-    })
-print(json.dumps(out))
+UNPREPARED = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm._moe_C_stable_libtorch":
+            raise ImportError(name)  # as on a GPU host with neither the module nor its stand-in
+sys.meta_path.insert(0, Absent())
+from scripts.gpu import engine_tier
+asked = engine_tier.llm_kwargs
+def unasked(*args, **kwargs):  # the tier's arguments without its choice of GDN prefill
+    kw = asked(*args, **kwargs)
+    kw.pop("additional_config", None)
+    return kw
+engine_tier.llm_kwargs = unasked
 """
 
 
-def test_every_option_the_tier_passes_is_accepted_by_vllm_033(carried_tree: Path, tmp_path: Path) -> None:
-    """The carried vLLM 0.33 builds its whole engine config from the tier's ``LLM``
-    arguments (on its CPU platform: names and values, not what a GPU then does)."""
-    proc = run_py(
-        ["-c", OPTIONS_CHECK, str(tmp_path / "tiny")],
-        env={"VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": f"{carried_tree}{os.pathsep}{REPO}"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    engine, pull, hybrid, hybrid_prefix = json.loads(proc.stdout.strip().splitlines()[-1])
-    for cfg in (engine, pull, hybrid, hybrid_prefix):
-        assert cfg["backend"] == "TRITON_ATTN"
-        assert cfg["custom_ops"] == ["none"]
-        assert cfg["rms_norm"][0] == "native"
-        assert cfg["method"] == "extract_hidden_states"
-        assert cfg["connector"] == "HiddenStatesConnector"
-        # what cuts a cold start: the cache's size given, no JIT warm-up, few graphs
-        assert cfg["kv_cache_memory_bytes"] == engine_tier.KV_CACHE_BYTES and cfg["jit_warmup"] is False
-        assert cfg["capture_sizes"] == engine_tier.CAPTURE_SIZES
-    # the hybrid model's gated delta net prefill on Triton; prefix caching off, then on
-    assert hybrid["additional"] == hybrid_prefix["additional"] == {"gdn_prefill_backend": "triton"}
-    assert hybrid["prefix_caching"] is False and hybrid_prefix["prefix_caching"] is True
-    assert engine["additional"] == {}
-    assert engine["extra"] == {"consumer_address": "127.0.0.1:1"} and not engine["eager"]
-    assert pull["extra"] == {"delivery": "pull"} and pull["eager"]
-    # the hybrid stage's model in its own dtype, its own layers captured
-    assert engine["dtype"] == "torch.float32" and engine["layer_ids"] == list(engine_tier.DENSE.layer_ids)
-    assert hybrid["dtype"] == "torch.bfloat16" and hybrid["layer_ids"] == list(engine_tier.HYBRID.layer_ids)
+def test_the_rehearsal_fails_on_the_hybrid_models_predicted_failures_naming_each(
+    carried_tree: Path, tmp_path: Path
+) -> None:
+    """Without the MoE stand-in, and without the tier's choice of GDN prefill: the MoE
+    ops the hybrid model calls are missing, and vLLM picks FlashInfer on capability 9.0,
+    which the GPU host does not have."""
+    proc, out = rehearse_on_an_h100(carried_tree, tmp_path, "hybrid", prelude=UNPREPARED)
+    assert proc.returncode == 1 and not out["ok"]
+    hybrid = out["stages"]["hybrid"]
+    unmet = hybrid["unmet"]
+    for op in ("_moe_C.topk_softmax", "_moe_C.moe_align_block_size", "_moe_C.moe_sum"):
+        assert unmet[op]["state"] == "missing", op
+    assert any("FusedTopKRouter" in place for place in unmet["_moe_C.topk_softmax"]["from"])
+    assert hybrid["gdn"]["prefill"] == "flashinfer"
+    assert unmet["package flashinfer"]["from"] == ["gdn: flashinfer"]
 
 
 STAND_IN_CHECK = r"""
