@@ -125,6 +125,8 @@ class ModelCase:
 
 DENSE = ModelCase("llama", "float32", (1, 2, 4), 1e-2)  # fp32 both sides: TF32 or reduction order apart
 HYBRID = ModelCase("qwen3_next", "bfloat16", (1, 4, 8), 5e-2)  # bf16 in vLLM against fp32
+# set (to "1") by --no-async-scheduling for the stages' processes
+NO_ASYNC_SCHEDULING = "ENGINE_TIER_NO_ASYNC_SCHEDULING"
 # "cpu": the engine stages' own code rehearsed on vLLM's CPU build (its defaults, eager, the
 # reference on the host): a check of this module, saying nothing of a GPU
 REHEARSAL = os.environ.get("ENGINE_TIER_REHEARSAL") == "cpu"
@@ -470,6 +472,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--total-s", type=float, default=TOTAL_S, help=f"the stages' time together (default {TOTAL_S})"
     )
+    ap.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="the engines without async scheduling (Model Runner V2's default): tells its failure apart",
+    )
     ap.add_argument("--plan", action="store_true", help="build the carry where missing and print its measure")
     ap.add_argument("--keep", action="store_true", help="keep the unpacked carry and the stages' logs")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
@@ -483,6 +490,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.total_s <= 0:
         raise SystemExit(f"--total-s must be positive, not {args.total_s:g}")
+    if args.no_async_scheduling:
+        os.environ[NO_ASYNC_SCHEDULING] = "1"  # the stages' processes inherit it
     names = [n for n in args.only.split(",") if n]
     for n in names:
         if n not in STAGES:
@@ -781,6 +790,8 @@ def llm_kwargs(
         "speculative_config": spec,
         "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": extra},
     }
+    if os.environ.get(NO_ASYNC_SCHEDULING) == "1":
+        kw["async_scheduling"] = False
     if case is HYBRID:
         # gated delta net prefill: vLLM picks FlashInfer on capability 9.0 without asking
         # whether it is installed (it is not on the host); its Triton kernels are carried

@@ -134,6 +134,7 @@ def test_on_a_capability_9_gpu_vllm_builds_what_the_tier_asks_and_every_op_on_it
         assert config["method"] == "extract_hidden_states" and config["connector"] == "HiddenStatesConnector"
         # what cuts a cold start: the cache's size given, no JIT warm-up, few graphs
         assert config["kv_cache_memory_bytes"] == engine_tier.KV_CACHE_BYTES and config["jit_warmup"] is False
+        assert config["async_scheduling"] is True  # Model Runner V2's default, as the tier runs it
         assert stage["config"]["model_runner_v2"] is True, name
         assert stage["attention"] == ["TRITON_ATTN"], name
         assert stage["drafter"]["model"] == "ExtractHiddenStatesModel"
@@ -187,6 +188,8 @@ def unasked(*args, **kwargs):  # the tier's arguments without its choice of GDN 
     kw.pop("additional_config", None)
     return kw
 engine_tier.llm_kwargs = unasked
+import os
+os.environ[engine_tier.NO_ASYNC_SCHEDULING] = "1"  # what --no-async-scheduling sets
 """
 
 
@@ -195,7 +198,7 @@ def test_the_rehearsal_fails_on_the_hybrid_models_predicted_failures_naming_each
 ) -> None:
     """Without the MoE stand-in, and without the tier's choice of GDN prefill: the MoE
     ops the hybrid model calls are missing, and vLLM picks FlashInfer on capability 9.0,
-    which the GPU host does not have."""
+    which the GPU host does not have. (With ``--no-async-scheduling``'s setting too.)"""
     proc, out = rehearse_on_an_h100(carried_tree, tmp_path, "hybrid", prelude=UNPREPARED)
     assert proc.returncode == 1 and not out["ok"]
     hybrid = out["stages"]["hybrid"]
@@ -205,6 +208,8 @@ def test_the_rehearsal_fails_on_the_hybrid_models_predicted_failures_naming_each
     assert any("FusedTopKRouter" in place for place in unmet["_moe_C.topk_softmax"]["from"])
     assert hybrid["gdn"]["prefill"] == "flashinfer"
     assert unmet["package flashinfer"]["from"] == ["gdn: flashinfer"]
+    # and --no-async-scheduling's setting reaches vLLM's config (on by default: the other test)
+    assert hybrid["config"]["async_scheduling"] is False
 
 
 STAND_IN_CHECK = r"""
