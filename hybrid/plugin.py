@@ -38,6 +38,7 @@ from typing import Any
 
 from hybrid.notice import ENV, announce
 from hybrid.versions import SUPPORTED_VLLM, is_supported, supported_text
+from kv_connector.common.errors import ConfigurationError
 
 log = logging.getLogger("vllm.hybrid.plugin")
 
@@ -45,7 +46,7 @@ ORIGINAL = "__hybrid_original__"
 __all__ = ["SUPPORTED_VLLM", "register", "unregister"]
 
 
-class UnsupportedVLLMError(RuntimeError):
+class UnsupportedVLLMError(ConfigurationError, RuntimeError):
     """The installed vLLM is not a version the patch points were written for, or a
     combination of its features the design cannot serve."""
 

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybrid import versions
 from hybrid.shapes import exact_num_blocks
+from kv_connector.common.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,7 +61,7 @@ class CacheOnlySpec(HiddenStateCacheSpec):
         )
 
 
-class NoAttentionGroupError(ValueError):
+class NoAttentionGroupError(ConfigurationError):
     """The model has no full-attention KV cache group to lend its block table."""
 
 

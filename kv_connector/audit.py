@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kv_connector.common.errors import ConfigurationError, IntegrityError
+
 # of the rows: a wrong capture (a layer, a shift) is wrong in every row, so a few rows in
 # ten thousand find it early; at this rate the audit costs under 1% of the consumer's CPU
 # per row on an 8B-shaped head (``python -m scripts.bench.audit``)
@@ -35,11 +37,11 @@ NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight")
 HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
-class AuditError(ValueError):
+class AuditError(ConfigurationError):
     """A model directory the audit cannot read, or a sample it does not apply to."""
 
 
-class AuditFailed(RuntimeError):
+class AuditFailed(IntegrityError, RuntimeError):
     """A sample's states do not give vLLM's log-probabilities: they are not what they say."""
 
 

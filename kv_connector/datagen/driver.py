@@ -48,6 +48,7 @@ from kv_connector.audit import (
     LogprobAudit,
     RowAudit,
 )
+from kv_connector.common.errors import RefusedError
 from kv_connector.datagen import plan
 from kv_connector.datagen.httpclient import HTTPError, Server
 from kv_connector.datagen.plan import RowBook
@@ -83,7 +84,7 @@ def file_id(path: Path) -> FileId | None:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-class RequestFailed(Exception):
+class RequestFailed(RefusedError):
     def __init__(self, why: str, retry: bool = True) -> None:
         super().__init__(why)
         self.retry = retry

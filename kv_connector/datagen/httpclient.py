@@ -13,8 +13,10 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+from kv_connector.common.errors import RefusedError
 
-class HTTPError(RuntimeError):
+
+class HTTPError(RefusedError):
     """The server answered with a status other than 2xx."""
 
     def __init__(self, status: int, body: str) -> None:

@@ -22,6 +22,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from kv_connector.common.errors import StateError
 from kv_connector.wire.outcome import SampleStatus
 
 
@@ -33,7 +34,7 @@ class RowState(enum.Enum):
     GAVE_UP = "gave_up"
 
 
-class IllegalRowTransition(RuntimeError):
+class IllegalRowTransition(StateError):
     """The driver reported something a row's state does not allow."""
 
 

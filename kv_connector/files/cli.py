@@ -36,6 +36,7 @@ from typing import get_args
 
 import msgspec
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.files.console import RunMonitor
 from kv_connector.files.fp8 import SCALES_KEY, Fp8Scale, quantize
 from kv_connector.files.journal import Journal, JournalLocked
@@ -64,7 +65,7 @@ OLD_LEDGER = ".ledger"  # the text ledger of earlier versions
 PER_SAMPLE_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.ENOTDIR, errno.EISDIR})
 
 
-class DiskError(Exception):
+class DiskError(ConfigurationError):
     """Writing failed for a reason that is not the sample's: stop, acknowledge nothing."""
 
 

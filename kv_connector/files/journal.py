@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from kv_connector.common.errors import StateError
+
 log = logging.getLogger(__name__)
 
 NAME = ".delivered"
@@ -42,7 +44,7 @@ _CHUNK = 1 << 20  # records checked at once (bounds the temporaries)
 U64 = npt.NDArray[np.uint64]
 
 
-class JournalLocked(RuntimeError):
+class JournalLocked(StateError):
     """Another process holds the journal: two readers must not write into one directory."""
 
 

@@ -38,6 +38,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.files.fp8 import SCALES_KEY, Fp8Scale, dequantize, quantize
 from kv_connector.files.safetensors_io import write_atomically
 
@@ -67,7 +68,7 @@ def record_of(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-class KeepFolderMismatch(ValueError):
+class KeepFolderMismatch(ConfigurationError):
     """The keep folder holds other rows than this run would keep (another model, other
     layers, another layout): sharing it would hand one run the other's states."""
 

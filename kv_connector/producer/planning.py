@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kv_connector.common.errors import IntegrityError
 from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import blocks_for, blocks_for_tokens, kernel_block_ids
@@ -224,7 +225,7 @@ class ShipPlanner:
         return t.shipped
 
 
-class SlotMismatch(ValueError):
+class SlotMismatch(IntegrityError):
     """The slot mapping the layer wrote with disagrees with the request's block table."""
 
 

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import enum
 
+from kv_connector.common.errors import StateError
 from kv_connector.common.transitions import Transitions
 
 
-class IllegalJobTransition(RuntimeError):
+class IllegalJobTransition(StateError):
     """The shell asked for a transition the job's state does not allow."""
 
 

@@ -9,6 +9,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
+from kv_connector.common.errors import StateError
 from kv_connector.sender.job_states import JobState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import Grant, Manifest
@@ -16,7 +17,7 @@ from kv_connector.wire.protocol import Grant, Manifest
 log = logging.getLogger("kv_connector.sender")
 
 
-class FrozenJob(Exception):
+class FrozenJob(StateError):
     """A Rewrite of a preempted job's share: its blocks hold another request's states now."""
 
     def __init__(self, request_id: str) -> None:

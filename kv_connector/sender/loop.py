@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kv_connector.cache.hasher import Hasher, computed
 from kv_connector.common.device import on_device
+from kv_connector.common.errors import WireError
 from kv_connector.common.poller import IDLE_POLL_S
 from kv_connector.sender.config import SenderConfig
 from kv_connector.sender.jobs import Failure, FrozenJob, Job, log_failed
@@ -38,7 +39,7 @@ HELD_POLL_S = 0.0002  # while a shipped job waits for its step to finish on the 
 log = logging.getLogger("kv_connector.sender.sender")
 
 
-class SenderError(RuntimeError):
+class SenderError(WireError):
     """The sender cannot reach or work with the reader."""
 
 

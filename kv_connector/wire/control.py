@@ -11,6 +11,7 @@ import struct
 import threading
 import time
 
+from kv_connector.common.errors import ClosedError, WireError
 from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.protocol import ProtocolError
 
@@ -18,11 +19,11 @@ _LEN = struct.Struct(">I")
 MAX_OUT_BYTES = 4 << 20  # what ``send_nowait`` may hold for a peer that does not read
 
 
-class ConnectionClosed(Exception):
+class ConnectionClosed(ClosedError):
     """The peer closed the control connection."""
 
 
-class OutputFull(Exception):
+class OutputFull(WireError):
     """A peer stopped reading: more than ``max_out`` bytes wait to be sent to it."""
 
 

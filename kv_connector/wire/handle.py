@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.control import parse_address
 from kv_connector.wire.fields import MAX_RANKS, RequestId, SafeName
 from kv_connector.wire.protocol import PullNonce
@@ -33,7 +34,7 @@ MAX_HANDLE_CHARS = 64 << 10
 Endpoint = Annotated[str, msgspec.Meta(min_length=3, max_length=270)]
 
 
-class HandleError(ValueError):
+class HandleError(ConfigurationError):
     """Not a pull handle of this version (malformed, truncated, out of range)."""
 
 

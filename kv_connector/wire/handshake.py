@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kv_connector.common.errors import RefusedError
 from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.control import FramedConnection
 from kv_connector.wire.protocol import ProtocolError
@@ -37,7 +38,7 @@ from kv_connector.wire.transport import MemType
 HANDSHAKE_TIMEOUT_S = 10.0  # the whole handshake, every message included
 
 
-class HandshakeError(Exception):
+class HandshakeError(RefusedError):
     """The handshake failed on the producer's side (refused, unauthenticated, malformed)."""
 
 

@@ -17,13 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.fields import MAX_SAMPLE_ID_CHARS, MAX_SAMPLE_METADATA_BYTES, SAMPLE_ID_PATTERN
 
 _SAMPLE_ID = re.compile(SAMPLE_ID_PATTERN)
 SAMPLE_ID_CHARS = "letters, digits and _ . : @ + = -"
 
 
-class IdentityError(ValueError):
+class IdentityError(ConfigurationError):
     """A request's ``sample_id`` or ``metadata`` is not acceptable; the message says why."""
 
 

@@ -18,6 +18,8 @@ from typing import Annotated, Literal, NamedTuple, get_args
 
 import msgspec
 
+from kv_connector.common.errors import ConfigurationError
+
 # Order of the dimensions inside one cache block of the cache-only layer.
 # "LTH": [num_layers, block_size, hidden] (vLLM's CPU layout).
 # "TLH": [block_size, num_layers, hidden] (vLLM's GPU layout).
@@ -167,7 +169,7 @@ class CacheView(NamedTuple):
         return self.block_pitch != self.block_size * num_layers * hidden_size
 
 
-class AmbiguousCacheView(ValueError):
+class AmbiguousCacheView(ConfigurationError):
     """The cache-only layer's tensor admits more than one reading, or none that is
     sound: the producer refuses it at registration and never reads it."""
 

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kv_connector.common.errors import ConfigurationError
+
 PARAMS_KEY = "hidden_states"  # its key in a response's kv_transfer_params
 
 
@@ -23,7 +25,7 @@ class SampleStatus(str, enum.Enum):
     READY = "ready"  # pull delivery: held in the producer's cache; fetch it by its ``handle``
 
 
-class OutcomeError(ValueError):
+class OutcomeError(ConfigurationError):
     """A response carries no outcome, or one that is not well formed."""
 
 

@@ -43,6 +43,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kv_connector.common.errors import WireError
 from kv_connector.wire.fields import (
     MAX_BLOCKS,
     MAX_FRAME_BYTES,
@@ -75,7 +76,7 @@ from kv_connector.wire.transport import MemType
 PROTOCOL_VERSION = 16
 MAX_CREDITS_AHEAD = 8  # runs of pages a reader may grant one producer ahead of its samples
 
-class ProtocolError(ValueError):
+class ProtocolError(WireError, ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
 
 

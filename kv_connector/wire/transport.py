@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from kv_connector.common.errors import WireError
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 MemType = Literal["DRAM", "VRAM"]
 
 
-class TransportError(RuntimeError):
+class TransportError(WireError):
     """The transport refused an operation or a transfer failed."""
 
 

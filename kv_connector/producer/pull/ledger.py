@@ -43,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kv_connector.common.errors import RefusedError
 from kv_connector.producer.pull.hold_fences import FenceTable
 from kv_connector.producer.pull.hold_states import HOLDS, HoldEvent
 from kv_connector.producer.pull.hold_states import HoldState as HoldState
@@ -63,7 +64,7 @@ _WHY: dict[HoldState, str] = {
 }
 
 
-class PullRefused(Exception):
+class PullRefused(RefusedError):
     """A fetch or release that gets no data: ``code`` says why (the wire's ``PullError``)."""
 
     def __init__(self, code: PullErrorCode, message: str) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 import kv_connector
+from kv_connector.common.errors import WireError
 from kv_connector.common.memory import map_shared
 from kv_connector.reader.agent.hold_keeper import HoldKeeper, KeptHolds
 from kv_connector.reader.agent.wire import (
@@ -68,7 +69,7 @@ AGENT_START_TIMEOUT_S = 120.0  # importing torch and NIXL, registering the pool
 SLOW_START_S = 5.0  # a start slower than this is named when a sample expired meanwhile
 
 
-class FetchAgentError(RuntimeError):
+class FetchAgentError(WireError):
     """The fetch agent could not be started, or is gone."""
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from kv_connector.reader.pull.links import FetchCode
 from kv_connector.reader.pull.options import PullOptions
 from kv_connector.wire.provenance import Provenance
 
@@ -90,7 +91,7 @@ class AgentSample(_AgentMsg, tag="sample", frozen=True):
 
 
 class AgentFailed(_AgentMsg, tag="failed", frozen=True):
-    code: str
+    code: FetchCode
     message: str
 
 

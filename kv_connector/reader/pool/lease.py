@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kv_connector.common.errors import ClosedError
 from kv_connector.common.memory import host_memory
 from kv_connector.wire.protocol import Manifest
 from kv_connector.wire.provenance import Provenance
@@ -80,7 +81,7 @@ class Described(Protocol):
     def provenance(self) -> Provenance | None: ...
 
 
-class SampleReleased(RuntimeError):
+class SampleReleased(ClosedError):
     """A released sample's tensors were asked for."""
 
 

@@ -43,6 +43,7 @@ from typing import Protocol
 import torch
 
 from kv_connector.common.device import DeviceEvent, HostDone
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.common.gpudirect import Visibility
 from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.pool.lease import CopyBuffers, Key, Lease, leased_view, sample_view
@@ -55,7 +56,7 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 from kv_connector.wire.ucx_report import Mem, Op
 
 
-class PoolDeviceError(ValueError):
+class PoolDeviceError(ConfigurationError):
     """The pool cannot live on the device asked for (no CUDA, no such GPU, no room)."""
 
 

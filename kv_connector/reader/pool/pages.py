@@ -17,8 +17,10 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from kv_connector.common.errors import ConfigurationError
 
-class PoolTooSmall(ValueError):
+
+class PoolTooSmall(ConfigurationError):
     """A sample needs more pages than the whole pool holds."""
 
 

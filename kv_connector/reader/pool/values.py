@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_connector.common.errors import IntegrityError
+
 CHUNK_ELEMENTS = 1 << 22  # elements reduced at once (bounds the temporaries)
 SAMPLE_ELEMENTS = 32  # a sampled screen reads this many elements at the start and the middle of each row
 MAX_NAMED = 5  # tokens named in a report
@@ -52,7 +54,7 @@ class RowsScreen:
         return cls(bool(got[0]), tuple(bool(a) for a in got[1:]))
 
 
-class BadValues(ValueError):
+class BadValues(IntegrityError):
     """A sample's hidden states hold NaN/Inf or an all-zero token; the message names them."""
 
 

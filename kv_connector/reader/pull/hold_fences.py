@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kv_connector.common.errors import IntegrityError
 from kv_connector.reader.pull.links import FetchError, ProducerLinks
 from kv_connector.wire.handle import PullHandle
 from kv_connector.wire.protocol import PullError, PullRelease, PullShare
@@ -33,7 +34,7 @@ HOLD_POLL_S = 0.002
 Posted = tuple[Transfer, PullShare]  # a fence READ in flight and its share
 
 
-class HoldFenceStale(Exception):
+class HoldFenceStale(IntegrityError):
     """A fence READ failed or its word no longer held its value: ``ranks`` say where."""
 
     def __init__(self, ranks: list[int], why: str) -> None:

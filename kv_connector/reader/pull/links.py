@@ -15,28 +15,47 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal
 
+from kv_connector.common.errors import RefusedError
 from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection
 from kv_connector.wire.handle import PullHandle
 from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, ReaderHandshake
-from kv_connector.wire.protocol import ProtocolError
+from kv_connector.wire.protocol import ProtocolError, PullErrorCode
 from kv_connector.wire.transport import Region, Transport, TransportError
 
 PAGE_BYTES = 64 << 10  # the client's pool pages (announced in its Welcome)
 
 
-class FetchError(RuntimeError):
-    """A sample could not be fetched; ``code`` says why.
+# why a fetch failed: the producer's answers, then the client's own
+FetchCode = Literal[
+    PullErrorCode,
+    "handle",
+    "auth",
+    "connect",
+    "checksum",
+    "values",
+    "pool",
+    "timeout",
+    "transfer",
+    "protocol",
+    "mismatch",
+    "agent",
+]
+
+
+class FetchError(RefusedError):
+    """A sample could not be fetched; ``code`` (a ``FetchCode``) says why.
 
     The producer's answers: "expired", "unknown", "released", "preempted", "aborted",
     "closed", "failed". The client's own: "handle" (not a handle), "auth" (the handshake),
-    "connect", "checksum", "values", "pool", "timeout", "transfer", "protocol", and
-    "mismatch" (not the sample ``expect`` describes)."""
+    "connect", "checksum", "values", "pool", "timeout", "transfer", "protocol",
+    "mismatch" (not the sample ``expect`` describes), and "agent" (the rank's fetch agent)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: FetchCode, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code: FetchCode = code
         self.message = message
 
 
@@ -208,7 +227,7 @@ class ProducerLinks:
             conn.send(hs.welcome(welcome))
             conn.mac = hs.session()
         except ProtocolError as e:
-            code = "auth" if "authentication" in str(e) else "protocol"
+            code: FetchCode = "auth" if "authentication" in str(e) else "protocol"
             raise FetchError(code, f"{where}: {e}") from None
         except (ConnectionClosed, OSError, TimeoutError) as e:
             raise FetchError("connect", f"{where} closed the handshake: {e}") from None

@@ -15,14 +15,16 @@ from collections.abc import Iterable
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.control import format_address, parse_address
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
 
-class MetricsAddressError(OSError):
-    """The metrics endpoint cannot listen where it was asked to."""
+class MetricsAddressError(OSError, ConfigurationError):
+    """The metrics endpoint cannot listen where it was asked to. ``OSError`` comes first, so
+    that its two arguments are still ``errno`` and ``strerror``."""
 
 
 class _Server(ThreadingHTTPServer):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import force_setattr
 
+from kv_connector.common.errors import ClosedError, StateError
 from kv_connector.reader.options import ClientOptions, options_of
 from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
@@ -66,11 +67,11 @@ def refuse_open_listen(host: str, address: str) -> None:
         )
 
 
-class ReaderClosed(Exception):
+class ReaderClosed(ClosedError):
     """The reader was closed while waiting for a sample."""
 
 
-class LeaseLimitError(RuntimeError):
+class LeaseLimitError(StateError):
     """The user holds ``max_leases`` samples on lease and asks for another."""
 
 

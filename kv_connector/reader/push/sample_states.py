@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import enum
 
+from kv_connector.common.errors import StateError
 from kv_connector.common.transitions import Transitions
 
 
-class IllegalSampleTransition(RuntimeError):
+class IllegalSampleTransition(StateError):
     """A shell asked for a transition the sample's state does not allow."""
 
 
