@@ -4,9 +4,19 @@ Push: ``HiddenStatesReader`` (configured by a ``ReaderConfig``) yields ``Sample`
 producers WRITE into its pool; ``HiddenStatesDataset`` wraps it for torch. Pull:
 ``PullClient`` (``PullOptions``) READs a sample by its handle; a trainer rank's
 ``FetchAgentProcess`` holds one for every DataLoader worker, which fetches through an
-``AgentClient``. All three share ``ClientOptions``. ``python -m kv_connector.reader``
+``AgentClient``. All three share ``ClientOptions``. Every error is a ``KvConnectorError``, under
+one of its branches (``kv_connector.common.errors``). ``python -m kv_connector.reader``
 runs the file CLI (``kv_connector.files``), which uses only what is exported here."""
 
+from kv_connector.common.errors import (
+    ClosedError,
+    ConfigurationError,
+    IntegrityError,
+    KvConnectorError,
+    RefusedError,
+    StateError,
+    WireError,
+)
 from kv_connector.reader.agent.client import AgentClient, FetchAgentError, FetchAgentProcess
 from kv_connector.reader.options import AGENT_POOL_BYTES, DEFAULT_POOL_BYTES, ClientOptions
 from kv_connector.reader.pool.lease import Sample, SampleReleased
@@ -37,12 +47,16 @@ __all__ = [
     "AckMode",
     "AgentClient",
     "ClientOptions",
+    "ClosedError",
+    "ConfigurationError",
     "Expectation",
     "FetchAgentError",
     "FetchAgentProcess",
     "FetchError",
     "HiddenStatesDataset",
     "HiddenStatesReader",
+    "IntegrityError",
+    "KvConnectorError",
     "LeaseLimitError",
     "MetricsAddressError",
     "ModelRunner",
@@ -55,9 +69,12 @@ __all__ = [
     "ReaderClosed",
     "ReaderConfig",
     "ReaderStats",
+    "RefusedError",
     "RequireChecksum",
     "Sample",
     "SampleReleased",
+    "StateError",
+    "WireError",
     "find_bad_values",
     "handle_of",
     "refuse_open_listen",
