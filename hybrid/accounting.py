@@ -41,6 +41,7 @@ from hybrid.spec import (
     attention_group_index,
     plan_kv_cache_configs,
 )
+from kv_connector.common.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,13 +76,13 @@ class Setup:
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
-            raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+            raise ConfigurationError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if self.budget_bytes <= 0 or self.max_model_len <= 0:
-            raise ValueError("budget and max model length must be positive")
+            raise ConfigurationError("budget and max model length must be positive")
         if self.sample_tokens <= 0:
-            raise ValueError(f"sample tokens must be positive, got {self.sample_tokens}")
+            raise ConfigurationError(f"sample tokens must be positive, got {self.sample_tokens}")
         if self.block_size is not None and self.block_size <= 0:
-            raise ValueError(f"block size must be positive, got {self.block_size}")
+            raise ConfigurationError(f"block size must be positive, got {self.block_size}")
 
 
 @dataclass(frozen=True)

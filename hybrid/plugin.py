@@ -152,7 +152,7 @@ def mode() -> str:
         return "off"
     if value in ("1", "on", "true", "yes"):
         return "on"
-    raise ValueError(f"{ENV}={value!r}: expected auto, 1 or 0")
+    raise ConfigurationError(f"{ENV}={value!r}: expected auto, 1 or 0")
 
 
 def refusal(version: str) -> str:

@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybrid.notice import announce
 from hybrid.spec import SupplementedKVCacheConfig
+from kv_connector.common.errors import ConfigurationError
 
 log = logging.getLogger("vllm.hybrid.runtime")
 
@@ -60,7 +61,7 @@ def allocate_supplementary(
         and group < len(kernel_block_sizes)
         and kernel_block_sizes[group] != block_size
     ):
-        raise ValueError(
+        raise ConfigurationError(
             f"KV cache group {group} splits its {block_size}-token blocks into "
             f"{kernel_block_sizes[group]}-token kernel blocks; the supplementary hidden-state tensor "
             "follows the group's slot mapping and cannot be addressed by manager block then. Set "
@@ -70,7 +71,9 @@ def allocate_supplementary(
     out: dict[str, torch.Tensor] = {}
     for name, spec in kv_cache_config.supplementary_specs.items():
         if spec.block_size != block_size:
-            raise ValueError(f"{name}: supplementary block size {spec.block_size} != group's {block_size}")
+            raise ConfigurationError(
+                f"{name}: supplementary block size {spec.block_size} != group's {block_size}"
+            )
         layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, 1, layout)
         tensor = KVCacheTensor(
             size=spec.page_size_bytes * num_blocks,

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kv_connector.common.errors import ConfigurationError
+
 FULL = "full_attention"
 LINEAR = "linear_attention"
 SLIDING = "sliding_attention"
@@ -34,7 +36,7 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+        raise ConfigurationError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
 
 
 @dataclass(frozen=True)
@@ -69,17 +71,19 @@ class HybridShape:
     def __post_init__(self) -> None:
         bad = sorted(set(self.layer_types) - set(_LAYER_TYPES))
         if bad:
-            raise ValueError(f"unknown layer types {bad}; expected {_LAYER_TYPES}")
+            raise ConfigurationError(f"unknown layer types {bad}; expected {_LAYER_TYPES}")
         if not self.layer_types:
-            raise ValueError("the model has no layers")
+            raise ConfigurationError("the model has no layers")
         if self.linear_attention_layers and self.sliding_attention_layers:
-            raise ValueError("linear and sliding-window layers in one model: not a shape this report knows")
+            raise ConfigurationError(
+                "linear and sliding-window layers in one model: not a shape this report knows"
+            )
         needed = ["hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"]
         needed += [*_LINEAR_FIELDS] if self.linear_attention_layers else []
         needed += ["sliding_window"] if self.sliding_attention_layers else []
         for name in (*needed, "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         dtype_bytes(self.dtype)
         if self.mamba_ssm_dtype is not None:
             dtype_bytes(self.mamba_ssm_dtype)
@@ -117,7 +121,7 @@ class HybridShape:
             interval = int(_need(text, "full_attention_interval"))
             types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
         if len(types) != n:
-            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+            raise ConfigurationError(f"layer_types has {len(types)} entries for {n} layers")
         heads = int(_need(text, "num_attention_heads"))
         hidden = int(_need(text, "hidden_size"))
         own_dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
@@ -206,7 +210,7 @@ class HybridShape:
 
 def _need(config: Mapping[str, Any], key: str) -> Any:
     if key not in config or config[key] is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"config.json has no {key!r}: is this a hybrid (Qwen3-Next / Qwen3.5) or mixed-window "
             "(gpt-oss) model?"
         )
@@ -218,12 +222,14 @@ def parse_layer_ids(text: str, num_layers: int) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--layers must be comma-separated integers, got {text!r}") from None
+        raise ConfigurationError(f"--layers must be comma-separated integers, got {text!r}") from None
     if not ids:
-        raise ValueError("--layers names no layer")
+        raise ConfigurationError("--layers names no layer")
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ValueError(f"layer ids {bad} outside 0..{num_layers} (the model has {num_layers} layers)")
+        raise ConfigurationError(
+            f"layer ids {bad} outside 0..{num_layers} (the model has {num_layers} layers)"
+        )
     return ids
 
 
@@ -234,7 +240,7 @@ def exact_num_blocks(
 
     Every block costs the groups' bytes plus one page of every supplementary tensor."""
     if group_bytes_per_block <= 0:
-        raise ValueError(f"group bytes per block must be positive, got {group_bytes_per_block}")
+        raise ConfigurationError(f"group bytes per block must be positive, got {group_bytes_per_block}")
     if any(p <= 0 for p in supplementary_pages):
-        raise ValueError(f"supplementary pages must be positive, got {list(supplementary_pages)}")
+        raise ConfigurationError(f"supplementary pages must be positive, got {list(supplementary_pages)}")
     return max(budget_bytes, 0) // (group_bytes_per_block + sum(supplementary_pages))

@@ -57,6 +57,7 @@ import msgspec
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.files.fp8 import Fp8Scale
 from kv_connector.files.keep import RowStore, claim_folder
 from kv_connector.files.rank_sampler import RankKeptBatchSampler
@@ -140,7 +141,7 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self.keep, self.keep_gib = keep, keep_gib
         self.keep_fp8 = Fp8Scale(keep_fp8) if keep_fp8 is not None else None
         if keep_gib is not None and keep_gib <= 0:
-            raise ValueError(f"--kv-hs-keep-gib must be positive, got {keep_gib}")
+            raise ConfigurationError(f"--kv-hs-keep-gib must be positive, got {keep_gib}")
         self._store: RowStore | None = None
         self._missed: int | None = None  # the row get_cached did not find, which get_generated fetches
         # what every row must be (layer ids, model): a row that is not fails by name
@@ -154,7 +155,7 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
         self.pool_mib = pool_mib if pool_mib is not None else default
         if self.pool_mib < 1:
-            raise ValueError(f"pool_mib must be at least 1, got {self.pool_mib}")
+            raise ConfigurationError(f"pool_mib must be at least 1, got {self.pool_mib}")
         self.fetch_timeout_s = fetch_timeout_s
         self.agent: FetchAgentProcess | None = None  # the rank's, in the process that started it
         self._address = agent_address

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kv_connector.cache.hasher import own_stream
+from kv_connector.common.errors import ConfigurationError, IntegrityError
 from kv_connector.wire import fingerprint, protocol
 from kv_connector.wire.block_digest import cache_block_digests, share_digest
 from kv_connector.wire.identity import SampleIdentity
@@ -74,12 +75,12 @@ def flat_bytes(cache: torch.Tensor, block_bytes: int, pitch: int) -> torch.Tenso
     start = cache.storage_offset() * cache.element_size()
     held = cache.numel() * cache.element_size()
     if held != nb * block_bytes or stride != pitch or pitch < block_bytes:
-        raise ValueError(
+        raise ConfigurationError(
             f"cache tensor of {nb} blocks, {stride} bytes apart, holds {held} bytes; the "
             f"layout says dense blocks of {block_bytes}, {pitch} bytes apart"
         )
     if start + nbytes > cache.untyped_storage().nbytes():
-        raise ValueError(f"cache tensor's {nb} blocks of pitch {pitch} run past its storage")
+        raise ConfigurationError(f"cache tensor's {nb} blocks of pitch {pitch} run past its storage")
     return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
         cache.untyped_storage(), start, (nbytes,), (1,)
     )
@@ -154,7 +155,7 @@ class CacheBlocks:
     def rebind(self, cache: torch.Tensor) -> None:
         """The cache after vLLM's wake (its memory may have moved): the same blocks."""
         if cache.shape[0] != self.num_blocks:
-            raise ValueError(
+            raise ConfigurationError(
                 f"the cache has {cache.shape[0]} blocks after the wake, {self.num_blocks} before"
             )
         self.raw = flat_bytes(cache, self.layout.block_bytes, self.pitch)
@@ -180,14 +181,16 @@ class CacheBlocks:
         """
         problem = protocol.request_id_problem(request_id)
         if problem is not None:
-            raise ValueError(problem)
+            raise ConfigurationError(problem)
         n = self.layout.blocks_for(len(token_ids))
         if len(block_ids) < n:
-            raise ValueError(f"{request_id}: {len(token_ids)} tokens need {n} blocks, got {len(block_ids)}")
+            raise ConfigurationError(
+                f"{request_id}: {len(token_ids)} tokens need {n} blocks, got {len(block_ids)}"
+            )
         blocks = [int(b) for b in block_ids[:n]]
         for b in blocks:
             if not 0 <= b < self.num_blocks:
-                raise ValueError(f"{request_id}: block id {b} outside the cache's {self.num_blocks}")
+                raise ConfigurationError(f"{request_id}: block id {b} outside the cache's {self.num_blocks}")
         manifest = Manifest(
             request_id=request_id,
             token_ids=[int(t) for t in token_ids],
@@ -229,7 +232,7 @@ class CacheBlocks:
         """
         if kind is ShareChecksum.FINGERPRINT:
             if words is None:
-                raise ValueError(f"{share.manifest.request_id}: no fingerprint words were taken of it")
+                raise IntegrityError(f"{share.manifest.request_id}: no fingerprint words were taken of it")
             return words.record(share.manifest, share.share)
         if kind is ShareChecksum.BLOCKS:
             return share_block_digest(self.raw, share, self.pitch)

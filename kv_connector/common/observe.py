@@ -8,6 +8,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kv_connector.common.errors import ConfigurationError
+
 # bucket upper bounds in seconds, for waits from a fraction of a millisecond to minutes
 WAIT_BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -34,11 +36,11 @@ class Histogram:
 
     def __post_init__(self) -> None:
         if list(self.bounds) != sorted(set(self.bounds)):
-            raise ValueError("histogram bounds must increase strictly")
+            raise ConfigurationError("histogram bounds must increase strictly")
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
         elif len(self.counts) != len(self.bounds) + 1:
-            raise ValueError(f"{len(self.counts)} counts for {len(self.bounds)} bounds")
+            raise ConfigurationError(f"{len(self.counts)} counts for {len(self.bounds)} bounds")
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
@@ -66,7 +68,7 @@ class Observations:
 
     def __init__(self, limit: int = OBSERVATIONS_LIMIT) -> None:
         if limit <= 0:
-            raise ValueError(f"limit must be positive, got {limit}")
+            raise ConfigurationError(f"limit must be positive, got {limit}")
         self.limit = limit
         self._values: list[float] = []
         self.dropped = 0

@@ -48,7 +48,7 @@ from kv_connector.audit import (
     LogprobAudit,
     RowAudit,
 )
-from kv_connector.common.errors import RefusedError
+from kv_connector.common.errors import ConfigurationError, RefusedError
 from kv_connector.datagen import plan
 from kv_connector.datagen.httpclient import HTTPError, Server
 from kv_connector.datagen.plan import RowBook
@@ -148,7 +148,7 @@ def find_model(server: Server, wait_s: float) -> str:
             return str(models["data"][0]["id"])
         except (OSError, http.client.HTTPException, HTTPError, ValueError, KeyError, IndexError) as e:
             if time.monotonic() >= deadline:
-                raise ValueError(f"the server at {server.url} did not list its model: {e}") from None
+                raise ConfigurationError(f"the server at {server.url} did not list its model: {e}") from None
         time.sleep(1.0)
 
 

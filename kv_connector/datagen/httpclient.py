@@ -13,7 +13,7 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
-from kv_connector.common.errors import RefusedError
+from kv_connector.common.errors import ConfigurationError, RefusedError
 
 
 class HTTPError(RefusedError):
@@ -49,12 +49,12 @@ class Server:
         if self.url.startswith("unix:"):
             self._unix: str | None = self.url.removeprefix("unix:")
             if not self._unix:
-                raise ValueError(f"{url!r}: a unix: address needs a socket path")
+                raise ConfigurationError(f"{url!r}: a unix: address needs a socket path")
             self._host, self._port = "", 0
         else:
             parts = urlsplit(self.url)
             if parts.scheme != "http" or not parts.hostname:
-                raise ValueError(f"{url!r} is neither http://HOST:PORT nor unix:/path/to/socket")
+                raise ConfigurationError(f"{url!r} is neither http://HOST:PORT nor unix:/path/to/socket")
             self._unix = None
             self._host, self._port = parts.hostname, parts.port or 80
 

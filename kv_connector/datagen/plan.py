@@ -22,7 +22,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from kv_connector.common.errors import StateError
+from kv_connector.common.errors import ConfigurationError, StateError
 from kv_connector.wire.outcome import SampleStatus
 
 
@@ -85,7 +85,7 @@ class RowBook:
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
+            raise ConfigurationError("max_attempts must be at least 1")
         self._rows = {i: Row(i, n) for i, n in self.rows.items()}
         self._queue = deque(self.rows)
 
@@ -295,10 +295,10 @@ def parse_rows(spec: str, num_rows: int) -> list[int]:
         a, _, b = spec.partition(":")
         start, stop = int(a) if a else 0, int(b) if b else num_rows
         if not 0 <= start <= stop <= num_rows:
-            raise ValueError(f"rows {spec} outside the dataset's {num_rows}")
+            raise ConfigurationError(f"rows {spec} outside the dataset's {num_rows}")
         return list(range(start, stop))
     out = [int(x) for x in spec.split(",") if x.strip()]
     bad = [i for i in out if not 0 <= i < num_rows]
     if bad:
-        raise ValueError(f"rows {bad[:5]} outside the dataset's {num_rows}")
+        raise ConfigurationError(f"rows {bad[:5]} outside the dataset's {num_rows}")
     return list(dict.fromkeys(out))

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from kv_connector.common.errors import ConfigurationError
+
 
 class Rows(Protocol):
     def __len__(self) -> int: ...
@@ -24,18 +26,22 @@ class DatasetRows:
         try:
             import datasets
         except ImportError:
-            raise ValueError(
+            raise ConfigurationError(
                 "reading a datasets directory needs the `datasets` package (pip install datasets, or "
                 "PYTHONPATH=.venv/speculators-site-packages; see docs/usage.md), or use --jsonl"
             ) from None
         try:
             ds = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"cannot load the dataset {path}: {e}") from None
+            raise ConfigurationError(f"cannot load the dataset {path}: {e}") from None
         if not isinstance(ds, datasets.Dataset):
-            raise ValueError(f"{path} holds several splits ({', '.join(ds)}); give one split's directory")
+            raise ConfigurationError(
+                f"{path} holds several splits ({', '.join(ds)}); give one split's directory"
+            )
         if "input_ids" not in ds.column_names:
-            raise ValueError(f"{path} has no input_ids column (columns: {', '.join(ds.column_names)})")
+            raise ConfigurationError(
+                f"{path} has no input_ids column (columns: {', '.join(ds.column_names)})"
+            )
         self._ds = ds.with_format(None)
         self._arrow = ds.with_format("arrow")
 
@@ -66,12 +72,12 @@ class JsonlRows:
                     try:
                         obj = json.loads(text)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+                        raise ConfigurationError(f"{path}:{n}: not JSON: {e}") from None
                     if not isinstance(obj, dict) or "input_ids" not in obj:
-                        raise ValueError(f"{path}:{n}: not an object with input_ids")
+                        raise ConfigurationError(f"{path}:{n}: not an object with input_ids")
                     self._rows.append(check_tokens(obj["input_ids"], len(self._rows)))
         except OSError as e:
-            raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+            raise ConfigurationError(f"cannot read {path}: {e.strerror or e}") from None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -85,5 +91,5 @@ class JsonlRows:
 
 def check_tokens(ids: object, row: int) -> list[int]:
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise ValueError(f"row {row}: input_ids must be a non-empty list of token ids")
+        raise ConfigurationError(f"row {row}: input_ids must be a non-empty list of token ids")
     return ids

@@ -299,7 +299,7 @@ def expectation(args: argparse.Namespace) -> Expectation | None:
             layers = [int(x) for x in args.expect_layers.split(",")]
         except ValueError:
             bad = args.expect_layers
-            raise ValueError(f"--expect-layers: comma-separated integers, not {bad!r}") from None
+            raise ConfigurationError(f"--expect-layers: comma-separated integers, not {bad!r}") from None
     given = {
         "layer_ids": layers,
         "dtype": args.expect_dtype,
@@ -311,7 +311,7 @@ def expectation(args: argparse.Namespace) -> Expectation | None:
     try:
         return msgspec.convert(given, Expectation)
     except (msgspec.ValidationError, ValueError) as e:
-        raise ValueError(f"--expect-*: {e}") from None
+        raise ConfigurationError(f"--expect-*: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,8 @@ import enum
 
 import torch
 
+from kv_connector.common.errors import ConfigurationError
+
 SCALES_KEY = "hidden_states_scales"  # speculators' name for the scales tensor
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -42,7 +44,7 @@ def quantize(states: torch.Tensor, scale: Fp8Scale = Fp8Scale.TOKEN) -> tuple[to
     """``states`` [T, L, H] (any float dtype, any strides, any device) as (float8_e4m3fn
     [T, L, H] contiguous, float32 scales [T, 1, 1] or [T, L, 1]) on the same device."""
     if states.dim() != 3:
-        raise ValueError(f"hidden states must be [tokens, layers, hidden], got {tuple(states.shape)}")
+        raise ConfigurationError(f"hidden states must be [tokens, layers, hidden], got {tuple(states.shape)}")
     t, layers, hidden = states.shape
     dims = (1, 2) if scale is Fp8Scale.TOKEN else (2,)
     out = torch.empty((t, layers, hidden), dtype=FP8, device=states.device)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kv_connector.common.errors import StateError
+from kv_connector.common.errors import ConfigurationError, StateError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Journal:
         with open(self.path, "rb") as f:
             head = f.read(len(HEADER))
         if head != HEADER:
-            raise ValueError(f"{self.path} is not a delivery journal (header {head[:16]!r})")
+            raise ConfigurationError(f"{self.path} is not a delivery journal (header {head[:16]!r})")
         n, self.torn_bytes = divmod(size - len(HEADER), RECORD)
         if self.torn_bytes:
             log.warning("%s: a torn last record (%d bytes) cut off", self.path, self.torn_bytes)

@@ -157,7 +157,7 @@ class RowStore:
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
-            raise ValueError(f"the keep budget must be positive, got {budget_bytes} bytes")
+            raise ConfigurationError(f"the keep budget must be positive, got {budget_bytes} bytes")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = budget_bytes

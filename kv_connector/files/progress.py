@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.files.stats import FileStats
 from kv_connector.reader import PoolState, ReaderStats
 
@@ -53,7 +54,7 @@ class RateWindow:
 
     def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
         if window_s <= 0:
-            raise ValueError("window_s must be positive")
+            raise ConfigurationError("window_s must be positive")
         self.window_s = window_s
         self._recent: collections.deque[Reading] = collections.deque()
         self.first: Reading | None = None

@@ -21,6 +21,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from torch.utils.data import Sampler
 
+from kv_connector.common.errors import ConfigurationError
+
 Batch = NDArray[np.int64]
 
 
@@ -29,7 +31,7 @@ def partition(lengths: NDArray[np.int64], num_replicas: int, seed: int) -> list[
     a seeded order) to the rank with the fewest tokens so far, so the ranks' token counts
     differ by at most one row's (with fewer rows than ranks, some ranks get none)."""
     if num_replicas < 1:
-        raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+        raise ConfigurationError(f"num_replicas must be at least 1, got {num_replicas}")
     order = np.random.default_rng(seed).permutation(len(lengths))
     order = order[np.argsort(-lengths[order], kind="stable")]
     heap = [(0, 0, r) for r in range(num_replicas)]  # (tokens, rows, rank)
@@ -106,7 +108,7 @@ class RankKeptBatchSampler(Sampler[Batch]):
         max_batches: int | None = None,
     ) -> None:
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not one of {num_replicas}")
+            raise ConfigurationError(f"rank {rank} is not one of {num_replicas}")
         self.batch_max_length = batch_max_length
         self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
         self.max_batches = max_batches

@@ -24,6 +24,7 @@ from typing import BinaryIO
 import torch
 
 from kv_connector.common.device import to_host
+from kv_connector.common.errors import ConfigurationError
 
 _DTYPES = {
     torch.float32: "F32",
@@ -71,7 +72,7 @@ def write_safetensors(
     offset = 0
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
-            raise ValueError(f"cannot write a {t.dtype} tensor to safetensors")
+            raise ConfigurationError(f"cannot write a {t.dtype} tensor to safetensors")
         n = _nbytes(t)
         header[name] = {
             "dtype": _DTYPES[t.dtype],

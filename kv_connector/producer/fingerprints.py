@@ -23,6 +23,7 @@ import torch
 
 from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.common.device import DeviceEvent, HostDone
+from kv_connector.common.errors import IntegrityError
 from kv_connector.producer.planning import StepExpect
 from kv_connector.wire import fingerprint
 from kv_connector.wire.protocol import Manifest
@@ -90,7 +91,7 @@ class SampleWords:
             have[first : first + k] = True
         missing = positions[~have[positions]] if out is not None else positions
         if out is None or len(missing):
-            raise ValueError(f"no fingerprint of token position {int(missing[0])}: no step wrote it")
+            raise IntegrityError(f"no fingerprint of token position {int(missing[0])}: no step wrote it")
         picked: np.ndarray = out[positions]
         return picked
 
@@ -164,7 +165,7 @@ class Fingerprints:
                 continue
             table = np.asarray(blocks, dtype=np.int64)
             if int(gaps[-1]) // self.block_size >= len(table):
-                out[rid] = ValueError(f"{len(table)} blocks do not hold token position {int(gaps[-1])}")
+                out[rid] = IntegrityError(f"{len(table)} blocks do not hold token position {int(gaps[-1])}")
                 continue
             due.append((rid, gaps, table[gaps // self.block_size]))
         ends = {rid: n - 1 for rid, n, _ in orders}

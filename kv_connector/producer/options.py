@@ -1,7 +1,7 @@
 """The connector's options, read from ``kv_connector_extra_config`` and validated once.
 
-Pure logic: a bad value raises ``ValueError`` naming the key and the fix, so vLLM fails
-at startup with that message.
+Pure logic: a bad value raises ``ConfigurationError`` (a ``ValueError``) naming the key and
+the fix, so vLLM fails at startup with that message.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.sender.config import CREDITS_AHEAD
 from kv_connector.wire import block_digest
 from kv_connector.wire.control import parse_address
@@ -52,7 +53,7 @@ class ChecksumOption(str, enum.Enum):
         if self is ChecksumOption.NONE:
             return None
         if self in (ChecksumOption.BLOCKS, ChecksumOption.FINGERPRINT) and not whole_words:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{self.value} checksums need rows of whole 8-byte words; {layout.hidden_size} x "
                 f'{layout.dtype} is not (use "checksum": "xxh3")'
             )
@@ -77,7 +78,7 @@ def captured_layer_order(configured: Sequence[int]) -> list[int]:
     seen: set[int] = set()
     for k in configured:
         if k in seen:
-            raise ValueError(
+            raise ConfigurationError(
                 f"eagle_aux_hidden_state_layer_ids lists layer {k} more than once ({list(configured)}): "
                 "vLLM captures each layer once but sizes its hidden-state cache by the list, and "
                 f"fails at the first step; list each layer once, e.g. {sorted(set(configured))}"
@@ -117,9 +118,9 @@ class PushOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             try:
                 parse_address(a)
             except ValueError as e:
-                raise ValueError(f"kv_connector_extra_config.consumer_address: {e}") from None
+                raise ConfigurationError(f"kv_connector_extra_config.consumer_address: {e}") from None
         if len(set(self.readers)) != len(self.readers):
-            raise ValueError("kv_connector_extra_config.consumer_address lists a reader twice")
+            raise ConfigurationError("kv_connector_extra_config.consumer_address lists a reader twice")
 
 
 class PullOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -196,16 +197,16 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     def __post_init__(self) -> None:
         if self.delivery is Delivery.PULL:
             if self.push.readers:
-                raise ValueError(
+                raise ConfigurationError(
                     'kv_connector_extra_config.consumer_address is for "delivery": "push"; pull delivery has '
                     "no reader (consumers fetch each sample by its handle)"
                 )
             try:
                 pull_endpoint(self.pull.listen, 0)
             except ValueError as e:
-                raise ValueError(f"kv_connector_extra_config.pull_listen: {e}") from None
+                raise ConfigurationError(f"kv_connector_extra_config.pull_listen: {e}") from None
         elif not self.push.readers:
-            raise ValueError(_HINTS["consumer_address"])
+            raise ConfigurationError(_HINTS["consumer_address"])
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -218,17 +219,17 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         known = {f for f in cls.__struct_fields__ if f not in _SECTIONS} | sectioned
         unknown = set(raw) - known
         if unknown:
-            raise ValueError(
+            raise ConfigurationError(
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
             )
         if raw.get("delivery", Delivery.PUSH.value) not in DELIVERIES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"kv_connector_extra_config.delivery {_HINTS['delivery']}, got {raw['delivery']!r}"
             )
         if raw.get("delivery") == Delivery.PULL.value:
             for key in ("consumer_address", "sharding"):
                 if key in raw:
-                    raise ValueError(
+                    raise ConfigurationError(
                         f'kv_connector_extra_config.{key} is for "delivery": "push"; pull delivery has '
                         "no reader (consumers fetch each sample by its handle)"
                     )
@@ -236,10 +237,10 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             addr = raw["consumer_address"]
             addrs = [addr] if isinstance(addr, str) else addr
             if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) and a for a in addrs):
-                raise ValueError(_HINTS["consumer_address"])
+                raise ConfigurationError(_HINTS["consumer_address"])
             raw["consumer_address"] = addrs
         else:
-            raise ValueError(_HINTS["consumer_address"])
+            raise ConfigurationError(_HINTS["consumer_address"])
         nested: dict[str, Any] = {k: v for k, v in raw.items() if k not in sectioned}
         for section, keys in _SECTIONS.items():
             nested[section] = {field: raw[key] for key, field in keys.items() if key in raw}
@@ -248,8 +249,8 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         except msgspec.ValidationError as e:
             key = _key_of(str(e))
             if key in _HINTS:
-                raise ValueError(f"kv_connector_extra_config.{key} {_HINTS[key]} ({e})") from None
-            raise ValueError(str(e)) from None  # __post_init__'s own message, which names the key
+                raise ConfigurationError(f"kv_connector_extra_config.{key} {_HINTS[key]} ({e})") from None
+            raise ConfigurationError(str(e)) from None  # __post_init__'s own message, which names the key
 
 
 _SECONDS = "must be a positive number of seconds"
@@ -282,7 +283,7 @@ def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
     else:
         host, port = listen.strip("[]"), 0
     if not host:
-        raise ValueError(f"{listen!r} names no host")
+        raise ConfigurationError(f"{listen!r} names no host")
     return host, (port + rank if port else 0)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kv_connector.common.errors import IntegrityError
+from kv_connector.common.errors import ConfigurationError, IntegrityError
 from kv_connector.producer.request_table import RequestRecord, RequestTable
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 from kv_connector.wire.layout import blocks_for, blocks_for_tokens, kernel_block_ids
@@ -382,7 +382,7 @@ class BlockRecorder:
 
     def __init__(self, block_size: int) -> None:
         if block_size <= 0:
-            raise ValueError(f"block size must be positive, got {block_size}")
+            raise ConfigurationError(f"block size must be positive, got {block_size}")
         self.block_size = block_size
         self._blocks: dict[str, dict[int, int]] = {}
         self._tables: dict[str, list[int]] = {}  # what the plans sent of each block table

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.producer.delivery import AdmissionKind, DeliveryBook
 from kv_connector.producer.idle_steps import IdleSteps, doorbell
 from kv_connector.producer.mode import Finished, SchedulerMode
@@ -67,7 +68,7 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None, layer_marker: str 
         return found[0]
     if not found and len(groups) == 1:
         return 0
-    raise ValueError(
+    raise ConfigurationError(
         f"cannot find the one KV cache group of the hidden states among {len(groups)} groups "
         f"(candidates {found}); is vLLM running the extract_hidden_states method?"
     )

@@ -1,5 +1,6 @@
 """The engine's configuration checked once, at startup, before the connector starts: a
-bad one raises ValueError naming the problem and its fix, which vLLM prints as it fails.
+bad one raises ``ConfigurationError`` (a ``ValueError``) naming the problem and its fix,
+which vLLM prints as it fails.
 A vLLM adapter (it reads vLLM's config objects); the options themselves are ``options``'s."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.producer.options import EXAMPLE, ConnectorOptions, captured_layer_order
 
 if TYPE_CHECKING:
@@ -29,14 +31,14 @@ def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None
     if ktc.kv_role != "kv_producer":
-        raise ValueError(
+        raise ConfigurationError(
             f'HiddenStatesConnector is a producer: set "kv_role":"kv_producer" (got {ktc.kv_role!r}); '
             f"e.g. {EXAMPLE}"
         )
     options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "extract_hidden_states":
-        raise ValueError(
+        raise ConfigurationError(
             "HiddenStatesConnector needs vLLM's extract_hidden_states speculative method: add "
             '--speculative-config \'{"method":"extract_hidden_states","num_speculative_tokens":1,'
             '"draft_model_config":{"hf_config":{"eagle_aux_hidden_state_layer_ids":[...]}}}\''
@@ -44,17 +46,19 @@ def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
     assert spec.draft_model_config is not None
     configured = configured_layer_ids(vllm_config)
     if not configured:
-        raise ValueError("extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config")
+        raise ConfigurationError(
+            "extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config"
+        )
     layer_ids = captured_layer_order(configured)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ValueError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
+        raise ConfigurationError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
     problem = breakable_graph_problem(vllm_config)
     if problem is not None:
-        raise ValueError(problem)
+        raise ConfigurationError(problem)
     if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not hasattr(
         KVConnectorBase_V1, "restore_kv_caches"
     ):
-        raise ValueError(
+        raise ConfigurationError(
             "HiddenStatesConnector follows sleep mode from vLLM 0.33 on (this vLLM never tells a "
             "connector that the cache's memory is released and mapped again, so its NIXL "
             "registration would point at freed memory): upgrade vLLM, or drop --enable-sleep-mode"

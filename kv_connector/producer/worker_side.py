@@ -17,6 +17,7 @@ import torch
 
 from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.common.amx import request_amx
+from kv_connector.common.errors import ConfigurationError, IntegrityError
 from kv_connector.producer.engine_bell import doorbell
 from kv_connector.producer.fingerprints import Fingerprints
 from kv_connector.producer.mode import RankCache, WorkerMode
@@ -158,7 +159,7 @@ class WorkerSide:
 
         layers = get_layers_from_vllm_config(self.vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
         if len(layers) != 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"HiddenStatesConnector needs exactly one cache-only layer, found {len(layers)}: "
                 "start vLLM with the extract_hidden_states speculative method"
             )
@@ -168,7 +169,7 @@ class WorkerSide:
         try:
             view = read_cache(cache, len(self.layer_ids), hidden, self.kv_cache_config)
         except ValueError as e:
-            raise ValueError(
+            raise ConfigurationError(
                 f"HiddenStatesConnector cannot read layer {self.layer_name}'s cache: {e}"
             ) from None
         layout, block_size = view.layout, view.block_size
@@ -299,7 +300,7 @@ class WorkerSide:
             try:
                 taken = words.get(rid)
                 if isinstance(taken, Exception):
-                    raise ValueError(f"fingerprints not taken: {taken}") from taken
+                    raise IntegrityError(f"fingerprints not taken: {taken}") from taken
                 mode.ship(order, blocks, None if done else gate, rid in self._finished_by_scheduler, taken)
                 self._shipped.add(rid)
                 self.metrics.shipped()

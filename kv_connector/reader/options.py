@@ -3,7 +3,7 @@
 ``ClientOptions`` is a msgspec Struct, as the producer's ``ConnectorOptions`` is. The push
 reader's ``ReaderConfig``, the pull client's ``PullOptions`` and the fetch agent extend it.
 So a pool, its device, the checks and the hand-out are named the same way whichever client
-a user runs. A bad value raises ``ValueError`` naming it when the record is built.
+a user runs. A bad value raises ``ConfigurationError`` (a ``ValueError``) naming it when the record is built.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.provenance import Expectation
 
 # A client's receive pool holds the samples on their way and those on lease: the push
@@ -53,7 +54,7 @@ class ClientOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     def __post_init__(self) -> None:
         if self.pool_bytes <= 0:
-            raise ValueError(f"pool_bytes must be positive, got {self.pool_bytes}")
+            raise ConfigurationError(f"pool_bytes must be positive, got {self.pool_bytes}")
         if self.pool_device is not None:  # PoolDeviceError naming what is missing, before anything is made
             from kv_connector.reader.pool.memory import device_of  # torch: only for a pool on a device
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.protocol import MAX_CREDITS_AHEAD, ShareChecksum
 from kv_connector.wire.provenance import Provenance
 
@@ -46,8 +47,10 @@ class SenderConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+            raise ConfigurationError(f"rank {self.rank} outside world size {self.world_size}")
         if self.connect_timeout_s <= 0 or self.sample_timeout_s <= 0:
-            raise ValueError("connect_timeout_s and sample_timeout_s must be positive")
+            raise ConfigurationError("connect_timeout_s and sample_timeout_s must be positive")
         if not 0 <= self.credits_ahead <= MAX_CREDITS_AHEAD:
-            raise ValueError(f"credits_ahead must be 0 to {MAX_CREDITS_AHEAD}, got {self.credits_ahead}")
+            raise ConfigurationError(
+                f"credits_ahead must be 0 to {MAX_CREDITS_AHEAD}, got {self.credits_ahead}"
+            )

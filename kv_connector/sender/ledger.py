@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.sender.job_states import IllegalJobTransition, JobEvent, JobState, end, step
 from kv_connector.sender.jobs import DigestState, Failure, FrozenJob, Job
 from kv_connector.sender.stats import SenderMeter, SenderMetrics, SenderObservations, SenderStats
@@ -87,7 +88,7 @@ class SendLedger:
         retry_backoff_s: float = WRITE_RETRY_S,
     ) -> None:
         if connect_timeout_s <= 0 or max_write_attempts <= 0 or retry_backoff_s < 0:
-            raise ValueError("connect_timeout_s and max_write_attempts must be positive")
+            raise ConfigurationError("connect_timeout_s and max_write_attempts must be positive")
         self.checksum = checksum
         self.connect_timeout_s = connect_timeout_s
         self.max_write_attempts = max_write_attempts
@@ -170,7 +171,7 @@ class SendLedger:
         self, request_id: str, manifest: Manifest, block_ids: list[int], share: range, now: float
     ) -> Job:
         if request_id in self._jobs:
-            raise ValueError(f"{request_id} is already being shipped")
+            raise ConfigurationError(f"{request_id} is already being shipped")
         state = step(None, JobEvent.SUBMITTED, request_id)
         job = Job(request_id, manifest, block_ids, share, t_submit=now, state=state, t_wait=now)
         if self.checksum and share:

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from kv_connector.cache.blocks import CacheBlocks, Fingerprinted
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.sender.config import SenderConfig as SenderConfig  # its settings, built where it is
 from kv_connector.sender.jobs import Job, log_failed
 from kv_connector.sender.ledger import SendLedger
@@ -65,7 +66,7 @@ class HiddenStatesSender:
         self.layout = layout
         self.layer_ids = list(layer_ids)
         if len(self.layer_ids) != layout.num_layers:
-            raise ValueError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
+            raise ConfigurationError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         # its blocks, read only through here (``stage``: a testing hook, see CacheBlocks)
         self.blocks = CacheBlocks(cache, layout, config.provenance)
         self._words: dict[str, Fingerprinted] = {}  # each shipped sample's, until it leaves

@@ -27,6 +27,8 @@ import secrets
 import struct
 from typing import Literal
 
+from kv_connector.common.errors import ConfigurationError
+
 SECRET_ENV = "KV_CONNECTOR_SECRET"
 SECRET_FILE_ENV = "KV_CONNECTOR_SECRET_FILE"
 NONCE_BYTES = 32
@@ -47,7 +49,7 @@ def load_secret() -> bytes | None:
     if SECRET_ENV in os.environ:
         value = os.environ[SECRET_ENV]
         if not value:
-            raise ValueError(f"{SECRET_ENV} is set but empty: set a secret, or unset it")
+            raise ConfigurationError(f"{SECRET_ENV} is set but empty: set a secret, or unset it")
         return value.encode()
     path = os.environ.get(SECRET_FILE_ENV)
     if path:
@@ -55,9 +57,9 @@ def load_secret() -> bytes | None:
             with open(path, "rb") as f:
                 data = f.read().strip()
         except OSError as e:
-            raise ValueError(f"cannot read the secret file named by {SECRET_FILE_ENV}: {e}") from None
+            raise ConfigurationError(f"cannot read the secret file named by {SECRET_FILE_ENV}: {e}") from None
         if not data:
-            raise ValueError(f"the secret file named by {SECRET_FILE_ENV} is empty")
+            raise ConfigurationError(f"the secret file named by {SECRET_FILE_ENV} is empty")
         return data
     return None
 

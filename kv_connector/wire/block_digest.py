@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.integrity import manifest_bytes
 from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import Manifest
@@ -74,7 +75,9 @@ def weights(block_size: int, num_layers: int, words: int, device: torch.device) 
 def as_words(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[..., hidden]`` (its last dimension dense) as ``[..., words]`` of int64."""
     if (x.shape[-1] * x.element_size()) % WORD:
-        raise ValueError(f"a row of {x.shape[-1]} x {x.element_size()} bytes is not a whole number of words")
+        raise ConfigurationError(
+            f"a row of {x.shape[-1]} x {x.element_size()} bytes is not a whole number of words"
+        )
     return x.view(torch.int64)
 
 

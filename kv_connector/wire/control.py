@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 
-from kv_connector.common.errors import ClosedError, WireError
+from kv_connector.common.errors import ClosedError, ConfigurationError, WireError
 from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.protocol import ProtocolError
 
@@ -41,15 +41,15 @@ def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); raise ValueError if malformed."""
     host, sep, port_s = text.rpartition(":")
     if not sep or not host:
-        raise ValueError(f"address {text!r} is not HOST:PORT")
+        raise ConfigurationError(f"address {text!r} is not HOST:PORT")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
         port = int(port_s)
     except ValueError:
-        raise ValueError(f"address {text!r} has a non-numeric port") from None
+        raise ConfigurationError(f"address {text!r} has a non-numeric port") from None
     if not 0 <= port <= 65535:
-        raise ValueError(f"address {text!r} has a port outside 0-65535")
+        raise ConfigurationError(f"address {text!r} has a port outside 0-65535")
     return host, port
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.integrity import manifest_bytes
 from kv_connector.wire.protocol import Manifest
 
@@ -98,7 +99,9 @@ def coordinates(
 def as_words(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[..., hidden]`` (its last dimension dense) as ``[..., words]`` of int64."""
     if (x.shape[-1] * x.element_size()) % WORD:
-        raise ValueError(f"a row of {x.shape[-1]} x {x.element_size()} bytes is not a whole number of words")
+        raise ConfigurationError(
+            f"a row of {x.shape[-1]} x {x.element_size()} bytes is not a whole number of words"
+        )
     return x.view(torch.int64)
 
 
@@ -177,7 +180,7 @@ def gather_lines(
     """
     row = words.shape[-1]
     if row < LINE:
-        raise ValueError(f"a row of {row} words is shorter than a line ({LINE})")
+        raise ConfigurationError(f"a row of {row} words is shorter than a line ({LINE})")
     word, offsets = _offsets(words, (positions,), positions, seed, block_size, last)
     within = word - np.minimum(word - word % LINE, row - LINE)  # the word's place in its line
     lines = _read(words, (offsets - within).reshape(-1), LINE).view(len(positions), words.shape[-2], LINE)

@@ -93,7 +93,7 @@ def decode_metadata(data: bytes) -> dict[str, Any]:
         return {}
     obj = json.loads(data)
     if not isinstance(obj, dict):
-        raise ValueError("sample metadata is not a JSON object")
+        raise IdentityError("sample metadata is not a JSON object")
     return obj
 
 

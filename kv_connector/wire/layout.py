@@ -18,7 +18,7 @@ from typing import Annotated, Literal, NamedTuple, get_args
 
 import msgspec
 
-from kv_connector.common.errors import ConfigurationError
+from kv_connector.common.errors import ConfigurationError, IntegrityError
 
 # Order of the dimensions inside one cache block of the cache-only layer.
 # "LTH": [num_layers, block_size, hidden] (vLLM's CPU layout).
@@ -41,7 +41,7 @@ MAX_HIDDEN = 1 << 20
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks of ``block_size`` tokens hold ``num_tokens`` tokens."""
     if block_size <= 0:
-        raise ValueError(f"block size must be positive, got {block_size}")
+        raise ConfigurationError(f"block size must be positive, got {block_size}")
     return -(-num_tokens // block_size)
 
 
@@ -49,7 +49,9 @@ def dtype_size(dtype: str) -> int:
     try:
         return DTYPE_SIZES[dtype]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}") from None
+        raise ConfigurationError(
+            f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}"
+        ) from None
 
 
 class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -66,7 +68,7 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         # msgspec checks the annotations when decoding; a layout built in Python is
         # checked here (and a failure here is a ValidationError when decoding)
         if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; expected one of {LAYOUTS}")
+            raise ConfigurationError(f"unknown layout {self.layout!r}; expected one of {LAYOUTS}")
         for name, top in (
             ("block_size", MAX_BLOCK_SIZE),
             ("num_layers", MAX_LAYERS),
@@ -74,7 +76,7 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= top:
-                raise ValueError(f"{name} must be an integer in 1..{top}, got {v!r}")
+                raise ConfigurationError(f"{name} must be an integer in 1..{top}, got {v!r}")
         dtype_size(self.dtype)
 
     @property
@@ -116,7 +118,7 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         [T, L, H] view.
         """
         if not 0 <= j < num_blocks:
-            raise ValueError(f"block {j} outside the sample's {num_blocks} blocks")
+            raise ConfigurationError(f"block {j} outside the sample's {num_blocks} blocks")
         if self.layout == "TLH":
             return [(0, j * self.block_bytes, self.block_bytes)]
         seg = self.block_size * self.row_bytes
@@ -141,7 +143,7 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         first = block_index * self.block_size
         k = min(self.block_size, num_tokens - first)
         if k <= 0:
-            raise ValueError(f"block {block_index} holds none of the sample's {num_tokens} tokens")
+            raise ConfigurationError(f"block {block_index} holds none of the sample's {num_tokens} tokens")
         if self.layout == "TLH" or k == self.block_size:
             return [(0, k * self.num_layers * self.row_bytes)]
         return [
@@ -302,7 +304,7 @@ def stripe(num_blocks: int, rank: int, world_size: int) -> range:
     """The block indices rank ``rank`` of ``world_size`` ships: a contiguous, balanced
     share (the first ``num_blocks % world_size`` ranks take one more)."""
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
+        raise ConfigurationError(f"rank {rank} outside world size {world_size}")
     base, extra = divmod(num_blocks, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
@@ -319,10 +321,10 @@ def blocks_for_tokens(slots: Sequence[int], block_size: int, first_position: int
     for i, slot in enumerate(slots):
         pos = first_position + i
         if slot < 0:
-            raise ValueError(f"token at position {pos} has no cache slot ({slot})")
+            raise IntegrityError(f"token at position {pos} has no cache slot ({slot})")
         block_id, offset = divmod(slot, block_size)
         if offset != pos % block_size:
-            raise ValueError(
+            raise IntegrityError(
                 f"slot {slot} of position {pos} is at offset {offset} of its block, "
                 f"expected {pos % block_size}: block size {block_size} does not match "
                 "the slot mapping"
@@ -330,5 +332,5 @@ def blocks_for_tokens(slots: Sequence[int], block_size: int, first_position: int
         j = pos // block_size
         prev = out.setdefault(j, block_id)
         if prev != block_id:
-            raise ValueError(f"positions of block {j} map to cache blocks {prev} and {block_id}")
+            raise IntegrityError(f"positions of block {j} map to cache blocks {prev} and {block_id}")
     return sorted(out.items())

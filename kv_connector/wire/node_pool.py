@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kv_connector.common.device import DeviceEvent, HostDone
+from kv_connector.common.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def copy_spans(
         or int((rows[:, 0] + rows[:, 2]).max()) > src.numel()
         or int((rows[:, 1] + rows[:, 2]).max()) > dst.numel()
     ):
-        raise ValueError("a span runs outside its memory")
+        raise ConfigurationError("a span runs outside its memory")
     if src.device.type != "cuda":
         for s, d, n in rows.tolist():
             dst[d : d + n].copy_(src[s : s + n])

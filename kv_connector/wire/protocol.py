@@ -43,7 +43,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kv_connector.common.errors import WireError
+from kv_connector.common.errors import ConfigurationError, WireError
 from kv_connector.wire.fields import (
     MAX_BLOCKS,
     MAX_FRAME_BYTES,
@@ -148,9 +148,9 @@ class Welcome(_Msg, tag="welcome", frozen=True):
 
     def __post_init__(self) -> None:
         if self.pool_addr + self.pool_bytes > 1 << 64:
-            raise ValueError("the pool does not fit in a 64-bit address space")
+            raise ConfigurationError("the pool does not fit in a 64-bit address space")
         if self.page_bytes > self.pool_bytes or self.num_pages * self.page_bytes > self.pool_bytes:
-            raise ValueError("the pool's pages do not fit in the pool")
+            raise ConfigurationError("the pool's pages do not fit in the pool")
 
     def binding(self) -> bytes:
         """What the reader's proof covers: every field but the proof."""
@@ -184,16 +184,16 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             try:
                 obj = msgspec.json.decode(self.metadata)
             except Exception as e:  # msgspec's errors, or RecursionError on deep nesting
-                raise ValueError(f"sample metadata is not JSON: {type(e).__name__}") from None
+                raise ConfigurationError(f"sample metadata is not JSON: {type(e).__name__}") from None
             if not isinstance(obj, dict):
-                raise ValueError("sample metadata is not a JSON object")
+                raise ConfigurationError("sample metadata is not a JSON object")
         if len(self.layer_ids) != self.geometry.num_layers:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{len(self.layer_ids)} layer ids for blocks of {self.geometry.num_layers} layers"
             )
         need = blocks_for(len(self.token_ids), self.geometry.block_size)
         if self.num_blocks != need:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{len(self.token_ids)} tokens in blocks of {self.geometry.block_size} need {need} "
                 f"blocks, manifest says {self.num_blocks}"
             )
@@ -237,9 +237,11 @@ class CreditRequest(_Msg, tag="credit_request", frozen=True):
     def __post_init__(self) -> None:
         for b in self.blocks:
             if b >= self.manifest.num_blocks:
-                raise ValueError(f"block index {b} outside the sample's {self.manifest.num_blocks} blocks")
+                raise ConfigurationError(
+                    f"block index {b} outside the sample's {self.manifest.num_blocks} blocks"
+                )
         if len(set(self.blocks)) != len(self.blocks):
-            raise ValueError("duplicate block indices in a credit request")
+            raise ConfigurationError("duplicate block indices in a credit request")
 
 
 class Grant(_Msg, tag="grant", frozen=True):
@@ -283,7 +285,7 @@ class Placed(_Msg, tag="placed", frozen=True):
 
     def __post_init__(self) -> None:
         if sorted(self.blocks) != list(range(self.manifest.num_blocks)):
-            raise ValueError("a placed sample is written whole, by its producer's only rank")
+            raise ConfigurationError("a placed sample is written whole, by its producer's only rank")
 
 
 class CreditRecall(_Msg, tag="credit_recall", frozen=True):
@@ -355,7 +357,7 @@ class WriteDone(_Msg, tag="write_done", frozen=True):
 
     def __post_init__(self) -> None:
         if self.digest_follows and self.checksum is not None:
-            raise ValueError("a WriteDone with a checksum has no digest to follow")
+            raise ConfigurationError("a WriteDone with a checksum has no digest to follow")
 
 
 class ShareDigest(_Msg, tag="share_digest", frozen=True):
@@ -410,11 +412,11 @@ class HoldFence(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.offset % 8 or self.offset + 8 > self.table_bytes:
-            raise ValueError(
+            raise ConfigurationError(
                 f"a fence word at {self.offset} is not one of the table's {self.table_bytes} bytes"
             )
         if self.table_addr + self.table_bytes > 1 << 64:
-            raise ValueError("the fence table does not fit in a 64-bit address space")
+            raise ConfigurationError("the fence table does not fit in a 64-bit address space")
 
 
 class PullShare(_Msg, tag="pull_share", frozen=True):
@@ -448,17 +450,19 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+            raise ConfigurationError(f"rank {self.rank} outside world size {self.world_size}")
         want = stripe(self.manifest.num_blocks, self.rank, self.world_size)
         if range(self.first_block, self.first_block + len(self.block_ids)) != want:
-            raise ValueError(f"a share of blocks from {self.first_block} is not rank {self.rank}'s {want}")
+            raise ConfigurationError(
+                f"a share of blocks from {self.first_block} is not rank {self.rank}'s {want}"
+            )
         if self.cache_addr + self.cache_bytes > 1 << 64:
-            raise ValueError("the cache does not fit in a 64-bit address space")
+            raise ConfigurationError("the cache does not fit in a 64-bit address space")
         bb = self.manifest.block_bytes
         if self.pitch < bb:
-            raise ValueError(f"cache blocks {self.pitch} bytes apart cannot hold blocks of {bb}")
+            raise ConfigurationError(f"cache blocks {self.pitch} bytes apart cannot hold blocks of {bb}")
         if any(b * self.pitch + bb > self.cache_bytes for b in self.block_ids):
-            raise ValueError(f"a block id lies outside the cache's {self.cache_bytes} bytes")
+            raise ConfigurationError(f"a block id lies outside the cache's {self.cache_bytes} bytes")
 
 
 class PullRelease(_Msg, tag="pull_release", frozen=True):

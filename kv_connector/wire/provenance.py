@@ -16,6 +16,7 @@ from typing import Annotated, NamedTuple, Protocol
 
 import msgspec
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.layout import MAX_HIDDEN, MAX_LAYERS, DType
 
 MAX_NAME_CHARS = 512
@@ -86,7 +87,7 @@ class Expectation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.layer_ids is not None and len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ValueError(f"expected layer ids repeat an id: {self.layer_ids}")
+            raise ConfigurationError(f"expected layer ids repeat an id: {self.layer_ids}")
 
     def mismatches(self, manifest: Described) -> list[str]:
         """Each way the sample ``manifest`` describes differs from what is expected,

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kv_connector.common.errors import ConfigurationError
+
 DEFAULTS_SWITCH = "KV_CONNECTOR_UCX_DEFAULTS"  # "0": leave UCX's own defaults
 REPORT_SWITCH = "KV_CONNECTOR_UCX_REPORT"  # "0": do not ask UCX to describe its choices
 _OFF = ("0", "n", "no", "false", "off")
@@ -104,7 +106,7 @@ def engine_config(
             if key not in config and f"UCX_{key}" not in environ:
                 config[key] = value
     if any("," in v for v in config.values()):
-        raise ValueError(f"a UCX setting for NIXL's engine_config cannot hold a comma: {config}")
+        raise ConfigurationError(f"a UCX setting for NIXL's engine_config cannot hold a comma: {config}")
     return ",".join(f"{k}={v}" for k, v in config.items()), applied
 
 

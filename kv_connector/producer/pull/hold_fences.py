@@ -22,6 +22,8 @@ import secrets
 
 import numpy as np
 
+from kv_connector.common.errors import ConfigurationError
+
 FENCE_SLOTS = 1 << 16  # holds fenced at once (512 KiB registered)
 WORD_BYTES = 8
 
@@ -31,7 +33,7 @@ class FenceTable:
 
     def __init__(self, words: np.ndarray, first_value: int | None = None) -> None:
         if words.dtype != np.uint64 or words.ndim != 1 or not len(words):
-            raise ValueError("a fence table is a non-empty 1-D uint64 array")
+            raise ConfigurationError("a fence table is a non-empty 1-D uint64 array")
         self.words = words
         self.words[:] = 0
         # values count up from a random base: a restarted producer's never match an old share's
@@ -54,7 +56,7 @@ class FenceTable:
     def close(self, slot: int) -> None:
         """The hold of ``slot`` ended: its word is 0 from now on, and the slot free."""
         if self.words[slot] == 0:
-            raise ValueError(f"fence slot {slot} is not open")
+            raise ConfigurationError(f"fence slot {slot} is not open")
         self.words[slot] = 0
         self._free.append(slot)
 

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kv_connector.common.errors import RefusedError
+from kv_connector.common.errors import ConfigurationError, RefusedError
 from kv_connector.producer.pull.hold_fences import FenceTable
 from kv_connector.producer.pull.hold_states import HOLDS, HoldEvent
 from kv_connector.producer.pull.hold_states import HoldState as HoldState
@@ -98,7 +98,7 @@ class Held:
 class PullLedger:
     def __init__(self, timeout_s: float, remember: int = REMEMBER, fences: FenceTable | None = None) -> None:
         if not timeout_s > 0:
-            raise ValueError(f"pull_timeout_s must be positive, got {timeout_s}")
+            raise ConfigurationError(f"pull_timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
         self.remember = remember
         self._held: dict[str, Held] = {}

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.common.errors import ClosedError
 from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.idle_steps import HOLD_NAP_S
 from kv_connector.producer.mode import Finished, RankCache, Settled
@@ -56,7 +57,7 @@ class PullWorker:
     @property
     def _server(self) -> PullServer:
         if self.server is None:
-            raise RuntimeError("the pull endpoint is closed")
+            raise ClosedError("the pull endpoint is closed")
         return self.server
 
     def describe(self) -> str:

@@ -38,6 +38,7 @@ import torch
 from kv_connector.cache.blocks import CacheBlocks, Fingerprinted
 from kv_connector.cache.hasher import Hasher
 from kv_connector.common.device import on_device
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.producer.pull.hold_fences import FENCE_SLOTS, WORD_BYTES, FenceTable
 from kv_connector.producer.pull.ledger import Held, PullLedger, PullRefused
 from kv_connector.wire import auth, block_digest, handshake, protocol
@@ -112,11 +113,11 @@ class PullServer:
         secret = config.secret if config.secret is not None else auth.load_secret()
         host, port = config.listen
         if checksum is ShareChecksum.BLOCKS and not block_digest.supported(layout):
-            raise ValueError(
+            raise ConfigurationError(
                 f"block digests need rows of whole 8-byte words; {layout.hidden_size} x {layout.dtype} is not"
             )
         if not secret and not is_loopback(host):
-            raise ValueError(
+            raise ConfigurationError(
                 f"a pull endpoint on {host} without a shared secret would let anyone who reaches it "
                 "read this producer's cache: set KV_CONNECTOR_SECRET or KV_CONNECTOR_SECRET_FILE "
                 '(the consumers need the same), or keep "pull_listen" on loopback'

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.options import Sharding
 from kv_connector.producer.worker_report import LinkChange
@@ -30,11 +31,11 @@ class Router:
 
     def __init__(self, readers: Sequence[str], policy: Sharding | str = Sharding.REQUEST_HASH) -> None:
         if not readers:
-            raise ValueError("at least one reader")
+            raise ConfigurationError("at least one reader")
         try:
             self.policy = Sharding(policy)
         except ValueError:
-            raise ValueError(f"unknown sharding policy {policy!r}") from None
+            raise ConfigurationError(f"unknown sharding policy {policy!r}") from None
         self.readers = tuple(readers)
         self._next = 0
 
@@ -73,7 +74,7 @@ class ReaderAdmission:
 
     def __init__(self, book: DeliveryBook, readers: Sequence[str], world_size: int, router: Router) -> None:
         if world_size <= 0:
-            raise ValueError("world size must be positive")
+            raise ConfigurationError("world size must be positive")
         self.book = book
         self.readers = list(readers)
         self.world_size = world_size

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.mode import Finished, RankCache, Settled
 from kv_connector.producer.options import ConnectorOptions
@@ -180,7 +181,7 @@ class PushWorker:
             if s.config.consumer_address == reader:
                 return s
         readers = ", ".join(self.options.push.readers)
-        raise ValueError(f"no sender to the reader {reader!r} (readers: {readers})")
+        raise ConfigurationError(f"no sender to the reader {reader!r} (readers: {readers})")
 
 
 class PushScheduling:

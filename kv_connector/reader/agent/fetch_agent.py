@@ -57,6 +57,7 @@ from kv_connector.reader.agent.wire import (
 )
 from kv_connector.reader.pool.lease import Sample
 from kv_connector.reader.pull.client import FetchError, PullClient
+from kv_connector.wire.protocol import ProtocolError
 
 log = logging.getLogger("kv_connector.fetch_agent")
 
@@ -183,7 +184,7 @@ class FetchAgent:
             return AgentOk()
         if isinstance(msg, AgentAsk):
             return self.stats()
-        raise ValueError(f"a client sent {type(msg).__name__}")
+        raise ProtocolError(f"a client sent {type(msg).__name__}")
 
     def _fetch(self, msg: AgentFetch, leases: dict[int, Sample]) -> AgentMessage:
         try:

@@ -29,6 +29,7 @@ import msgspec
 
 from kv_connector.reader.pull.links import FetchCode
 from kv_connector.reader.pull.options import PullOptions
+from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.provenance import Provenance
 
 AGENT_VERSION = 1
@@ -155,7 +156,7 @@ class FrameReader:
             return None
         (n,) = _LEN.unpack_from(self._buf)
         if n > MAX_AGENT_FRAME:
-            raise ValueError(f"a frame of {n} bytes (at most {MAX_AGENT_FRAME})")
+            raise ProtocolError(f"a frame of {n} bytes (at most {MAX_AGENT_FRAME})")
         if len(self._buf) < _LEN.size + n:
             return None
         body = bytes(self._buf[_LEN.size : _LEN.size + n])
@@ -163,7 +164,7 @@ class FrameReader:
         try:
             msg: AgentMessage = _decoder.decode(body)
         except msgspec.DecodeError as e:
-            raise ValueError(f"a malformed message: {e}") from None
+            raise ProtocolError(f"a malformed message: {e}") from None
         return msg
 
 

@@ -29,7 +29,7 @@ class PagePool:
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
-            raise ValueError(f"a pool needs at least one page, got {num_pages}")
+            raise ConfigurationError(f"a pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted (start, length)
         self._cursor = 0
@@ -52,13 +52,13 @@ class PagePool:
     def request(self, key: Hashable, n: int) -> None:
         """Queue a need for ``n`` contiguous pages under ``key`` (refused if it can never fit)."""
         if n <= 0:
-            raise ValueError(f"a request needs at least one page, got {n}")
+            raise ConfigurationError(f"a request needs at least one page, got {n}")
         if n > self.num_pages:
             raise PoolTooSmall(
                 f"sample needs {n} pages, the pool holds {self.num_pages}; make the reader's pool larger"
             )
         if key in self._waiting or key in self._owner:
-            raise ValueError(f"{key!r} is already waiting for or holding pages")
+            raise ConfigurationError(f"{key!r} is already waiting for or holding pages")
         self._waiting[key] = n
 
     def cancel(self, key: Hashable) -> bool:
@@ -82,7 +82,7 @@ class PagePool:
         """A run of ``n`` pages for ``key`` at once, or None: only when no request waits
         (those come first, R7) and a run fits now; nothing is queued."""
         if n <= 0:
-            raise ValueError(f"a run needs at least one page, got {n}")
+            raise ConfigurationError(f"a run needs at least one page, got {n}")
         if self._waiting or key in self._owner:
             return None
         run = self._take(n)
@@ -94,7 +94,7 @@ class PagePool:
         """``key`` keeps the first ``n`` pages of its run; the rest go back. Returns what it keeps."""
         pages = self._owner.get(key)
         if pages is None or not 0 < n <= len(pages):
-            raise ValueError(f"{key!r} holds no run of at least {n} pages")
+            raise ConfigurationError(f"{key!r} holds no run of at least {n} pages")
         kept, rest = range(pages.start, pages.start + n), range(pages.start + n, pages.stop)
         if rest:
             self._owner[key] = rest
@@ -123,7 +123,7 @@ class PagePool:
     def release(self, key: Hashable, pages: range) -> None:
         """Return the run ``pages`` held by ``key`` to the pool."""
         if self._owner.get(key) != pages:
-            raise ValueError(f"pages {pages} are not held by {key!r}")
+            raise ConfigurationError(f"pages {pages} are not held by {key!r}")
         del self._owner[key]
         self._used -= len(pages)
         i = bisect.bisect(self._free, (pages.start, 0))
@@ -143,5 +143,5 @@ class PagePool:
         A dropped sample's pages wait for their fence under the grant's name, since its key
         may come again."""
         if to in self._owner or to in self._waiting:
-            raise ValueError(f"{to!r} is already waiting for or holding pages")
+            raise ConfigurationError(f"{to!r} is already waiting for or holding pages")
         self._owner[to] = self._owner.pop(key)

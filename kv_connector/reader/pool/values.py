@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_connector.common.errors import IntegrityError
+from kv_connector.common.errors import ConfigurationError, IntegrityError
 
 CHUNK_ELEMENTS = 1 << 22  # elements reduced at once (bounds the temporaries)
 SAMPLE_ELEMENTS = 32  # a sampled screen reads this many elements at the start and the middle of each row
@@ -148,7 +148,7 @@ def screened_clean(parts: Iterable[RowsScreen], num_tokens: int, num_layers: int
 
 def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
     if hidden_states.dim() != 3 or hidden_states.shape[1] != len(layer_ids):
-        raise ValueError(f"hidden_states {tuple(hidden_states.shape)} for {len(layer_ids)} layer ids")
+        raise ConfigurationError(f"hidden_states {tuple(hidden_states.shape)} for {len(layer_ids)} layer ids")
     t_total, n_layers, hidden = hidden_states.shape
     if t_total == 0 or hidden == 0:
         return None

@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from kv_connector.common.device import on_device
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.reader.pool.lease import Sample
 from kv_connector.reader.pull.links import FetchError
 
@@ -93,7 +94,7 @@ def fetch_iter(
     change a hold."""
 
     if in_flight is not None and in_flight < 1:
-        raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+        raise ConfigurationError(f"in_flight must be at least 1, got {in_flight}")
     executor, asker = checker.executor(), checker.asker()
     pending: collections.deque[concurrent.futures.Future[Sample] | FetchError] = collections.deque()
     asks: collections.deque[concurrent.futures.Future[Asked]] = collections.deque()

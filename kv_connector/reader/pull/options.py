@@ -5,6 +5,7 @@ all take."""
 
 from __future__ import annotations
 
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.reader.options import ClientOptions
 from kv_connector.reader.pull.links import PAGE_BYTES
 
@@ -30,9 +31,9 @@ class PullOptions(ClientOptions, frozen=True, kw_only=True, forbid_unknown_field
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.pool_bytes < PAGE_BYTES:
-            raise ValueError(f"pool_bytes must be at least {PAGE_BYTES}, got {self.pool_bytes}")
+            raise ConfigurationError(f"pool_bytes must be at least {PAGE_BYTES}, got {self.pool_bytes}")
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+            raise ConfigurationError(f"timeout_s must be positive, got {self.timeout_s}")
 
 
 __all__ = ["FETCH_TIMEOUT_S", "PullOptions"]

@@ -42,7 +42,7 @@ class MetricsServer:
         handler = MetricsHandler.factory(self.registry)
         if isinstance(listen, socket.socket):
             if listen.type != socket.SOCK_STREAM or listen.getsockname()[1] == 0:
-                raise ValueError("the metrics socket must be a bound TCP socket")
+                raise ConfigurationError("the metrics socket must be a bound TCP socket")
             server = _Server(listen.getsockname()[:2], handler, bind_and_activate=False)
             server.socket.close()
             server.socket = listen

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import force_setattr
 
-from kv_connector.common.errors import ClosedError, StateError
+from kv_connector.common.errors import ClosedError, ConfigurationError, StateError
 from kv_connector.reader.options import ClientOptions, options_of
 from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
@@ -47,7 +47,7 @@ def listen_socket(listen: str | socket.socket) -> socket.socket:
     socket (already bound: it keeps its port) put into the listening state."""
     if isinstance(listen, socket.socket):
         if listen.type != socket.SOCK_STREAM or listen.getsockname()[1] == 0:
-            raise ValueError("the reader's listening socket must be a bound TCP socket")
+            raise ConfigurationError("the reader's listening socket must be a bound TCP socket")
         sock = listen
         sock.listen()
     else:
@@ -58,9 +58,9 @@ def listen_socket(listen: str | socket.socket) -> socket.socket:
 
 
 def refuse_open_listen(host: str, address: str) -> None:
-    """``ValueError`` unless ``host`` is loopback (call when there is no secret)."""
+    """``ConfigurationError`` unless ``host`` is loopback (call when there is no secret)."""
     if not is_loopback(host):
-        raise ValueError(
+        raise ConfigurationError(
             f"listening on {address} without a shared secret would let anyone who reaches it write "
             "into this reader's memory: set KV_CONNECTOR_SECRET or KV_CONNECTOR_SECRET_FILE (the "
             "producers need the same), or pass insecure=True (--insecure) on a trusted network"
@@ -79,7 +79,7 @@ class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     """How a ``HiddenStatesReader`` listens, pools, checks and hands out, validated when built.
 
     It holds the options every client shares (``reader.options.ClientOptions``) and push's own; a
-    bad value raises ``ValueError`` naming it.
+    bad value raises ``ConfigurationError`` (a ``ValueError``) naming it.
 
     ``listen``: the control address ``HOST:PORT`` (port 0 picks one; ``address`` tells it), or a
     socket already bound to one. A caller holding the socket, such as one inherited from a
@@ -127,26 +127,26 @@ class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.node_pool and self.pool_device is not None:
-            raise ValueError("node_pool offers a host pool to producers: leave pool_device unset")
+            raise ConfigurationError("node_pool offers a host pool to producers: leave pool_device unset")
         try:
             force_setattr(self, "ack", AckMode(self.ack))
         except ValueError:
-            raise ValueError(f"ack must be 'on_take' or 'manual', got {self.ack!r}") from None
+            raise ConfigurationError(f"ack must be 'on_take' or 'manual', got {self.ack!r}") from None
         try:
             force_setattr(self, "require_checksum", RequireChecksum(self.require_checksum))
         except ValueError:
             choices = ", ".join(repr(c.value) for c in RequireChecksum)
-            raise ValueError(
+            raise ConfigurationError(
                 f"require_checksum must be one of {choices}, got {self.require_checksum!r}"
             ) from None
         if not self.sample_timeout_s > 0:
-            raise ValueError(f"sample_timeout_s must be positive, got {self.sample_timeout_s}")
+            raise ConfigurationError(f"sample_timeout_s must be positive, got {self.sample_timeout_s}")
         if self.max_leases <= 0:
-            raise ValueError(f"max_leases must be positive, got {self.max_leases}")
+            raise ConfigurationError(f"max_leases must be positive, got {self.max_leases}")
         if self.page_bytes is not None:
             page_bytes = round_page(self.page_bytes)
             if page_bytes > self.pool_bytes:
-                raise ValueError(f"page_bytes {page_bytes} exceeds pool_bytes {self.pool_bytes}")
+                raise ConfigurationError(f"page_bytes {page_bytes} exceeds pool_bytes {self.pool_bytes}")
             force_setattr(self, "page_bytes", page_bytes)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kv_connector.common.device import on_device
+from kv_connector.common.errors import ConfigurationError
 from kv_connector.common.poller import Poller
 from kv_connector.reader.pool.memory import PoolMemory
 from kv_connector.reader.push.checker import ShareChecker
@@ -45,7 +46,7 @@ MAX_UNPROVEN_PER_HOST = 32  # connections of one host still in their handshake
 
 def round_page(n: int) -> int:
     if n <= 0:
-        raise ValueError(f"page size must be positive, got {n}")
+        raise ConfigurationError(f"page size must be positive, got {n}")
     return -(-n // PAGE_ALIGN) * PAGE_ALIGN
 
 
