@@ -9,6 +9,13 @@ Real vLLM objects (``SchedulerOutput``, ``CacheOnlyAttentionMetadata``) and the 
 connector, no model compute. The requests start with their context computed (as after a
 prefix-cache hit), so the first step carries their whole block tables once; the
 measured steps are the decode steps after it.
+
+``engine_thread_us`` (``scripts.bench.hook_time``): the CPU time each hook spends on the
+thread that calls it, per step, medians: at 256 decoding requests with and without
+output tokens (``decode_256_output_tokens``, ``decode_256``), and per thousand prefill
+tokens (``prefill_per_1k_tokens``: 16 prompts of 1,024 tokens into a reader that takes
+every sample, e's harness and steps); beside the bench's raw connector's in the same
+harness (``raw``: it ships a prompt's blocks when its prefill ends; measured at prefill). ``engine.metadata_pickle`` is vLLM's pickling of our metadata for its workers.
 """
 
 from __future__ import annotations
@@ -26,29 +33,48 @@ HIDDEN = 128
 BLOCK = 128
 
 
-def measure(context: int, n_req: int = 256, steps: int = 30) -> dict[str, float]:
-    rank, tables, _worker = _start(context, n_req, steps)
+def measure(context: int, n_req: int = 256, steps: int = 30, output_tokens: bool = True) -> dict[str, Any]:
+    from scripts.bench.hook_time import HookTimes
+
+    rank, tables, _worker = _start(context, n_req, steps, output_tokens)
     stats_s: list[float] = []
+    hooks = HookTimes()
+    hooks.wrap(rank.scheduler, "scheduler")
+    hooks.wrap(rank.worker, "worker")
 
     def step(first: bool, pos: int) -> tuple[float, int]:
         out, slots = _schedule(tables, first, pos, context, steps)
-        return _timed_step(rank, out, slots, stats_s)
+        return _timed_step(rank, out, slots, stats_s, hooks)
 
     step(True, context)
-    times, sizes = [], []
+    hooks.take()
+    times, sizes, per_step = [], [], []
     for k in range(steps):
         dt, size = step(False, context + 1 + k)
         times.append(dt)
         sizes.append(size)
+        per_step.append(hooks.take())
     rank.shutdown()
     return {
         "step_ms": statistics.median(times) * 1e3,
         "metadata_bytes": statistics.median(sizes),
         "stats_us": statistics.median(stats_s[1:]) * 1e6,  # both roles' stats, in step_ms
+        "engine_thread_us": medians_us(per_step),
     }
 
 
-def _start(context: int, n_req: int, steps: int) -> tuple[Any, dict[str, list[int]], Any]:
+def medians_us(per_step: list[dict[str, int]]) -> dict[str, float]:
+    """Each hook's median thread CPU time over the steps, and the median of the steps'
+    totals, in microseconds."""
+    keys = sorted({k for step in per_step for k in step})
+    out = {k: round(statistics.median(step.get(k, 0) for step in per_step) / 1e3, 1) for k in keys}
+    out["total"] = round(statistics.median(sum(step.values()) for step in per_step) / 1e3, 1)
+    return out
+
+
+def _start(
+    context: int, n_req: int, steps: int, output_tokens: bool = True
+) -> tuple[Any, dict[str, list[int]], Any]:
     """A harness rank with the real connector, ``n_req`` requests known to its scheduler
     side, and their block tables; and vLLM's worker, which must outlive the measurement."""
     import tempfile
@@ -68,7 +94,10 @@ def _start(context: int, n_req: int, steps: int) -> tuple[Any, dict[str, list[in
         "kv_connector_module_path": "kv_connector.connector",
         "kv_role": "kv_producer",
         # nothing listens there: the connector is measured, not the transfer
-        "kv_connector_extra_config": {"consumer_address": "127.0.0.1:9", "include_output_tokens": True},
+        "kv_connector_extra_config": {
+            "consumer_address": "127.0.0.1:9",
+            "include_output_tokens": output_tokens,
+        },
     }
     cfg = engine_config(model, LAYERS, ktc, max_model_len=context + steps + 8)
     worker = start_worker(cfg)
@@ -114,7 +143,9 @@ def _schedule(
     return out, slots
 
 
-def _timed_step(rank: Any, out: Any, slots: torch.Tensor, stats_s: list[float]) -> tuple[float, int]:
+def _timed_step(
+    rank: Any, out: Any, slots: torch.Tensor, stats_s: list[float], hooks: Any = None
+) -> tuple[float, int]:
     """One engine step of the connector's hooks on both sides, timed, and its metadata's
     size as vLLM ships it (pickled); both roles' stats, taken every step as vLLM does, are
     timed apart into ``stats_s`` (and counted in the step's time too)."""
@@ -124,7 +155,10 @@ def _timed_step(rank: Any, out: Any, slots: torch.Tensor, stats_s: list[float]) 
     sched, worker = rank.scheduler, rank.worker
     t0 = time.perf_counter()
     meta = sched.build_connector_meta(out)
+    p0 = time.thread_time_ns()
     size = len(pickle.dumps(meta))
+    if hooks is not None:
+        hooks.add("engine.metadata_pickle", time.thread_time_ns() - p0)
     worker.bind_connector_metadata(meta)
     worker.save_kv_layer(rank.layer_name, rank.kv, CacheOnlyAttentionMetadata(slots))
     worker.wait_for_save()
@@ -141,23 +175,95 @@ def _timed_step(rank: Any, out: Any, slots: torch.Tensor, stats_s: list[float]) 
     return time.perf_counter() - t0, size
 
 
-def main() -> dict[str, Any]:
-    import multiprocessing as mp
+PREFILL_PROMPTS, PREFILL_TOKENS, PREFILL_HIDDEN = 16, 1024, 256
 
+
+def prefill(raw: bool, rounds: int = 3) -> dict[str, float]:
+    """Engine-thread microseconds per thousand prefill tokens, each hook's median over
+    ``rounds`` rounds of ``PREFILL_PROMPTS`` prompts: our connector into a reader that takes
+    every sample (e's arm), or the bench's raw connector into its raw target (ea's)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from scripts.bench.datapath.shape import BLOCK, LAYERS
+    from scripts.bench.hook_time import HookTimes
+    from scripts.support.vllm_harness import config_only_model
+
+    work = Path(tempfile.mkdtemp(prefix="hs-bench-prefill-"))
+    model = config_only_model(work / "m", PREFILL_HIDDEN, num_layers=4)
+    nb = -(-PREFILL_TOKENS // BLOCK)
+    num_blocks, pool = 4 * nb + 1, 4 * nb * BLOCK * len(LAYERS) * PREFILL_HIDDEN * 2
+    arm: Any
+    if raw:
+        from scripts.bench.datapath.raw_engine import RawEngineArm
+
+        arm = RawEngineArm(model, PREFILL_PROMPTS, PREFILL_TOKENS, num_blocks, pool, PREFILL_HIDDEN)
+    else:
+        from scripts.bench.datapath.ours import OursArm
+
+        arm = OursArm(model, PREFILL_PROMPTS, PREFILL_TOKENS, num_blocks, pool)
+    hooks = HookTimes()
+    hooks.wrap(arm.rank.scheduler, "scheduler")
+    hooks.wrap(arm.rank.worker, "worker")
+    per_round = []
+    try:
+        for _ in range(rounds):
+            hooks.take()
+            arm.round()
+            per_round.append(hooks.take())
+    finally:
+        arm.close()
+        shutil.rmtree(work, ignore_errors=True)
+    thousands = PREFILL_PROMPTS * PREFILL_TOKENS / 1000
+    return medians_us([{k: round(v / thousands) for k, v in r.items()} for r in per_round])
+
+
+def main() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for context in (2048, 32768):
-        ctx = mp.get_context("spawn")
-        a, b = ctx.Pipe()
-        p = ctx.Process(target=_run, args=(b, context))
-        p.start()
-        out[f"ctx_{context}"] = a.recv()
-        p.join(60)
+        out[f"ctx_{context}"] = _in_process(measure, context)
+    ours = {
+        "decode_256_output_tokens": out["ctx_2048"]["engine_thread_us"],
+        "decode_256": _in_process(measure, 2048, output_tokens=False)["engine_thread_us"],
+        "prefill_per_1k_tokens": _in_process(prefill, False),
+    }
+    # the raw connector ships at a prompt's end only; its decode steps are not measured
+    ours["raw"] = {"prefill_per_1k_tokens": _in_process(prefill, True)}
+    out["engine_thread_us"] = ours
     return out
 
 
-def _run(conn: Any, context: int) -> None:
+def _in_process(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a spawned process of its own (one thread for torch; the
+    harness runs one vLLM rank a process); its error raised here, with its traceback."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_run, args=(b, fn, args, kwargs))
+    p.start()
+    b.close()
+    try:
+        ok, result = a.recv()
+    except EOFError:
+        ok, result = False, f"the process died (exit status {p.exitcode})"
+    p.join(60)
+    if not ok:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed: {result}")
+    return result
+
+
+def _run(conn: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    import traceback
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    conn.send(measure(context))
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException:
+        conn.send((False, traceback.format_exc()[-3000:]))
+        raise
+    conn.send((True, result))
 
 
 if __name__ == "__main__":

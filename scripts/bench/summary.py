@@ -19,6 +19,11 @@ object; the first and the last name the machine and its load.
              (``cpu_over_raw_xxh3``: with the full hash);
   checksum_throughput_ratio  e with its integrity record over e without;
   metrics_throughput_ratio   e with metrics on over e with them off;
+  engine_thread_us  the CPU microseconds each of the connector's hooks spends on the
+             thread that calls it (vLLM's engine thread; its worker's), medians:
+             per decode step at 256 requests with and without output tokens, per
+             thousand prefill tokens; ``raw`` the bench's raw connector's in the same
+             harness (``scripts.bench.step``); targets: at most 300 and 30 per decode step;
   step_ms / metadata_bytes   the connector's cost per engine step at 256 decoding
              requests with output tokens, at 2k and 32k context;
   reader_rss_mib  the reader process's peak resident memory in e (its pool, torch, NIXL);
@@ -100,6 +105,10 @@ CEILINGS: dict[str, str] = {
 }
 
 
+# engine-thread microseconds per decode step at 256 requests (``engine_thread_us``, totals)
+ENGINE_THREAD_US: dict[str, float] = {"decode_256_output_tokens": 300.0, "decode_256": 30.0}
+
+
 # figures whose target is within 10% of their ceiling (``scripts.bench.protocol``)
 NEAR_CEILING: dict[str, str] = {
     "d_4MiB": "acked_raw_over_raw_4MiB",
@@ -135,6 +144,10 @@ def missed(summary: dict[str, Any]) -> list[str]:
     rank = summary.get("per_rank", {}).get("rank")
     if rank is not None and (rank["consumer_agents"] != 1 or rank["nixl_agent_processes"] != 1):
         out.append(f"per_rank.rank {rank} (target: one NIXL agent, one pool per trainer rank)")
+    for key, limit in ENGINE_THREAD_US.items():
+        figure = summary.get("engine_thread_us", {}).get(key, {}).get("total")
+        if figure is not None and figure > limit:
+            out.append(f"engine_thread_us.{key} {figure} (target <= {limit})")
     if "reader_rss_beyond_torch_mib" in summary:
         limit = summary["reader_pool_mib"] + 256  # the reader's own memory: its pool plus 256 MiB
         if summary["reader_rss_beyond_torch_mib"] > limit:
@@ -201,8 +214,9 @@ def _figures(
     summary["per_rank"] = {**pull["loader"]["per_rank"], "workers": pull["loader"]["workers"]}
     summary.update(
         {
-            "step_ms": {k: round(v["step_ms"], 3) for k, v in steps.items()},
-            "metadata_bytes": {k: int(v["metadata_bytes"]) for k, v in steps.items()},
+            "step_ms": {k: round(v["step_ms"], 3) for k, v in steps.items() if k.startswith("ctx_")},
+            "metadata_bytes": {k: int(v["metadata_bytes"]) for k, v in steps.items() if k.startswith("ctx_")},
+            "engine_thread_us": steps["engine_thread_us"],
             "reader_rss_mib": round(e_final["reader_rss_mib"]),
             "reader_rss_beyond_torch_mib": round(e_final["reader_rss_beyond_torch_mib"]),
             "reader_pool_mib": round(e_final["reader_pool_mib"]),

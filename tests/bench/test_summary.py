@@ -81,3 +81,17 @@ def test_the_small_sample_figures_are_held_within_ten_percent_of_their_ceilings(
         "d_4MiB 0.3 (target: within 10% of its ceiling acked_raw_over_raw_4MiB 0.9;"
         " its CPU per sample bounds it at 0.5)"
     ]
+
+
+def test_the_engine_thread_targets_are_held_on_the_decode_steps_totals() -> None:
+    figures = {
+        "decode_256_output_tokens": {"total": 1240.0, "worker.wait_for_save": 700.0},
+        "decode_256": {"total": 12.5},
+        "prefill_per_1k_tokens": {"total": 800.0},  # reported, no target
+    }
+    assert missed({"engine_thread_us": figures}) == [
+        "engine_thread_us.decode_256_output_tokens 1240.0 (target <= 300.0)"
+    ]
+    figures["decode_256"] = {"total": 31.0}
+    figures["decode_256_output_tokens"] = {"total": 299.0}
+    assert missed({"engine_thread_us": figures}) == ["engine_thread_us.decode_256 31.0 (target <= 30.0)"]
