@@ -15,7 +15,8 @@ thread that calls it, per step, medians: at 256 decoding requests with and witho
 output tokens (``decode_256_output_tokens``, ``decode_256``), and per thousand prefill
 tokens (``prefill_per_1k_tokens``: 16 prompts of 1,024 tokens into a reader that takes
 every sample, e's harness and steps); beside the bench's raw connector's in the same
-harness (``raw``: it ships a prompt's blocks when its prefill ends; measured at prefill). ``engine.metadata_pickle`` is vLLM's pickling of our metadata for its workers.
+harness (``raw``: it ships a prompt's blocks when its prefill ends; measured at prefill).
+``engine.metadata_pickle`` is vLLM's pickling of our metadata for its workers.
 """
 
 from __future__ import annotations
