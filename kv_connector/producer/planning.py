@@ -114,6 +114,9 @@ class ShipPlanner:
     def __init__(self, table: RequestTable | None = None) -> None:
         self.table = table if table is not None else RequestTable()
         self._pending_ships: list[ShipOrder] = []
+        # the requests a step can still give a slice: followed and not shipped (with
+        # include_output, until they finish); a step's plan need visit no other
+        self.active: set[str] = set()
 
     def _tracked(self, request_id: str) -> RequestRecord | None:
         rec = self.table.get(request_id)
@@ -133,6 +136,7 @@ class ShipPlanner:
         rec = self.table.get(request_id)
         if rec is not None:
             rec.tracked = False  # its reader stays: its kv_transfer_params name it
+        self.active.discard(request_id)
         self._pending_ships = [o for o in self._pending_ships if o.request_id != request_id]
 
     def __len__(self) -> int:
@@ -145,6 +149,7 @@ class ShipPlanner:
         rec = self.table.ensure(request_id)
         rec.include_output, rec.tracked, rec.identity = include_output, True, identity
         rec.prompt, rec.block_ids, rec.computed, rec.shipped, rec.sent_blocks = (), [], 0, False, 0
+        self.active.add(request_id)
 
     def is_tracked(self, request_id: str) -> bool:
         return self._tracked(request_id) is not None
@@ -160,6 +165,8 @@ class ShipPlanner:
         num_scheduled: dict[str, int],
         preempted: Iterable[str] = (),
     ) -> StepPlan:
+        """This step's slices, ships and resets. ``running`` need hold only the requests in
+        ``active`` and the resumed ones: no other can give a slice."""
         plan = StepPlan(ships=self._pending_ships)
         self._pending_ships = []
         plan.preempted = [rid for rid in preempted if self._tracked(rid) is not None]
@@ -202,6 +209,7 @@ class ShipPlanner:
         t.sent_blocks = len(t.block_ids)
         if not t.include_output and start + n >= len(t.prompt):
             t.shipped = True
+            self.active.discard(t.request_id)
             plan.ships.append(self._order(t, t.prompt, tuple(t.block_ids)))
 
     def finish(self, request_id: str, all_token_ids: Sequence[int], block_ids: Sequence[int]) -> bool:
@@ -211,6 +219,7 @@ class ShipPlanner:
         ``include_output``, its tokens) were all computed. The record stays until the caller removes
         it from the table.
         """
+        self.active.discard(request_id)
         t = self._tracked(request_id)
         if t is None:
             return False

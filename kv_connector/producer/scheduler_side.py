@@ -214,14 +214,17 @@ class SchedulerSide:
                 )
                 self.metrics.waiting(n.request_id, False)
         c = out.scheduled_cached_reqs
+        active, resumed = self.planner.active, c.resumed_req_ids
+        # a decoding request that shipped its prompt has nothing to plan: visit only the others
         running = [
             RunningRequest(
                 rid,
                 (c.new_block_ids[i] or ())[g] if c.new_block_ids[i] else None,
-                rid in c.resumed_req_ids,
+                rid in resumed,
                 c.num_computed_tokens[i],
             )
             for i, rid in enumerate(c.req_ids)
+            if rid in active or rid in resumed
         ]
         plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
         plan.drops = self.mode.take_drops()

@@ -47,7 +47,7 @@ def measure(context: int, n_req: int = 256, steps: int = 30, output_tokens: bool
         out, slots = _schedule(tables, first, pos, context, steps)
         return _timed_step(rank, out, slots, stats_s, hooks)
 
-    step(True, context)
+    step(True, context - 1)  # the prompt's last token: a request ships its prompt here
     hooks.take()
     times, sizes, per_step = [], [], []
     for k in range(steps):
