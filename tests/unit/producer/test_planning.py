@@ -103,6 +103,27 @@ def test_prompt_ships_once_in_the_step_that_computes_its_last_token(length: int)
     assert not planner.plan([], [], {})
 
 
+def test_only_requests_that_can_still_give_a_slice_are_active() -> None:
+    """A step's plan need visit only ``active`` requests (and resumed ones): a prompt that
+    shipped leaves it, an include_output request stays until it finishes, a dropped or
+    finished one leaves."""
+    pool, planner = BlockPool(), ShipPlanner()
+    planner.add("p")
+    planner.add("o", include_output=True)
+    planner.add("d")
+    assert planner.active == {"p", "o", "d"}
+    new = [NewRequest(r, prompt_of(5), pool.take(1), 0) for r in ("p", "o", "d")]
+    planner.drop("d")
+    plan = planner.plan(new, [], {"p": 5, "o": 5, "d": 5})
+    assert [o.request_id for o in plan.ships] == ["p"]
+    assert planner.active == {"o"}  # p shipped its prompt; o ships at its finish
+    # a decode step visiting only the active ones plans what visiting all of them would
+    assert planner.plan([], [running("o", 5)], {"p": 1, "o": 1}).slices == [StepSlice("o", 5, 1, (), 1)]
+    assert planner.finish("o", [*prompt_of(5), 9, 9], []) is True
+    assert planner.finish("p", [*prompt_of(5), 9], []) is True
+    assert planner.active == set()
+
+
 def test_chunked_prefill_gives_one_slice_per_step_and_ships_only_in_the_last() -> None:
     pool, planner = BlockPool(1), ShipPlanner()
     prompt = prompt_of(100)
