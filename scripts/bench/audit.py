@@ -59,7 +59,9 @@ def measure(hidden: int, vocab: int, tokens_n: int) -> dict[str, Any]:
         "audit_ms_per_sample": round(audit_s * 1e3, 2),
         "consumer_ms_per_sample": round(consumer_s * 1e3, 3),
         "rate": DEFAULT_RATE,
-        "audit_share_of_consumer_cpu": round(per_row / (per_row + consumer_s), 4),
+        # three significant digits: at a small shape the share is below 1e-4, and a fixed
+        # number of decimals would round it to 0
+        "audit_share_of_consumer_cpu": float(f"{per_row / (per_row + consumer_s):.3g}"),
     }
 
 
