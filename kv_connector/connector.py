@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kv_connector.producer import modes
 from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
 from kv_connector.producer.planning import StepPlan
 from kv_connector.producer.scheduler_side import SchedulerSide
@@ -105,9 +106,17 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_cache_config,
                 producer_id,
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
+                make_mode=modes.scheduler_mode,
             )
         else:
-            worker = WorkerSide(vllm_config, self.options, producer_id, layer_ids, kv_cache_config)
+            worker = WorkerSide(
+                vllm_config,
+                self.options,
+                producer_id,
+                layer_ids,
+                kv_cache_config,
+                make_mode=modes.worker_mode,
+            )
             # KV_CONNECTOR_SYNC_CHECK=1 on a GPU: each hook's host syncs counted (sync_watch)
             self._worker = worker
             if requested():
@@ -197,7 +206,8 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def sender_stats(self) -> list[SenderStats]:
         """This worker's counters, one snapshot per reader (worker role only)."""
         assert self._worker is not None
-        return self._worker.stats()
+        readers = self._worker.readers
+        return list(readers.stats()) if readers is not None else []
 
     def recent_failures(self) -> dict[str, str]:
         """The last failures of this worker: request id -> why (worker role only)."""

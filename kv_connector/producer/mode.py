@@ -5,23 +5,29 @@ It is what the worker side (``worker_side.WorkerSide``) and the scheduler side
 rank WRITEs every sample into a reader's pool. In pull (``pull.mode``) each rank holds
 every sample in vLLM's cache until a consumer READs and releases it. The adapters keep
 what both modes share: the plan, the slot checks, the requests' records, the delivery
-book. Each holds one mode, chosen once from the options' ``delivery``, and no other
-branch on the mode."""
+book. Each holds one mode, chosen once from the options' ``delivery`` (``modes``), and no
+other branch on the mode.
+
+A mode implements the core protocol (``WorkerMode``, ``SchedulerMode``) and, where it
+does something there, an optional capability: ``HoldsSamples`` (pull: samples wait for
+a consumer), ``ReleasesCache`` (push: sleep mode), ``SendsToReaders`` (push: senders
+with counters and links), ``HandsOutHandles`` (pull: nonces and ended holds). The
+adapters ask a mode for a capability once, not for a no-op."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from kv_connector.cache.blocks import Fingerprinted
-from kv_connector.producer.delivery import Admission
+from kv_connector.producer.delivery import Admission, DeliveryBook
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import ShipOrder
 from kv_connector.producer.slot_check import StepGate
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
-from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import SampleFailure
 from kv_connector.wire.identity import SampleIdentity
 from kv_connector.wire.layout import BlockLayout
@@ -31,9 +37,10 @@ from kv_connector.wire.provenance import Provenance
 
 if TYPE_CHECKING:
     from kv_connector.producer.step_stats import MetricsSource
+    from kv_connector.sender.stats import SenderStats
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankCache:
     """What a worker mode serves from: this rank's cache-only layer and who it is."""
 
@@ -78,12 +85,40 @@ class WorkerMode(Protocol):
         told_finished: bool,
         words: Fingerprinted | None,
     ) -> None:
-        """Deliver one computed sample from ``blocks`` (``wait_for_save``); nothing reads
-        them before ``gate`` (None: the step is done and checked) says so.
-        ``told_finished``: the scheduler already said its request finished; ``words``: its
-        fingerprint words as its steps took them. ValueError or SenderError: it cannot be
-        delivered (nothing was queued)."""
+        """Deliver one computed sample from ``blocks`` (``wait_for_save``).
+
+        Nothing reads them before ``gate`` (None: the step is done and checked) says so.
+        ``told_finished``: the scheduler already said its request finished. ``words``: its
+        fingerprint words as its steps took them. A ``KvConnectorError`` or ValueError: it
+        cannot be delivered, and nothing was queued."""
         ...
+
+    def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
+        """vLLM reuses these requests' blocks from this step on (``handle_preemptions``).
+
+        Nothing may read them afterwards. Returns the failures to report now."""
+        ...
+
+    def settle(self) -> Settled:
+        """What settled since the last call (``get_finished``)."""
+        ...
+
+    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
+        """Changes of this rank's links since the last call, and the endpoints it serves at
+        (``build_connector_worker_meta``)."""
+        ...
+
+    def close(self, drain_timeout_s: float) -> None:
+        """Stop: what is in flight gets up to ``drain_timeout_s``."""
+        ...
+
+
+@runtime_checkable
+class HoldsSamples(Protocol):
+    """A worker mode whose samples wait for a consumer (pull).
+
+    The worker side tells it of samples it will not deliver, holds to end and requests
+    that finished."""
 
     def refuse(self, order: ShipOrder, why: str) -> None:
         """The sample will not be delivered (its slots were wrong): a consumer that asks
@@ -94,47 +129,40 @@ class WorkerMode(Protocol):
         """The scheduler failed these requests at their finish: nobody got their handle."""
         ...
 
-    def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
-        """vLLM reuses these requests' blocks from this step on (``handle_preemptions``):
-        nothing may read them afterwards. Returns the failures to report now."""
-        ...
-
     def finished(self, request_ids: set[str]) -> None:
         """These shipped requests finished in vLLM (``get_finished``)."""
         ...
 
-    def settle(self) -> Settled:
-        """What settled since the last call (``get_finished``)."""
-        ...
 
-    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
-        """Changes of this rank's links since the last call and the endpoints it serves at
-        (``build_connector_worker_meta``)."""
-        ...
+@runtime_checkable
+class ReleasesCache(Protocol):
+    """A worker mode that stops reading the cache while vLLM sleeps (push).
 
-    def sleep(self, why: str, timeout_s: float) -> bool:
-        """vLLM releases the cache's memory (``unregister_kv_caches``): stop reading it.
-        False: this mode keeps serving from it (and is not asleep)."""
+    A mode without it keeps serving from the cache's registration."""
+
+    def sleep(self, why: str, timeout_s: float) -> None:
+        """vLLM releases the cache's memory (``unregister_kv_caches``): stop reading it."""
         ...
 
     def wake(self, cache: torch.Tensor) -> None:
         """The cache is back, maybe elsewhere (``restore_kv_caches``)."""
         ...
 
+
+@runtime_checkable
+class SendsToReaders(Protocol):
+    """A worker mode with a sender per reader (push): counters, metrics and links."""
+
     def metrics_sources(self) -> Sequence[MetricsSource]:
         """Where this step's transfer metrics come from (``get_kv_connector_stats``)."""
         ...
 
     def stats(self) -> Sequence[SenderStats]:
-        """A snapshot of the counters, one per reader (pull has no reader: none)."""
+        """A snapshot of the counters, one per reader."""
         ...
 
     def wait_connected(self, timeout_s: float) -> bool:
-        """Until every peer this mode needs is reached; False after ``timeout_s``."""
-        ...
-
-    def close(self, drain_timeout_s: float) -> None:
-        """Stop: what is in flight gets up to ``drain_timeout_s``."""
+        """Until every reader is reached; False after ``timeout_s``."""
         ...
 
 
@@ -159,13 +187,10 @@ class SchedulerMode(Protocol):
     # (``idle_steps``), None: no longer than the short naps
     hold_nap_s: float | None
 
-    def on_new_request(self, request_id: str) -> None:
-        """A new request is followed."""
-        ...
-
     def admit(self, request_id: str) -> Admission:
-        """May the request start now (``get_num_new_matched_tokens``)? WAIT: it waits in
-        vLLM's queue, holding no blocks; FAIL: it runs without shipping."""
+        """May the request start now (``get_num_new_matched_tokens``)?
+
+        WAIT: it waits in vLLM's queue, holding no blocks. FAIL: it runs without shipping."""
         ...
 
     def started(self, request_id: str) -> str | None:
@@ -183,10 +208,26 @@ class SchedulerMode(Protocol):
         delivery book takes it."""
         ...
 
+    def request_finished(self, done: Finished) -> dict[str, Any]:
+        """The finished request's kv_transfer_params (``request_finished``)."""
+        ...
+
+
+@runtime_checkable
+class HandsOutHandles(Protocol):
+    """A scheduler mode that hands each finished request a handle (pull).
+
+    Each request gets a nonce when it arrives; a failed one's hold ends at the workers."""
+
+    def on_new_request(self, request_id: str) -> None:
+        """A new request is followed: it gets its nonce."""
+        ...
+
     def take_drops(self) -> list[str]:
         """Requests whose holds the workers must end this step (``build_connector_meta``)."""
         ...
 
-    def request_finished(self, done: Finished) -> dict[str, Any]:
-        """The finished request's kv_transfer_params (``request_finished``)."""
-        ...
+
+# what ``modes`` hands each side: the maker of its part of the chosen delivery mode
+WorkerModeMaker = Callable[[ConnectorOptions, RankCache], WorkerMode]
+SchedulerModeMaker = Callable[[ConnectorOptions, DeliveryBook, str, int], SchedulerMode]

@@ -3,7 +3,7 @@
 It admits new requests as its delivery mode says and turns each step's SchedulerOutput
 into a ship plan. It holds finished requests' blocks until every worker reported them sent.
 It tells each finished request where its sample stands, in the words of its delivery mode.
-The mode is ``push.mode.PushScheduling`` or ``pull.mode.PullScheduling``, chosen once from
+The mode is ``push.mode.PushScheduling`` or ``pull.mode.PullScheduling``, made by ``modes`` once from
 the options' ``delivery``."""
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING, Any
 from kv_connector.common.errors import ConfigurationError
 from kv_connector.producer.delivery import AdmissionKind, DeliveryBook
 from kv_connector.producer.idle_steps import IdleSteps, doorbell
-from kv_connector.producer.mode import Finished, SchedulerMode
-from kv_connector.producer.options import ConnectorOptions, Delivery
+from kv_connector.producer.mode import Finished, HandsOutHandles, SchedulerMode, SchedulerModeMaker
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
-from kv_connector.producer.pull.mode import PullScheduling
-from kv_connector.producer.push.mode import PushScheduling
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
@@ -37,12 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-SCHEDULER_MODES: dict[Delivery, type[PushScheduling] | type[PullScheduling]] = {
-    Delivery.PUSH: PushScheduling,
-    Delivery.PULL: PullScheduling,
-}
-
 
 def hidden_state_group(kv_cache_config: KVCacheConfig | None, layer_marker: str = "cache_only_layers") -> int:
     """Index of the KV cache group whose block table addresses the hidden states.
@@ -98,6 +90,8 @@ class SchedulerSide:
         kv_cache_config: KVCacheConfig | None,
         producer_id: str,
         world_size: int = 1,
+        *,
+        make_mode: SchedulerModeMaker,
     ) -> None:
         self.options = options
         self.group = hidden_state_group(kv_cache_config)
@@ -108,9 +102,8 @@ class SchedulerSide:
         self.book = DeliveryBook(options.connect_timeout_s, table=self.requests)
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
         self.world_size = world_size
-        self.mode: SchedulerMode = SCHEDULER_MODES[options.delivery](
-            options, self.book, producer_id, world_size
-        )
+        self.mode: SchedulerMode = make_mode(options, self.book, producer_id, world_size)
+        self.handles = self.mode if isinstance(self.mode, HandsOutHandles) else None
         # naps before steps that only wait for held samples, ended by the worker side's news
         # (rung from the workers' processes too) or by a new request
         bell = doorbell(producer_id)
@@ -138,7 +131,8 @@ class SchedulerSide:
         self._unfinished.add(rid)
         self.planner.add(rid, include_output=include, identity=identity)
         self.book.add(rid)
-        self.mode.on_new_request(rid)
+        if self.handles is not None:
+            self.handles.on_new_request(rid)
         problem = request_id_problem(rid) or bad
         if problem is not None:  # refused alone, at admission: never its connection
             self.book.refuse(rid, problem)
@@ -227,7 +221,8 @@ class SchedulerSide:
             if rid in active or rid in resumed
         ]
         plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
-        plan.drops = self.mode.take_drops()
+        if self.handles is not None:
+            plan.drops = self.handles.take_drops()
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -2,8 +2,9 @@
 
 It finds the cache-only layer's tensor, reads each step's slot mapping and checks it off
 the critical path. Complete requests go to its delivery mode, ``push.mode.PushWorker`` or
-``pull.mode.PullWorker``, chosen once from the options' ``delivery``. What the mode settles
-goes back to vLLM and the scheduler."""
+``pull.mode.PullWorker``, which ``modes`` makes once from the options' ``delivery``; this
+module knows it only by its protocols (``mode``). What the mode settles goes back to vLLM
+and the scheduler."""
 
 from __future__ import annotations
 
@@ -17,20 +18,23 @@ import torch
 
 from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.common.amx import request_amx
-from kv_connector.common.errors import ConfigurationError, IntegrityError
+from kv_connector.common.errors import ConfigurationError, IntegrityError, KvConnectorError
 from kv_connector.producer.engine_bell import doorbell
 from kv_connector.producer.fingerprints import Fingerprints
-from kv_connector.producer.mode import RankCache, WorkerMode
-from kv_connector.producer.options import ConnectorOptions, Delivery
+from kv_connector.producer.mode import (
+    HoldsSamples,
+    RankCache,
+    ReleasesCache,
+    SendsToReaders,
+    WorkerMode,
+    WorkerModeMaker,
+)
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan, in_kernel_blocks
-from kv_connector.producer.pull.mode import PullWorker
-from kv_connector.producer.push.mode import PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_inputs import find_input_ids
 from kv_connector.producer.step_stats import StepData, WorkerStats
 from kv_connector.producer.worker_report import WorkerReport
-from kv_connector.sender.loop import SenderError
-from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.layout import BlockLayout, CacheView, layout_from_view
 from kv_connector.wire.protocol import ShareChecksum
@@ -47,12 +51,6 @@ CHECKSUM_NAMES = {
     ShareChecksum.XXH3: "XXH3 of the bytes",
     ShareChecksum.BLOCKS: "block digests",
     ShareChecksum.FINGERPRINT: "fingerprints taken in the step that wrote each slot",
-}
-
-
-WORKER_MODES: dict[Delivery, type[PushWorker] | type[PullWorker]] = {
-    Delivery.PUSH: PushWorker,
-    Delivery.PULL: PullWorker,
 }
 
 
@@ -117,6 +115,8 @@ class WorkerSide:
         producer_id: str,
         layer_ids: list[int],
         kv_cache_config: KVCacheConfig | None = None,
+        *,
+        make_mode: WorkerModeMaker,
     ) -> None:
         request_amx()  # before this worker's first forward, where the vLLM plugin did not run
         self.vllm_config = vllm_config
@@ -128,7 +128,12 @@ class WorkerSide:
         self.layer_name = ""
         self.cache: torch.Tensor | None = None  # the cache-only layer's tensor (registered)
         self.asleep = False
-        self.mode: WorkerMode | None = None  # the delivery mode, once the cache is registered
+        self.make_mode = make_mode
+        # the delivery mode once the cache is registered, and the optional capabilities it has
+        self._mode: WorkerMode | None = None
+        self.holds: HoldsSamples | None = None
+        self.releases: ReleasesCache | None = None
+        self.readers: SendsToReaders | None = None
         self.recorder: BlockRecorder | None = None
         # the fingerprint words each step's slots give (FINGERPRINT records), where the cache is
         self.fingerprints: Fingerprints | None = None
@@ -149,12 +154,72 @@ class WorkerSide:
         self._report_delivered: set[str] = set()
         self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
 
+    @property
+    def mode(self) -> WorkerMode | None:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: WorkerMode | None) -> None:
+        """The delivery mode, asked once for its capabilities (``mode``)."""
+        self._mode = mode
+        self.holds = mode if isinstance(mode, HoldsSamples) else None
+        self.releases = mode if isinstance(mode, ReleasesCache) else None
+        self.readers = mode if isinstance(mode, SendsToReaders) else None
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.config import get_layers_from_vllm_config
+        """Find the cache-only layer's tensor, read its blocks' layout, and start the mode.
+
+        In three steps: the layer (exactly one), its layout (``read_cache``; padded blocks
+        are logged), and the step path's parts and the delivery mode on this rank."""
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
+
+        self.layer_name = self._cache_only_layer(kv_caches)
+        self.cache = cache = kv_caches[self.layer_name]
+        layout = self._layout(cache)
+        self.rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        checksum = self.options.checksum.resolve(cache.is_cuda, layout)
+        self.metrics = WorkerStats(self.rank)
+        self.recorder = BlockRecorder(layout.block_size)
+        self.checks = SlotChecks(layout.block_size)
+        if checksum is ShareChecksum.FINGERPRINT:
+            self.fingerprints = Fingerprints(CacheBlocks(cache, layout), layout.block_size)
+        atexit.register(self.shutdown)
+        self.mode = self.make_mode(
+            self.options,
+            RankCache(
+                cache=cache,
+                layout=layout,
+                layer_ids=self.layer_ids,
+                producer_id=self.producer_id,
+                rank=self.rank,
+                world_size=world,
+                checksum=checksum,
+                news=doorbell(self.producer_id).ring,  # ends the scheduler side's nap, in any process
+                provenance=provenance_of(self.vllm_config),
+            ),
+        )
+        log.info(
+            "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%d a manager block; "
+            "%s, %s, %d bytes), checksum: %s, %s",
+            self.rank,
+            world,
+            self.layer_name,
+            cache.shape[0],
+            layout.block_size,
+            self.kernel_blocks,
+            layout.layout,
+            layout.dtype,
+            layout.block_bytes,
+            CHECKSUM_NAMES[checksum],
+            self.mode.describe(),
+        )
+
+    def _cache_only_layer(self, kv_caches: dict[str, torch.Tensor]) -> str:
+        """The name of the one cache-only layer among ``kv_caches`` (ConfigurationError: not one)."""
+        from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
         layers = get_layers_from_vllm_config(self.vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
@@ -163,72 +228,40 @@ class WorkerSide:
                 f"HiddenStatesConnector needs exactly one cache-only layer, found {len(layers)}: "
                 "start vLLM with the extract_hidden_states speculative method"
             )
-        self.layer_name = next(iter(layers))
-        self.cache = cache = kv_caches[self.layer_name]
+        return next(iter(layers))
+
+    def _layout(self, cache: torch.Tensor) -> BlockLayout:
+        """The layout of the cache-only layer's blocks, and its kernel split (``kernel_blocks``).
+
+        Padded blocks are logged with their share of padding."""
         hidden = self.vllm_config.model_config.get_hidden_size()
+        num_layers = len(self.layer_ids)
         try:
-            view = read_cache(cache, len(self.layer_ids), hidden, self.kv_cache_config)
+            view = read_cache(cache, num_layers, hidden, self.kv_cache_config)
         except ValueError as e:
             raise ConfigurationError(
                 f"HiddenStatesConnector cannot read layer {self.layer_name}'s cache: {e}"
             ) from None
-        layout, block_size = view.layout, view.block_size
         self.kernel_blocks = view.kernel_blocks
-        block_layout = BlockLayout(
-            layout,
-            block_size,
-            len(self.layer_ids),
+        layout = BlockLayout(
+            view.layout,
+            view.block_size,
+            num_layers,
             hidden,
             _dtype_name(cache.dtype),  # type: ignore[arg-type]
         )
-        rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.rank = rank
-        share_checksum = self.options.checksum.resolve(cache.is_cuda, block_layout)
-        checksum = CHECKSUM_NAMES[share_checksum]
-        self.metrics = WorkerStats(rank)
-        self.recorder = BlockRecorder(block_size)
-        if share_checksum is ShareChecksum.FINGERPRINT:
-            self.fingerprints = Fingerprints(CacheBlocks(cache, block_layout), block_size)
-        self.checks = SlotChecks(block_size)
-        atexit.register(self.shutdown)
-        if view.padded(len(self.layer_ids), hidden):
+        if view.padded(num_layers, hidden):
+            pitch = view.block_pitch * cache.element_size()
             log.warning(
                 "the cache-only layer's blocks of %d tokens (%d bytes) lie %d bytes apart (vLLM pads its "
                 "KV cache group's page to the other groups'): each block is one descriptor of its own, "
                 "and %.1f%% of its memory is padding",
-                block_size,
-                block_layout.block_bytes,
-                view.block_pitch * cache.element_size(),
-                100 * (1 - block_layout.block_bytes / (view.block_pitch * cache.element_size())),
+                view.block_size,
+                layout.block_bytes,
+                pitch,
+                100 * (1 - layout.block_bytes / pitch),
             )
-        news = doorbell(self.producer_id).ring  # ends the scheduler side's nap, in whatever process
-        rc = RankCache(
-            cache,
-            block_layout,
-            self.layer_ids,
-            self.producer_id,
-            rank,
-            world,
-            share_checksum,
-            news,
-            provenance_of(self.vllm_config),
-        )
-        self.mode = WORKER_MODES[self.options.delivery](self.options, rc)
-        log.info(
-            "hidden-states connector rank %d/%d: layer %s, %d blocks of %d tokens (%d a manager block; "
-            "%s, %s, %d bytes), checksum: %s, %s",
-            rank,
-            world,
-            self.layer_name,
-            cache.shape[0],
-            block_size,
-            self.kernel_blocks,
-            layout,
-            block_layout.dtype,
-            block_layout.block_bytes,
-            checksum,
-            self.mode.describe(),
-        )
+        return layout
 
     def save_kv_layer(self, layer_name: str, attn_metadata: object) -> None:
         """Keep the slot mapping the cache-only layer wrote with.
@@ -245,20 +278,39 @@ class WorkerSide:
     def wait_for_save(self, plan: StepPlan | None) -> None:
         """After the step's drafter: hand the step's slot mapping to the checks, then ship.
 
-        On a GPU the checks take an asynchronous copy and an event, so the engine never
-        waits for the device. Each complete request is held by its sender until the step is
-        done and checked (``slot_check``). In pull mode they are held for consumers."""
-        mode = self.mode
-        if plan is None or not plan or self.recorder is None or self.checks is None or mode is None:
-            self._slots = None
+        In four steps: begin (the plan in the cache's blocks; drops and resets), check (the
+        step's slots against the plan), gate (each complete request's blocks and its check)
+        and ship. On a GPU the checks take an asynchronous copy and an event, so the engine
+        never waits for the device. Each complete request is held by its sender until the
+        step is done and checked (``slot_check``). In pull mode they are held for consumers."""
+        slots, self._slots = self._slots, None
+        if not plan or self.recorder is None or self.checks is None or self.mode is None:
             return
+        if not self._looked_for_inputs:
+            self._find_step_inputs(sys._getframe(1))
+        plan = self._begin(plan)
+        gate, errors = self._check(plan, slots)
+        for rid, why in errors.items():
+            self._fail_unshipped(rid, why)
+        self._ship(self._gate(plan.ships, gate), gate)
+
+    def _begin(self, plan: StepPlan) -> StepPlan:
+        """The plan in the cache tensor's blocks; holds the scheduler ended and requests
+        started anew are forgotten."""
         plan = in_kernel_blocks(plan, self.kernel_blocks)
-        mode.drop(plan.drops)
+        if self.holds is not None:
+            self.holds.drop(plan.drops)
         for rid in plan.resets:
             self._forget(rid)
+        return plan
+
+    def _check(self, plan: StepPlan, slots: torch.Tensor | None) -> tuple[StepGate | None, dict[str, str]]:
+        """The step's check, queued, and the requests that already failed one (request id ->
+        why): this step's on the host now, or an earlier step's on a GPU."""
+        assert self.recorder is not None and self.checks is not None
         errors: dict[str, str] = {}
         gate: StepGate | None = None
-        if plan.slices and self._slots is None:
+        if plan.slices and slots is None:
             errors = {sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices}
         elif plan.slices or plan.ships:
             expected, errors = self.recorder.expect(plan.slices)
@@ -270,17 +322,21 @@ class WorkerSide:
                 except Exception as e:
                     log.exception("fingerprints of this step's slots could not be taken")
                     errors.update({sl.request_id: f"fingerprints not taken: {e}" for sl in plan.slices})
-            gate = self.checks.add(self._slots if plan.slices else None, expected, self._step_inputs())
-        self._slots = None
-        errors.update(self.checks.settle())  # on the host: this step's check, now
-        for rid, why in errors.items():
-            self._fail_unshipped(rid, why)
+            gate = self.checks.add(slots if plan.slices else None, expected, self._input_ids)
+        errors.update(self.checks.settle())
+        return gate, errors
+
+    def _gate(
+        self, ships: list[ShipOrder], gate: StepGate | None
+    ) -> list[tuple[ShipOrder, list[int], bool]]:
+        """The complete requests that may ship: each with its blocks, and whether its slots'
+        check is done. One that failed is refused."""
+        assert self.recorder is not None and self.checks is not None
         ready: list[tuple[ShipOrder, list[int], bool]] = []
-        for order in plan.ships:
+        for order in ships:
             rid = order.request_id
             if rid in self._failed:
-                mode.refuse(order, self._failed[rid])
-                self._done.add(rid)
+                self._refuse(order, self._failed[rid])
                 continue
             try:
                 blocks = self.recorder.ship_blocks(len(order.token_ids), order.block_ids)
@@ -292,8 +348,13 @@ class WorkerSide:
                 ready.append((order, blocks, done))
             except (SlotMismatch, ValueError) as e:
                 self._cannot_ship(order, e)
+        return ready
+
+    def _ship(self, ready: list[tuple[ShipOrder, list[int], bool]], gate: StepGate | None) -> None:
+        """Each request to its mode, with the fingerprint words it still needs (one gather
+        for the step)."""
+        assert self.mode is not None
         fp = self.fingerprints
-        # the words each sample still needs, in one gather for the step's ships
         words = fp.ship_many([(o.request_id, len(o.token_ids), b) for o, b, _ in ready]) if fp else {}
         for order, blocks, done in ready:
             rid = order.request_id
@@ -301,38 +362,42 @@ class WorkerSide:
                 taken = words.get(rid)
                 if isinstance(taken, Exception):
                     raise IntegrityError(f"fingerprints not taken: {taken}") from taken
-                mode.ship(order, blocks, None if done else gate, rid in self._finished_by_scheduler, taken)
+                told_finished = rid in self._finished_by_scheduler
+                self.mode.ship(order, blocks, None if done else gate, told_finished, taken)
                 self._shipped.add(rid)
                 self.metrics.shipped()
-            except (ValueError, SenderError) as e:
+            except (ValueError, KvConnectorError) as e:
                 self._cannot_ship(order, e)
             self._forget(rid)
 
-    def _step_inputs(self) -> torch.Tensor | None:
-        """The step's input ids for the token check (``check_tokens``), or None."""
-        if not self._looked_for_inputs:
-            self._looked_for_inputs = True
-            self._input_ids = find_input_ids(sys._getframe(2))
-            if self._input_ids is None:
-                log.warning(
-                    "rank %d: vLLM's model runner keeps no input ids where this connector looks "
-                    "(input_ids.gpu, input_buffers.input_ids): samples' token ids are not checked "
-                    "against the tokens their states were computed from",
-                    self.rank,
-                )
-            else:
-                log.info("rank %d: token check on (each sample's token ids against the forward's input ids)",
-                         self.rank)
-        return self._input_ids
+    def _refuse(self, order: ShipOrder, why: str) -> None:
+        """The request will not ship: a consumer that asks for it is told ``why``."""
+        if self.holds is not None:
+            self.holds.refuse(order, why)
+        self._done.add(order.request_id)
+
+    def _find_step_inputs(self, frame: object) -> None:
+        """vLLM's buffer of the step's input ids for the token check (``check_tokens``),
+        looked for once on the stack above ``frame``."""
+        self._looked_for_inputs = True
+        self._input_ids = find_input_ids(frame)
+        if self._input_ids is None:
+            log.warning(
+                "rank %d: vLLM's model runner keeps no input ids where this connector looks "
+                "(input_ids.gpu, input_buffers.input_ids): samples' token ids are not checked "
+                "against the tokens their states were computed from",
+                self.rank,
+            )
+        else:
+            log.info("rank %d: token check on (each sample's token ids against the forward's input ids)",
+                     self.rank)
 
     def _cannot_ship(self, order: ShipOrder, e: Exception) -> None:
         rid = order.request_id
         log.error("request %s cannot be shipped: %s", rid, e)
         self._failed[rid] = str(e)
         self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
-        assert self.mode is not None
-        self.mode.refuse(order, str(e))
-        self._done.add(rid)
+        self._refuse(order, str(e))
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
@@ -359,21 +424,22 @@ class WorkerSide:
         In push mode, shares in flight get up to ``drain_timeout_s`` to be acknowledged; the
         rest fail by name, and the cache is deregistered. Nothing reads the cache until
         ``restore_kv_caches``. Idempotent."""
-        if self.asleep or self.mode is None:
-            return
+        if self.asleep or self.releases is None:
+            return  # a mode that does not release the cache keeps serving from its registration
         why = (
             "vLLM went to sleep before the reader acknowledged it (sleep mode releases the cache "
             "holding its hidden states)"
         )
-        self.asleep = self.mode.sleep(why, self.options.drain_timeout_s)
+        self.releases.sleep(why, self.options.drain_timeout_s)
+        self.asleep = True
 
     def restore_kv_caches(self) -> None:
         """vLLM woke up: the mode reads the cache again. Idempotent.
 
         Its memory may have moved, so push registers it again and reconnects to every reader."""
-        if not self.asleep or self.cache is None or self.mode is None:
+        if not self.asleep or self.cache is None or self.releases is None:
             return
-        self.mode.wake(self.cache)
+        self.releases.wake(self.cache)
         if self.fingerprints is not None:
             self.fingerprints.blocks.rebind(self.cache)
         self.asleep = False
@@ -414,7 +480,8 @@ class WorkerSide:
             self._forget(rid)
             if self.checks is not None:
                 self.checks.forget(rid)
-        mode.finished(finished_req_ids & self._shipped)
+        if self.holds is not None:
+            self.holds.finished(finished_req_ids & self._shipped)
         settled = mode.settle()
         self._done |= settled.done
         self._report_delivered |= settled.delivered
@@ -443,13 +510,13 @@ class WorkerSide:
         delivered, self._report_delivered = self._report_delivered, set()
         return WorkerReport(links, failures, delivered, endpoints)
 
-    def stats(self) -> list[SenderStats]:
-        """A snapshot of each sender's counters, in the order of the readers."""
-        return list(self.mode.stats()) if self.mode is not None else []
-
     def wait_connected(self, timeout_s: float) -> bool:
-        """Until this rank reaches every peer its mode needs; False after ``timeout_s``."""
-        return self.mode is not None and self.mode.wait_connected(timeout_s)
+        """Until this rank reaches every reader its mode sends to; False after ``timeout_s``.
+
+        A mode that sends to no reader (pull: consumers come to it) is connected once it runs."""
+        if self.readers is not None:
+            return self.readers.wait_connected(timeout_s)
+        return self.mode is not None
 
     def get_kv_connector_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``).
@@ -457,7 +524,7 @@ class WorkerSide:
         They hold the senders' counters and observations since the last step. On rank 0
         they also hold the samples shipped, delivered and failed."""
 
-        return self.metrics.take_from(self.mode.metrics_sources() if self.mode is not None else [])
+        return self.metrics.take_from(self.readers.metrics_sources() if self.readers is not None else [])
 
     def _note_failure(self, rid: str, failure: SampleFailure) -> None:
         self.metrics.failed(failure.reason)

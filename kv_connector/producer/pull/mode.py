@@ -11,8 +11,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from kv_connector.cache.blocks import Fingerprinted
 from kv_connector.common.errors import ClosedError
 from kv_connector.producer.delivery import Admission, DeliveryBook
@@ -22,7 +20,6 @@ from kv_connector.producer.options import ConnectorOptions, pull_endpoint
 from kv_connector.producer.planning import ShipOrder
 from kv_connector.producer.pull.server import PullServer, PullServerConfig
 from kv_connector.producer.slot_check import StepGate
-from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.handle import PullHandle, make_nonce
@@ -32,7 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class PullWorker:
-    """This rank's pull endpoint."""
+    """This rank's pull endpoint.
+
+    Besides the core ``WorkerMode`` it is ``HoldsSamples``. It keeps the cache registered
+    while vLLM sleeps, and consumers come to it: it waits for no peer."""
 
     def __init__(self, options: ConnectorOptions, rc: RankCache) -> None:
         self.options = options
@@ -108,21 +108,6 @@ class PullWorker:
             return [], {}
         self._reported = True
         return [], {self.rank: self._server.address}
-
-    def sleep(self, why: str, timeout_s: float) -> bool:
-        return False  # the endpoint keeps its registration (sleep mode is push's)
-
-    def wake(self, cache: torch.Tensor) -> None:
-        pass
-
-    def metrics_sources(self) -> Sequence[MetricsSource]:
-        return []
-
-    def stats(self) -> tuple[()]:
-        return ()
-
-    def wait_connected(self, timeout_s: float) -> bool:
-        return True  # consumers come to it
 
     def close(self, drain_timeout_s: float) -> None:
         server, self.server = self.server, None

@@ -33,7 +33,11 @@ log = logging.getLogger(__name__)
 
 
 class PushWorker:
-    """This rank's senders, one per reader, in the order of the readers."""
+    """This rank's senders, one per reader, in the order of the readers.
+
+    Besides the core ``WorkerMode`` it is ``ReleasesCache`` and ``SendsToReaders``. A sample
+    it cannot ship was told to no reader, so it needs no word of refusals: the
+    scheduler's outcome says why."""
 
     def __init__(self, options: ConnectorOptions, rc: RankCache) -> None:
         self.options = options
@@ -74,12 +78,6 @@ class PushWorker:
         sender = self._sender_of(order.reader)
         sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate, words=words)
 
-    def refuse(self, order: ShipOrder, why: str) -> None:
-        pass  # no reader was told of it: the scheduler's outcome says why
-
-    def drop(self, request_ids: Sequence[str]) -> None:
-        pass  # nothing is held for a consumer
-
     def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
         """A shipped request's share gets up to ``preempt_timeout_s`` to be safely written.
 
@@ -105,9 +103,6 @@ class PushWorker:
         )
         return {}
 
-    def finished(self, request_ids: set[str]) -> None:
-        pass  # a pushed sample's delivery does not wait for its request's finish
-
     def settle(self) -> Settled:
         out = Settled()
         for sender in self.senders:
@@ -129,7 +124,7 @@ class PushWorker:
                 links.append(LinkChange(reader, self.rank, err))
         return links, {}
 
-    def sleep(self, why: str, timeout_s: float) -> bool:
+    def sleep(self, why: str, timeout_s: float) -> None:
         """Each sender lets its shares in flight be acknowledged for up to ``timeout_s``.
 
         There is one wait for all readers, since acks come in parallel. Each sender then
@@ -144,7 +139,6 @@ class PushWorker:
             time.monotonic() - t0,
             len(failed),
         )
-        return True
 
     def wake(self, cache: torch.Tensor) -> None:
         for s in self.senders:
@@ -197,9 +191,6 @@ class PushScheduling:
         self.admission = ReaderAdmission(book, options.push.readers, world_size, router)
         self._reachable = 0  # readers every rank reaches, recounted when a link changes
 
-    def on_new_request(self, request_id: str) -> None:
-        pass
-
     def admit(self, request_id: str) -> Admission:
         """Not while no worker reaches the request's reader, for at most ``connect_timeout_s``."""
         return self.admission.admit(request_id)
@@ -221,9 +212,6 @@ class PushScheduling:
                 log.info("rank %d reaches the reader at %s", rank, reader)
             else:
                 log.warning("rank %d cannot reach the reader at %s: %s", rank, reader, error)
-
-    def take_drops(self) -> list[str]:
-        return []
 
     def request_finished(self, done: Finished) -> dict[str, Any]:
         """The sample's request id, sample id, reader and status.

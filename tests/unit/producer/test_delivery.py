@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kv_connector.producer import modes
 from kv_connector.producer.delivery import Admission, DeliveryBook
 from kv_connector.producer.push.admission import ReaderAdmission, Router
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
@@ -177,7 +178,8 @@ def test_a_request_refused_for_its_id_fails_at_admission_alone_whatever_the_link
     from kv_connector.producer.options import ConnectorOptions
     from kv_connector.producer.scheduler_side import SchedulerSide
 
-    side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"}), None, "p")
+    options = ConnectorOptions.parse({"consumer_address": "10.0.0.1:7000"})
+    side = SchedulerSide(options, None, "p", make_mode=modes.scheduler_mode)
     report = WorkerReport(links=[LinkChange("10.0.0.1:7000", 0, None)])
     output = SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(report=report), finished_sending=None)
     side.update_connector_output(output)  # type: ignore[arg-type]
@@ -201,7 +203,8 @@ def test_a_request_that_failed_admission_names_its_own_reader_or_none(sharding: 
     from kv_connector.producer.scheduler_side import SchedulerSide
 
     addrs = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]
-    side = SchedulerSide(ConnectorOptions.parse({"consumer_address": addrs, "sharding": sharding}), None, "p")
+    options = ConnectorOptions.parse({"consumer_address": addrs, "sharding": sharding})
+    side = SchedulerSide(options, None, "p", make_mode=modes.scheduler_mode)
     for rid in ("bad id 1", "bad id 2", "bad id 3", "bad id 4"):
         r = SimpleNamespace(request_id=rid, kv_transfer_params=None, all_token_ids=[1])
         side.on_new_request(r)  # type: ignore[arg-type]

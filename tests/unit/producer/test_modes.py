@@ -5,6 +5,8 @@ mode settled them and the scheduler said they finished."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -13,17 +15,23 @@ import pytest
 import torch
 
 from kv_connector.cache.blocks import Fingerprinted
+from kv_connector.producer import modes
 from kv_connector.producer.delivery import DeliveryBook
-from kv_connector.producer.mode import Finished, Settled
+from kv_connector.producer.mode import (
+    Finished,
+    HandsOutHandles,
+    HoldsSamples,
+    ReleasesCache,
+    SendsToReaders,
+    Settled,
+)
 from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import BlockRecorder, NewRequest, ShipOrder, ShipPlanner
-from kv_connector.producer.pull.mode import PullScheduling
-from kv_connector.producer.push.mode import PushScheduling
+from kv_connector.producer.pull.mode import PullScheduling, PullWorker
+from kv_connector.producer.push.mode import PushScheduling, PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
-from kv_connector.producer.step_stats import MetricsSource
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
 from kv_connector.producer.worker_side import WorkerSide
-from kv_connector.sender.stats import SenderStats
 from kv_connector.wire.failure import FailureReason, SampleFailure
 from kv_connector.wire.handle import decode_handle, make_nonce
 from kv_connector.wire.identity import NO_IDENTITY
@@ -190,29 +198,14 @@ class FakeMode:
     def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
         return [], {0: "127.0.0.1:9000"}
 
-    def sleep(self, why: str, timeout_s: float) -> bool:
-        return False
-
-    def wake(self, cache: torch.Tensor) -> None:
-        pass
-
-    def metrics_sources(self) -> Sequence[MetricsSource]:
-        return []
-
-    def stats(self) -> list[SenderStats]:
-        return []
-
-    def wait_connected(self, timeout_s: float) -> bool:
-        return True
-
     def close(self, drain_timeout_s: float) -> None:
         pass
 
 
 def worker() -> tuple[WorkerSide, FakeMode]:
     options = ConnectorOptions.parse({"delivery": "pull", "check_tokens": False})
-    side = WorkerSide(SimpleNamespace(), options, "p", [1, 2])  # type: ignore[arg-type]
     mode = FakeMode()
+    side = WorkerSide(SimpleNamespace(), options, "p", [1, 2], make_mode=lambda o, rc: mode)  # type: ignore[arg-type]
     side.mode, side.recorder, side.checks = mode, BlockRecorder(BS), SlotChecks(BS)
     return side, mode
 
@@ -262,3 +255,34 @@ def test_the_worker_side_reports_a_preempted_shipped_request_as_failed() -> None
     side.wait_for_save(plan)
     side.handle_preemptions(SimpleNamespace(preempted=["r"]))  # type: ignore[arg-type]
     assert side.build_connector_worker_meta().failures["r"].reason is FailureReason.PREEMPTED
+
+
+# ------------------------------------------------------------------ the modes' seam
+
+
+def test_each_mode_has_the_capabilities_it_acts_on_and_no_other() -> None:
+    # pull holds samples for consumers; push releases the cache in sleep mode and sends to readers
+    assert issubclass(PullWorker, HoldsSamples) and not issubclass(PushWorker, HoldsSamples)
+    assert issubclass(PushWorker, ReleasesCache) and not issubclass(PullWorker, ReleasesCache)
+    assert issubclass(PushWorker, SendsToReaders) and not issubclass(PullWorker, SendsToReaders)
+    assert issubclass(PullScheduling, HandsOutHandles) and not issubclass(PushScheduling, HandsOutHandles)
+
+
+def test_a_worker_side_asks_its_mode_for_capabilities_once_and_skips_what_it_lacks() -> None:
+    side, mode = worker()
+    assert side.holds is mode and side.releases is None and side.readers is None
+    side.unregister_kv_caches()  # a mode that keeps the cache registered: not asleep
+    assert not side.asleep and side.wait_connected(0.0)  # consumers come to it: connected at once
+
+
+def test_the_shared_sides_import_neither_delivery_mode() -> None:
+    code = (
+        "import sys, kv_connector.producer.worker_side, kv_connector.producer.scheduler_side\n"
+        "print(' '.join(m for m in sys.modules if m.startswith(('kv_connector.producer.push', "
+        "'kv_connector.producer.pull', 'kv_connector.sender.sender', 'kv_connector.sender.loop'))))"
+    )
+    argv = [sys.executable, "-c", code]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == []
+    # the one module that knows both makes each
+    assert modes.scheduler_mode.__module__ == "kv_connector.producer.modes"

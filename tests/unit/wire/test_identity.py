@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kv_connector.producer import modes
 from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import NewRequest, ShipOrder
 from kv_connector.producer.scheduler_side import SchedulerSide
@@ -96,7 +97,8 @@ def request(rid: str, params: dict[str, Any] | None, prompt: list[int]) -> Simpl
 
 
 def scheduler() -> SchedulerSide:
-    side = SchedulerSide(ConnectorOptions.parse({"consumer_address": "127.0.0.1:5555"}), None, "prod")
+    options = ConnectorOptions.parse({"consumer_address": "127.0.0.1:5555"})
+    side = SchedulerSide(options, None, "prod", make_mode=modes.scheduler_mode)
     report = WorkerReport(links=[LinkChange("127.0.0.1:5555", 0, None)])  # rank 0 reaches the reader
     output = SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(report=report), finished_sending=None)
     side.update_connector_output(output)  # type: ignore[arg-type]
