@@ -125,6 +125,11 @@ class HoldsSamples(Protocol):
         for it is told ``why``."""
         ...
 
+    def fail_held(self, request_id: str, why: str) -> bool:
+        """A held sample's check failed after it was held (on a GPU, a step late): its hold
+        ends and a consumer is told ``why``. False where it is not held."""
+        ...
+
     def drop(self, request_ids: Sequence[str]) -> None:
         """The scheduler failed these requests at their finish: nobody got their handle."""
         ...

@@ -410,9 +410,16 @@ class WorkerSide:
     def _fail_unshipped(self, rid: str, why: str) -> None:
         """A slice of the request was not written where its block table says, or not at all.
 
-        It will not be shipped. One already shipped is failed by its sender, which reports
-        it; its gate says why."""
-        if rid in self._shipped or rid in self._failed:
+        It will not be shipped. One already shipped in push is failed by its sender, which
+        reports it; its gate says why. One already held in pull is failed here: its hold
+        ends, and a consumer is told why."""
+        if rid in self._failed:
+            return
+        if rid in self._shipped:
+            if self.holds is not None and self.holds.fail_held(rid, why):
+                log.error("request %s: %s; its held hidden states will not be served", rid, why)
+                self._failed[rid] = why
+                self._note_failure(rid, SampleFailure(FailureReason.OTHER, why))
             return
         log.error("request %s: %s; its hidden states will not be shipped", rid, why)
         self._failed[rid] = why

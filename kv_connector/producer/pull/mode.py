@@ -75,15 +75,20 @@ class PullWorker:
         words: Fingerprinted | None,
     ) -> None:
         """Hold the sample for consumers. It is fetched only after its request finished,
-        steps after the one that wrote it (``gate`` is done by then)."""
+        after the step that wrote it returned; a fetch waits for ``gate`` (the step's slot
+        check, on a GPU a step late) and is refused if it failed."""
         ident = order.identity
         s = self._server
-        s.hold(order.request_id, order.nonce, order.token_ids, blocks, ident.sample_id, ident.metadata, words)
+        rid, tokens = order.request_id, order.token_ids
+        s.hold(rid, order.nonce, tokens, blocks, ident.sample_id, ident.metadata, words, ready=gate)
         if told_finished:  # told first (its request ships its output tokens)
-            s.finished([order.request_id])
+            s.finished([rid])
 
     def refuse(self, order: ShipOrder, why: str) -> None:
         self._server.fail(order.request_id, order.nonce, why)
+
+    def fail_held(self, request_id: str, why: str) -> bool:
+        return self._server.fail_held(request_id, why)
 
     def drop(self, request_ids: Sequence[str]) -> None:
         if request_ids:

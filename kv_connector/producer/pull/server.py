@@ -41,6 +41,7 @@ from kv_connector.common.device import on_device
 from kv_connector.common.errors import ConfigurationError
 from kv_connector.producer.pull.hold_fences import FENCE_SLOTS, WORD_BYTES, FenceTable
 from kv_connector.producer.pull.ledger import Held, PullLedger, PullRefused
+from kv_connector.producer.slot_check import StepGate
 from kv_connector.wire import auth, block_digest, handshake, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, format_address, is_loopback
 from kv_connector.wire.identity import make_identity
@@ -59,6 +60,10 @@ IDLE_POLL_S = 0.5  # how often a connection's thread looks whether the endpoint 
 # a fetch may come before its sample is held: a request that ships its output tokens is
 # held in the engine step after its response (and handle) went out
 HOLD_WAIT_S = 5.0
+# how long a fetch waits for the step that wrote its sample to be checked (on a GPU the
+# slot check runs a step late; the handle goes out after that step returned, so it is rare)
+GATE_WAIT_S = 5.0
+GATE_POLL_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,8 @@ class PullServer:
         self._hashing: dict[tuple[str, str], concurrent.futures.Future[int]] = {}
         # each held sample's fingerprint words (with its nonce), until its hold ends
         self._words: dict[str, tuple[str, Fingerprinted]] = {}
+        # the slot check of each held sample whose step was not checked when it was held
+        self._gates: dict[str, tuple[str, StepGate]] = {}
         self._conns: set[FramedConnection] = set()
         self._closed = False
         # consumers that fetched and did not release yet: they may be reading, and a READ
@@ -195,13 +202,16 @@ class PullServer:
         sample_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         words: Fingerprinted | None = None,
+        ready: StepGate | None = None,
     ) -> None:
         """Hold a computed sample for consumers.
 
         ``block_ids``: the cache blocks of its tokens, in block-table order. ``words``: its
         fingerprint words as its steps took them, its record when this rank's checksum is
-        FINGERPRINT. ``ValueError`` if its id, identity or blocks cannot be served; nothing
-        is held then."""
+        FINGERPRINT. ``ready``: the slot check of the step that wrote it, when that step is
+        not checked yet (on a GPU); no fetch is served before it passes, and one that fails
+        fails the sample. ``ValueError`` if its id, identity or blocks cannot be served;
+        nothing is held then."""
         ident = make_identity(sample_id, metadata)
         s = self.blocks.share_of(
             request_id, token_ids, block_ids, self.layer_ids, ident, self.rank, self.world_size
@@ -210,6 +220,10 @@ class PullServer:
             self._ledger.hold(request_id, nonce, s.manifest, s.block_ids, s.share, self._clock())
             if words is not None:
                 self._words[request_id] = (nonce, words)
+            if ready is not None:
+                self._gates[request_id] = (nonce, ready)
+            else:
+                self._gates.pop(request_id, None)
             self._held.notify_all()
 
     def finished(self, request_ids: Iterable[str]) -> None:
@@ -253,6 +267,38 @@ class PullServer:
         with self._lock:
             self._ledger.fail(request_id, nonce, f"could not be captured: {why}")
 
+    def fail_held(self, request_id: str, why: str) -> bool:
+        """A held sample turned out wrong (its step's slot check failed): its hold ends, and a
+        consumer asking for it is told ``why``. False where it is not held."""
+        with self._lock:
+            if not self._ledger.is_held(request_id):
+                return False
+            self._ledger.fail(request_id, "", f"could not be captured: {why}")
+            return True
+
+    def _slots_wrong(self, rid: str, nonce: str) -> str | None:
+        """Why a held sample's slots failed their check, once its step is checked; None when
+        they passed, or it has no pending check under ``nonce``. Waits up to ``GATE_WAIT_S``
+        for the step; call without the lock."""
+        with self._lock:
+            entry = self._gates.get(rid)
+        if entry is None or entry[0] != nonce:
+            return None
+        gate = entry[1]
+        deadline = time.monotonic() + GATE_WAIT_S
+        while True:
+            done, wrong = gate.poll(rid)
+            if wrong is not None:
+                return wrong
+            if done:
+                with self._lock:
+                    if self._gates.get(rid) is entry:
+                        del self._gates[rid]
+                return None
+            if time.monotonic() >= deadline:
+                return f"the step that wrote it was not checked within {GATE_WAIT_S:.0f} s"
+            time.sleep(GATE_POLL_S)
+
     def preempt(self, request_ids: Iterable[str]) -> list[str]:
         """vLLM reuses these requests' blocks from this step on: their holds end."""
         with self._lock:
@@ -272,6 +318,7 @@ class PullServer:
             freed = self._ledger.take_freed()
             for rid in freed:
                 self._words.pop(rid, None)
+                self._gates.pop(rid, None)
         for rid in expired:
             log.warning(
                 "pull: sample %s was not released within pull_timeout_s (%.0f s): its blocks are freed",
@@ -443,6 +490,10 @@ class PullServer:
         if not isinstance(msg, protocol.PullFetch):
             raise ProtocolError(f"expected a pull request, got {type(msg).__name__}")
         rid, nonce = msg.request_id, msg.nonce
+        wrong = self._slots_wrong(rid, nonce)
+        if wrong is not None:
+            self.fail_held(rid, wrong)  # never served: the fetch below says why
+            self._on_release()  # its blocks go back to vLLM in the next step
         try:
             with self._lock:
                 h = self._held_for(rid, nonce, self._ledger.fetch)

@@ -181,6 +181,10 @@ class FakeMode:
     def refuse(self, order: ShipOrder, why: str) -> None:
         self.refused[order.request_id] = why
 
+    def fail_held(self, request_id: str, why: str) -> bool:
+        self.refused[request_id] = why
+        return True
+
     def drop(self, request_ids: Sequence[str]) -> None:
         pass
 
@@ -286,3 +290,37 @@ def test_the_shared_sides_import_neither_delivery_mode() -> None:
     assert out.stdout.split() == []
     # the one module that knows both makes each
     assert modes.scheduler_mode.__module__ == "kv_connector.producer.modes"
+
+
+class Later:
+    """A device event stand-in that is done only once ``Later.done`` says so (a GPU step's)."""
+
+    done = False
+
+    def query(self) -> bool:
+        return Later.done
+
+    def synchronize(self) -> None:
+        Later.done = True
+
+
+def test_a_held_sample_whose_step_fails_its_check_a_step_late_has_its_hold_failed_and_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kv_connector.producer import slot_check
+
+    monkeypatch.setattr(slot_check, "HostDone", Later)
+    Later.done = False
+    side, mode = worker()
+    planner = ShipPlanner()
+    planner.add("r")
+    prompt, table = list(range(6)), [5, 2]
+    plan = planner.plan([NewRequest("r", prompt, table, 0)], [], {"r": len(prompt)})
+    side._slots = slots_for([5, 3], len(prompt))  # written to block 3, not 2: found a step late
+    side.wait_for_save(plan)
+    assert mode.shipped == [("r", table, False)] and not mode.refused  # held, its check pending
+    Later.done = True
+    assert side.get_finished(set()) is None
+    assert "r" in mode.refused and "block" in mode.refused["r"]  # its hold was failed
+    report = side.build_connector_worker_meta()
+    assert set(report.failures) == {"r"} and report.failures["r"].why == mode.refused["r"]

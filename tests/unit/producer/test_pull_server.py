@@ -246,3 +246,52 @@ def test_a_keep_extends_a_held_samples_clock_within_the_bound_and_says_how_long(
         assert isinstance(gone, protocol.PullError) and gone.code == "expired"
     finally:
         s.close()
+
+
+class Gate:
+    """A step's slot check as the worker side hands it over: not done, then passed or failed."""
+
+    def __init__(self) -> None:
+        self.state: tuple[bool, str | None] = (False, None)
+        self.polls = 0
+
+    def poll(self, request_id: str) -> tuple[bool, str | None]:
+        self.polls += 1
+        return self.state
+
+
+def test_a_sample_held_before_its_step_was_checked_is_served_only_once_the_check_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU the slot check of the step that wrote a sample runs a step late, after it is
+    held: a fetch waits for the check, is served once it passed, and a sample whose check
+    failed is never served; its hold ends and the consumer is told why. A wrong nonce
+    learns nothing of the check."""
+    import threading
+
+    monkeypatch.setattr(pull_server, "GATE_WAIT_S", 0.3)
+    cache = cache_of(LTH)
+    s = server(cache, LTH, ShareChecksum.XXH3)
+    nonce, tokens = make_nonce(), list(range(20))
+    passes, fails, never = Gate(), Gate(), Gate()
+    try:
+        s.hold("ok", nonce, tokens, [3, 5], ready=passes)
+        s.hold("bad", nonce, tokens, [6, 8], ready=fails)
+        s.hold("slow", nonce, tokens, [1, 2], ready=never)
+        threading.Timer(0.05, lambda: setattr(passes, "state", (True, None))).start()
+        share = s.answer(protocol.PullFetch(request_id="ok", nonce=nonce))
+        assert isinstance(share, protocol.PullShare) and passes.polls > 1  # it waited for the check
+        fails.state = (False, "slot check: block 1 was written at block 9")
+        forged = s.answer(protocol.PullFetch(request_id="bad", nonce=make_nonce()))
+        assert isinstance(forged, protocol.PullError) and forged.code == "unknown" and not fails.polls
+        refused = s.answer(protocol.PullFetch(request_id="bad", nonce=nonce))
+        assert isinstance(refused, protocol.PullError) and refused.code == "failed"
+        assert "block 1 was written at block 9" in refused.message
+        late = s.answer(protocol.PullFetch(request_id="slow", nonce=nonce))
+        assert isinstance(late, protocol.PullError) and late.code == "failed"
+        assert "not checked" in late.message
+        assert s.take_freed() == {"bad", "slow"}  # their blocks go back to vLLM; "ok" is held
+        again = s.answer(protocol.PullFetch(request_id="ok", nonce=nonce))
+        assert again == share
+    finally:
+        s.close()
