@@ -177,11 +177,9 @@ class Finished:
 
     request_id: str
     identity: SampleIdentity
-    nonce: str
     hold: bool  # its blocks are held for its delivery
     status: SampleStatus
     error: str  # why it failed ("" unless failed)
-    reader: str | None  # the reader the delivery book bound it to (push)
     aborted: bool
 
 
@@ -213,8 +211,16 @@ class SchedulerMode(Protocol):
         delivery book takes it."""
         ...
 
+    def route(self, request_id: str) -> str | None:
+        """What the workers' modes address the request's sample by (``ShipOrder.route``),
+        asked when its ship is planned, before its finish."""
+        ...
+
     def request_finished(self, done: Finished) -> dict[str, Any]:
-        """The finished request's kv_transfer_params (``request_finished``)."""
+        """The finished request's kv_transfer_params (``request_finished``).
+
+        Asked of every request that finishes, once; the scheduler side returns them only
+        where something was shipped or failed. The mode forgets the request afterwards."""
         ...
 
 
@@ -222,7 +228,8 @@ class SchedulerMode(Protocol):
 class HandsOutHandles(Protocol):
     """A scheduler mode that hands each finished request a handle (pull).
 
-    Each request gets a nonce when it arrives; a failed one's hold ends at the workers."""
+    Each request gets a nonce when it arrives, its handle's secret and its route; a failed
+    one's hold ends at the workers."""
 
     def on_new_request(self, request_id: str) -> None:
         """A new request is followed: it gets its nonce."""

@@ -8,7 +8,7 @@ cache-only layer wrote with, and records the cache block of every position from 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -38,14 +38,16 @@ class StepSlice:
 @dataclass(frozen=True)
 class ShipOrder:
     """Ship the states of ``token_ids`` (positions 0..len-1) of a request now, under the
-    ``identity`` its request gave (checked on the scheduler side)."""
+    ``identity`` its request gave (checked on the scheduler side).
+
+    ``route`` is what its delivery mode addresses the sample by, the same on every rank
+    (``SchedulerMode.route``): in push the reader's address, in pull its handle's nonce."""
 
     request_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
-    reader: str | None = None  # the reader's address, bound at admission (the same on every rank)
     identity: SampleIdentity = NO_IDENTITY
-    nonce: str = ""  # pull delivery: its handle's nonce (a consumer must present it)
+    route: str | None = None
 
 
 @dataclass
@@ -111,8 +113,12 @@ class ShipPlanner:
     state of a request is its ``RequestRecord``, shared with the delivery book through ``table``.
     """
 
-    def __init__(self, table: RequestTable | None = None) -> None:
+    def __init__(
+        self, table: RequestTable | None = None, route: Callable[[str], str | None] | None = None
+    ) -> None:
         self.table = table if table is not None else RequestTable()
+        # a request's route, as its delivery mode names it (``ShipOrder.route``)
+        self.route: Callable[[str], str | None] = route if route is not None else lambda rid: None
         self._pending_ships: list[ShipOrder] = []
         # the requests a step can still give a slice: followed and not shipped (with
         # include_output, until they finish); a step's plan need visit no other
@@ -122,14 +128,8 @@ class ShipPlanner:
         rec = self.table.get(request_id)
         return rec if rec is not None and rec.tracked else None
 
-    def reader_of(self, request_id: str) -> str | None:
-        """The reader a request goes to (or was bound for, if it failed before it ran);
-        None if none was decided (round robin, for a request that never ran)."""
-        rec = self.table.get(request_id)
-        return rec.reader if rec is not None else None
-
     def _order(self, rec: RequestRecord, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> ShipOrder:
-        return ShipOrder(rec.request_id, tokens, blocks, rec.reader, rec.identity, rec.nonce)
+        return ShipOrder(rec.request_id, tokens, blocks, rec.identity, self.route(rec.request_id))
 
     def drop(self, request_id: str) -> None:
         """Stop following a request: it runs, but nothing of it is shipped."""

@@ -17,7 +17,6 @@ class RequestRecord:
     request_id: str
     include_output: bool = False
     identity: SampleIdentity = NO_IDENTITY  # the user's sample id and metadata
-    nonce: str = ""  # pull delivery: the secret of its handle, known to every rank
     # --- planning (ShipPlanner)
     tracked: bool = True  # its hidden states are to be shipped
     prompt: tuple[int, ...] = ()

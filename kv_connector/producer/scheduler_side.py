@@ -98,11 +98,11 @@ class SchedulerSide:
         self.producer_id = producer_id
         # one record per request, read and written by both the planner and the book
         self.requests = RequestTable()
-        self.planner = ShipPlanner(self.requests)
         self.book = DeliveryBook(options.connect_timeout_s, table=self.requests)
         self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
         self.world_size = world_size
         self.mode: SchedulerMode = make_mode(options, self.book, producer_id, world_size)
+        self.planner = ShipPlanner(self.requests, route=self.mode.route)
         self.handles = self.mode if isinstance(self.mode, HandsOutHandles) else None
         # naps before steps that only wait for held samples, ended by the worker side's news
         # (rung from the workers' processes too) or by a new request
@@ -241,21 +241,19 @@ class SchedulerSide:
         if hold:
             self.metrics.holding(rid, len(block_ids))
         status, error = self.book.outcome(rid)
-        reader = self.planner.reader_of(rid)  # bound once, by the delivery book
-        self.book.finish(rid)  # its record goes: later reports about it are late
-        if not hold and status is not SampleStatus.FAILED:
-            return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
         done = Finished(
             request_id=rid,
             identity=rec.identity if rec is not None else NO_IDENTITY,
-            nonce=rec.nonce if rec is not None else "",
             hold=hold,
             status=status,
             error=error,
-            reader=reader,
             aborted=getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED",
         )
-        return hold, self.mode.request_finished(done)
+        params = self.mode.request_finished(done)  # every finish, so the mode forgets the request
+        self.book.finish(rid)  # its record goes: later reports about it are late
+        if not hold and status is not SampleStatus.FAILED:
+            return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
+        return hold, params
 
     def get_kv_connector_stats(self) -> StepData | None:
         """This step's metrics (``step_stats``): admission failures since the last step,

@@ -80,12 +80,12 @@ class PullWorker:
         ident = order.identity
         s = self._server
         rid, tokens = order.request_id, order.token_ids
-        s.hold(rid, order.nonce, tokens, blocks, ident.sample_id, ident.metadata, words, ready=gate)
+        s.hold(rid, order.route or "", tokens, blocks, ident.sample_id, ident.metadata, words, ready=gate)
         if told_finished:  # told first (its request ships its output tokens)
             s.finished([rid])
 
     def refuse(self, order: ShipOrder, why: str) -> None:
-        self._server.fail(order.request_id, order.nonce, why)
+        self._server.fail(order.request_id, order.route or "", why)
 
     def fail_held(self, request_id: str, why: str) -> bool:
         return self._server.fail_held(request_id, why)
@@ -134,9 +134,14 @@ class PullScheduling:
         self.hold_nap_s: float | None = min(HOLD_NAP_S, options.pull.timeout_s / 4)
         self.endpoints: dict[int, str] = {}  # each rank's endpoint, as reported
         self._drops: list[str] = []  # failed at their finish: their holds must end
+        self._nonces: dict[str, str] = {}  # each unfinished request's handle secret
 
     def on_new_request(self, request_id: str) -> None:
-        self.book.table.ensure(request_id).nonce = make_nonce()
+        self._nonces[request_id] = make_nonce()
+
+    def route(self, request_id: str) -> str | None:
+        """Its nonce: every rank holds the sample under it, and its handle carries it."""
+        return self._nonces.get(request_id)
 
     def admit(self, request_id: str) -> Admission:
         """Once every rank reported its endpoint (at the engine's first step): vLLM asks
@@ -182,6 +187,7 @@ class PullScheduling:
     def request_finished(self, done: Finished) -> dict[str, Any]:
         """The sample's ``handle`` (top level, where speculators looks) and its record:
         "ready", or "failed" with an "error"; a failed one's hold ends."""
+        nonce = self._nonces.pop(done.request_id, "")
         status, error = done.status, done.error
         missing = self._missing()
         if done.aborted:
@@ -202,5 +208,5 @@ class PullScheduling:
                 self._drops.append(done.request_id)  # nobody gets its handle: the workers end its hold
             return outcome.params()
         endpoints = [self.endpoints[r] for r in range(self.world_size)]
-        handle = PullHandle(self.producer_id, done.request_id, done.nonce, endpoints).encode()
+        handle = PullHandle(self.producer_id, done.request_id, nonce, endpoints).encode()
         return {"handle": handle, **outcome.params()}

@@ -75,7 +75,7 @@ class PushWorker:
         told_finished: bool,
         words: Fingerprinted | None,
     ) -> None:
-        sender = self._sender_of(order.reader)
+        sender = self._sender_of(order.route)
         sender.ship(order.request_id, order.token_ids, blocks, order.identity, ready=gate, words=words)
 
     def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
@@ -186,6 +186,7 @@ class PushScheduling:
     ) -> None:
         self.options = options
         self.producer_id = producer_id
+        self.book = book
         self.hold_nap_s: float | None = None  # push: the short naps only
         router = Router(options.push.readers, options.push.sharding)
         self.admission = ReaderAdmission(book, options.push.readers, world_size, router)
@@ -213,12 +214,17 @@ class PushScheduling:
             else:
                 log.warning("rank %d cannot reach the reader at %s: %s", rank, reader, error)
 
+    def route(self, request_id: str) -> str | None:
+        """The reader the delivery book bound the request to at admission (its address)."""
+        rec = self.book.table.get(request_id)
+        return rec.reader if rec is not None else None
+
     def request_finished(self, done: Finished) -> dict[str, Any]:
         """The sample's request id, sample id, reader and status.
 
         The status is "delivered", "failed" with an "error", or "pending" (on its way). One
         that failed before it ran names the reader it was bound for."""
-        reader = done.reader
+        reader = self.route(done.request_id)
         if reader is None and done.status is SampleStatus.FAILED:
             reader = self.admission.bound(done.request_id)
         return SampleOutcome(

@@ -48,8 +48,7 @@ class Clock:
 
 def finished(rid: str, status: SampleStatus = SampleStatus.PENDING, **kw: Any) -> Finished:
     fields: dict[str, Any] = dict(
-        request_id=rid, identity=NO_IDENTITY, nonce="n0", hold=True, status=status, error="",
-        reader=None, aborted=False,
+        request_id=rid, identity=NO_IDENTITY, hold=True, status=status, error="", aborted=False,
     )  # fmt: skip
     return Finished(**{**fields, **kw})
 
@@ -93,11 +92,14 @@ def test_pull_hands_out_a_handle_naming_every_rank_endpoint_in_rank_order() -> N
     book.add("r")
     mode.on_new_request("r")
     mode.update(WorkerReport(endpoints={1: "127.0.0.1:9001", 0: "127.0.0.1:9000"}))
-    nonce = make_nonce()
-    params = mode.request_finished(finished("r", nonce=nonce))
+    mode.on_new_request("other")
+    nonce = mode.route("r")  # what every rank holds its sample under
+    assert nonce is not None and len(nonce) == len(make_nonce()) and nonce != mode.route("other")
+    params = mode.request_finished(finished("r"))
     handle = decode_handle(params["handle"])
     assert handle.endpoints == ["127.0.0.1:9000", "127.0.0.1:9001"] and handle.nonce == nonce
     assert params["hidden_states"]["status"] == "ready" and mode.take_drops() == []
+    assert mode.route("r") is None  # forgotten at its finish
 
 
 @pytest.mark.parametrize("aborted", [False, True])
@@ -144,8 +146,11 @@ def test_push_admits_once_every_rank_reaches_the_request_reader() -> None:
 
 
 def test_push_names_the_reader_in_the_outcome_and_a_failed_request_its_bound_one() -> None:
-    mode, _ = push(readers=(R0, R1))
-    params = mode.request_finished(finished("ok", SampleStatus.DELIVERED, reader=R1))
+    mode, book = push(readers=(R0, R1))
+    book.add("ok")
+    book.run("ok", R1)  # bound at admission
+    assert mode.route("ok") == R1  # its ship orders name that reader
+    params = mode.request_finished(finished("ok", SampleStatus.DELIVERED))
     assert params["hidden_states"]["consumer_address"] == R1
     params = mode.request_finished(finished("bad id", SampleStatus.FAILED, error="cannot name a sample"))
     assert params["hidden_states"]["consumer_address"] == mode.admission.router.route("bad id")

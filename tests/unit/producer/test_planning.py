@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_connector.producer.delivery import DeliveryBook
+from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import (
     BlockRecorder,
     NewRequest,
@@ -30,8 +31,10 @@ from kv_connector.producer.planning import (
     check_slots,
     check_step,
 )
-from kv_connector.producer.push.admission import ReaderAdmission, Router
+from kv_connector.producer.push.admission import Router
+from kv_connector.producer.push.mode import PushScheduling
 from kv_connector.producer.request_table import RequestTable
+from kv_connector.producer.worker_report import LinkChange, WorkerReport
 
 BS = 16  # block size of the simulated scheduler and cache
 
@@ -661,22 +664,23 @@ def test_router_hash_is_stable_and_spreads_and_round_robin_cycles() -> None:
 def test_ship_orders_carry_the_reader_bound_at_admission_and_finish_reports_it() -> None:
     readers = ["10.0.0.1:1", "10.0.0.2:1"]
     table = RequestTable()
-    planner, book = ShipPlanner(table), DeliveryBook(5.0, table=table)
-    admission = ReaderAdmission(book, readers, 1, Router(readers, "round_robin"))
-    admission.links([(r, 0, None) for r in readers])
+    book = DeliveryBook(5.0, table=table)
+    options = ConnectorOptions.parse({"consumer_address": readers, "sharding": "round_robin"})
+    mode = PushScheduling(options, book, "p", 1)
+    planner = ShipPlanner(table, route=mode.route)
+    mode.update(WorkerReport(links=[LinkChange(r, 0, None) for r in readers]))
     for rid in ("a", "b", "c"):
         planner.add(rid)
         book.add(rid)
-        assert admission.admit(rid).reader is not None
+        assert mode.admit(rid).reader is not None
     plan = planner.plan(
         [NewRequest(r, prompt_of(5), [1], 0) for r in ("a", "b", "c")], [], {"a": 5, "b": 5, "c": 5}
     )
-    assert [(o.request_id, o.reader) for o in plan.ships] == [
+    assert [(o.request_id, o.route) for o in plan.ships] == [
         ("a", readers[0]),
         ("b", readers[1]),
         ("c", readers[0]),
     ]
-    assert planner.reader_of("b") == readers[1]
 
 
 def test_a_decode_step_plan_does_not_grow_with_the_block_table() -> None:

@@ -116,8 +116,8 @@ def test_a_request_with_a_bad_sample_id_fails_alone_and_says_why() -> None:
     new = [NewRequest(r.request_id, r.all_token_ids[:-1], [i], 0) for i, r in enumerate((good, plain, bad))]
     plan = side.planner.plan(new, [], {"good": 3, "plain": 2, "bad": 2})
     assert plan.ships == [
-        ShipOrder("good", (1, 2, 3), (0,), "127.0.0.1:5555", SampleIdentity("7", b'{"row":7}')),
-        ShipOrder("plain", (4, 5), (1,), "127.0.0.1:5555", NO_IDENTITY),
+        ShipOrder("good", (1, 2, 3), (0,), SampleIdentity("7", b'{"row":7}'), route="127.0.0.1:5555"),
+        ShipOrder("plain", (4, 5), (1,), NO_IDENTITY, route="127.0.0.1:5555"),
     ]
 
     hold, params = side.request_finished(bad, [2])  # type: ignore[arg-type]
