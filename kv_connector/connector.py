@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kv_connector.producer import modes
 from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
+from kv_connector.producer.options import producer_id_for
 from kv_connector.producer.planning import StepPlan
 from kv_connector.producer.scheduler_side import SchedulerSide
 from kv_connector.producer.startup_checks import check_config, configured_layer_ids
@@ -89,7 +90,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self.options, layer_ids = check_config(vllm_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        producer_id = self.options.producer_id or f"vllm-{ktc.engine_id}"
+        producer_id = producer_id_for(self.options.producer_id, str(ktc.engine_id))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

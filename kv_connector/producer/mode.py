@@ -54,6 +54,7 @@ class RankCache:
     # rings the scheduler side's doorbell (``engine_bell``): a sample's outcome is news for the next step
     news: Callable[[], None] = lambda: None
     provenance: Provenance | None = None  # what produced the samples (``wire.provenance``)
+    replica: int = 0  # this engine's data-parallel replica (``options.replica_of``)
 
 
 @dataclass

@@ -7,6 +7,7 @@ the fix, so vLLM fails at startup with that message.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
@@ -154,7 +155,8 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     that shards the samples over several readers, each sample to exactly one.
     sharding: how a request picks its reader. "request_hash" (crc32 of the request id) is the
     default; "round_robin" goes in the order requests complete.
-    producer_id: this engine's name at the reader (default: vLLM's engine_id).
+    producer_id: this engine's name at the reader (default: vLLM's engine_id). A
+    data-parallel replica adds ``-dp{n}`` to a name given here (``producer_id_for``).
     connect_timeout_s: how long a worker keeps trying to reach the reader.
     drain_timeout_s: at shutdown, how long to wait for samples still in flight.
     include_output_tokens: ship output tokens too, for every request. A single request can ask
@@ -276,8 +278,36 @@ _HINTS = {
 }
 
 
+# the suffix vLLM gives each data-parallel replica's kv_transfer_config.engine_id
+_REPLICA = re.compile(r"_dp(\d+)$")
+
+
+def replica_of(engine_id: str) -> int | None:
+    """The data-parallel replica an engine id names, or None where vLLM runs no replicas.
+
+    vLLM's engine core appends ``_dp{n}`` to every replica's ``engine_id``, replica 0's
+    included. The config's ``data_parallel_size`` says nothing here, since vLLM runs each
+    replica of a dense model as an engine of its own with a size of 1."""
+    found = _REPLICA.search(engine_id)
+    return int(found.group(1)) if found else None
+
+
+def producer_id_for(given: str | None, engine_id: str) -> str:
+    """This engine's name at the reader: ``vllm-{engine_id}``, or the ``producer_id`` option.
+
+    Each data-parallel replica is a producer of its own, with its own ranks, credits and
+    samples. vLLM's engine id names the replica already; a given name gets ``-dp{n}``."""
+    if given is None:
+        return f"vllm-{engine_id}"
+    replica = replica_of(engine_id)
+    return given if replica is None else f"{given}-dp{replica}"
+
+
 def pull_endpoint(listen: str, rank: int) -> tuple[str, int]:
-    """The (host, port) rank ``rank``'s pull endpoint binds for ``pull_listen``; port 0 takes any free one."""
+    """The (host, port) rank ``rank``'s pull endpoint binds for ``pull_listen``; port 0 takes any free one.
+
+    ``rank`` counts across data-parallel replicas on one host (``replica * world + rank``),
+    so a fixed port gives each replica's ranks ports of their own."""
     if listen.count(":") == 1 or "]:" in listen:
         host, port = parse_address(listen)
     else:

@@ -29,7 +29,7 @@ from kv_connector.producer.mode import (
     WorkerMode,
     WorkerModeMaker,
 )
-from kv_connector.producer.options import ConnectorOptions
+from kv_connector.producer.options import ConnectorOptions, replica_of
 from kv_connector.producer.planning import BlockRecorder, ShipOrder, SlotMismatch, StepPlan, in_kernel_blocks
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.step_inputs import find_input_ids
@@ -199,6 +199,7 @@ class WorkerSide:
                 checksum=checksum,
                 news=doorbell(self.producer_id).ring,  # ends the scheduler side's nap, in any process
                 provenance=provenance_of(self.vllm_config),
+                replica=self._replica(),
             ),
         )
         log.info(
@@ -216,6 +217,11 @@ class WorkerSide:
             CHECKSUM_NAMES[checksum],
             self.mode.describe(),
         )
+
+    def _replica(self) -> int:
+        """This engine's data-parallel replica, named by vLLM's engine id (0 without replicas)."""
+        ktc = getattr(self.vllm_config, "kv_transfer_config", None)
+        return replica_of(str(getattr(ktc, "engine_id", ""))) or 0
 
     def _cache_only_layer(self, kv_caches: dict[str, torch.Tensor]) -> str:
         """The name of the one cache-only layer among ``kv_caches`` (ConfigurationError: not one)."""

@@ -43,7 +43,7 @@ class PullWorker:
                 layout=rc.layout,
                 layer_ids=tuple(rc.layer_ids),
                 producer_id=rc.producer_id,
-                listen=pull_endpoint(options.pull.listen, rc.rank),
+                listen=pull_endpoint(options.pull.listen, rc.replica * rc.world_size + rc.rank),
                 timeout_s=options.pull.timeout_s,
                 rank=rc.rank,
                 world_size=rc.world_size,

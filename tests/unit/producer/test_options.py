@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from kv_connector.producer.options import ConnectorOptions, PushOptions, Sharding, captured_layer_order
+from kv_connector.producer.options import (
+    ConnectorOptions,
+    PushOptions,
+    Sharding,
+    captured_layer_order,
+    producer_id_for,
+    replica_of,
+)
 
 GOOD = "127.0.0.1:5555"
 TIMEOUT_KEYS = ["connect_timeout_s", "drain_timeout_s"]
@@ -268,3 +275,15 @@ def test_credits_ahead_defaults_to_two_and_bad_values_are_named() -> None:
     for bad in (-1, 9, 1.5, "2", None, True):
         msg = parse_error({"consumer_address": GOOD, "credits_ahead": bad})
         assert "kv_connector_extra_config.credits_ahead must be a whole number from 0 to 8" in msg, msg
+
+
+def test_each_data_parallel_replica_is_a_producer_of_its_own_name() -> None:
+    """vLLM appends ``_dp{n}`` to each replica's engine id (replica 0's too): the default
+    name carries it, and a name given in the options gets ``-dp{n}``, so two replicas never
+    meet at a reader under one name."""
+    assert replica_of("a1b2") is None and replica_of("a1b2_dp0") == 0 and replica_of("x_dp12") == 12
+    assert replica_of("dp3") is None and replica_of("x_dp3_y") is None
+    assert producer_id_for(None, "e1_dp1") == "vllm-e1_dp1"
+    assert producer_id_for("gen", "e1") == "gen"
+    names = {producer_id_for("gen", f"e1_dp{n}") for n in range(4)}
+    assert names == {"gen-dp0", "gen-dp1", "gen-dp2", "gen-dp3"}
