@@ -46,7 +46,7 @@ class Fingerprinted(Protocol):
     """A sample's fingerprint words as the producer's steps took them
     (``producer.fingerprints.SampleWords``)."""
 
-    def record(self, m: Manifest, share: Iterable[int]) -> int: ...
+    def record(self, manifest: Manifest, share: Iterable[int]) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -47,17 +47,17 @@ class HostDone:
         pass
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in host memory, contiguous: ``t`` itself when it is there, else one copy.
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory, contiguous: ``tensor`` itself when it is there, else one copy.
 
     The copy goes into pinned memory, queued on its device's current stream after the work
     before it. An event of that copy alone waits for it, so the device's other streams go on."""
 
-    if t.device.type == "cpu":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
+    if tensor.device.type == "cpu":
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    out.copy_(tensor, non_blocking=True)
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    done.record(torch.cuda.current_stream(t.device))
+    done.record(torch.cuda.current_stream(tensor.device))
     done.synchronize()  # type: ignore[no-untyped-call]
     return out

@@ -74,8 +74,8 @@ class Phases:
                 for p in self.done}
 
 
-def _r(v: float | None) -> float | None:
-    return None if v is None else round(v, 4)
+def _r(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
 
 
 __all__ = ["Phase", "Phases"]

@@ -61,11 +61,11 @@ log = logging.getLogger("kv_connector.datagen")
 FileId = tuple[int, int, int]  # (inode, mtime ns, size): a file replaced since has another
 
 
-def existing_rows(d: Path) -> set[int]:
-    """Rows whose ``hs_<row>.safetensors`` is in ``d`` (one listing of the directory)."""
+def existing_rows(directory: Path) -> set[int]:
+    """Rows whose ``hs_<row>.safetensors`` is in ``directory`` (one listing of it)."""
     out: set[int] = set()
     try:
-        with os.scandir(d) as it:
+        with os.scandir(directory) as it:
             for e in it:
                 if e.name.startswith("hs_") and e.name.endswith(".safetensors"):
                     row = row_index(e.name[3 : -len(".safetensors")])

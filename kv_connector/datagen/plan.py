@@ -260,29 +260,30 @@ def duration(seconds: float | None) -> str:
     return f"{s}s"
 
 
-def rate(x: float) -> str:
+def rate(value: float) -> str:
     """``950``, ``12.3k``, ``4.56M``."""
-    if x >= 1e6:
-        return f"{x / 1e6:.2f}M"
-    if x >= 1e4:
-        return f"{x / 1e3:.1f}k"
-    return f"{x:.0f}"
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e4:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.0f}"
 
 
-def line(p: RunProgress, retries: int, gave_up: int) -> str:
+def line(progress: RunProgress, retries: int, gave_up: int) -> str:
     """One plain progress line (for logs and pipes)."""
     return (
-        f"{p.rows_done}/{p.rows} rows ({100 * p.fraction:.1f}%), {p.rows_per_s:.1f} rows/s, "
-        f"{rate(p.tokens_per_s)} tokens/s, ETA {duration(p.eta_s)}, {retries} retried, {gave_up} failed"
+        f"{progress.rows_done}/{progress.rows} rows ({100 * progress.fraction:.1f}%), "
+        f"{progress.rows_per_s:.1f} rows/s, {rate(progress.tokens_per_s)} tokens/s, "
+        f"ETA {duration(progress.eta_s)}, {retries} retried, {gave_up} failed"
     )
 
 
-def bar(p: RunProgress, retries: int, gave_up: int, width: int = 30) -> str:
+def bar(progress: RunProgress, retries: int, gave_up: int, width: int = 30) -> str:
     """A progress bar line for a terminal."""
-    filled = min(width, int(p.fraction * width))
+    filled = min(width, int(progress.fraction * width))
     return (
-        f"[{'#' * filled}{'.' * (width - filled)}] {p.rows_done}/{p.rows} rows "
-        f"{rate(p.tokens_per_s)} tok/s ETA {duration(p.eta_s)}"
+        f"[{'#' * filled}{'.' * (width - filled)}] {progress.rows_done}/{progress.rows} rows "
+        f"{rate(progress.tokens_per_s)} tok/s ETA {duration(progress.eta_s)}"
         + (f" ({retries} retried, {gave_up} failed)" if retries or gave_up else "")
     )
 

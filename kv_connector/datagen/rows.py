@@ -13,7 +13,7 @@ from kv_connector.common.errors import ConfigurationError
 class Rows(Protocol):
     def __len__(self) -> int: ...
 
-    def tokens(self, i: int) -> list[int]: ...
+    def tokens(self, row: int) -> list[int]: ...
 
     def lengths(self) -> list[int]: ...
 
@@ -48,8 +48,8 @@ class DatasetRows:
     def __len__(self) -> int:
         return len(self._ds)
 
-    def tokens(self, i: int) -> list[int]:
-        return check_tokens(self._ds[i]["input_ids"], i)
+    def tokens(self, row: int) -> list[int]:
+        return check_tokens(self._ds[row]["input_ids"], row)
 
     def lengths(self) -> list[int]:
         import pyarrow.compute as pc
@@ -82,8 +82,8 @@ class JsonlRows:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def tokens(self, i: int) -> list[int]:
-        return self._rows[i]
+    def tokens(self, row: int) -> list[int]:
+        return self._rows[row]
 
     def lengths(self) -> list[int]:
         return [len(r) for r in self._rows]

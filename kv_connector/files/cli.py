@@ -69,12 +69,12 @@ class DiskError(ConfigurationError):
     """Writing failed for a reason that is not the sample's: stop, acknowledge nothing."""
 
 
-def per_sample(e: BaseException) -> bool:
+def per_sample(error: BaseException) -> bool:
     """Does this write error belong to the sample (refuse it, go on) rather than to the
     disk (stop)?"""
-    if isinstance(e, OSError):
-        return e.errno in PER_SAMPLE_ERRNOS
-    return isinstance(e, (ValueError, TypeError, RuntimeError, UnicodeError))
+    if isinstance(error, OSError):
+        return error.errno in PER_SAMPLE_ERRNOS
+    return isinstance(error, (ValueError, TypeError, RuntimeError, UnicodeError))
 
 
 def file_metadata(sample: Sample) -> dict[str, str]:
@@ -176,22 +176,22 @@ class SampleFiles:
         self.reader.reject(sample, why)
         self.rejected += 1
 
-    def _ensure_dir(self, d: Path) -> None:
-        if d in self._dirs:
+    def _ensure_dir(self, directory: Path) -> None:
+        if directory in self._dirs:
             return
-        self._ensure_dir(d.parent)
+        self._ensure_dir(directory.parent)
         try:
-            d.mkdir()
+            directory.mkdir()
         except FileExistsError:
-            if not d.is_dir():  # a file in the way: this name's samples cannot be written
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d)) from None
+            if not directory.is_dir():  # a file in the way: this name's samples cannot be written
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory)) from None
         else:
-            _fsync_dir(d.parent)  # the new directory's entry is durable before a file in it
-        self._dirs.add(d)
+            _fsync_dir(directory.parent)  # the new directory's entry is durable before a file in it
+        self._dirs.add(directory)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

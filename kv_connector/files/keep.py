@@ -104,9 +104,9 @@ def claim_folder(root: Path | str, describes: dict[str, str]) -> dict[str, str]:
     return theirs
 
 
-def digest(t: torch.Tensor) -> str:
+def digest(tensor: torch.Tensor) -> str:
     """XXH3-64 of one tensor's bytes (hex)."""
-    return xxhash.xxh3_64_hexdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return xxhash.xxh3_64_hexdigest(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def parts_record(tensors: dict[str, torch.Tensor]) -> str:
@@ -209,7 +209,7 @@ class RowStore:
         return {"token_ids": tensors["token_ids"], "hidden_states": states}
 
     def _some_layers(
-        self, f: Any, meta: dict[str, str], path: Path, stored: list[int], wanted: list[int]
+        self, row_file: Any, meta: dict[str, str], path: Path, stored: list[int], wanted: list[int]
     ) -> dict[str, torch.Tensor] | None:
         """The ``wanted`` layers of an open row file, each sliced out of the file by its
         position among the row's ``stored`` ids and checked against its own record."""
@@ -218,10 +218,10 @@ class RowStore:
             return None
         parts = json.loads(meta[PARTS_KEY])
         positions = [stored.index(i) for i in wanted]
-        tokens = f.get_tensor("token_ids")
-        sliced = f.get_slice("hidden_states")
+        tokens = row_file.get_tensor("token_ids")
+        sliced = row_file.get_slice("hidden_states")
         layers = [sliced[:, p : p + 1] for p in positions]
-        scales = f.get_tensor(SCALES_KEY) if SCALES_KEY in f.keys() else None  # noqa: SIM118
+        scales = row_file.get_tensor(SCALES_KEY) if SCALES_KEY in row_file.keys() else None  # noqa: SIM118
         bad = digest(tokens) != parts["token_ids"] or any(
             digest(t[:, 0]) != parts["layers"][p] for t, p in zip(layers, positions, strict=True)
         )

@@ -27,18 +27,18 @@ class Reading:
     files: int = 0
 
 
-def si(x: float) -> str:
+def si(value: float) -> str:
     """1234 -> "1.2k", 2500000 -> "2.5M"; below 1000 as an integer."""
     for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.1f}{unit}"
-    return f"{x:.0f}"
+        if abs(value) >= div:
+            return f"{value / div:.1f}{unit}"
+    return f"{value:.0f}"
 
 
-def duration(s: float) -> str:
-    if s < 60:
-        return f"{s:.1f} s"
-    m, sec = divmod(round(s), 60)
+def duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, sec = divmod(round(seconds), 60)
     return f"{m // 60}h{m % 60:02d}m{sec:02d}s" if m >= 60 else f"{m}m{sec:02d}s"
 
 
@@ -61,15 +61,15 @@ class RateWindow:
         self.last: Reading | None = None
         self.peak_pool_use = 0.0
 
-    def add(self, r: Reading) -> None:
+    def add(self, reading: Reading) -> None:
         if self.first is None:
-            self.first = r
-        self.last = r
-        self._recent.append(r)
+            self.first = reading
+        self.last = reading
+        self._recent.append(reading)
         # keep one reading at or before the window's start as the rates' base
-        while len(self._recent) > 2 and self._recent[1].t <= r.t - self.window_s:
+        while len(self._recent) > 2 and self._recent[1].t <= reading.t - self.window_s:
             self._recent.popleft()
-        use = pool_use(r.pool)
+        use = pool_use(reading.pool)
         if use is not None:
             self.peak_pool_use = max(self.peak_pool_use, use)
 
@@ -114,8 +114,8 @@ class RateWindow:
         window: its first credit request to its last hand-out), peak pool use, trouble."""
         elapsed = max(0.0, stats.last_handout_t - stats.first_request_t) if stats.last_handout_t else 0.0
 
-        def per_s(n: float) -> float:
-            return n / elapsed if elapsed > 0 else 0.0
+        def per_s(amount: float) -> float:
+            return amount / elapsed if elapsed > 0 else 0.0
 
         text = (
             f"received {stats.samples:,} samples, {stats.tokens:,} tokens, {stats.bytes / 1e9:.3f} GB "

@@ -39,25 +39,25 @@ _DTYPES = {
 CHUNK_BYTES = 4 << 20  # a strided tensor is gathered this much at a time
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
-def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
-    if t.numel() == 0:
+def _write_tensor(stream: BinaryIO, tensor: torch.Tensor) -> None:
+    if tensor.numel() == 0:
         return
-    t = to_host(t)  # a sample from a pool on a GPU: one copy to the host
-    if t.is_contiguous():
-        f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+    tensor = to_host(tensor)  # a sample from a pool on a GPU: one copy to the host
+    if tensor.is_contiguous():
+        stream.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
         return
-    row_bytes = _nbytes(t[0]) if t.dim() else _nbytes(t)
+    row_bytes = _nbytes(tensor[0]) if tensor.dim() else _nbytes(tensor)
     rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
-    buf = torch.empty((min(rows, t.shape[0]), *t.shape[1:]), dtype=t.dtype)
-    for i in range(0, t.shape[0], rows):
-        part = t[i : i + rows]
+    buf = torch.empty((min(rows, tensor.shape[0]), *tensor.shape[1:]), dtype=tensor.dtype)
+    for i in range(0, tensor.shape[0], rows):
+        part = tensor[i : i + rows]
         out = buf[: part.shape[0]]
         out.copy_(part)
-        f.write(out.reshape(-1).view(torch.uint8).numpy().data)
+        stream.write(out.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def write_safetensors(

@@ -51,13 +51,13 @@ class SampleWords:
         self.out_of_order = False
         self.sealed = False  # its last position was taken knowing it is the last
 
-    def add(self, taken: _Taken, row: int, first: int, n: int, sealed: bool) -> None:
+    def add(self, taken: _Taken, row: int, first: int, count: int, sealed: bool) -> None:
         if first == self.next_position:
-            self.next_position += n
+            self.next_position += count
         else:
             self.out_of_order = True
         self.sealed = self.sealed or sealed
-        self.chunks.append((taken, row, first, n))
+        self.chunks.append((taken, row, first, count))
 
     def gaps(self, num_tokens: int) -> np.ndarray:
         """The positions below ``num_tokens`` no step took words of."""
@@ -95,10 +95,10 @@ class SampleWords:
         picked: np.ndarray = out[positions]
         return picked
 
-    def record(self, m: Manifest, share: Iterable[int]) -> int:
+    def record(self, manifest: Manifest, share: Iterable[int]) -> int:
         """The share's fingerprint (``wire.fingerprint.record``) from these words."""
         share = sorted(share)
-        return fingerprint.record(m, share, self.words(fingerprint.share_tokens(m, share)))
+        return fingerprint.record(manifest, share, self.words(fingerprint.share_tokens(manifest, share)))
 
 
 Run = tuple[str, int, int]  # (request id, first position, how many)

@@ -139,16 +139,16 @@ def empty() -> StepData:
     return {"counts": {}, "failed": {}, "observed": {}, "levels": {}}
 
 
-def is_empty(d: Mapping[str, object]) -> bool:
-    return not any(d.get(k) for k in ("counts", "failed", "observed", "levels"))
+def is_empty(data: Mapping[str, object]) -> bool:
+    return not any(data.get(k) for k in ("counts", "failed", "observed", "levels"))
 
 
-def merge(a: Mapping[str, object], b: Mapping[str, object]) -> StepData:
+def merge(earlier: Mapping[str, object], later: Mapping[str, object]) -> StepData:
     """Two steps' or two sides' data in a new dict; neither is changed.
 
     Counts add up, raw values are joined, and levels are kept by source (the later wins)."""
     out = empty()
-    for d in (a, b):
+    for d in (earlier, later):
         for k, n in _section(d, "counts").items():
             out["counts"][k] = out["counts"].get(k, 0) + int(n)
         for k, n in _section(d, "failed").items():
@@ -160,8 +160,8 @@ def merge(a: Mapping[str, object], b: Mapping[str, object]) -> StepData:
     return out
 
 
-def _section(d: Mapping[str, object], key: str) -> Mapping[str, Any]:
-    value = d.get(key)
+def _section(data: Mapping[str, object], key: str) -> Mapping[str, Any]:
+    value = data.get(key)
     return value if isinstance(value, Mapping) else {}
 
 
@@ -174,16 +174,16 @@ def known(kind: type[E], values: Iterable[str]) -> list[E]:
     return [by_value[v] for v in values if v in by_value]
 
 
-def summary(d: StepData) -> dict[str, int | float]:
+def summary(data: StepData) -> dict[str, int | float]:
     """The human summary vLLM logs every ``VLLM_LOG_STATS_INTERVAL`` ("KV Transfer
     metrics: ...")."""
-    counts, observed = d["counts"], d["observed"]
+    counts, observed = data["counts"], data["observed"]
     writes = observed.get(Observed.WRITE_LATENCY.value, [])
     waits = observed.get(Observed.CREDIT_WAIT.value, [])
     return {
         "samples shipped": counts.get(Count.SHIPPED.value, 0),
         "delivered": counts.get(Count.DELIVERED.value, 0),
-        "failed": sum(d["failed"].values()),
+        "failed": sum(data["failed"].values()),
         "MB written": round(counts.get(Count.BYTES_WRITTEN.value, 0) / 1e6, 3),
         "WRITE ms avg": round(1e3 * sum(writes) / len(writes), 3) if writes else 0.0,
         "WRITE ms p90": round(1e3 * quantile(writes, 0.9), 3),
@@ -204,15 +204,15 @@ class StepStats:
         self._sent_levels: dict[Level, int] = {}
         self.pending = False  # something was recorded since the last take
 
-    def count(self, kind: Count, n: int = 1) -> None:
-        if n:
+    def count(self, kind: Count, amount: int = 1) -> None:
+        if amount:
             c = self._data["counts"]
-            c[kind.value] = c.get(kind.value, 0) + int(n)
+            c[kind.value] = c.get(kind.value, 0) + int(amount)
             self.pending = True
 
-    def fail(self, reason: FailureReason, n: int = 1) -> None:
+    def fail(self, reason: FailureReason, amount: int = 1) -> None:
         f = self._data["failed"]
-        f[reason.value] = f.get(reason.value, 0) + n
+        f[reason.value] = f.get(reason.value, 0) + amount
         self.pending = True
 
     def observe(self, kind: Observed, values: Iterable[float]) -> None:

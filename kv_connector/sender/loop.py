@@ -267,18 +267,18 @@ class SenderLoop:
             self._resumed.wait(0.05)
         self.parked.clear()
 
-    def _on_lost(self, e: BaseException) -> None:
+    def _on_lost(self, error: BaseException) -> None:
         """The connection broke: let WRITEs in flight settle, forget the reader, and mark
         every unacknowledged request for resending after reconnecting."""
-        resend = self._disconnect(f"lost the connection: {e}")
-        self._expire(str(e))  # a reader that keeps breaking the protocol must not keep jobs forever
+        resend = self._disconnect(f"lost the connection: {error}")
+        self._expire(str(error))  # a reader that keeps breaking the protocol must not keep jobs forever
         where = self.address
         if resend:
             log.warning(
                 "rank %d lost the reader at %s (%s); %d unacknowledged requests will be resent",
                 self.rank,
                 where,
-                e,
+                error,
                 resend,
             )
         else:

@@ -243,9 +243,9 @@ class ShareWriter:
             with self._lock:
                 self._orphans.extend(orphans)
 
-    def _failed(self, rid: str, e: TransportError, failure: Failure | None) -> None:
+    def _failed(self, rid: str, error: TransportError, failure: Failure | None) -> None:
         if failure is None:
-            log.warning("rank %d: WRITE of %s failed in NIXL (%s); posting it again", self._rank, rid, e)
+            log.warning("rank %d: WRITE of %s failed in NIXL (%s); posting it again", self._rank, rid, error)
             return
         log_failed(failure)
         self._tell_reader(failure)

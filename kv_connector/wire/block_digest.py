@@ -48,10 +48,10 @@ _weights: dict[tuple[tuple[int, int, int], torch.device], torch.Tensor] = {}
 _weights_lock = threading.Lock()
 
 
-def supported(g: BlockLayout) -> bool:
+def supported(layout: BlockLayout) -> bool:
     """Whether a token's row of one layer is a whole number of 8-byte words (what block
     digests and fingerprints alike read)."""
-    return g.row_bytes % WORD == 0
+    return layout.row_bytes % WORD == 0
 
 
 def weights(block_size: int, num_layers: int, words: int, device: torch.device) -> torch.Tensor:
@@ -72,13 +72,13 @@ def weights(block_size: int, num_layers: int, words: int, device: torch.device) 
         return w
 
 
-def as_words(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., hidden]`` (its last dimension dense) as ``[..., words]`` of int64."""
-    if (x.shape[-1] * x.element_size()) % WORD:
+def as_words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` ``[..., hidden]`` (its last dimension dense) as ``[..., words]`` of int64."""
+    if (tensor.shape[-1] * tensor.element_size()) % WORD:
         raise ConfigurationError(
-            f"a row of {x.shape[-1]} x {x.element_size()} bytes is not a whole number of words"
+            f"a row of {tensor.shape[-1]} x {tensor.element_size()} bytes is not a whole number of words"
         )
-    return x.view(torch.int64)
+    return tensor.view(torch.int64)
 
 
 def digests_of_blocks(blocks: torch.Tensor, valid: int | None = None) -> torch.Tensor:
@@ -106,7 +106,7 @@ def _block_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def cache_block_digests(
-    cache: torch.Tensor, m: Manifest, block_ids: list[int], share: Iterable[int]
+    cache: torch.Tensor, manifest: Manifest, block_ids: list[int], share: Iterable[int]
 ) -> list[int]:
     """The digests of a share's blocks, read from the cache ``[num_blocks, *block_shape]`` where it is.
 
@@ -114,12 +114,12 @@ def cache_block_digests(
     ``CHUNK_BYTES`` so the temporaries on the device stay small. Where the cache is on a GPU the
     caller runs this on a stream of its own.
     """
-    g = m.geometry
+    g = manifest.geometry
     view = _block_view(cache, g.layout)
     chunk = max(1, CHUNK_BYTES // g.block_bytes)
     share = sorted(share)
-    last = m.num_blocks - 1
-    tail = m.num_tokens - last * g.block_size  # tokens of the sample in its last block
+    last = manifest.num_blocks - 1
+    tail = manifest.num_tokens - last * g.block_size  # tokens of the sample in its last block
     full = [j for j in share if j != last]
     out: dict[int, int] = {}
     for i in range(0, len(full), chunk):
@@ -133,13 +133,13 @@ def cache_block_digests(
     return [out[j] for j in share]
 
 
-def sample_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> list[int]:
+def sample_block_digests(states: torch.Tensor, manifest: Manifest, share: Iterable[int]) -> list[int]:
     """The same digests from a sample's ``[T, layers, hidden]`` CPU view, as integer dot products.
 
     This is the reader's path for a host pool of either layout; dot products over the dense rows
     run several times faster than a torch multiply-and-sum.
     """
-    bs = m.geometry.block_size
+    bs = manifest.geometry.block_size
     x = as_words(states)
     _, nl, nw = x.shape
     w = weights(bs, nl, nw, torch.device("cpu")).numpy()
@@ -159,14 +159,14 @@ def sample_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]
     return out
 
 
-def states_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> list[int]:
+def states_block_digests(states: torch.Tensor, manifest: Manifest, share: Iterable[int]) -> list[int]:
     """The same digests from a sample's ``[T, layers, hidden]`` view where it lies, with torch ops.
 
     This is the reader's path for a pool on a GPU: the producer's arithmetic
     (``digests_of_blocks``) over the sample's blocks, in chunks of at most ``CHUNK_BYTES``.
     """
-    g = m.geometry
-    bs, last = g.block_size, m.num_blocks - 1
+    g = manifest.geometry
+    bs, last = g.block_size, manifest.num_blocks - 1
     share = sorted(share)
     full = [j for j in share if j != last]
     out: dict[int, int] = {}
@@ -180,16 +180,16 @@ def states_block_digests(states: torch.Tensor, m: Manifest, share: Iterable[int]
             d = digests_of_blocks(blocks.index_select(0, idx)).cpu().tolist()
             out.update(zip(js, d, strict=True))
     if last in share:
-        tail = states[last * bs : m.num_tokens].unsqueeze(0)  # [1, valid tokens, L, H]
+        tail = states[last * bs : manifest.num_tokens].unsqueeze(0)  # [1, valid tokens, L, H]
         x = as_words(tail)
         w = weights(bs, x.shape[2], x.shape[3], x.device)[: x.shape[1]]
         out[last] = int((x * w).sum().cpu())
     return [out[j] for j in share]
 
 
-def share_digest(m: Manifest, share: Iterable[int], digests: list[int]) -> int:
+def share_digest(manifest: Manifest, share: Iterable[int], digests: list[int]) -> int:
     """XXH3-64 of the manifest's bytes, the tag, and each (block index, digest) in order."""
-    h = xxhash.xxh3_64(manifest_bytes(m))
+    h = xxhash.xxh3_64(manifest_bytes(manifest))
     h.update(TAG)
     h.update(b"".join(struct.pack("<Iq", j, d) for j, d in zip(sorted(share), digests, strict=True)))
     return h.intdigest()

@@ -96,13 +96,13 @@ def coordinates(
     return out
 
 
-def as_words(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., hidden]`` (its last dimension dense) as ``[..., words]`` of int64."""
-    if (x.shape[-1] * x.element_size()) % WORD:
+def as_words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` ``[..., hidden]`` (its last dimension dense) as ``[..., words]`` of int64."""
+    if (tensor.shape[-1] * tensor.element_size()) % WORD:
         raise ConfigurationError(
-            f"a row of {x.shape[-1]} x {x.element_size()} bytes is not a whole number of words"
+            f"a row of {tensor.shape[-1]} x {tensor.element_size()} bytes is not a whole number of words"
         )
-    return x.view(torch.int64)
+    return tensor.view(torch.int64)
 
 
 def _offsets(
@@ -188,9 +188,9 @@ def gather_lines(
     return lines.gather(2, pick.unsqueeze(2)).squeeze(2), lines
 
 
-def share_spans(m: Manifest, share: Iterable[int]) -> list[tuple[int, int]]:
+def share_spans(manifest: Manifest, share: Iterable[int]) -> list[tuple[int, int]]:
     """The share's valid tokens as ``[start, end)`` ranges, one per run of consecutive blocks."""
-    bs, total = m.geometry.block_size, m.num_tokens
+    bs, total = manifest.geometry.block_size, manifest.num_tokens
     js = sorted(share)
     if not js:
         return []
@@ -206,9 +206,9 @@ def share_spans(m: Manifest, share: Iterable[int]) -> list[tuple[int, int]]:
     return list(zip((first * bs).tolist(), np.minimum((last + 1) * bs, total).tolist(), strict=True))
 
 
-def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
+def share_tokens(manifest: Manifest, share: Iterable[int]) -> np.ndarray:
     """The valid token positions of a share's blocks (indices in the sample), in order."""
-    spans = share_spans(m, share)
+    spans = share_spans(manifest, share)
     if len(spans) == 1:
         return np.arange(spans[0][0], spans[0][1], dtype=np.int64)
     if not spans:
@@ -219,33 +219,33 @@ def share_tokens(m: Manifest, share: Iterable[int]) -> np.ndarray:
     return skip + np.arange(lengths.sum(), dtype=np.int64)
 
 
-def record(m: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) -> int:
+def record(manifest: Manifest, share: Iterable[int], words: np.ndarray | torch.Tensor) -> int:
     """A share's fingerprint from the sampled words ``[n, layers]`` of its valid tokens in order."""
     w = words.cpu().numpy() if isinstance(words, torch.Tensor) else words
-    h = xxhash.xxh3_64(manifest_bytes(m))
+    h = xxhash.xxh3_64(manifest_bytes(manifest))
     h.update(TAG)
     h.update(np.ascontiguousarray(w, dtype="<i8").tobytes())
     return h.intdigest()
 
 
-def states_record(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> int:
+def states_record(states: torch.Tensor, manifest: Manifest, share: Iterable[int]) -> int:
     """The share's fingerprint recomputed from a sample's ``[T, layers, hidden]`` view
     where it lies (the reader's pool, host or GPU): the words its tokens' slots hold now."""
-    return record(m, share, states_words(states, m, share))
+    return record(manifest, share, states_words(states, manifest, share))
 
 
-def states_words(states: torch.Tensor, m: Manifest, share: Iterable[int]) -> torch.Tensor:
+def states_words(states: torch.Tensor, manifest: Manifest, share: Iterable[int]) -> torch.Tensor:
     """The sampled words ``[n, layers]`` of the share's valid tokens in ``states``, gathered
     where they lie and not waited for (``record`` reads them)."""
-    tokens = share_tokens(m, share)
+    tokens = share_tokens(manifest, share)
     if not len(tokens):
-        return torch.zeros((0, m.num_layers), dtype=torch.int64)
-    g = m.geometry
-    return gather(as_words(states), (tokens,), tokens, seed_of(m.request_id), g.block_size, m.num_tokens - 1)
+        return torch.zeros((0, manifest.num_layers), dtype=torch.int64)
+    g, seed = manifest.geometry, seed_of(manifest.request_id)
+    return gather(as_words(states), (tokens,), tokens, seed, g.block_size, manifest.num_tokens - 1)
 
 
 def states_record_lines(
-    states: torch.Tensor, m: Manifest, share: Iterable[int]
+    states: torch.Tensor, manifest: Manifest, share: Iterable[int]
 ) -> tuple[int, torch.Tensor | None]:
     """``states_record`` and the lines around its sampled words, in the states' dtype.
 
@@ -253,12 +253,15 @@ def states_record_lines(
     the lines are None for rows shorter than a line (``gather_lines``).
     """
     share = sorted(share)
-    tokens = share_tokens(m, share)
+    tokens = share_tokens(manifest, share)
     w = as_words(states)
     if w.shape[-1] < LINE:
-        return states_record(states, m, share), None
+        return states_record(states, manifest, share), None
     if not len(tokens):
-        empty = torch.zeros((0, m.num_layers, LINE), dtype=torch.int64, device=states.device)
-        return record(m, share, np.zeros((0, m.num_layers), dtype=np.int64)), empty.view(states.dtype)
-    sampled, lines = gather_lines(w, tokens, seed_of(m.request_id), m.geometry.block_size, m.num_tokens - 1)
-    return record(m, share, sampled), lines.view(states.dtype)
+        empty = torch.zeros((0, manifest.num_layers, LINE), dtype=torch.int64, device=states.device)
+        no_words = np.zeros((0, manifest.num_layers), dtype=np.int64)
+        return record(manifest, share, no_words), empty.view(states.dtype)
+    sampled, lines = gather_lines(
+        w, tokens, seed_of(manifest.request_id), manifest.geometry.block_size, manifest.num_tokens - 1
+    )
+    return record(manifest, share, sampled), lines.view(states.dtype)

@@ -140,7 +140,7 @@ def welcome_proof(
     rank: int,
     producer_nonce: bytes,
     reader_nonce: bytes,
-    w: protocol.Welcome,
+    welcome: protocol.Welcome,
 ) -> bytes:
     """The reader's proof bound to every field of its Welcome."""
     return auth.proof(
@@ -150,7 +150,7 @@ def welcome_proof(
         rank,
         producer_nonce,
         reader_nonce,
-        binding=auth.digest_of(w.binding()),
+        binding=auth.digest_of(welcome.binding()),
     )
 
 

@@ -29,15 +29,15 @@ SpanFn = Callable[[int], list[tuple[int, int]]]
 _encoder = msgspec.msgpack.Encoder()
 
 
-def manifest_bytes(m: Manifest) -> bytes:
+def manifest_bytes(manifest: Manifest) -> bytes:
     """The manifest's msgpack encoding, which every share's checksum starts with."""
-    return _encoder.encode(m)
+    return _encoder.encode(manifest)
 
 
-def spans_of_sample(m: Manifest) -> SpanFn:
+def spans_of_sample(manifest: Manifest) -> SpanFn:
     """The bytes of each block (by index) that hold the sample's tokens
     (``BlockLayout.valid_spans``)."""
-    return m.valid_spans
+    return manifest.valid_spans
 
 
 def block_checksum(
@@ -56,17 +56,17 @@ def block_checksum(
     return h.intdigest()
 
 
-def sample_checksum(pool: Buffer, base: int, m: Manifest, share: Iterable[int]) -> int:
+def sample_checksum(pool: Buffer, base: int, manifest: Manifest, share: Iterable[int]) -> int:
     """XXH3-64 of the manifest's bytes and a share as it landed in the reader's pool at ``base``.
 
     It reads the spans ``BlockLayout.arranged_spans`` gives, so it hashes the same bytes in the
     same order as the producer hashed them from its cache.
     """
     pool = memoryview(pool).cast("B")
-    g, nb = m.geometry, m.num_blocks
-    h = xxhash.xxh3_64(manifest_bytes(m))
+    g, nb = manifest.geometry, manifest.num_blocks
+    h = xxhash.xxh3_64(manifest_bytes(manifest))
     for j in share:
-        for off, n in m.valid_spans(j):
+        for off, n in manifest.valid_spans(j):
             for dst, k in g.arranged(nb, j, off, n):
                 h.update(pool[base + dst : base + dst + k])
     return h.intdigest()

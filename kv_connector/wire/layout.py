@@ -109,27 +109,27 @@ class BlockLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Bytes a sample of ``num_blocks`` blocks takes in the reader's pool."""
         return num_blocks * self.block_bytes
 
-    def arranged_spans(self, num_blocks: int, j: int) -> list[tuple[int, int, int]]:
-        """(offset in the cache block, offset in the sample's run, length) of each piece of block ``j``.
+    def arranged_spans(self, num_blocks: int, block: int) -> list[tuple[int, int, int]]:
+        """(offset in the cache block, offset in the sample's run, length) of each piece of block ``block``.
 
         This is where the reader's pool holds a ``num_blocks``-block sample. TLH blocks lie one
         after the other, a run of [num_blocks * block_size, L, H]. LTH is layer-major: layer l of
-        block j starts at row (l * num_blocks + j) * block_size of an [L, T, H] run. Either is one
+        block ``block`` starts at row (l * num_blocks + block) * block_size of an [L, T, H] run. Either is one
         [T, L, H] view.
         """
-        if not 0 <= j < num_blocks:
-            raise ConfigurationError(f"block {j} outside the sample's {num_blocks} blocks")
+        if not 0 <= block < num_blocks:
+            raise ConfigurationError(f"block {block} outside the sample's {num_blocks} blocks")
         if self.layout == "TLH":
-            return [(0, j * self.block_bytes, self.block_bytes)]
+            return [(0, block * self.block_bytes, self.block_bytes)]
         seg = self.block_size * self.row_bytes
-        return [(layer * seg, (layer * num_blocks + j) * seg, seg) for layer in range(self.num_layers)]
+        return [(layer * seg, (layer * num_blocks + block) * seg, seg) for layer in range(self.num_layers)]
 
-    def arranged(self, num_blocks: int, j: int, off: int, n: int) -> list[tuple[int, int]]:
-        """Where bytes ``off .. off + n`` of block ``j`` lie in the sample's run:
+    def arranged(self, num_blocks: int, block: int, off: int, nbytes: int) -> list[tuple[int, int]]:
+        """Where bytes ``off .. off + nbytes`` of block ``block`` lie in the sample's run:
         (offset in the run, length) pieces, split where the arrangement splits the block."""
         out = []
-        for src, dst, length in self.arranged_spans(num_blocks, j):
-            lo, hi = max(off, src), min(off + n, src + length)
+        for src, dst, length in self.arranged_spans(num_blocks, block):
+            lo, hi = max(off, src), min(off + nbytes, src + length)
             if lo < hi:
                 out.append((dst + lo - src, hi - lo))
         return out

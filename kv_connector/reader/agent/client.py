@@ -375,21 +375,25 @@ class AgentClient:
         self._local.conn = conn
         return conn
 
-    def _copy_out(self, s: AgentSample) -> torch.Tensor:
+    def _copy_out(self, sample: AgentSample) -> torch.Tensor:
         pool = self._pool
         assert pool is not None
-        dtype = getattr(torch, s.dtype)
+        dtype = getattr(torch, sample.dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if s.offset % itemsize or s.offset < 0:
-            raise FetchError("protocol", f"the fetch agent placed sample {s.request_id} at {s.offset}")
+        if sample.offset % itemsize or sample.offset < 0:
+            raise FetchError(
+                "protocol", f"the fetch agent placed sample {sample.request_id} at {sample.offset}"
+            )
         typed = pool[: pool.numel() - pool.numel() % itemsize].view(dtype)
-        start = s.offset // itemsize
-        last = start + sum((n - 1) * st for n, st in zip(s.shape, s.stride, strict=True) if n > 0)
-        if len(s.shape) != 3 or min(s.stride, default=0) < 0 or last >= typed.numel():
-            raise FetchError("protocol", f"the fetch agent placed sample {s.request_id} outside its pool")
-        view = typed.as_strided(s.shape, s.stride, start)
-        nbytes = int(np.prod(s.shape)) * itemsize
-        out = self._copies.take(nbytes).view(dtype).view(s.shape)
+        start = sample.offset // itemsize
+        last = start + sum((n - 1) * st for n, st in zip(sample.shape, sample.stride, strict=True) if n > 0)
+        if len(sample.shape) != 3 or min(sample.stride, default=0) < 0 or last >= typed.numel():
+            raise FetchError(
+                "protocol", f"the fetch agent placed sample {sample.request_id} outside its pool"
+            )
+        view = typed.as_strided(sample.shape, sample.stride, start)
+        nbytes = int(np.prod(sample.shape)) * itemsize
+        out = self._copies.take(nbytes).view(dtype).view(sample.shape)
         out.copy_(view)
         return out
 

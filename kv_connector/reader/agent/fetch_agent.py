@@ -260,16 +260,16 @@ def log_start(agent: FetchAgent, phases: Phases) -> None:
     )
 
 
-def _why_slow(p: Phase) -> str:
+def _why_slow(phase: Phase) -> str:
     """What a slow phase did with its time: worked, waited for a core, or was blocked."""
-    if p.cpu_s is None or p.cpu_s >= p.wall_s / 2:
+    if phase.cpu_s is None or phase.cpu_s >= phase.wall_s / 2:
         return ", most of it on a CPU"
-    if p.queued_s is not None and p.queued_s >= (p.wall_s - p.cpu_s) / 2:
+    if phase.queued_s is not None and phase.queued_s >= (phase.wall_s - phase.cpu_s) / 2:
         return (
-            f", {p.cpu_s:.1f} s of it on a CPU and {p.queued_s:.1f} s waiting for one: the host's cores "
-            "were busy (a producer on this host holding samples, or other processes)"
+            f", {phase.cpu_s:.1f} s of it on a CPU and {phase.queued_s:.1f} s waiting for one: "
+            "the host's cores were busy (a producer on this host holding samples, or other processes)"
         )
-    return f", {p.cpu_s:.1f} s of it on a CPU: the process was blocked"
+    return f", {phase.cpu_s:.1f} s of it on a CPU: the process was blocked"
 
 
 def main() -> int:

@@ -106,31 +106,31 @@ class HoldKeeper:
             if due:
                 self._stop.wait(max(0.0, min(due.values()) - time.monotonic()))
 
-    def _keep(self, h: PullHandle) -> float | None:
+    def _keep(self, handle: PullHandle) -> float | None:
         """Keep one handle's hold at every rank; the least any rank granted, None once a
         rank refused (or cannot be reached)."""
         least: float | None = None
-        for rank, endpoint in enumerate(h.endpoints):
-            msg = protocol.PullKeep(request_id=h.request_id, nonce=h.nonce)
+        for rank, endpoint in enumerate(handle.endpoints):
+            msg = protocol.PullKeep(request_id=handle.request_id, nonce=handle.nonce)
             try:
-                got = self._links.ask(h, rank, endpoint, msg)
+                got = self._links.ask(handle, rank, endpoint, msg)
             except FetchError as e:
-                self._refused(h, e)
+                self._refused(handle, e)
                 return None
             if not isinstance(got, protocol.PullKept):
                 why = got.message if isinstance(got, protocol.PullError) else f"answered {type(got).__name__}"
                 code = got.code if isinstance(got, protocol.PullError) else "protocol"
-                self._refused(h, FetchError(code, f"rank {rank}: {why}"))
+                self._refused(handle, FetchError(code, f"rank {rank}: {why}"))
                 return None
             self.report.kept += 1
             least = got.held_s if least is None else min(least, got.held_s)
         if least is not None:
-            self.report.held_s[h.request_id] = least
+            self.report.held_s[handle.request_id] = least
         return least
 
-    def _refused(self, h: PullHandle, e: FetchError) -> None:
-        log.warning("cannot keep sample %s held while the fetch agent starts: %s", h.request_id, e)
-        self.report.refused[h.request_id] = e
+    def _refused(self, handle: PullHandle, error: FetchError) -> None:
+        log.warning("cannot keep sample %s held while the fetch agent starts: %s", handle.request_id, error)
+        self.report.refused[handle.request_id] = error
         return None
 
 

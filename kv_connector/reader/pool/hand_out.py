@@ -28,7 +28,7 @@ class ValuesVerdict:
 
 
 def values_verdict(
-    memory: PoolMemory, base: int, m: Manifest, screens: Sequence[RowsScreen | None], full: bool
+    memory: PoolMemory, base: int, manifest: Manifest, screens: Sequence[RowsScreen | None], full: bool
 ) -> ValuesVerdict:
     """The states of the sample at ``base``: NaN/Inf, all-zero tokens or layers.
 
@@ -37,17 +37,17 @@ def values_verdict(
     value with ``full``."""
     screened = [s for s in screens if s is not None]
     whole = bool(screens) and len(screened) == len(screens)
-    if not full and whole and screened_clean(screened, m.num_tokens, m.num_layers):
+    if not full and whole and screened_clean(screened, manifest.num_tokens, manifest.num_layers):
         return ValuesVerdict(None, None)
     t0 = time.perf_counter()
-    problem = memory.bad_values(base, m, full)
+    problem = memory.bad_values(base, manifest, full)
     return ValuesVerdict(problem, time.perf_counter() - t0)
 
 
 def hand_out(
     memory: PoolMemory,
     base: int,
-    m: Manifest,
+    manifest: Manifest,
     key: Key,
     release: Callable[[Key], None],
     copies: CopyBuffers | None,
@@ -57,10 +57,10 @@ def hand_out(
     The lease's end calls ``release(key)`` once the work queued before it is done. A copy's
     pages go back at once."""
     lease = Lease(key, memory.ordered(release))
-    metadata = decode_metadata(m.metadata)
+    metadata = decode_metadata(manifest.metadata)
     if copies is not None:
-        return Sample.of(m, memory.copy_out(base, m, lease, copies), key[0], metadata)
-    return Sample.of(m, memory.leased(base, m, lease), key[0], metadata, lease)
+        return Sample.of(manifest, memory.copy_out(base, manifest, lease, copies), key[0], metadata)
+    return Sample.of(manifest, memory.leased(base, manifest, lease), key[0], metadata, lease)
 
 
 __all__ = ["ValuesVerdict", "hand_out", "values_verdict"]

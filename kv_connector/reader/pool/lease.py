@@ -235,29 +235,29 @@ class Sample:
         return f"Sample({name!r}, producer {self.producer_id!r}, hidden_states {shape}, {state})"
 
 
-def _views_of(t: torch.Tensor) -> int:
-    """Tensors sharing ``t``'s memory (torch's use count of its storage)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+def _views_of(tensor: torch.Tensor) -> int:
+    """Tensors sharing ``tensor``'s memory (torch's use count of its storage)."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
-def sample_view(raw: torch.Tensor, m: Manifest) -> torch.Tensor:
+def sample_view(raw: torch.Tensor, manifest: Manifest) -> torch.Tensor:
     """[T, L, H] of the sample's dtype over ``raw``, the uint8 bytes of its run."""
-    g, nb = m.geometry, m.num_blocks
+    g, nb = manifest.geometry, manifest.num_blocks
     rows = nb * g.block_size
     typed = raw[: g.sample_bytes(nb)].view(getattr(torch, g.dtype))
     if g.layout == "TLH":
-        return typed.view(rows, g.num_layers, g.hidden_size)[: m.num_tokens]
-    return typed.view(g.num_layers, rows, g.hidden_size)[:, : m.num_tokens].permute(1, 0, 2)
+        return typed.view(rows, g.num_layers, g.hidden_size)[: manifest.num_tokens]
+    return typed.view(g.num_layers, rows, g.hidden_size)[:, : manifest.num_tokens].permute(1, 0, 2)
 
 
-def leased_view(pool: np.ndarray, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+def leased_view(pool: np.ndarray, base: int, manifest: Manifest, lease: Lease) -> torch.Tensor:
     """The sample's [T, L, H] view of the pool.
 
     The lease ends when no tensor sharing this view's memory is left."""
-    arr = pool[base : base + m.geometry.sample_bytes(m.num_blocks)]  # a new array object
+    arr = pool[base : base + manifest.geometry.sample_bytes(manifest.num_blocks)]  # a new array object
     raw = torch.from_numpy(arr)  # its storage keeps ``arr`` alive, and every view the storage
     weakref.finalize(arr, lease.release)
-    return sample_view(raw, m)
+    return sample_view(raw, manifest)
 
 
 class CopyBuffers:

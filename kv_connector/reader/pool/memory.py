@@ -114,29 +114,29 @@ class PoolMemory(Protocol):
     tensor: torch.Tensor  # uint8 [nbytes], registered with the transport once
     lease_fences: LeaseFences
 
-    def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+    def checksum(self, base: int, manifest: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
         """A share's checksum (``blocks``: indices in the sample) recomputed from the run of
         the sample at byte ``base``, as ``kind`` says."""
         ...
 
-    def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
+    def screened(self, base: int, manifest: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
         """A share's fingerprint (``checksum`` of kind ``FINGERPRINT``) and the values screen
         of the share's rows: in host memory, where the screen samples (wide rows), from the
         lines its words were read in (``fingerprint_screened``), else None; in a device pool,
         of its whole rows in the same pass."""
         ...
 
-    def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
+    def bad_values(self, base: int, manifest: Manifest, full: bool = False) -> str | None:
         """``reader.pool.values.find_bad_values`` of the sample at ``base``: sampled in host
         memory unless ``full``, in full on a GPU (one pass where it lies)."""
         ...
 
-    def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+    def leased(self, base: int, manifest: Manifest, lease: Lease) -> torch.Tensor:
         """The sample's [T, L, H] view; ``lease`` ends when no tensor sharing it is left
         (made with ``ordered``, it ends in stream order)."""
         ...
 
-    def copy_out(self, base: int, m: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
+    def copy_out(self, base: int, manifest: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
         """The sample copied out of the pool (on the pool's device, contiguous; on the host
         into one of ``copies``' reused buffers); ``lease`` ends once the copy no longer
         needs the pages."""
@@ -148,46 +148,48 @@ class PoolMemory(Protocol):
         ...
 
 
-def pool_checksum(pool: memoryview, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+def pool_checksum(
+    pool: memoryview, base: int, manifest: Manifest, blocks: list[int], kind: ShareChecksum
+) -> int:
     """The checksum of a share (``blocks``, indices in the sample) recomputed from host
     memory whose run of the sample starts at byte ``base``, as ``kind`` says: XXH3-64 of
     its bytes (``integrity``), of its block digests recomputed on the host
     (``block_digest``), or of the words its fingerprint samples (``fingerprint``)."""
     if kind in (ShareChecksum.BLOCKS, ShareChecksum.FINGERPRINT):
-        n = m.geometry.sample_bytes(m.num_blocks)
-        states = sample_view(torch.frombuffer(pool, dtype=torch.uint8, offset=base, count=n), m)
+        n = manifest.geometry.sample_bytes(manifest.num_blocks)
+        states = sample_view(torch.frombuffer(pool, dtype=torch.uint8, offset=base, count=n), manifest)
         if kind is ShareChecksum.FINGERPRINT:
-            return fingerprint.states_record(states, m, blocks)
-        return share_digest(m, blocks, sample_block_digests(states, m, blocks))
-    return sample_checksum(pool, base, m, blocks)
+            return fingerprint.states_record(states, manifest, blocks)
+        return share_digest(manifest, blocks, sample_block_digests(states, manifest, blocks))
+    return sample_checksum(pool, base, manifest, blocks)
 
 
 def fingerprint_screened(
-    states: torch.Tensor, m: Manifest, blocks: list[int]
+    states: torch.Tensor, manifest: Manifest, blocks: list[int]
 ) -> tuple[int, RowsScreen | None]:
     """A share's fingerprint from a sample's ``[T, L, H]`` view and the sampled values
     screen of the share's rows on the same read: the line around each fingerprinted word
     (a line is what the memory reads for a word anyway) instead of a screen that reads
     lines of its own at hand-out. None for rows the screen reads whole."""
     if not samples(states.shape[-1]):
-        return fingerprint.states_record(states, m, blocks), None
-    digest, lines = fingerprint.states_record_lines(states, m, blocks)
+        return fingerprint.states_record(states, manifest, blocks), None
+    digest, lines = fingerprint.states_record_lines(states, manifest, blocks)
     return digest, None if lines is None else screen_rows(lines)
 
 
 def check_share(
-    memory: PoolMemory, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum, screen: bool
+    memory: PoolMemory, base: int, manifest: Manifest, blocks: list[int], kind: ShareChecksum, screen: bool
 ) -> tuple[int, RowsScreen | None]:
     """A share's checksum of ``kind`` recomputed from ``memory``; with ``screen`` (the values
     screen samples) and fingerprints, the screen of its rows read with it (``screened``)."""
     if screen and kind is ShareChecksum.FINGERPRINT:
-        return memory.screened(base, m, blocks)
-    return memory.checksum(base, m, blocks, kind), None
+        return memory.screened(base, manifest, blocks)
+    return memory.checksum(base, manifest, blocks, kind), None
 
 
-def run_of(tensor: torch.Tensor, base: int, m: Manifest) -> torch.Tensor:
+def run_of(tensor: torch.Tensor, base: int, manifest: Manifest) -> torch.Tensor:
     """The uint8 bytes of a sample's run in a pool tensor."""
-    return tensor[base : base + m.geometry.sample_bytes(m.num_blocks)]
+    return tensor[base : base + manifest.geometry.sample_bytes(manifest.num_blocks)]
 
 
 class HostPool:
@@ -204,23 +206,27 @@ class HostPool:
         self.tensor = torch.from_numpy(self._np)
         self.lease_fences = LeaseFences(self.device)
 
-    def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
-        return pool_checksum(self._np.data, base, m, blocks, kind)
+    def checksum(self, base: int, manifest: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+        return pool_checksum(self._np.data, base, manifest, blocks, kind)
 
-    def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
-        return fingerprint_screened(sample_view(run_of(self.tensor, base, m), m), m, blocks)
+    def screened(self, base: int, manifest: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
+        return fingerprint_screened(
+            sample_view(run_of(self.tensor, base, manifest), manifest), manifest, blocks
+        )
 
-    def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
-        return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids, sample=not full)
+    def bad_values(self, base: int, manifest: Manifest, full: bool = False) -> str | None:
+        return find_bad_values(
+            sample_view(run_of(self.tensor, base, manifest), manifest), manifest.layer_ids, sample=not full
+        )
 
-    def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
-        return leased_view(self._np, base, m, lease)
+    def leased(self, base: int, manifest: Manifest, lease: Lease) -> torch.Tensor:
+        return leased_view(self._np, base, manifest, lease)
 
     def ordered(self, release: Callable[[Key], None]) -> Callable[[Key], None]:
         return release  # the host's work is done when the call that ends a lease returns
 
-    def copy_out(self, base: int, m: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
-        view = sample_view(run_of(self.tensor, base, m), m)
+    def copy_out(self, base: int, manifest: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
+        view = sample_view(run_of(self.tensor, base, manifest), manifest)
         hidden = copies.take(view.numel() * view.element_size()).view(view.dtype).view(view.shape)
         hidden.copy_(view)
         del view
@@ -282,12 +288,12 @@ class QueuedCheck:
         return digest, None if self.flags is None else RowsScreen.of(self.flags)
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied to pinned host memory on the current stream, not waited for (itself on the host)."""
-    if t.device.type == "cpu":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied to pinned host memory on the current stream, not waited for (itself on the host)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    out.copy_(tensor, non_blocking=True)
     return out
 
 
@@ -319,47 +325,57 @@ class DevicePool:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             yield
 
-    def checksum(self, base: int, m: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
+    def checksum(self, base: int, manifest: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
         self.visible()
-        run = run_of(self.tensor, base, m)
+        run = run_of(self.tensor, base, manifest)
         with self._side():
             if kind is ShareChecksum.FINGERPRINT:  # a gather of its sampled words, on the device
-                return fingerprint.states_record(sample_view(run, m), m, blocks)
+                return fingerprint.states_record(sample_view(run, manifest), manifest, blocks)
             if kind is ShareChecksum.BLOCKS:
-                return share_digest(m, blocks, states_block_digests(sample_view(run, m), m, blocks))
+                return share_digest(
+                    manifest, blocks, states_block_digests(sample_view(run, manifest), manifest, blocks)
+                )
             host = run.cpu()  # XXH3 reads host bytes: one copy of the sample
-        return sample_checksum(host.numpy().data, 0, m, blocks)
+        return sample_checksum(host.numpy().data, 0, manifest, blocks)
 
-    def screened(self, base: int, m: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
+    def screened(self, base: int, manifest: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
         """The fingerprint and the screen of the share's whole rows: both queued on the pool's
         stream, then one wait for them (the hand-out then reads nothing more)."""
-        queued = self.queue_fingerprint(base, m, blocks, True)
+        queued = self.queue_fingerprint(base, manifest, blocks, True)
         queued.event.synchronize()
         return queued.result()
 
-    def queue_fingerprint(self, base: int, m: Manifest, blocks: list[int], screen: bool) -> QueuedCheck:
+    def queue_fingerprint(
+        self, base: int, manifest: Manifest, blocks: list[int], screen: bool
+    ) -> QueuedCheck:
         """``checksum`` of kind FINGERPRINT (with ``screen``, ``screened``) queued on the pool's
         stream and not waited for: the caller looks at the event and reads the result when
         it is done, so no thread blocks on the device and none is handed the check."""
         self.visible()
         with self._side():
-            states = sample_view(run_of(self.tensor, base, m), m)
-            words = _pinned_copy(fingerprint.states_words(states, m, blocks))
-            flags = _pinned_copy(screen_flags(states, fingerprint.share_spans(m, blocks))) if screen else None
+            states = sample_view(run_of(self.tensor, base, manifest), manifest)
+            words = _pinned_copy(fingerprint.states_words(states, manifest, blocks))
+            flags = (
+                _pinned_copy(screen_flags(states, fingerprint.share_spans(manifest, blocks)))
+                if screen
+                else None
+            )
             event: DeviceEvent = HostDone()
             if self._stream is not None:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._stream)
-        return QueuedCheck(event, m, blocks, words, flags)
+        return QueuedCheck(event, manifest, blocks, words, flags)
 
-    def bad_values(self, base: int, m: Manifest, full: bool = False) -> str | None:
+    def bad_values(self, base: int, manifest: Manifest, full: bool = False) -> str | None:
         self.visible()
         with self._side():
-            return find_bad_values(sample_view(run_of(self.tensor, base, m), m), m.layer_ids)
+            return find_bad_values(
+                sample_view(run_of(self.tensor, base, manifest), manifest), manifest.layer_ids
+            )
 
-    def leased(self, base: int, m: Manifest, lease: Lease) -> torch.Tensor:
+    def leased(self, base: int, manifest: Manifest, lease: Lease) -> torch.Tensor:
         self.visible()
-        n = m.geometry.sample_bytes(m.num_blocks)
+        n = manifest.geometry.sample_bytes(manifest.num_blocks)
         span: object
         if self._np is not None:
             span = self._np[base : base + n]  # a new array object
@@ -368,11 +384,11 @@ class DevicePool:
             span = _DeviceRange(self.tensor.data_ptr() + base, n)
             raw = torch.as_tensor(span, device=self.device)  # shares the pool's memory, keeps ``span``
         weakref.finalize(span, lease.release)
-        return sample_view(raw, m)
+        return sample_view(raw, manifest)
 
-    def copy_out(self, base: int, m: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
+    def copy_out(self, base: int, manifest: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
         self.visible()
-        view = sample_view(run_of(self.tensor, base, m), m)
+        view = sample_view(run_of(self.tensor, base, manifest), manifest)
         hidden = torch.empty(view.shape, dtype=view.dtype, device=self.device)
         hidden.copy_(view)  # queued on this thread's stream: the pages go back after it
         del view

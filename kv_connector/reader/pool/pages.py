@@ -49,17 +49,17 @@ class PagePool:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def request(self, key: Hashable, n: int) -> None:
-        """Queue a need for ``n`` contiguous pages under ``key`` (refused if it can never fit)."""
-        if n <= 0:
-            raise ConfigurationError(f"a request needs at least one page, got {n}")
-        if n > self.num_pages:
+    def request(self, key: Hashable, count: int) -> None:
+        """Queue a need for ``count`` contiguous pages under ``key`` (refused if it can never fit)."""
+        if count <= 0:
+            raise ConfigurationError(f"a request needs at least one page, got {count}")
+        if count > self.num_pages:
             raise PoolTooSmall(
-                f"sample needs {n} pages, the pool holds {self.num_pages}; make the reader's pool larger"
+                f"sample needs {count} pages, the pool holds {self.num_pages}; make the reader's pool larger"
             )
         if key in self._waiting or key in self._owner:
             raise ConfigurationError(f"{key!r} is already waiting for or holding pages")
-        self._waiting[key] = n
+        self._waiting[key] = count
 
     def cancel(self, key: Hashable) -> bool:
         """Drop a waiting request; True if it was waiting."""
@@ -78,46 +78,46 @@ class PagePool:
             out.append((key, run))
         return out
 
-    def take_now(self, key: Hashable, n: int) -> range | None:
-        """A run of ``n`` pages for ``key`` at once, or None: only when no request waits
+    def take_now(self, key: Hashable, count: int) -> range | None:
+        """A run of ``count`` pages for ``key`` at once, or None: only when no request waits
         (those come first, R7) and a run fits now; nothing is queued."""
-        if n <= 0:
-            raise ConfigurationError(f"a run needs at least one page, got {n}")
+        if count <= 0:
+            raise ConfigurationError(f"a run needs at least one page, got {count}")
         if self._waiting or key in self._owner:
             return None
-        run = self._take(n)
+        run = self._take(count)
         if run is not None:
             self._owner[key] = run
         return run
 
-    def shrink(self, key: Hashable, n: int) -> range:
-        """``key`` keeps the first ``n`` pages of its run; the rest go back. Returns what it keeps."""
+    def shrink(self, key: Hashable, count: int) -> range:
+        """``key`` keeps the first ``count`` pages of its run; the rest go back. Returns what it keeps."""
         pages = self._owner.get(key)
-        if pages is None or not 0 < n <= len(pages):
-            raise ConfigurationError(f"{key!r} holds no run of at least {n} pages")
-        kept, rest = range(pages.start, pages.start + n), range(pages.start + n, pages.stop)
+        if pages is None or not 0 < count <= len(pages):
+            raise ConfigurationError(f"{key!r} holds no run of at least {count} pages")
+        kept, rest = range(pages.start, pages.start + count), range(pages.start + count, pages.stop)
         if rest:
             self._owner[key] = rest
             self.release(key, rest)
         self._owner[key] = kept
         return kept
 
-    def _take(self, n: int) -> range | None:
-        """Next fit: the first free run that holds ``n`` pages at or after the cursor,
+    def _take(self, count: int) -> range | None:
+        """Next fit: the first free run that holds ``count`` pages at or after the cursor,
         else from the start."""
         order = sorted(
             range(len(self._free)), key=lambda i: (self._free[i][0] < self._cursor, self._free[i][0])
         )
         for i in order:
             start, length = self._free[i]
-            if length >= n:
-                if length == n:
+            if length >= count:
+                if length == count:
                     del self._free[i]
                 else:
-                    self._free[i] = (start + n, length - n)
-                self._used += n
-                self._cursor = (start + n) % self.num_pages
-                return range(start, start + n)
+                    self._free[i] = (start + count, length - count)
+                self._used += count
+                self._cursor = (start + count) % self.num_pages
+                return range(start, start + count)
         return None
 
     def release(self, key: Hashable, pages: range) -> None:

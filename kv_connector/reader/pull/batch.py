@@ -126,10 +126,10 @@ def fetch_iter(
                 got.release()
 
 
-def _outcome(p: concurrent.futures.Future[Sample] | FetchError) -> Sample | FetchError:
-    if isinstance(p, FetchError):
-        return p
+def _outcome(outcome: concurrent.futures.Future[Sample] | FetchError) -> Sample | FetchError:
+    if isinstance(outcome, FetchError):
+        return outcome
     try:
-        return p.result()
+        return outcome.result()
     except FetchError as e:
         return e

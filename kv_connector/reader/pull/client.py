@@ -236,20 +236,20 @@ class PullClient:
             raise
         return _Asked(h, shares)
 
-    def _check_expected(self, m: protocol.Manifest) -> None:
+    def _check_expected(self, manifest: protocol.Manifest) -> None:
         """FetchError("mismatch") naming how the sample differs from ``expect``."""
-        if self.options.expect is not None and (differs := self.options.expect.mismatches(m)):
+        if self.options.expect is not None and (differs := self.options.expect.mismatches(manifest)):
             why = "; ".join(differs)
-            raise FetchError("mismatch", f"{m.request_id} is not what this client expects: {why}")
+            raise FetchError("mismatch", f"{manifest.request_id} is not what this client expects: {why}")
 
-    def _post(self, a: _Asked) -> _Pending:
+    def _post(self, asked: _Asked) -> _Pending:
         """Pages for the sample and its READs posted.
 
         Where every READ completed as it was posted (UCX's shared memory copies then), the holds'
         fence words are READ here at once. On the checker thread a fence READ would wait for the
         agent's lock behind the next sample's copy.
         """
-        h, shares = a.handle, a.shares
+        h, shares = asked.handle, asked.shares
         try:
             pages = self._take_pages(h, shares[0].manifest)
         except FetchError:
@@ -273,35 +273,38 @@ class PullClient:
                 p.fenced = e
         return p
 
-    def _share_of(self, h: PullHandle, rank: int) -> protocol.PullShare:
+    def _share_of(self, handle: PullHandle, rank: int) -> protocol.PullShare:
         """Rank ``rank``'s answer to a ``PullFetch`` of the sample: its share, checked to be
         of this sample and rank; ``FetchError`` saying why not."""
         reply = self._ask_rank(
-            h, rank, h.endpoints[rank], protocol.PullFetch(request_id=h.request_id, nonce=h.nonce)
+            handle,
+            rank,
+            handle.endpoints[rank],
+            protocol.PullFetch(request_id=handle.request_id, nonce=handle.nonce),
         )
         if isinstance(reply, protocol.PullError):
             raise FetchError(reply.code, reply.message)
         if not isinstance(reply, protocol.PullShare):
             raise FetchError("protocol", f"expected a share, got {type(reply).__name__}")
-        ours = reply.rank == rank and reply.world_size == h.world_size
-        if not ours or reply.manifest.request_id != h.request_id:
+        ours = reply.rank == rank and reply.world_size == handle.world_size
+        if not ours or reply.manifest.request_id != handle.request_id:
             raise FetchError("protocol", f"rank {rank} answered for another sample or rank")
         return reply
 
-    def _finish(self, p: _Pending, release: bool = True) -> Sample:
-        h, m = p.handle, p.shares[0].manifest
+    def _finish(self, pending: _Pending, release: bool = True) -> Sample:
+        h, m = pending.handle, pending.shares[0].manifest
         try:
-            self._wait(p)
-            fenced = self._check_hold_fences(p) if p.fenced is None else p.fenced
+            self._wait(pending)
+            fenced = self._check_hold_fences(pending) if pending.fenced is None else pending.fenced
             if isinstance(fenced, FetchError):
                 raise fenced
             memory = self._memory
             assert memory is not None
-            base = byte_of(p.pages)
+            base = byte_of(pending.pages)
             check, full = self.options.check_values, self.options.full_values_check
             sampled = check and not full  # the values screen samples
             screens: list[RowsScreen | None] = []  # read with the fingerprints
-            for s in p.shares:
+            for s in pending.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
                 if s.checksum is None:
                     screens.append(None)
@@ -317,16 +320,18 @@ class PullClient:
             if check and (problem := values_verdict(memory, base, m, screens, full).problem):
                 raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")
         except FetchError:
-            self._give_back(h, p.pages)
+            self._give_back(h, pending.pages)
             self._release_all(h, quiet=True)
             raise
         if release and fenced:
             self._release_all(h, quiet=True, answer=False)  # the fences said the holds were live
         elif release:
-            unchecked = any(s.checksum is None and s.block_ids for s in p.shares)
+            unchecked = any(s.checksum is None and s.block_ids for s in pending.shares)
             self._release_all(h, quiet=not unchecked)
         key, copies = (h.producer_id, h.request_id), self._copies if self.options.copy else None
-        return hand_out(memory, byte_of(p.pages), m, key, lambda _k: self._give_back(h, p.pages), copies)
+        return hand_out(
+            memory, byte_of(pending.pages), m, key, lambda _k: self._give_back(h, pending.pages), copies
+        )
 
     # ------------------------------------------------------------------ pool
     def _ensure(self, lap: Callable[[str], object] | None = None) -> None:
@@ -355,7 +360,7 @@ class PullClient:
             self._hold_fences = HoldFenceReader(transport, self._lock)
             self._transport = transport
 
-    def _take_pages(self, h: PullHandle, m: protocol.Manifest) -> range:
+    def _take_pages(self, handle: PullHandle, manifest: protocol.Manifest) -> range:
         """A run of pool pages for the sample, waited for while samples on lease fill the pool.
 
         Pages come back as samples are released, collected or their GPU work ends. ``FetchError``
@@ -364,9 +369,9 @@ class PullClient:
         """
         memory, pool = self._memory, self._pool
         assert memory is not None and pool is not None
-        n = pages_for(m.geometry.sample_bytes(m.num_blocks), PAGE_BYTES)
-        key = (h.producer_id, h.request_id, h.nonce)
-        rid, timeout_s, pool_bytes = h.request_id, self.options.timeout_s, self.options.pool_bytes
+        n = pages_for(manifest.geometry.sample_bytes(manifest.num_blocks), PAGE_BYTES)
+        key = (handle.producer_id, handle.request_id, handle.nonce)
+        rid, timeout_s, pool_bytes = handle.request_id, self.options.timeout_s, self.options.pool_bytes
         deadline = time.monotonic() + timeout_s
         collected = False
         while True:
@@ -394,26 +399,26 @@ class PullClient:
                 collected = True
             time.sleep(RETRY_S)
 
-    def _give_back(self, h: PullHandle, pages: range) -> None:
+    def _give_back(self, handle: PullHandle, pages: range) -> None:
         with self._lock:
             if self._pool is not None:
-                self._pool.release((h.producer_id, h.request_id, h.nonce), pages)
+                self._pool.release((handle.producer_id, handle.request_id, handle.nonce), pages)
 
     # ------------------------------------------------------------------ transfers
-    def _post_read(self, h: PullHandle, s: protocol.PullShare, pages: range) -> Any | None:
+    def _post_read(self, handle: PullHandle, share: protocol.PullShare, pages: range) -> Any | None:
         """Post the READ of a share; None when it completed as it was posted (UCX's shared
         memory copies then): the checker thread then need not wait for this lock."""
-        m = s.manifest
+        m = share.manifest
         g, nb = m.geometry, m.num_blocks
         base = byte_of(pages)
         spans = []
-        for i, block in enumerate(s.block_ids):
-            j = s.first_block + i
+        for i, block in enumerate(share.block_ids):
+            j = share.first_block + i
             for src, dst, n in g.arranged_spans(nb, j):
-                spans.append((base + dst, block * s.pitch + src, n))
+                spans.append((base + dst, block * share.pitch + src, n))
         assert self._links is not None
-        peer = self._links.agent(h.endpoints[s.rank])
-        remote = Region(s.cache_addr, s.cache_bytes, s.mem_type, s.device_id)
+        peer = self._links.agent(handle.endpoints[share.rank])
+        remote = Region(share.cache_addr, share.cache_bytes, share.mem_type, share.device_id)
         with self._lock:
             assert self._transport is not None and self._region is not None
             try:
@@ -421,12 +426,12 @@ class PullClient:
                 return None if self._transport.poll(xfer) else xfer
             except TransportError as e:
                 raise FetchError(
-                    "transfer", f"cannot read sample {h.request_id} from rank {s.rank}: {e}"
+                    "transfer", f"cannot read sample {handle.request_id} from rank {share.rank}: {e}"
                 ) from None
 
-    def _wait(self, p: _Pending) -> None:
+    def _wait(self, pending: _Pending) -> None:
         deadline = time.monotonic() + self.options.timeout_s
-        waiting = list(p.xfers)
+        waiting = list(pending.xfers)
         pause = POLL_FIRST_S  # then doubling: many fetches in flight (a fetch agent's) must not spin
         while waiting:
             with self._lock:
@@ -436,12 +441,13 @@ class PullClient:
                 except TransportError as e:
                     self._settle(waiting)
                     raise FetchError(
-                        "transfer", f"reading sample {p.handle.request_id} failed: {e}"
+                        "transfer", f"reading sample {pending.handle.request_id} failed: {e}"
                     ) from None
             if waiting and time.monotonic() >= deadline:
                 self._settle(waiting)
                 raise FetchError(
-                    "timeout", f"reading sample {p.handle.request_id} took over {self.options.timeout_s} s"
+                    "timeout",
+                    f"reading sample {pending.handle.request_id} took over {self.options.timeout_s} s",
                 )
             if waiting:
                 time.sleep(pause)
@@ -463,31 +469,35 @@ class PullClient:
                 pause = min(2 * pause, POLL_MAX_S)
 
     # ------------------------------------------------------------------ control
-    def _check_hold_fences(self, p: _Pending) -> bool:
+    def _check_hold_fences(self, pending: _Pending) -> bool:
         """After the READs completed: every share's hold was live (``hold_fences``)."""
         assert self._links is not None and self._hold_fences is not None
-        return check_hold_fences(self._hold_fences, self._links, p.handle, p.shares, self.options.timeout_s)
+        return check_hold_fences(
+            self._hold_fences, self._links, pending.handle, pending.shares, self.options.timeout_s
+        )
 
-    def _release_all(self, h: PullHandle, quiet: bool, answer: bool = True) -> None:
-        for rank, endpoint in enumerate(h.endpoints):
-            msg = protocol.PullRelease(request_id=h.request_id, nonce=h.nonce, answer=answer)
+    def _release_all(self, handle: PullHandle, quiet: bool, answer: bool = True) -> None:
+        for rank, endpoint in enumerate(handle.endpoints):
+            msg = protocol.PullRelease(request_id=handle.request_id, nonce=handle.nonce, answer=answer)
             if not answer:
-                if not self._links or not self._links.tell(h, rank, endpoint, msg):
-                    log.debug("releasing %s at rank %d: not sent (it expires)", h.request_id, rank)
+                if not self._links or not self._links.tell(handle, rank, endpoint, msg):
+                    log.debug("releasing %s at rank %d: not sent (it expires)", handle.request_id, rank)
                 continue
             try:
-                reply = self._ask_rank(h, rank, endpoint, msg)
+                reply = self._ask_rank(handle, rank, endpoint, msg)
             except FetchError as e:
                 if not quiet:
                     raise
-                log.debug("releasing %s at rank %d: %s", h.request_id, rank, e)
+                log.debug("releasing %s at rank %d: %s", handle.request_id, rank, e)
                 continue
             if isinstance(reply, protocol.PullError) and not quiet and reply.code != "released":
                 raise FetchError(reply.code, reply.message)
 
-    def _ask_rank(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
+    def _ask_rank(
+        self, handle: PullHandle, rank: int, endpoint: str, msg: protocol.Message
+    ) -> protocol.Message:
         assert self._links is not None
-        return self._links.ask(h, rank, endpoint, msg)
+        return self._links.ask(handle, rank, endpoint, msg)
 
 
 __all__ = ["FetchError", "PullClient", "handle_of"]

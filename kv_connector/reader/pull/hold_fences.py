@@ -107,12 +107,12 @@ class HoldFenceReader:
                 failed.append(s.rank)
         return left
 
-    def _take(self, n: int, deadline: float) -> list[int]:
+    def _take(self, count: int, deadline: float) -> list[int]:
         with self._slots:
-            while len(self._free) < n:
+            while len(self._free) < count:
                 if not self._slots.wait(max(0.0, deadline - time.monotonic())):
                     raise TimeoutError("no fence word free")
-            taken, self._free = self._free[:n], self._free[n:]
+            taken, self._free = self._free[:count], self._free[count:]
             return taken
 
     def _give(self, slots: list[int]) -> None:
@@ -124,7 +124,7 @@ class HoldFenceReader:
 def check_hold_fences(
     fences: HoldFenceReader,
     links: ProducerLinks,
-    h: PullHandle,
+    handle: PullHandle,
     shares: Sequence[PullShare],
     timeout_s: float,
 ) -> bool:
@@ -137,15 +137,22 @@ def check_hold_fences(
     if not fenced:
         return not read
     try:
-        fences.check([(links.agent(h.endpoints[s.rank]), s) for s in fenced], time.monotonic() + timeout_s)
+        fences.check(
+            [(links.agent(handle.endpoints[s.rank]), s) for s in fenced], time.monotonic() + timeout_s
+        )
     except TimeoutError as e:
-        raise FetchError("timeout", f"sample {h.request_id}: {e}") from None
+        raise FetchError("timeout", f"sample {handle.request_id}: {e}") from None
     except HoldFenceStale as e:
         rank = e.ranks[0]
-        reply = links.ask(h, rank, h.endpoints[rank], PullRelease(request_id=h.request_id, nonce=h.nonce))
+        reply = links.ask(
+            handle,
+            rank,
+            handle.endpoints[rank],
+            PullRelease(request_id=handle.request_id, nonce=handle.nonce),
+        )
         said = f" ({reply.message})" if isinstance(reply, PullError) else ""
         code = reply.code if isinstance(reply, PullError) else "failed"
-        raise FetchError(code, f"sample {h.request_id}: rank {rank}: {e}{said}") from None
+        raise FetchError(code, f"sample {handle.request_id}: rank {rank}: {e}{said}") from None
     return len(fenced) == len(read)
 
 

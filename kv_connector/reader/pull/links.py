@@ -102,11 +102,11 @@ class ProducerLinks:
         for p in peers:
             p.conn.close()
 
-    def ask(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
+    def ask(self, handle: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> protocol.Message:
         """One request and its answer on the rank's connection; a broken connection is made
         again (a producer restarted) once."""
         for attempt in (0, 1):
-            peer = self._peer(h, rank, endpoint)
+            peer = self._peer(handle, rank, endpoint)
             try:
                 with peer.lock:
                     peer.conn.send(msg)
@@ -117,7 +117,7 @@ class ProducerLinks:
                     raise FetchError("connect", f"the producer's rank {rank} at {endpoint}: {e}") from None
         raise AssertionError("unreachable")
 
-    def tell(self, h: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> bool:
+    def tell(self, handle: PullHandle, rank: int, endpoint: str, msg: protocol.Message) -> bool:
         """Send one message that gets no answer, such as a fenced release, on the rank's connection.
 
         The connection is made if need be. False if it could not be sent; nothing is
@@ -126,7 +126,7 @@ class ProducerLinks:
         a time."""
 
         try:
-            peer = self._peer(h, rank, endpoint)
+            peer = self._peer(handle, rank, endpoint)
         except FetchError:
             return False
         try:
@@ -147,14 +147,14 @@ class ProducerLinks:
                     self._transport.remove_peer(peer.agent)
         peer.conn.close()
 
-    def _peer(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
+    def _peer(self, handle: PullHandle, rank: int, endpoint: str) -> _Peer:
         with self._peers_lock:
             peer = self._peers.get(endpoint)
         if peer is not None:
-            if peer.producer != (h.producer_id, rank, h.world_size):
-                raise FetchError("unknown", _not_the_handles(endpoint, peer.producer, h, rank))
+            if peer.producer != (handle.producer_id, rank, handle.world_size):
+                raise FetchError("unknown", _not_the_handles(endpoint, peer.producer, handle, rank))
             return peer
-        peer = self._connect(h, rank, endpoint)
+        peer = self._connect(handle, rank, endpoint)
         with self._peers_lock:
             old = self._peers.get(endpoint)
             if old is None:
@@ -163,7 +163,7 @@ class ProducerLinks:
         peer.conn.close()  # another thread connected meanwhile
         return old
 
-    def _connect(self, h: PullHandle, rank: int, endpoint: str) -> _Peer:
+    def _connect(self, handle: PullHandle, rank: int, endpoint: str) -> _Peer:
         """Connect and run the handshake in the reader's role; load the rank's metadata."""
         secret = self._secret if self._secret is not None else auth.load_secret()
         try:
@@ -173,13 +173,13 @@ class ProducerLinks:
                 "connect", f"cannot reach the producer's rank {rank} at {endpoint}: {e}"
             ) from None
         try:
-            return self._handshake(conn, h, rank, endpoint, secret)
+            return self._handshake(conn, handle, rank, endpoint, secret)
         except BaseException:
             conn.close()
             raise
 
     def _handshake(
-        self, conn: FramedConnection, h: PullHandle, rank: int, endpoint: str, secret: bytes | None
+        self, conn: FramedConnection, handle: PullHandle, rank: int, endpoint: str, secret: bytes | None
     ) -> _Peer:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         hs = ReaderHandshake(secret, time.monotonic())
@@ -190,8 +190,8 @@ class ProducerLinks:
             if not isinstance(hello, protocol.Hello):
                 raise FetchError("protocol", f"{where} sent a {type(hello).__name__} instead of its Hello")
             producer = (hello.producer_id, hello.rank, hello.world_size)
-            if producer != (h.producer_id, rank, h.world_size):
-                raise FetchError("unknown", _not_the_handles(endpoint, producer, h, rank))
+            if producer != (handle.producer_id, rank, handle.world_size):
+                raise FetchError("unknown", _not_the_handles(endpoint, producer, handle, rank))
             conn.send(hs.on_hello(hello, None, False))
             conn.max_frame = hs.frame_limit
             a = conn.receive_one(max(0.0, deadline - time.monotonic()))
@@ -235,9 +235,9 @@ class ProducerLinks:
         return _Peer(endpoint, conn, agent, threading.Lock(), producer)
 
 
-def _not_the_handles(endpoint: str, producer: tuple[str, int, int], h: PullHandle, rank: int) -> str:
+def _not_the_handles(endpoint: str, producer: tuple[str, int, int], handle: PullHandle, rank: int) -> str:
     pid, r, world = producer
     return (
-        f"{endpoint} serves producer {pid} rank {r}/{world}, not the handle's {h.producer_id} rank "
-        f"{rank}/{h.world_size} (a stale handle?)"
+        f"{endpoint} serves producer {pid} rank {r}/{world}, not the handle's {handle.producer_id} rank "
+        f"{rank}/{handle.world_size} (a stale handle?)"
     )
