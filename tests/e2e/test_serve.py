@@ -1,9 +1,10 @@
 """The OpenAI-compatible server (CPU build) -> HiddenStatesConnector -> NIXL -> reader.
 
 Starts ``vllm.entrypoints.openai.api_server`` in a subprocess with extract_hidden_states
-and the connector as a kv_producer, sends token-id completions over HTTP, and checks that
-each request's prompt hidden states reach the reader exactly once and equal the
-transformers model's."""
+and the connector as a kv_producer, with two data-parallel replicas, sends token-id
+completions over HTTP, and checks that each request's prompt hidden states reach the
+reader exactly once and equal the transformers model's, each replica a producer of its
+own name."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.e2e.conftest import Reference, relative_error
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LAYER_IDS = [1, 2, 4]
+PRODUCER = "served"  # a name given in the options: each replica adds -dp{n}
 BLOCK = 128  # pinned in the server's configuration (--block-size), so prompts cross it
 SAMPLE_TIMEOUT_S = 300.0
 
@@ -30,18 +32,18 @@ SAMPLE_TIMEOUT_S = 300.0
 def test_openai_server_delivers_prompt_states(
     tiny_llama: Path, llama_reference: Reference, tmp_path: Path
 ) -> None:
-    lengths = [1, BLOCK, BLOCK + 1, 300]
-    max_tokens = [1, 3, 1, 3]
+    lengths = [1, BLOCK, BLOCK + 1, 300, 2, 3, 5, 7]
+    max_tokens = [1, 3, 1, 3, 1, 2, 1, 2]
     rng = random.Random(21)
     prompts = [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
     with (
         HiddenStatesReader() as reader,
         ApiServer(
             tiny_llama,
-            {"consumer_address": reader.address},
+            {"consumer_address": reader.address, "producer_id": PRODUCER},
             LAYER_IDS,
             tmp_path,
-            args=["--block-size", str(BLOCK)],
+            args=["--block-size", str(BLOCK), "--data-parallel-size", "2"],
         ) as server,
     ):
 
@@ -119,4 +121,6 @@ def test_openai_server_delivers_prompt_states(
         assert params["consumer_address"] == address
         assert params["producer_id"] == s.producer_id
         assert params["request_id"].startswith(resp["id"] + "-0-")
+    # two replicas, two producers: vLLM spreads the concurrent requests over both
+    assert {s.producer_id for s in got.values()} == {f"{PRODUCER}-dp0", f"{PRODUCER}-dp1"}
     print(f"worst relative error {worst:.2e}")
