@@ -36,7 +36,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hybrid.notice import ENV, announce
+from hybrid.notice import ENV, OncePerProcess, announce
 from hybrid.versions import SUPPORTED_VLLM, is_supported, supported_text
 from kv_connector.common.errors import ConfigurationError
 
@@ -174,7 +174,7 @@ def installed() -> bool:
     return all(hasattr(getattr(owner, name), ORIGINAL) for owner, name, _ in _patch_points())
 
 
-_refusal_logged = False
+REFUSAL_LOGGED = OncePerProcess()  # the line refusing a hybrid model on another vLLM
 
 
 def _refusal_watcher(original: Any) -> Any:
@@ -182,8 +182,7 @@ def _refusal_watcher(original: Any) -> Any:
     unchanged (any signature), logging the refusal once if the model is hybrid."""
 
     def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, *args: Any, **kwargs: Any) -> Any:
-        global _refusal_logged
-        if not _refusal_logged:
+        if not REFUSAL_LOGGED.said:
             try:
                 from hybrid.spec import supplemented
 
@@ -191,10 +190,9 @@ def _refusal_watcher(original: Any) -> Any:
             except Exception as e:  # another vLLM's classes: say nothing rather than break it
                 log.debug("hybrid supplementary tensors: cannot read this vLLM's specs (%s)", e)
                 hybrid = False
-            if hybrid:
+            if hybrid and REFUSAL_LOGGED.first():
                 import vllm
 
-                _refusal_logged = True
                 log.error("%s", refusal(vllm.__version__))
         return original(vllm_config, kv_cache_specs, *args, **kwargs)
 

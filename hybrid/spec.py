@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybrid import versions
+from hybrid.notice import OncePerProcess
 from hybrid.shapes import exact_num_blocks
 from kv_connector.common.errors import ConfigurationError
 
@@ -133,21 +134,6 @@ def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
 
 
 NO_ATTENTION_FIX = "leave HIDDEN_STATES_SUPPLEMENTARY unset (auto) or set it to 0 to use vLLM's own grouping"
-
-
-class OncePerProcess:
-    """Whether something was said in this process yet (``reset()``: as if not)."""
-
-    def __init__(self) -> None:
-        self._said = False
-
-    def first(self) -> bool:
-        """True the first time it is asked (after ``reset``), False after."""
-        said, self._said = self._said, True
-        return not said
-
-    def reset(self) -> None:
-        self._said = False
 
 
 FALLBACK_LOGGED = OncePerProcess()  # the line saying vLLM's own grouping applies

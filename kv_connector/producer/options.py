@@ -124,8 +124,10 @@ class PushOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ConfigurationError("kv_connector_extra_config.consumer_address lists a reader twice")
 
 
-class PullOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Pull delivery's options (``ConnectorOptions`` says what each one means)."""
+class PullServing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Pull delivery's options at the producer: where its ranks serve and how long they hold a
+    sample (``ConnectorOptions`` says what each one means). The consumer's are the pull client's
+    ``PullOptions``."""
 
     listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"  # pull_listen
     timeout_s: Seconds = PULL_TIMEOUT_S  # pull_timeout_s
@@ -194,7 +196,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     delivery: Delivery = Delivery.PUSH
     check_tokens: bool = True
     push: PushOptions = msgspec.field(default_factory=PushOptions)
-    pull: PullOptions = msgspec.field(default_factory=PullOptions)
+    pull: PullServing = msgspec.field(default_factory=PullServing)
 
     def __post_init__(self) -> None:
         if self.delivery is Delivery.PULL:

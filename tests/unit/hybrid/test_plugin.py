@@ -88,7 +88,7 @@ def test_another_vllm_version_is_refused_for_hybrid_models_only(
 
     cfg, _, specs = tiny
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    monkeypatch.setattr(plugin, "_refusal_logged", False)
+    plugin.REFUSAL_LOGGED.reset()
 
     def ours() -> list[logging.LogRecord]:
         return [r for r in caplog.records if r.name.startswith("vllm.hybrid") and r.levelno > logging.DEBUG]
