@@ -219,6 +219,11 @@ def worker() -> tuple[WorkerSide, FakeMode]:
     return side, mode
 
 
+def wrote(side: WorkerSide, slots: torch.Tensor) -> None:
+    """The step's cache-only layer wrote with ``slots``, as vLLM's forward tells the worker side."""
+    side.save_kv_layer(side.layer_name, SimpleNamespace(slot_mapping=slots))
+
+
 def slots_for(table: Sequence[int], n: int) -> torch.Tensor:
     return torch.tensor([table[p // BS] * BS + p % BS for p in range(n)], dtype=torch.int64)
 
@@ -229,7 +234,7 @@ def test_the_worker_side_ships_a_written_request_and_returns_it_once_settled_and
     planner.add("r")
     prompt, table = list(range(10, 16)), [5, 2]
     plan = planner.plan([NewRequest("r", prompt, table, 0)], [], {"r": len(prompt)})
-    side._slots = slots_for(table, len(prompt))
+    wrote(side, slots_for(table, len(prompt)))
     side.wait_for_save(plan)
     assert mode.shipped == [("r", table, False)] and not mode.refused
     assert side.get_finished(set()) is None  # not settled, not finished
@@ -246,7 +251,7 @@ def test_the_worker_side_refuses_a_request_written_elsewhere_and_reports_why() -
     planner.add("r")
     prompt, table = list(range(6)), [5, 2]
     plan = planner.plan([NewRequest("r", prompt, table, 0)], [], {"r": len(prompt)})
-    side._slots = slots_for([5, 3], len(prompt))  # the second block went to block 3, not 2
+    wrote(side, slots_for([5, 3], len(prompt)))  # the second block went to block 3, not 2
     side.wait_for_save(plan)
     assert not mode.shipped and "r" in mode.refused
     report = side.build_connector_worker_meta()
@@ -260,7 +265,7 @@ def test_the_worker_side_reports_a_preempted_shipped_request_as_failed() -> None
     planner.add("r")
     plan = planner.plan([NewRequest("r", [1, 2, 3], [7], 0)], [], {"r": 3})
     assert not mode.shipped
-    side._slots = slots_for([7], 3)
+    wrote(side, slots_for([7], 3))
     side.wait_for_save(plan)
     side.handle_preemptions(SimpleNamespace(preempted=["r"]))  # type: ignore[arg-type]
     assert side.build_connector_worker_meta().failures["r"].reason is FailureReason.PREEMPTED
@@ -321,7 +326,7 @@ def test_a_held_sample_whose_step_fails_its_check_a_step_late_has_its_hold_faile
     planner.add("r")
     prompt, table = list(range(6)), [5, 2]
     plan = planner.plan([NewRequest("r", prompt, table, 0)], [], {"r": len(prompt)})
-    side._slots = slots_for([5, 3], len(prompt))  # written to block 3, not 2: found a step late
+    wrote(side, slots_for([5, 3], len(prompt)))  # written to block 3, not 2: found a step late
     side.wait_for_save(plan)
     assert mode.shipped == [("r", table, False)] and not mode.refused  # held, its check pending
     Later.done = True
