@@ -8,8 +8,9 @@ by the caller polling ``poll`` and ``notifications`` on both sides. It implement
 Before its UCX context exists, an agent gets the UCX settings GPU buffers need on one node
 (``ucx_report.UCX_DEFAULTS``, through NIXL's ``engine_config``; never over a user's
 ``UCX_*``) and asks UCX to describe its WRITE and READ choices in files of a directory of
-its own; at the first completion of each kind of transfer it reads them, logs the
-transport of each pairing and warns where ``tcp`` carries a GPU buffer.
+its own (``ucx_choices``); at the first completion of each kind of transfer it reads
+them, records and logs the transport of each pairing, and warns where ``tcp`` carries a
+GPU buffer. Where NIXL cannot be imported, the error names the wheel (``nixl_install``).
 
 A reader whose pool is a memory file publishes it (``publish_pool``); a producer's agent
 on the same node then maps it at ``add_peer`` and makes each WRITE into it a copy of its
@@ -23,10 +24,7 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import sys
-import tempfile
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,38 +33,17 @@ import numpy as np
 import torch
 
 from kv_connector.common.device import DeviceEvent
-from kv_connector.wire import node_pool, ucx_report
+from kv_connector.wire import node_pool, ucx_choices, ucx_report
+from kv_connector.wire.nixl_install import install_hint
 from kv_connector.wire.transport import MemType, Region, Transfer, TransportError
 
 log = logging.getLogger(__name__)
 
 _DONE, _PROC, _ERR = "DONE", "PROC", "ERR"
 
-
-NIXL_VERSION = "1.5.1"
-
 # a WRITE into a mapped pool is told by a NIXL WRITE of its last bytes again, from a slot
 TAIL_BYTES = 64
 TAIL_SLOTS = 1024
-
-
-def nixl_wheel(torch_cuda: str | None) -> str:
-    """The NIXL wheel for a torch built against CUDA ``torch_cuda`` (``torch.version.cuda``,
-    None for a CPU build): the ``nixl`` meta package imports ``nixl_cu{that major}``.
-    vLLM 0.33 pins a CUDA 13 torch (nixl-cu13); vLLM 0.32's CUDA build a CUDA 12 one, and
-    the CPU build takes nixl-cu12 (it falls back to whichever backend is installed)."""
-    major = torch_cuda.split(".")[0] if torch_cuda else "12"
-    return f"nixl-cu{major}"
-
-
-def install_hint(torch_cuda: str | None) -> str:
-    """How to install NIXL for this torch, in one line."""
-    built = f"torch {torch.__version__} built for CUDA {torch_cuda}" if torch_cuda else "a CPU build of torch"
-    return (
-        f"pip install {nixl_wheel(torch_cuda)}=={NIXL_VERSION} && pip install --no-deps nixl=={NIXL_VERSION} "
-        f"(for {built}; the nixl package loads nixl_cu<torch's CUDA major>: nixl-cu13 for vLLM 0.33, "
-        "nixl-cu12 for vLLM 0.32)"
-    )
 
 
 def _nixl() -> Any:
@@ -149,58 +126,6 @@ class _Transfer:
         self.kind = kind  # (peer, op, local memory, remote memory): the first of each is reported
 
 
-_CHOICES: dict[tuple[str, ucx_report.Pairing], tuple[str, ...]] = {}  # (agent, pairing) -> transports
-_CHOICES_LOCK = threading.Lock()
-
-
-def ucx_choices() -> dict[str, dict[str, list[str]]]:
-    """What UCX chose in this process, as its agents read it: agent -> pairing -> the
-    transports of its large transfers (``node_pool`` for WRITEs into a mapped pool)."""
-    out: dict[str, dict[str, list[str]]] = {}
-    with _CHOICES_LOCK:
-        for (agent, pairing), ts in sorted(_CHOICES.items(), key=lambda x: (x[0][0], str(x[0][1]))):
-            out.setdefault(agent, {})[str(pairing)] = list(ts)
-    return out
-
-
-_REPORT_PREFIX = "kvc-ucx-"  # then the pid: directories of processes gone are pruned
-
-
-def _report_dir() -> tuple[str | None, bool]:
-    """Where UCX describes this agent's choices, and whether the directory is ours to
-    remove: the user's ``UCX_PROTO_INFO_DIR`` (``%p``, ``%h`` filled in as UCX does),
-    else a new temporary one; None when ``KV_CONNECTOR_UCX_REPORT`` is off."""
-    if ucx_report.switched_off(os.environ, ucx_report.REPORT_SWITCH):
-        return None, False
-    theirs = os.environ.get("UCX_PROTO_INFO_DIR")
-    if theirs:
-        return theirs.replace("%p", str(os.getpid())).replace("%h", socket.gethostname()), False
-    _prune_reports()
-    # short: UCX cuts a report file's whole path at 255 bytes
-    return tempfile.mkdtemp(prefix=f"{_REPORT_PREFIX}{os.getpid()}-"), True
-
-
-def _prune_reports() -> None:
-    """Remove the report directories of processes that are gone (killed before their
-    agents closed); a directory holds only the descriptions not read yet."""
-    root = tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(root):
-            pid = entry.name.removeprefix(_REPORT_PREFIX).split("-", 1)[0]
-            if entry.name.startswith(_REPORT_PREFIX) and pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's: alive
-        return True
-    return True
-
-
 class NixlTransport:
     """One NIXL agent (UCX backend, no progress thread)."""
 
@@ -215,7 +140,7 @@ class NixlTransport:
         params = dict(ucx_params or {})
         if "ucx_error_handling_mode" not in params and os.environ.get("KV_CONNECTOR_UCX_ERROR_HANDLING"):
             params["ucx_error_handling_mode"] = os.environ["KV_CONNECTOR_UCX_ERROR_HANDLING"]
-        self._report, self._own_report = _report_dir()
+        self._report, self._own_report = ucx_choices.report_dir()
         params["engine_config"], applied = ucx_report.engine_config(
             os.environ, params.get("engine_config", ""), self._report if self._own_report else None
         )
@@ -492,9 +417,7 @@ class NixlTransport:
             pairing = ucx_report.Pairing(
                 ucx_report.Op.WRITE, local, ucx_report.Mem.HOST, ucx_report.Reach.SAME_NODE
             )
-            with _CHOICES_LOCK:
-                key = (self.name, pairing)
-                _CHOICES[key] = tuple(sorted({*_CHOICES.get(key, ()), node_pool.TRANSPORT}))
+            ucx_choices.record(self.name, pairing, [node_pool.TRANSPORT])
             log.info("NIXL agent %s: a %s is a copy into %s's mapped pool", self.name, pairing, xfer.peer)
         return True
 
@@ -540,13 +463,9 @@ class NixlTransport:
                 choices.append(c)
                 self._every.setdefault(c.pairing, set()).update(c.transports)
         new: dict[ucx_report.Pairing, tuple[str, ...]] = {}
-        with _CHOICES_LOCK:
-            for pairing, found in ucx_report.bulk(choices).items():
-                key = (self.name, pairing)
-                before = _CHOICES.get(key, ())
-                ts = tuple(sorted(set(before) | set(found)))  # variants may come in later calls
-                if ts != before:
-                    _CHOICES[key] = new[pairing] = ts
+        for pairing, found in ucx_report.bulk(choices).items():
+            if (grown := ucx_choices.record(self.name, pairing, found)) is not None:
+                new[pairing] = grown
         for pairing, ts in new.items():
             log.info("NIXL agent %s: UCX moves a %s over %s", self.name, pairing, ", ".join(ts))
             if (fix := ucx_report.advice(pairing, ts)) is not None:

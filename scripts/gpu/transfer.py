@@ -490,7 +490,7 @@ def transports(op: Op, local: MemType, remote: MemType, raw: bool) -> list[str]:
     """The transports UCX picked, as this process's agents read it, for ``op`` between
     this process's ``local`` memory and another process's ``remote`` memory: of the raw
     transfers' agents, or of ours (the sender's, the pull client's)."""
-    from kv_connector.wire.nixl_transport import ucx_choices
+    from kv_connector.wire.ucx_choices import ucx_choices
 
     def mem(m: MemType) -> Mem:
         return Mem.GPU if m == "VRAM" else Mem.HOST

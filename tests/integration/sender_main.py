@@ -21,9 +21,10 @@ from kv_connector.sender.config import CREDITS_AHEAD
 from kv_connector.sender.sender import HiddenStatesSender, SenderConfig
 from kv_connector.wire.identity import make_identity
 from kv_connector.wire.layout import BlockLayout
-from kv_connector.wire.nixl_transport import NixlTransport, ucx_choices
+from kv_connector.wire.nixl_transport import NixlTransport
 from kv_connector.wire.protocol import ShareChecksum
 from kv_connector.wire.provenance import Provenance
+from kv_connector.wire.ucx_choices import ucx_choices
 from tests.integration.common import make_cache, token_ids
 from tests.integration.faulty_transport import FaultyTransport
 

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 # two agents of one process: a WRITE and a READ of 4 MiB in 1 MiB blocks between them
 SCRIPT = """
 import json, os, numpy as np, torch
-from kv_connector.wire.nixl_transport import NixlTransport, ucx_choices
+from kv_connector.wire.nixl_transport import NixlTransport
+from kv_connector.wire.ucx_choices import ucx_choices
 from kv_connector.wire.ucx_report import Mem, Op
 a, b = NixlTransport("ucx-settings-a"), NixlTransport("ucx-settings-b")
 src = torch.arange(4 << 20, dtype=torch.int64).to(torch.uint8)
@@ -132,7 +133,8 @@ def test_reports_of_processes_gone_are_removed(tmp_path: Path) -> None:
 WARN = """
 import logging, os, sys
 from pathlib import Path
-from kv_connector.wire.nixl_transport import NixlTransport, ucx_choices
+from kv_connector.wire.nixl_transport import NixlTransport
+from kv_connector.wire.ucx_choices import ucx_choices
 report = Path(os.environ["UCX_PROTO_INFO_DIR"])
 name = "warn_agent_intra_node_cfg_2_get_multi_into_cuda_GPU0_from_cuda_dev_1_8157_inf.dot"
 (report / name).write_text('digraph {\\n\\tnode0 [label="zero-copy\\\\ntcp/lo" shape=box]\\n}\\n')

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from kv_connector.wire import nixl_transport
+from kv_connector.wire import nixl_install, nixl_transport
 from kv_connector.wire.transport import TransportError
 
 
@@ -17,8 +17,8 @@ from kv_connector.wire.transport import TransportError
     ("cuda", "wheel"), [("13.0", "nixl-cu13"), ("12.8", "nixl-cu12"), (None, "nixl-cu12")]
 )
 def test_the_wheel_follows_torchs_cuda_major(cuda: str | None, wheel: str) -> None:
-    assert nixl_transport.nixl_wheel(cuda) == wheel
-    assert f"pip install {wheel}==1.5.1 && pip install --no-deps nixl==1.5.1" in nixl_transport.install_hint(
+    assert nixl_install.nixl_wheel(cuda) == wheel
+    assert f"pip install {wheel}==1.5.1 && pip install --no-deps nixl==1.5.1" in nixl_install.install_hint(
         cuda
     )
 
