@@ -194,23 +194,29 @@ class ShipPlanner:
             self._step(plan, t, r.num_computed_tokens, num_scheduled.get(r.request_id, 0))
         return plan
 
-    def _step(self, plan: StepPlan, t: RequestRecord, start: int, n: int) -> None:
-        if n <= 0 or t.shipped:
+    def _step(self, plan: StepPlan, record: RequestRecord, start: int, num_tokens: int) -> None:
+        if num_tokens <= 0 or record.shipped:
             return
-        t.computed = max(t.computed, start + n)
-        limit = None if t.include_output else len(t.prompt)
+        record.computed = max(record.computed, start + num_tokens)
+        limit = None if record.include_output else len(record.prompt)
         if limit is not None:
-            n = min(n, limit - start)
-            if n <= 0:
+            num_tokens = min(num_tokens, limit - start)
+            if num_tokens <= 0:
                 return
         plan.slices.append(
-            StepSlice(t.request_id, start, n, tuple(t.block_ids[t.sent_blocks :]), t.sent_blocks)
+            StepSlice(
+                record.request_id,
+                start,
+                num_tokens,
+                tuple(record.block_ids[record.sent_blocks :]),
+                record.sent_blocks,
+            )
         )
-        t.sent_blocks = len(t.block_ids)
-        if not t.include_output and start + n >= len(t.prompt):
-            t.shipped = True
-            self.active.discard(t.request_id)
-            plan.ships.append(self._order(t, t.prompt, tuple(t.block_ids)))
+        record.sent_blocks = len(record.block_ids)
+        if not record.include_output and start + num_tokens >= len(record.prompt):
+            record.shipped = True
+            self.active.discard(record.request_id)
+            plan.ships.append(self._order(record, record.prompt, tuple(record.block_ids)))
 
     def finish(self, request_id: str, all_token_ids: Sequence[int], block_ids: Sequence[int]) -> bool:
         """The request finished; True if the connector holds its blocks because a ship was or will be made.

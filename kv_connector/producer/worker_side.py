@@ -398,12 +398,12 @@ class WorkerSide:
             log.info("rank %d: token check on (each sample's token ids against the forward's input ids)",
                      self.rank)
 
-    def _cannot_ship(self, order: ShipOrder, e: Exception) -> None:
+    def _cannot_ship(self, order: ShipOrder, error: Exception) -> None:
         rid = order.request_id
-        log.error("request %s cannot be shipped: %s", rid, e)
-        self._failed[rid] = str(e)
-        self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(e)))
-        self._refuse(order, str(e))
+        log.error("request %s cannot be shipped: %s", rid, error)
+        self._failed[rid] = str(error)
+        self._note_failure(rid, SampleFailure(FailureReason.OTHER, str(error)))
+        self._refuse(order, str(error))
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:

@@ -528,11 +528,11 @@ class PullServer:
             fence=self._fence_of(h),
         )
 
-    def _fence_of(self, h: Held) -> protocol.HoldFence | None:
+    def _fence_of(self, held: Held) -> protocol.HoldFence | None:
         f = self._fence_region
-        if h.fence is None or f is None:
+        if held.fence is None or f is None:
             return None
-        slot, value = h.fence
+        slot, value = held.fence
         return protocol.HoldFence(
             table_addr=f.addr, table_bytes=f.nbytes, offset=slot * WORD_BYTES, value=value
         )
@@ -553,7 +553,7 @@ class PullServer:
                     raise
                 self._held.wait(left)
 
-    def _share_checksum(self, h: Held) -> int:
+    def _share_checksum(self, held: Held) -> int:
         """The checksum of this rank's share (``CacheBlocks.record``).
 
         It is the fingerprint from the words its steps took, or read from the cache while
@@ -562,5 +562,5 @@ class PullServer:
 
         assert self._checksum is not None
         with self._lock:
-            nonce, words = self._words.get(h.request_id, ("", None))
-        return self.blocks.record(self._checksum, h, words if nonce == h.nonce else None)
+            nonce, words = self._words.get(held.request_id, ("", None))
+        return self.blocks.record(self._checksum, held, words if nonce == held.nonce else None)

@@ -100,36 +100,36 @@ class SampleBook:
         return self._pending[(producer_id, rank)]
 
     # ---------------------------------------------------------------- changes
-    def admit(self, s: SampleRecord) -> None:
+    def admit(self, sample: SampleRecord) -> None:
         """A new sample waits in the pool's FIFO for its run of pages.
 
         Raises ``PoolTooSmall`` when it can never fit; it is not admitted then."""
         assert self.pool is not None
-        state = step(None, SampleEvent.REQUESTED, f"sample {s.key[1]} of {s.key[0]}")
-        self.pool.request(s.key, s.num_pages)
-        s.state = state
-        self.samples[s.key] = s
+        state = step(None, SampleEvent.REQUESTED, f"sample {sample.key[1]} of {sample.key[0]}")
+        self.pool.request(sample.key, sample.num_pages)
+        sample.state = state
+        self.samples[sample.key] = sample
 
-    def place(self, s: SampleRecord, credit: tuple[str, int], generation: int, now: float) -> None:
+    def place(self, sample: SampleRecord, credit: tuple[str, int], generation: int, now: float) -> None:
         """A new sample placed at the start of a credit's run (``credits.py``): it holds the
         run's first pages under that credit's generation, the rest go back to the pool."""
         assert self.pool is not None
-        state = step(None, SampleEvent.REQUESTED, f"sample {s.key[1]} of {s.key[0]}")
-        pages = self.pool.shrink(credit, s.num_pages)
-        self.pool.hand_over(credit, s.key)
-        s.state = state
-        s.move(SampleEvent.GRANTED)
-        s.pages, s.t_granted, s.generation = pages, now, generation
-        self.samples[s.key] = s
+        state = step(None, SampleEvent.REQUESTED, f"sample {sample.key[1]} of {sample.key[0]}")
+        pages = self.pool.shrink(credit, sample.num_pages)
+        self.pool.hand_over(credit, sample.key)
+        sample.state = state
+        sample.move(SampleEvent.GRANTED)
+        sample.pages, sample.t_granted, sample.generation = pages, now, generation
+        self.samples[sample.key] = sample
 
     def promised(self, producer_id: str, rank: int) -> None:
         """A rank registered its share of a sample not handed out yet."""
         self._pending[(producer_id, rank)] += 1
 
-    def settle_pending(self, s: SampleRecord) -> None:
+    def settle_pending(self, sample: SampleRecord) -> None:
         """The sample is handed out or gone: its ranks' promises are kept."""
-        for rank in s.shares:
-            k = (s.key[0], rank)
+        for rank in sample.shares:
+            k = (sample.key[0], rank)
             self._pending[k] -= 1
             if self._pending[k] <= 0:
                 del self._pending[k]
@@ -159,26 +159,26 @@ class SampleBook:
         self.pool.release(key, s.pages)
         return True
 
-    def drop(self, s: SampleRecord, now: float, event: SampleEvent) -> None:
+    def drop(self, sample: SampleRecord, now: float, event: SampleEvent) -> None:
         """The sample leaves the books before it was handed out; it no longer counts against its ranks (R9).
 
         ``event``: discarded, refused or rejected. Pages it was granted go back once no
         WRITE into them can land (R3, ``page_fences.py``), at once if none is on its way."""
         assert self.pool is not None
-        end(s.state, event, f"sample {s.key[1]} of {s.key[0]}")
-        del self.samples[s.key]
-        if s.state is not SampleState.HANDED_OUT:
-            self.settle_pending(s)
-        if s.pages is None:
-            self.pool.cancel(s.key)
+        end(sample.state, event, f"sample {sample.key[1]} of {sample.key[0]}")
+        del self.samples[sample.key]
+        if sample.state is not SampleState.HANDED_OUT:
+            self.settle_pending(sample)
+        if sample.pages is None:
+            self.pool.cancel(sample.key)
             return
-        writing = [share.peer for share in s.shares.values() if share.in_flight]
+        writing = [share.peer for share in sample.shares.values() if share.in_flight]
         owed = {peer for peer in writing if self._connected(peer)}
         departed = len(owed) < len(writing)
-        if self.page_fences.wait(s.generation, s.key[1], s.pages, owed, departed, now):
-            self.pool.hand_over(s.key, ("fence", s.generation))
+        if self.page_fences.wait(sample.generation, sample.key[1], sample.pages, owed, departed, now):
+            self.pool.hand_over(sample.key, ("fence", sample.generation))
         else:
-            self.pool.release(s.key, s.pages)
+            self.pool.release(sample.key, sample.pages)
 
     def page_fences_due(self, now: float) -> list[tuple[int, PageFenceWait, bool]]:
         """Dropped samples' pages whose fence wait is over return to the pool.

@@ -59,17 +59,17 @@ class ShareChecker:
         self._thread = threading.Thread(target=self._run, name="hs-reader-check", daemon=True)
         self._thread.start()
 
-    def submit(self, v: Verify) -> None:
+    def submit(self, verify: Verify) -> None:
         """Check a fingerprinted share now on the caller's thread (a host pool), or queue it
         on the device pool's stream (read by ``settle``); hand the others to this thread."""
-        if v.checksum is not ShareChecksum.FINGERPRINT:
-            self._q.put(v)
+        if verify.checksum is not ShareChecksum.FINGERPRINT:
+            self._q.put(verify)
         elif self._device_pool is not None:
-            self._logged(v, self._queue)
+            self._logged(verify, self._queue)
         elif self._inline:
-            self._logged(v, self._check)
+            self._logged(verify, self._check)
         else:
-            self._q.put(v)
+            self._q.put(verify)
 
     @property
     def waiting(self) -> int:
@@ -90,40 +90,42 @@ class ShareChecker:
         while (v := self._q.get()) is not None:
             self._logged(v, self._check)
 
-    def _logged(self, v: Verify, step: Callable[..., None], *args: object) -> None:
-        """``step(v, *args)``; a check that cannot run is logged and must not stop the others."""
+    def _logged(self, verify: Verify, step: Callable[..., None], *args: object) -> None:
+        """``step(verify, *args)``; a check that cannot run is logged and must not stop the others."""
         try:
-            step(v, *args)
+            step(verify, *args)
         except Exception:
-            log.exception("hidden-states reader: checking %s rank %d failed", v.key, v.rank)
+            log.exception("hidden-states reader: checking %s rank %d failed", verify.key, verify.rank)
 
-    def _queue(self, v: Verify) -> None:
+    def _queue(self, verify: Verify) -> None:
         assert self._device_pool is not None
         with self._lock:
-            where = self._ledger.share_to_check(v)
+            where = self._ledger.share_to_check(verify)
         if where is None:
             return  # gone, or landed again since: a newer check is queued
         t0 = time.perf_counter()
         pool, blocks = self._device_pool, list(where.blocks)
         queued = pool.queue_fingerprint(where.base, where.manifest, blocks, self._screen)
-        self._queued.add(functools.partial(self._logged, v, self._read, queued, t0), queued.event)
+        self._queued.add(functools.partial(self._logged, verify, self._read, queued, t0), queued.event)
 
-    def _read(self, v: Verify, queued: QueuedCheck, t0: float) -> None:
+    def _read(self, verify: Verify, queued: QueuedCheck, t0: float) -> None:
         got, screen = queued.result()
-        self._checked(v, got == v.digest, time.perf_counter() - t0, screen)
+        self._checked(verify, got == verify.digest, time.perf_counter() - t0, screen)
 
-    def _checked(self, v: Verify, ok: bool, seconds: float, screen: RowsScreen | None) -> None:
+    def _checked(self, verify: Verify, ok: bool, seconds: float, screen: RowsScreen | None) -> None:
         with self._lock:
             now = time.monotonic()
-            self._perform(self._ledger.share_checked(v.key, v.rank, v.landing, ok, now, seconds, screen))
+            self._perform(
+                self._ledger.share_checked(verify.key, verify.rank, verify.landing, ok, now, seconds, screen)
+            )
 
-    def _check(self, v: Verify) -> None:
+    def _check(self, verify: Verify) -> None:
         with self._lock:
-            where = self._ledger.share_to_check(v)
+            where = self._ledger.share_to_check(verify)
         if where is None:
             return  # gone, or landed again since: a newer check is queued
         t0 = time.perf_counter()
         got, screen = check_share(
-            self._pool, where.base, where.manifest, list(where.blocks), v.checksum, self._screen
+            self._pool, where.base, where.manifest, list(where.blocks), verify.checksum, self._screen
         )
-        self._checked(v, got == v.digest, time.perf_counter() - t0, screen)
+        self._checked(verify, got == verify.digest, time.perf_counter() - t0, screen)

@@ -167,16 +167,16 @@ class ReaderLedger:
         s = self._samples.get(key)
         return s.generation if s is not None and s.generation else None
 
-    def share_to_check(self, v: Verify) -> ShareToCheck | None:
+    def share_to_check(self, verify: Verify) -> ShareToCheck | None:
         """Where the share a ``Verify`` names lies in the pool, or None if its check is moot.
 
         The checking thread reads the pool outside the lock, so it asks first whether the share
         is still this landing's. A newer landing queued its own check, and a dropped sample
         needs none.
         """
-        s = self._samples.get(v.key)
-        share = s.shares.get(v.rank) if s is not None else None
-        if s is None or share is None or s.pages is None or share.checking != v.landing:
+        s = self._samples.get(verify.key)
+        share = s.shares.get(verify.rank) if s is not None else None
+        if s is None or share is None or s.pages is None or share.checking != verify.landing:
             return None
         assert self.page_bytes is not None
         return ShareToCheck(s.pages.start * self.page_bytes, s.manifest, tuple(sorted(share.blocks)))
@@ -349,7 +349,7 @@ class ReaderLedger:
         landed = self.write_done(peer, credit.early, now) if credit.early is not None else []
         return landed + self._grant(now)
 
-    def _answer_instead(self, peer: PeerId, m: protocol.Manifest, key: Key) -> list[Action] | None:
+    def _answer_instead(self, peer: PeerId, manifest: protocol.Manifest, key: Key) -> list[Action] | None:
         """What a new sample gets instead of pages, None if nothing: an Ack if it was
         delivered before (R4: never twice; none yet while its first ack is owed), a
         refusal if it is over the token limit or not what the consumer expects."""
@@ -357,11 +357,11 @@ class ReaderLedger:
             self.stats.resends_acked += 1
             if self.delivered.resent(key, peer):  # its ack still awaited (manual mode): ack it then
                 return []
-            return [Send(peer, protocol.Ack(request_id=m.request_id))]
-        if m.num_tokens > self.config.max_sample_tokens:
-            return self._refusals.over_limit(peer, m, self.config.max_sample_tokens)
-        if self.config.expect is not None and (differs := self.config.expect.mismatches(m)):
-            return self._refusals.mismatch(peer, m, differs)
+            return [Send(peer, protocol.Ack(request_id=manifest.request_id))]
+        if manifest.num_tokens > self.config.max_sample_tokens:
+            return self._refusals.over_limit(peer, manifest, self.config.max_sample_tokens)
+        if self.config.expect is not None and (differs := self.config.expect.mismatches(manifest)):
+            return self._refusals.mismatch(peer, manifest, differs)
         return None
 
     def _over_pending_bound(self, pid: str, rank: int) -> str | None:
@@ -644,32 +644,32 @@ class ReaderLedger:
                 actions.append(Send(peer, self.credits.hold(g, peer, pid, run)))
         return actions
 
-    def _advance(self, s: SampleRecord) -> list[Action]:
+    def _advance(self, sample: SampleRecord) -> list[Action]:
         """Check every share that landed with its digest known; move the sample on."""
-        prod = self.producers.by_id.get(s.key[0])
-        return s.advance(self.config.verify, prod.checksum if prod is not None else ShareChecksum.XXH3)
+        prod = self.producers.by_id.get(sample.key[0])
+        return sample.advance(self.config.verify, prod.checksum if prod is not None else ShareChecksum.XXH3)
 
-    def _mismatch(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
-        m, key = s.manifest, s.key
+    def _mismatch(self, sample: SampleRecord, rank: int, now: float) -> list[Action]:
+        m, key = sample.manifest, sample.key
         self.stats.checksum_mismatches += 1
-        s.rewrites += 1
-        if s.rewrites > self.config.max_rewrites:
-            return self._refusals.checksum(s, rank, now)
+        sample.rewrites += 1
+        if sample.rewrites > self.config.max_rewrites:
+            return self._refusals.checksum(sample, rank, now)
         if key[0] not in self.producers:  # nobody left to write it again
             gone = Log("error", f"request {m.request_id}: a share failed its checksum")
-            return [gone, *self._discard(s, now, "its producer is gone")]
-        s.rewrite(rank)
+            return [gone, *self._discard(sample, now, "its producer is gone")]
+        sample.rewrite(rank)
         return [
             Log(
                 "error",
                 f"request {m.request_id} of producer {key[0]}: rank {rank}'s share does not match its "
-                f"checksum; asking for it again ({s.rewrites} of {self.config.max_rewrites})",
+                f"checksum; asking for it again ({sample.rewrites} of {self.config.max_rewrites})",
             ),
             Send(
-                s.shares[rank].peer,
+                sample.shares[rank].peer,
                 protocol.Rewrite(request_id=m.request_id, reason="the share does not match its checksum"),
             ),
         ]
 
-    def _discard(self, s: SampleRecord, now: float, why: str) -> list[Action]:
-        return self._refusals.discard(s, now, why)
+    def _discard(self, sample: SampleRecord, now: float, why: str) -> list[Action]:
+        return self._refusals.discard(sample, now, why)

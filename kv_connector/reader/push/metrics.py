@@ -88,9 +88,9 @@ ALL = (
 )
 
 
-def histogram_family(spec: Spec, h: Histogram) -> HistogramMetricFamily:
-    buckets = [("+Inf" if le == float("inf") else repr(le), n) for le, n in h.cumulative()]
-    return HistogramMetricFamily(spec.name, spec.doc, buckets=buckets, sum_value=h.total)
+def histogram_family(spec: Spec, histogram: Histogram) -> HistogramMetricFamily:
+    buckets = [("+Inf" if le == float("inf") else repr(le), n) for le, n in histogram.cumulative()]
+    return HistogramMetricFamily(spec.name, spec.doc, buckets=buckets, sum_value=histogram.total)
 
 
 def reader_families(stats: ReaderStats, pool: PoolState, producers: Mapping[str, int]) -> list[Metric]:

@@ -23,53 +23,58 @@ class Refusals:
         self._stats = stats
 
     # ------------------------------------------------- requests (not admitted)
-    def over_limit(self, peer: PeerId, m: protocol.Manifest, limit: int) -> list[Action]:
+    def over_limit(self, peer: PeerId, manifest: protocol.Manifest, limit: int) -> list[Action]:
         """A sample over ``max_sample_tokens`` is refused alone (R9)."""
         self._stats.refused += 1
         self._stats.refused_limit += 1
-        why = f"request {m.request_id} has {m.num_tokens} tokens, over this reader's limit of {limit}"
+        why = (
+            f"request {manifest.request_id} has {manifest.num_tokens} tokens, "
+            f"over this reader's limit of {limit}"
+        )
         return [
-            Send(peer, protocol.Refuse(code="limit", message=why, request_id=m.request_id)),
+            Send(peer, protocol.Refuse(code="limit", message=why, request_id=manifest.request_id)),
             Log("error", why),
         ]
 
-    def mismatch(self, peer: PeerId, m: protocol.Manifest, differs: list[str]) -> list[Action]:
+    def mismatch(self, peer: PeerId, manifest: protocol.Manifest, differs: list[str]) -> list[Action]:
         """A sample other than the consumer expects (``ReaderConfig.expect``), refused
         before any of its bytes move."""
         self._stats.refused += 1
         self._stats.refused_mismatch += 1
-        why = f"request {m.request_id} is not what this reader expects: {'; '.join(differs)}"
-        refuse = protocol.Refuse(code="mismatch", message=fields.clip_text(why), request_id=m.request_id)
+        why = f"request {manifest.request_id} is not what this reader expects: {'; '.join(differs)}"
+        refuse = protocol.Refuse(
+            code="mismatch", message=fields.clip_text(why), request_id=manifest.request_id
+        )
         return [Send(peer, refuse), Log("error", why)]
 
-    def pool_too_small(self, peer: PeerId, m: protocol.Manifest, error: Exception) -> list[Action]:
+    def pool_too_small(self, peer: PeerId, manifest: protocol.Manifest, error: Exception) -> list[Action]:
         """A sample that needs more pages than the whole pool holds."""
         self._stats.refused += 1
         self._stats.refused_pool_too_small += 1
         refuse = protocol.Refuse(
-            code="pool_too_small", message=fields.clip_text(str(error)), request_id=m.request_id
+            code="pool_too_small", message=fields.clip_text(str(error)), request_id=manifest.request_id
         )
-        return [Send(peer, refuse), Log("error", f"request {m.request_id} refused: {error}")]
+        return [Send(peer, refuse), Log("error", f"request {manifest.request_id} refused: {error}")]
 
     # --------------------------------------------------- samples (admitted)
-    def unchecked(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
+    def unchecked(self, sample: SampleRecord, rank: int, now: float) -> list[Action]:
         """``rank`` wrote its share without the checksum this reader requires (R10)."""
         self._stats.refused_unchecked += 1
         why = (
-            f"rank {rank} of {s.key[0]} wrote its share of {s.key[1]} without the "
+            f"rank {rank} of {sample.key[0]} wrote its share of {sample.key[1]} without the "
             "checksum this reader requires (the producer's checksum option is none; "
             "see --require-checksum)"
         )
-        return self._refuse(s, "unchecked", why, now, "unchecked")
+        return self._refuse(sample, "unchecked", why, now, "unchecked")
 
-    def checksum(self, s: SampleRecord, rank: int, now: float) -> list[Action]:
+    def checksum(self, sample: SampleRecord, rank: int, now: float) -> list[Action]:
         """A share failed its checksum more than ``max_rewrites`` times (R5)."""
         self._stats.refused_checksum += 1
         why = (
-            f"request {s.key[1]} of producer {s.key[0]} failed its checksum "
-            f"{s.rewrites} times (rank {rank}); refusing it"
+            f"request {sample.key[1]} of producer {sample.key[0]} failed its checksum "
+            f"{sample.rewrites} times (rank {rank}); refusing it"
         )
-        return self._refuse(s, "checksum", why, now, "refused")
+        return self._refuse(sample, "checksum", why, now, "refused")
 
     def expire(self, now: float, timeout_s: float) -> list[Action]:
         """Granted samples not complete and checked ``timeout_s`` after their grant (R8)."""
@@ -99,7 +104,7 @@ class Refusals:
         return actions
 
     def gave_up(
-        self, s: SampleRecord, rank: int, label: str, msg: protocol.Refuse, now: float
+        self, sample: SampleRecord, rank: int, label: str, msg: protocol.Refuse, now: float
     ) -> list[Action]:
         """Rank ``rank`` (``label``) of the sample's producer gave up on it; it is discarded.
 
@@ -107,7 +112,7 @@ class Refusals:
         actions: list[Action] = [
             Log("error", f"producer {label} gave up on {msg.request_id} ({msg.code}): {msg.message}")
         ]
-        for r, other in s.peers.items():
+        for r, other in sample.peers.items():
             if r != rank:
                 refuse = protocol.Refuse(
                     code=msg.code,
@@ -115,36 +120,38 @@ class Refusals:
                     request_id=msg.request_id,
                 )
                 actions.append(Send(other, refuse))
-        return actions + self.discard(s, now, f"{label} gave up on it")
+        return actions + self.discard(sample, now, f"{label} gave up on it")
 
     def rejected(
-        self, key: Key, s: SampleRecord | None, peers: list[PeerId], why: str, now: float
+        self, key: Key, sample: SampleRecord | None, peers: list[PeerId], why: str, now: float
     ) -> list[Action]:
         """The consumer rejected a sample (R11): ``peers`` are refused.
 
-        A sample not handed out yet (``s``) leaves the books, its pages waiting for their fence."""
+        A sample not handed out yet (``sample``) leaves the books, its pages waiting for their fence."""
         self._stats.refused += 1
         refuse = protocol.Refuse(code="rejected", message=fields.clip_text(why), request_id=key[1])
         actions: list[Action] = [Log("error", f"rejected request {key[1]} of producer {key[0]}: {why}")]
         actions += [Send(peer, refuse) for peer in peers]
-        if s is not None:
-            self._book.drop(s, now, SampleEvent.REFUSED)
+        if sample is not None:
+            self._book.drop(sample, now, SampleEvent.REFUSED)
         return actions
 
     def discard(
-        self, s: SampleRecord, now: float, why: str, event: SampleEvent = SampleEvent.DISCARDED
+        self, sample: SampleRecord, now: float, why: str, event: SampleEvent = SampleEvent.DISCARDED
     ) -> list[Action]:
         """The sample leaves the books undelivered (``event``: discarded, or refused) at
         ``now``; its pages wait for their fence."""
-        self._book.drop(s, now, event)
+        self._book.drop(sample, now, event)
         self._stats.dropped += 1
-        return [Log("warning", f"discarded incomplete sample {s.key[1]} of producer {s.key[0]} ({why})")]
+        return [
+            Log("warning", f"discarded incomplete sample {sample.key[1]} of producer {sample.key[0]} ({why})")
+        ]
 
     def _refuse(
-        self, s: SampleRecord, code: protocol.RefuseCode, why: str, now: float, dropped: str
+        self, sample: SampleRecord, code: protocol.RefuseCode, why: str, now: float, dropped: str
     ) -> list[Action]:
         """Refuse the sample to every rank of its producer, and discard it."""
         self._stats.refused += 1
-        refuse = protocol.Refuse(code=code, message=why, request_id=s.key[1])
-        sends = [Send(p, refuse) for p in s.peers.values()]
-        return [Log("error", why), *sends, *self.discard(s, now, dropped, SampleEvent.REFUSED)]
+        refuse = protocol.Refuse(code=code, message=why, request_id=sample.key[1])
+        sends = [Send(p, refuse) for p in sample.peers.values()]
+        return [Log("error", why), *sends, *self.discard(sample, now, dropped, SampleEvent.REFUSED)]

@@ -44,10 +44,10 @@ MAX_CONNECTIONS = 1024  # or half the file descriptors the process may open, if 
 MAX_UNPROVEN_PER_HOST = 32  # connections of one host still in their handshake
 
 
-def round_page(n: int) -> int:
-    if n <= 0:
-        raise ConfigurationError(f"page size must be positive, got {n}")
-    return -(-n // PAGE_ALIGN) * PAGE_ALIGN
+def round_page(nbytes: int) -> int:
+    if nbytes <= 0:
+        raise ConfigurationError(f"page size must be positive, got {nbytes}")
+    return -(-nbytes // PAGE_ALIGN) * PAGE_ALIGN
 
 
 @dataclass
@@ -173,21 +173,21 @@ class ReaderServer:
                 case Log(level=level, text=text):
                     getattr(log, level)("%s", text)
 
-    def _send(self, c: _Conn, msg: protocol.Message) -> None:
+    def _send(self, connection: _Conn, msg: protocol.Message) -> None:
         """Queue a message without ever blocking the serving thread: a peer that stops
         reading holds only its own bounded buffer, then is dropped."""
-        if c.conn.closed:
+        if connection.conn.closed:
             return
         try:
-            c.conn.send_nowait(msg)
+            connection.conn.send_nowait(msg)
         except OutputFull as e:
-            log.warning("dropping %s: %s", c.label, e)
-            self._drop(c, "it stopped reading")
+            log.warning("dropping %s: %s", connection.label, e)
+            self._drop(connection, "it stopped reading")
             return
         except ConnectionClosed:
             return  # its reading side will report it
-        if c.conn.pending_out:
-            self._writing.add(c.id)
+        if connection.conn.pending_out:
+            self._writing.add(connection.id)
 
     def _flush_writers(self) -> None:
         """Send what waits for peers whose sockets take it now; watch the others."""
@@ -331,58 +331,60 @@ class ReaderServer:
         self._sel.register(sock, selectors.EVENT_READ, c)
         log.debug("control connection from %s", c.addr)
 
-    def _on_readable(self, c: _Conn) -> None:
+    def _on_readable(self, connection: _Conn) -> None:
         try:
-            c.conn.fill()
+            connection.conn.fill()
             # one frame at a time: each is bounded by the limit of the phase it arrives in
-            while not c.conn.closed and (msg := c.conn.receive_buffered()) is not None:
-                self._handle(c, msg)
-                c.conn.max_frame = c.hs.frame_limit
+            while not connection.conn.closed and (msg := connection.conn.receive_buffered()) is not None:
+                self._handle(connection, msg)
+                connection.conn.max_frame = connection.hs.frame_limit
         except ConnectionClosed:
-            self._drop(c, "connection closed")
+            self._drop(connection, "connection closed")
         except ProtocolError as e:
             self._ledger.refused_peer()
-            log.warning("refusing %s: %s", c.label, e)
-            self._send(c, protocol.Refuse(code="protocol", message=fields.clip_text(str(e))))
-            self._drop(c, f"protocol error: {e}")
+            log.warning("refusing %s: %s", connection.label, e)
+            self._send(connection, protocol.Refuse(code="protocol", message=fields.clip_text(str(e))))
+            self._drop(connection, f"protocol error: {e}")
 
-    def _handle(self, c: _Conn, msg: protocol.Message) -> None:
+    def _handle(self, connection: _Conn, msg: protocol.Message) -> None:
         now = time.monotonic()
-        if c.hs.phase is Phase.HELLO:
+        if connection.hs.phase is Phase.HELLO:
             h = msg if isinstance(msg, protocol.Hello) else None
             known = self._ledger.world_of(h.producer_id) if h else None
             taken = h is not None and self._ledger.rank_connected(h.producer_id, h.rank)
-            self._send(c, c.hs.on_hello(msg, known, taken))
+            self._send(connection, connection.hs.on_hello(msg, known, taken))
             return
-        if c.hs.phase is Phase.AUTH:
+        if connection.hs.phase is Phase.AUTH:
             match msg:
                 case protocol.Refuse():
-                    log.warning("producer %s refused the handshake (%s): %s", c.label, msg.code, msg.message)
-                    self._drop(c, f"it refused the handshake: {msg.message}")
+                    log.warning(
+                        "producer %s refused the handshake (%s): %s", connection.label, msg.code, msg.message
+                    )
+                    self._drop(connection, f"it refused the handshake: {msg.message}")
                 case protocol.Auth():
-                    self._on_auth(c, msg, now)
+                    self._on_auth(connection, msg, now)
                 case _:
                     raise ProtocolError(f"expected auth, got {type(msg).__name__}")
             return
         match msg:
             case protocol.CreditRequest():
-                self.perform(self._ledger.credit_request(c.id, msg, now))
+                self.perform(self._ledger.credit_request(connection.id, msg, now))
             case protocol.Placed():
-                self.perform(self._ledger.placed(c.id, msg, now))
+                self.perform(self._ledger.placed(connection.id, msg, now))
             case protocol.CreditReturned():
-                self.perform(self._ledger.credit_returned(c.id, msg, now))
+                self.perform(self._ledger.credit_returned(connection.id, msg, now))
             case protocol.ShareDigest():
-                self.perform(self._ledger.share_digest(c.id, msg))
+                self.perform(self._ledger.share_digest(connection.id, msg))
             case protocol.Fenced():
-                self.perform(self._ledger.fenced(c.id, msg, now))
+                self.perform(self._ledger.fenced(connection.id, msg, now))
             case protocol.Refuse():
-                self.perform(self._ledger.producer_refused(c.id, msg, now))
+                self.perform(self._ledger.producer_refused(connection.id, msg, now))
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from a producer")
 
-    def _on_auth(self, c: _Conn, a: protocol.Auth, now: float) -> None:
-        c.hs.on_auth(a)
-        h = c.hs.hello
+    def _on_auth(self, connection: _Conn, auth: protocol.Auth, now: float) -> None:
+        connection.hs.on_auth(auth)
+        h = connection.hs.hello
         assert h is not None
         old = self._by_agent.get(h.agent_name)
         if old is not None and old.id in self._conns:  # a replay of a connected producer's metadata
@@ -391,7 +393,7 @@ class ReaderServer:
             self._transport.remove_peer(h.agent_name)
             del self._by_agent[h.agent_name]
         try:
-            agent = self._transport.add_peer(a.agent_metadata)
+            agent = self._transport.add_peer(auth.agent_metadata)
         except TransportError as e:
             raise ProtocolError(str(e)) from None
         if agent in self._by_agent:  # another producer's metadata
@@ -407,14 +409,14 @@ class ReaderServer:
                 page,
                 self._region.nbytes // page,
             )
-        self._ledger.peer_ready(c.id, h)
+        self._ledger.peer_ready(connection.id, h)
         if old is not None:
             self.perform(self._ledger.settle(old.id, now))
             self._departing.pop(old.id, None)
-        c.agent = agent
-        self._by_agent[agent] = c
+        connection.agent = agent
+        self._by_agent[agent] = connection
         assert self._ledger.pool is not None and self._ledger.page_bytes is not None
-        welcome = c.hs.welcome(
+        welcome = connection.hs.welcome(
             protocol.Welcome(
                 reader_id=self.reader_id,
                 agent_name=self._transport.name,
@@ -428,10 +430,13 @@ class ReaderServer:
                 proof=bytes(32),
             )
         )
-        self._send(c, welcome)
-        c.conn.mac = c.hs.session()  # every later frame, both ways, carries the session's tag
+        self._send(connection, welcome)
+        # every later frame, both ways, carries the session's tag
+        connection.conn.mac = connection.hs.session()
         ahead = h.credits_ahead if h.world_size == 1 else 0
-        log.info("producer %s connected (world size %d, %d credits ahead)", c.label, h.world_size, ahead)
+        log.info(
+            "producer %s connected (world size %d, %d credits ahead)", connection.label, h.world_size, ahead
+        )
 
     def _poll_notifs(self) -> bool:
         notifs = self._transport.notifications()
@@ -450,20 +455,20 @@ class ReaderServer:
                 log.warning("bad notification from %s: %s", c.label, e)
         return bool(notifs)
 
-    def _drop(self, c: _Conn, why: str) -> None:
+    def _drop(self, connection: _Conn, why: str) -> None:
         with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(c.conn.sock)
-        c.conn.close()
-        self._conns.pop(c.id, None)
-        if c.hs.phase is Phase.READY:
+            self._sel.unregister(connection.conn.sock)
+        connection.conn.close()
+        self._conns.pop(connection.id, None)
+        if connection.hs.phase is Phase.READY:
             # its last notifications may still be on their way: the ledger judges its
             # samples after a grace, during which its agent stays known
-            self._departing[c.id] = c
-            self.perform(self._ledger.peer_gone(c.id, time.monotonic()))
+            self._departing[connection.id] = connection
+            self.perform(self._ledger.peer_gone(connection.id, time.monotonic()))
             self._forget_departed()
-        elif c.agent:
-            self._transport.remove_peer(c.agent)
-        log.info("producer %s gone: %s", c.label, why)
+        elif connection.agent:
+            self._transport.remove_peer(connection.agent)
+        log.info("producer %s gone: %s", connection.label, why)
 
     def _forget_departed(self) -> None:
         for pid, c in list(self._departing.items()):
