@@ -104,9 +104,9 @@ class WorkerMode(Protocol):
         """What settled since the last call (``get_finished``)."""
         ...
 
-    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
-        """Changes of this rank's links since the last call, and the endpoints it serves at
-        (``build_connector_worker_meta``)."""
+    def link_changes(self) -> tuple[list[LinkChange], list[object]]:
+        """Changes of this rank's links since the last call, and the mode's own news for its
+        scheduler part (``WorkerReport.news``; ``build_connector_worker_meta``)."""
         ...
 
     def close(self, drain_timeout_s: float) -> None:
@@ -131,8 +131,10 @@ class HoldsSamples(Protocol):
         ends and a consumer is told ``why``. False where it is not held."""
         ...
 
-    def drop(self, request_ids: Sequence[str]) -> None:
-        """The scheduler failed these requests at their finish: nobody got their handle."""
+    def hear(self, news: object) -> None:
+        """The scheduler part's news for this step (``StepPlan.news``, from
+        ``HandsOutHandles.news``), before the step's ships: e.g. holds to end, whose
+        requests failed at their finish, so nobody got their handle."""
         ...
 
     def finished(self, request_ids: set[str]) -> None:
@@ -229,15 +231,16 @@ class SchedulerMode(Protocol):
 class HandsOutHandles(Protocol):
     """A scheduler mode that hands each finished request a handle (pull).
 
-    Each request gets a nonce when it arrives, its handle's secret and its route; a failed
-    one's hold ends at the workers."""
+    Each request gets a nonce when it arrives, its handle's secret and its route; the
+    workers hear which holds to end (a request that failed at its finish)."""
 
     def on_new_request(self, request_id: str) -> None:
         """A new request is followed: it gets its nonce."""
         ...
 
-    def take_drops(self) -> list[str]:
-        """Requests whose holds the workers must end this step (``build_connector_meta``)."""
+    def news(self) -> object | None:
+        """What the workers must hear this step (``StepPlan.news``; ``build_connector_meta``),
+        in a record of the mode's own; None: nothing."""
         ...
 
 

@@ -58,12 +58,12 @@ class StepPlan:
     # tracked requests preempted by this step: their blocks are about to be reused, so
     # WRITEs still reading them must finish first (see WorkerSide.handle_preemptions)
     preempted: list[str] = field(default_factory=list)
-    # pull delivery: finished requests whose held samples nobody may fetch (aborted): the
-    # workers end them and give their blocks back
-    drops: list[str] = field(default_factory=list)
+    # what the delivery mode's scheduler part tells its workers this step, in a record of
+    # the mode's own, carried unread (pull: the holds to end); None: nothing
+    news: object | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.slices or self.ships or self.resets or self.preempted or self.drops)
+        return bool(self.slices or self.ships or self.resets or self.preempted or self.news is not None)
 
 
 def in_kernel_blocks(plan: StepPlan, kernel_blocks: int) -> StepPlan:

@@ -222,7 +222,7 @@ class SchedulerSide:
         ]
         plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
         if self.handles is not None:
-            plan.drops = self.handles.take_drops()
+            plan.news = self.handles.news()
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -20,16 +20,17 @@ class LinkChange(NamedTuple):
 @dataclass
 class WorkerReport:
     """One step of one worker (or several, merged): link changes, and the requests
-    delivered or failed (with the reason) since the last step; in pull delivery, the
-    address of each rank's pull endpoint once it listens (rank -> ``HOST:PORT``)."""
+    delivered or failed (with the reason) since the last step. ``news``: what the workers'
+    delivery mode tells its scheduler part, in records of the mode's own, carried unread
+    (pull: where each rank serves, once it listens)."""
 
     links: list[LinkChange] = field(default_factory=list)
     failures: dict[str, SampleFailure] = field(default_factory=dict)
     delivered: set[str] = field(default_factory=set)
-    endpoints: dict[int, str] = field(default_factory=dict)
+    news: list[object] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.links or self.failures or self.delivered or self.endpoints)
+        return bool(self.links or self.failures or self.delivered or self.news)
 
     def merged(self, other: WorkerReport) -> WorkerReport:
         """Both reports in one (vLLM aggregates the ranks' reports this way); a request
@@ -38,5 +39,5 @@ class WorkerReport:
             links=self.links + other.links,
             failures={**other.failures, **self.failures},
             delivered=self.delivered | other.delivered,
-            endpoints={**other.endpoints, **self.endpoints},
+            news=self.news + other.news,
         )

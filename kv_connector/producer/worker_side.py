@@ -284,7 +284,7 @@ class WorkerSide:
     def wait_for_save(self, plan: StepPlan | None) -> None:
         """After the step's drafter: hand the step's slot mapping to the checks, then ship.
 
-        In four steps: begin (the plan in the cache's blocks; drops and resets), check (the
+        In four steps: begin (the plan in the cache's blocks; the mode's news, resets), check (the
         step's slots against the plan), gate (each complete request's blocks and its check)
         and ship. On a GPU the checks take an asynchronous copy and an event, so the engine
         never waits for the device. Each complete request is held by its sender until the
@@ -304,8 +304,8 @@ class WorkerSide:
         """The plan in the cache tensor's blocks; holds the scheduler ended and requests
         started anew are forgotten."""
         plan = in_kernel_blocks(plan, self.kernel_blocks)
-        if self.holds is not None:
-            self.holds.drop(plan.drops)
+        if plan.news is not None and self.holds is not None:
+            self.holds.hear(plan.news)
         for rid in plan.resets:
             self._forget(rid)
         return plan
@@ -518,10 +518,10 @@ class WorkerSide:
 
         It carries changes of this rank's link to each reader (None: connected), and the
         requests failed or delivered since."""
-        links, endpoints = self.mode.link_changes() if self.mode is not None else ([], {})
+        links, news = self.mode.link_changes() if self.mode is not None else ([], [])
         failures, self._report_failures = self._report_failures, {}
         delivered, self._report_delivered = self._report_delivered, set()
-        return WorkerReport(links, failures, delivered, endpoints)
+        return WorkerReport(links, failures, delivered, news)
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Until this rank reaches every reader its mode sends to; False after ``timeout_s``.

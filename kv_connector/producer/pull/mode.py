@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kv_connector.cache.blocks import Fingerprinted
@@ -26,6 +27,23 @@ from kv_connector.wire.handle import PullHandle, make_nonce
 from kv_connector.wire.outcome import SampleOutcome, SampleStatus
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EndHolds:
+    """The scheduler part's news for the workers (``StepPlan.news``): these requests failed
+    at their finish, nobody got their handle, so every rank ends its hold."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A rank's news for the scheduler part (``WorkerReport.news``): it serves pulled
+    samples at ``address`` (``HOST:PORT``), which every handle names."""
+
+    rank: int
+    address: str
 
 
 class PullWorker:
@@ -90,9 +108,9 @@ class PullWorker:
     def fail_held(self, request_id: str, why: str) -> bool:
         return self._server.fail_held(request_id, why)
 
-    def drop(self, request_ids: Sequence[str]) -> None:
-        if request_ids:
-            self._server.drop(request_ids)
+    def hear(self, news: object) -> None:
+        if isinstance(news, EndHolds) and news.request_ids:
+            self._server.drop(news.request_ids)
 
     def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
         """Their holds end now: nothing is read from reused blocks."""
@@ -108,11 +126,12 @@ class PullWorker:
     def settle(self) -> Settled:
         return Settled(done=self._server.take_freed())  # released, expired, preempted or aborted
 
-    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
+    def link_changes(self) -> tuple[list[LinkChange], list[object]]:
+        """No links (consumers come to it); once, where it serves."""
         if self._reported:
-            return [], {}
+            return [], []
         self._reported = True
-        return [], {self.rank: self._server.address}
+        return [], [Serving(self.rank, self._server.address)]
 
     def close(self, drain_timeout_s: float) -> None:
         server, self.server = self.server, None
@@ -176,13 +195,14 @@ class PullScheduling:
         return [r for r in range(self.world_size) if r not in self.endpoints]
 
     def update(self, report: WorkerReport) -> None:
-        for rank, address in report.endpoints.items():
-            log.info("rank %d serves pulled samples at %s", rank, address)
-            self.endpoints[rank] = address
+        for news in report.news:
+            if isinstance(news, Serving):
+                log.info("rank %d serves pulled samples at %s", news.rank, news.address)
+                self.endpoints[news.rank] = news.address
 
-    def take_drops(self) -> list[str]:
+    def news(self) -> EndHolds | None:
         drops, self._drops = self._drops, []
-        return drops
+        return EndHolds(tuple(drops)) if drops else None
 
     def request_finished(self, done: Finished) -> dict[str, Any]:
         """The sample's ``handle`` (top level, where speculators looks) and its record:

@@ -114,7 +114,7 @@ class PushWorker:
                 out.done.add(rid)
         return out
 
-    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
+    def link_changes(self) -> tuple[list[LinkChange], list[object]]:
         links: list[LinkChange] = []
         for sender in self.senders:
             err, reader = sender.link_error, sender.config.consumer_address
@@ -122,7 +122,7 @@ class PushWorker:
             if reader not in self._reported or (last is None) != (err is None):
                 self._reported[reader] = err
                 links.append(LinkChange(reader, self.rank, err))
-        return links, {}
+        return links, []
 
     def sleep(self, why: str, timeout_s: float) -> None:
         """Each sender lets its shares in flight be acknowledged for up to ``timeout_s``.

@@ -27,7 +27,7 @@ from kv_connector.producer.mode import (
 )
 from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import BlockRecorder, NewRequest, ShipOrder, ShipPlanner
-from kv_connector.producer.pull.mode import PullScheduling, PullWorker
+from kv_connector.producer.pull.mode import EndHolds, PullScheduling, PullWorker, Serving
 from kv_connector.producer.push.mode import PushScheduling, PushWorker
 from kv_connector.producer.slot_check import SlotChecks, StepGate
 from kv_connector.producer.worker_report import LinkChange, WorkerReport
@@ -67,9 +67,9 @@ def test_pull_admits_once_every_rank_reported_its_endpoint_and_needs_no_reader()
     book.add("r")
     mode.on_new_request("r")
     assert mode.admit("r").kind == "wait" and mode.reachable() == 0
-    mode.update(WorkerReport(endpoints={0: "127.0.0.1:9000"}))
+    mode.update(WorkerReport(news=[Serving(0, "127.0.0.1:9000")]))
     assert mode.admit("r").kind == "wait"  # rank 1 not yet
-    mode.update(WorkerReport(endpoints={1: "127.0.0.1:9001"}))
+    mode.update(WorkerReport(news=[Serving(1, "127.0.0.1:9001")]))
     a = mode.admit("r")
     assert (a.kind, a.reader) == ("run", None) and mode.reachable() == 1
     assert mode.started("r") is None  # admitted the usual way: nothing to bind
@@ -78,7 +78,7 @@ def test_pull_admits_once_every_rank_reported_its_endpoint_and_needs_no_reader()
 def test_pull_fails_a_request_whose_ranks_never_reported_an_endpoint_naming_them() -> None:
     mode, book, clock = pull(world=3)
     book.add("r")
-    mode.update(WorkerReport(endpoints={1: "127.0.0.1:9001"}))
+    mode.update(WorkerReport(news=[Serving(1, "127.0.0.1:9001")]))
     assert mode.admit("r").kind == "wait"
     clock.t += 5.1
     a = mode.admit("r")
@@ -91,26 +91,26 @@ def test_pull_hands_out_a_handle_naming_every_rank_endpoint_in_rank_order() -> N
     mode, book, _ = pull()
     book.add("r")
     mode.on_new_request("r")
-    mode.update(WorkerReport(endpoints={1: "127.0.0.1:9001", 0: "127.0.0.1:9000"}))
+    mode.update(WorkerReport(news=[Serving(1, "127.0.0.1:9001"), Serving(0, "127.0.0.1:9000")]))
     mode.on_new_request("other")
     nonce = mode.route("r")  # what every rank holds its sample under
     assert nonce is not None and len(nonce) == len(make_nonce()) and nonce != mode.route("other")
     params = mode.request_finished(finished("r"))
     handle = decode_handle(params["handle"])
     assert handle.endpoints == ["127.0.0.1:9000", "127.0.0.1:9001"] and handle.nonce == nonce
-    assert params["hidden_states"]["status"] == "ready" and mode.take_drops() == []
+    assert params["hidden_states"]["status"] == "ready" and mode.news() is None
     assert mode.route("r") is None  # forgotten at its finish
 
 
 @pytest.mark.parametrize("aborted", [False, True])
 def test_a_failed_or_aborted_pull_request_gets_no_handle_and_its_hold_ends(aborted: bool) -> None:
     mode, _, _ = pull(world=1)
-    mode.update(WorkerReport(endpoints={0: "127.0.0.1:9000"}))
+    mode.update(WorkerReport(news=[Serving(0, "127.0.0.1:9000")]))
     status = SampleStatus.PENDING if aborted else SampleStatus.FAILED
     params = mode.request_finished(finished("r", status, error="wrote no slots", aborted=aborted))
     assert "handle" not in params and params["hidden_states"]["status"] == "failed"
     assert params["hidden_states"]["error"] == ("the request was aborted" if aborted else "wrote no slots")
-    assert mode.take_drops() == ["r"] and mode.take_drops() == []
+    assert mode.news() == EndHolds(("r",)) and mode.news() is None
 
 
 def test_a_pull_request_vllm_ran_before_admitting_it_is_bound_then() -> None:
@@ -190,7 +190,7 @@ class FakeMode:
         self.refused[request_id] = why
         return True
 
-    def drop(self, request_ids: Sequence[str]) -> None:
+    def hear(self, news: object) -> None:
         pass
 
     def preempt(self, request_ids: Sequence[str], shipped: set[str]) -> dict[str, SampleFailure]:
@@ -204,8 +204,8 @@ class FakeMode:
         out, self.to_settle = self.to_settle, Settled()
         return out
 
-    def link_changes(self) -> tuple[list[LinkChange], dict[int, str]]:
-        return [], {0: "127.0.0.1:9000"}
+    def link_changes(self) -> tuple[list[LinkChange], list[object]]:
+        return [], [Serving(0, "127.0.0.1:9000")]
 
     def close(self, drain_timeout_s: float) -> None:
         pass
@@ -242,7 +242,7 @@ def test_the_worker_side_ships_a_written_request_and_returns_it_once_settled_and
     assert side.get_finished(set()) is None  # settled, but vLLM has not finished it yet
     assert side.get_finished({"r"}) == {"r"} and mode.told_finished == {"r"}
     report = side.build_connector_worker_meta()
-    assert report.delivered == {"r"} and report.endpoints == {0: "127.0.0.1:9000"} and not report.failures
+    assert report.delivered == {"r"} and report.news == [Serving(0, "127.0.0.1:9000")] and not report.failures
 
 
 def test_the_worker_side_refuses_a_request_written_elsewhere_and_reports_why() -> None:
