@@ -2,7 +2,8 @@
 
 Every pair not in the table is illegal. The ledgers' machines each keep theirs next to
 their states: the reader's samples (``reader.push.sample_states``), the sender's jobs
-(``sender.job_states``), the pull ledger's holds (``producer.pull.hold_states``). Their
+(``sender.job_states``), the pull ledger's holds (``producer.pull.hold_states``), the
+data-generation driver's rows (``datagen.row_states``). Their
 ledgers move a record only through ``Transitions.step``, so the table is what is
 enforced. ``None`` stands for "no record yet": the pairs from it are how a record begins.
 A state with no pair out of it is terminal. Pure: no project imports."""

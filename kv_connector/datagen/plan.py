@@ -2,15 +2,10 @@
 retried and what was given up, and the progress figures. Pure logic (standard library
 only; times are passed in).
 
-A row goes through these states (``RowState``):
-
-    QUEUED     -- take --------------> SENT        (its request is in flight)
-    SENT       -- answered delivered -> DELIVERED
-    SENT       -- answered pending ---> AWAITING    (with a directory to confirm in; without
-                                                     one it counts as DELIVERED, unconfirmed)
-    AWAITING   -- its file appears --> DELIVERED
-    SENT       -- failed / no answer -> QUEUED      (again after a backoff) or GAVE_UP after
-    AWAITING   -- no file in time ----> QUEUED        ``max_attempts`` attempts in all
+A row goes through the states of ``row_states.py``, which draws them and holds the one
+table of their legal transitions; ``RowBook`` moves a row only through it (``_move``). A
+request that failed or got no answer is sent again after a backoff, or given up after
+``max_attempts`` attempts in all.
 
 Invariants: a row is in exactly one state; at most one request per row is in flight; a
 row counts as delivered once; every row ends DELIVERED or GAVE_UP with its last reason.
@@ -18,25 +13,14 @@ row counts as delivered once; every row ends DELIVERED or GAVE_UP with its last 
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from kv_connector.common.errors import ConfigurationError, StateError
+from kv_connector.common.errors import ConfigurationError
+from kv_connector.datagen.row_states import ROWS, IllegalRowTransition, RowEvent, RowState
 from kv_connector.wire.outcome import SampleStatus
 
-
-class RowState(enum.Enum):
-    QUEUED = "queued"
-    SENT = "sent"
-    AWAITING = "awaiting"  # the response said pending; its file is not there yet
-    DELIVERED = "delivered"
-    GAVE_UP = "gave_up"
-
-
-class IllegalRowTransition(StateError):
-    """The driver reported something a row's state does not allow."""
-
+__all__ = ["Counts", "IllegalRowTransition", "Row", "RowBook", "RowState"]
 
 @dataclass
 class Row:
@@ -96,7 +80,7 @@ class RowBook:
             i = self._queue.popleft()
             row = self._rows[i]
             if row.retry_at <= now:
-                row.state, row.since = RowState.SENT, now
+                self._move(row, RowEvent.TAKEN, now)
                 row.attempts += 1
                 return i
             self._queue.append(i)  # not due yet: keep its place behind the others
@@ -106,32 +90,32 @@ class RowBook:
         """The server answered the row's request with ``status`` (``error`` for failed)."""
         row = self._expect(index, RowState.SENT)
         if status is SampleStatus.DELIVERED:
-            self._deliver(row, now, confirmed=True)
+            self._deliver(row, RowEvent.DELIVERED, now)
         elif status is SampleStatus.PENDING:
             if self.confirm:
-                row.state, row.since = RowState.AWAITING, now
+                self._move(row, RowEvent.PENDING, now)
             else:
-                self._deliver(row, now, confirmed=False)
+                self._deliver(row, RowEvent.UNCONFIRMED, now)
         else:
-            self._retry(row, error or "failed", now)
+            self._retry(row, RowEvent.FAILED, error or "failed", now)
 
     def not_answered(self, index: int, error: str, now: float, retry: bool = True) -> None:
         """The request got no usable answer (connection, HTTP error, bad response);
         ``retry=False`` gives the row up at once (a request the server will always refuse)."""
         row = self._expect(index, RowState.SENT)
         if retry:
-            self._retry(row, error, now)
+            self._retry(row, RowEvent.FAILED, error, now)
         else:
-            self._give_up(row, error, now)
+            self._give_up(row, RowEvent.GIVEN_UP, error, now)
 
     def file_seen(self, index: int, now: float) -> None:
         """The file of a row AWAITING it is there (written since its request went out)."""
-        self._deliver(self._expect(index, RowState.AWAITING), now, confirmed=True)
+        self._deliver(self._expect(index, RowState.AWAITING), RowEvent.FILE_SEEN, now)
 
     def audit_failed(self, index: int, why: str, now: float) -> None:
         """A delivered row's states failed the logprob audit: given up, not sent again (a
         wrong capture is wrong again)."""
-        self._give_up(self._expect(index, RowState.DELIVERED), why, now)
+        self._give_up(self._expect(index, RowState.DELIVERED), RowEvent.AUDIT_FAILED, why, now)
 
     def expire(self, now: float) -> list[int]:
         """Rows that waited ``confirm_timeout_s`` for their file: sent again (or given
@@ -142,7 +126,8 @@ class RowBook:
             if r.state is RowState.AWAITING and now - r.since >= self.confirm_timeout_s
         ]
         for i in late:
-            self._retry(self._rows[i], f"its file did not appear within {self.confirm_timeout_s:.0f} s", now)
+            why = f"its file did not appear within {self.confirm_timeout_s:.0f} s"
+            self._retry(self._rows[i], RowEvent.NO_FILE, why, now)
         return late
 
     # ---------------------------------------------------------------- queries
@@ -195,20 +180,29 @@ class RowBook:
             raise IllegalRowTransition(f"row {index} is {got}, not {state.value}")
         return row
 
-    def _deliver(self, row: Row, now: float, confirmed: bool) -> None:
-        row.state, row.since, row.confirmed, row.error = RowState.DELIVERED, now, confirmed, ""
+    def _move(self, row: Row, event: RowEvent, now: float) -> None:
+        """The one mover: to where ``event`` leads (``row_states.ROWS``), or
+        ``IllegalRowTransition`` with nothing changed."""
+        row.state, row.since = ROWS.step(row.state, event, f"row {row.index}"), now
 
-    def _retry(self, row: Row, error: str, now: float) -> None:
+    def _deliver(self, row: Row, event: RowEvent, now: float) -> None:
+        """Delivered: confirmed unless it counted on a "pending" answer alone."""
+        self._move(row, event, now)
+        row.confirmed, row.error = event is not RowEvent.UNCONFIRMED, ""
+
+    def _retry(self, row: Row, event: RowEvent, error: str, now: float) -> None:
         if row.attempts >= self.max_attempts:
-            self._give_up(row, error, now)
+            self._give_up(row, RowEvent.GIVEN_UP, error, now)
             return
+        self._move(row, event, now)
         self.retries += 1
-        row.state, row.since, row.error = RowState.QUEUED, now, error
+        row.error = error
         row.retry_at = now + min(self.max_backoff_s, self.backoff_s * 2 ** (row.attempts - 1))
         self._queue.append(row.index)
 
-    def _give_up(self, row: Row, error: str, now: float) -> None:
-        row.state, row.since, row.error = RowState.GAVE_UP, now, error
+    def _give_up(self, row: Row, event: RowEvent, error: str, now: float) -> None:
+        self._move(row, event, now)
+        row.error = error
 
 
 # ------------------------------------------------------------------ progress

@@ -70,7 +70,7 @@ BUILTIN_BEFORE: dict[str, type[BaseException]] = {
     "kv_connector.wire.control.ConnectionClosed": Exception,
     "kv_connector.wire.control.OutputFull": Exception,
     "kv_connector.datagen.driver.RequestFailed": Exception,
-    "kv_connector.datagen.plan.IllegalRowTransition": RuntimeError,
+    "kv_connector.datagen.row_states.IllegalRowTransition": RuntimeError,
     "kv_connector.datagen.httpclient.HTTPError": RuntimeError,
     "kv_connector.audit.AuditError": ValueError,
     "kv_connector.audit.AuditFailed": RuntimeError,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kv_connector.datagen import plan
 from kv_connector.datagen.plan import IllegalRowTransition, RowBook, RowState
+from kv_connector.datagen.row_states import ROWS, RowEvent
 from kv_connector.wire.outcome import SampleStatus
 
 
@@ -157,3 +158,28 @@ def test_row_selections() -> None:
     for bad in ("5:11", "3:2", "10", "-1"):
         with pytest.raises(ValueError):
             plan.parse_rows(bad, 10)
+
+
+def test_every_row_state_is_reachable_from_queued_and_only_gave_up_is_final() -> None:
+    seen, todo = {RowState.QUEUED}, [RowState.QUEUED]
+    while todo:
+        for to in ROWS.exits(todo.pop()).values():
+            if to not in seen:
+                seen.add(to)
+                todo.append(to)
+    assert seen == set(RowState)
+    assert ROWS.terminal() == {RowState.GAVE_UP}
+    with pytest.raises(IllegalRowTransition, match="row 4: taken is not allowed in state sent"):
+        ROWS.step(RowState.SENT, RowEvent.TAKEN, "row 4")
+
+
+def test_the_book_moves_a_row_only_through_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take one transition out of the table: the book refuses it, and the row stays where
+    it was (nothing moved before the table said yes)."""
+    rules = {k: v for k, v in ROWS.rules.items() if k != (RowState.SENT, RowEvent.DELIVERED)}
+    monkeypatch.setattr(ROWS, "rules", rules)
+    b = RowBook({0: 10})
+    assert b.take(0.0) == 0
+    with pytest.raises(IllegalRowTransition, match="row 0: delivered is not allowed in state sent"):
+        b.answered(0, SampleStatus.DELIVERED, "", 1.0)
+    assert b.state(0) is RowState.SENT and b.counts().delivered == 0
