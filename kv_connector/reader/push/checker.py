@@ -100,7 +100,7 @@ class ShareChecker:
     def _queue(self, verify: Verify) -> None:
         assert self._device_pool is not None
         with self._lock:
-            where = self._ledger.share_to_check(verify)
+            where = self._ledger.view.share_to_check(verify)
         if where is None:
             return  # gone, or landed again since: a newer check is queued
         t0 = time.perf_counter()
@@ -121,7 +121,7 @@ class ShareChecker:
 
     def _check(self, verify: Verify) -> None:
         with self._lock:
-            where = self._ledger.share_to_check(verify)
+            where = self._ledger.view.share_to_check(verify)
         if where is None:
             return  # gone, or landed again since: a newer check is queued
         t0 = time.perf_counter()

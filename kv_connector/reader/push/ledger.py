@@ -60,11 +60,10 @@ Invariants (tests name the one they prove):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_connector.reader.pool.pages import PagePool, PoolTooSmall
+from kv_connector.reader.pool.pages import PoolTooSmall
 from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.push.book import SampleBook
 from kv_connector.reader.push.credits import Credits, HeldCredit
@@ -82,12 +81,11 @@ from kv_connector.reader.push.records import (
     SampleState,
     Send,
     Share,
-    ShareToCheck,
-    Verify,
 )
 from kv_connector.reader.push.refusals import Refusals
 from kv_connector.reader.push.sample_states import SampleEvent
-from kv_connector.reader.push.stats import PoolState, ReaderStats
+from kv_connector.reader.push.stats import ReaderStats
+from kv_connector.reader.push.view import LedgerView
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
@@ -145,79 +143,11 @@ class ReaderLedger:
         self.delivered = Delivered(config.delivered_memory, already_delivered)  # handed out (R4)
         self._refusals = Refusals(self._book, self.stats)
         self.credits = Credits()  # R12
+        self.view = LedgerView(self._book, self.producers, self.credits)  # what the shells read
 
     # ------------------------------------------------------------------ pool
     def set_pages(self, page_bytes: int, num_pages: int) -> None:
         self._book.set_pages(page_bytes, num_pages)
-
-    @property
-    def pool(self) -> PagePool | None:
-        return self._book.pool
-
-    @property
-    def page_bytes(self) -> int | None:
-        return self._book.page_bytes
-
-    # ---------------------------------------------------------------- queries
-    def state_of(self, key: Key) -> SampleState | None:
-        return self._book.state_of(key)
-
-    def generation_of(self, key: Key) -> int | None:
-        """The generation of the sample's grant of pages, which each WRITE into them names."""
-        s = self._samples.get(key)
-        return s.generation if s is not None and s.generation else None
-
-    def share_to_check(self, verify: Verify) -> ShareToCheck | None:
-        """Where the share a ``Verify`` names lies in the pool, or None if its check is moot.
-
-        The checking thread reads the pool outside the lock, so it asks first whether the share
-        is still this landing's. A newer landing queued its own check, and a dropped sample
-        needs none.
-        """
-        s = self._samples.get(verify.key)
-        share = s.shares.get(verify.rank) if s is not None else None
-        if s is None or share is None or s.pages is None or share.checking != verify.landing:
-            return None
-        assert self.page_bytes is not None
-        return ShareToCheck(s.pages.start * self.page_bytes, s.manifest, tuple(sorted(share.blocks)))
-
-    def world_of(self, producer_id: str) -> int | None:
-        return self.producers.world_of(producer_id)
-
-    def rank_connected(self, producer_id: str, rank: int) -> bool:
-        return self.producers.rank_connected(producer_id, rank)
-
-    def identity(self, peer: PeerId) -> tuple[str, int] | None:
-        """(producer id, rank) of a connected or departing peer."""
-        return self.producers.identity(peer)
-
-    @property
-    def expecting_writes(self) -> bool:
-        """A granted sample waits for a WRITE (its writers need this side's progress)."""
-        return self._book.expecting_writes()
-
-    @property
-    def departing(self) -> bool:
-        return self.producers.departing
-
-    def ready(self, producer_id: str | None = None) -> list[Key]:
-        """Samples complete and checked, not yet handed out (of ``producer_id``, if given)."""
-        verified = (k for k, s in self._samples.items() if s.state is SampleState.VERIFIED)
-        return [k for k in verified if producer_id is None or k[0] == producer_id]
-
-    def leases(self) -> list[SampleRecord]:
-        """The samples on lease to the user, oldest first."""
-        return self._book.leases()
-
-    def pool_state(self) -> PoolState:
-        """The pool's pages by what holds them (for metrics and progress lines); credits
-        ahead count as granted."""
-        state = self._book.pool_state()
-        return dataclasses.replace(state, granted=state.granted + self.credits.pages_held)
-
-    def producers_connected(self) -> dict[str, int]:
-        """Producer id -> how many of its ranks are connected."""
-        return {pid: len(p.ranks) for pid, p in self.producers.by_id.items() if p.ranks}
 
     # ------------------------------------------------- the shells' own counts
     def refused_peer(self) -> None:
@@ -278,7 +208,7 @@ class ReaderLedger:
         prod = self.producers.by_id[pid]
         m = req.manifest
         key = (pid, m.request_id)
-        assert self.pool is not None and self.page_bytes is not None
+        assert self._book.pool is not None and self._book.page_bytes is not None
         s = self._samples.get(key)
         if s is None or self.delivered.known(key):
             answer = self._answer_instead(peer, m, key)
@@ -287,9 +217,8 @@ class ReaderLedger:
         if s is None and (over := self._over_pending_bound(pid, rank)) is not None:
             raise ProtocolError(over)
         if s is None:
-            s = SampleRecord(
-                key, m, prod.world_size, pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
-            )
+            need = pages_for(m.geometry.sample_bytes(m.num_blocks), self._book.page_bytes)
+            s = SampleRecord(key, m, prod.world_size, need)
             s.t_requested = now
             if not self.stats.first_request_t:
                 self.stats.first_request_t = now
@@ -320,8 +249,8 @@ class ReaderLedger:
         credit = self.credits.take(peer, msg.generation)
         if credit is None:
             raise ProtocolError(f"{m.request_id} placed in credit {msg.generation}, which it does not hold")
-        assert self.pool is not None and self.page_bytes is not None
-        need = pages_for(m.geometry.sample_bytes(m.num_blocks), self.page_bytes)
+        assert self._book.pool is not None and self._book.page_bytes is not None
+        need = pages_for(m.geometry.sample_bytes(m.num_blocks), self._book.page_bytes)
         problem = None
         if need > len(credit.pages):
             problem = f"{m.request_id} needs {need} pages, placed in a credit of {len(credit.pages)}"
@@ -379,8 +308,8 @@ class ReaderLedger:
             raise ProtocolError(f"returned credit {msg.generation}, which it does not hold")
         if credit.early is not None:
             raise ProtocolError(f"returned credit {msg.generation}, into which it wrote")
-        assert self.pool is not None
-        self.pool.release(("credit", msg.generation), credit.pages)
+        assert self._book.pool is not None
+        self._book.pool.release(("credit", msg.generation), credit.pages)
         return self._grant(now)
 
     def _credit_back(
@@ -388,16 +317,16 @@ class ReaderLedger:
     ) -> None:
         """A credit's pages go back once no WRITE into them can land: at once if its WRITE
         landed, after ``owed``'s fence, or after a quarantine (no one left to fence it)."""
-        assert self.pool is not None
+        assert self._book.pool is not None
         key = ("credit", generation)
         landed = credit.early is not None
         fences = self._book.page_fences
         if not landed and fences.wait(
             generation, request_id, credit.pages, {owed} if owed is not None else set(), owed is None, now
         ):
-            self.pool.hand_over(key, ("fence", generation))
+            self._book.pool.hand_over(key, ("fence", generation))
         else:
-            self.pool.release(key, credit.pages)
+            self._book.pool.release(key, credit.pages)
 
     def write_done(self, peer: PeerId, msg: protocol.WriteDone, now: float = 0.0) -> list[Action]:
         """A rank's WRITE of its share landed: its notification arrived.
@@ -489,9 +418,9 @@ class ReaderLedger:
         s = self._samples.get(key)
         if s is None or s.state is not SampleState.VERIFIED:
             return None
-        assert s.pages is not None and self.page_bytes is not None
+        assert s.pages is not None and self._book.page_bytes is not None
         screens = tuple(share.screen for share in s.shares.values())
-        return ReadySample(key, s.manifest, s.pages.start * self.page_bytes, screens)
+        return ReadySample(key, s.manifest, s.pages.start * self._book.page_bytes, screens)
 
     def hand_out(self, key: Key, now: float) -> tuple[ReadySample, list[Action]] | None:
         """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease.
@@ -612,7 +541,7 @@ class ReaderLedger:
 
     def _grant(self, now: float) -> list[Action]:
         """Runs of pages to waiting samples in arrival order while the head fits (R1, R7)."""
-        if self.pool is None:
+        if self._book.pool is None:
             return []
         actions: list[Action] = []
         for s in self._book.grant(now):
@@ -620,13 +549,13 @@ class ReaderLedger:
             actions += [Send(peer, grant) for peer in s.peers.values()]
             actions += self._advance(s)
         actions += self._credits_ahead()
-        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.pool.used_pages)
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self._book.pool.used_pages)
         return actions
 
     def _credits_ahead(self) -> list[Action]:
         """Credits to the producers that asked, while no sample waits for pages; recalled
         once one does (R12)."""
-        pool = self.pool
+        pool = self._book.pool
         assert pool is not None
         if pool.waiting:
             return [Send(peer, protocol.CreditRecall(generation=g)) for g, peer in self.credits.to_recall()]

@@ -338,7 +338,7 @@ class HiddenStatesReader:
         """The (producer id, request id) of the samples complete and checked, not yet
         taken (of ``producer_id`` only, when given)."""
         with self._lock:
-            return self._ledger.ready(producer_id)
+            return self._ledger.view.ready(producer_id)
 
     def stats(self) -> ReaderStats:
         """A snapshot of this reader's counters."""
@@ -349,12 +349,12 @@ class HiddenStatesReader:
         """The receive pool's pages now: free, granted (samples on their way), leased (to
         the user), quarantined; and the samples waiting for pages."""
         with self._lock:
-            return self._ledger.pool_state()
+            return self._ledger.view.pool_state()
 
     def producers_connected(self) -> dict[str, int]:
         """Producer id -> ranks connected now."""
         with self._lock:
-            return self._ledger.producers_connected()
+            return self._ledger.view.producers_connected()
 
     def __enter__(self) -> HiddenStatesReader:
         return self
@@ -379,13 +379,13 @@ class HiddenStatesReader:
     def _check_lease_limit(self) -> None:
         with self._lock:
             self._server.take_releases()
-            held = self._ledger.leases()
+            held = self._ledger.view.leases()
         if len(held) < self.max_leases:
             return
         gc.collect()  # leases whose tensors are only in reference cycles
         with self._lock:
             self._server.take_releases()
-            held = self._ledger.leases()
+            held = self._ledger.view.leases()
         if len(held) >= self.max_leases:
             names = ", ".join(s.key[1] for s in held[:8])
             raise LeaseLimitError(

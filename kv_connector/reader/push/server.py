@@ -212,7 +212,7 @@ class ReaderServer:
         on_device(self._device)  # it drives the agent holding a GPU pool's registration (UCX's CUDA IPC)
         while not self._closed:
             with self._lock:
-                due = self._ledger.expecting_writes or self._ledger.departing
+                due = self._ledger.view.expecting_writes or self._ledger.view.departing
             # lease ends waiting for a GPU's queued work are looked at within the busy poll
             due = due or self._lease_fences.waiting > 0 or self._checker.waiting > 0
             # writers need our progress to finish: poll tightly while WRITEs are due
@@ -275,10 +275,10 @@ class ReaderServer:
 
     def _log_held_leases(self, now: float) -> None:
         """Producers wait for pages while the user holds samples: say who holds them."""
-        pool = self._ledger.pool
+        pool = self._ledger.view.pool
         if pool is None or not pool.waiting or now - self._last_lease_log < LEASE_LOG_S:
             return
-        leases = self._ledger.leases()
+        leases = self._ledger.view.leases()
         if not leases:
             return
         self._last_lease_log = now
@@ -350,8 +350,8 @@ class ReaderServer:
         now = time.monotonic()
         if connection.hs.phase is Phase.HELLO:
             h = msg if isinstance(msg, protocol.Hello) else None
-            known = self._ledger.world_of(h.producer_id) if h else None
-            taken = h is not None and self._ledger.rank_connected(h.producer_id, h.rank)
+            known = self._ledger.view.world_of(h.producer_id) if h else None
+            taken = h is not None and self._ledger.view.rank_connected(h.producer_id, h.rank)
             self._send(connection, connection.hs.on_hello(msg, known, taken))
             return
         if connection.hs.phase is Phase.AUTH:
@@ -401,7 +401,7 @@ class ReaderServer:
         if agent != h.agent_name:
             self._transport.remove_peer(agent)
             raise ProtocolError(f"agent name {agent!r} does not match the hello's {h.agent_name!r}")
-        if self._ledger.pool is None:  # only a producer that completed its handshake decides
+        if self._ledger.view.pool is None:  # only a producer that completed its handshake decides
             page = min(round_page(h.block_bytes), self._region.nbytes // PAGE_ALIGN * PAGE_ALIGN)
             self._ledger.set_pages(page, self._region.nbytes // page)
             log.info(
@@ -415,7 +415,7 @@ class ReaderServer:
             self._departing.pop(old.id, None)
         connection.agent = agent
         self._by_agent[agent] = connection
-        assert self._ledger.pool is not None and self._ledger.page_bytes is not None
+        assert self._ledger.view.pool is not None and self._ledger.view.page_bytes is not None
         welcome = connection.hs.welcome(
             protocol.Welcome(
                 reader_id=self.reader_id,
@@ -423,8 +423,8 @@ class ReaderServer:
                 agent_metadata=self._transport.metadata,
                 pool_addr=self._region.addr,
                 pool_bytes=self._region.nbytes,
-                page_bytes=self._ledger.page_bytes,
-                num_pages=self._ledger.pool.num_pages,
+                page_bytes=self._ledger.view.page_bytes,
+                num_pages=self._ledger.view.pool.num_pages,
                 mem_type=self._region.mem_type,
                 device_id=self._region.device_id,
                 proof=bytes(32),

@@ -76,8 +76,8 @@ def check_all(led: ReaderLedger, actions: list[object], ok: bool = True) -> list
 
 def done(led: ReaderLedger, peer: int, rid: str, **kw: object) -> protocol.WriteDone:
     """The WriteDone of ``peer``'s WRITE into the sample's grant (generation 1 if none)."""
-    ident = led.identity(peer)
-    generation = (led.generation_of((ident[0], rid)) if ident is not None else None) or 1
+    ident = led.view.identity(peer)
+    generation = (led.view.generation_of((ident[0], rid)) if ident is not None else None) or 1
     return protocol.WriteDone(request_id=rid, generation=generation, **kw)  # type: ignore[arg-type]
 
 
@@ -93,7 +93,7 @@ def written(led: ReaderLedger, rid: str = "a", n: int = 40) -> tuple[str, str]:
     led.credit_request(1, credit(rid, n), 0.0)
     (v,) = checks(led.write_done(1, done(led, 1, rid, checksum=5)))
     assert (v.key, v.rank, v.landing, v.digest) == (("p", rid), 0, 1, 5)
-    assert led.state_of(("p", rid)) is SampleState.WRITTEN
+    assert led.view.state_of(("p", rid)) is SampleState.WRITTEN
     return ("p", rid)
 
 

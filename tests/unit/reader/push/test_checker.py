@@ -29,8 +29,9 @@ class _Ledger:
     def __init__(self, where: ShareToCheck | None) -> None:
         self.where = where
         self.checked: list[tuple[int, bool, RowsScreen | None]] = []
+        self.view = self  # it answers the view's question too
 
-    def share_to_check(self, v: Verify) -> ShareToCheck | None:
+    def share_to_check(self, verify: Verify) -> ShareToCheck | None:
         return self.where
 
     def share_checked(

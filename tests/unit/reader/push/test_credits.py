@@ -51,8 +51,8 @@ def test_r12_a_producer_of_one_rank_gets_credits_sized_like_its_samples_once_it_
     got = first_sample(led)  # 3 pages a sample
     assert [c.num_pages for c in got] == [3, 3]
     assert [c.pages for c in got] == [range(3, 6), range(6, 9)]
-    assert len({c.generation for c in got} | {led.generation_of(("p", "a"))}) == 3  # each its own
-    assert led.pool is not None and led.pool.free_pages == 3
+    assert len({c.generation for c in got} | {led.view.generation_of(("p", "a"))}) == 3  # each its own
+    assert led.view.pool is not None and led.view.pool.free_pages == 3
     assert led.credits.pages_held == 6
 
 
@@ -70,20 +70,20 @@ def test_r12_no_credits_for_a_producer_that_did_not_ask_or_has_more_ranks() -> N
 def test_r12_a_placed_sample_takes_the_credits_first_pages_the_rest_go_back() -> None:
     led = ledger(pages=12)
     c1, _ = first_sample(led)
-    assert led.pool is not None
+    assert led.view.pool is not None
     actions = led.placed(1, placed("b", c1.generation, n=20), 1.0)  # 2 of its 3 pages
-    assert led.state_of(("p", "b")) is SampleState.GRANTED
-    assert led.generation_of(("p", "b")) == c1.generation
+    assert led.view.state_of(("p", "b")) is SampleState.GRANTED
+    assert led.view.generation_of(("p", "b")) == c1.generation
     assert not sends(actions, protocol.Grant)  # no answer: the WRITE is on its way
     # its third page went back, and a credit took its place (two ahead again)
     (again,) = credits_of(actions)
     assert led.credits.pages_held == 6 and again.num_pages == 3
-    assert led.pool.free_pages == 12 - 3 - 2 - 6  # a, b, and two credits of 3
+    assert led.view.pool.free_pages == 12 - 3 - 2 - 6  # a, b, and two credits of 3
     wd = protocol.WriteDone(request_id="b", generation=c1.generation, checksum=5)
     assert readies(check_all(led, led.write_done(1, wd, 1.0))) == [("p", "b")]
     hand_out(led, ("p", "b"))
     assert led.release(("p", "b"), 2.0) == []  # two credits held already: none more
-    assert led.pool.free_pages == 3
+    assert led.view.pool.free_pages == 3
 
 
 def test_r12_a_write_done_that_overtakes_its_placed_lands_when_the_placed_comes() -> None:
@@ -92,18 +92,18 @@ def test_r12_a_write_done_that_overtakes_its_placed_lands_when_the_placed_comes(
     wd = protocol.WriteDone(request_id="b", generation=c1.generation, checksum=7)
     assert led.write_done(1, wd, 1.0) == []  # kept with its credit
     actions = led.placed(1, placed("b", c1.generation), 1.0)
-    assert led.state_of(("p", "b")) is SampleState.WRITTEN
+    assert led.view.state_of(("p", "b")) is SampleState.WRITTEN
     assert readies(check_all(led, actions)) == [("p", "b")]
 
 
 def test_r12_a_credit_given_back_returns_whole_and_cannot_be_used_again() -> None:
     led = ledger(pages=12)
     c1, _ = first_sample(led)
-    assert led.pool is not None
-    free = led.pool.free_pages
+    assert led.view.pool is not None
+    free = led.view.pool.free_pages
     actions = led.credit_returned(1, protocol.CreditReturned(generation=c1.generation), 1.0)
     (again,) = credits_of(actions)  # topped up: two ahead
-    assert led.pool.free_pages == free + 3 - again.num_pages
+    assert led.view.pool.free_pages == free + 3 - again.num_pages
     with pytest.raises(ProtocolError, match="does not hold"):
         led.placed(1, placed("b", c1.generation), 1.0)
 
@@ -113,17 +113,17 @@ def test_r12_r7_credits_are_recalled_while_a_sample_waits_and_not_granted_meanwh
     c1, c2 = first_sample(led)  # 3 + 3 + 3: the pool is full
     connected(led, (2, hello("q")))
     actions = led.credit_request(2, credit("q1"), 0.0)
-    assert led.state_of(("q", "q1")) is SampleState.PROMISED
+    assert led.view.state_of(("q", "q1")) is SampleState.PROMISED
     recalls = sends(actions, protocol.CreditRecall)
     assert sorted(m.generation for _, m in recalls) == sorted([c1.generation, c2.generation])  # type: ignore[union-attr]
     assert {p for p, _ in recalls} == {1}
     actions = led.credit_returned(1, protocol.CreditReturned(generation=c2.generation), 1.0)
     assert sends(actions, protocol.Grant) == [(2, sends(actions, protocol.Grant)[0][1])]
-    assert led.state_of(("q", "q1")) is SampleState.GRANTED
+    assert led.view.state_of(("q", "q1")) is SampleState.GRANTED
     assert not credits_of(actions)  # none while a sample waited; none fit now
     # the producer had placed its first credit already: the recall is answered by that
     led.placed(1, placed("b", c1.generation), 1.0)
-    assert led.state_of(("p", "b")) is SampleState.GRANTED
+    assert led.view.state_of(("p", "b")) is SampleState.GRANTED
 
 
 def test_r12_r3_a_credits_pages_wait_for_the_fence_of_a_sample_refused_as_placed() -> None:
@@ -132,11 +132,11 @@ def test_r12_r3_a_credits_pages_wait_for_the_fence_of_a_sample_refused_as_placed
     actions = led.placed(1, placed("b", c1.generation, n=41), 1.0)  # over the limit, still 3 pages
     refused = sends(actions, protocol.Refuse)
     assert refused and refused[0][1].code == "limit"  # type: ignore[union-attr]
-    assert led.state_of(("p", "b")) is None
-    assert led.pool_state().quarantined == 3  # its WRITE may still land: the pages wait
+    assert led.view.state_of(("p", "b")) is None
+    assert led.view.pool_state().quarantined == 3  # its WRITE may still land: the pages wait
     led.fenced(1, protocol.Fenced(request_id="b", generation=c1.generation), 2.0)
-    assert led.pool_state().quarantined == 0
-    s = led.pool_state()
+    assert led.view.pool_state().quarantined == 0
+    s = led.view.pool_state()
     assert s.free + s.granted + s.leased == s.num_pages
 
 
@@ -145,12 +145,12 @@ def test_r12_s11_a_placed_sample_the_producer_refuses_after_its_placed_frees_its
     led = ledger(pages=12)
     c1, _ = first_sample(led)
     led.placed(1, placed("b", c1.generation), 1.0)
-    before = led.pool_state()
+    before = led.view.pool_state()
     led.producer_refused(1, protocol.Refuse(code="preempted", message="preempted", request_id="b"), 1.5)
-    assert led.state_of(("p", "b")) is None
-    assert led.pool_state().free == before.free  # its WRITE may still land: not free yet
+    assert led.view.state_of(("p", "b")) is None
+    assert led.view.pool_state().free == before.free  # its WRITE may still land: not free yet
     led.fenced(1, protocol.Fenced(request_id="b", generation=c1.generation), 2.0)
-    s = led.pool_state()
+    s = led.view.pool_state()
     assert s.quarantined == 0 and s.free > before.free
     assert s.free + s.granted + s.leased == s.num_pages
 
@@ -160,21 +160,21 @@ def test_r12_r4_a_delivered_sample_placed_again_is_acked_and_its_credit_freed_wh
     c1, _ = first_sample(led)
     actions = led.placed(1, placed("old", c1.generation), 1.0)
     assert sends(actions, protocol.Ack) == [(1, protocol.Ack(request_id="old"))]
-    assert led.state_of(("p", "old")) is None and led.pool_state().quarantined == 3
+    assert led.view.state_of(("p", "old")) is None and led.view.pool_state().quarantined == 3
     led.write_done(1, protocol.WriteDone(request_id="old", generation=c1.generation, checksum=1), 2.0)
-    assert led.pool_state().quarantined == 0
+    assert led.view.pool_state().quarantined == 0
 
 
 def test_r12_a_credit_whose_holder_left_waits_a_quarantine() -> None:
     led = ledger(pages=12, quarantine_s=5.0)
     first_sample(led)
-    assert led.pool is not None
+    assert led.view.pool is not None
     led.peer_gone(1, 10.0)
-    assert led.credits.pages_held == 0 and led.pool_state().quarantined == 6
+    assert led.credits.pages_held == 0 and led.view.pool_state().quarantined == 6
     led.tick(14.0)  # its sample "a" is discarded too, its pages quarantined from now
-    assert led.pool_state().quarantined == 6 + 3
+    assert led.view.pool_state().quarantined == 6 + 3
     led.tick(15.5)  # the credits' quarantine is over
-    assert led.pool_state().quarantined == 3
+    assert led.view.pool_state().quarantined == 3
 
 
 @pytest.mark.parametrize(
@@ -189,4 +189,4 @@ def test_r12_a_placed_sample_that_does_not_fit_its_credit_is_the_producers_proto
     bad = placed("big", c1.generation, n=60) if why == "too big" else placed("a", c1.generation)
     with pytest.raises(ProtocolError, match=msg):
         led.placed(1, bad, 1.0)
-    assert led.pool_state().quarantined == 3  # its WRITE may land: a quarantine, then back
+    assert led.view.pool_state().quarantined == 3  # its WRITE may land: a quarantine, then back

@@ -52,20 +52,20 @@ def test_a_sample_goes_promised_granted_written_verified_handed_out_released() -
     actions = led.credit_request(1, credit("a"), 0.0)
     ((peer, g),) = sends(actions, protocol.Grant)
     assert peer == 1 and isinstance(g, protocol.Grant) and g.pages == range(0, 3)
-    assert led.state_of(("p", "a")) is SampleState.GRANTED and led.expecting_writes
+    assert led.view.state_of(("p", "a")) is SampleState.GRANTED and led.view.expecting_writes
     (v,) = checks(led.write_done(1, done(led, 1, "a", checksum=9)))
-    assert led.state_of(("p", "a")) is SampleState.WRITTEN and v.digest == 9
+    assert led.view.state_of(("p", "a")) is SampleState.WRITTEN and v.digest == 9
     assert readies(led.share_checked(v.key, v.rank, v.landing, True, 0.5)) == [("p", "a")]
-    assert led.state_of(("p", "a")) is SampleState.VERIFIED
+    assert led.view.state_of(("p", "a")) is SampleState.VERIFIED
     got = led.hand_out(("p", "a"), 1.0)
     assert got is not None
     ready, actions = got
     assert sends(actions, protocol.Ack) == [(1, protocol.Ack(request_id="a"))]
-    assert led.state_of(("p", "a")) is SampleState.HANDED_OUT and ("p", "a") in led.delivered
-    assert [s.key for s in led.leases()] == [ready.key] == [("p", "a")] and ready.base == 0
-    assert led.pool is not None and led.pool.free_pages == 5  # R3: on lease, the pages stay taken
+    assert led.view.state_of(("p", "a")) is SampleState.HANDED_OUT and ("p", "a") in led.delivered
+    assert [s.key for s in led.view.leases()] == [ready.key] == [("p", "a")] and ready.base == 0
+    assert led.view.pool is not None and led.view.pool.free_pages == 5  # R3: on lease, the pages stay taken
     assert led.release(("p", "a"), 2.0) == []
-    assert led.state_of(("p", "a")) is None and led.pool.free_pages == 8
+    assert led.view.state_of(("p", "a")) is None and led.view.pool.free_pages == 8
     m = manifest("a", 40)
     assert (led.stats.samples, led.stats.bytes) == (1, m.num_tokens * m.geometry.token_bytes)
     assert led.release(("p", "a"), 3.0) == []  # released once
@@ -75,9 +75,9 @@ def test_r7_samples_wait_for_pages_in_arrival_order() -> None:
     led = ledger(pages=4)
     connected(led, (1, hello()))
     assert sends(led.credit_request(1, credit("big", 60), 0.0), protocol.Grant)  # 4 pages
-    assert led.state_of(("p", "big")) is SampleState.GRANTED
+    assert led.view.state_of(("p", "big")) is SampleState.GRANTED
     assert not sends(led.credit_request(1, credit("next", 40), 0.0), protocol.Grant)
-    assert led.state_of(("p", "next")) is SampleState.PROMISED
+    assert led.view.state_of(("p", "next")) is SampleState.PROMISED
     assert not sends(led.credit_request(1, credit("small", 1), 0.0), protocol.Grant)  # FIFO: behind next
     land(led, 1, "big")
     hand_out(led, ("p", "big"))
@@ -93,7 +93,7 @@ def test_r3_the_checks_run_as_shares_land_not_when_the_user_takes_them() -> None
     led.credit_request(2, credit("a", rank=1, world=2), 0.0)
     (v0,) = checks(led.write_done(1, done(led, 1, "a", checksum=1)))
     assert led.share_checked(v0.key, 0, v0.landing, True, 0.0) == []  # rank 1 not landed yet
-    assert led.state_of(("p", "a")) is SampleState.GRANTED
+    assert led.view.state_of(("p", "a")) is SampleState.GRANTED
     (v1,) = checks(led.write_done(2, done(led, 2, "a", checksum=2)))
     assert readies(led.share_checked(v1.key, 1, v1.landing, True, 0.0)) == [("p", "a")]
 
@@ -103,7 +103,7 @@ def test_a_digest_that_follows_its_write_is_checked_when_it_comes_in_either_orde
     connected(led, (1, hello()), (2, hello("q")))
     led.credit_request(1, credit("late"), 0.0)
     assert checks(led.write_done(1, done(led, 1, "late", digest_follows=True))) == []
-    assert led.state_of(("p", "late")) is SampleState.WRITTEN  # landed, its digest awaited
+    assert led.view.state_of(("p", "late")) is SampleState.WRITTEN  # landed, its digest awaited
     (v,) = checks(led.share_digest(1, protocol.ShareDigest(request_id="late", checksum=3)))
     assert v.digest == 3
     led.credit_request(2, credit("early"), 0.0)  # the digest overtakes the notification
@@ -153,7 +153,7 @@ def test_a_sample_larger_than_the_pool_is_refused_by_name() -> None:
     actions = led.credit_request(1, credit("huge", 100), 0.0)
     ((_, r),) = sends(actions, protocol.Refuse)
     assert isinstance(r, protocol.Refuse) and r.code == "pool_too_small" and r.request_id == "huge"
-    assert "make the reader's pool larger" in r.message and led.state_of(("p", "huge")) is None
+    assert "make the reader's pool larger" in r.message and led.view.state_of(("p", "huge")) is None
     assert led.stats.refused == 1
 
 
@@ -165,7 +165,7 @@ def test_r2_a_sample_is_written_only_when_every_rank_registered_and_landed() -> 
     assert readies(land(led, 1, "a")) == []  # rank 1 not registered
     grant = sends(led.credit_request(2, credit("a", rank=1, world=2), 0.0), protocol.Grant)
     assert [p for p, _ in grant] == [2]  # the late rank gets the same pages
-    assert led.state_of(("p", "a")) is SampleState.GRANTED
+    assert led.view.state_of(("p", "a")) is SampleState.GRANTED
     assert readies(land(led, 2, "a")) == [("p", "a")]
 
 
@@ -217,7 +217,7 @@ def test_a_rank_that_reconnects_resends_into_the_same_pages() -> None:
 def test_a_rank_connects_once_and_keeps_its_world_size() -> None:
     led = ledger()
     connected(led, (1, hello(rank=0, world=2)))
-    assert led.rank_connected("p", 0) and led.world_of("p") == 2
+    assert led.view.rank_connected("p", 0) and led.view.world_of("p") == 2
     with pytest.raises(ProtocolError, match="already connected"):
         led.peer_ready(2, hello(rank=0, world=2))
     with pytest.raises(ProtocolError, match="world size 2 before, now 3"):
@@ -238,22 +238,22 @@ def test_r6_a_gone_producers_incomplete_samples_wait_for_its_last_notifications(
     led.credit_request(1, credit("landing"), 0.0)  # granted, its WriteDone still on its way
     led.credit_request(1, credit("lost"), 0.0)
     assert led.peer_gone(1, 10.0) == []  # grace: notifications may still come
-    assert led.departing and not led.forgotten(1)
+    assert led.view.departing and not led.forgotten(1)
     assert readies(land(led, 1, "landing")) == [("p", "landing")]
     logs = [a for a in led.tick(10.3) if isinstance(a, Log)]
     assert any("discarded incomplete sample lost" in a.text for a in logs)
-    assert led.forgotten(1) and led.state_of(("p", "lost")) is None
-    assert led.state_of(("p", "landing")) is SampleState.VERIFIED  # complete: kept
-    assert led.pool is not None and led.pool.free_pages == 2  # lost's pages are quarantined (R3)
+    assert led.forgotten(1) and led.view.state_of(("p", "lost")) is None
+    assert led.view.state_of(("p", "landing")) is SampleState.VERIFIED  # complete: kept
+    assert led.view.pool is not None and led.view.pool.free_pages == 2  # lost's pages are quarantined (R3)
     led.tick(10.3 + led.config.quarantine_s)
-    assert led.pool.free_pages == 5
+    assert led.view.pool.free_pages == 5
 
 
 def test_r6_a_departure_with_nothing_awaited_is_settled_at_once() -> None:
     led = ledger()
     connected(led, (1, hello()))
     led.peer_gone(1, 1.0)
-    assert led.forgotten(1) and not led.departing and "p" not in led.producers
+    assert led.forgotten(1) and not led.view.departing and "p" not in led.producers
 
 
 def test_r6_samples_survive_while_another_rank_of_the_producer_is_connected() -> None:
@@ -262,7 +262,7 @@ def test_r6_samples_survive_while_another_rank_of_the_producer_is_connected() ->
     led.credit_request(1, credit("a", rank=0, world=2), 0.0)
     led.peer_gone(1, 0.0)
     led.tick(5.0)
-    assert led.state_of(("p", "a")) is SampleState.GRANTED  # kept: rank 0 may come back
+    assert led.view.state_of(("p", "a")) is SampleState.GRANTED  # kept: rank 0 may come back
 
 
 def test_settling_a_departure_early_keeps_the_reconnected_producers_samples() -> None:
@@ -272,7 +272,7 @@ def test_settling_a_departure_early_keeps_the_reconnected_producers_samples() ->
     led.peer_gone(1, 1.0)
     connected(led, (2, hello()))
     assert [a for a in led.settle(1, 1.05) if isinstance(a, Log)] == []
-    assert led.forgotten(1) and led.state_of(("p", "a")) is SampleState.GRANTED
+    assert led.forgotten(1) and led.view.state_of(("p", "a")) is SampleState.GRANTED
 
 
 def test_a_sample_whose_pages_never_came_is_cancelled_not_quarantined() -> None:
@@ -282,7 +282,7 @@ def test_a_sample_whose_pages_never_came_is_cancelled_not_quarantined() -> None:
     led.credit_request(1, credit("b"), 0.0)  # waits for pages
     led.peer_gone(1, 0.0)
     led.tick(1.0)
-    assert led.pool is not None and led.pool.waiting == 0
+    assert led.view.pool is not None and led.view.pool.waiting == 0
 
 
 # ------------------------------------------------------------ refusals
@@ -296,7 +296,7 @@ def test_a_producer_giving_up_drops_the_sample_and_tells_its_other_ranks() -> No
     )
     ((peer, r),) = sends(actions, protocol.Refuse)
     assert peer == 1 and isinstance(r, protocol.Refuse) and r.message == "rank 1: NIXL"
-    assert led.state_of(("p", "a")) is None
+    assert led.view.state_of(("p", "a")) is None
 
 
 def test_a_refusal_of_a_sample_it_never_promised_is_only_logged() -> None:
@@ -310,7 +310,7 @@ def test_a_refusal_racing_the_hand_out_does_not_take_the_sample_away() -> None:
     led = ledger()
     key = verified(led)
     actions = led.producer_refused(1, protocol.Refuse(code="write_failed", message="x", request_id="a"), 0.0)
-    assert not sends(actions, protocol.Refuse) and led.state_of(key) is SampleState.VERIFIED
+    assert not sends(actions, protocol.Refuse) and led.view.state_of(key) is SampleState.VERIFIED
     hand_out(led, key)
 
 
@@ -322,7 +322,7 @@ def test_r5_a_mismatching_share_is_written_again() -> None:
     actions = led.share_checked(key, 0, v.landing, False, 1.0)
     ((peer, rw),) = sends(actions, protocol.Rewrite)
     assert peer == 1 and isinstance(rw, protocol.Rewrite) and rw.request_id == "a"
-    assert led.state_of(key) is SampleState.GRANTED and led.stats.checksum_mismatches == 1
+    assert led.view.state_of(key) is SampleState.GRANTED and led.stats.checksum_mismatches == 1
     assert readies(land(led, 1, "a")) == [key]
 
 
@@ -337,7 +337,7 @@ def test_r5_past_max_rewrites_the_sample_is_refused_and_never_handed_out() -> No
     actions = check_all(led, led.write_done(1, done(led, 1, "a", checksum=5)), ok=False)
     ((_, r),) = sends(actions, protocol.Refuse)
     assert isinstance(r, protocol.Refuse) and r.code == "checksum" and "3 times" in r.message
-    assert led.state_of(key) is None and led.hand_out(key, 0.0) is None
+    assert led.view.state_of(key) is None and led.hand_out(key, 0.0) is None
 
 
 def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
@@ -347,7 +347,7 @@ def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
     actions = led.write_done(1, done(led, 1, "a", checksum=5))
     led.peer_gone(1, 0.0)
     check_all(led, actions, ok=False)
-    assert led.state_of(("p", "a")) is None
+    assert led.view.state_of(("p", "a")) is None
 
 
 # ---------------------------------------------------------- rejections (R11)
@@ -365,10 +365,10 @@ def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank
         isinstance(r, protocol.Refuse) and r.code == "rejected" and "NaN" in r.message for _, r in refusals
     )
     assert not sends(actions, protocol.Ack)
-    assert led.state_of(("p", "a")) is None and led.hand_out(("p", "a"), 1.0) is None
+    assert led.view.state_of(("p", "a")) is None and led.hand_out(("p", "a"), 1.0) is None
     assert led.stats.refused == 1
     # every share landed: no WRITE into its pages is on its way, they are free at once (R3)
-    assert led.pool is not None and led.pool.free_pages == 8
+    assert led.view.pool is not None and led.view.pool.free_pages == 8
 
 
 def test_r9_a_sample_rejected_before_hand_out_no_longer_counts_against_its_rank() -> None:
@@ -376,7 +376,7 @@ def test_r9_a_sample_rejected_before_hand_out_no_longer_counts_against_its_rank(
     key = verified(led, "a", n=16)
     led.reject(key, "NaN at token 3", 1.0)
     led.credit_request(1, credit("b", n=16), 1.0)  # not over the bound: "a" left the books
-    assert led.state_of(("p", "b")) is SampleState.GRANTED
+    assert led.view.state_of(("p", "b")) is SampleState.GRANTED
 
 
 def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> None:
@@ -386,9 +386,9 @@ def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> 
     actions = led.reject(key, "cannot write its file", 1.0)
     assert [p for p, _ in sends(actions, protocol.Refuse)] == [1] and not sends(actions, protocol.Ack)
     assert led.ack(key) == []  # never acked afterwards
-    assert led.state_of(key) is SampleState.HANDED_OUT  # its pages return on release
+    assert led.view.state_of(key) is SampleState.HANDED_OUT  # its pages return on release
     led.release(key, 2.0)
-    assert led.state_of(key) is None
+    assert led.view.state_of(key) is None
 
 
 def test_r11_an_acked_sample_cannot_be_rejected() -> None:
@@ -410,7 +410,7 @@ def test_r4_a_resend_of_a_delivered_sample_is_acked_not_delivered_again() -> Non
     assert sends(led.credit_request(1, credit("a"), 1.0), protocol.Ack) == [(1, protocol.Ack(request_id="a"))]
     led.release(key, 1.0)
     assert sends(led.credit_request(1, credit("a"), 2.0), protocol.Ack)
-    assert led.state_of(key) is None and led.stats.resends_acked == 2
+    assert led.view.state_of(key) is None and led.stats.resends_acked == 2
 
 
 def test_r4_in_manual_mode_the_producer_is_acked_when_the_user_acks() -> None:
@@ -450,7 +450,7 @@ def test_leases_are_listed_oldest_first() -> None:
         land(led, 1, rid)
     for t, rid in ((3.0, "b"), (1.0, "c"), (2.0, "a")):
         hand_out(led, ("p", rid), now=t)
-    assert [s.key[1] for s in led.leases()] == ["c", "a", "b"]
+    assert [s.key[1] for s in led.view.leases()] == ["c", "a", "b"]
 
 
 # ------------------------------------------------------- illegal transitions
@@ -470,12 +470,12 @@ def test_user_transitions_outside_their_state_do_nothing(state: str) -> None:
         hand_out(led, key)
     if state == "released":
         led.release(key, 0.0)
-    assert led.state_of(key) is (None if state == "released" else SampleState(state))
+    assert led.view.state_of(key) is (None if state == "released" else SampleState(state))
     if state != "verified":
         assert led.hand_out(key, 0.0) is None  # not ready (or gone): get() skips it
     if state != "handed_out":
         assert led.release(key, 0.0) == []
-        assert led.state_of(key) is (None if state == "released" else SampleState(state))
+        assert led.view.state_of(key) is (None if state == "released" else SampleState(state))
 
 
 def test_a_write_done_for_a_sample_not_granted_is_the_producers_protocol_error() -> None:
@@ -559,10 +559,10 @@ def test_hostile_credit_requests_are_refused_or_granted_and_nothing_leaks(
         actions = led.credit_request(1, req, 0.0)
     except ProtocolError as e:
         assert set(req.blocks) != set(range(m.num_blocks)), e  # only an untiled share is refused
-        assert led.state_of(("p", m.request_id)) in (SampleState.PROMISED, SampleState.GRANTED)
+        assert led.view.state_of(("p", m.request_id)) in (SampleState.PROMISED, SampleState.GRANTED)
         led.peer_gone(1, 0.0)  # the shell drops the peer: its sample goes
         led.tick(1.0 + led.config.quarantine_s)
-        assert led.pool is not None and led.pool.free_pages == 48 and led.pool.waiting == 0
+        assert led.view.pool is not None and led.view.pool.free_pages == 48 and led.view.pool.waiting == 0
         return
     need = -(-m.geometry.sample_bytes(m.num_blocks) // PAGE)
     if need > 48:
@@ -593,7 +593,7 @@ def test_r10_a_share_without_a_checksum_is_refused_where_one_is_required(
     if refused:
         ((peer, msg),) = sends(actions, protocol.Refuse)
         assert peer == 1 and msg.code == "unchecked" and msg.request_id == "a"
-        assert led.state_of(("p", "a")) is None and readies(actions) == []
+        assert led.view.state_of(("p", "a")) is None and readies(actions) == []
     else:
         assert readies(actions) == [("p", "a")]
 
@@ -603,7 +603,7 @@ def test_r10_a_digest_that_follows_is_not_a_missing_one() -> None:
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
     actions = led.write_done(1, done(led, 1, "a", digest_follows=True), 1.0)
-    assert sends(actions, protocol.Refuse) == [] and led.state_of(("p", "a")) is SampleState.WRITTEN
+    assert sends(actions, protocol.Refuse) == [] and led.view.state_of(("p", "a")) is SampleState.WRITTEN
 
 
 # --------------------------------------------------------------- deadline (R8)
@@ -620,12 +620,12 @@ def test_r8_a_granted_sample_missing_a_rank_is_refused_to_every_rank_at_its_dead
     refused = sends(actions, protocol.Refuse)
     assert sorted(p for p, _ in refused) == [1, 2] and all(m.code == "timeout" for _, m in refused)
     assert "ranks [1] missing" in refused[0][1].message
-    assert led.state_of(("p", "a")) is None
+    assert led.view.state_of(("p", "a")) is None
     led.tick(12.0)  # past the quarantine: rank 1 was granted pages and may still WRITE
     led.credit_request(1, credit("b", n=60, rank=0, world=2), 12.0)
-    assert led.pool is not None and led.pool.free_pages < 4
+    assert led.view.pool is not None and led.view.pool.free_pages < 4
     led.fenced(1, protocol.Fenced(request_id="a", generation=1), 12.1)  # rank 0 owes nothing: moot
-    assert led.pool.free_pages < 4
+    assert led.view.pool.free_pages < 4
     led.fenced(2, protocol.Fenced(request_id="a", generation=1), 12.2)  # no WRITE in flight: free
     assert sends(led.credit_request(2, credit("b", n=60, rank=1, world=2), 12.0), protocol.Grant)
 
@@ -637,10 +637,10 @@ def test_r8_the_wait_for_pages_never_counts() -> None:
     led.credit_request(1, credit("b"), 0.0)  # waits for them
     land(led, 1, "a")
     led.tick(100.0)
-    assert led.state_of(("p", "b")) is SampleState.PROMISED
+    assert led.view.state_of(("p", "b")) is SampleState.PROMISED
     hand_out(led, ("p", "a"), now=100.0)
     led.release(("p", "a"), 100.0)  # b is granted now: its clock starts
-    assert led.state_of(("p", "b")) is SampleState.GRANTED
+    assert led.view.state_of(("p", "b")) is SampleState.GRANTED
     assert sends(led.tick(105.0), protocol.Refuse) == []
     assert [m.code for _, m in sends(led.tick(111.0), protocol.Refuse)] == ["timeout"]
 
@@ -656,14 +656,14 @@ def test_r3_a_dropped_samples_pages_wait_for_each_writer_in_flight_not_for_a_tim
     led.credit_request(2, credit("a", rank=1, world=2), 0.0)
     land(led, 1, "a")
     led.tick(10.1)
-    assert led.state_of(("p", "a")) is None and led.pool is not None
-    assert led.pool_state().quarantined == g.num_pages
-    assert led.tick(30.0) == [] and led.pool.free_pages == 4 - g.num_pages  # no fence, no pages
+    assert led.view.state_of(("p", "a")) is None and led.view.pool is not None
+    assert led.view.pool_state().quarantined == g.num_pages
+    assert led.tick(30.0) == [] and led.view.pool.free_pages == 4 - g.num_pages  # no fence, no pages
     for rid, gen in (("a", g.generation + 1), ("b", g.generation)):  # not its grant, nor its sample
         assert led.fenced(2, protocol.Fenced(request_id=rid, generation=gen), 30.0) == []
-    assert led.pool.free_pages == 4 - g.num_pages
+    assert led.view.pool.free_pages == 4 - g.num_pages
     led.fenced(2, protocol.Fenced(request_id="a", generation=g.generation), 30.5)
-    assert led.pool.free_pages == 4 and led.pool_state().quarantined == 0
+    assert led.view.pool.free_pages == 4 and led.view.pool_state().quarantined == 0
     # the notification of a WRITE that ended before its fence may come after it: moot
     assert led.write_done(2, protocol.WriteDone(request_id="a", generation=g.generation), 30.6) == []
 
@@ -682,9 +682,10 @@ def test_r3_a_write_done_of_an_older_grant_never_lands_on_the_sample_sent_again(
     late = protocol.WriteDone(request_id="a", generation=old.generation, checksum=5)
     actions = led.write_done(1, late, 11.5)
     assert readies(actions) == [] and checks(actions) == []
-    assert led.state_of(("p", "a")) is SampleState.GRANTED  # still waiting for its own WRITE
+    assert led.view.state_of(("p", "a")) is SampleState.GRANTED  # still waiting for its own WRITE
     assert any(isinstance(a, Log) and "landed after its sample was dropped" in a.text for a in actions)
-    assert led.pool is not None and led.pool.free_pages == 8 - new.num_pages  # the old pages are back
+    # the old pages are back
+    assert led.view.pool is not None and led.view.pool.free_pages == 8 - new.num_pages
     assert led.write_done(1, late, 11.6) == []  # a notification of a grant fenced already: moot
     assert readies(land(led, 1, "a")) == [("p", "a")]  # its own WRITE completes it
 
@@ -697,11 +698,11 @@ def test_r3_pages_of_a_departed_writer_wait_a_quarantine() -> None:
     led.tick(10.1)  # both owe a fence
     led.fenced(1, protocol.Fenced(request_id="a", generation=1), 10.2)
     led.peer_gone(2, 11.0)  # cannot answer any more: its WRITEs settle within the quarantine
-    assert led.pool is not None and led.pool.free_pages < 4
+    assert led.view.pool is not None and led.view.pool.free_pages < 4
     led.tick(12.9)
-    assert led.pool.free_pages < 4
+    assert led.view.pool.free_pages < 4
     led.tick(13.0)
-    assert led.pool.free_pages == 4
+    assert led.view.pool.free_pages == 4
 
 
 def test_r3_a_silent_writer_is_waited_for_at_most_the_bound_and_its_late_write_fails_the_new_holder() -> None:
@@ -710,7 +711,7 @@ def test_r3_a_silent_writer_is_waited_for_at_most_the_bound_and_its_late_write_f
     ((_, old),) = sends(led.credit_request(1, credit("a"), 0.0), protocol.Grant)
     led.tick(10.1)
     led.credit_request(1, credit("b"), 11.0)  # waits: the pool's pages wait for a's fence
-    assert led.state_of(("p", "b")) is SampleState.PROMISED
+    assert led.view.state_of(("p", "b")) is SampleState.PROMISED
     actions = led.tick(40.2)
     assert any(isinstance(a, Log) and "without a fence" in a.text for a in actions)
     ((_, g),) = sends(actions, protocol.Grant)
@@ -719,7 +720,7 @@ def test_r3_a_silent_writer_is_waited_for_at_most_the_bound_and_its_late_write_f
     actions = led.write_done(1, late, 41.0)  # a's WRITE landed after all, in b's pages
     ((_, r),) = sends(actions, protocol.Refuse)
     assert isinstance(r, protocol.Refuse) and r.request_id == "b" and "landed in its pages" in r.message
-    assert led.state_of(("p", "b")) is None and led.hand_out(("p", "b"), 41.0) is None
+    assert led.view.state_of(("p", "b")) is None and led.hand_out(("p", "b"), 41.0) is None
 
 
 # ---------------------------------------------------------------- bounds (R9)
@@ -743,7 +744,7 @@ def test_r9_a_rank_over_its_pending_bound_is_dropped_and_frees_its_count_as_it_g
     land(led, 1, "a")
     hand_out(led, ("p", "a"))  # handed out: no longer pending
     led.credit_request(1, credit("d", n=16), 0.0)
-    assert led.state_of(("p", "d")) is SampleState.PROMISED
+    assert led.view.state_of(("p", "d")) is SampleState.PROMISED
 
 
 # ------------------------------------------------- the shells' events, counted
@@ -761,7 +762,7 @@ def test_the_shells_timings_and_refused_peers_are_counted_by_the_ledger() -> Non
     s = led.stats.snapshot()
     assert (s.verify_s, s.values_check_s, s.copy_s) == (0.75, 0.125, 3.0)
     assert s.refused == 2 and s.samples_refused == 0  # connections, not samples
-    assert led.pool_state().granted == 3  # nothing else moved
+    assert led.view.pool_state().granted == 3  # nothing else moved
 
 
 def test_only_the_ledger_writes_its_counters() -> None:
@@ -786,7 +787,7 @@ def test_a_sample_other_than_expected_is_refused_by_name_before_any_page_is_gran
     assert "layer ids [1, 2], expected [1, 3]" in msg.message
     assert not sends(actions, protocol.Grant)
     assert led.stats.refused_mismatch == 1 and led.stats.samples_refused == 1
-    assert led.state_of(("p", "other")) is None  # never admitted: nothing held for it
+    assert led.view.state_of(("p", "other")) is None  # never admitted: nothing held for it
     fine = ledger(expect=Expectation(layer_ids=[1, 2], hidden_size=8, dtype="float32"))
     connected(fine, (1, hello()))
     assert sends(fine.credit_request(1, credit("same", n=16), 0.0), protocol.Grant)

@@ -52,15 +52,15 @@ class LedgerView:
         return self.led.stats.snapshot()
 
     def pool_state(self) -> PoolState:
-        return self.led.pool_state()
+        return self.led.view.pool_state()
 
     def producers_connected(self) -> dict[str, int]:
-        return self.led.producers_connected()
+        return self.led.view.producers_connected()
 
 
 def test_the_pool_state_counts_pages_by_what_holds_them() -> None:
     led = ledger(pages=10)
-    assert ReaderLedger().pool_state() == PoolState()  # no page size yet
+    assert ReaderLedger().view.pool_state() == PoolState()  # no page size yet
     connected(led, (1, hello()))
     led.credit_request(1, credit("leased", 40), 0.0)  # 3 pages each
     led.credit_request(1, credit("ready", 40), 0.0)
@@ -69,11 +69,11 @@ def test_the_pool_state_counts_pages_by_what_holds_them() -> None:
     land(led, 1, "leased")
     land(led, 1, "ready")
     hand_out(led, ("p", "leased"))
-    assert led.pool_state() == PoolState(PAGE, 10, free=1, granted=6, leased=3, quarantined=0, waiting=1)
+    assert led.view.pool_state() == PoolState(PAGE, 10, free=1, granted=6, leased=3, quarantined=0, waiting=1)
     assert led.stats.peak_pages_used == 9
     led.peer_gone(1, 0.0)
     led.tick(1.0)  # grace over: the producer's incomplete sample is discarded (quarantined)
-    s = led.pool_state()
+    s = led.view.pool_state()
     assert (s.granted, s.leased, s.quarantined) == (3, 3, 3)  # "ready" is still granted
     assert s.free + s.granted + s.leased + s.quarantined == s.num_pages
     assert led.stats.dropped == 2  # "granted", and "waits" (cancelled: it never had pages)

@@ -55,7 +55,7 @@ def test_the_ledger_hands_out_only_through_the_table(monkeypatch: pytest.MonkeyP
     key = verified(led)
     with pytest.raises(IllegalSampleTransition, match="handed_out is not allowed in state verified"):
         led.hand_out(key, 1.0)
-    assert led.state_of(key) is SampleState.VERIFIED and led.ready() == [key]
+    assert led.view.state_of(key) is SampleState.VERIFIED and led.view.ready() == [key]
 
 
 def test_the_book_drops_only_through_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,4 +67,4 @@ def test_the_book_drops_only_through_the_table(monkeypatch: pytest.MonkeyPatch) 
     key = written(led)
     with pytest.raises(IllegalSampleTransition, match="refused is not allowed in state written"):
         led.tick(10.0)
-    assert led.state_of(key) is SampleState.WRITTEN
+    assert led.view.state_of(key) is SampleState.WRITTEN
