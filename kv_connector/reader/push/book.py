@@ -20,8 +20,9 @@ from kv_connector.reader.push.sample_states import (
     IllegalSampleTransition,
     SampleEvent,
     SampleState,
-    end,
-    step,
+    begin,
+    leave,
+    move,
 )
 from kv_connector.reader.push.stats import PoolState
 
@@ -105,20 +106,18 @@ class SampleBook:
 
         Raises ``PoolTooSmall`` when it can never fit; it is not admitted then."""
         assert self.pool is not None
-        state = step(None, SampleEvent.REQUESTED, f"sample {sample.key[1]} of {sample.key[0]}")
+        begin(sample)  # the table first: nothing changed if it refuses
         self.pool.request(sample.key, sample.num_pages)
-        sample.state = state
         self.samples[sample.key] = sample
 
     def place(self, sample: SampleRecord, credit: tuple[str, int], generation: int, now: float) -> None:
         """A new sample placed at the start of a credit's run (``credits.py``): it holds the
         run's first pages under that credit's generation, the rest go back to the pool."""
         assert self.pool is not None
-        state = step(None, SampleEvent.REQUESTED, f"sample {sample.key[1]} of {sample.key[0]}")
+        begin(sample)
         pages = self.pool.shrink(credit, sample.num_pages)
         self.pool.hand_over(credit, sample.key)
-        sample.state = state
-        sample.move(SampleEvent.GRANTED)
+        move(sample, SampleEvent.GRANTED)
         sample.pages, sample.t_granted, sample.generation = pages, now, generation
         self.samples[sample.key] = sample
 
@@ -142,7 +141,7 @@ class SampleBook:
         granted = []
         for key, pages in self.pool.grantable():
             s = self.samples[key]  # type: ignore[index]
-            s.move(SampleEvent.GRANTED)
+            move(s, SampleEvent.GRANTED)
             s.pages, s.t_granted, s.generation = pages, now, self.page_fences.new_generation()
             granted.append(s)
         return granted
@@ -153,7 +152,7 @@ class SampleBook:
         s = self.samples.get(key)
         if s is None or s.state is not SampleState.HANDED_OUT:
             return False
-        end(s.state, SampleEvent.RELEASED, f"sample {key[1]} of {key[0]}")
+        leave(s, SampleEvent.RELEASED)
         del self.samples[key]
         assert self.pool is not None and s.pages is not None
         self.pool.release(key, s.pages)
@@ -165,7 +164,7 @@ class SampleBook:
         ``event``: discarded, refused or rejected. Pages it was granted go back once no
         WRITE into them can land (R3, ``page_fences.py``), at once if none is on its way."""
         assert self.pool is not None
-        end(sample.state, event, f"sample {sample.key[1]} of {sample.key[0]}")
+        leave(sample, event)
         del self.samples[sample.key]
         if sample.state is not SampleState.HANDED_OUT:
             self.settle_pending(sample)

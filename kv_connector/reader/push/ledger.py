@@ -83,7 +83,7 @@ from kv_connector.reader.push.records import (
     Share,
 )
 from kv_connector.reader.push.refusals import Refusals
-from kv_connector.reader.push.sample_states import SampleEvent
+from kv_connector.reader.push.sample_states import SampleEvent, move
 from kv_connector.reader.push.stats import ReaderStats
 from kv_connector.reader.push.view import LedgerView
 from kv_connector.wire import protocol
@@ -432,7 +432,7 @@ class ReaderLedger:
         if ready is None:
             return None
         s, m = self._samples[key], ready.manifest
-        s.move(SampleEvent.HANDED_OUT)
+        move(s, SampleEvent.HANDED_OUT)
         s.t_handed_out = now
         self._book.settle_pending(s)
         nbytes = m.num_tokens * m.geometry.token_bytes

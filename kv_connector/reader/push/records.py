@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.push.producers import PeerId
 from kv_connector.reader.push.sample_states import IllegalSampleTransition as IllegalSampleTransition
-from kv_connector.reader.push.sample_states import SampleEvent, step
+from kv_connector.reader.push.sample_states import SampleEvent, move
 from kv_connector.reader.push.sample_states import SampleState as SampleState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
@@ -148,11 +148,6 @@ class SampleRecord:
     def peers(self) -> dict[int, PeerId]:
         return {r: s.peer for r, s in self.shares.items()}
 
-    def move(self, event: SampleEvent) -> None:
-        """To the state ``event`` leads to (``sample_states``), or
-        ``IllegalSampleTransition`` with nothing changed."""
-        self.state = step(self.state, event, f"sample {self.key[1]} of {self.key[0]}")
-
     def register(self, rank: int, peer: PeerId, blocks: frozenset[int], current: PeerId | None) -> bool:
         """Rank ``rank`` asks for the sample on connection ``peer`` (``current``: the
         connection the rank has now) promising ``blocks``. True for a new share; a rank that
@@ -196,10 +191,10 @@ class SampleRecord:
                 share.checking = share.landing
                 actions.append(Verify(self.key, rank, share.landing, share.digest, checksum))
         if self.all_checked():
-            self.move(SampleEvent.CHECKED)
+            move(self, SampleEvent.CHECKED)
             actions.append(Ready(self.key))
         elif self.all_landed() and self.state is SampleState.GRANTED:
-            self.move(SampleEvent.LANDED)
+            move(self, SampleEvent.LANDED)
         return actions
 
     def grant(self, rank: int | None = None) -> protocol.Grant:
@@ -220,7 +215,7 @@ class SampleRecord:
 
     def rewrite(self, rank: int) -> None:
         """``rank``'s share failed its check: GRANTED again until it lands anew."""
-        self.move(SampleEvent.CHECK_FAILED)
+        move(self, SampleEvent.CHECK_FAILED)
         share = self.shares[rank]
         share.landed = share.checked = False
         share.in_flight = True

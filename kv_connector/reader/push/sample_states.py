@@ -1,8 +1,9 @@
 """The reader's sample machine (``ledger.py`` decides when, ``records.py`` and
 ``book.py`` keep the samples): the states of a sample, the events that move it, the ends
-by which it leaves the books, and the one table of its legal transitions. A sample moves
-only through ``step`` (it stays in the books) or ``end`` (it leaves them); a transition
-not in the table raises ``IllegalSampleTransition``. Pure.
+by which it leaves the books, the one table of its legal transitions, and the movers. A
+sample moves only through ``begin``, ``move`` (it stays in the books) or ``leave`` (it
+leaves them), each checked against the table; a transition not in the table raises
+``IllegalSampleTransition``. Pure.
 
 States of a sample (``SampleState``), keyed by (producer id, request id), and its ends
 (``SampleEnd``):
@@ -33,6 +34,7 @@ pages return on release.
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 from kv_connector.common.errors import StateError
 from kv_connector.common.transitions import Transitions
@@ -102,3 +104,32 @@ def step(state: SampleState | None, event: SampleEvent, what: str = "") -> Sampl
 def end(state: SampleState, event: SampleEvent, what: str = "") -> SampleEnd:
     """How ``event`` ends a sample (``what``) in ``state``: it leaves the books."""
     return SAMPLES.step_as(SampleEnd, state, event, what, "does not end the sample")
+
+
+class Moving(Protocol):
+    """A sample as the movers see it: its key (producer id, request id) and its state."""
+
+    key: tuple[str, str]
+    state: SampleState
+
+
+def _name(sample: Moving) -> str:
+    return f"sample {sample.key[1]} of {sample.key[0]}"
+
+
+# The movers: every change of a sample's state goes through one of these three, here beside
+# the table (the ledger decides which event happens; its records and book call these).
+def begin(sample: Moving) -> None:
+    """A new sample enters the books: PROMISED (``requested``)."""
+    sample.state = step(None, SampleEvent.REQUESTED, _name(sample))
+
+
+def move(sample: Moving, event: SampleEvent) -> None:
+    """To the state ``event`` leads to, or ``IllegalSampleTransition`` with nothing changed."""
+    sample.state = step(sample.state, event, _name(sample))
+
+
+def leave(sample: Moving, event: SampleEvent) -> SampleEnd:
+    """How ``event`` ends the sample, or ``IllegalSampleTransition``; the book then removes
+    it (its state stays the last it had, for what follows its end)."""
+    return end(sample.state, event, _name(sample))

@@ -68,3 +68,18 @@ def test_the_book_drops_only_through_the_table(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(IllegalSampleTransition, match="refused is not allowed in state written"):
         led.tick(10.0)
     assert led.view.state_of(key) is SampleState.WRITTEN
+
+
+def test_every_move_of_a_sample_is_made_beside_the_table() -> None:
+    """The movers live in ``sample_states``: no other module of the push reader assigns a
+    sample's state or steps the table itself."""
+    import inspect
+    import re
+
+    from kv_connector.reader.push import book, ledger, records, refusals
+
+    for module in (book, ledger, records, refusals):
+        source = inspect.getsource(module)
+        assert not re.search(r"\.state\s*=[^=]", source), module.__name__
+        assert not re.search(r"\b(step|end)\(", source), module.__name__
+        assert "SAMPLES." not in source, module.__name__
