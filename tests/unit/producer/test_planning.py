@@ -753,3 +753,20 @@ def test_expect_keeps_a_one_position_slice_s_block_when_its_table_changes_before
         "r": f"positions 17..17 were not written where the block table puts them with block size {BS}"
     }
     assert check_step([9 * BS], later, BS) == {}
+
+
+def test_a_plan_travels_to_the_workers_with_its_slices_as_plain_tuples() -> None:
+    """Pickled as vLLM ships it: equal after the trip, each slice a ``StepSlice`` again,
+    and none pickled as an instance (a decode step with output tokens carries hundreds)."""
+    import pickle
+
+    from kv_connector.producer.planning import StepPlan
+
+    slices = [StepSlice(f"r{i}", 100 + i, 1, (i, i + 1), 3) for i in range(256)]
+    ships = [ShipOrder("s", (1, 2), (9,), route="n")]
+    plan = StepPlan(slices=slices, ships=ships, resets=["x"], news=("end", 1))
+    data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    back = pickle.loads(data)
+    assert back == plan and all(type(sl) is StepSlice for sl in back.slices)
+    assert back.slices[7].start == 107 and back.slices[7].block_ids == (7, 8)
+    assert b"StepSlice" not in data
