@@ -41,26 +41,26 @@ def _imports(path: Path) -> set[str]:
 
 def reaches_vllm(path: Path) -> bool:
     """Whether the test module at ``path`` reaches vLLM (see the module's docstring)."""
-    return "vllm" in path.read_text() or _reaches(path.resolve())
+    if "vllm" in path.read_text():
+        return True
+    todo, seen = list(_direct(path.resolve())[1]), set()
+    while todo:  # every project module its imports lead to, each looked at once
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        names_vllm, imported = _direct(module)
+        if names_vllm:
+            return True
+        todo.extend(imported)
+    return False
 
 
 @functools.cache
-def _reaches(path: Path) -> bool:
-    """Whether a module of this repository imports vllm, or one it imports does."""
-    if _NAMES_VLLM.search(path.read_text()):
-        return True
+def _direct(path: Path) -> tuple[bool, tuple[Path, ...]]:
+    """Whether a module imports vllm or names one of its modules in a string, and the
+    modules of this repository it imports."""
     imports = _imports(path)
-    if any(module.split(".")[0] == "vllm" for module in imports):
-        return True
-    _LOOKING.add(path)
-    try:
-        for module in imports:
-            target = _file_of(module) if module.split(".")[0] in PROJECT else None
-            if target is not None and target not in _LOOKING and _reaches(target):
-                return True
-        return False
-    finally:
-        _LOOKING.discard(path)
-
-
-_LOOKING: set[Path] = set()
+    names_vllm = bool(_NAMES_VLLM.search(path.read_text())) or any(m.split(".")[0] == "vllm" for m in imports)
+    files = (_file_of(m) for m in sorted(imports) if m.split(".")[0] in PROJECT)
+    return names_vllm, tuple(f for f in files if f is not None)
