@@ -34,7 +34,7 @@ def announce() -> None:
     """Log, once per process, that the design is active. vLLM configures its logging
     after it loads plugins in its first process, so until then this waits: every patched
     function calls it again."""
-    if ANNOUNCED.said or not logging.getLogger("vllm").handlers or not ANNOUNCED.first():
+    if not logging.getLogger("vllm").handlers or not ANNOUNCED.first():
         return
     import vllm
 
