@@ -45,18 +45,24 @@ def engines() -> Iterator[Engines]:
         engines.close()
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """On the unit pass on vLLM 0.33 (``VLLM_REACH_ONLY=1``), a test module that does not
+    reach vLLM's code is not even imported (``tests/vllm_reach.py``)."""
+    if os.environ.get("VLLM_REACH_ONLY") != "1" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    from tests.vllm_reach import reaches_vllm
+
+    return None if reaches_vllm(collection_path) else True
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest modules first (``tests/module_seconds.json``), a module's tests in their
     order: pytest-xdist's workers (``--dist loadfile --no-loadscope-reorder``) take modules
     in this order, so the run does not end on a long module started last. Then each
     fixture's last test, so that its shared engine stops after it (``Engines``)."""
-    if os.environ.get("VLLM_REACH_ONLY") == "1":  # the unit pass on vLLM 0.33 (tests/vllm_reach.py)
-        from tests.vllm_reach import reaches_vllm
-
-        kept = [item for item in items if reaches_vllm(Path(str(item.path)))]
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-        items[:] = kept
     table: dict[str, float] = json.loads(MODULE_SECONDS.read_text())
     items.sort(key=lambda item: -table.get(item.nodeid.split("::", 1)[0], 0.0))
     LAST_USER.clear()
