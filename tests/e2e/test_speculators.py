@@ -43,6 +43,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 LENGTHS = [1, 7, 127, 128, 129, 300, 45, 600, 2, 64, 999, 33]
 CONNECT_TIMEOUT_S = 5  # the producer's wait for a reader, after which a row fails (and is retried)
 READER_LATE_S = CONNECT_TIMEOUT_S + 2.0  # the reader starts this long after the first rows were served
+# the driver's wait for a row's file before it sends the row again: the rows the reader
+# missed are resent after it (the default, 120 s, would be most of the test's time); a
+# row delivered late would be sent twice, so it stays well above a row's time here
+CONFIRM_TIMEOUT_S = 30
 TOLERANCE = 0.02  # relative error per sample, bf16 against the fp32 reference
 
 
@@ -91,7 +95,7 @@ def test_speculators_loads_every_row_the_driver_and_the_reader_cli_produced(
             driver = subprocess.Popen(
                 [sys.executable, "-m", "kv_connector.datagen", "--dataset", str(data),
                  "--server", server.http.url, "--concurrency", "4", "--check-dir", str(hs_dir),
-                 "--retries", "6", "--progress-s", "5",
+                 "--retries", "6", "--confirm-timeout", str(CONFIRM_TIMEOUT_S), "--progress-s", "5",
                  "--audit-model", str(tiny_llama_bf16), "--audit-rate", "1"],  # every row's meaning
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
             )  # fmt: skip
