@@ -52,7 +52,8 @@ def log(msg: str) -> None:
 
 
 class Rank:
-    """One trainer rank's DataLoader (``keep_proc``), an epoch per ``epoch()``."""
+    """One trainer rank's DataLoader (``keep_proc``), an epoch per ``epoch()``; started by
+    ``ranks``, which waits for them together."""
 
     def __init__(
         self, data: Path, backend: str, folder: Path, sampler: str, rank: int, server: Server
@@ -71,6 +72,11 @@ class Rank:
         )  # fmt: skip
         self.name, self.folder = f"{backend} {sampler} rank {rank}", folder
         self.epochs: list[dict[str, Any]] = []
+        self.sampler = ""
+        self.asked = False  # to quit
+
+    def ready(self) -> None:
+        """Until its DataLoader is made (its first line names the sampler)."""
         self.sampler = self._read()["sampler"]
 
     def _read(self) -> dict[str, Any]:
@@ -100,16 +106,44 @@ class Rank:
         r = self.end_epoch()
         return paired.Run(r["seconds"], r["rows"])
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def quit(self) -> None:
+        """Asks it to end (``stop`` waits for it)."""
+        if self.proc.poll() is None and not self.asked:
+            self.asked = True
             assert self.proc.stdin is not None
             try:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.flush()
-                self.proc.wait(timeout=120)
-            except (OSError, subprocess.TimeoutExpired):
+            except OSError:
                 self.proc.kill()
-                self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        self.quit()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def ranks(made: list[Rank]) -> list[Rank]:
+    """The ranks, each ready: started together (each imports torch and speculators and
+    starts its workers), so their starts overlap. One that fails stops them all."""
+    try:
+        for r in made:
+            r.ready()
+    except BaseException:
+        stop_all(made)
+        raise
+    return made
+
+
+def stop_all(made: list[Rank]) -> None:
+    """Ends them together: each is asked first, then waited for."""
+    for r in made:
+        r.quit()
+    for r in made:
+        r.stop()
 
 
 def prompts(server: Server) -> float:
@@ -174,7 +208,7 @@ def main() -> dict[str, Any]:
         with servers(work, "pull") as (server,):
             # the rank-kept sampler: two ranks, three epochs
             p0 = prompts(server)
-            kept = [Rank(data, BACKEND, work / f"keep-{r}", "rank-kept", r, server) for r in (0, 1)]
+            kept = ranks([Rank(data, BACKEND, work / f"keep-{r}", "rank-kept", r, server) for r in (0, 1)])
             try:
                 three_epochs(kept)
                 out["keep_prompts_over_rows"] = round((prompts(server) - p0) / ROWS, 3)
@@ -183,14 +217,16 @@ def main() -> dict[str, Any]:
                 out["keep_first_batch_s"] = round(first["first_batch_s"], 2)
                 out["capture_then_train_first_batch_s"] = round(first["seconds"] + second["first_batch_s"], 2)
                 out["keep_bytes_over_file"] = bytes_over_file([r.folder for r in kept])
-                kept[1].stop()
+                kept[1].quit()
                 # later epochs from the folder, over speculators' file backend on the same folder
-                file0 = Rank(data, "file", kept[0].folder, "rank-kept", 0, server)
-                pairs = paired.run_pairs(kept[0].round, file0.round, pairs=PAIRS, warmup=1)
-                file0.stop()
-            finally:
-                for r in kept:
-                    r.stop()
+                (file0,) = ranks([Rank(data, "file", kept[0].folder, "rank-kept", 0, server)])
+                try:
+                    pairs = paired.run_pairs(kept[0].round, file0.round, pairs=PAIRS, warmup=1)
+                finally:
+                    stop_all([*kept, file0])
+            except BaseException:
+                stop_all(kept)
+                raise
             med, rng = pairs.ratio().rounded()
             out["keep_over_file"], out["keep_over_file_range"] = med, rng
             out["keep_rows_per_s"] = round(sum(x.rate for x in pairs.a) / len(pairs.a), 2)
@@ -198,12 +234,11 @@ def main() -> dict[str, Any]:
             out["samplers"] = [kept[0].sampler, file0.sampler]
             # speculators' own sampler: two ranks (two nodes' folders), three epochs
             p0 = prompts(server)
-            theirs = [Rank(data, BACKEND, work / f"own-{r}", "speculators", r, server) for r in (0, 1)]
+            theirs = ranks([Rank(data, BACKEND, work / f"own-{r}", "speculators", r, server) for r in (0, 1)])
             try:
                 three_epochs(theirs)
             finally:
-                for r in theirs:
-                    r.stop()
+                stop_all(theirs)
             out["keep_hit_rate_default_sampler"] = hit_rate(theirs)
             out["keep_prompts_over_rows_default_sampler"] = round((prompts(server) - p0) / ROWS, 3)
             out["default_sampler"] = theirs[0].sampler
