@@ -29,16 +29,20 @@ LAYERS = [1, 2, 3, 4]
 HIDDEN = 4096
 PORT = 5555
 REPO = Path(__file__).resolve().parents[2]
+HOLD_LIMIT_S = 300.0  # a held reader node's longest hold
 
 
-def reader_node(listen: str, n: int, pool_mib: float, hold_s: float = 0.0) -> None:
-    """Take ``n`` samples and print {"bytes", "ids", "first_take"}; with ``hold_s``, take
-    nothing for that long first (a trainer that is busy: its pool fills and stays full)."""
+def reader_node(listen: str, n: int, pool_mib: float, hold_until: Path | None = None) -> None:
+    """Take ``n`` samples and print {"bytes", "ids", "first_take"}; with ``hold_until``,
+    take nothing until that file exists (a trainer that is busy: its pool fills and stays
+    full), at most ``HOLD_LIMIT_S``."""
     from kv_connector.reader import HiddenStatesReader
 
     with HiddenStatesReader(listen=listen, pool_bytes=int(pool_mib * (1 << 20))) as reader:
         print(json.dumps({"address": reader.address}), flush=True)
-        time.sleep(hold_s)
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while hold_until is not None and not hold_until.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         nbytes, ids, first = 0, [], time.time()
         for s in reader.samples(n, timeout=600):
             nbytes += s.hidden_states.numel() * s.hidden_states.element_size()
@@ -123,11 +127,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per sample")
     ap.add_argument("--pool-mib", type=float, default=512)
     ap.add_argument("--reader-node", help=argparse.SUPPRESS)
-    ap.add_argument("--hold-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--hold-until", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.reader_node:
-        reader_node(args.reader_node, args.samples, args.pool_mib, args.hold_s)
+        reader_node(args.reader_node, args.samples, args.pool_mib, args.hold_until)
         return
     if args.samples * args.producers % args.readers:
         raise SystemExit("--samples x --producers must divide by --readers")

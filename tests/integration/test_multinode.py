@@ -226,21 +226,24 @@ def test_a_full_reader_delays_only_its_own_samples(cluster: Cluster, model_dir: 
     readers = [f"{fast.address}:{READER_PORT}", f"{slow.address}:{READER_PORT}"]
     out = tmp_path / "fast"
     fast_reader = start_reader(cluster, fast, out, 4)
-    # the slow reader's pool holds one sample and its trainer takes nothing for 40 s
+    # the slow reader's pool holds one sample and its trainer takes nothing until the fast
+    # reader has all of its samples: a full reader that delayed the others would stall this
+    busy = tmp_path / "fast-reader-done"
     slow_reader = cluster.run(
         slow,
         [sys.executable, "-m", "scripts.bench.multinode", "--reader-node", f"0.0.0.0:{READER_PORT}",
-         "--samples", "4", "--pool-mib", str(BLOCK_BYTES / (1 << 20)), "--hold-s", "40"],
+         "--samples", "4", "--pool-mib", str(BLOCK_BYTES / (1 << 20)), "--hold-until", str(busy)],
         env={**SECRET, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"},
     )  # fmt: skip
     ranks = start_ranks(cluster, a, tmp_path, model_dir, "full", 1, readers, requests, sharding="round_robin")
     succeeded(fast_reader, 300)
     fast_done = time.time()
+    busy.touch()
     check_files(out, {"full": requests[0::2]})
     assert slow_reader.stdout is not None
     slow_out, _ = slow_reader.communicate(timeout=300)
     slow_res = json.loads(slow_out.splitlines()[-1])
-    # the fast reader had all its samples before the full one took its first
+    # the fast reader had all its samples while the full one still took nothing
     assert fast_done < slow_res["first_take"]
     assert sorted(slow_res["ids"]) == sorted(r["id"] for r in requests[1::2])
     (res,) = wait_all(ranks)
