@@ -221,7 +221,7 @@ class SenderLoop:
                         for msg in self._conn.receive():
                             self._handle(msg)
                 held = self._open_gates is not None and self._open_gates()
-                self._send_requests()
+                self.send_requests()
                 self._send_digests()
                 self._check_deadlines()
             self._give_back_credits()
@@ -339,7 +339,7 @@ class SenderLoop:
             self._writer.connect(
                 peer, Region(w.pool_addr, w.pool_bytes, w.mem_type, w.device_id), w.page_bytes
             )
-            self._conn = conn
+            self.attach(conn)
             log.info(
                 "rank %d connected to reader %s at %s (pages of %d bytes)",
                 self.rank,
@@ -352,6 +352,10 @@ class SenderLoop:
             raise
         finally:
             self._handshake_conn = None
+
+    def attach(self, conn: FramedConnection) -> None:
+        """The connection to the reader from here on (the handshake's)."""
+        self._conn = conn
 
     # ------------------------------------------------------------- messages
     def _handle(self, msg: protocol.Message) -> None:
@@ -413,8 +417,8 @@ class SenderLoop:
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
 
-    def _send_requests(self) -> bool:
-        """Every job that has no pages on this connection: a new one placed in a credit
+    def send_requests(self) -> bool:
+        """The loop's sending step. Every job that has no pages on this connection: a new one placed in a credit
         held ahead (``Placed``; its WRITE is due at once), else a credit request (new
         ones, and after a reconnect all that were not acknowledged), oldest first; its
         digest is computed meanwhile, once (a placed job's before its WRITE, where this

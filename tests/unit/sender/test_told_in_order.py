@@ -41,10 +41,10 @@ class _Wire:
     first message of type ``kind`` leaves (as another thread would, at that instant)."""
 
     def __init__(self, kind: type, before: Callable[[], None]) -> None:
-        self.sent: list[protocol._Msg] = []
+        self.sent: list[protocol.Message] = []
         self._kind, self._before = kind, before
 
-    def send(self, msg: protocol._Msg) -> None:
+    def send(self, msg: protocol.Message) -> None:
         if isinstance(msg, self._kind) and self._before is not None:
             before, self._before = self._before, None  # type: ignore[assignment]
             before()
@@ -81,8 +81,8 @@ def test_s11_a_placed_job_failed_before_its_placed_left_is_refused_and_fenced_af
     held(led, credit(9))
     submit(led, "a")
     wire = _Wire(protocol.Placed, _fail_on_engine_thread(loop, led, lock, "a"))
-    loop._conn = wire  # type: ignore[assignment]
-    loop._send_requests()
+    loop.attach(wire)  # type: ignore[arg-type]
+    loop.send_requests()
     assert _kinds(wire) == ["Placed", "Refuse", "Fenced"]
     placed, refuse, fenced = wire.sent
     assert isinstance(placed, protocol.Placed) and placed.generation == 9
@@ -97,8 +97,8 @@ def test_s11_a_requested_job_failed_before_its_request_left_is_refused_after_it(
     submit(led, "a")
     submit(led, "b")
     wire = _Wire(protocol.CreditRequest, _fail_on_engine_thread(loop, led, lock, "a"))
-    loop._conn = wire  # type: ignore[assignment]
-    loop._send_requests()
+    loop.attach(wire)  # type: ignore[arg-type]
+    loop.send_requests()
     assert _kinds(wire) == ["CreditRequest", "CreditRequest", "Refuse"]
     assert [getattr(m, "manifest", m).request_id for m in wire.sent] == ["a", "b", "a"]  # type: ignore[union-attr]
 
@@ -109,8 +109,8 @@ def test_s11_a_failure_after_the_message_left_is_told_at_once() -> None:
     held(led, credit(4))
     submit(led, "a")
     wire = _Wire(protocol.Refuse, lambda: None)
-    loop._conn = wire  # type: ignore[assignment]
-    loop._send_requests()
+    loop.attach(wire)  # type: ignore[arg-type]
+    loop.send_requests()
     _fail_on_engine_thread(loop, led, lock, "a")()
     assert _kinds(wire) == ["Placed", "Refuse", "Fenced"]
 
@@ -123,15 +123,15 @@ def test_s11_a_lost_connection_still_hands_back_what_was_parked() -> None:
     fail = _fail_on_engine_thread(loop, led, lock, "a")
 
     class _Gone(_Wire):
-        def send(self, msg: protocol._Msg) -> None:
+        def send(self, msg: protocol.Message) -> None:
             if isinstance(msg, protocol.CreditRequest):
                 fail()
                 raise OSError("connection reset")
             told.append(type(msg).__name__)  # what is told after it: the Refuse, on the dead link
 
-    loop._conn = _Gone(protocol.CreditRequest, lambda: None)  # type: ignore[assignment]
+    loop.attach(_Gone(protocol.CreditRequest, lambda: None))  # type: ignore[arg-type]
     try:
-        loop._send_requests()
+        loop.send_requests()
     except OSError:
         pass
     else:
