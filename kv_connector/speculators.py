@@ -143,15 +143,16 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         if keep_gib is not None and keep_gib <= 0:
             raise ConfigurationError(f"--kv-hs-keep-gib must be positive, got {keep_gib}")
         self._store: RowStore | None = None
-        self._missed: int | None = None  # the row get_cached did not find, which get_generated fetches
+        # the row get_cached did not find, which get_generated fetches (and keeps)
+        self.missed: int | None = None
         # what every row must be (layer ids, model): a row that is not fails by name
         self.expect = msgspec.convert(expect, Expectation) if isinstance(expect, dict) else expect
         # keeps rows unless it reads some of the folder's layers (its rows would have fewer)
-        self._keeps = True
+        self.keeps = True
         if keep is not None:  # refused at once where the folder keeps another run's rows
             mine = self.keep_describes()
             theirs = claim_folder(keep, mine)
-            self._keeps = theirs.get("layer_ids", mine.get("layer_ids")) == mine.get("layer_ids")
+            self.keeps = theirs.get("layer_ids", mine.get("layer_ids")) == mine.get("layer_ids")
         default = DEFAULT_RANK_POOL_MIB if self.mode is FetchMode.RANK else DEFAULT_POOL_MIB
         self.pool_mib = pool_mib if pool_mib is not None else default
         if self.pool_mib < 1:
@@ -263,7 +264,7 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
             return None
         layer_ids = self.expect.layer_ids if self.expect is not None else None
         got = store.get(file_idx, layer_ids)  # a row kept with more layers: the trainer's, by id
-        self._missed = file_idx if got is None and self._keeps else None
+        self.missed = file_idx if got is None and self.keeps else None
         return got
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
@@ -284,12 +285,12 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         if len(self._released) >= MAX_REMEMBERED:
             self._released.clear()  # forgotten ones are only released once more (harmless)
         self._released.add(handle_of(hs_transfer_params))
-        if self._missed is not None and self.store is not None:  # kept behind the hand-out, once
+        if self.missed is not None and self.store is not None:  # kept behind the hand-out, once
             meta = {"request_id": sample.request_id, "layer_ids": ",".join(map(str, sample.layer_ids))}
             if sample.provenance is not None:
                 meta.update(sample.provenance.as_dict())
-            self.store.put(self._missed, sample.token_ids, sample.hidden_states, meta)
-            self._missed = None
+            self.store.put(self.missed, sample.token_ids, sample.hidden_states, meta)
+            self.missed = None
         return {"token_ids": sample.token_ids, "hidden_states": sample.hidden_states}
 
     def delete(self, handle: str) -> None:

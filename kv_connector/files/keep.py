@@ -164,9 +164,10 @@ class RowStore:
         self.fp8 = fp8
         self.dtype = dtype
         self.stats = KeepStats()
-        self._tmp = self.root / TMP_ROOT / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # this process's folder for partial files (another's is cleared once it is gone)
+        self.tmp = self.root / TMP_ROOT / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._clear_dead_tmp()
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self.tmp.mkdir(parents=True, exist_ok=True)
         self._used = sum(p.stat().st_size for p in self.root.glob("hs_*.safetensors"))
         self._full = False
         self._lock = threading.Lock()
@@ -237,6 +238,11 @@ class RowStore:
             states = dequantize(states, scales[:, positions] if per_layer else scales, self.dtype)
         return {"token_ids": tokens, "hidden_states": states}
 
+    @property
+    def queued(self) -> int:
+        """Rows put and not yet written (at most ``MAX_QUEUED``)."""
+        return self._queue.qsize()
+
     def put(
         self, file_idx: int, token_ids: torch.Tensor, hidden_states: torch.Tensor, meta: dict[str, str]
     ) -> bool:
@@ -262,7 +268,7 @@ class RowStore:
             self._writer.join(timeout_s)
             self._writer = None
         with contextlib.suppress(OSError):
-            shutil.rmtree(self._tmp)
+            shutil.rmtree(self.tmp)
 
     def _write_rows(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -299,7 +305,7 @@ class RowStore:
                 return
             self._used += size
         try:
-            write_atomically(file_of(self.root, file_idx), tensors, meta, self._tmp)
+            write_atomically(file_of(self.root, file_idx), tensors, meta, self.tmp)
         except OSError as e:
             with self._lock:
                 self._used -= size

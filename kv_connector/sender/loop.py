@@ -418,11 +418,11 @@ class SenderLoop:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
 
     def send_requests(self) -> bool:
-        """The loop's sending step. Every job that has no pages on this connection: a new one placed in a credit
-        held ahead (``Placed``; its WRITE is due at once), else a credit request (new
-        ones, and after a reconnect all that were not acknowledged), oldest first; its
-        digest is computed meanwhile, once (a placed job's before its WRITE, where this
-        thread computes it)."""
+        """The loop's sending step. Every job that has no pages on this connection: a new
+        one placed in a credit held ahead (``Placed``; its WRITE is due at once), else a
+        credit request (new ones, and after a reconnect all that were not acknowledged),
+        oldest first; its digest is computed meanwhile, once (a placed job's before its
+        WRITE, where this thread computes it)."""
         assert self._conn is not None
         with self._lock:
             placed, returned = self._ledger.place_due(time.monotonic(), self._writer.page_bytes)

@@ -140,7 +140,7 @@ def test_a_process_killed_while_writing_leaves_no_row_and_its_folder_is_cleared(
     assert any((tmp_path / TMP_ROOT).iterdir())  # its partial file, in its own folder
     store = RowStore(tmp_path)
     assert store.get(7) is None
-    assert [d.name for d in (tmp_path / TMP_ROOT).iterdir()] == [store._tmp.name]
+    assert [d.name for d in (tmp_path / TMP_ROOT).iterdir()] == [store.tmp.name]
 
 
 def test_a_full_disk_stops_keeping_with_a_warning_and_nothing_fails(
@@ -190,7 +190,7 @@ for k in range(rows):
     i = (first + k) % rows  # both runs keep every row, from different starts
     g = torch.Generator().manual_seed(i)
     s.put(i, torch.arange(size, dtype=torch.int64) + i, torch.randn(size, 3, 64, generator=g), {})
-    while s._queue.qsize() > 2:  # keep each row, not MAX_QUEUED at once
+    while s.queued > 2:  # keep each row, not MAX_QUEUED at once
         __import__("time").sleep(0.001)
 s.close()
 print(s.stats.kept)
@@ -246,11 +246,11 @@ KILLED = """
 import sys, torch
 from kv_connector.files.keep import RowStore
 s = RowStore(sys.argv[1])
-print(s._tmp, flush=True)
+print(s.tmp, flush=True)
 i = 0
 while True:  # rows of 48 MiB, one after another, until killed
     s.put(i, torch.arange(4096, dtype=torch.int64), torch.full((4096, 3, 2048), float(i)), {})
-    while s._queue.qsize() > 0:
+    while s.queued > 0:
         __import__("time").sleep(0.001)
     i += 1
 """
@@ -352,7 +352,7 @@ t = KvHiddenStatesTransfer(mode="worker", keep=sys.argv[1], expect={"layer_ids":
 got = t.get_cached(1)
 none = t.get_cached(5)
 torch.save(got, sys.argv[2])
-print(json.dumps({"missed": t._missed, "none": none is None, "keeps": t._keeps}))
+print(json.dumps({"missed": t.missed, "none": none is None, "keeps": t.keeps}))
 """
 
 
