@@ -140,9 +140,9 @@ class NixlTransport:
         params = dict(ucx_params or {})
         if "ucx_error_handling_mode" not in params and os.environ.get("KV_CONNECTOR_UCX_ERROR_HANDLING"):
             params["ucx_error_handling_mode"] = os.environ["KV_CONNECTOR_UCX_ERROR_HANDLING"]
-        self._report, self._own_report = ucx_choices.report_dir()
+        self.report_dir, self._own_report = ucx_choices.report_dir()
         params["engine_config"], applied = ucx_report.engine_config(
-            os.environ, params.get("engine_config", ""), self._report if self._own_report else None
+            os.environ, params.get("engine_config", ""), self.report_dir if self._own_report else None
         )
         try:
             self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
@@ -448,7 +448,7 @@ class NixlTransport:
         new pairings. Nothing when UCX describes nothing (``UCX_PROTO_INFO=n``)."""
         choices = []
         for file_name in self._report_files():
-            path = os.path.join(self._report or "", file_name)
+            path = os.path.join(self.report_dir or "", file_name)
             try:
                 with open(path) as f:
                     text = f.read()
@@ -489,18 +489,18 @@ class NixlTransport:
         return ucx_report.any_rdma(t for ts in seen for t in ts)
 
     def _report_files(self) -> list[str]:
-        if self._report is None:
+        if self.report_dir is None:
             return []
         try:
-            names = os.listdir(self._report)
+            names = os.listdir(self.report_dir)
         except OSError:  # UCX makes the directory at its first description
             return []
         prefix = ucx_report.sanitized(self.name) + "_"
         return sorted(n for n in names if n.startswith(prefix) and n.endswith(".dot") and n not in self._read)
 
     def _drop_report(self) -> None:
-        if self._own_report and self._report is not None:
-            shutil.rmtree(self._report, ignore_errors=True)
+        if self._own_report and self.report_dir is not None:
+            shutil.rmtree(self.report_dir, ignore_errors=True)
             self._own_report = False
 
     def close(self) -> None:

@@ -223,19 +223,19 @@ def prefill(raw: bool, rounds: int = 3) -> dict[str, float]:
 def main() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for context in (2048, 32768):
-        out[f"ctx_{context}"] = _in_process(measure, context)
+        out[f"ctx_{context}"] = in_process(measure, context)
     ours = {
         "decode_256_output_tokens": out["ctx_2048"]["engine_thread_us"],
-        "decode_256": _in_process(measure, 2048, output_tokens=False)["engine_thread_us"],
-        "prefill_per_1k_tokens": _in_process(prefill, False),
+        "decode_256": in_process(measure, 2048, output_tokens=False)["engine_thread_us"],
+        "prefill_per_1k_tokens": in_process(prefill, False),
     }
     # the raw connector ships at a prompt's end only; its decode steps are not measured
-    ours["raw"] = {"prefill_per_1k_tokens": _in_process(prefill, True)}
+    ours["raw"] = {"prefill_per_1k_tokens": in_process(prefill, True)}
     out["engine_thread_us"] = ours
     return out
 
 
-def _in_process(fn: Any, *args: Any, **kwargs: Any) -> Any:
+def in_process(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a spawned process of its own (one thread for torch; the
     harness runs one vLLM rank a process); its error raised here, with its traceback."""
     import multiprocessing as mp

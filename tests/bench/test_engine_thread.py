@@ -40,8 +40,8 @@ def test_each_hook_is_charged_the_cpu_of_the_thread_that_called_it_and_a_take_st
 def test_the_figures_name_each_hook_of_ours_and_of_the_raw_connector() -> None:
     """Ours per decode step with output tokens, the raw connector's per thousand prefill
     tokens (each in a process of its own: the harness runs one vLLM rank a process)."""
-    ours = step._in_process(step.measure, 2048, 32, 4)["engine_thread_us"]
-    raw = step._in_process(step.prefill, True, rounds=1)
+    ours = step.in_process(step.measure, 2048, 32, 4)["engine_thread_us"]
+    raw = step.in_process(step.prefill, True, rounds=1)
     # every decoding request's new slot is shipped: the scheduler plans it, the worker takes it
     assert ours["scheduler.build_connector_meta"] > 0 and ours["worker.wait_for_save"] > 0
     assert ours["engine.metadata_pickle"] > 0

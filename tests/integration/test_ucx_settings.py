@@ -40,7 +40,7 @@ while not a.poll(x):
     b.notifications()
 assert torch.equal(src, dst) and torch.equal(src, back)
 rdma = [rdma_before, a.rdma_into(Op.READ, Mem.HOST), a.rdma_into(Op.READ, Mem.GPU)]
-report = a._report if os.environ.get("SHOW_REPORT_DIR") else None
+report = a.report_dir if os.environ.get("SHOW_REPORT_DIR") else None
 a.close()
 b.close()
 left = report and os.path.exists(report)
