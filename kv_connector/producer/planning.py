@@ -107,16 +107,19 @@ def in_kernel_blocks(plan: StepPlan, kernel_blocks: int) -> StepPlan:
     )
 
 
-@dataclass(frozen=True)
-class NewRequest:
+class NewRequest(NamedTuple):
+    """A request vLLM schedules for the first time (or again, after a preemption freed it)."""
+
     request_id: str
     prompt_token_ids: Sequence[int]
     block_ids: Sequence[int]
     num_computed_tokens: int
 
 
-@dataclass(frozen=True)
-class RunningRequest:
+class RunningRequest(NamedTuple):
+    """A request vLLM scheduled before: the blocks it gained, and whether it resumes from a
+    preemption. A tuple: a decode step makes one for each request it follows."""
+
     request_id: str
     new_block_ids: Sequence[int] | None
     resumed: bool
@@ -198,19 +201,20 @@ class ShipPlanner:
             t.sent_blocks = 0
             t.computed = n.num_computed_tokens  # a prefix-cache hit is computed already
             self._step(plan, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
-        for r in running:
-            t = self._tracked(r.request_id)
-            if t is None:
+        record_of, step = self.table.get, self._step
+        for rid, new_block_ids, resumed, computed in running:
+            t = record_of(rid)
+            if t is None or not t.tracked:
                 continue
-            if r.resumed:
+            if resumed:
                 # Preempted and rescheduled: the old blocks are gone, recompute from here.
-                t.block_ids = list(r.new_block_ids or [])
+                t.block_ids = list(new_block_ids or [])
                 t.sent_blocks = 0  # the workers forget its table (reset)
-                t.computed = r.num_computed_tokens
-                plan.resets.append(r.request_id)
-            elif r.new_block_ids:
-                t.block_ids.extend(r.new_block_ids)
-            self._step(plan, t, r.num_computed_tokens, num_scheduled.get(r.request_id, 0))
+                t.computed = computed
+                plan.resets.append(rid)
+            elif new_block_ids:
+                t.block_ids.extend(new_block_ids)
+            step(plan, t, computed, num_scheduled.get(rid, 0))
         return plan
 
     def _step(self, plan: StepPlan, record: RequestRecord, start: int, num_tokens: int) -> None:
@@ -222,16 +226,12 @@ class ShipPlanner:
             num_tokens = min(num_tokens, limit - start)
             if num_tokens <= 0:
                 return
+        sent, table = record.sent_blocks, record.block_ids
+        # only the blocks the workers do not have yet: in a decode step, usually none
         plan.slices.append(
-            StepSlice(
-                record.request_id,
-                start,
-                num_tokens,
-                tuple(record.block_ids[record.sent_blocks :]),
-                record.sent_blocks,
-            )
+            StepSlice(record.request_id, start, num_tokens, tuple(table[sent:]) if sent < len(table) else (), sent)
         )
-        record.sent_blocks = len(record.block_ids)
+        record.sent_blocks = len(table)
         if not record.include_output and start + num_tokens >= len(record.prompt):
             record.shipped = True
             self.active.discard(record.request_id)

@@ -12,7 +12,7 @@ from kv_connector.wire.failure import SampleFailure
 from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     request_id: str
     include_output: bool = False
