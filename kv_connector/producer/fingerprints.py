@@ -32,10 +32,11 @@ from kv_connector.wire.protocol import Manifest
 @dataclass
 class _Taken:
     """One gather's words ``[n, layers]`` (on the host once ``done``), shared by the
-    requests of its step."""
+    requests of its step; set once the gather is queued (its samples are told first, so
+    a gather that failed leaves them None)."""
 
-    words: torch.Tensor
-    done: DeviceEvent
+    words: torch.Tensor | None = None
+    done: DeviceEvent | None = None
 
 
 class SampleWords:
@@ -80,8 +81,8 @@ class SampleWords:
         out: np.ndarray | None = None
         have = np.zeros(top, dtype=bool)
         for taken, row, first, n in self.chunks:
-            if first >= top:
-                continue
+            if first >= top or taken.words is None or taken.done is None:
+                continue  # a gather that failed gave no words: its positions are missing
             taken.done.synchronize()
             k = min(n, top - first)
             w = taken.words.numpy()[row : row + k]
@@ -119,9 +120,11 @@ class Fingerprints:
         One gather, and nothing waits for the device. ``expect``: where the step's slices
         were written. ``last``: the last position of each sample that ships in this step."""
         singles = expect.singles
-        runs: list[Run] = [(s[0], s[1], 1) for s in singles]
-        pos = [np.fromiter((s[1] for s in singles), dtype=np.int64, count=len(singles))]
-        blk = [np.fromiter((s[3] for s in singles), dtype=np.int64, count=len(singles))]
+        # a decode step's one-position slices, as columns: (request ids, positions, _, blocks)
+        rids, firsts, _, cache_blocks = zip(*singles) if singles else ((), (), (), ())
+        runs: list[Run] = []
+        pos = [np.array(firsts, dtype=np.int64)]
+        blk = [np.array(cache_blocks, dtype=np.int64)]
         bs = self.block_size
         for e in expect.spans:
             # the positions its table covers (the slot check fails the rest by name)
@@ -132,8 +135,8 @@ class Fingerprints:
             runs.append((e.request_id, e.start, n))
             pos.append(p)
             blk.append(np.asarray(e.blocks, dtype=np.int64)[p // bs - e.first_block])
-        if runs:
-            self._gather(runs, np.concatenate(pos), np.concatenate(blk), last or {})
+        if rids or runs:
+            self._gather(rids, firsts, runs, np.concatenate(pos), np.concatenate(blk), last or {})
 
     def ship(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> SampleWords:
         """The sample's words at its ship; the request is forgotten here.
@@ -193,7 +196,7 @@ class Fingerprints:
             runs.extend((rid, int(r[0]), len(r)) for r in np.split(gaps, cuts))
         positions = np.concatenate([g for _, g, _ in due])
         blocks = np.concatenate([b for _, _, b in due])
-        self._gather(runs, positions, blocks, {rid: ends[rid] for rid, _, _ in due})
+        self._gather((), (), runs, positions, blocks, {rid: ends[rid] for rid, _, _ in due})
 
     def taken(self, request_id: str) -> SampleWords | None:
         """The words taken so far of a followed request (None: none)."""
@@ -212,15 +215,46 @@ class Fingerprints:
         return sample
 
     def _gather(
-        self, runs: list[Run], positions: np.ndarray, blocks: np.ndarray, last: Mapping[str, int]
+        self,
+        rids: Sequence[str],
+        firsts: Sequence[int],
+        runs: list[Run],
+        positions: np.ndarray,
+        blocks: np.ndarray,
+        last: Mapping[str, int],
     ) -> None:
-        samples = [self._sample(rid) for rid, _, _ in runs]
-        sizes = [n for _, _, n in runs]
-        seeds = np.repeat(np.fromiter((s.seed for s in samples), dtype=np.uint64, count=len(samples)), sizes)
-        ends: int | np.ndarray = -1
+        """One gather of ``positions`` (in ``blocks``): first one position of each of
+        ``rids`` (at ``firsts``), then each of ``runs``. Each sample is told its rows as
+        its seed is read, in one pass over the requests (a decode step has one a request)."""
+        taken = _Taken()
+        samples, make = self._samples, SampleWords
+        seeds: list[int] = []
+        ends: list[int] = []
+        for row, (rid, first) in enumerate(zip(rids, firsts, strict=True)):
+            sample = samples.get(rid)
+            if sample is None:
+                sample = samples[rid] = make(fingerprint.seed_of(rid))
+            seeds.append(sample.seed)
+            end = last.get(rid, -1) if last else -1
+            ends.append(end)
+            sample.add(taken, row, first, 1, first == end)
+        row = len(rids)
+        sizes = [1] * row
+        for rid, first, n in runs:
+            sample = self._sample(rid)
+            seeds.append(sample.seed)
+            end = last.get(rid, -1) if last else -1
+            ends.append(end)
+            sizes.append(n)
+            sample.add(taken, row, first, n, first <= end < first + n)
+            row += n
+        seed = np.array(seeds, dtype=np.uint64)
+        end_of: int | np.ndarray = -1
+        if runs:
+            seed = np.repeat(seed, sizes)
         if last:
-            ends = np.repeat(np.array([last.get(rid, -1) for rid, _, _ in runs], dtype=np.int64), sizes)
-        words = self.blocks.token_words(blocks, positions % self.block_size, positions, seeds, ends)
+            end_of = np.repeat(np.array(ends, dtype=np.int64), sizes) if runs else np.array(ends, dtype=np.int64)
+        words = self.blocks.token_words(blocks, positions % self.block_size, positions, seed, end_of)
         done: DeviceEvent
         if words.is_cuda:
             host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
@@ -230,9 +264,4 @@ class Fingerprints:
             words, done = host, event
         else:
             done = HostDone()
-        taken = _Taken(words, done)
-        row = 0
-        for (rid, first, n), sample in zip(runs, samples, strict=True):
-            end = last.get(rid, -1) if last else -1
-            sample.add(taken, row, first, n, first <= end < first + n)
-            row += n
+        taken.words, taken.done = words, done

@@ -226,6 +226,35 @@ def test_a_steps_ships_share_one_gather_and_a_sample_that_fails_fails_alone(layo
     assert len(fp) == 0  # every one forgotten, the failed one too
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_a_ship_gather_that_fails_is_retried_alone_and_its_failed_try_gives_no_words(
+    layout: BlockLayout,
+) -> None:
+    """A step's ship gather that fails (one sample's table names a block the cache does not
+    have) is tried again a sample at a time: the bad one gets its error, and each other's
+    record is its own, from the second try's words (the failed try's samples were told
+    their rows before the gather, which then gave none)."""
+    cache = cache_of(layout)
+    blocks = CacheBlocks(cache, layout)
+    bs = layout.block_size
+    tables = {"b": [1, 3, 5, 7], "e": [NUM_BLOCKS + 40, 8, 10, 15]}  # e's first block is not there
+    fp, rec = Fingerprints(blocks, bs), BlockRecorder(bs)
+    expect, errors = rec.expect(
+        [StepSlice(rid, 2 * bs, TOKENS - 2 * bs, tuple(t)) for rid, t in tables.items()]  # prefix hits
+    )
+    assert not errors
+    fp.take(expect)
+    got = fp.ship_many([(rid, TOKENS, t) for rid, t in tables.items()])
+    assert isinstance(got["e"], Exception)
+    words = got["b"]
+    assert not isinstance(words, Exception)
+    assert any(taken.words is None for taken, *_ in words.chunks)  # the failed try's rows
+    s = share_of(blocks, "b", tables["b"])
+    assert words.record(s.manifest, s.share) == fingerprint.states_record(
+        states_of(cache, layout, tables["b"], TOKENS), s.manifest, s.share
+    )
+
+
 @pytest.mark.parametrize("hidden", [16, 64, 100])  # bf16 rows of 4, 16 and 25 words
 @pytest.mark.parametrize("layout", ["TLH", "LTH"])
 def test_a_lines_gather_reads_the_aligned_line_around_each_sampled_word(layout: str, hidden: int) -> None:
