@@ -235,16 +235,20 @@ class Fingerprints:
             if sample is None:
                 sample = samples[rid] = make(fingerprint.seed_of(rid))
             seeds.append(sample.seed)
-            end = last.get(rid, -1) if last else -1
-            ends.append(end)
-            sample.add(taken, row, first, 1, first == end)
+            if last:
+                end = last.get(rid, -1)
+                ends.append(end)
+                sample.add(taken, row, first, 1, first == end)
+            else:
+                sample.add(taken, row, first, 1, False)
         row = len(rids)
         sizes = [1] * row
         for rid, first, n in runs:
             sample = self._sample(rid)
             seeds.append(sample.seed)
             end = last.get(rid, -1) if last else -1
-            ends.append(end)
+            if last:
+                ends.append(end)
             sizes.append(n)
             sample.add(taken, row, first, n, first <= end < first + n)
             row += n

@@ -437,19 +437,16 @@ class BlockRecorder:
         singles, firsts, spans = out.singles, out.firsts, out.spans
         tables = self._tables
         errors: dict[str, str] = {}
-        for sl in slices:
-            rid = sl.request_id
+        for rid, start, n, block_ids, frm in slices:  # a StepSlice's fields, unpacked at once
             table = tables.get(rid)
             if table is None:
                 table = tables[rid] = []
-            frm = sl.blocks_from
-            if frm != len(table) or sl.block_ids:  # the plan sends a change of its table
+            if frm != len(table) or block_ids:  # the plan sends a change of its table
                 if frm > len(table):
                     errors[rid] = f"{rid}: block table from {frm}, the worker has {len(table)}"
                     continue
                 del table[frm:]
-                table.extend(sl.block_ids)
-            start, n = sl.start, sl.num_tokens
+                table.extend(block_ids)
             j0 = start // bs
             if j0 >= len(table):
                 errors[rid] = f"position {start} has no block in the block table"
