@@ -121,7 +121,7 @@ class Fingerprints:
         were written. ``last``: the last position of each sample that ships in this step."""
         singles = expect.singles
         # a decode step's one-position slices, as columns: (request ids, positions, _, blocks)
-        rids, firsts, _, cache_blocks = zip(*singles) if singles else ((), (), (), ())
+        rids, firsts, _, cache_blocks = zip(*singles, strict=True) if singles else ((), (), (), ())
         runs: list[Run] = []
         pos = [np.array(firsts, dtype=np.int64)]
         blk = [np.array(cache_blocks, dtype=np.int64)]
@@ -257,7 +257,7 @@ class Fingerprints:
         if runs:
             seed = np.repeat(seed, sizes)
         if last:
-            end_of = np.repeat(np.array(ends, dtype=np.int64), sizes) if runs else np.array(ends, dtype=np.int64)
+            end_of = np.repeat(np.array(ends, dtype=np.int64), sizes)
         words = self.blocks.token_words(blocks, positions % self.block_size, positions, seed, end_of)
         done: DeviceEvent
         if words.is_cuda:

@@ -118,12 +118,17 @@ class NewRequest(NamedTuple):
 
 class RunningRequest(NamedTuple):
     """A request vLLM scheduled before: the blocks it gained, and whether it resumes from a
-    preemption. A tuple: a decode step makes one for each request it follows."""
+    preemption. The scheduler side passes plain tuples of these fields (``Running``): a
+    decode step makes one for each request it follows."""
 
     request_id: str
     new_block_ids: Sequence[int] | None
     resumed: bool
     num_computed_tokens: int
+
+
+Running = tuple[str, Sequence[int] | None, bool, int]  # a RunningRequest's fields
+_make_slice = tuple.__new__  # a StepSlice from its fields, without NamedTuple's keyword handling
 
 
 class ShipPlanner:
@@ -183,7 +188,7 @@ class ShipPlanner:
     def plan(
         self,
         new: Sequence[NewRequest],
-        running: Sequence[RunningRequest],
+        running: Sequence[Running],
         num_scheduled: dict[str, int],
         preempted: Iterable[str] = (),
     ) -> StepPlan:
@@ -220,17 +225,16 @@ class ShipPlanner:
     def _step(self, plan: StepPlan, record: RequestRecord, start: int, num_tokens: int) -> None:
         if num_tokens <= 0 or record.shipped:
             return
-        record.computed = max(record.computed, start + num_tokens)
-        limit = None if record.include_output else len(record.prompt)
-        if limit is not None:
-            num_tokens = min(num_tokens, limit - start)
+        if start + num_tokens > record.computed:
+            record.computed = start + num_tokens
+        if not record.include_output:
+            num_tokens = min(num_tokens, len(record.prompt) - start)
             if num_tokens <= 0:
                 return
         sent, table = record.sent_blocks, record.block_ids
         # only the blocks the workers do not have yet: in a decode step, usually none
-        plan.slices.append(
-            StepSlice(record.request_id, start, num_tokens, tuple(table[sent:]) if sent < len(table) else (), sent)
-        )
+        blocks = tuple(table[sent:]) if sent < len(table) else ()
+        plan.slices.append(_make_slice(StepSlice, (record.request_id, start, num_tokens, blocks, sent)))
         record.sent_blocks = len(table)
         if not record.include_output and start + num_tokens >= len(record.prompt):
             record.shipped = True

@@ -19,7 +19,7 @@ from kv_connector.producer.delivery import AdmissionKind, DeliveryBook
 from kv_connector.producer.idle_steps import IdleSteps, doorbell
 from kv_connector.producer.mode import Finished, HandsOutHandles, SchedulerMode, SchedulerModeMaker
 from kv_connector.producer.options import ConnectorOptions
-from kv_connector.producer.planning import NewRequest, RunningRequest, ShipPlanner, StepPlan
+from kv_connector.producer.planning import NewRequest, Running, ShipPlanner, StepPlan
 from kv_connector.producer.request_table import RequestTable
 from kv_connector.producer.step_stats import SchedulerStats, StepData
 from kv_connector.producer.worker_report import WorkerReport
@@ -210,14 +210,9 @@ class SchedulerSide:
         c = out.scheduled_cached_reqs
         active, resumed = self.planner.active, c.resumed_req_ids
         # a decoding request that shipped its prompt has nothing to plan: visit only the others
-        running = [
-            RunningRequest(
-                rid,
-                (c.new_block_ids[i] or ())[g] if c.new_block_ids[i] else None,
-                rid in resumed,
-                c.num_computed_tokens[i],
-            )
-            for i, rid in enumerate(c.req_ids)
+        running: list[Running] = [
+            (rid, (blocks or ())[g] if blocks else None, rid in resumed, computed)
+            for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=False)
             if rid in active or rid in resumed
         ]
         plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
