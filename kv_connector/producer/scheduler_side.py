@@ -210,11 +210,13 @@ class SchedulerSide:
         c = out.scheduled_cached_reqs
         active, resumed = self.planner.active, c.resumed_req_ids
         # a decoding request that shipped its prompt has nothing to plan: visit only the others
-        running: list[Running] = [
-            (rid, (blocks or ())[g] if blocks else None, rid in resumed, computed)
-            for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=False)
-            if rid in active or rid in resumed
-        ]
+        running: list[Running] = []
+        if active or resumed:  # else every running request shipped already: nothing to look at
+            running = [
+                (rid, (blocks or ())[g] if blocks else None, rid in resumed, computed)
+                for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=False)
+                if rid in active or rid in resumed
+            ]
         plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
         if self.handles is not None:
             plan.news = self.handles.news()

@@ -486,15 +486,17 @@ class WorkerSide:
         if self.checks is not None:
             for rid, why in self.checks.settle().items():
                 self._fail_unshipped(rid, why)
-        followed = self._shipped | self._done | (shipping or set())
-        self._finished_by_scheduler |= finished_req_ids & followed
-        for rid in finished_req_ids - followed:
-            self._failed.pop(rid, None)
-            self._forget(rid)
-            if self.checks is not None:
-                self.checks.forget(rid)
-        if self.holds is not None:
-            self.holds.finished(finished_req_ids & self._shipped)
+        if finished_req_ids:  # a step's few finished, looked up: not a union of every shipped one
+            shipped, done, shipping = self._shipped, self._done, shipping or set()
+            followed = {rid for rid in finished_req_ids if rid in shipped or rid in done or rid in shipping}
+            self._finished_by_scheduler |= followed
+            for rid in finished_req_ids - followed:
+                self._failed.pop(rid, None)
+                self._forget(rid)
+                if self.checks is not None:
+                    self.checks.forget(rid)
+            if self.holds is not None:
+                self.holds.finished(finished_req_ids & shipped)
         settled = mode.settle()
         self._done |= settled.done
         self._report_delivered |= settled.delivered
