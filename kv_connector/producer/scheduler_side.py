@@ -212,9 +212,10 @@ class SchedulerSide:
         # a decoding request that shipped its prompt has nothing to plan: visit only the others
         running: list[Running] = []
         if active or resumed:  # else every running request shipped already: nothing to look at
+            rows = zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=False)
             running = [
                 (rid, (blocks or ())[g] if blocks else None, rid in resumed, computed)
-                for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=False)
+                for rid, blocks, computed in rows
                 if rid in active or rid in resumed
             ]
         plan = self.planner.plan(new, running, out.num_scheduled_tokens, out.preempted_req_ids or ())
