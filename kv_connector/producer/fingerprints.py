@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 import numpy as np
 import torch
@@ -136,7 +137,8 @@ class Fingerprints:
             pos.append(p)
             blk.append(np.asarray(e.blocks, dtype=np.int64)[p // bs - e.first_block])
         if rids or runs:
-            self._gather(rids, firsts, runs, np.concatenate(pos), np.concatenate(blk), last or {})
+            singles_as_runs = zip(rids, firsts, repeat(1), strict=False)  # rids and firsts: one zip's
+            self._gather(chain(singles_as_runs, runs), np.concatenate(pos), np.concatenate(blk), last or {})
 
     def ship(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> SampleWords:
         """The sample's words at its ship; the request is forgotten here.
@@ -196,7 +198,7 @@ class Fingerprints:
             runs.extend((rid, int(r[0]), len(r)) for r in np.split(gaps, cuts))
         positions = np.concatenate([g for _, g, _ in due])
         blocks = np.concatenate([b for _, _, b in due])
-        self._gather((), (), runs, positions, blocks, {rid: ends[rid] for rid, _, _ in due})
+        self._gather(runs, positions, blocks, {rid: ends[rid] for rid, _, _ in due})
 
     def taken(self, request_id: str) -> SampleWords | None:
         """The words taken so far of a followed request (None: none)."""
@@ -215,49 +217,33 @@ class Fingerprints:
         return sample
 
     def _gather(
-        self,
-        rids: Sequence[str],
-        firsts: Sequence[int],
-        runs: list[Run],
-        positions: np.ndarray,
-        blocks: np.ndarray,
-        last: Mapping[str, int],
+        self, runs: Iterable[Run], positions: np.ndarray, blocks: np.ndarray, last: Mapping[str, int]
     ) -> None:
-        """One gather of ``positions`` (in ``blocks``): first one position of each of
-        ``rids`` (at ``firsts``), then each of ``runs``. Each sample is told its rows as
-        its seed is read, in one pass over the requests (a decode step has one a request)."""
+        """One gather of ``positions`` (in ``blocks``), run after run (a decode step's are of
+        one position each). Each sample is told its rows as its seed is read, in one pass over
+        the requests. ``last``: the last position of each sample that ships now."""
         taken = _Taken()
         samples, make = self._samples, SampleWords
         seeds: list[int] = []
         ends: list[int] = []
-        for row, (rid, first) in enumerate(zip(rids, firsts, strict=True)):
+        sizes: list[int] = []
+        row = 0
+        for rid, first, n in runs:
             sample = samples.get(rid)
             if sample is None:
                 sample = samples[rid] = make(fingerprint.seed_of(rid))
             seeds.append(sample.seed)
-            if last:
-                end = last.get(rid, -1)
-                ends.append(end)
-                sample.add(taken, row, first, 1, first == end)
-            else:
-                sample.add(taken, row, first, 1, False)
-        row = len(rids)
-        sizes = [1] * row
-        for rid, first, n in runs:
-            sample = self._sample(rid)
-            seeds.append(sample.seed)
             end = last.get(rid, -1) if last else -1
-            if last:
-                ends.append(end)
+            ends.append(end)
             sizes.append(n)
             sample.add(taken, row, first, n, first <= end < first + n)
             row += n
         seed = np.array(seeds, dtype=np.uint64)
-        end_of: int | np.ndarray = -1
-        if runs:
+        end_of: int | np.ndarray = np.array(ends, dtype=np.int64) if last else -1
+        if row != len(sizes):  # a run of several positions: each position its sample's
             seed = np.repeat(seed, sizes)
-        if last:
-            end_of = np.repeat(np.array(ends, dtype=np.int64), sizes)
+            if last:
+                end_of = np.repeat(end_of, sizes)
         words = self.blocks.token_words(blocks, positions % self.block_size, positions, seed, end_of)
         done: DeviceEvent
         if words.is_cuda:

@@ -116,18 +116,10 @@ class NewRequest(NamedTuple):
     num_computed_tokens: int
 
 
-class RunningRequest(NamedTuple):
-    """A request vLLM scheduled before: the blocks it gained, and whether it resumes from a
-    preemption. The scheduler side passes plain tuples of these fields (``Running``): a
-    decode step makes one for each request it follows."""
-
-    request_id: str
-    new_block_ids: Sequence[int] | None
-    resumed: bool
-    num_computed_tokens: int
-
-
-Running = tuple[str, Sequence[int] | None, bool, int]  # a RunningRequest's fields
+Running = tuple[str, Sequence[int] | None, bool, int]
+"""A request vLLM scheduled before: (request id, the blocks it gained, whether it resumes
+from a preemption, its computed tokens). A plain tuple: a decode step makes one for each
+request it follows."""
 _make_slice = tuple.__new__  # a StepSlice from its fields, without NamedTuple's keyword handling
 
 
@@ -197,16 +189,16 @@ class ShipPlanner:
         plan = StepPlan(ships=self._pending_ships)
         self._pending_ships = []
         plan.preempted = [rid for rid in preempted if self._tracked(rid) is not None]
+        record_of, step = self.table.get, self._step
         for n in new:
-            t = self._tracked(n.request_id)
-            if t is None:  # not added, or dropped (it runs without shipping)
+            t = record_of(n.request_id)
+            if t is None or not t.tracked:  # not added, or dropped (it runs without shipping)
                 continue
             t.prompt = tuple(n.prompt_token_ids)
             t.block_ids = list(n.block_ids)
             t.sent_blocks = 0
             t.computed = n.num_computed_tokens  # a prefix-cache hit is computed already
-            self._step(plan, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
-        record_of, step = self.table.get, self._step
+            step(plan, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
         for rid, new_block_ids, resumed, computed in running:
             t = record_of(rid)
             if t is None or not t.tracked:

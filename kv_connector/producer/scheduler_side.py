@@ -209,9 +209,10 @@ class SchedulerSide:
                 self.metrics.waiting(n.request_id, False)
         c = out.scheduled_cached_reqs
         active, resumed = self.planner.active, c.resumed_req_ids
-        # a decoding request that shipped its prompt has nothing to plan: visit only the others
+        # only a request still followed (active) or resumed can give a slice: a decoding one that
+        # shipped its prompt has nothing to plan, and with neither, no row is looked at
         running: list[Running] = []
-        if active or resumed:  # else every running request shipped already: nothing to look at
+        if active or resumed:
             rows = zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=False)
             running = [
                 (rid, (blocks or ())[g] if blocks else None, rid in resumed, computed)

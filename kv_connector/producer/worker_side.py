@@ -487,8 +487,8 @@ class WorkerSide:
             for rid, why in self.checks.settle().items():
                 self._fail_unshipped(rid, why)
         if finished_req_ids:  # a step's few finished, looked up: not a union of every shipped one
-            shipped, done, shipping = self._shipped, self._done, shipping or set()
-            followed = {rid for rid in finished_req_ids if rid in shipped or rid in done or rid in shipping}
+            shipped, done, now = self._shipped, self._done, shipping or set()
+            followed = {rid for rid in finished_req_ids if rid in shipped or rid in done or rid in now}
             self._finished_by_scheduler |= followed
             for rid in finished_req_ids - followed:
                 self._failed.pop(rid, None)

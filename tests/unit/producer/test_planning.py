@@ -2,7 +2,7 @@
 
 Pure logic: these tests import neither vllm, nixl nor torch. Requests are driven the way
 vLLM's scheduler reports them: a request's first scheduled step comes as a NewRequest
-(with its whole block table so far), later steps as RunningRequest (with the blocks added
+(with its whole block table so far), later steps as a Running tuple (with the blocks added
 in that step, or the whole new table when resumed after preemption), and
 ``num_scheduled`` gives the positions computed in the step, starting at
 ``num_computed_tokens``.
@@ -22,7 +22,7 @@ from kv_connector.producer.options import ConnectorOptions
 from kv_connector.producer.planning import (
     BlockRecorder,
     NewRequest,
-    RunningRequest,
+    Running,
     ShipOrder,
     ShipPlanner,
     SlotMismatch,
@@ -67,8 +67,8 @@ class BlockPool:
 
 def running(
     rid: str, computed: int, new_blocks: list[int] | None = None, resumed: bool = False
-) -> RunningRequest:
-    return RunningRequest(rid, new_blocks, resumed, computed)
+) -> Running:
+    return (rid, new_blocks, resumed, computed)
 
 
 def slots_for(table: tuple[int, ...] | list[int], start: int, n: int, bs: int = BS) -> list[int]:
