@@ -26,6 +26,7 @@ rank), three epochs each:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -199,13 +200,18 @@ def bytes_over_file(folders: list[Path]) -> float:
     return round(float(ours) / float(theirs), 4)
 
 
-def main() -> dict[str, Any]:
+def main(running: Server | None = None) -> dict[str, Any]:
+    """The arm, on its own pull server, or on ``running`` (the pull arms' server: the
+    prompts are counted from where it stands)."""
     start = paired.machine_state()
     work = Path(tempfile.mkdtemp(prefix="hs-bench-keep-"))
     out: dict[str, Any] = {"workers": WORKERS, "rows": ROWS, "row_tokens": ROW_TOKENS, "epochs": EPOCHS}
     data = work / "data"
+    arm: contextlib.AbstractContextManager[tuple[Server, ...]] = (
+        servers(work, "pull") if running is None else contextlib.nullcontext((running,))
+    )
     try:
-        with servers(work, "pull") as (server,):
+        with arm as (server,):
             # the rank-kept sampler: two ranks, three epochs
             p0 = prompts(server)
             kept = ranks([Rank(data, BACKEND, work / f"keep-{r}", "rank-kept", r, server) for r in (0, 1)])

@@ -1,11 +1,12 @@
 """speculators 0.9.0 trains online from our producer in pull delivery, end to end: vLLM's
 OpenAI server (CPU build) with ``"delivery": "pull"``, speculators' own
 ``create_train_val_loaders(..., on_missing="generate", num_workers=2)`` with our backend
-("kv-hidden-states", ``kv_connector.speculators``) over a dataset in speculators' format.
-Every row's tokens are exact and its states equal the transformers model's; nothing is
-written to disk; afterwards the server's ``vllm:kv_cache_usage_perc`` is back to 0 (every
-sample was released). The server is also asked directly: its response carries the handle
-at the top of ``kv_transfer_params`` and the "ready" record."""
+("kv-hidden-states", ``kv_connector.speculators``) over a dataset in speculators' format,
+three epochs with the rows kept on the node (``--kv-hs-keep``). Every row's tokens are
+exact and its states equal the transformers model's; nothing is written to the dataset;
+vLLM computes each row once; afterwards the server's ``vllm:kv_cache_usage_perc`` is back
+to 0 (every sample was released). The server is also asked directly: its response
+carries the handle at the top of ``kv_transfer_params`` and the "ready" record."""
 
 from __future__ import annotations
 
@@ -45,24 +46,23 @@ def files_under(path: Path) -> set[Path]:
     return {p for p in path.rglob("*")}
 
 
-# two workers prove one agent serves them all (rank) or one each (worker); speculators' default
-# of 12 is make bench's (scripts.bench.pull), where its cost is measured
-@pytest.mark.parametrize(("mode", "workers"), [("rank", 2), ("worker", 2)])
-def test_speculators_dataloader_trains_from_pulled_samples(
+def test_speculators_dataloader_trains_from_pulled_samples_and_keeps_them_for_later_epochs(
     pull_server: ApiServer,
     tiny_llama: Path,
     llama_reference: Reference,
     tmp_path: Path,
-    mode: str,
-    workers: int,
 ) -> None:
-    """With the rank's fetch agent (the default), one NIXL agent (one registered pool) serves
-    the rank's workers: the producer serves one consumer
-    agent besides this test's own client, and no worker maps NIXL's UCX plugin; with a
-    client per worker, at most one agent per worker."""
+    """speculators' own trainer with two DataLoader workers and the rank's fetch agent (the
+    default): one NIXL agent (one registered pool) serves the rank's workers, the producer
+    serves one consumer agent besides this test's own client, and no worker maps NIXL's
+    UCX plugin. With ``--kv-hs-keep DIR`` and speculators' own sampler, three epochs: the
+    first fetches every train row from vLLM and keeps it, the next read every row from DIR
+    (vLLM computes each row once), exactly the first epoch's, and speculators' file
+    backend reads every row from DIR. A client per worker, and the rank-kept sampler on two
+    ranks, are ``tests/bench/test_pull_dataloader_arms.py``'s (the pull bench's arms)."""
     site = speculators_site()
     rows = prompts_of(LENGTHS, seed=31)
-    data = tmp_path / "data"
+    data, keep = tmp_path / "data", tmp_path / "keep"
     (tmp_path / "rows.json").write_text(json.dumps(rows))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(site)])}
     subprocess.run(
@@ -95,17 +95,18 @@ def test_speculators_dataloader_trains_from_pulled_samples(
             client.fetch(params)
         assert e.value.code == "released"
 
+    done_before = requests_done(server)
     proc = subprocess.run(
-        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file),
-         str(workers), mode],
+        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "2", "rank"],
         env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
-             "KV_TEST_OPENAI_UDS": str(server.socket_path),
+             "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep), "KV_TEST_EPOCHS": "3",
              # the trainer expects the verifier's layers 1, 2 and its last (4): every row is checked
              "KV_TEST_VERIFIER": str(tiny_llama)},
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
     report = json.loads(proc.stdout.splitlines()[-1])
+    prompts = requests_done(server) - done_before
     usage = kv_cache_usage(server)
     for _ in range(30):  # the last releases reach vLLM within an engine step or two
         if usage == 0:
@@ -114,78 +115,35 @@ def test_speculators_dataloader_trains_from_pulled_samples(
         usage = kv_cache_usage(server)
     served = set(re.findall(r"serves consumer agent (\S+) \(a (\d+) MiB pool\)", log_since(server, log_from)))
     assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
-    assert report["processes"] >= workers  # the workers were alive when counted
+    assert report["processes"] >= 2  # the workers were alive when counted
+    agent = report["agent"]
+    assert report["nixl_agent_pids"] == [agent["pid"]], report  # one process made a NIXL agent
     consumers = {name for name, _mib in served} - {own_agent}
-    if mode == "rank":
-        agent = report["agent"]
-        assert report["nixl_agent_pids"] == [agent["pid"]], report  # one process made a NIXL agent
-        assert consumers == {agent["name"]} and (agent["name"], "16") in served  # one agent, one pool
-        assert agent["registered_bytes"] == 16 << 20 and agent["leases_held"] == 0
-        assert agent["fetched"] >= len(rows)
-    else:
-        assert 1 <= len(consumers) <= workers and len(report["nixl_agent_pids"]) == len(consumers), report
+    assert consumers == {agent["name"]} and (agent["name"], "16") in served  # one agent, one pool
+    assert agent["registered_bytes"] == 16 << 20 and agent["leases_held"] == 0
     assert usage == 0.0
-    assert files_under(data) == before  # nothing written: no hidden_states directory, no file
-    loaded = load_file(str(out_file))
-    worst = 0.0
-    for i, tokens in enumerate(rows):
-        want = llama_reference.states(tokens, LAYER_IDS)  # [T, 3, H], fp32
-        t = len(tokens)
-        assert loaded[f"{i}.input_ids"].tolist() == tokens
-        aux, last = loaded[f"{i}.hidden_states"], loaded[f"{i}.verifier_last_hidden_states"]
-        assert aux.shape == (t, 2 * HIDDEN) and last.shape == (t, HIDDEN)
-        errs = (relative_error(aux.view(t, 2, HIDDEN), want[:, :2]), relative_error(last, want[:, 2]))
-        assert max(errs) < 1e-4, (i, t, errs)
-        worst = max(worst, *errs)
-    print(f"{len(rows)} rows through speculators' DataLoader, worst relative error {worst:.2e}")
-
-
-@pytest.mark.parametrize("sampler", ["", "rank-kept"])
-def test_rows_kept_on_the_node_are_fetched_once_over_three_epochs_and_are_a_dataset(
-    pull_server: ApiServer, llama_reference: Reference, tmp_path: Path, sampler: str
-) -> None:
-    """``--kv-hs-keep DIR``: the first epoch fetches every row from vLLM and keeps it; the
-    next epochs read every row from DIR (vLLM is asked for no row again), exactly the
-    first epoch's; speculators' own file backend reads every row from DIR. With speculators'
-    sampler, and with ours that keeps each rank's rows (``--kv-hs-sampler rank-kept``)."""
-    site = speculators_site()
-    rows = prompts_of(LENGTHS, seed=32)
-    data, keep = tmp_path / "data", tmp_path / "keep"
-    (tmp_path / "rows.json").write_text(json.dumps(rows))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(site)])}
-    subprocess.run(
-        [sys.executable, str(SPEC_MAIN), "write", str(data), str(tmp_path / "rows.json")],
-        env=env, check=True, timeout=300, capture_output=True,
-    )  # fmt: skip
-    out_file = tmp_path / "loaded.safetensors"
-    server = pull_server
-    done_before = requests_done(server)
-    proc = subprocess.run(
-        [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "1", "rank"],
-        env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
-             "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep),
-             "KV_TEST_EPOCHS": "3", "KV_TEST_SAMPLER": sampler},
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
-    prompts = requests_done(server) - done_before
-    report = json.loads(proc.stdout.splitlines()[-1])
-    assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
-    want = "RankKeptBatchSampler" if sampler else "MultipackDistributedBatchSamplerV2"
-    assert report["sampler"] == want, report
+    assert files_under(data) == before  # nothing written to the dataset: no hidden_states directory
+    # the keep: epoch 1 fetched the train rows, epoch 2 none, the validation rows once, at the end
+    assert report["sampler"] == "MultipackDistributedBatchSamplerV2", report
     first, second, last = report["fetched_by_epoch"]
-    assert 0 < first < len(rows) and second == first, report  # epoch 2: every row from DIR
-    assert last == len(rows), report  # epoch 3 as well; the validation rows once, in the end
+    assert 0 < first < len(rows) and second == first and last == len(rows) == agent["fetched"], report
     assert report["later_epochs_differ"] == 0 and report["rows_from_keep_files"] == len(rows), report
     assert prompts == len(rows), prompts  # vLLM computed each row once in three epochs
     assert sorted(p.name for p in keep.glob("hs_*.safetensors")) == sorted(
         f"hs_{i}.safetensors" for i in range(len(rows))
     )
-    loaded = load_file(str(out_file))
+    loaded = load_file(str(out_file))  # the last epoch's train rows (from DIR) and the validation rows
+    worst = 0.0
     for i, tokens in enumerate(rows):
-        want = llama_reference.states(tokens, LAYER_IDS)
-        aux = loaded[f"{i}.hidden_states"].view(len(tokens), 2, HIDDEN)
-        assert relative_error(aux, want[:, :2]) < 1e-4, i
+        want = llama_reference.states(tokens, LAYER_IDS)  # [T, 3, H], fp32
+        t = len(tokens)
+        assert loaded[f"{i}.input_ids"].tolist() == tokens
+        aux, last_states = loaded[f"{i}.hidden_states"], loaded[f"{i}.verifier_last_hidden_states"]
+        assert aux.shape == (t, 2 * HIDDEN) and last_states.shape == (t, HIDDEN)
+        errs = (relative_error(aux.view(t, 2, HIDDEN), want[:, :2]), relative_error(last_states, want[:, 2]))
+        assert max(errs) < 1e-4, (i, t, errs)
+        worst = max(worst, *errs)
+    print(f"{len(rows)} rows through speculators' DataLoader, worst relative error {worst:.2e}")
 
 
 BACKEND_CHECK = """
