@@ -294,7 +294,8 @@ def figures(
     regular = [g for g in groups if not isinstance(_layer_spec(g.kv_cache_spec), HiddenStateCacheSpec)]
     try:
         att = regular[attention_group_index(regular)]
-    except NoAttentionGroupError:  # a state-only model: its hidden-state group's block, or its state's
+    # a state-only model: its hidden-state group's block, or its state's
+    except NoAttentionGroupError:
         att = ([g for g in groups if g not in regular] or groups)[0]
     fig = Figures(block_size=att.kv_cache_spec.block_size, num_blocks=config.num_blocks)
     pool_bytes = versions.pool_bytes_per_block(vllm_config, groups)

@@ -27,7 +27,8 @@ class OncePerProcess:
         self.said = False
 
 
-ANNOUNCED = OncePerProcess()  # the line saying the design is active
+# the line saying the design is active
+ANNOUNCED = OncePerProcess()
 
 
 def announce() -> None:

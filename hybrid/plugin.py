@@ -111,7 +111,8 @@ def _patch_points() -> list[Point]:
     runner = importlib.import_module("vllm.v1.worker.gpu_model_runner")
     ehs = importlib.import_module("vllm.v1.spec_decode.extract_hidden_states")
     points: list[Point] = [(core, "get_kv_cache_configs", _plan)]
-    if hasattr(core, "get_global_kv_cache_groups"):  # 0.33: the engine core groups first
+    # 0.33: the engine core groups first
+    if hasattr(core, "get_global_kv_cache_groups"):
         points.append((core, "get_global_kv_cache_groups", _group))
     points += [
         (runner, "allocate_kv_cache", with_supplementary_tensors),
@@ -174,7 +175,8 @@ def installed() -> bool:
     return all(hasattr(getattr(owner, name), ORIGINAL) for owner, name, _ in _patch_points())
 
 
-REFUSAL_LOGGED = OncePerProcess()  # the line refusing a hybrid model on another vLLM
+# the line refusing a hybrid model on another vLLM
+REFUSAL_LOGGED = OncePerProcess()
 
 
 def _refusal_watcher(original: Any) -> Any:
@@ -187,7 +189,8 @@ def _refusal_watcher(original: Any) -> Any:
                 from hybrid.spec import supplemented
 
                 hybrid = supplemented(kv_cache_specs) is not None
-            except Exception as e:  # another vLLM's classes: say nothing rather than break it
+            # another vLLM's classes: say nothing rather than break it
+            except Exception as e:
                 log.debug("hybrid supplementary tensors: cannot read this vLLM's specs (%s)", e)
                 hybrid = False
             if hybrid and REFUSAL_LOGGED.first():

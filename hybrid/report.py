@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybrid.accounting import Setup, compare
 
-    if not args.verbose:  # vLLM configured its logger on import: quiet it now
+    # vLLM configured its logger on import: quiet it now
+    if not args.verbose:
         logging.getLogger("vllm").setLevel(logging.ERROR)
 
     try:

@@ -136,7 +136,8 @@ def attention_group_index(groups: Sequence[KVCacheGroupSpec]) -> int:
 NO_ATTENTION_FIX = "leave HIDDEN_STATES_SUPPLEMENTARY unset (auto) or set it to 0 to use vLLM's own grouping"
 
 
-FALLBACK_LOGGED = OncePerProcess()  # the line saying vLLM's own grouping applies
+# the line saying vLLM's own grouping applies
+FALLBACK_LOGGED = OncePerProcess()
 
 
 def _no_attention_layer(regular: Mapping[str, KVCacheSpec], fallback: bool) -> bool:

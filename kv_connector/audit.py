@@ -31,8 +31,10 @@ from kv_connector.common.errors import ConfigurationError, IntegrityError
 # ten thousand find it early; at this rate the audit costs under 1% of the consumer's CPU
 # per row on an 8B-shaped head (``python -m scripts.bench.audit``)
 DEFAULT_RATE = 1e-4
-DEFAULT_POSITIONS = 4  # a row
-DEFAULT_MAX_ERROR = 0.05  # mean absolute log-probability error over a row's audited positions
+# a row
+DEFAULT_POSITIONS = 4
+# mean absolute log-probability error over a row's audited positions
+DEFAULT_MAX_ERROR = 0.05
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight")
 HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
@@ -119,7 +121,8 @@ class LogprobAudit:
         if lm_head.dim() != 2 or norm_weight.shape != (lm_head.shape[1],):
             raise AuditError(f"a norm of {tuple(norm_weight.shape)} and an lm_head of {tuple(lm_head.shape)}")
         self.norm_weight = norm_weight.float()
-        self.lm_head = lm_head  # in the model's dtype, as vLLM multiplies (a bf16 8B head: 1 GB)
+        # in the model's dtype, as vLLM multiplies (a bf16 8B head: 1 GB)
+        self.lm_head = lm_head
         self.eps = eps
         self.num_layers = num_layers
 

@@ -95,7 +95,8 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if (configured := configured_layer_ids(vllm_config)) != layer_ids:
-                log.warning(  # by the scheduler only: once per engine, not once per rank
+                # by the scheduler only: once per engine, not once per rank
+                log.warning(
                     "eagle_aux_hidden_state_layer_ids %s: vLLM captures these layers in increasing "
                     "order, so every sample reports layer_ids=%s (hidden_states[:, i] is layer "
                     "layer_ids[i])",

@@ -75,29 +75,37 @@ from kv_connector.reader.pull.options import FETCH_TIMEOUT_S
 from kv_connector.wire.provenance import Expectation
 
 BACKEND = "kv-hidden-states"
-DEFAULT_POOL_MIB = DEFAULT_POOL_BYTES >> 20  # each worker's, in worker mode
-DEFAULT_RANK_POOL_MIB = AGENT_POOL_BYTES >> 20  # the rank's one pool, in rank mode
+# each worker's, in worker mode
+DEFAULT_POOL_MIB = DEFAULT_POOL_BYTES >> 20
+# the rank's one pool, in rank mode
+DEFAULT_RANK_POOL_MIB = AGENT_POOL_BYTES >> 20
 DEFAULT_FETCH_TIMEOUT_S = FETCH_TIMEOUT_S
 DEFAULT_PULL_LISTEN = "127.0.0.1"
 DEFAULT_PULL_TIMEOUT_S = 300.0
-MAX_REMEMBERED = 4096  # handles released by get_generated, remembered for delete()
+# handles released by get_generated, remembered for delete()
+MAX_REMEMBERED = 4096
 
 
 class FetchMode(enum.Enum):
     """Where a trainer rank's rows are fetched."""
 
-    RANK = "rank"  # one fetch agent (one NIXL agent, one pool) shared by the rank's workers
-    WORKER = "worker"  # a PullClient (a NIXL agent and a pool) in each DataLoader worker
+    # one fetch agent (one NIXL agent, one pool) shared by the rank's workers
+    RANK = "rank"
+    # a PullClient (a NIXL agent and a pool) in each DataLoader worker
+    WORKER = "worker"
 
 
 class SamplerKind(enum.Enum):
     """Which batch sampler speculators' loaders use."""
 
-    SPECULATORS = "speculators"  # its own: every row reshuffled across ranks each epoch
-    RANK_KEPT = "rank-kept"  # each rank's rows fixed by seed, shuffled within it (files.rank_sampler)
+    # its own: every row reshuffled across ranks each epoch
+    SPECULATORS = "speculators"
+    # each rank's rows fixed by seed, shuffled within it (files.rank_sampler)
+    RANK_KEPT = "rank-kept"
 
 
-_SPECULATORS_SAMPLER: dict[str, Any] = {}  # speculators' own class, once replaced
+# speculators' own class, once replaced
+_SPECULATORS_SAMPLER: dict[str, Any] = {}
 
 
 def use_sampler(kind: SamplerKind | str) -> None:
@@ -106,7 +114,8 @@ def use_sampler(kind: SamplerKind | str) -> None:
     chooses one) is pointed at ours, or back at its own."""
     kind = SamplerKind(kind)
     if kind is SamplerKind.SPECULATORS and not _SPECULATORS_SAMPLER:
-        return  # never replaced: nothing to import or undo
+        # never replaced: nothing to import or undo
+        return
     import speculators.train.dataloader as loaders
 
     _SPECULATORS_SAMPLER.setdefault("cls", loaders.MultipackDistributedBatchSamplerV2)
@@ -149,7 +158,8 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         self.expect = msgspec.convert(expect, Expectation) if isinstance(expect, dict) else expect
         # keeps rows unless it reads some of the folder's layers (its rows would have fewer)
         self.keeps = True
-        if keep is not None:  # refused at once where the folder keeps another run's rows
+        # refused at once where the folder keeps another run's rows
+        if keep is not None:
             mine = self.keep_describes()
             theirs = claim_folder(keep, mine)
             self.keeps = theirs.get("layer_ids", mine.get("layer_ids")) == mine.get("layer_ids")
@@ -158,10 +168,12 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         if self.pool_mib < 1:
             raise ConfigurationError(f"pool_mib must be at least 1, got {self.pool_mib}")
         self.fetch_timeout_s = fetch_timeout_s
-        self.agent: FetchAgentProcess | None = None  # the rank's, in the process that started it
+        # the rank's, in the process that started it
+        self.agent: FetchAgentProcess | None = None
         self._address = agent_address
         self._client: PullClient | AgentClient | None = None
-        self._released: set[str] = set()  # by get_generated: delete() need not ask the producer
+        # by get_generated: delete() need not ask the producer
+        self._released: set[str] = set()
 
     def keep_describes(self) -> dict[str, str]:
         """What this run's kept rows are (``files.keep.claim_folder``): the layout, and the
@@ -187,7 +199,8 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
                     pool_bytes=self.pool_mib << 20,
                     timeout_s=self.fetch_timeout_s,
                     name=agent_name(self.mode),
-                    expect=self.expect,  # checked before the row is READ, as a worker's client does
+                    # checked before the row is READ, as a worker's client does
+                    expect=self.expect,
                 )
             try:
                 self.agent.start(keep=keep or [])
@@ -206,7 +219,8 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
                     timeout_s=self.fetch_timeout_s,
                     copy=True,
                     name=agent_name(self.mode),
-                    expect=self.expect,  # checked before the row is READ
+                    # checked before the row is READ
+                    expect=self.expect,
                 )
             else:
                 self._client = AgentClient(self.agent_address, timeout_s=self.fetch_timeout_s)
@@ -263,7 +277,8 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         if store is None:
             return None
         layer_ids = self.expect.layer_ids if self.expect is not None else None
-        got = store.get(file_idx, layer_ids)  # a row kept with more layers: the trainer's, by id
+        # a row kept with more layers: the trainer's, by id
+        got = store.get(file_idx, layer_ids)
         self.missed = file_idx if got is None and self.keeps else None
         return got
 
@@ -274,7 +289,8 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         not what the trainer expects (the client or the rank's agent checks its manifest
         before it READs)."""
         if self.mode is FetchMode.RANK and self._client is None:
-            self._start_agent(keep=[hs_transfer_params])  # the row's sample waits for the agent
+            # the row's sample waits for the agent
+            self._start_agent(keep=[hs_transfer_params])
         try:
             sample = self.client.fetch(hs_transfer_params)
         except FetchError as e:
@@ -283,9 +299,11 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
                 raise
             raise FetchError(e.code, f"{e.message} ({late})") from None
         if len(self._released) >= MAX_REMEMBERED:
-            self._released.clear()  # forgotten ones are only released once more (harmless)
+            # forgotten ones are only released once more (harmless)
+            self._released.clear()
         self._released.add(handle_of(hs_transfer_params))
-        if self.missed is not None and self.store is not None:  # kept behind the hand-out, once
+        # kept behind the hand-out, once
+        if self.missed is not None and self.store is not None:
             meta = {"request_id": sample.request_id, "layer_ids": ",".join(map(str, sample.layer_ids))}
             if sample.provenance is not None:
                 meta.update(sample.provenance.as_dict())
@@ -294,7 +312,8 @@ class KvHiddenStatesTransfer(HiddenStatesTransfer):
         return {"token_ids": sample.token_ids, "hidden_states": sample.hidden_states}
 
     def delete(self, handle: str) -> None:
-        if handle in self._released:  # released when it was fetched: no round trip
+        # released when it was fetched: no round trip
+        if handle in self._released:
             self._released.discard(handle)
             return
         self.client.release(handle)
@@ -443,7 +462,8 @@ def register() -> None:
         HiddenStatesBackend.register(BACKEND)(KvHiddenStatesBackend)
 
 
-if __name__ != "__main__":  # run as a program, main() registers the importable module's classes
+# run as a program, main() registers the importable module's classes
+if __name__ != "__main__":
     register()
 
 __all__ = [
@@ -460,7 +480,8 @@ __all__ = [
 
 def main(argv: list[str] | None = None) -> None:
     """speculators' own CLI, with this backend registered."""
-    import kv_connector.speculators as registered  # under its own name, whatever runs it
+    # under its own name, whatever runs it
+    import kv_connector.speculators as registered
 
     registered.register()
     from speculators.__main__ import app

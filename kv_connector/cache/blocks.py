@@ -138,7 +138,8 @@ class CacheBlocks:
         self, cache: torch.Tensor, layout: BlockLayout, provenance: Provenance | None = None
     ) -> None:
         self.layout = layout
-        self.provenance = provenance  # named in every manifest
+        # named in every manifest
+        self.provenance = provenance
         self.num_blocks = cache.shape[0]
         self.pitch = pitch_of(cache, layout)
         self.raw = flat_bytes(cache, layout.block_bytes, self.pitch)
@@ -219,7 +220,8 @@ class CacheBlocks:
         g = self.layout
         blocks = blocks_view(self.raw, g.block_bytes, self.pitch).view(getattr(torch, g.dtype))
         cache = blocks.view(-1, *g.block_shape())
-        view = cache if g.layout == "TLH" else cache.permute(0, 2, 1, 3)  # [nb, block, layers, hidden]
+        # [nb, block, layers, hidden]
+        view = cache if g.layout == "TLH" else cache.permute(0, 2, 1, 3)
         words = fingerprint.as_words(view)
         return fingerprint.gather(words, (block_ids, offsets), positions, seeds, g.block_size, last)
 

@@ -34,7 +34,8 @@ class Hasher:
         return fut
 
     def _run(self) -> None:
-        on_device(self._device)  # the cache's GPU, before any digest reads it
+        # the cache's GPU, before any digest reads it
+        on_device(self._device)
         while (item := self._q.get()) is not None:
             fn, fut = item
             settle(fut, fn)

@@ -24,16 +24,20 @@ from pathlib import Path
 
 log = logging.getLogger("kv_connector.amx")
 
-SYS_ARCH_PRCTL = 158  # x86-64
+# x86-64
+SYS_ARCH_PRCTL = 158
 ARCH_GET_XCOMP_PERM = 0x1022
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 
 
 class AmxPermission(enum.Enum):
-    GRANTED = "granted"  # the process may run tile instructions
-    NO_AMX = "no AMX"  # the CPU (or the kernel) offers no AMX: nothing to ask
-    REFUSED = "refused"  # the kernel said no (its errno is logged)
+    # the process may run tile instructions
+    GRANTED = "granted"
+    # the CPU (or the kernel) offers no AMX: nothing to ask
+    NO_AMX = "no AMX"
+    # the kernel said no (its errno is logged)
+    REFUSED = "refused"
 
 
 _lock = threading.Lock()
@@ -93,7 +97,8 @@ def _ask() -> AmxPermission:
     if rc == 0:
         log.debug("AMX tile data permitted for process %d", os.getpid())
         return AmxPermission.GRANTED
-    if rc in (-errno.EINVAL, -errno.EOPNOTSUPP):  # a kernel or CPU without AMX tile data
+    # a kernel or CPU without AMX tile data
+    if rc in (-errno.EINVAL, -errno.EOPNOTSUPP):
         return AmxPermission.NO_AMX
     # ENOSPC: a thread's signal stack is too small for AMX's signal frame
     log.warning(

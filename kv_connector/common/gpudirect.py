@@ -28,19 +28,25 @@ import torch
 
 log = logging.getLogger(__name__)
 
-RDMA_DEVICES = Path("/sys/class/infiniband")  # InfiniBand, RoCE and EFA devices alike
+# InfiniBand, RoCE and EFA devices alike
+RDMA_DEVICES = Path("/sys/class/infiniband")
 
 # cudaFlushGPUDirectRDMAWritesOptions and cudaGPUDirectRDMAWritesOrdering, as CUDA numbers them
-OPTION_HOST = 1  # cudaDeviceFlushGPUDirectRDMAWrites is supported
-ORDERING_OWNER = 100  # writes are visible to the owning device without a flush
+# cudaDeviceFlushGPUDirectRDMAWrites is supported
+OPTION_HOST = 1
+# writes are visible to the owning device without a flush
+ORDERING_OWNER = 100
 
 
 class Flush(enum.Enum):
     """What a pool does before it reads samples that landed."""
 
-    NONE = "none"  # host memory, no RDMA device, or the GPU orders such writes itself
-    FLUSH = "flush"  # cudaDeviceFlushGPUDirectRDMAWrites(current device, to owner)
-    SYNCHRONIZE = "synchronize"  # the GPU offers no flush: a device synchronize stands in
+    # host memory, no RDMA device, or the GPU orders such writes itself
+    NONE = "none"
+    # cudaDeviceFlushGPUDirectRDMAWrites(current device, to owner)
+    FLUSH = "flush"
+    # the GPU offers no flush: a device synchronize stands in
+    SYNCHRONIZE = "synchronize"
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,8 @@ def device_rdma(index: int) -> DeviceRdma | None:
                 _ok(rt, rt.cudaDeviceGetAttribute(attr.cudaDevAttrGPUDirectRDMAWritesOrdering, index))
             ),
         )
-    except Exception as e:  # an old cuda-bindings without these names, a driver refusing
+    # an old cuda-bindings without these names, a driver refusing
+    except Exception as e:
         log.warning("cannot read GPU %d's GPUDirect RDMA attributes: %s", index, e)
         return None
 
@@ -179,8 +186,10 @@ class Visibility:
     ) -> None:
         self.device = device
         self.plan = Flush.NONE
-        self.calls = 0  # flushes or synchronizes done
-        self.skipped = 0  # calls where the transports known wrote no byte by RDMA
+        # flushes or synchronizes done
+        self.calls = 0
+        # calls where the transports known wrote no byte by RDMA
+        self.skipped = 0
         # set by a pool whose agent posts every transfer into it (a pull pool): whether any
         # transport UCX chose for them is RDMA, None while it knows none
         self.rdma_writes: Callable[[], bool | None] | None = None
@@ -191,7 +200,8 @@ class Visibility:
         found = node_rdma_devices() if devices is None else devices
         devices = usable_rdma_devices(found, os.environ if environ is None else environ)
         if not devices:
-            return  # no NIC may write this GPU: every write into it is a CUDA copy
+            # no NIC may write this GPU: every write into it is a CUDA copy
+            return
         index = device.index if device.index is not None else torch.cuda.current_device()
         attrs = device_rdma(index)
         self.plan = plan(True, devices, attrs)

@@ -14,7 +14,8 @@ import os
 
 import numpy as np
 
-HUGE_PAGE_BYTES = 2 << 20  # smaller buffers stay ordinary heap memory
+# smaller buffers stay ordinary heap memory
+HUGE_PAGE_BYTES = 2 << 20
 
 
 def host_memory(nbytes: int) -> np.ndarray:
@@ -24,10 +25,12 @@ def host_memory(nbytes: int) -> np.ndarray:
         return np.zeros(nbytes, dtype=np.uint8)
     mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+        # a kernel without transparent huge pages
+        with contextlib.suppress(OSError):
             mem.madvise(mmap.MADV_HUGEPAGE)
     buf = np.frombuffer(mem, dtype=np.uint8)
-    buf.fill(0)  # fault it in once, here, not during the first transfers
+    # fault it in once, here, not during the first transfers
+    buf.fill(0)
     return buf
 
 
@@ -46,7 +49,8 @@ def shared_host_memory(nbytes: int, name: str = "kv-connector-pool") -> tuple[np
         os.close(fd)
         raise
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # shared memory gets huge pages only where shmem_enabled says
+        # shared memory gets huge pages only where shmem_enabled says
+        with contextlib.suppress(OSError):
             mem.madvise(mmap.MADV_HUGEPAGE)
     buf = np.frombuffer(mem, dtype=np.uint8)
     buf.fill(0)

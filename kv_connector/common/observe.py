@@ -21,7 +21,8 @@ OPERATION_BUCKETS_S: tuple[float, ...] = (
     2.5, 5.0, 10.0,
 )
 
-OBSERVATIONS_LIMIT = 10_000  # raw values kept between two drains; more are counted, not kept
+# raw values kept between two drains; more are counted, not kept
+OBSERVATIONS_LIMIT = 10_000
 
 
 @dataclass

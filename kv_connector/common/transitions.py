@@ -14,9 +14,12 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
-S = TypeVar("S", bound=enum.Enum)  # every state the table names, terminal ones included
-E = TypeVar("E", bound=enum.Enum)  # the events
-K = TypeVar("K", bound=enum.Enum)  # one kind of state (``step_as``)
+# every state the table names, terminal ones included
+S = TypeVar("S", bound=enum.Enum)
+# the events
+E = TypeVar("E", bound=enum.Enum)
+# one kind of state (``step_as``)
+K = TypeVar("K", bound=enum.Enum)
 
 
 class Transitions(Generic[S, E]):

@@ -58,7 +58,8 @@ from kv_connector.wire.outcome import OutcomeError, SampleOutcome, SampleStatus
 
 log = logging.getLogger("kv_connector.datagen")
 
-FileId = tuple[int, int, int]  # (inode, mtime ns, size): a file replaced since has another
+# (inode, mtime ns, size): a file replaced since has another
+FileId = tuple[int, int, int]
 
 
 def existing_rows(directory: Path) -> set[int]:
@@ -111,13 +112,15 @@ class Client:
             "kv_transfer_params": {"sample_id": str(row)},
         }
         if logprobs:
-            body["prompt_logprobs"] = 0  # each prompt token's own log-probability
+            # each prompt token's own log-probability
+            body["prompt_logprobs"] = 0
         try:
             resp = self.server.post_json("/v1/completions", body, timeout=self.timeout_s)
         except HTTPError as e:
             retry = e.status >= 500 or e.status == 429
             raise RequestFailed(f"HTTP {e.status}: {e.body[:500]}", retry) from None
-        except (OSError, http.client.HTTPException, ValueError) as e:  # ValueError: a body not JSON
+        # ValueError: a body not JSON
+        except (OSError, http.client.HTTPException, ValueError) as e:
             raise RequestFailed(f"{type(e).__name__}: {e}") from None
         try:
             outcome = SampleOutcome.of(resp.get("kv_transfer_params"))
@@ -168,7 +171,8 @@ class Run:
     ) -> None:
         self.rows, self.client, self.check_dir, self.book = rows, client, check_dir, book
         self.audit = audit
-        self._references: dict[int, list[Any]] = {}  # audited rows: vLLM's prompt_logprobs
+        # audited rows: vLLM's prompt_logprobs
+        self._references: dict[int, list[Any]] = {}
         self.audits: list[AuditResult] = []
         self.audit_failures: dict[int, str] = {}
         self.concurrency = concurrency
@@ -191,7 +195,8 @@ class Run:
                     if row is not None:
                         break
                     self._cond.wait(0.1)
-                if self.check_dir is not None:  # what was there before: a file replaced since is new
+                # what was there before: a file replaced since is new
+                if self.check_dir is not None:
                     self._before[row] = file_id(self.path(row))
             audited = self.audit is not None and self.audit.wants(str(row))
             try:
@@ -202,7 +207,8 @@ class Run:
                     self.book.not_answered(row, str(e), time.monotonic(), e.retry)
                     self._cond.notify_all()
                 continue
-            except Exception as e:  # a row that cannot even be read: give it up, go on
+            # a row that cannot even be read: give it up, go on
+            except Exception as e:
                 with self._cond:
                     self.book.not_answered(row, f"{type(e).__name__}: {e}", time.monotonic(), retry=False)
                     self._cond.notify_all()

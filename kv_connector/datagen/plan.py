@@ -29,16 +29,19 @@ class Row:
     state: RowState = RowState.QUEUED
     attempts: int = 0
     retry_at: float = 0.0
-    since: float = 0.0  # when it entered its state
+    # when it entered its state
+    since: float = 0.0
     error: str = ""
-    confirmed: bool = False  # its file was seen (not only a "pending" answer)
+    # its file was seen (not only a "pending" answer)
+    confirmed: bool = False
 
 
 @dataclass(frozen=True)
 class Counts:
     rows: int
     delivered: int
-    unconfirmed: int  # delivered on a "pending" answer alone (no directory to look in)
+    # delivered on a "pending" answer alone (no directory to look in)
+    unconfirmed: int
     gave_up: int
     in_flight: int
     awaiting: int
@@ -57,7 +60,8 @@ class RowBook:
     its file before it is sent again.
     """
 
-    rows: dict[int, int]  # row index -> its token count
+    # row index -> its token count
+    rows: dict[int, int]
     confirm: bool = False
     max_attempts: int = 3
     backoff_s: float = 1.0
@@ -83,7 +87,8 @@ class RowBook:
                 self._move(row, RowEvent.TAKEN, now)
                 row.attempts += 1
                 return i
-            self._queue.append(i)  # not due yet: keep its place behind the others
+            # not due yet: keep its place behind the others
+            self._queue.append(i)
         return None
 
     def answered(self, index: int, status: SampleStatus, error: str, now: float) -> None:

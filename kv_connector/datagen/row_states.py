@@ -31,7 +31,8 @@ class IllegalRowTransition(StateError):
 class RowState(enum.Enum):
     QUEUED = "queued"
     SENT = "sent"
-    AWAITING = "awaiting"  # the response said pending; its file is not there yet
+    # the response said pending; its file is not there yet
+    AWAITING = "awaiting"
     DELIVERED = "delivered"
     GAVE_UP = "gave_up"
 

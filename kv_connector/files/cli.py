@@ -59,7 +59,8 @@ from kv_connector.wire.provenance import Expectation
 log = logging.getLogger("kv_connector.reader")
 
 TMP_DIR = ".tmp"
-OLD_LEDGER = ".ledger"  # the text ledger of earlier versions
+# the text ledger of earlier versions
+OLD_LEDGER = ".ledger"
 # errors of one sample's file (its name, its content): refused to its producer; any other
 # OSError is the disk's (full, read-only, I/O error...) and ends the CLI without an ack
 PER_SAMPLE_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.ENOTDIR, errno.EISDIR})
@@ -108,7 +109,8 @@ def write_sample(
         states, scales = quantize(sample.hidden_states, fp8)
         tensors = {"hidden_states": states, SCALES_KEY: scales, "token_ids": sample.token_ids}
         meta["fp8_scale"] = fp8.value
-        meta["dtype"] = str(sample.hidden_states.dtype).removeprefix("torch.")  # before quantizing
+        # before quantizing
+        meta["dtype"] = str(sample.hidden_states.dtype).removeprefix("torch.")
     return write_atomically(path, tensors, meta, tmp_dir, fsync)
 
 
@@ -127,8 +129,10 @@ class SampleFiles:
         fp8: Fp8Scale | None = None,
     ) -> None:
         self.reader, self.out, self.layout, self.journal, self.check = reader, out, layout, journal, check
-        self.fp8 = fp8  # write speculators' fp8 layout, with scales per token (or layer)
-        self.monitor = monitor  # file metrics and the progress line, if any
+        # write speculators' fp8 layout, with scales per token (or layer)
+        self.fp8 = fp8
+        # file metrics and the progress line, if any
+        self.monitor = monitor
         self.tmp = out / TMP_DIR
         self._dirs: set[Path] = {out, self.tmp}
         self.written = self.rejected = self.unnamed = 0
@@ -158,7 +162,8 @@ class SampleFiles:
             self.journal.add(sample.producer_id, sample.request_id)
         except OSError as e:
             raise DiskError(f"cannot record {name} in {self.journal.path}: {e}") from e
-        self.reader.ack(sample)  # only now may the producer free the sample's blocks
+        # only now may the producer free the sample's blocks
+        self.reader.ack(sample)
         self.written += 1
         if self.monitor is not None:
             self.monitor.files.written(path)
@@ -166,7 +171,8 @@ class SampleFiles:
             self.unnamed += 1
             log.warning("%s: no integer sample id, written to %s (speculators does not read it)", name, rel)
         else:
-            live = self.monitor is not None and self.monitor.live  # the progress line says it
+            # the progress line says it
+            live = self.monitor is not None and self.monitor.live
             log.log(
                 logging.DEBUG if live else logging.INFO, "wrote %s (%d tokens)", rel, sample.token_ids.numel()
             )
@@ -183,10 +189,12 @@ class SampleFiles:
         try:
             directory.mkdir()
         except FileExistsError:
-            if not directory.is_dir():  # a file in the way: this name's samples cannot be written
+            # a file in the way: this name's samples cannot be written
+            if not directory.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory)) from None
         else:
-            _fsync_dir(directory.parent)  # the new directory's entry is durable before a file in it
+            # the new directory's entry is durable before a file in it
+            _fsync_dir(directory.parent)
         self._dirs.add(directory)
 
 
@@ -340,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         expect = expectation(args)
     except ValueError as e:
         return fail(str(e))
-    try:  # before anything is made on disk: a secret that is set but empty, an open listen
+    # before anything is made on disk: a secret that is set but empty, an open listen
+    try:
         secret = auth.load_secret()
         if not secret and not args.insecure and args.listen_fd is None:
             refuse_open_listen(parse_address(args.listen)[0], args.listen)
@@ -353,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
     except OSError as e:
         return fail(f"cannot write to {out}: {e.strerror or e}")
-    shutil.rmtree(out / TMP_DIR, ignore_errors=True)  # partial files of a run killed mid-write
+    # partial files of a run killed mid-write
+    shutil.rmtree(out / TMP_DIR, ignore_errors=True)
     try:
         (out / TMP_DIR).mkdir(exist_ok=True)
         journal = Journal(out)
@@ -385,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             secret=secret,
             insecure=args.insecure,
             metrics_address=args.metrics,
-            check_values=False,  # the files' own check below reads every value (--check-values)
+            # the files' own check below reads every value (--check-values)
+            check_values=False,
             expect=expect,
         )
     except MetricsAddressError as e:
@@ -407,14 +418,16 @@ def main(argv: list[str] | None = None) -> int:
         print(reader.metrics_address, flush=True)
     if expect is not None:
         log.info("taking only samples that are %s", describe(expect))
-    monitor = RunMonitor(reader)  # the progress line, file metrics, the summary at exit
+    # the progress line, file metrics, the summary at exit
+    monitor = RunMonitor(reader)
     fp8 = Fp8Scale(args.fp8) if args.fp8 is not None else None
     files = SampleFiles(reader, out, FileLayout(args.layout), journal, args.check_values, monitor, fp8)
     n = 0
     try:
         with reader:
             for sample in reader.samples(args.max_samples, args.timeout):
-                with sample:  # its pages return once the file is written (or it is refused)
+                # its pages return once the file is written (or it is refused)
+                with sample:
                     files.take(sample)
                 n += 1
     except DiskError as e:

@@ -90,7 +90,8 @@ class ProgressPrinter:
         while not self._stop.wait(self.interval_s):
             try:
                 self.tick()
-            except Exception:  # a reading that fails must not end the run
+            # a reading that fails must not end the run
+            except Exception:
                 log.exception("progress line failed")
 
     def tick(self) -> None:

@@ -24,9 +24,11 @@ import torch
 
 from kv_connector.common.errors import ConfigurationError
 
-SCALES_KEY = "hidden_states_scales"  # speculators' name for the scales tensor
+# speculators' name for the scales tensor
+SCALES_KEY = "hidden_states_scales"
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
+# 448
+FP8_MAX = torch.finfo(FP8).max
 MIN_SCALE = 1e-12
 # float32 temporaries of 4 MiB: each pass over a chunk stays in cache (a 32 MiB bf16 sample
 # quantized on one core here: 118 ms in 64 MiB chunks, 26 ms in these)
@@ -36,8 +38,10 @@ CHUNK_ELEMENTS = 1 << 20
 class Fp8Scale(str, enum.Enum):
     """Which values share one scale."""
 
-    TOKEN = "token"  # speculators' fp8 layout: one scale per token, [T, 1, 1]
-    LAYER = "layer"  # one per token and captured layer, [T, L, 1]
+    # speculators' fp8 layout: one scale per token, [T, 1, 1]
+    TOKEN = "token"
+    # one per token and captured layer, [T, L, 1]
+    LAYER = "layer"
 
 
 def quantize(states: torch.Tensor, scale: Fp8Scale = Fp8Scale.TOKEN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +80,7 @@ def worst_relative_error(
     ``dequantize`` to ``dtype``: what a trainer reading the file sees, layer by layer."""
     fp8, scales = quantize(states, scale)
     ref = states.float()
-    err = (dequantize(fp8, scales, dtype).float() - ref).norm(dim=2)  # [T, L]
+    # [T, L]
+    err = (dequantize(fp8, scales, dtype).float() - ref).norm(dim=2)
     norm = ref.norm(dim=2).clamp(min=torch.finfo(torch.float32).tiny)
     return [float(v) for v in (err / norm).amax(dim=0)]

@@ -34,12 +34,16 @@ from kv_connector.common.errors import ConfigurationError, StateError
 log = logging.getLogger(__name__)
 
 NAME = ".delivered"
-HEADER = b"kv-hs-journal-1\n"  # 16 bytes
-RECORD = 24  # bytes: hash low 64 bits, hash high 64 bits, check word (little-endian u64s)
+# 16 bytes
+HEADER = b"kv-hs-journal-1\n"
+# bytes: hash low 64 bits, hash high 64 bits, check word (little-endian u64s)
+RECORD = 24
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
-_K3 = np.uint64(0x165667B19E3779F9)  # a zero record does not check
-_CHUNK = 1 << 20  # records checked at once (bounds the temporaries)
+# a zero record does not check
+_K3 = np.uint64(0x165667B19E3779F9)
+# records checked at once (bounds the temporaries)
+_CHUNK = 1 << 20
 
 U64 = npt.NDArray[np.uint64]
 
@@ -87,8 +91,10 @@ class Journal:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise JournalLocked(f"{self.path} is in use by another reader") from None
-            self.skipped = 0  # records that did not check
-            self.torn_bytes = 0  # a partial last record, cut off
+            # records that did not check
+            self.skipped = 0
+            # a partial last record, cut off
+            self.torn_bytes = 0
             size = os.fstat(self._fd).st_size
             if new or size == 0:
                 os.write(self._fd, HEADER)

@@ -44,13 +44,19 @@ from kv_connector.files.safetensors_io import write_atomically
 
 log = logging.getLogger(__name__)
 
-RECORD_KEY = "kv_keep_xxh3"  # the file's integrity record, in its metadata
-PARTS_KEY = "kv_keep_xxh3_parts"  # the same per part (tokens, each layer, scales): reads of some layers
-LAYERS_KEY = "layer_ids"  # the captured layer ids of the row's states, in order
-TMP_ROOT = ".keep-tmp"  # each process's temporary files, in a folder of its own
+# the file's integrity record, in its metadata
+RECORD_KEY = "kv_keep_xxh3"
+# the same per part (tokens, each layer, scales): reads of some layers
+PARTS_KEY = "kv_keep_xxh3_parts"
+# the captured layer ids of the row's states, in order
+LAYERS_KEY = "layer_ids"
+# each process's temporary files, in a folder of its own
+TMP_ROOT = ".keep-tmp"
 DAMAGED_SUFFIX = ".damaged"
-MANIFEST = "keep.json"  # what the folder's rows are, written once by the first run
-MAX_QUEUED = 64  # rows waiting for the writer; beyond, a row is not kept (never waited for)
+# what the folder's rows are, written once by the first run
+MANIFEST = "keep.json"
+# rows waiting for the writer; beyond, a row is not kept (never waited for)
+MAX_QUEUED = 64
 
 
 def file_of(root: Path, file_idx: int) -> Path:
@@ -85,7 +91,8 @@ def claim_folder(root: Path | str, describes: dict[str, str]) -> dict[str, str]:
     tmp = root / f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(describes, sort_keys=True))
     try:
-        os.link(tmp, path)  # atomic: the first run's, whole, or nothing
+        # atomic: the first run's, whole, or nothing
+        os.link(tmp, path)
     except FileExistsError:
         pass
     finally:
@@ -193,7 +200,8 @@ class RowStore:
         except FileNotFoundError:
             self._count("misses")
             return None
-        except Exception as e:  # a torn header or a truncated file: damaged
+        # a torn header or a truncated file: damaged
+        except Exception as e:
             self._set_aside(path, f"unreadable ({type(e).__name__}: {e})")
             return None
         want = meta.get(RECORD_KEY)
@@ -201,7 +209,8 @@ class RowStore:
             self._set_aside(path, "its integrity record does not match its bytes" if want else "no record")
             return None
         if layer_ids is not None and stored is None:
-            self._count("misses")  # a row that does not name its layers cannot be read by id
+            # a row that does not name its layers cannot be read by id
+            self._count("misses")
             return None
         self._count("hits")
         states = tensors["hidden_states"]
@@ -215,7 +224,8 @@ class RowStore:
         """The ``wanted`` layers of an open row file, each sliced out of the file by its
         position among the row's ``stored`` ids and checked against its own record."""
         if any(i not in stored for i in wanted) or PARTS_KEY not in meta:
-            self._count("misses")  # the row lacks a wanted layer (or per-layer records)
+            # the row lacks a wanted layer (or per-layer records)
+            self._count("misses")
             return None
         parts = json.loads(meta[PARTS_KEY])
         positions = [stored.index(i) for i in wanted]
@@ -309,7 +319,8 @@ class RowStore:
         except OSError as e:
             with self._lock:
                 self._used -= size
-            if e.errno in (28, 122):  # ENOSPC, EDQUOT: the disk is full, keeping stops
+            # ENOSPC, EDQUOT: the disk is full, keeping stops
+            if e.errno in (28, 122):
                 self._full = True
                 log.warning("the keep folder %s is full (%s): keeping stops, training goes on", self.root, e)
             raise

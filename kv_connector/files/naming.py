@@ -26,8 +26,10 @@ import hashlib
 import re
 from pathlib import PurePosixPath
 
-MAX_NAME = 100  # characters of a name used as it is (+ ".safetensors": far below NAME_MAX 255)
-PREFIX = 64  # characters of an id kept in front of its hash
+# characters of a name used as it is (+ ".safetensors": far below NAME_MAX 255)
+MAX_NAME = 100
+# characters of an id kept in front of its hash
+PREFIX = 64
 SUFFIX = ".safetensors"
 UNNAMED = "unnamed"
 

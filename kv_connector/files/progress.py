@@ -11,7 +11,8 @@ from kv_connector.common.errors import ConfigurationError
 from kv_connector.files.stats import FileStats
 from kv_connector.reader import PoolState, ReaderStats
 
-RATE_WINDOW_S = 5.0  # the live line's rates: over its last seconds
+# the live line's rates: over its last seconds
+RATE_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class RateWindow:
         if r.pool.waiting:
             pool += f" ({r.pool.waiting} waiting)"
         parts = [f"{r.samples:,} samples"]
-        if self.measured():  # no rate before two readings: a 0.00 there would mean nothing
+        # no rate before two readings: a 0.00 there would mean nothing
+        if self.measured():
             _, tok_s, byte_s = self.rates()
             parts += [f"{si(tok_s)} tok/s", f"{byte_s / 1e9:.2f} GB/s"]
         parts += [pool, f"{r.producers} producer{'' if r.producers == 1 else 's'}"]

@@ -34,7 +34,8 @@ def partition(lengths: NDArray[np.int64], num_replicas: int, seed: int) -> list[
         raise ConfigurationError(f"num_replicas must be at least 1, got {num_replicas}")
     order = np.random.default_rng(seed).permutation(len(lengths))
     order = order[np.argsort(-lengths[order], kind="stable")]
-    heap = [(0, 0, r) for r in range(num_replicas)]  # (tokens, rows, rank)
+    # (tokens, rows, rank)
+    heap = [(0, 0, r) for r in range(num_replicas)]
     parts: list[list[int]] = [[] for _ in range(num_replicas)]
     for i in order:
         tokens, rows, r = heap[0]
@@ -121,7 +122,8 @@ class RankKeptBatchSampler(Sampler[Batch]):
             valid = np.nonzero(all_lengths <= batch_max_length)[0]
         self.lengths = all_lengths
         parts = partition(all_lengths[valid], num_replicas, seed)
-        self.parts = [valid[p] for p in parts]  # each rank's rows, as dataset indices
+        # each rank's rows, as dataset indices
+        self.parts = [valid[p] for p in parts]
         self._cached_generated_batches: tuple[int, list[Batch]] = (-1, [])
 
     def set_epoch(self, epoch: int) -> None:

@@ -36,7 +36,8 @@ _DTYPES = {
     torch.int32: "I32",
     torch.uint8: "U8",
 }
-CHUNK_BYTES = 4 << 20  # a strided tensor is gathered this much at a time
+# a strided tensor is gathered this much at a time
+CHUNK_BYTES = 4 << 20
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -46,7 +47,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _write_tensor(stream: BinaryIO, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         return
-    tensor = to_host(tensor)  # a sample from a pool on a GPU: one copy to the host
+    # a sample from a pool on a GPU: one copy to the host
+    tensor = to_host(tensor)
     if tensor.is_contiguous():
         stream.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
         return

@@ -22,16 +22,21 @@ from kv_connector.wire.outcome import SampleStatus
 
 
 class AdmissionKind(str, enum.Enum):
-    RUN = "run"  # start now (push: ship to ``reader``)
-    WAIT = "wait"  # ask again next step (holding no blocks)
-    FAIL = "fail"  # run without shipping; ``why`` goes into its kv_transfer_params
+    # start now (push: ship to ``reader``)
+    RUN = "run"
+    # ask again next step (holding no blocks)
+    WAIT = "wait"
+    # run without shipping; ``why`` goes into its kv_transfer_params
+    FAIL = "fail"
 
 
 @dataclass(frozen=True)
 class Admission:
     kind: AdmissionKind
-    reader: str | None = None  # with RUN: where its sample goes (push)
-    failure: SampleFailure | None = None  # with FAIL: why it runs without shipping
+    # with RUN: where its sample goes (push)
+    reader: str | None = None
+    # with FAIL: why it runs without shipping
+    failure: SampleFailure | None = None
 
     @property
     def why(self) -> str:

@@ -41,9 +41,12 @@ class Doorbell:
     def __init__(self, engine: str) -> None:
         self.engine = engine
         self.address = bell_address(engine)
-        self._event = threading.Event()  # rings in this process
-        self._sock: socket.socket | None = None  # the listener (scheduler side)
-        self._out: socket.socket | None = None  # this process's ringing end, made on first ring
+        # rings in this process
+        self._event = threading.Event()
+        # the listener (scheduler side)
+        self._sock: socket.socket | None = None
+        # this process's ringing end, made on first ring
+        self._out: socket.socket | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ ringing
@@ -55,10 +58,12 @@ class Doorbell:
                 self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 self._out.setblocking(False)
             out = self._out
-        with contextlib.suppress(OSError):  # nobody listens (yet), or rings are queued already
+        # nobody listens (yet), or rings are queued already
+        with contextlib.suppress(OSError):
             out.sendto(b"!", self.address)
 
-    set = ring  # a ``threading.Event``'s name for it
+    # a ``threading.Event``'s name for it
+    set = ring
 
     # ------------------------------------------------------------------ hearing
     def listen(self) -> bool:

@@ -48,10 +48,13 @@ class SampleWords:
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.chunks: list[tuple[_Taken, int, int, int]] = []  # (gather, row, first, n)
-        self.next_position = 0  # positions 0 .. next_position - 1 taken, in order, so far
+        # (gather, row, first, n)
+        self.chunks: list[tuple[_Taken, int, int, int]] = []
+        # positions 0 .. next_position - 1 taken, in order, so far
+        self.next_position = 0
         self.out_of_order = False
-        self.sealed = False  # its last position was taken knowing it is the last
+        # its last position was taken knowing it is the last
+        self.sealed = False
 
     def add(self, taken: _Taken, row: int, first: int, count: int, sealed: bool) -> None:
         if first == self.next_position:
@@ -83,7 +86,8 @@ class SampleWords:
         have = np.zeros(top, dtype=bool)
         for taken, row, first, n in self.chunks:
             if first >= top or taken.words is None or taken.done is None:
-                continue  # a gather that failed gave no words: its positions are missing
+                # a gather that failed gave no words: its positions are missing
+                continue
             taken.done.synchronize()
             k = min(n, top - first)
             w = taken.words.numpy()[row : row + k]
@@ -103,8 +107,10 @@ class SampleWords:
         return fingerprint.record(manifest, share, self.words(fingerprint.share_tokens(manifest, share)))
 
 
-Run = tuple[str, int, int]  # (request id, first position, how many)
-Ship = tuple[str, int, Sequence[int]]  # (request id, its tokens, the blocks it ships from)
+# (request id, first position, how many)
+Run = tuple[str, int, int]
+# (request id, its tokens, the blocks it ships from)
+Ship = tuple[str, int, Sequence[int]]
 
 
 class Fingerprints:
@@ -137,7 +143,8 @@ class Fingerprints:
             pos.append(p)
             blk.append(np.asarray(e.blocks, dtype=np.int64)[p // bs - e.first_block])
         if rids or runs:
-            singles_as_runs = zip(rids, firsts, repeat(1), strict=False)  # rids and firsts: one zip's
+            # rids and firsts: one zip's
+            singles_as_runs = zip(rids, firsts, repeat(1), strict=False)
             self._gather(chain(singles_as_runs, runs), np.concatenate(pos), np.concatenate(blk), last or {})
 
     def ship(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> SampleWords:
@@ -177,7 +184,8 @@ class Fingerprints:
         try:
             self._gather_due(due, ends)
         except Exception:
-            for one in due:  # which of them: each alone
+            # which of them: each alone
+            for one in due:
                 try:
                     self._gather_due([one], ends)
                 except Exception as e:
@@ -194,7 +202,8 @@ class Fingerprints:
             return
         runs: list[Run] = []
         for rid, gaps, _ in due:
-            cuts = np.flatnonzero(np.diff(gaps) != 1) + 1  # runs of consecutive positions
+            # runs of consecutive positions
+            cuts = np.flatnonzero(np.diff(gaps) != 1) + 1
             runs.extend((rid, int(r[0]), len(r)) for r in np.split(gaps, cuts))
         positions = np.concatenate([g for _, g, _ in due])
         blocks = np.concatenate([b for _, _, b in due])
@@ -240,7 +249,8 @@ class Fingerprints:
             row += n
         seed = np.array(seeds, dtype=np.uint64)
         end_of: int | np.ndarray = np.array(ends, dtype=np.int64) if last else -1
-        if row != len(sizes):  # a run of several positions: each position its sample's
+        # a run of several positions: each position its sample's
+        if row != len(sizes):
             seed = np.repeat(seed, sizes)
             if last:
                 end_of = np.repeat(end_of, sizes)
@@ -250,7 +260,8 @@ class Fingerprints:
             host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
             host.copy_(words, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()  # on the engine's stream: after the step's drafter and this copy
+            # on the engine's stream: after the step's drafter and this copy
+            event.record()
             words, done = host, event
         else:
             done = HostDone()

@@ -28,7 +28,8 @@ from kv_connector.producer.engine_bell import Doorbell, doorbell
 
 FIRST_NAP_S = 0.001
 LONGEST_NAP_S = 0.025
-HOLD_NAP_S = 10.0  # a nap while the engine only holds samples (its workers then sleep)
+# a nap while the engine only holds samples (its workers then sleep)
+HOLD_NAP_S = 10.0
 
 
 @dataclass
@@ -37,7 +38,8 @@ class IdleSteps:
     longest_s: float = LONGEST_NAP_S
     hold_s: float = HOLD_NAP_S
     bell: Doorbell = field(default_factory=lambda: Doorbell("idle-steps"))
-    _idle: int = 0  # steps in a row that scheduled nothing
+    # steps in a row that scheduled nothing
+    _idle: int = 0
 
     def nap(self, scheduled_tokens: int, holding_only: bool = False) -> float:
         """Seconds to nap before a step that schedules ``scheduled_tokens`` tokens;
@@ -67,7 +69,8 @@ class IdleSteps:
             self.bell.clear()
             self._idle = 0
         elif wake is not None and wake():
-            self._idle = 0  # a request came: the naps after its steps start short
+            # a request came: the naps after its steps start short
+            self._idle = 0
         return rang
 
 

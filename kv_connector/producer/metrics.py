@@ -101,7 +101,8 @@ class HiddenStatesPromMetrics(KVConnectorPromMetrics):
         self._levels = {i: LevelBook() for i in per_engine_labelvalues}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        d = step_stats.merge(transfer_stats_data, {})  # validated, unknown kinds skipped below
+        # validated, unknown kinds skipped below
+        d = step_stats.merge(transfer_stats_data, {})
         for kind in step_stats.known(Count, d["counts"]):
             self._counters[kind][engine_idx].inc(d["counts"][kind.value])
         for reason in step_stats.known(FailureReason, d["failed"]):

@@ -50,11 +50,14 @@ class RankCache:
     producer_id: str
     rank: int
     world_size: int
-    checksum: ShareChecksum | None  # how each share's integrity record is taken
+    # how each share's integrity record is taken
+    checksum: ShareChecksum | None
     # rings the scheduler side's doorbell (``engine_bell``): a sample's outcome is news for the next step
     news: Callable[[], None] = lambda: None
-    provenance: Provenance | None = None  # what produced the samples (``wire.provenance``)
-    replica: int = 0  # this engine's data-parallel replica (``options.replica_of``)
+    # what produced the samples (``wire.provenance``)
+    provenance: Provenance | None = None
+    # this engine's data-parallel replica (``options.replica_of``)
+    replica: int = 0
 
 
 @dataclass
@@ -180,9 +183,11 @@ class Finished:
 
     request_id: str
     identity: SampleIdentity
-    hold: bool  # its blocks are held for its delivery
+    # its blocks are held for its delivery
+    hold: bool
     status: SampleStatus
-    error: str  # why it failed ("" unless failed)
+    # why it failed ("" unless failed)
+    error: str
     aborted: bool
 
 

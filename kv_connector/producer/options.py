@@ -30,17 +30,23 @@ EXAMPLE = (
 class Sharding(str, enum.Enum):
     """How a request picks its reader among several."""
 
-    REQUEST_HASH = "request_hash"  # crc32 of the request id, stable across restarts
-    ROUND_ROBIN = "round_robin"  # in the order requests start, skipping unreachable readers
+    # crc32 of the request id, stable across restarts
+    REQUEST_HASH = "request_hash"
+    # in the order requests start, skipping unreachable readers
+    ROUND_ROBIN = "round_robin"
 
 
 class ChecksumOption(str, enum.Enum):
     """The ``checksum`` option as a user writes it, resolved per rank into one ``ShareChecksum`` or None."""
 
-    AUTO = "auto"  # FINGERPRINT where rows are whole 8-byte words; else XXH3 (a GPU share staged to host)
-    FINGERPRINT = "fingerprint"  # a few words of every token slot, taken in the step that wrote it
-    XXH3 = "xxh3"  # diagnostic: each rank sends the XXH3-64 of its share's bytes; the reader checks it
-    BLOCKS = "blocks"  # diagnostic: the XXH3-64 of per-block digests computed where the cache is
+    # FINGERPRINT where rows are whole 8-byte words; else XXH3 (a GPU share staged to host)
+    AUTO = "auto"
+    # a few words of every token slot, taken in the step that wrote it
+    FINGERPRINT = "fingerprint"
+    # diagnostic: each rank sends the XXH3-64 of its share's bytes; the reader checks it
+    XXH3 = "xxh3"
+    # diagnostic: the XXH3-64 of per-block digests computed where the cache is
+    BLOCKS = "blocks"
     NONE = "none"
 
     def resolve(self, device_cache: bool, layout: BlockLayout) -> ShareChecksum | None:
@@ -91,8 +97,10 @@ def captured_layer_order(configured: Sequence[int]) -> list[int]:
 class Delivery(str, enum.Enum):
     """How samples reach their consumer."""
 
-    PUSH = "push"  # each rank WRITEs a finished sample into a reader's pool, under its credits
-    PULL = "pull"  # each rank holds it in vLLM's cache until a consumer READs and releases it
+    # each rank WRITEs a finished sample into a reader's pool, under its credits
+    PUSH = "push"
+    # each rank holds it in vLLM's cache until a consumer READs and releases it
+    PULL = "pull"
 
 
 SHARDING = tuple(s.value for s in Sharding)
@@ -108,7 +116,8 @@ ProducerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 class PushOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Push delivery's options (``ConnectorOptions`` says what each one means)."""
 
-    readers: tuple[str, ...] = ()  # consumer_address; empty in pull delivery
+    # consumer_address; empty in pull delivery
+    readers: tuple[str, ...] = ()
     sharding: Sharding = Sharding.REQUEST_HASH
     sample_timeout_s: Seconds = 300.0
     preempt_timeout_s: Seconds = 5.0
@@ -129,8 +138,10 @@ class PullServing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     sample (``ConnectorOptions`` says what each one means). The consumer's are the pull client's
     ``PullOptions``."""
 
-    listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"  # pull_listen
-    timeout_s: Seconds = PULL_TIMEOUT_S  # pull_timeout_s
+    # pull_listen
+    listen: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    # pull_timeout_s
+    timeout_s: Seconds = PULL_TIMEOUT_S
 
 
 # each section's flat keys in kv_connector_extra_config, by field
@@ -254,7 +265,8 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             key = _key_of(str(e))
             if key in _HINTS:
                 raise ConfigurationError(f"kv_connector_extra_config.{key} {_HINTS[key]} ({e})") from None
-            raise ConfigurationError(str(e)) from None  # __post_init__'s own message, which names the key
+            # __post_init__'s own message, which names the key
+            raise ConfigurationError(str(e)) from None
 
 
 _SECONDS = "must be a positive number of seconds"

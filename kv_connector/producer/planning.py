@@ -120,7 +120,8 @@ Running = tuple[str, Sequence[int] | None, bool, int]
 """A request vLLM scheduled before: (request id, the blocks it gained, whether it resumes
 from a preemption, its computed tokens). A plain tuple: a decode step makes one for each
 request it follows."""
-_make_slice = tuple.__new__  # a StepSlice from its fields, without NamedTuple's keyword handling
+# a StepSlice from its fields, without NamedTuple's keyword handling
+_make_slice = tuple.__new__
 
 
 class ShipPlanner:
@@ -154,7 +155,8 @@ class ShipPlanner:
         """Stop following a request: it runs, but nothing of it is shipped."""
         rec = self.table.get(request_id)
         if rec is not None:
-            rec.tracked = False  # its reader stays: its kv_transfer_params name it
+            # its reader stays: its kv_transfer_params name it
+            rec.tracked = False
         self.active.discard(request_id)
         self._pending_ships = [o for o in self._pending_ships if o.request_id != request_id]
 
@@ -192,12 +194,14 @@ class ShipPlanner:
         record_of, step = self.table.get, self._step
         for n in new:
             t = record_of(n.request_id)
-            if t is None or not t.tracked:  # not added, or dropped (it runs without shipping)
+            # not added, or dropped (it runs without shipping)
+            if t is None or not t.tracked:
                 continue
             t.prompt = tuple(n.prompt_token_ids)
             t.block_ids = list(n.block_ids)
             t.sent_blocks = 0
-            t.computed = n.num_computed_tokens  # a prefix-cache hit is computed already
+            # a prefix-cache hit is computed already
+            t.computed = n.num_computed_tokens
             step(plan, t, n.num_computed_tokens, num_scheduled.get(n.request_id, 0))
         for rid, new_block_ids, resumed, computed in running:
             t = record_of(rid)
@@ -206,7 +210,8 @@ class ShipPlanner:
             if resumed:
                 # Preempted and rescheduled: the old blocks are gone, recompute from here.
                 t.block_ids = list(new_block_ids or [])
-                t.sent_blocks = 0  # the workers forget its table (reset)
+                # the workers forget its table (reset)
+                t.sent_blocks = 0
                 t.computed = computed
                 plan.resets.append(rid)
             elif new_block_ids:
@@ -331,7 +336,8 @@ class StepExpect:
         return [Expected(rid, p, 1, j, (b,)) for rid, p, j, b in self.singles] + self.spans
 
 
-SortedSlots = tuple[np.ndarray, np.ndarray]  # a slot mapping's stable argsort, and its slots in that order
+# a slot mapping's stable argsort, and its slots in that order
+SortedSlots = tuple[np.ndarray, np.ndarray]
 
 
 def sort_slots(slots: np.ndarray) -> SortedSlots:
@@ -351,7 +357,8 @@ def check_step(
     ``ranked`` its ``sort_slots``, when the caller has it.
     """
     arr = np.asarray(slots, dtype=np.int64)
-    listed: list[int] = []  # the slots as Python ints, made when a Python path needs them
+    # the slots as Python ints, made when a Python path needs them
+    listed: list[int] = []
     errors: dict[str, str] = {}
     if expect.spans:
         off = _spans_off(arr, expect.spans, block_size, ranked or sort_slots(arr))
@@ -415,7 +422,8 @@ class BlockRecorder:
             raise ConfigurationError(f"block size must be positive, got {block_size}")
         self.block_size = block_size
         self._blocks: dict[str, dict[int, int]] = {}
-        self._tables: dict[str, list[int]] = {}  # what the plans sent of each block table
+        # what the plans sent of each block table
+        self._tables: dict[str, list[int]] = {}
 
     def forget(self, request_id: str) -> None:
         self._blocks.pop(request_id, None)
@@ -433,11 +441,13 @@ class BlockRecorder:
         singles, firsts, spans = out.singles, out.firsts, out.spans
         tables = self._tables
         errors: dict[str, str] = {}
-        for rid, start, n, block_ids, frm in slices:  # a StepSlice's fields, unpacked at once
+        # a StepSlice's fields, unpacked at once
+        for rid, start, n, block_ids, frm in slices:
             table = tables.get(rid)
             if table is None:
                 table = tables[rid] = []
-            if frm != len(table) or block_ids:  # the plan sends a change of its table
+            # the plan sends a change of its table
+            if frm != len(table) or block_ids:
                 if frm > len(table):
                     errors[rid] = f"{rid}: block table from {frm}, the worker has {len(table)}"
                     continue

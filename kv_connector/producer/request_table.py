@@ -16,18 +16,24 @@ from kv_connector.wire.identity import NO_IDENTITY, SampleIdentity
 class RequestRecord:
     request_id: str
     include_output: bool = False
-    identity: SampleIdentity = NO_IDENTITY  # the user's sample id and metadata
+    # the user's sample id and metadata
+    identity: SampleIdentity = NO_IDENTITY
     # --- planning (ShipPlanner)
-    tracked: bool = True  # its hidden states are to be shipped
+    # its hidden states are to be shipped
+    tracked: bool = True
     prompt: tuple[int, ...] = ()
     block_ids: list[int] = field(default_factory=list)
-    sent_blocks: int = 0  # how much of block_ids the workers have (sent in earlier plans)
-    computed: int = 0  # positions 0..computed-1 have states in the cache
+    # how much of block_ids the workers have (sent in earlier plans)
+    sent_blocks: int = 0
+    # positions 0..computed-1 have states in the cache
+    computed: int = 0
     shipped: bool = False
     # --- delivery (DeliveryBook)
-    reader: str | None = None  # the address its sample goes to, decided once by the delivery book
+    # the address its sample goes to, decided once by the delivery book
+    reader: str | None = None
     admitted: bool = False
-    waiting_since: float | None = None  # since when it waits for a reachable reader
+    # since when it waits for a reachable reader
+    waiting_since: float | None = None
     failed: SampleFailure | None = None
     delivered: bool = False
 

@@ -66,7 +66,8 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None, layer_marker: str 
     )
 
 
-LOOKS_FOR_INPUT = 3  # builds that look for vLLM's input queue before giving up
+# builds that look for vLLM's input queue before giving up
+LOOKS_FOR_INPUT = 3
 
 
 def engine_input_waits(frame: Any) -> Callable[[], bool] | None:
@@ -99,7 +100,8 @@ class SchedulerSide:
         # one record per request, read and written by both the planner and the book
         self.requests = RequestTable()
         self.book = DeliveryBook(options.connect_timeout_s, table=self.requests)
-        self.metrics = SchedulerStats()  # this side's step data for vLLM's metrics
+        # this side's step data for vLLM's metrics
+        self.metrics = SchedulerStats()
         self.world_size = world_size
         self.mode: SchedulerMode = make_mode(options, self.book, producer_id, world_size)
         self.planner = ShipPlanner(self.requests, route=self.mode.route)
@@ -111,9 +113,12 @@ class SchedulerSide:
         if self.mode.hold_nap_s is not None and bell.listen():
             self.idle.hold_s = self.mode.hold_nap_s
         else:
-            self.idle.hold_s = 0.0  # nothing would end a long nap early: the short ones only
-        self._unfinished: set[str] = set()  # requests in vLLM that did not finish yet
-        self._input_waits: Callable[[], bool] | None = None  # vLLM's engine has requests to add
+            # nothing would end a long nap early: the short ones only
+            self.idle.hold_s = 0.0
+        # requests in vLLM that did not finish yet
+        self._unfinished: set[str] = set()
+        # vLLM's engine has requests to add
+        self._input_waits: Callable[[], bool] | None = None
         self._looked_for_input = 0
 
     def on_new_request(self, request: Request) -> None:
@@ -134,7 +139,8 @@ class SchedulerSide:
         if self.handles is not None:
             self.handles.on_new_request(rid)
         problem = request_id_problem(rid) or bad
-        if problem is not None:  # refused alone, at admission: never its connection
+        # refused alone, at admission: never its connection
+        if problem is not None:
             self.book.refuse(rid, problem)
 
     def get_num_new_matched_tokens(
@@ -248,10 +254,13 @@ class SchedulerSide:
             error=error,
             aborted=getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED",
         )
-        params = self.mode.request_finished(done)  # every finish, so the mode forgets the request
-        self.book.finish(rid)  # its record goes: later reports about it are late
+        # every finish, so the mode forgets the request
+        params = self.mode.request_finished(done)
+        # its record goes: later reports about it are late
+        self.book.finish(rid)
         if not hold and status is not SampleStatus.FAILED:
-            return False, None  # nothing was shipped (e.g. aborted before its prompt ran)
+            # nothing was shipped (e.g. aborted before its prompt ran)
+            return False, None
         return hold, params
 
     def get_kv_connector_stats(self) -> StepData | None:

@@ -30,16 +30,19 @@ import torch
 from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.producer.planning import SortedSlots, StepExpect, check_step, first_rows, sort_slots
 
-MAX_NAMED = 3  # positions a token mismatch names
+# positions a token mismatch names
+MAX_NAMED = 3
 
 
 @dataclass
 class _Step:
     seq: int
     done: DeviceEvent
-    slots: torch.Tensor | None  # on the host once ``done``
+    # on the host once ``done``
+    slots: torch.Tensor | None
     expected: StepExpect
-    inputs: torch.Tensor | None = None  # the step's input ids, row for row with ``slots``
+    # the step's input ids, row for row with ``slots``
+    inputs: torch.Tensor | None = None
 
 
 class SlotChecks:
@@ -52,11 +55,14 @@ class SlotChecks:
         self._lock = threading.Lock()
         self._pending: deque[_Step] = deque()
         self._next = 0
-        self._settled = -1  # the last step checked
-        self._news: dict[str, str] = {}  # failures found since ``settle`` last returned them
+        # the last step checked
+        self._settled = -1
+        # failures found since ``settle`` last returned them
+        self._news: dict[str, str] = {}
         # each request's computed positions: (first position, input ids), in step order
         self._inputs: dict[str, list[tuple[int, np.ndarray | int]]] = {}
-        self._due: list[tuple[int, str, tuple[int, ...]]] = []  # (step, request, its token ids)
+        # (step, request, its token ids)
+        self._due: list[tuple[int, str, tuple[int, ...]]] = []
 
     def add(
         self, slots: torch.Tensor | None, expected: StepExpect, inputs: torch.Tensor | None = None
@@ -76,7 +82,8 @@ class SlotChecks:
                 ids = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
                 ids.copy_(inputs, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()  # on the engine's current stream: after the drafter and the copies
+            # on the engine's current stream: after the drafter and the copies
+            event.record()
             step = _Step(self._next, event, host, expected, ids)
         else:
             ids = inputs.to("cpu", copy=True) if inputs is not None and slots is not None else None

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-MAX_FRAMES = 12  # how far up the stack the runner is looked for
+# how far up the stack the runner is looked for
+MAX_FRAMES = 12
 
 
 def input_ids_of(runner: object) -> torch.Tensor | None:

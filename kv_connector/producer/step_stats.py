@@ -31,7 +31,8 @@ from kv_connector.common.observe import quantile
 from kv_connector.sender.stats import SenderMetrics, SenderStats
 from kv_connector.wire.failure import FailureReason
 
-PREFIX = "vllm:hidden_states_"  # vLLM unregisters only "vllm:*" collectors between loggers
+# vLLM unregisters only "vllm:*" collectors between loggers
+PREFIX = "vllm:hidden_states_"
 SCHEDULER_SOURCE = "scheduler"
 
 
@@ -129,10 +130,14 @@ GAUGES: dict[Level, MetricSpec] = {
 
 
 class StepData(TypedDict):
-    counts: dict[str, int]  # Count value -> delta
-    failed: dict[str, int]  # FailureReason value -> delta
-    observed: dict[str, list[float]]  # Observed value -> raw values
-    levels: dict[str, dict[str, int]]  # Level value -> {source: value}
+    # Count value -> delta
+    counts: dict[str, int]
+    # FailureReason value -> delta
+    failed: dict[str, int]
+    # Observed value -> raw values
+    observed: dict[str, list[float]]
+    # Level value -> {source: value}
+    levels: dict[str, dict[str, int]]
 
 
 def empty() -> StepData:
@@ -202,7 +207,8 @@ class StepStats:
         self.source = source
         self._data = empty()
         self._sent_levels: dict[Level, int] = {}
-        self.pending = False  # something was recorded since the last take
+        # something was recorded since the last take
+        self.pending = False
 
     def count(self, kind: Count, amount: int = 1) -> None:
         if amount:
@@ -362,7 +368,8 @@ class SchedulerStats:
     def take(self, readers_reachable: int) -> StepData | None:
         levels = (readers_reachable, len(self._waiting), self._held_blocks)
         if levels == self._levels and not self._step.pending:
-            return None  # nothing new since the last step
+            # nothing new since the last step
+            return None
         self._levels = levels
         self._step.level(Level.READERS_REACHABLE, readers_reachable)
         self._step.level(Level.REQUESTS_WAITING, len(self._waiting))

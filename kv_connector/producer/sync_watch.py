@@ -33,7 +33,8 @@ HOOKS = frozenset(
         "build_connector_worker_meta",
     }
 )
-SYNC_WARNING = "synchroniz"  # torch's words: "called a synchronizing CUDA operation"
+# torch's words: "called a synchronizing CUDA operation"
+SYNC_WARNING = "synchroniz"
 
 SetMode = Callable[[str | int], None]
 
@@ -64,12 +65,14 @@ class SyncWatch:
                     yield
                 finally:
                     self._set_mode("default")
-        finally:  # a hook that raised is counted too
+        # a hook that raised is counted too
+        finally:
             self._count(name, caught)
 
     def _count(self, name: str, caught: list[warnings.WarningMessage]) -> None:
         syncs = [w for w in caught if SYNC_WARNING in str(w.message)]
-        for w in caught:  # the hook's other warnings, as they would have been shown
+        # the hook's other warnings, as they would have been shown
+        for w in caught:
             if w not in syncs:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if syncs:

@@ -12,7 +12,8 @@ from kv_connector.wire.failure import SampleFailure
 class LinkChange(NamedTuple):
     """A rank's link to a reader changed: ``error`` None means it is connected."""
 
-    reader: str  # the reader's address
+    # the reader's address
+    reader: str
     rank: int
     error: str | None
 

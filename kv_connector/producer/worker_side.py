@@ -118,15 +118,18 @@ class WorkerSide:
         *,
         make_mode: WorkerModeMaker,
     ) -> None:
-        request_amx()  # before this worker's first forward, where the vLLM plugin did not run
+        # before this worker's first forward, where the vLLM plugin did not run
+        request_amx()
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self.kernel_blocks = 1  # the cache tensor's blocks per manager block (vLLM's kernel split)
+        # the cache tensor's blocks per manager block (vLLM's kernel split)
+        self.kernel_blocks = 1
         self.options = options
         self.producer_id = producer_id
         self.layer_ids = layer_ids
         self.layer_name = ""
-        self.cache: torch.Tensor | None = None  # the cache-only layer's tensor (registered)
+        # the cache-only layer's tensor (registered)
+        self.cache: torch.Tensor | None = None
         self.asleep = False
         self.make_mode = make_mode
         # the delivery mode once the cache is registered, and the optional capabilities it has
@@ -137,7 +140,8 @@ class WorkerSide:
         self.recorder: BlockRecorder | None = None
         # the fingerprint words each step's slots give (FINGERPRINT records), where the cache is
         self.fingerprints: Fingerprints | None = None
-        self.checks: SlotChecks | None = None  # the steps' slot mappings, checked off the critical path
+        # the steps' slot mappings, checked off the critical path
+        self.checks: SlotChecks | None = None
         self._slots: torch.Tensor | None = None
         # vLLM's buffer of the step's input ids (``step_inputs``), looked for at the first step
         self._input_ids: torch.Tensor | None = None
@@ -152,7 +156,8 @@ class WorkerSide:
         # for the scheduler (see build_connector_worker_meta): news since the last report
         self._report_failures: dict[str, SampleFailure] = {}
         self._report_delivered: set[str] = set()
-        self.metrics = WorkerStats(self.rank)  # this rank's step data for vLLM's metrics
+        # this rank's step data for vLLM's metrics
+        self.metrics = WorkerStats(self.rank)
 
     @property
     def mode(self) -> WorkerMode | None:
@@ -197,7 +202,8 @@ class WorkerSide:
                 rank=self.rank,
                 world_size=world,
                 checksum=checksum,
-                news=doorbell(self.producer_id).ring,  # ends the scheduler side's nap, in any process
+                # ends the scheduler side's nap, in any process
+                news=doorbell(self.producer_id).ring,
                 provenance=provenance_of(self.vllm_config),
                 replica=self._replica(),
             ),
@@ -438,7 +444,8 @@ class WorkerSide:
         rest fail by name, and the cache is deregistered. Nothing reads the cache until
         ``restore_kv_caches``. Idempotent."""
         if self.asleep or self.releases is None:
-            return  # a mode that does not release the cache keeps serving from its registration
+            # a mode that does not release the cache keeps serving from its registration
+            return
         why = (
             "vLLM went to sleep before the reader acknowledged it (sleep mode releases the cache "
             "holding its hidden states)"
@@ -486,7 +493,8 @@ class WorkerSide:
         if self.checks is not None:
             for rid, why in self.checks.settle().items():
                 self._fail_unshipped(rid, why)
-        if finished_req_ids:  # a step's few finished, looked up: not a union of every shipped one
+        # a step's few finished, looked up: not a union of every shipped one
+        if finished_req_ids:
             shipped, done, now = self._shipped, self._done, shipping or set()
             followed = {rid for rid in finished_req_ids if rid in shipped or rid in done or rid in now}
             self._finished_by_scheduler |= followed

@@ -55,8 +55,10 @@ class ClientOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def __post_init__(self) -> None:
         if self.pool_bytes <= 0:
             raise ConfigurationError(f"pool_bytes must be positive, got {self.pool_bytes}")
-        if self.pool_device is not None:  # PoolDeviceError naming what is missing, before anything is made
-            from kv_connector.reader.pool.memory import device_of  # torch: only for a pool on a device
+        # PoolDeviceError naming what is missing, before anything is made
+        if self.pool_device is not None:
+            # torch: only for a pool on a device
+            from kv_connector.reader.pool.memory import device_of
 
             device_of(self.pool_device)
 

@@ -9,7 +9,8 @@ from kv_connector.common.errors import ConfigurationError
 from kv_connector.wire.protocol import MAX_CREDITS_AHEAD, ShareChecksum
 from kv_connector.wire.provenance import Provenance
 
-CREDITS_AHEAD = 2  # two samples' pages ahead: the next sample's, and one to spare
+# two samples' pages ahead: the next sample's, and one to spare
+CREDITS_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class SenderConfig:
     checksum: ShareChecksum | None = ShareChecksum.XXH3
     sample_timeout_s: float = 300.0
     on_outcome: Callable[[], None] | None = None
-    provenance: Provenance | None = None  # what produced the samples, in every manifest
+    # what produced the samples, in every manifest
+    provenance: Provenance | None = None
     credits_ahead: int = CREDITS_AHEAD
 
     def __post_init__(self) -> None:

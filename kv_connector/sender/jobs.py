@@ -26,8 +26,10 @@ class FrozenJob(StateError):
 
 
 class DigestState(enum.Enum):
-    OFF = "off"  # checksums off, or an empty share: nothing to compute
-    NEEDED = "needed"  # not started
+    # checksums off, or an empty share: nothing to compute
+    OFF = "off"
+    # not started
+    NEEDED = "needed"
     COMPUTING = "computing"
     READY = "ready"
 
@@ -46,18 +48,26 @@ class Job:
     grant: Grant | None = None
     digest_state: DigestState = DigestState.OFF
     digest: int | None = None
-    attempts: int = 0  # failed WRITEs on this connection
+    # failed WRITEs on this connection
+    attempts: int = 0
     retry_at: float = 0.0
     rewrite_due: bool = False
     ack_due: bool = False
-    frozen: bool = False  # preempted: its blocks are being reused; no WRITE may read them again
-    held: bool = False  # its step may still be running on the device: nothing reads its blocks yet
+    # preempted: its blocks are being reused; no WRITE may read them again
+    frozen: bool = False
+    # its step may still be running on the device: nothing reads its blocks yet
+    held: bool = False
     t_granted: float = 0.0
-    asked: bool = False  # requested or placed before: a resend asks for its pages again
-    digest_owed: bool = False  # a WRITE went out saying its digest follows; not sent yet
-    t_wait: float = 0.0  # since when it waits for a working reader
-    t_write: float = 0.0  # when its last WRITE was posted, or completed
-    xfer: object | None = field(default=None, repr=False)  # the shell's handle of the WRITE
+    # requested or placed before: a resend asks for its pages again
+    asked: bool = False
+    # a WRITE went out saying its digest follows; not sent yet
+    digest_owed: bool = False
+    # since when it waits for a working reader
+    t_wait: float = 0.0
+    # when its last WRITE was posted, or completed
+    t_write: float = 0.0
+    # the shell's handle of the WRITE
+    xfer: object | None = field(default=None, repr=False)
 
     @property
     def digest_safe(self) -> bool:

@@ -72,8 +72,10 @@ from kv_connector.wire.failure import refused as failure_reason_of
 from kv_connector.wire.layout import pages_for
 from kv_connector.wire.protocol import Credit, Grant, Manifest, ProtocolError, Refuse, Rewrite
 
-MAX_WRITE_ATTEMPTS = 3  # a WRITE that fails in NIXL is posted this many times in all
-WRITE_RETRY_S = 0.2  # backoff before posting again (a gone reader's EOF arrives first)
+# a WRITE that fails in NIXL is posted this many times in all
+MAX_WRITE_ATTEMPTS = 3
+# backoff before posting again (a gone reader's EOF arrives first)
+WRITE_RETRY_S = 0.2
 
 
 _PREEMPTED = "preempted before its share was safely written: its blocks are reused by another request"
@@ -98,9 +100,12 @@ class SendLedger:
         self._jobs: dict[str, Job] = {}
         self._finished: list[str] = []
         self._failed: dict[str, SampleFailure] = {}
-        self._credits: list[Credit] = []  # held ahead, on the current connection (S10)
-        self._announcing: set[str] = set()  # taken to send a CreditRequest or Placed, not sent yet (S11)
-        self._parked: dict[str, list[Failure]] = {}  # their failures, told once it was sent
+        # held ahead, on the current connection (S10)
+        self._credits: list[Credit] = []
+        # taken to send a CreditRequest or Placed, not sent yet (S11)
+        self._announcing: set[str] = set()
+        # their failures, told once it was sent
+        self._parked: dict[str, list[Failure]] = {}
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, request_id: str) -> bool:
@@ -259,7 +264,8 @@ class SendLedger:
     def digest_ready(self, request_id: str, value: int) -> None:
         job = self._jobs.get(request_id)
         if job is None:
-            return  # it failed meanwhile
+            # it failed meanwhile
+            return
         if job.digest_state is not DigestState.COMPUTING:
             raise IllegalJobTransition(f"{request_id}: a digest it was not waiting for")
         job.digest, job.digest_state = value, DigestState.READY
@@ -297,14 +303,16 @@ class SendLedger:
         """What the next WRITE of the job announces: its grant's generation, and its
         digest or that it follows. Only a GRANTED job has a next WRITE (S2)."""
         job = self.job(request_id)
-        step(job.state, JobEvent.WRITE_POSTED, request_id)  # IllegalJobTransition if not GRANTED
+        # IllegalJobTransition if not GRANTED
+        step(job.state, JobEvent.WRITE_POSTED, request_id)
         return job.notification()
 
     def write_posting(self, request_id: str, now: float, notif: protocol.WriteDone) -> None:
         """GRANTED -> WRITING before the transport is called: the WRITE may land, and the
         reader ack it, before the call returns (S3: an Ack then waits for its completion)."""
         job = self.job(request_id)
-        job.state = step(job.state, JobEvent.WRITE_POSTED, request_id)  # only from GRANTED: S2, S4
+        # only from GRANTED: S2, S4
+        job.state = step(job.state, JobEvent.WRITE_POSTED, request_id)
         job.xfer, job.t_write = None, now
         job.digest_owed = notif.digest_follows
 
@@ -325,12 +333,16 @@ class SendLedger:
 
     def write_completed(self, request_id: str, nbytes: int, now: float) -> None:
         job = self.job(request_id)
-        written = step(job.state, JobEvent.WRITE_COMPLETED, request_id)  # only a WRITE in flight
+        # only a WRITE in flight
+        written = step(job.state, JobEvent.WRITE_COMPLETED, request_id)
         self._meter.written(nbytes, now - job.t_write)
-        job.xfer, job.t_write, job.t_wait = None, now, now  # progress: the wait starts again (S5)
-        if job.ack_due:  # S3: the reader acknowledged before this completion was polled
+        # progress: the wait starts again (S5)
+        job.xfer, job.t_write, job.t_wait = None, now, now
+        # S3: the reader acknowledged before this completion was polled
+        if job.ack_due:
             self._finish(job, now)
-        elif job.rewrite_due:  # S4: a Rewrite came while this WRITE was in flight
+        # S4: a Rewrite came while this WRITE was in flight
+        elif job.rewrite_due:
             job.rewrite_due = False
             job.state = step(job.state, JobEvent.REWRITE, request_id)
             self.stats.rewrites += 1
@@ -341,9 +353,11 @@ class SendLedger:
         """A WRITE failed inside the transport: posted again after a backoff, or, after
         ``max_write_attempts`` failures, the job fails (answer: tell the reader)."""
         job = self.job(request_id)
-        retry = step(job.state, JobEvent.WRITE_FAILED, request_id)  # only a WRITE in flight
+        # only a WRITE in flight
+        retry = step(job.state, JobEvent.WRITE_FAILED, request_id)
         job.xfer = None
-        if job.ack_due:  # the reader has the sample: nothing is lost
+        # the reader has the sample: nothing is lost
+        if job.ack_due:
             self._finish(job, now)
             return None
         job.attempts += 1
@@ -406,16 +420,19 @@ class SendLedger:
         job = self._jobs.get(msg.request_id)
         if job is None or job.grant is None or not job.share:
             raise ProtocolError(f"rewrite of {msg.request_id}, which it was not granted")
-        if job.frozen:  # its blocks hold another request's states now (S8): never rewrite
+        # its blocks hold another request's states now (S8): never rewrite
+        if job.frozen:
             raise FrozenJob(msg.request_id)
         if job.state is JobState.WRITTEN:
             job.state = step(job.state, JobEvent.REWRITE, msg.request_id)
             self.stats.rewrites += 1
             return True
         if job.state is JobState.WRITING:
-            job.rewrite_due = True  # S4
+            # S4
+            job.rewrite_due = True
             return True
-        return False  # GRANTED: its WRITE is due anyway
+        # GRANTED: its WRITE is due anyway
+        return False
 
     def on_ack(self, request_id: str, now: float) -> bool:
         """The reader has the sample: the job is finished (S3), or, while its WRITE is in
@@ -449,7 +466,8 @@ class SendLedger:
         )
         if failure is None:
             return None
-        return dataclasses.replace(failure, tell_reader=False)  # it knows
+        # it knows
+        return dataclasses.replace(failure, tell_reader=False)
 
     # ------------------------------------------------------------- connection
     def writes_in_flight(self) -> list[Job]:
@@ -463,8 +481,10 @@ class SendLedger:
         for j in [j for j in self._jobs.values() if j.ack_due]:
             self._finish(j, now)
         for j in self._jobs.values():
-            step(j.state, JobEvent.CONNECTION_LOST, j.request_id)  # the table allows it from any state
-            j.connection_lost()  # WAITING, its grant gone
+            # the table allows it from any state
+            step(j.state, JobEvent.CONNECTION_LOST, j.request_id)
+            # WAITING, its grant gone
+            j.connection_lost()
         frozen = [rid for rid, j in self._jobs.items() if j.frozen]
         why = _PREEMPTED + " (the connection was lost before the reader had it)"
         failures = [
@@ -506,7 +526,8 @@ class SendLedger:
         del self._jobs[request_id]
         self._failed[request_id] = SampleFailure(reason, why)
         xfer = job.xfer if job.state is JobState.WRITING else None
-        posting = job.state is JobState.WRITING and xfer is None  # its poster fences it (S9)
+        # its poster fences it (S9)
+        posting = job.state is JobState.WRITING and xfer is None
         generation = job.grant.generation if job.grant is not None and not posting else None
         return Failure(request_id, why, job.state is not JobState.WAITING, code, xfer, generation)
 

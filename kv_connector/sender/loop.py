@@ -34,7 +34,8 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 if TYPE_CHECKING:
     import torch
 
-HELD_POLL_S = 0.0002  # while a shipped job waits for its step to finish on the device
+# while a shipped job waits for its step to finish on the device
+HELD_POLL_S = 0.0002
 
 log = logging.getLogger("kv_connector.sender.sender")
 
@@ -72,8 +73,10 @@ class SenderLoop:
     ) -> None:
         self.address = config.consumer_address
         self._device = parts.device
-        self._open_gates = parts.open_gates  # releases held jobs; True while some wait for their step
-        self._on_outcome = config.on_outcome or (lambda: None)  # a sample was acked or refused
+        # releases held jobs; True while some wait for their step
+        self._open_gates = parts.open_gates
+        # a sample was acked or refused
+        self._on_outcome = config.on_outcome or (lambda: None)
         self.me = me
         self.rank = me.rank
         self.connect_timeout_s = config.connect_timeout_s
@@ -92,7 +95,8 @@ class SenderLoop:
         self._handshake_conn: FramedConnection | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._wake_pending = False  # a byte waits in the pipe: another wake need not write one
+        # a byte waits in the pipe: another wake need not write one
+        self._wake_pending = False
         self.closed = False
         # why the thread died, if it did: it never ships again (``ship`` fails fast)
         self.dead: str | None = None
@@ -102,7 +106,8 @@ class SenderLoop:
         # sleep mode (``pause``): why the thread must hold no connection, None when it may
         self._pause: str | None = None
         self._resumed = threading.Event()
-        self.parked = threading.Event()  # set while paused, connection and peer gone
+        # set while paused, connection and peer gone
+        self.parked = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"hs-sender-r{me.rank}", daemon=True)
 
     def start(self) -> None:
@@ -125,7 +130,8 @@ class SenderLoop:
         self.wake()
         hs = self._handshake_conn
         if hs is not None:
-            hs.close()  # abort a handshake in progress
+            # abort a handshake in progress
+            hs.close()
         if self.dead is not None or not self.thread.is_alive():
             return True
         return self.parked.wait(timeout)
@@ -150,7 +156,8 @@ class SenderLoop:
         self.wake()
         hs = self._handshake_conn
         if hs is not None:
-            hs.close()  # abort a handshake in progress
+            # abort a handshake in progress
+            hs.close()
         self.thread.join(timeout=10)
         if self._conn is not None:
             self._conn.close()
@@ -166,7 +173,8 @@ class SenderLoop:
         fast and what it held failed; the scheduler stops admitting requests to it after
         ``connect_timeout_s``, as for a reader it cannot reach."""
         try:
-            on_device(self._device)  # it drives the NIXL agent that holds the cache's registration
+            # it drives the NIXL agent that holds the cache's registration
+            on_device(self._device)
             self._sessions()
         except Exception as e:
             log.exception("rank %d sender thread failed; this rank ships nothing more", self.rank)
@@ -187,7 +195,8 @@ class SenderLoop:
                 continue
             try:
                 self._connect()
-            except SenderError as e:  # closed (or paused) while connecting
+            # closed (or paused) while connecting
+            except SenderError as e:
                 if self._pause is not None:
                     continue
                 last_error = str(e)
@@ -195,7 +204,8 @@ class SenderLoop:
             try:
                 self._serve()
                 if self._pause is None:
-                    return  # closed
+                    # closed
+                    return
                 self._leave(self._pause)
             except (ConnectionClosed, ProtocolError, OSError, TransportError) as e:
                 last_error = str(e)
@@ -208,7 +218,8 @@ class SenderLoop:
         sel = selectors.DefaultSelector()
         sel.register(self._conn.sock, selectors.EVENT_READ, "conn")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        held = False  # jobs wait for their step on the device: look again soon
+        # jobs wait for their step on the device: look again soon
+        held = False
         try:
             while not self.closed and self._pause is None:
                 # WRITEs are the writer thread's; this one waits for the reader's messages and work
@@ -216,7 +227,8 @@ class SenderLoop:
                     if key.data == "wake":
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
-                        self._wake_pending = False  # after the read: a later wake writes again
+                        # after the read: a later wake writes again
+                        self._wake_pending = False
                     else:
                         for msg in self._conn.receive():
                             self._handle(msg)
@@ -271,7 +283,8 @@ class SenderLoop:
         """The connection broke: let WRITEs in flight settle, forget the reader, and mark
         every unacknowledged request for resending after reconnecting."""
         resend = self._disconnect(f"lost the connection: {error}")
-        self._expire(str(error))  # a reader that keeps breaking the protocol must not keep jobs forever
+        # a reader that keeps breaking the protocol must not keep jobs forever
+        self._expire(str(error))
         where = self.address
         if resend:
             log.warning(
@@ -412,7 +425,8 @@ class SenderLoop:
                     log.info("rank %d: the reader refused %s, which ended here already", self.rank, rid)
                 else:
                     log_failed(refused)
-                    self.tell_reader(refused)  # its WRITE in flight settles, then its fence (S9)
+                    # its WRITE in flight settles, then its fence (S9)
+                    self.tell_reader(refused)
                 self._on_outcome()
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from the reader")
@@ -437,7 +451,8 @@ class SenderLoop:
                 self._conn.send(protocol.Placed(manifest=job.manifest, blocks=list(job.share), generation=g))
             for job in due:
                 self._conn.send(protocol.CreditRequest(manifest=job.manifest, blocks=list(job.share)))
-        finally:  # failures of these jobs meanwhile were parked: told after their message (S11)
+        # failures of these jobs meanwhile were parked: told after their message (S11)
+        finally:
             if placed or due:
                 with self._lock:
                     parked = self._ledger.announced(j.request_id for j in placed + due)
@@ -450,7 +465,8 @@ class SenderLoop:
 
     def _hash(self, to_hash: list[Job]) -> None:
         """Each job's digest: on this thread where it is cheap, else on the hashing thread."""
-        for job in to_hash:  # hashed while the reader grants pages
+        # hashed while the reader grants pages
+        for job in to_hash:
             assert self._digest is not None
             if self._hasher is None:
                 self._digest_done(job.request_id, computed(functools.partial(self._digest, job)), wake=False)

@@ -17,7 +17,9 @@ import torch
 
 from kv_connector.cache.blocks import CacheBlocks, Fingerprinted
 from kv_connector.common.errors import ConfigurationError
-from kv_connector.sender.config import SenderConfig as SenderConfig  # its settings, built where it is
+
+# its settings, built where it is
+from kv_connector.sender.config import SenderConfig as SenderConfig
 from kv_connector.sender.jobs import Job, log_failed
 from kv_connector.sender.ledger import SendLedger
 from kv_connector.sender.loop import LoopParts, SenderError, SenderLoop
@@ -61,7 +63,8 @@ class HiddenStatesSender:
         secret: bytes | None = None,
         transport: Transport | None = None,
     ) -> None:
-        secret = secret if secret is not None else auth.load_secret()  # before any thread or agent
+        # before any thread or agent
+        secret = secret if secret is not None else auth.load_secret()
         self.config = config
         self.layout = layout
         self.layer_ids = list(layer_ids)
@@ -69,17 +72,22 @@ class HiddenStatesSender:
             raise ConfigurationError(f"{len(self.layer_ids)} layer ids for {layout.num_layers} layers")
         # its blocks, read only through here (``stage``: a testing hook, see CacheBlocks)
         self.blocks = CacheBlocks(cache, layout, config.provenance)
-        self._words: dict[str, Fingerprinted] = {}  # each shipped sample's, until it leaves
+        # each shipped sample's, until it leaves
+        self._words: dict[str, Fingerprinted] = {}
         if transport is None:
             from kv_connector.wire.nixl_transport import NixlTransport
 
             transport = NixlTransport(f"{config.producer_id}-r{config.rank}-{os.getpid()}")
         self._transport = transport
         self.agent_name = transport.name
-        self._local = local = transport.register(self.blocks.raw)  # the blocks' extent
-        self._asleep: str | None = None  # why ``ship`` refuses: the engine sleeps (``suspend``)
-        self._gates: dict[str, ReadyGate] = {}  # held jobs' gates (``ship``'s ``ready``)
-        self._lock = threading.Lock()  # guards the ledger, touched by ship() and the thread
+        # the blocks' extent
+        self._local = local = transport.register(self.blocks.raw)
+        # why ``ship`` refuses: the engine sleeps (``suspend``)
+        self._asleep: str | None = None
+        # held jobs' gates (``ship``'s ``ready``)
+        self._gates: dict[str, ReadyGate] = {}
+        # guards the ledger, touched by ship() and the thread
+        self._lock = threading.Lock()
         self._ledger = SendLedger(
             checksum=config.checksum is not None, connect_timeout_s=config.connect_timeout_s
         )
@@ -158,7 +166,8 @@ class HiddenStatesSender:
             if words is not None:
                 self._words[request_id] = words
         if ready is not None:
-            self._gates[request_id] = ready  # the sender's thread opens it (``_open_gates``)
+            # the sender's thread opens it (``_open_gates``)
+            self._gates[request_id] = ready
         self._loop.wake()
 
     def count_unsafe(self, request_ids: Sequence[str]) -> int:
@@ -208,11 +217,13 @@ class HiddenStatesSender:
             failures = [f for f in fails if f is not None]
         log_failed(*failures)
         for f in failures:
-            self._loop.tell_reader(f)  # a WRITE in flight is polled to its end by the writer
+            # a WRITE in flight is polled to its end by the writer
+            self._loop.tell_reader(f)
         if not self._loop.pause(self._asleep, SETTLE_S + 5.0) or not self._loop.hasher_idle(SETTLE_S):
             log.error("rank %d: the sender did not settle before sleeping", self.config.rank)
         self._transport.deregister(self._local)
-        self.blocks.release()  # the old memory's last view
+        # the old memory's last view
+        self.blocks.release()
         log.info(
             "rank %d asleep: %d requests failed, the cache's %d bytes deregistered",
             self.config.rank,
@@ -246,7 +257,8 @@ class HiddenStatesSender:
             del self._gates[rid]
             with self._lock:
                 if rid not in self._ledger:
-                    continue  # failed meanwhile
+                    # failed meanwhile
+                    continue
                 if why is None:
                     self._ledger.hold(rid, False)
                     continue

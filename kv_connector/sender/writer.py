@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kv_connector.sender.sender")
 
-SETTLE_S = 5.0  # after a lost connection, how long a WRITE in flight may take to settle
+# after a lost connection, how long a WRITE in flight may take to settle
+SETTLE_S = 5.0
 
 
 class ShareWriter:
@@ -48,7 +49,8 @@ class ShareWriter:
     ) -> None:
         self._device = device
         self._transport = transport
-        self._block_pitch = block_pitch  # bytes from one cache block to the next; None: dense
+        # bytes from one cache block to the next; None: dense
+        self._block_pitch = block_pitch
         self._local = local
         self._ledger = ledger
         self._lock = lock
@@ -59,7 +61,8 @@ class ShareWriter:
         # WRITEs of failed jobs, polled to their end; then what follows (a fence, S9)
         self._orphans: list[tuple[object, Callable[[], None] | None]] = []
         self.page_bytes = 0
-        self._io = threading.Lock()  # held for each round, and by connect / settle
+        # held for each round, and by connect / settle
+        self._io = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
         self._poller = Poller.from_env("KV_CONNECTOR_SENDER")
@@ -94,7 +97,8 @@ class ShareWriter:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        on_device(self._device)  # UCX keeps CUDA IPC on only in a thread with the cache's context
+        # UCX keeps CUDA IPC on only in a thread with the cache's context
+        on_device(self._device)
         while not self._closed:
             with self._lock:
                 writing = self._ledger.writing or bool(self._orphans)
@@ -105,7 +109,8 @@ class ShareWriter:
                 if self._peer and not self._closed:
                     try:
                         busy = self.start_due() | self.poll()
-                    except Exception:  # never let one bad WRITE stop the thread
+                    # never let one bad WRITE stop the thread
+                    except Exception:
                         log.exception("rank %d: unexpected error in the WRITE path", self._rank)
                         time.sleep(0.01)
             self._poller.after(busy)
@@ -140,17 +145,21 @@ class ShareWriter:
         assert self._remote is not None
         rid = job.request_id
         now = time.monotonic()
-        assert job.grant is not None  # due: GRANTED
-        generation = job.grant.generation  # a lost connection may take the job's grant meanwhile
+        # due: GRANTED
+        assert job.grant is not None
+        # a lost connection may take the job's grant meanwhile
+        generation = job.grant.generation
         with self._lock:
             notif = self._ledger.notification(rid)
-            self._ledger.write_posting(rid, now, notif)  # WRITING before it may land (S3)
+            # WRITING before it may land (S3)
+            self._ledger.write_posting(rid, now, notif)
         spans = self.spans(job)
         t_post = time.perf_counter()
         try:
             xfer = self._transport.write(self._peer, self._local, self._remote, spans, protocol.encode(notif))
         except Exception as e:
-            if not isinstance(e, TransportError):  # a bug: fail this job, not the thread
+            # a bug: fail this job, not the thread
+            if not isinstance(e, TransportError):
                 log.exception("rank %d: cannot post the WRITE of %s", self._rank, rid)
                 with self._lock:
                     failure = self._ledger.fail(
@@ -168,7 +177,8 @@ class ShareWriter:
         post_s = time.perf_counter() - t_post
         with self._lock:
             followed = self._ledger.write_started(rid, xfer, post_s)
-        if not followed:  # the job failed while its WRITE was being posted: fenced once it ends
+        # the job failed while its WRITE was being posted: fenced once it ends
+        if not followed:
             fence = Failure(rid, "", tell_reader=False, generation=generation)
             self.adopt(xfer, functools.partial(self._tell_reader, fence))
 
@@ -233,7 +243,8 @@ class ShareWriter:
                         left.append((xfer, settled))
                         continue
                 except TransportError:
-                    pass  # ended (failed); the transport released it
+                    # ended (failed); the transport released it
+                    pass
                 if settled is not None:
                     settled()
             orphans = left

@@ -39,9 +39,11 @@ from kv_connector.wire.layout import BlockLayout
 from kv_connector.wire.protocol import Manifest
 
 TAG = b"kv_connector block digests v1"
-CHUNK_BYTES = 32 << 20  # cache bytes per gather on the cache's device (the temporaries stay small)
+# cache bytes per gather on the cache's device (the temporaries stay small)
+CHUNK_BYTES = 32 << 20
 
-WORD = 8  # bytes
+# bytes
+WORD = 8
 
 
 _weights: dict[tuple[tuple[int, int, int], torch.device], torch.Tensor] = {}
@@ -119,7 +121,8 @@ def cache_block_digests(
     chunk = max(1, CHUNK_BYTES // g.block_bytes)
     share = sorted(share)
     last = manifest.num_blocks - 1
-    tail = manifest.num_tokens - last * g.block_size  # tokens of the sample in its last block
+    # tokens of the sample in its last block
+    tail = manifest.num_tokens - last * g.block_size
     full = [j for j in share if j != last]
     out: dict[int, int] = {}
     for i in range(0, len(full), chunk):
@@ -143,15 +146,19 @@ def sample_block_digests(states: torch.Tensor, manifest: Manifest, share: Iterab
     x = as_words(states)
     _, nl, nw = x.shape
     w = weights(bs, nl, nw, torch.device("cpu")).numpy()
-    by_layer = None  # [layers, block_size, words]: each layer's weights dense, for LTH
+    # [layers, block_size, words]: each layer's weights dense, for LTH
+    by_layer = None
     out = []
     with np.errstate(over="ignore"):
         for j in sorted(share):
-            rows = x[j * bs : (j + 1) * bs].numpy()  # [v, layers, words]
+            # [v, layers, words]
+            rows = x[j * bs : (j + 1) * bs].numpy()
             v = rows.shape[0]
-            if rows.flags.c_contiguous:  # TLH: the block's rows one after the other
+            # TLH: the block's rows one after the other
+            if rows.flags.c_contiguous:
                 total = int(rows.reshape(-1) @ w[:v].reshape(-1))
-            else:  # LTH: each layer's rows are dense
+            # LTH: each layer's rows are dense
+            else:
                 if by_layer is None:
                     by_layer = np.ascontiguousarray(w.transpose(1, 0, 2))
                 total = sum(int(rows[:, k].reshape(-1) @ by_layer[k, :v].reshape(-1)) for k in range(nl))
@@ -172,7 +179,8 @@ def states_block_digests(states: torch.Tensor, manifest: Manifest, share: Iterab
     out: dict[int, int] = {}
     if full:
         head = states[: last * bs]
-        blocks = head.view(last, bs, *head.shape[1:])  # [blocks, block_size, L, H]: splits one dim
+        # [blocks, block_size, L, H]: splits one dim
+        blocks = head.view(last, bs, *head.shape[1:])
         chunk = max(1, CHUNK_BYTES // g.block_bytes)
         for i in range(0, len(full), chunk):
             js = full[i : i + chunk]
@@ -180,7 +188,8 @@ def states_block_digests(states: torch.Tensor, manifest: Manifest, share: Iterab
             d = digests_of_blocks(blocks.index_select(0, idx)).cpu().tolist()
             out.update(zip(js, d, strict=True))
     if last in share:
-        tail = states[last * bs : manifest.num_tokens].unsqueeze(0)  # [1, valid tokens, L, H]
+        # [1, valid tokens, L, H]
+        tail = states[last * bs : manifest.num_tokens].unsqueeze(0)
         x = as_words(tail)
         w = weights(bs, x.shape[2], x.shape[3], x.device)[: x.shape[1]]
         out[last] = int((x * w).sum().cpu())

@@ -16,7 +16,8 @@ from kv_connector.wire import auth, fields, protocol
 from kv_connector.wire.protocol import ProtocolError
 
 _LEN = struct.Struct(">I")
-MAX_OUT_BYTES = 4 << 20  # what ``send_nowait`` may hold for a peer that does not read
+# what ``send_nowait`` may hold for a peer that does not read
+MAX_OUT_BYTES = 4 << 20
 
 
 class ConnectionClosed(ClosedError):
@@ -66,7 +67,8 @@ class FramedConnection:
     def __init__(self, sock: socket.socket, send_timeout: float = 30.0) -> None:
         self.sock = sock
         self.max_frame = fields.MAX_FRAME_BYTES
-        self.mac: auth.SessionMac | None = None  # set after an authenticated handshake
+        # set after an authenticated handshake
+        self.mac: auth.SessionMac | None = None
         self.max_out = MAX_OUT_BYTES
         self._out = bytearray()
         # frames are sealed with a sequence number: sealing and sending are one step, so
@@ -165,7 +167,8 @@ class FramedConnection:
         try:
             chunk = self.sock.recv(1 << 20)
         except (BlockingIOError, InterruptedError):
-            return  # nothing to read after all
+            # nothing to read after all
+            return
         except OSError as e:
             raise ConnectionClosed(str(e)) from None
         if not chunk:

@@ -13,15 +13,24 @@ from kv_connector.wire.protocol import RefuseCode
 class FailureReason(enum.Enum):
     """Why a sample failed (a metric's label)."""
 
-    UNREACHABLE = "unreachable"  # no working reader for connect_timeout_s
-    REFUSED = "refused"  # the reader refused it (e.g. larger than its pool)
-    CHECKSUM = "checksum"  # its bytes failed the reader's checksum too many times
-    WRITE_FAILED = "write_failed"  # NIXL WRITEs failed (this rank's, or another rank's)
-    TIMEOUT = "timeout"  # not complete by its deadline (sample_timeout_s after its grant)
-    PREEMPTED = "preempted"  # preempted before its share was safely written
-    ASLEEP = "asleep"  # vLLM went to sleep (sleep mode) before the reader acknowledged it
-    REQUEST_ID = "request_id"  # its request id cannot name a sample (refused at admission)
-    OTHER = "other"  # the slot mapping disagreed, its digest failed, the sender stopped
+    # no working reader for connect_timeout_s
+    UNREACHABLE = "unreachable"
+    # the reader refused it (e.g. larger than its pool)
+    REFUSED = "refused"
+    # its bytes failed the reader's checksum too many times
+    CHECKSUM = "checksum"
+    # NIXL WRITEs failed (this rank's, or another rank's)
+    WRITE_FAILED = "write_failed"
+    # not complete by its deadline (sample_timeout_s after its grant)
+    TIMEOUT = "timeout"
+    # preempted before its share was safely written
+    PREEMPTED = "preempted"
+    # vLLM went to sleep (sleep mode) before the reader acknowledged it
+    ASLEEP = "asleep"
+    # its request id cannot name a sample (refused at admission)
+    REQUEST_ID = "request_id"
+    # the slot mapping disagreed, its digest failed, the sender stopped
+    OTHER = "other"
 
 
 class SampleFailure(NamedTuple):
@@ -31,7 +40,8 @@ class SampleFailure(NamedTuple):
 
 _REFUSED: dict[str, FailureReason] = {
     "checksum": FailureReason.CHECKSUM,
-    "write_failed": FailureReason.WRITE_FAILED,  # another rank's WRITEs failed
+    # another rank's WRITEs failed
+    "write_failed": FailureReason.WRITE_FAILED,
     "timeout": FailureReason.TIMEOUT,
     "preempted": FailureReason.PREEMPTED,
 }

@@ -15,10 +15,12 @@ MAX_TOKENS = 1 << 22
 MAX_RANKS = 1024
 MAX_BLOCKS = 1 << 22
 MAX_PAGES = 1 << 24
-MAX_METADATA_BYTES = 64 << 10  # NIXL's agent metadata is about 1 KiB
+# NIXL's agent metadata is about 1 KiB
+MAX_METADATA_BYTES = 64 << 10
 MAX_SAMPLE_ID_CHARS = 128
 MAX_SAMPLE_METADATA_BYTES = 4096
-MAX_TEXT_CHARS = 4096  # a Refuse's message, a Rewrite's reason
+# a Refuse's message, a Rewrite's reason
+MAX_TEXT_CHARS = 4096
 
 SAMPLE_ID_PATTERN = r"^[A-Za-z0-9_.:@+=\-]{1,128}\Z"
 
@@ -40,10 +42,12 @@ BlockIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]
 PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_PAGES)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
-Checksum = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+# msgpack ints stop at 2**64 - 1
+Checksum = Annotated[int, msgspec.Meta(ge=0)]
 SampleId = Annotated[str, msgspec.Meta(pattern=SAMPLE_ID_PATTERN)]
 SampleMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_SAMPLE_METADATA_BYTES)]
-Generation = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]  # one grant of pages (push's fence)
+# one grant of pages (push's fence)
+Generation = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
 
 
 def clip_text(text: str) -> str:

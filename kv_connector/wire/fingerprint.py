@@ -40,9 +40,12 @@ from kv_connector.wire.integrity import manifest_bytes
 from kv_connector.wire.protocol import Manifest
 
 TAG = b"kv_connector fingerprints v1"
-WORD = 8  # bytes
-LINE = 8  # words: a 64-byte line, what the memory reads for any one word of it
-_MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (odd)
+# bytes
+WORD = 8
+# words: a 64-byte line, what the memory reads for any one word of it
+LINE = 8
+# Fibonacci hashing's multiplier (odd)
+_MUL = np.uint64(0x9E3779B97F4A7C15)
 
 _tables: dict[tuple[int, int, int], np.ndarray] = {}
 _tables_lock = threading.Lock()
@@ -89,9 +92,11 @@ def coordinates(
         turn = ((h >> np.uint64(32)) % np.uint64(words)).astype(np.int64)
     word = _table(block_size, layers, words)[offset] + turn[:, None]
     word -= words * (word >= words)
-    word[offset == 0, 0] = 0  # a block's first valid word
+    # a block's first valid word
+    word[offset == 0, 0] = 0
     ends = (offset == block_size - 1) | (pos == np.broadcast_to(np.asarray(last, dtype=np.int64), (n,)))
-    word[ends, layers - 1] = words - 1  # its last
+    # its last
+    word[ends, layers - 1] = words - 1
     out: np.ndarray = word
     return out
 
@@ -182,7 +187,8 @@ def gather_lines(
     if row < LINE:
         raise ConfigurationError(f"a row of {row} words is shorter than a line ({LINE})")
     word, offsets = _offsets(words, (positions,), positions, seed, block_size, last)
-    within = word - np.minimum(word - word % LINE, row - LINE)  # the word's place in its line
+    # the word's place in its line
+    within = word - np.minimum(word - word % LINE, row - LINE)
     lines = _read(words, (offsets - within).reshape(-1), LINE).view(len(positions), words.shape[-2], LINE)
     pick = torch.from_numpy(within).to(lines.device, non_blocking=True)
     return lines.gather(2, pick.unsqueeze(2)).squeeze(2), lines
@@ -194,11 +200,13 @@ def share_spans(manifest: Manifest, share: Iterable[int]) -> list[tuple[int, int
     js = sorted(share)
     if not js:
         return []
-    if js[-1] - js[0] == len(js) - 1:  # one run of blocks (every share but a TP stripe's): no numpy
+    # one run of blocks (every share but a TP stripe's): no numpy
+    if js[-1] - js[0] == len(js) - 1:
         start, end = js[0] * bs, min((js[-1] + 1) * bs, total)
         return [(start, end)] if start < end else []
     a = np.asarray(js, dtype=np.int64)
-    a = a[a * bs < total]  # blocks past the last token hold none
+    # blocks past the last token hold none
+    a = a[a * bs < total]
     if not len(a):
         return []
     cut = np.flatnonzero(np.diff(a) != 1) + 1
@@ -215,7 +223,8 @@ def share_tokens(manifest: Manifest, share: Iterable[int]) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     bounds = np.asarray(spans, dtype=np.int64)
     starts, lengths = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
-    skip = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)  # each run's start less what came before
+    # each run's start less what came before
+    skip = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
     return skip + np.arange(lengths.sum(), dtype=np.int64)
 
 

@@ -52,7 +52,8 @@ class PullHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_
 
     def __post_init__(self) -> None:
         for e in self.endpoints:
-            parse_address(e)  # ValueError (a ValidationError when decoding)
+            # ValueError (a ValidationError when decoding)
+            parse_address(e)
 
     def encode(self) -> str:
         raw = msgspec.msgpack.encode(self)

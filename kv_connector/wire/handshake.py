@@ -35,7 +35,8 @@ from kv_connector.wire.control import FramedConnection
 from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.transport import MemType
 
-HANDSHAKE_TIMEOUT_S = 10.0  # the whole handshake, every message included
+# the whole handshake, every message included
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class HandshakeError(RefusedError):
@@ -45,9 +46,12 @@ class HandshakeError(RefusedError):
 class Phase(enum.Enum):
     """Where a connection is, on the reader's side."""
 
-    HELLO = "hello"  # accepted; the next frame must be a Hello
-    AUTH = "auth"  # challenged; the next frame must be an Auth (or a Refuse)
-    READY = "ready"  # welcomed: credit requests and refusals
+    # accepted; the next frame must be a Hello
+    HELLO = "hello"
+    # challenged; the next frame must be an Auth (or a Refuse)
+    AUTH = "auth"
+    # welcomed: credit requests and refusals
+    READY = "ready"
 
 
 FRAME_LIMITS: dict[Phase, int] = {
@@ -67,9 +71,12 @@ class ProducerIdentity:
     world_size: int
     agent_name: str
     block_bytes: int
-    cache_mem: MemType = "DRAM"  # where the cache lives (the reader's checksum policy)
-    digest: protocol.ShareChecksum = protocol.ShareChecksum.XXH3  # how its shares' checksums are computed
-    credits_ahead: int = 0  # runs of pages it asks to be granted ahead (``protocol.Credit``)
+    # where the cache lives (the reader's checksum policy)
+    cache_mem: MemType = "DRAM"
+    # how its shares' checksums are computed
+    digest: protocol.ShareChecksum = protocol.ShareChecksum.XXH3
+    # runs of pages it asks to be granted ahead (``protocol.Credit``)
+    credits_ahead: int = 0
 
 
 def as_producer(

@@ -48,7 +48,8 @@ def block_checksum(
     ``prefix`` is the manifest's bytes; ``block_offsets`` yields each block's index in the sample
     and its byte offset in ``buf``, in order.
     """
-    buf = memoryview(buf).cast("B")  # byte offsets, whatever the buffer's shape
+    # byte offsets, whatever the buffer's shape
+    buf = memoryview(buf).cast("B")
     h = xxhash.xxh3_64(prefix)
     for j, base in block_offsets:
         for off, n in spans_of(j):

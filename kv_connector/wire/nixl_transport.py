@@ -123,7 +123,8 @@ class _Transfer:
         self.peer = peer
         self.nbytes = nbytes
         self.op = op
-        self.kind = kind  # (peer, op, local memory, remote memory): the first of each is reported
+        # (peer, op, local memory, remote memory): the first of each is reported
+        self.kind = kind
 
 
 class NixlTransport:
@@ -159,17 +160,24 @@ class NixlTransport:
             ", ".join(f"{s.key}={s.value}" for s in applied) or "none",
         )
         self._kinds: set[tuple[str, ...]] = set()
-        self._read: set[str] = set()  # report files read
-        self._every: dict[ucx_report.Pairing, set[str]] = {}  # pairing -> transports, over all sizes
+        # report files read
+        self._read: set[str] = set()
+        # pairing -> transports, over all sizes
+        self._every: dict[ucx_report.Pairing, set[str]] = {}
         self.name = name
         self.failed_polls = 0
         self._regs: dict[Region, Any] = {}
         self._peers: set[str] = set()
-        self._tensors: dict[Region, torch.Tensor] = {}  # each registration's bytes, for mapped WRITEs
-        self._mapped: dict[str, node_pool.MappedPool] = {}  # peer -> its pool, mapped here
-        self._offer: str | None = None  # the path of this agent's published pool
-        self._copy_stream: Any = None  # a GPU's stream of mapped WRITEs, made at the first
-        self._tails: torch.Tensor | None = None  # the notifications' WRITEs' bytes, a slot each
+        # each registration's bytes, for mapped WRITEs
+        self._tensors: dict[Region, torch.Tensor] = {}
+        # peer -> its pool, mapped here
+        self._mapped: dict[str, node_pool.MappedPool] = {}
+        # the path of this agent's published pool
+        self._offer: str | None = None
+        # a GPU's stream of mapped WRITEs, made at the first
+        self._copy_stream: Any = None
+        # the notifications' WRITEs' bytes, a slot each
+        self._tails: torch.Tensor | None = None
         self._tails_region: Region | None = None
         self._tail_slots = list(range(TAIL_SLOTS))
 
@@ -285,7 +293,8 @@ class NixlTransport:
         if src is None:
             raise TransportError(f"a {op} from memory not registered with {self.name}")
         rows = arr.copy()
-        rows[:, 1] += remote.addr - mapped.addr  # offsets in the mapped pool
+        # offsets in the mapped pool
+        rows[:, 1] += remote.addr - mapped.addr
         stream = None
         if src.device.type == "cuda":
             if not mapped.pin(src.device):
@@ -299,7 +308,8 @@ class NixlTransport:
             raise TransportError(f"cannot copy a {op} into {peer}'s mapped pool: {e}") from e
         last = rows[-1]
         n = min(TAIL_BYTES, int(last[2]))
-        tail = (int(last[1] + last[2]) - n, n)  # the last bytes written, as offsets in the pool
+        # the last bytes written, as offsets in the pool
+        tail = (int(last[1] + last[2]) - n, n)
         kind = (peer, op, local.mem_type, "mapped")
         return _MappedWrite(done, peer, int(arr[:, 2].sum()), notif, kind, remote, tail)
 
@@ -360,7 +370,8 @@ class NixlTransport:
         assert isinstance(xfer, _Transfer)
         try:
             state = self._agent.check_xfer_state(xfer.handle)
-        except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer is gone
+        # e.g. nixlRemoteDisconnectError: the peer is gone
+        except Exception as e:
             with contextlib.suppress(Exception):
                 self._agent.release_xfer_handle(xfer.handle)
             raise TransportError(f"a {xfer.op} of {xfer.nbytes} bytes with {xfer.peer} failed: {e}") from None
@@ -369,11 +380,13 @@ class NixlTransport:
         with contextlib.suppress(Exception):
             self._agent.release_xfer_handle(xfer.handle)
         if state == _DONE:
-            if xfer.kind not in self._kinds:  # UCX chose its transport when it was posted
+            # UCX chose its transport when it was posted
+            if xfer.kind not in self._kinds:
                 self._kinds.add(xfer.kind)
                 try:
                     self.report_choices()
-                except Exception as e:  # a report never fails a transfer
+                # a report never fails a transfer
+                except Exception as e:
                     log.debug("NIXL agent %s: UCX's report unread: %s", self.name, e)
             return True
         raise TransportError(f"a {xfer.op} of {xfer.nbytes} bytes with {xfer.peer} failed")
@@ -392,7 +405,8 @@ class NixlTransport:
             slot = xfer.slot = self._tail_slots.pop()
             at, n = xfer.tail
             self._tails[slot * TAIL_BYTES : slot * TAIL_BYTES + n] = mapped.tensor[at : at + n]
-            base = mapped.addr - xfer.remote.addr  # the pool's offsets, as the remote region's
+            # the pool's offsets, as the remote region's
+            base = mapped.addr - xfer.remote.addr
             span = [(slot * TAIL_BYTES, base + at, n)]
             try:
                 xfer.tail_xfer = self._post(
@@ -401,10 +415,12 @@ class NixlTransport:
             except TransportError:
                 self._free_slot(xfer)
                 raise
-            xfer.tail_xfer.kind = ()  # not a pairing of its own: reported as node_pool's
+            # not a pairing of its own: reported as node_pool's
+            xfer.tail_xfer.kind = ()
             self._kinds.add(())
         try:
-            finished = self.poll(xfer.tail_xfer)  # its handle released once done
+            # its handle released once done
+            finished = self.poll(xfer.tail_xfer)
         except TransportError:
             self._free_slot(xfer)
             raise
@@ -431,7 +447,8 @@ class NixlTransport:
         out: list[tuple[str, bytes]] = []
         try:
             notifs = self._agent.get_new_notifs()
-        except Exception as e:  # a peer's disconnect surfaces here too
+        # a peer's disconnect surfaces here too
+        except Exception as e:
             # what that poll had gathered is lost with it; the samples it announced end at
             # their deadline (the reader refuses them, their producers fail them by name)
             self.failed_polls += 1
@@ -455,11 +472,13 @@ class NixlTransport:
             except OSError:
                 continue
             self._read.add(file_name)
-            if self._own_report:  # read once: nothing is left behind the agent
+            # read once: nothing is left behind the agent
+            if self._own_report:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             c = ucx_report.choice_of(file_name, text, self.name)
-            if c is not None and c.pairing.reach is not ucx_report.Reach.SELF:  # its loopback
+            # its loopback
+            if c is not None and c.pairing.reach is not ucx_report.Reach.SELF:
                 choices.append(c)
                 self._every.setdefault(c.pairing, set()).update(c.transports)
         new: dict[ucx_report.Pairing, tuple[str, ...]] = {}
@@ -493,7 +512,8 @@ class NixlTransport:
             return []
         try:
             names = os.listdir(self.report_dir)
-        except OSError:  # UCX makes the directory at its first description
+        # UCX makes the directory at its first description
+        except OSError:
             return []
         prefix = ucx_report.sanitized(self.name) + "_"
         return sorted(n for n in names if n.startswith(prefix) and n.endswith(".dot") and n not in self._read)

@@ -34,9 +34,11 @@ from kv_connector.common.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
-SWITCH = "KV_CONNECTOR_NODE_POOL"  # "0": producers never map a reader's pool
+# "0": producers never map a reader's pool
+SWITCH = "KV_CONNECTOR_NODE_POOL"
 _OFF = ("0", "n", "no", "false", "off")
-TRANSPORT = "node_pool"  # how a mapped WRITE is reported, beside UCX's transports
+# how a mapped WRITE is reported, beside UCX's transports
+TRANSPORT = "node_pool"
 
 
 def switched_off(environ: Mapping[str, str]) -> bool:
@@ -51,10 +53,12 @@ class Offer:
     pid: int
     fd: int
     inode: int
-    addr: int  # the pool's address in the reader (what its registration names)
+    # the pool's address in the reader (what its registration names)
+    addr: int
     nbytes: int
     boot_id: str
-    start: str  # the reader process's start time (``/proc/PID/stat`` field 22)
+    # the reader process's start time (``/proc/PID/stat`` field 22)
+    start: str
 
 
 def offer_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -86,7 +90,8 @@ def process_start(pid: int) -> str:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return ""
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name in parentheses may hold spaces
+    # field 22; the name in parentheses may hold spaces
+    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def make_offer(agent: str, fd: int, addr: int, nbytes: int) -> Offer:
@@ -173,7 +178,8 @@ class MappedPool:
                 rt.cudaHostUnregister(self.tensor.data_ptr())
             self._pinned = None
         del self.tensor
-        with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
+        # a view still alive keeps the mapping
+        with contextlib.suppress(BufferError):
             self._mem.close()
 
 

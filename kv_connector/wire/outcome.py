@@ -13,16 +13,21 @@ import msgspec
 
 from kv_connector.common.errors import ConfigurationError
 
-PARAMS_KEY = "hidden_states"  # its key in a response's kv_transfer_params
+# its key in a response's kv_transfer_params
+PARAMS_KEY = "hidden_states"
 
 
 class SampleStatus(str, enum.Enum):
     """Where a request's sample stands when the request finishes."""
 
-    DELIVERED = "delivered"  # its reader acknowledged it
-    PENDING = "pending"  # on its way (a later failure is logged by the producer with its id)
-    FAILED = "failed"  # it will never arrive; ``error`` says why
-    READY = "ready"  # pull delivery: held in the producer's cache; fetch it by its ``handle``
+    # its reader acknowledged it
+    DELIVERED = "delivered"
+    # on its way (a later failure is logged by the producer with its id)
+    PENDING = "pending"
+    # it will never arrive; ``error`` says why
+    FAILED = "failed"
+    # pull delivery: held in the producer's cache; fetch it by its ``handle``
+    READY = "ready"
 
 
 class OutcomeError(ConfigurationError):

@@ -74,7 +74,8 @@ from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import MemType
 
 PROTOCOL_VERSION = 16
-MAX_CREDITS_AHEAD = 8  # runs of pages a reader may grant one producer ahead of its samples
+# runs of pages a reader may grant one producer ahead of its samples
+MAX_CREDITS_AHEAD = 8
 
 class ProtocolError(WireError, ValueError):
     """A control message from a peer was malformed, out of range or unexpected."""
@@ -88,8 +89,10 @@ class ShareChecksum(str, enum.Enum):
     """How a rank computes its shares' checksums, resolved once where the rank starts
     (``ChecksumOption.resolve``) and carried as this value to the reader."""
 
-    XXH3 = "xxh3"  # XXH3-64 over the share's bytes (``integrity``)
-    BLOCKS = "blocks"  # XXH3-64 over per-block digests computed where the cache is (``block_digest``)
+    # XXH3-64 over the share's bytes (``integrity``)
+    XXH3 = "xxh3"
+    # XXH3-64 over per-block digests computed where the cache is (``block_digest``)
+    BLOCKS = "blocks"
     # XXH3-64 over a few words of every token slot, taken in the step that wrote it (``fingerprint``)
     FINGERPRINT = "fingerprint"
 
@@ -183,7 +186,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.metadata:
             try:
                 obj = msgspec.json.decode(self.metadata)
-            except Exception as e:  # msgspec's errors, or RecursionError on deep nesting
+            # msgspec's errors, or RecursionError on deep nesting
+            except Exception as e:
                 raise ConfigurationError(f"sample metadata is not JSON: {type(e).__name__}") from None
             if not isinstance(obj, dict):
                 raise ConfigurationError("sample metadata is not a JSON object")
@@ -252,7 +256,8 @@ class Grant(_Msg, tag="grant", frozen=True):
     request_id: RequestId
     first_page: PageIndex
     num_pages: Annotated[int, msgspec.Meta(gt=0, le=MAX_PAGES)]
-    generation: Generation  # unique to this grant; every WRITE into its pages names it
+    # unique to this grant; every WRITE into its pages names it
+    generation: Generation
 
     @property
     def pages(self) -> range:
@@ -265,7 +270,8 @@ class Credit(_Msg, tag="credit", frozen=True):
     producer places its next new sample at the run's start (``Placed``) and WRITEs at
     once, or gives the run back (``CreditReturned``); a lost connection voids it."""
 
-    generation: Generation  # unique to this run; the WRITE of the sample placed in it names it
+    # unique to this run; the WRITE of the sample placed in it names it
+    generation: Generation
     first_page: PageIndex
     num_pages: Annotated[int, msgspec.Meta(gt=0, le=MAX_PAGES)]
 
@@ -351,7 +357,8 @@ class WriteDone(_Msg, tag="write_done", frozen=True):
     (checksums off)."""
 
     request_id: RequestId
-    generation: Generation  # the grant whose pages it wrote (a stale one never lands)
+    # the grant whose pages it wrote (a stale one never lands)
+    generation: Generation
     checksum: Checksum | None = None
     digest_follows: bool = False
 
@@ -548,7 +555,8 @@ def decode(data: bytes) -> Message:
         msg: Message = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"malformed message: {e}") from None
-    except Exception as e:  # msgspec may raise e.g. RecursionError on hostile input
+    # msgspec may raise e.g. RecursionError on hostile input
+    except Exception as e:
         raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None
     if isinstance(msg, (Hello, Challenge)) and msg.version != PROTOCOL_VERSION:
         raise ProtocolError(

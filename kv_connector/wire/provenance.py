@@ -25,8 +25,10 @@ MAX_NAME_CHARS = 512
 class ModelRunner(str, enum.Enum):
     """Which of vLLM's model runners captured the states."""
 
-    V1 = "v1"  # vllm/v1/worker/gpu_model_runner.py (and the CPU build's runner)
-    V2 = "v2"  # vllm/v1/worker/gpu/ (Model Runner V2)
+    # vllm/v1/worker/gpu_model_runner.py (and the CPU build's runner)
+    V1 = "v1"
+    # vllm/v1/worker/gpu/ (Model Runner V2)
+    V2 = "v2"
 
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
@@ -37,7 +39,8 @@ class Provenance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     vllm_version: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     model_runner: ModelRunner
-    model: Name  # the model as vLLM was given it: a hub id or a path
+    # the model as vLLM was given it: a hub id or a path
+    model: Name
     revision: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
     def as_dict(self) -> dict[str, str]:

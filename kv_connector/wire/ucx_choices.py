@@ -18,9 +18,11 @@ from collections.abc import Iterable
 
 from kv_connector.wire import ucx_report
 
-_CHOICES: dict[tuple[str, ucx_report.Pairing], tuple[str, ...]] = {}  # (agent, pairing) -> transports
+# (agent, pairing) -> transports
+_CHOICES: dict[tuple[str, ucx_report.Pairing], tuple[str, ...]] = {}
 _LOCK = threading.Lock()
-_REPORT_PREFIX = "kvc-ucx-"  # then the pid: directories of processes gone are pruned
+# then the pid: directories of processes gone are pruned
+_REPORT_PREFIX = "kvc-ucx-"
 
 
 def ucx_choices() -> dict[str, dict[str, list[str]]]:
@@ -76,6 +78,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # another user's: alive
+    # another user's: alive
+    except OSError:
         return True
     return True

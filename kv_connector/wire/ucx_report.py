@@ -22,8 +22,10 @@ from typing import NamedTuple
 
 from kv_connector.common.errors import ConfigurationError
 
-DEFAULTS_SWITCH = "KV_CONNECTOR_UCX_DEFAULTS"  # "0": leave UCX's own defaults
-REPORT_SWITCH = "KV_CONNECTOR_UCX_REPORT"  # "0": do not ask UCX to describe its choices
+# "0": leave UCX's own defaults
+DEFAULTS_SWITCH = "KV_CONNECTOR_UCX_DEFAULTS"
+# "0": do not ask UCX to describe its choices
+REPORT_SWITCH = "KV_CONNECTOR_UCX_REPORT"
 _OFF = ("0", "n", "no", "false", "off")
 
 
@@ -100,7 +102,8 @@ def engine_config(
                 applied.append(s)
     if report_dir is not None:
         asked = [("PROTO_INFO_DIR", report_dir)]
-        if not _debug(environ):  # at debug UCX's "auto" describes (and prints) every choice
+        # at debug UCX's "auto" describes (and prints) every choice
+        if not _debug(environ):
             asked.append(("PROTO_INFO", PUT_GET_ONLY))
         for key, value in asked:
             if key not in config and f"UCX_{key}" not in environ:
@@ -132,10 +135,14 @@ class Kind(enum.Enum):
     """What a UCX transport is, for what it means to a GPU buffer."""
 
     TCP = "tcp"
-    RDMA = "rdma"  # a NIC writes the memory: GPUDirect RDMA when it is a GPU's
-    CUDA_IPC = "cuda_ipc"  # a CUDA copy between two processes' GPUs of one node
-    CUDA_COPY = "cuda_copy"  # a CUDA copy between host and GPU memory of one process
-    SHARED_MEMORY = "shared_memory"  # cma, sysv, posix, xpmem, knem
+    # a NIC writes the memory: GPUDirect RDMA when it is a GPU's
+    RDMA = "rdma"
+    # a CUDA copy between two processes' GPUs of one node
+    CUDA_IPC = "cuda_ipc"
+    # a CUDA copy between host and GPU memory of one process
+    CUDA_COPY = "cuda_copy"
+    # cma, sysv, posix, xpmem, knem
+    SHARED_MEMORY = "shared_memory"
     SELF = "self"
     OTHER = "other"
 
@@ -214,7 +221,8 @@ _FILE = re.compile(
     r"_(?P<first>\d+)_(?P<last>\d+|inf)\.dot$"
 )
 _LABEL = re.compile(r'node0 \[label="[^"\\]*\\n(?P<config>[^"]*)"')
-_TRANSPORT = re.compile(r"[a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+")  # "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"
+# "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"
+_TRANSPORT = re.compile(r"[a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+")
 _REACH = {"self": Reach.SELF, "intra_node": Reach.SAME_NODE, "inter_node": Reach.OTHER_NODE}
 
 

@@ -24,7 +24,8 @@ import numpy as np
 
 from kv_connector.common.errors import ConfigurationError
 
-FENCE_SLOTS = 1 << 16  # holds fenced at once (512 KiB registered)
+# holds fenced at once (512 KiB registered)
+FENCE_SLOTS = 1 << 16
 WORD_BYTES = 8
 
 

@@ -50,8 +50,10 @@ from kv_connector.producer.pull.hold_states import HoldState as HoldState
 from kv_connector.producer.pull.hold_states import IllegalTransition as IllegalTransition
 from kv_connector.wire.protocol import Manifest, PullErrorCode
 
-REMEMBER = 4096  # ended samples remembered, to say why they are gone
-KEEP_LIMIT = 2.0  # a kept hold ends at most this many pull_timeout_s after its request finished
+# ended samples remembered, to say why they are gone
+REMEMBER = 4096
+# a kept hold ends at most this many pull_timeout_s after its request finished
+KEEP_LIMIT = 2.0
 
 
 _WHY: dict[HoldState, str] = {
@@ -91,7 +93,8 @@ class Held:
     checksum: int | None = None
     fetches: int = 0
     fence: tuple[int, int] | None = None
-    finished_at: float = math.inf  # when its request finished (its clock started)
+    # when its request finished (its clock started)
+    finished_at: float = math.inf
     keeps: int = 0
 
 
@@ -105,7 +108,8 @@ class PullLedger:
         # request id -> (nonce, how its hold ended, why)
         self._ended: OrderedDict[str, tuple[str, HoldState, str]] = OrderedDict()
         self._freed: set[str] = set()
-        self.served = 0  # fetches answered with data
+        # fetches answered with data
+        self.served = 0
         self.fences = fences
 
     # ------------------------------------------------------------- producer side
@@ -116,7 +120,8 @@ class PullLedger:
         HOLDS.step(
             HoldState.HELD if request_id in self._held else None, HoldEvent.HOLD, f"request {request_id}"
         )
-        self._ended.pop(request_id, None)  # a new sample: how an earlier one ended is forgotten
+        # a new sample: how an earlier one ended is forgotten
+        self._ended.pop(request_id, None)
         fence = self.fences.open() if self.fences is not None else None
         self._held[request_id] = Held(
             request_id, nonce, manifest, list(block_ids), share, math.inf, fence=fence
@@ -228,7 +233,8 @@ class PullLedger:
         state = HOLDS.step(HoldState.HELD, event, f"request {request_id}")
         h = self._held.pop(request_id)
         if h.fence is not None and self.fences is not None:
-            self.fences.close(h.fence[0])  # before anyone may give its blocks back (P7)
+            # before anyone may give its blocks back (P7)
+            self.fences.close(h.fence[0])
         self._freed.add(request_id)
         self._remember(request_id, h.nonce, state, why or _WHY[state])
 

@@ -70,7 +70,8 @@ class PullWorker:
             ),
             on_release=rc.news,
         )
-        self._reported = False  # its endpoint was reported to the scheduler
+        # its endpoint was reported to the scheduler
+        self._reported = False
 
     @property
     def _server(self) -> PullServer:
@@ -99,7 +100,8 @@ class PullWorker:
         s = self._server
         rid, tokens = order.request_id, order.token_ids
         s.hold(rid, order.route or "", tokens, blocks, ident.sample_id, ident.metadata, words, ready=gate)
-        if told_finished:  # told first (its request ships its output tokens)
+        # told first (its request ships its output tokens)
+        if told_finished:
             s.finished([rid])
 
     def refuse(self, order: ShipOrder, why: str) -> None:
@@ -121,10 +123,12 @@ class PullWorker:
         return {rid: SampleFailure(FailureReason.PREEMPTED, why) for rid in failed}
 
     def finished(self, request_ids: set[str]) -> None:
-        self._server.finished(request_ids)  # their handles are out: the clocks start
+        # their handles are out: the clocks start
+        self._server.finished(request_ids)
 
     def settle(self) -> Settled:
-        return Settled(done=self._server.take_freed())  # released, expired, preempted or aborted
+        # released, expired, preempted or aborted
+        return Settled(done=self._server.take_freed())
 
     def link_changes(self) -> tuple[list[LinkChange], list[object]]:
         """No links (consumers come to it); once, where it serves."""
@@ -151,9 +155,12 @@ class PullScheduling:
         # an engine that only holds samples waits for consumers: it steps only to notice
         # an expiry (a release, or a new request, ends its nap), a quarter of the hold late at most
         self.hold_nap_s: float | None = min(HOLD_NAP_S, options.pull.timeout_s / 4)
-        self.endpoints: dict[int, str] = {}  # each rank's endpoint, as reported
-        self._drops: list[str] = []  # failed at their finish: their holds must end
-        self._nonces: dict[str, str] = {}  # each unfinished request's handle secret
+        # each rank's endpoint, as reported
+        self.endpoints: dict[int, str] = {}
+        # failed at their finish: their holds must end
+        self._drops: list[str] = []
+        # each unfinished request's handle secret
+        self._nonces: dict[str, str] = {}
 
     def on_new_request(self, request_id: str) -> None:
         self._nonces[request_id] = make_nonce()
@@ -225,7 +232,8 @@ class PullScheduling:
         )
         if outcome.status is SampleStatus.FAILED:
             if done.hold:
-                self._drops.append(done.request_id)  # nobody gets its handle: the workers end its hold
+                # nobody gets its handle: the workers end its hold
+                self._drops.append(done.request_id)
             return outcome.params()
         endpoints = [self.endpoints[r] for r in range(self.world_size)]
         handle = PullHandle(self.producer_id, done.request_id, nonce, endpoints).encode()

@@ -53,10 +53,14 @@ from kv_connector.wire.transport import Region, Transport
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PROGRESS_S = 0.0002  # how often the agent makes progress while a consumer may be reading
-MAX_CONNECTIONS = 256  # consumers served at once (a DataLoader worker holds one per rank)
-REQUEST_FRAME = 4 << 10  # what a consumer may send after its handshake
-IDLE_POLL_S = 0.5  # how often a connection's thread looks whether the endpoint closed
+# how often the agent makes progress while a consumer may be reading
+PROGRESS_S = 0.0002
+# consumers served at once (a DataLoader worker holds one per rank)
+MAX_CONNECTIONS = 256
+# what a consumer may send after its handshake
+REQUEST_FRAME = 4 << 10
+# how often a connection's thread looks whether the endpoint closed
+IDLE_POLL_S = 0.5
 # a fetch may come before its sample is held: a request that ships its output tokens is
 # held in the engine step after its response (and handle) went out
 HOLD_WAIT_S = 5.0
@@ -134,7 +138,8 @@ class PullServer:
         self.rank, self.world_size = rank, world_size
         self._secret = secret
         self._clock = clock
-        self._on_release = on_release or (lambda: None)  # a consumer released a sample
+        # a consumer released a sample
+        self._on_release = on_release or (lambda: None)
         self._checksum = checksum
         # its blocks, read only through here; a padded page's padding is never read
         self.blocks = CacheBlocks(cache, layout, config.provenance)
@@ -162,12 +167,15 @@ class PullServer:
             self._region.mem_type,
             checksum or ShareChecksum.XXH3,
         )
-        self._lock = threading.Lock()  # guards the ledger, the connections and the hashing
-        self._held = threading.Condition(self._lock)  # a sample was held (fetches may wait for it)
+        # guards the ledger, the connections and the hashing
+        self._lock = threading.Lock()
+        # a sample was held (fetches may wait for it)
+        self._held = threading.Condition(self._lock)
         table = FenceTable(self._fence_words.numpy().view(np.uint64)) if fences else None
         self._ledger = PullLedger(config.timeout_s, fences=table)
         self._prehash = checksum is ShareChecksum.XXH3 and cache.device.type == "cpu"
-        self._hasher: Hasher | None = None  # started on the first finished sample
+        # started on the first finished sample
+        self._hasher: Hasher | None = None
         self._hashing: dict[tuple[str, str], concurrent.futures.Future[int]] = {}
         # each held sample's fingerprint words (with its nonce), until its hold ends
         self._words: dict[str, tuple[str, Fingerprinted]] = {}
@@ -245,7 +253,8 @@ class PullServer:
                 fut = self._hasher.submit(functools.partial(self._share_checksum, h))
                 self._hashing[(rid, h.nonce)] = fut
                 started.append((rid, h.nonce, fut))
-        for rid, nonce, fut in started:  # outside the lock: a done future calls back at once
+        # outside the lock: a done future calls back at once
+        for rid, nonce, fut in started:
             fut.add_done_callback(functools.partial(self._hashed, rid, nonce))
 
     def _hashed(self, rid: str, nonce: str, fut: concurrent.futures.Future[int]) -> None:
@@ -255,7 +264,8 @@ class PullServer:
         with self._lock:
             self._hashing.pop((rid, nonce), None)
             if fut.exception() is not None:
-                return  # a fetch takes it again, and says what fails
+                # a fetch takes it again, and says what fails
+                return
             try:
                 self._ledger.check(rid, nonce, self._clock())
             except PullRefused:
@@ -399,8 +409,10 @@ class PullServer:
             threading.Thread(target=self._serve, args=(conn, str(peer[0])), name=name, daemon=True).start()
 
     def _serve(self, conn: FramedConnection, peer: str) -> None:
-        outstanding = 0  # shares served on this connection and not released since
-        on_device(self.blocks.device)  # block digests are computed on the cache's GPU here
+        # shares served on this connection and not released since
+        outstanding = 0
+        # block digests are computed on the cache's GPU here
+        on_device(self.blocks.device)
         try:
             try:
                 welcome = handshake.as_producer(conn, self._me, self._secret, self._transport.metadata)
@@ -430,7 +442,8 @@ class PullServer:
                 if not isinstance(msg, protocol.PullRelease) or msg.answer:
                     conn.send(answer)
         except (ConnectionClosed, OSError):
-            pass  # the consumer went away
+            # the consumer went away
+            pass
         except ProtocolError as e:
             log.warning("pull: dropping the consumer at %s: %s", peer, e)
             with contextlib.suppress(OSError):
@@ -449,7 +462,8 @@ class PullServer:
                 self._wake.set()
 
     def _make_progress(self) -> None:
-        on_device(self.blocks.device)  # it drives the agent holding a GPU cache's registration
+        # it drives the agent holding a GPU cache's registration
+        on_device(self.blocks.device)
         while not self._closed:
             if not self._wake.wait(IDLE_POLL_S):
                 continue
@@ -457,7 +471,8 @@ class PullServer:
                 if self._reading <= 0:
                     self._wake.clear()
                     continue
-            self._transport.notifications()  # makes UCX progress for the consumers' READs
+            # makes UCX progress for the consumers' READs
+            self._transport.notifications()
             time.sleep(PROGRESS_S)
 
     def answer(
@@ -485,15 +500,18 @@ class PullServer:
                     self._ledger.release(msg.request_id, msg.nonce, self._clock())
             except PullRefused as e:
                 return protocol.PullError(request_id=msg.request_id, code=e.code, message=e.message)
-            self._on_release()  # its blocks go back to vLLM in the next step
+            # its blocks go back to vLLM in the next step
+            self._on_release()
             return protocol.PullReleased(request_id=msg.request_id)
         if not isinstance(msg, protocol.PullFetch):
             raise ProtocolError(f"expected a pull request, got {type(msg).__name__}")
         rid, nonce = msg.request_id, msg.nonce
         wrong = self._slots_wrong(rid, nonce)
         if wrong is not None:
-            self.fail_held(rid, wrong)  # never served: the fetch below says why
-            self._on_release()  # its blocks go back to vLLM in the next step
+            # never served: the fetch below says why
+            self.fail_held(rid, wrong)
+            # its blocks go back to vLLM in the next step
+            self._on_release()
         try:
             with self._lock:
                 h = self._held_for(rid, nonce, self._ledger.fetch)
@@ -501,7 +519,8 @@ class PullServer:
             digest = h.checksum
             if self._checksum is not None and digest is None and len(h.share):
                 if pending is not None and pending.exception() is None:
-                    digest = pending.result()  # taken since the request finished
+                    # taken since the request finished
+                    digest = pending.result()
                 else:
                     digest = self._share_checksum(h)
                 with self._lock:

@@ -79,7 +79,8 @@ class ReaderAdmission:
         self.readers = list(readers)
         self.world_size = world_size
         self.router = router
-        self._links: dict[tuple[str, int], str | None] = {}  # (reader, rank) -> None: connected
+        # (reader, rank) -> None: connected
+        self._links: dict[tuple[str, int], str | None] = {}
 
     def links(self, changes: Iterable[LinkChange | tuple[str, int, str | None]]) -> None:
         """Take one step's link changes (reports of unknown readers or ranks are ignored)."""

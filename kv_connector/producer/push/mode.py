@@ -62,7 +62,8 @@ class PushWorker:
             )
             for address in options.push.readers
         ]
-        self._reported: dict[str, str | None] = {}  # reader -> its last reported link error
+        # reader -> its last reported link error
+        self._reported: dict[str, str | None] = {}
 
     def describe(self) -> str:
         return f"shipping to {', '.join(self.options.push.readers)}"
@@ -187,10 +188,12 @@ class PushScheduling:
         self.options = options
         self.producer_id = producer_id
         self.book = book
-        self.hold_nap_s: float | None = None  # push: the short naps only
+        # push: the short naps only
+        self.hold_nap_s: float | None = None
         router = Router(options.push.readers, options.push.sharding)
         self.admission = ReaderAdmission(book, options.push.readers, world_size, router)
-        self._reachable = 0  # readers every rank reaches, recounted when a link changes
+        # readers every rank reaches, recounted when a link changes
+        self._reachable = 0
 
     def admit(self, request_id: str) -> Admission:
         """Not while no worker reaches the request's reader, for at most ``connect_timeout_s``."""

@@ -65,8 +65,10 @@ from kv_connector.reader.pull.links import FetchError
 from kv_connector.reader.pull.options import PullOptions
 from kv_connector.wire.handle import HandleError, handle_of
 
-AGENT_START_TIMEOUT_S = 120.0  # importing torch and NIXL, registering the pool
-SLOW_START_S = 5.0  # a start slower than this is named when a sample expired meanwhile
+# importing torch and NIXL, registering the pool
+AGENT_START_TIMEOUT_S = 120.0
+# a start slower than this is named when a sample expired meanwhile
+SLOW_START_S = 5.0
 
 
 class FetchAgentError(WireError):
@@ -99,8 +101,10 @@ class FetchAgentProcess:
         self.pid: int | None = None
         # how long each phase of the agent's start took: {phase: {"wall_s", "cpu_s", "queued_s"}}
         self.start_phases: dict[str, dict[str, float | None]] = {}
-        self.start_s: float | None = None  # from its spawn to its answer, as this process saw it
-        self.kept = KeptHolds()  # what was kept while it started
+        # from its spawn to its answer, as this process saw it
+        self.start_s: float | None = None
+        # what was kept while it started
+        self.kept = KeptHolds()
 
     @property
     def address(self) -> str:
@@ -121,7 +125,8 @@ class FetchAgentProcess:
                     code = self._proc.returncode
                     raise FetchAgentError(f"the fetch agent (pid {self.pid}) exited with {code}")
                 return
-            self._dir = tempfile.mkdtemp(prefix="kv-fetch-agent-")  # only this user can enter it
+            # only this user can enter it
+            self._dir = tempfile.mkdtemp(prefix="kv-fetch-agent-")
             config = AgentConfig(
                 socket_dir=self._dir,
                 options=self.options,
@@ -219,10 +224,12 @@ class _Conn:
         self.sock = sock
         self.hello = hello
         self.reader = reader
-        self.pid = os.getpid()  # a forked child makes its own (a connection is one conversation)
+        # a forked child makes its own (a connection is one conversation)
+        self.pid = os.getpid()
 
     def send(self, msg: AgentMessage, timeout: float) -> None:
-        self.sock.settimeout(timeout)  # not what the last receive left of its deadline
+        # not what the last receive left of its deadline
+        self.sock.settimeout(timeout)
         self.sock.sendall(frame(msg))
 
     def ask(self, msg: AgentMessage, timeout: float) -> AgentMessage:
@@ -258,8 +265,10 @@ class AgentClient:
     def _reset(self) -> None:
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._pool: torch.Tensor | None = None  # the agent's pool, mapped here (uint8)
-        self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # a thread's ends with the thread
+        # the agent's pool, mapped here (uint8)
+        self._pool: torch.Tensor | None = None
+        # a thread's ends with the thread
+        self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()
         self._copies = CopyBuffers(COPY_BUFFERS_MIN_BYTES)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -285,8 +294,10 @@ class AgentClient:
         try:
             hidden = self._copy_out(got)
         finally:
-            with contextlib.suppress(OSError):  # if it fails, the agent ends the lease with the connection
-                conn.send(AgentDone(got.lease), self.timeout_s)  # the pages go back
+            # if it fails, the agent ends the lease with the connection
+            with contextlib.suppress(OSError):
+                # the pages go back
+                conn.send(AgentDone(got.lease), self.timeout_s)
         return Sample.of(got, hidden, got.producer_id, got.metadata)
 
     def release(self, handle: str | Mapping[str, Any]) -> None:
@@ -324,7 +335,8 @@ class AgentClient:
     def _ask(self, conn: _Conn, msg: AgentMessage, timeout: float) -> AgentMessage:
         try:
             return conn.ask(msg, timeout)
-        except (OSError, ValueError) as e:  # a broken connection: the next call makes a new one
+        # a broken connection: the next call makes a new one
+        except (OSError, ValueError) as e:
             self._drop(conn)
             raise FetchError("agent", f"the fetch agent at {self.address}: {e}") from None
 
@@ -341,7 +353,8 @@ class AgentClient:
         if conn is not None:
             if conn.pid == os.getpid():
                 return conn
-            self._reset()  # forked: the parent's connections and mapping are not this process's
+            # forked: the parent's connections and mapping are not this process's
+            self._reset()
         return self._connect()
 
     def _connect(self) -> _Conn:
@@ -369,7 +382,8 @@ class AgentClient:
             for fd in fds:
                 os.close(fd)
         conn = _Conn(sock, hello, reader)
-        weakref.finalize(conn, sock.close)  # a thread that ends closes its connection
+        # a thread that ends closes its connection
+        weakref.finalize(conn, sock.close)
         with self._lock:
             self._conns.add(conn)
         self._local.conn = conn

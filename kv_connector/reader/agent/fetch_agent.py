@@ -65,15 +65,19 @@ SOCKET_NAME = "agent.sock"
 MAX_CLIENTS = 1024
 # what a start goes through, in order (each logged with its wall and CPU time)
 START_PHASES = (
-    "interpreter and imports",  # from the rank's spawn to this module's main()
+    # from the rank's spawn to this module's main()
+    "interpreter and imports",
     "NIXL import",
     "NIXL agent",
     "UCX",
-    "pool allocation",  # the memory file made and faulted in
+    # the memory file made and faulted in
+    "pool allocation",
     "pool registration",
-    "serving",  # the socket bound and its thread started
+    # the socket bound and its thread started
+    "serving",
 )
-SLOW_START_S = 5.0  # a start slower than this logs a warning naming its slowest phase
+# a start slower than this logs a warning naming its slowest phase
+SLOW_START_S = 5.0
 
 
 class FetchAgent:
@@ -87,7 +91,8 @@ class FetchAgent:
         self.config = config
         secret = bytes.fromhex(config.secret_hex) if config.secret_hex is not None else None
         self.client = PullClient(msgspec.structs.replace(config.options, shared_pool=True), secret=secret)
-        self.client.open(lap)  # the one NIXL agent and the one registration, now
+        # the one NIXL agent and the one registration, now
+        self.client.open(lap)
         self.address = str(Path(config.socket_dir) / SOCKET_NAME)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
@@ -117,7 +122,8 @@ class FetchAgent:
             self._sock.close()
         with contextlib.suppress(OSError):
             os.unlink(self.address)
-        with contextlib.suppress(OSError):  # the rank made it; a rank that exits without close() leaves it
+        # the rank made it; a rank that exits without close() leaves it
+        with contextlib.suppress(OSError):
             os.rmdir(self.config.socket_dir)
         self.client.close()
 
@@ -284,7 +290,8 @@ def main() -> int:
         agent = FetchAgent(config, phases.lap)
         agent.start()
         phases.lap("serving")
-    except Exception as e:  # said to the rank, which raises it
+    # said to the rank, which raises it
+    except Exception as e:
         _say({"error": f"{type(e).__name__}: {e}", "phases": phases.as_dict()})
         return 1
     log_start(agent, phases)
@@ -297,7 +304,8 @@ def main() -> int:
         }
     )
     try:
-        while sys.stdin.readline():  # the rank holds the other end; it ends when the rank does
+        # the rank holds the other end; it ends when the rank does
+        while sys.stdin.readline():
             pass
     finally:
         log.info("fetch agent %d: the rank is gone or closed it: %s", os.getpid(), agent.stats())

@@ -28,8 +28,10 @@ from kv_connector.wire.transport import Region
 
 log = logging.getLogger(__name__)
 
-KEEP_AGAIN = 0.4  # keep a hold again once this share of what the producer granted has passed
-MIN_KEEP_S = 0.5  # and never more often than this
+# keep a hold again once this share of what the producer granted has passed
+KEEP_AGAIN = 0.4
+# and never more often than this
+MIN_KEEP_S = 0.5
 
 
 @dataclass
@@ -64,7 +66,8 @@ class HoldKeeper:
             try:
                 self.handles.append(decode_handle(handle_of(h)))
             except HandleError:
-                continue  # not a handle: the fetch says so
+                # not a handle: the fetch says so
+                continue
         self.name = name
         pages = max(1, pool_bytes // PAGE_BYTES)
         self._links = ProducerLinks(
@@ -94,7 +97,8 @@ class HoldKeeper:
         self.stop()
 
     def _run(self) -> None:
-        due = {i: 0.0 for i in range(len(self.handles))}  # when each handle is kept next
+        # when each handle is kept next
+        due = {i: 0.0 for i in range(len(self.handles))}
         while due and not self._stop.is_set():
             now = time.monotonic()
             for i in [i for i, t in due.items() if t <= now]:

@@ -33,7 +33,8 @@ from kv_connector.wire.protocol import ProtocolError
 from kv_connector.wire.provenance import Provenance
 
 AGENT_VERSION = 1
-MAX_AGENT_FRAME = 16 << 20  # a sample's token ids and metadata, with room
+# a sample's token ids and metadata, with room
+MAX_AGENT_FRAME = 16 << 20
 _LEN = struct.Struct(">I")
 
 
@@ -44,8 +45,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     socket_dir: str
     options: PullOptions
-    secret_hex: str | None = None  # None: the client's default (KV_CONNECTOR_SECRET...)
-    spawned_at: float | None = None  # the rank's time.time() when it started the process
+    # None: the client's default (KV_CONNECTOR_SECRET...)
+    secret_hex: str | None = None
+    # the rank's time.time() when it started the process
+    spawned_at: float | None = None
 
 
 class _AgentMsg(msgspec.Struct, tag_field="t", frozen=True):
@@ -61,7 +64,8 @@ class AgentHello(_AgentMsg, tag="hello", frozen=True):
 
 class AgentFetch(_AgentMsg, tag="fetch", frozen=True):
     handle: str
-    release: bool = True  # let the producer free the sample once it is read and checked
+    # let the producer free the sample once it is read and checked
+    release: bool = True
 
 
 class AgentRelease(_AgentMsg, tag="release", frozen=True):
@@ -84,11 +88,16 @@ class AgentSample(_AgentMsg, tag="sample", frozen=True):
     token_ids: list[int]
     layer_ids: list[int]
     metadata: dict[str, Any]
-    dtype: str  # torch's name: "bfloat16", "float32", ...
-    shape: list[int]  # [T, L, H]
-    stride: list[int]  # in elements
-    offset: int  # bytes from the pool's start to element [0, 0, 0]
-    provenance: Provenance | None = None  # what produced it (the manifest's)
+    # torch's name: "bfloat16", "float32", ...
+    dtype: str
+    # [T, L, H]
+    shape: list[int]
+    # in elements
+    stride: list[int]
+    # bytes from the pool's start to element [0, 0, 0]
+    offset: int
+    # what produced it (the manifest's)
+    provenance: Provenance | None = None
 
 
 class AgentFailed(_AgentMsg, tag="failed", frozen=True):

@@ -32,8 +32,10 @@ from kv_connector.wire.protocol import Manifest
 from kv_connector.wire.provenance import Provenance
 
 Key = tuple[str, str]
-MIN_BUFFER = 64 << 10  # copy buffers come in powers of two from this size
-COPY_BUFFERS_MIN_BYTES = 64 << 20  # copy buffers kept for reuse: a client's pool size, or this
+# copy buffers come in powers of two from this size
+MIN_BUFFER = 64 << 10
+# copy buffers kept for reuse: a client's pool size, or this
+COPY_BUFFERS_MIN_BYTES = 64 << 20
 
 
 class Lease:
@@ -254,8 +256,10 @@ def leased_view(pool: np.ndarray, base: int, manifest: Manifest, lease: Lease) -
     """The sample's [T, L, H] view of the pool.
 
     The lease ends when no tensor sharing this view's memory is left."""
-    arr = pool[base : base + manifest.geometry.sample_bytes(manifest.num_blocks)]  # a new array object
-    raw = torch.from_numpy(arr)  # its storage keeps ``arr`` alive, and every view the storage
+    # a new array object
+    arr = pool[base : base + manifest.geometry.sample_bytes(manifest.num_blocks)]
+    # its storage keeps ``arr`` alive, and every view the storage
+    raw = torch.from_numpy(arr)
     weakref.finalize(arr, lease.release)
     return sample_view(raw, manifest)
 
@@ -268,7 +272,8 @@ class CopyBuffers:
         self._free: dict[int, list[np.ndarray]] = {}
         self._kept = 0
         self._lock = threading.Lock()
-        self.allocated = 0  # buffers made (a measure of reuse)
+        # buffers made (a measure of reuse)
+        self.allocated = 0
 
     @classmethod
     def for_pool(cls, pool_bytes: int) -> CopyBuffers:
@@ -291,7 +296,8 @@ class CopyBuffers:
             else:
                 self._kept -= size
         if buf is None:
-            buf = host_memory(size)  # huge pages, faulted in once
+            # huge pages, faulted in once
+            buf = host_memory(size)
         arr = buf[:nbytes]
         weakref.finalize(arr, self._give_back, buf)
         return torch.from_numpy(arr)

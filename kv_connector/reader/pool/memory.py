@@ -66,12 +66,14 @@ class LeaseFences:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._lock = threading.RLock()  # a collector may end a lease inside ``settle``
+        # a collector may end a lease inside ``settle``
+        self._lock = threading.RLock()
         self._waiting: list[tuple[DeviceEvent, Callable[[], None]]] = []
 
     def _event(self) -> DeviceEvent:
         if self.device.type != "cuda":
-            return HostDone()  # work on the host is done when the call returns
+            # work on the host is done when the call returns
+            return HostDone()
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
@@ -90,7 +92,8 @@ class LeaseFences:
         """Call the ends whose work is done (in any order: streams finish independently);
         returns how many still wait."""
         with self._lock:
-            waiting, self._waiting = self._waiting, []  # ends added meanwhile go to the new list
+            # ends added meanwhile go to the new list
+            waiting, self._waiting = self._waiting, []
         ready: list[tuple[DeviceEvent, Callable[[], None]]] = []
         left: list[tuple[DeviceEvent, Callable[[], None]]] = []
         for e, d in waiting:
@@ -111,7 +114,8 @@ class PoolMemory(Protocol):
     """What the reader and the pull client need of their pool's memory."""
 
     device: torch.device
-    tensor: torch.Tensor  # uint8 [nbytes], registered with the transport once
+    # uint8 [nbytes], registered with the transport once
+    tensor: torch.Tensor
     lease_fences: LeaseFences
 
     def checksum(self, base: int, manifest: Manifest, blocks: list[int], kind: ShareChecksum) -> int:
@@ -202,7 +206,8 @@ class HostPool:
         if shared:
             self._np, self.fd = shared_host_memory(nbytes)
         else:
-            self._np = host_memory(nbytes)  # huge pages where the kernel offers them
+            # huge pages where the kernel offers them
+            self._np = host_memory(nbytes)
         self.tensor = torch.from_numpy(self._np)
         self.lease_fences = LeaseFences(self.device)
 
@@ -223,14 +228,16 @@ class HostPool:
         return leased_view(self._np, base, manifest, lease)
 
     def ordered(self, release: Callable[[Key], None]) -> Callable[[Key], None]:
-        return release  # the host's work is done when the call that ends a lease returns
+        # the host's work is done when the call that ends a lease returns
+        return release
 
     def copy_out(self, base: int, manifest: Manifest, lease: Lease, copies: CopyBuffers) -> torch.Tensor:
         view = sample_view(run_of(self.tensor, base, manifest), manifest)
         hidden = copies.take(view.numel() * view.element_size()).view(view.dtype).view(view.shape)
         hidden.copy_(view)
         del view
-        lease.release()  # copied: its pages go back now
+        # copied: its pages go back now
+        lease.release()
         return hidden
 
 
@@ -243,7 +250,8 @@ class _DeviceRange:
             "shape": (nbytes,),
             "typestr": "|u1",
             "data": (ptr, False),
-            "version": 2,  # no stream: the pages' bytes are already where NIXL put them
+            # no stream: the pages' bytes are already where NIXL put them
+            "version": 2,
         }
 
 
@@ -280,8 +288,10 @@ class QueuedCheck:
     event: DeviceEvent
     manifest: Manifest
     blocks: list[int]
-    words: torch.Tensor  # the sampled words [n, layers], on the host
-    flags: torch.Tensor | None  # ``screen_flags``, on the host; None without the screen
+    # the sampled words [n, layers], on the host
+    words: torch.Tensor
+    # ``screen_flags``, on the host; None without the screen
+    flags: torch.Tensor | None
 
     def result(self) -> tuple[int, RowsScreen | None]:
         digest = fingerprint.record(self.manifest, self.blocks, self.words)
@@ -312,7 +322,8 @@ class DevicePool:
                 "training takes the memory"
             ) from None
         self.lease_fences = LeaseFences(device)
-        self.visible = Visibility(device)  # before each read of what landed
+        # before each read of what landed
+        self.visible = Visibility(device)
         self._np = self.tensor.numpy() if device.type == "cpu" else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
@@ -329,13 +340,15 @@ class DevicePool:
         self.visible()
         run = run_of(self.tensor, base, manifest)
         with self._side():
-            if kind is ShareChecksum.FINGERPRINT:  # a gather of its sampled words, on the device
+            # a gather of its sampled words, on the device
+            if kind is ShareChecksum.FINGERPRINT:
                 return fingerprint.states_record(sample_view(run, manifest), manifest, blocks)
             if kind is ShareChecksum.BLOCKS:
                 return share_digest(
                     manifest, blocks, states_block_digests(sample_view(run, manifest), manifest, blocks)
                 )
-            host = run.cpu()  # XXH3 reads host bytes: one copy of the sample
+            # XXH3 reads host bytes: one copy of the sample
+            host = run.cpu()
         return sample_checksum(host.numpy().data, 0, manifest, blocks)
 
     def screened(self, base: int, manifest: Manifest, blocks: list[int]) -> tuple[int, RowsScreen | None]:
@@ -378,11 +391,14 @@ class DevicePool:
         n = manifest.geometry.sample_bytes(manifest.num_blocks)
         span: object
         if self._np is not None:
-            span = self._np[base : base + n]  # a new array object
-            raw = torch.from_numpy(span)  # its storage keeps ``span`` alive, as every view's does
+            # a new array object
+            span = self._np[base : base + n]
+            # its storage keeps ``span`` alive, as every view's does
+            raw = torch.from_numpy(span)
         else:
             span = _DeviceRange(self.tensor.data_ptr() + base, n)
-            raw = torch.as_tensor(span, device=self.device)  # shares the pool's memory, keeps ``span``
+            # shares the pool's memory, keeps ``span``
+            raw = torch.as_tensor(span, device=self.device)
         weakref.finalize(span, lease.release)
         return sample_view(raw, manifest)
 
@@ -390,7 +406,8 @@ class DevicePool:
         self.visible()
         view = sample_view(run_of(self.tensor, base, manifest), manifest)
         hidden = torch.empty(view.shape, dtype=view.dtype, device=self.device)
-        hidden.copy_(view)  # queued on this thread's stream: the pages go back after it
+        # queued on this thread's stream: the pages go back after it
+        hidden.copy_(view)
         del view
         lease.release()
         return hidden

@@ -31,7 +31,8 @@ class PagePool:
         if num_pages <= 0:
             raise ConfigurationError(f"a pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        self._free: list[tuple[int, int]] = [(0, num_pages)]  # sorted (start, length)
+        # sorted (start, length)
+        self._free: list[tuple[int, int]] = [(0, num_pages)]
         self._cursor = 0
         self._owner: dict[Hashable, range] = {}
         self._used = 0
@@ -128,10 +129,12 @@ class PagePool:
         self._used -= len(pages)
         i = bisect.bisect(self._free, (pages.start, 0))
         start, length = pages.start, len(pages)
-        if i < len(self._free) and self._free[i][0] == start + length:  # merge the next run
+        # merge the next run
+        if i < len(self._free) and self._free[i][0] == start + length:
             length += self._free[i][1]
             del self._free[i]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:  # and the previous
+        # and the previous
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
             start, length = self._free[i - 1][0], self._free[i - 1][1] + length
             del self._free[i - 1]
             i -= 1

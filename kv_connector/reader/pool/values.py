@@ -30,10 +30,14 @@ import torch
 
 from kv_connector.common.errors import ConfigurationError, IntegrityError
 
-CHUNK_ELEMENTS = 1 << 22  # elements reduced at once (bounds the temporaries)
-SAMPLE_ELEMENTS = 32  # a sampled screen reads this many elements at the start and the middle of each row
-MAX_NAMED = 5  # tokens named in a report
-_OWN_SUMS = (torch.float32, torch.float64, torch.bfloat16)  # dtypes summed in their own precision
+# elements reduced at once (bounds the temporaries)
+CHUNK_ELEMENTS = 1 << 22
+# a sampled screen reads this many elements at the start and the middle of each row
+SAMPLE_ELEMENTS = 32
+# tokens named in a report
+MAX_NAMED = 5
+# dtypes summed in their own precision
+_OWN_SUMS = (torch.float32, torch.float64, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ def screen_rows(rows: torch.Tensor) -> RowsScreen:
     """
     if rows.shape[0] == 0:
         return RowsScreen(False, (False,) * rows.shape[1])
-    sums = _row_sums(rows)  # [n, L]
+    # [n, L]
+    sums = _row_sums(rows)
     return RowsScreen.of(torch.cat([_suspects(sums).any().view(1), (sums != 0).any(dim=0)]))
 
 
@@ -156,15 +161,19 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
     # widened copy is the only temporary; a sum in the states' own dtype needs none)
     wide = None if hidden_states.dtype in _OWN_SUMS else torch.float32
     step = _chunk_tokens(hidden_states)
-    non_finite: list[tuple[int, list[int]]] = []  # (token, layer ids)
+    # (token, layer ids)
+    non_finite: list[tuple[int, list[int]]] = []
     zero: list[int] = []
     device = hidden_states.device
-    alive = torch.zeros(n_layers, dtype=torch.bool, device=device)  # a non-zero sum seen
-    seen = torch.zeros((), dtype=torch.bool, device=device)  # a suspect token seen
+    # a non-zero sum seen
+    alive = torch.zeros(n_layers, dtype=torch.bool, device=device)
+    # a suspect token seen
+    seen = torch.zeros((), dtype=torch.bool, device=device)
     suspects: list[torch.Tensor] = []
     for t0 in range(0, t_total, step):
         chunk = hidden_states[t0 : t0 + step]
-        sums = _row_sums(chunk)  # [t, L]
+        # [t, L]
+        sums = _row_sums(chunk)
         alive |= (sums != 0).any(dim=0)
         suspects.append(_suspects(sums))
         seen |= suspects[-1].any()
@@ -175,7 +184,8 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
     for t0, suspect in zip(range(0, t_total, step), suspects, strict=True) if any_suspect else ():
         chunk = hidden_states[t0 : t0 + step]
         for t in torch.nonzero(suspect).flatten().tolist():
-            row = chunk[t] if wide is None else chunk[t].to(wide)  # [L, H]
+            # [L, H]
+            row = chunk[t] if wide is None else chunk[t].to(wide)
             finite = torch.isfinite(row).all(dim=1)
             if not bool(finite.all()):
                 n_non_finite += 1
@@ -187,7 +197,8 @@ def _find(hidden_states: torch.Tensor, layer_ids: Sequence[int]) -> str | None:
                 n_zero += 1
                 if len(zero) < MAX_NAMED:
                     zero.append(t0 + t)
-    dead: list[int] = []  # captured layers zero at every token (checked exactly: a sum may cancel)
+    # captured layers zero at every token (checked exactly: a sum may cancel)
+    dead: list[int] = []
     if t_total >= 2 and any_dead:
         dead = [k for k in torch.nonzero(~alive).flatten().tolist() if not bool(hidden_states[:, k].any())]
     if not n_non_finite and not n_zero and not dead:

@@ -28,8 +28,10 @@ from kv_connector.common.errors import ConfigurationError
 from kv_connector.reader.pool.lease import Sample
 from kv_connector.reader.pull.links import FetchError
 
-Asked = TypeVar("Asked")  # a sample whose shares the ranks gave, nothing READ yet
-Pending = TypeVar("Pending")  # its READs posted
+# a sample whose shares the ranks gave, nothing READ yet
+Asked = TypeVar("Asked")
+# its READs posted
+Pending = TypeVar("Pending")
 Handle = str | Mapping[str, Any]
 
 
@@ -109,7 +111,8 @@ def fetch_iter(
         ask_next()
         while asks:
             asked = asks.popleft()
-            ask_next()  # its round trip runs while this one's READs are posted
+            # its round trip runs while this one's READs are posted
+            ask_next()
             try:
                 pending.append(executor.submit(stages.finish, stages.post(asked.result())))
             except FetchError as e:
@@ -118,7 +121,8 @@ def fetch_iter(
                 yield _outcome(pending.popleft())
         while pending:
             yield _outcome(pending.popleft())
-    finally:  # left early: the ask under way ends first; the samples READ ahead give their pages back
+    # left early: the ask under way ends first; the samples READ ahead give their pages back
+    finally:
         concurrent.futures.wait(asks)
         for p in pending:
             got = _outcome(p)

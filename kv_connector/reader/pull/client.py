@@ -53,8 +53,10 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
-RETRY_S = 0.002  # between two looks at a full pool
-POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005  # a READ polled after 50 us, then at most every 0.5 ms
+# between two looks at a full pool
+RETRY_S = 0.002
+# a READ polled after 50 us, then at most every 0.5 ms
+POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0005
 
 
 def byte_of(pages: range) -> int:
@@ -103,13 +105,15 @@ class PullClient:
         if self._device.type == "cuda" and transport is None:
             from kv_connector.wire.nixl_transport import require_nixl
 
-            require_nixl()  # a GPU pool without a NIXL for this torch's CUDA: say so now
+            # a GPU pool without a NIXL for this torch's CUDA: say so now
+            require_nixl()
         self._secret = secret
         self._given_transport = transport
         self._reset()
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()  # guards the pool, the peers and the agent
+        # guards the pool, the peers and the agent
+        self._lock = threading.Lock()
         self._transport: Transport | None = None
         self._region: Region | None = None
         self._pool: PagePool | None = None
@@ -118,7 +122,8 @@ class PullClient:
         self._hold_fences: HoldFenceReader | None = None
         self._copies = CopyBuffers.for_pool(self.options.pool_bytes)
         self.name = self.options.name or f"pull-client-{uuid.uuid4().hex[:12]}"
-        self._checker = batch.Checker(self.name, self._device)  # fetch_iter's threads, made on use
+        # fetch_iter's threads, made on use
+        self._checker = batch.Checker(self.name, self._device)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options, "secret": self._secret}
@@ -302,8 +307,10 @@ class PullClient:
             assert memory is not None
             base = byte_of(pending.pages)
             check, full = self.options.check_values, self.options.full_values_check
-            sampled = check and not full  # the values screen samples
-            screens: list[RowsScreen | None] = []  # read with the fingerprints
+            # the values screen samples
+            sampled = check and not full
+            # read with the fingerprints
+            screens: list[RowsScreen | None] = []
             for s in pending.shares:
                 blocks = list(range(s.first_block, s.first_block + len(s.block_ids)))
                 if s.checksum is None:
@@ -324,7 +331,8 @@ class PullClient:
             self._release_all(h, quiet=True)
             raise
         if release and fenced:
-            self._release_all(h, quiet=True, answer=False)  # the fences said the holds were live
+            # the fences said the holds were live
+            self._release_all(h, quiet=True, answer=False)
         elif release:
             unchecked = any(s.checksum is None and s.block_ids for s in pending.shares)
             self._release_all(h, quiet=not unchecked)
@@ -335,7 +343,8 @@ class PullClient:
 
     # ------------------------------------------------------------------ pool
     def _ensure(self, lap: Callable[[str], object] | None = None) -> None:
-        if self._transport is not None:  # set last below: no waiting for a READ being posted
+        # set last below: no waiting for a READ being posted
+        if self._transport is not None:
             return
         lap = lap or (lambda _name: None)
         with self._lock:
@@ -375,7 +384,8 @@ class PullClient:
         deadline = time.monotonic() + timeout_s
         collected = False
         while True:
-            memory.lease_fences.settle()  # leases whose GPU work is done give their pages back
+            # leases whose GPU work is done give their pages back
+            memory.lease_fences.settle()
             with self._lock:
                 try:
                     pool.request(key, n)
@@ -395,7 +405,8 @@ class PullClient:
                     "you hold (sample.release(), or drop their tensors), or raise pool_bytes",
                 )
             if not collected:
-                gc.collect()  # leases whose tensors are only in reference cycles
+                # leases whose tensors are only in reference cycles
+                gc.collect()
                 collected = True
             time.sleep(RETRY_S)
 
@@ -432,7 +443,8 @@ class PullClient:
     def _wait(self, pending: _Pending) -> None:
         deadline = time.monotonic() + self.options.timeout_s
         waiting = list(pending.xfers)
-        pause = POLL_FIRST_S  # then doubling: many fetches in flight (a fetch agent's) must not spin
+        # then doubling: many fetches in flight (a fetch agent's) must not spin
+        pause = POLL_FIRST_S
         while waiting:
             with self._lock:
                 assert self._transport is not None
@@ -465,7 +477,8 @@ class PullClient:
                             break
                     except TransportError:
                         break
-                time.sleep(pause)  # not a spin: a READ that fails may take its time to end
+                # not a spin: a READ that fails may take its time to end
+                time.sleep(pause)
                 pause = min(2 * pause, POLL_MAX_S)
 
     # ------------------------------------------------------------------ control

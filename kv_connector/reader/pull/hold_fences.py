@@ -22,7 +22,8 @@ from kv_connector.wire.handle import PullHandle
 from kv_connector.wire.protocol import PullError, PullRelease, PullShare
 from kv_connector.wire.transport import Region, Transfer, Transport, TransportError
 
-FENCE_WORDS = 256  # fence READs in flight at once (the client's checking threads')
+# fence READs in flight at once (the client's checking threads')
+FENCE_WORDS = 256
 POLL_S = 0.00002
 # The fence READs are polled this long under the lock they were posted under before it is
 # let go: the lock guards the agent, and a fetch's data READ holds it while it copies (some
@@ -31,7 +32,8 @@ POLL_S = 0.00002
 HOLD_POLL_S = 0.002
 
 
-Posted = tuple[Transfer, PullShare]  # a fence READ in flight and its share
+# a fence READ in flight and its share
+Posted = tuple[Transfer, PullShare]
 
 
 class HoldFenceStale(IntegrityError):
@@ -63,7 +65,8 @@ class HoldFenceReader:
         try:
             failed: list[int] = []
             waiting = []
-            with self._lock:  # one hold for the posts and their first polls (see HOLD_POLL_S)
+            # one hold for the posts and their first polls (see HOLD_POLL_S)
+            with self._lock:
                 for slot, (peer, s) in zip(slots, reads, strict=True):
                     f = s.fence
                     assert f is not None
@@ -78,7 +81,8 @@ class HoldFenceReader:
                     waiting = self._poll(waiting, failed)
                     if not waiting or time.monotonic() >= until:
                         break
-            while waiting:  # every posted READ ends before its word is reused
+            # every posted READ ends before its word is reused
+            while waiting:
                 time.sleep(POLL_S)
                 with self._lock:
                     waiting = self._poll(waiting, failed)

@@ -25,7 +25,8 @@ from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, ReaderHandshake
 from kv_connector.wire.protocol import ProtocolError, PullErrorCode
 from kv_connector.wire.transport import Region, Transport, TransportError
 
-PAGE_BYTES = 64 << 10  # the client's pool pages (announced in its Welcome)
+# the client's pool pages (announced in its Welcome)
+PAGE_BYTES = 64 << 10
 
 
 # why a fetch failed: the producer's answers, then the client's own
@@ -67,7 +68,8 @@ class _Peer:
     conn: FramedConnection
     agent: str
     lock: threading.Lock
-    producer: tuple[str, int, int]  # producer id, rank, world size (its Hello)
+    # producer id, rank, world size (its Hello)
+    producer: tuple[str, int, int]
 
 
 class ProducerLinks:
@@ -85,8 +87,10 @@ class ProducerLinks:
         self.name = name
         self.timeout_s = timeout_s
         self._secret = secret
-        self._lock = lock  # the client's: guards the agent (held through a READ's post, which copies)
-        self._peers_lock = threading.Lock()  # guards ``_peers`` only: never waits for a READ
+        # the client's: guards the agent (held through a READ's post, which copies)
+        self._lock = lock
+        # guards ``_peers`` only: never waits for a READ
+        self._peers_lock = threading.Lock()
         self._transport: Transport | None = transport
         self._region: Region | None = region
         self._peers: dict[str, _Peer] = {}
@@ -160,7 +164,8 @@ class ProducerLinks:
             if old is None:
                 self._peers[endpoint] = peer
                 return peer
-        peer.conn.close()  # another thread connected meanwhile
+        # another thread connected meanwhile
+        peer.conn.close()
         return old
 
     def _connect(self, handle: PullHandle, rank: int, endpoint: str) -> _Peer:
@@ -203,7 +208,8 @@ class ProducerLinks:
             with self._lock:
                 assert self._region is not None
                 region = self._region
-                if self._transport is None:  # no agent yet: nothing to load, nothing to READ
+                # no agent yet: nothing to load, nothing to READ
+                if self._transport is None:
                     agent, me = hello.agent_name, self.name
                 else:
                     try:
@@ -215,7 +221,8 @@ class ProducerLinks:
             welcome = protocol.Welcome(
                 reader_id=self.name,
                 agent_name=me,
-                agent_metadata=b"",  # the producer never initiates a transfer
+                # the producer never initiates a transfer
+                agent_metadata=b"",
                 pool_addr=region.addr,
                 pool_bytes=region.nbytes,
                 page_bytes=PAGE_BYTES,

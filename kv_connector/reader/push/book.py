@@ -31,7 +31,8 @@ class SampleBook:
     def __init__(
         self, connected: Callable[[PeerId], bool], quarantine_s: float, fence_bound_s: float
     ) -> None:
-        self._connected = connected  # is this connection its rank's current one?
+        # is this connection its rank's current one?
+        self._connected = connected
         self.page_fences = PageFences(quarantine_s, fence_bound_s)
         self.samples: dict[Key, SampleRecord] = {}
         self.pool: PagePool | None = None
@@ -106,7 +107,8 @@ class SampleBook:
 
         Raises ``PoolTooSmall`` when it can never fit; it is not admitted then."""
         assert self.pool is not None
-        begin(sample)  # the table first: nothing changed if it refuses
+        # the table first: nothing changed if it refuses
+        begin(sample)
         self.pool.request(sample.key, sample.num_pages)
         self.samples[sample.key] = sample
 

@@ -54,8 +54,10 @@ class ShareChecker:
         self._q: queue.SimpleQueue[Verify | None] = queue.SimpleQueue()
         # a device pool (a GPU's, or CI's on the host) queues a fingerprint check on its stream
         self._device_pool = pool if isinstance(pool, DevicePool) else None
-        self._queued = LeaseFences(pool.device)  # checks queued on the device, with their events
-        self._inline = pool.device.type == "cpu"  # host memory: nothing waits for a GPU's stream
+        # checks queued on the device, with their events
+        self._queued = LeaseFences(pool.device)
+        # host memory: nothing waits for a GPU's stream
+        self._inline = pool.device.type == "cpu"
         self._thread = threading.Thread(target=self._run, name="hs-reader-check", daemon=True)
         self._thread.start()
 
@@ -86,7 +88,8 @@ class ShareChecker:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        on_device(self._pool.device)  # a pool on a GPU is checked there
+        # a pool on a GPU is checked there
+        on_device(self._pool.device)
         while (v := self._q.get()) is not None:
             self._logged(v, self._check)
 
@@ -102,7 +105,8 @@ class ShareChecker:
         with self._lock:
             where = self._ledger.view.share_to_check(verify)
         if where is None:
-            return  # gone, or landed again since: a newer check is queued
+            # gone, or landed again since: a newer check is queued
+            return
         t0 = time.perf_counter()
         pool, blocks = self._device_pool, list(where.blocks)
         queued = pool.queue_fingerprint(where.base, where.manifest, blocks, self._screen)
@@ -123,7 +127,8 @@ class ShareChecker:
         with self._lock:
             where = self._ledger.view.share_to_check(verify)
         if where is None:
-            return  # gone, or landed again since: a newer check is queued
+            # gone, or landed again since: a newer check is queued
+            return
         t0 = time.perf_counter()
         got, screen = check_share(
             self._pool, where.base, where.manifest, list(where.blocks), verify.checksum, self._screen

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from kv_connector.reader.push.producers import PeerId
 from kv_connector.wire import protocol
 
-RECENT = 16  # samples of a producer whose sizes size its credits
+# samples of a producer whose sizes size its credits
+RECENT = 16
 
 
 @dataclass
@@ -33,15 +34,19 @@ class HeldCredit:
     producer_id: str
     pages: range
     recalled: bool = False
-    early: protocol.WriteDone | None = None  # a WriteDone into it that overtook its Placed
+    # a WriteDone into it that overtook its Placed
+    early: protocol.WriteDone | None = None
 
 
 class Credits:
     def __init__(self) -> None:
-        self._held: dict[int, HeldCredit] = {}  # generation -> the credit
+        # generation -> the credit
+        self._held: dict[int, HeldCredit] = {}
         self._sizes: dict[str, collections.deque[int]] = {}
-        self.granted = 0  # credits granted since the start
-        self.placed = 0  # samples placed in one
+        # credits granted since the start
+        self.granted = 0
+        # samples placed in one
+        self.placed = 0
 
     @property
     def pages_held(self) -> int:

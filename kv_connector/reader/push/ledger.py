@@ -92,14 +92,20 @@ from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 from kv_connector.wire.provenance import Expectation
 
 MAX_REWRITES = 3
-SAMPLE_TIMEOUT_S = 300.0  # a granted sample not complete by then is refused (never back-pressure:
+# a granted sample not complete by then is refused (never back-pressure:
+SAMPLE_TIMEOUT_S = 300.0
 # the wait for pages does not count)
-MAX_PENDING_PER_RANK = 4096  # samples one producer rank may have promised and not seen handed out
+# samples one producer rank may have promised and not seen handed out
+MAX_PENDING_PER_RANK = 4096
 MAX_SAMPLE_TOKENS = 1 << 20
-QUARANTINE_S = 5.0  # a departed writer's WRITEs settle in this time (the sender's SETTLE_S)
-FENCE_BOUND_S = 60.0  # the longest a dropped sample's pages wait for a connected writer's fence
-LAST_NOTIFICATION_GRACE_S = 0.2  # how long a departed producer's last WriteDone may lag
-DELIVERED_MEMORY = 100_000  # samples remembered for acking resends
+# a departed writer's WRITEs settle in this time (the sender's SETTLE_S)
+QUARANTINE_S = 5.0
+# the longest a dropped sample's pages wait for a connected writer's fence
+FENCE_BOUND_S = 60.0
+# how long a departed producer's last WriteDone may lag
+LAST_NOTIFICATION_GRACE_S = 0.2
+# samples remembered for acking resends
+DELIVERED_MEMORY = 100_000
 
 
 @dataclass(frozen=True)
@@ -110,17 +116,27 @@ class LedgerConfig:
     """
 
     ack_mode: AckMode = AckMode.ON_TAKE
-    max_rewrites: int = MAX_REWRITES  # R5
-    quarantine_s: float = QUARANTINE_S  # R3: a departed writer's pages
-    fence_bound_s: float = FENCE_BOUND_S  # R3: a silent writer's pages
-    grace_s: float = LAST_NOTIFICATION_GRACE_S  # R6
-    delivered_memory: int = DELIVERED_MEMORY  # R4
+    # R5
+    max_rewrites: int = MAX_REWRITES
+    # R3: a departed writer's pages
+    quarantine_s: float = QUARANTINE_S
+    # R3: a silent writer's pages
+    fence_bound_s: float = FENCE_BOUND_S
+    # R6
+    grace_s: float = LAST_NOTIFICATION_GRACE_S
+    # R4
+    delivered_memory: int = DELIVERED_MEMORY
     verify: bool = True
-    require_checksum: RequireChecksum = RequireChecksum.AUTO  # R10
-    sample_timeout_s: float = SAMPLE_TIMEOUT_S  # R8
-    max_pending_per_rank: int = MAX_PENDING_PER_RANK  # R9
-    max_sample_tokens: int = MAX_SAMPLE_TOKENS  # R9
-    expect: Expectation | None = None  # what samples must be, else they are refused
+    # R10
+    require_checksum: RequireChecksum = RequireChecksum.AUTO
+    # R8
+    sample_timeout_s: float = SAMPLE_TIMEOUT_S
+    # R9
+    max_pending_per_rank: int = MAX_PENDING_PER_RANK
+    # R9
+    max_sample_tokens: int = MAX_SAMPLE_TOKENS
+    # what samples must be, else they are refused
+    expect: Expectation | None = None
 
 
 class ReaderLedger:
@@ -140,10 +156,13 @@ class ReaderLedger:
         self.producers = Producers()
         self._book = SampleBook(self._connected, config.quarantine_s, config.fence_bound_s)
         self._samples: dict[Key, SampleRecord] = self._book.samples
-        self.delivered = Delivered(config.delivered_memory, already_delivered)  # handed out (R4)
+        # handed out (R4)
+        self.delivered = Delivered(config.delivered_memory, already_delivered)
         self._refusals = Refusals(self._book, self.stats)
-        self.credits = Credits()  # R12
-        self.view = LedgerView(self._book, self.producers, self.credits)  # what the shells read
+        # R12
+        self.credits = Credits()
+        # what the shells read
+        self.view = LedgerView(self._book, self.producers, self.credits)
 
     # ------------------------------------------------------------------ pool
     def set_pages(self, page_bytes: int, num_pages: int) -> None:
@@ -178,7 +197,8 @@ class ReaderLedger:
         awaited = self._book.awaited(*ident)
         self.producers.gone(peer, now + (self.config.grace_s if awaited else 0.0))
         self._book.page_fences.peer_gone(peer, now)
-        for g, credit in self.credits.of_peer(peer):  # a WRITE into one may still land (R12)
+        # a WRITE into one may still land (R12)
+        for g, credit in self.credits.of_peer(peer):
             self._credit_back(g, "", credit, None, now)
         return self._departed(now)
 
@@ -274,7 +294,8 @@ class ReaderLedger:
         self.credits.placed += 1
         if s.register(rank, peer, frozenset(msg.blocks), current=self.producers.current(pid, rank)):
             self._book.promised(pid, rank)
-        s.grant(rank)  # its WRITE is on its way: a fence is owed if the sample is dropped
+        # its WRITE is on its way: a fence is owed if the sample is dropped
+        s.grant(rank)
         landed = self.write_done(peer, credit.early, now) if credit.early is not None else []
         return landed + self._grant(now)
 
@@ -284,7 +305,8 @@ class ReaderLedger:
         refusal if it is over the token limit or not what the consumer expects."""
         if self.delivered.known(key):
             self.stats.resends_acked += 1
-            if self.delivered.resent(key, peer):  # its ack still awaited (manual mode): ack it then
+            # its ack still awaited (manual mode): ack it then
+            if self.delivered.resent(key, peer):
                 return []
             return [Send(peer, protocol.Ack(request_id=manifest.request_id))]
         if manifest.num_tokens > self.config.max_sample_tokens:
@@ -335,7 +357,8 @@ class ReaderLedger:
         that grant, or names pages a late WRITE changed."""
         pid, _ = self._ident(peer)
         s = self._samples.get((pid, msg.request_id))
-        if s is None and self.credits.stash(peer, msg):  # it overtook its Placed (R12)
+        # it overtook its Placed (R12)
+        if s is None and self.credits.stash(peer, msg):
             return []
         if s is None or s.pages is None or s.generation != msg.generation:
             return self._late_write(peer, msg, now)
@@ -395,7 +418,8 @@ class ReaderLedger:
         label = f"{pid}/rank{rank}"
         if s is None or rank not in s.shares:
             return [Log("warning", f"{label} says: {msg.code} {msg.message}")]
-        if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):  # complete and checked
+        # complete and checked
+        if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):
             return [
                 Log("warning", f"{label} gave up on {msg.request_id}, which it had delivered: {msg.message}")
             ]
@@ -525,7 +549,8 @@ class ReaderLedger:
             dropped = Log("warning", f"{label} landed after its sample was dropped")
             return [dropped, *self._page_fences_due(now)]
         if self._book.page_fences.fenced(g, rid):
-            return []  # its fence came first: the WRITE had ended before it was sent
+            # its fence came first: the WRITE had ended before it was sent
+            return []
         pages = self._book.page_fences.unfenced(g, rid)
         if pages is None:
             raise ProtocolError(f"write_done for {rid}, which it was not granted (grant {g})")
@@ -584,7 +609,8 @@ class ReaderLedger:
         sample.rewrites += 1
         if sample.rewrites > self.config.max_rewrites:
             return self._refusals.checksum(sample, rank, now)
-        if key[0] not in self.producers:  # nobody left to write it again
+        # nobody left to write it again
+        if key[0] not in self.producers:
             gone = Log("error", f"request {m.request_id}: a share failed its checksum")
             return [gone, *self._discard(sample, now, "its producer is gone")]
         sample.rewrite(rank)

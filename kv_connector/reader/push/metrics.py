@@ -26,12 +26,18 @@ PREFIX = "hidden_states_reader_"
 class RefusalReason(enum.Enum):
     """Why the reader refused a sample (it is never handed out)."""
 
-    POOL_TOO_SMALL = "pool_too_small"  # larger than the whole pool
-    CHECKSUM = "checksum"  # a share failed its checksum after every rewrite
-    LIMIT = "limit"  # more tokens than max_sample_tokens
-    UNCHECKED = "unchecked"  # a share came without the checksum this reader requires
-    TIMEOUT = "timeout"  # not complete sample_timeout_s after its pages were granted
-    MISMATCH = "mismatch"  # not the layer ids, dtype, hidden size or model the reader expects
+    # larger than the whole pool
+    POOL_TOO_SMALL = "pool_too_small"
+    # a share failed its checksum after every rewrite
+    CHECKSUM = "checksum"
+    # more tokens than max_sample_tokens
+    LIMIT = "limit"
+    # a share came without the checksum this reader requires
+    UNCHECKED = "unchecked"
+    # not complete sample_timeout_s after its pages were granted
+    TIMEOUT = "timeout"
+    # not the layer ids, dtype, hidden size or model the reader expects
+    MISMATCH = "mismatch"
 
 
 class PageState(enum.Enum):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from kv_connector.reader.push.producers import PeerId
 
-MEMORY = 4096  # grants whose wait ended, remembered for their late WriteDone
+# grants whose wait ended, remembered for their late WriteDone
+MEMORY = 4096
 
 
 @dataclass
@@ -31,9 +32,12 @@ class PageFenceWait:
 
     request_id: str
     pages: range
-    owed: set[PeerId]  # connected ranks whose WRITE may still land
-    until: float  # not before this (0.0: no writer departed with a WRITE on its way)
-    bound: float  # and not after this, fenced or not
+    # connected ranks whose WRITE may still land
+    owed: set[PeerId]
+    # not before this (0.0: no writer departed with a WRITE on its way)
+    until: float
+    # and not after this, fenced or not
+    bound: float
 
     def over(self, now: float) -> bool:
         return (not self.owed and now >= self.until) or now >= self.bound
@@ -44,7 +48,8 @@ class PageFences:
         self.quarantine_s = quarantine_s
         self.bound_s = max(bound_s, quarantine_s)
         self._memory = memory
-        self._waits: dict[int, PageFenceWait] = {}  # generation -> its wait
+        # generation -> its wait
+        self._waits: dict[int, PageFenceWait] = {}
         self._unfenced: collections.OrderedDict[int, tuple[str, range]] = collections.OrderedDict()
         self._fenced: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._next = 1

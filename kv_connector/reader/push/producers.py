@@ -22,7 +22,8 @@ class Producer:
     ranks: dict[int, PeerId] = field(default_factory=dict)
     host_cache: bool = True
     checksum: ShareChecksum = ShareChecksum.XXH3
-    credits_ahead: int = 0  # credits its one rank asked for (0 for a producer of more ranks)
+    # credits its one rank asked for (0 for a producer of more ranks)
+    credits_ahead: int = 0
 
 
 @dataclass

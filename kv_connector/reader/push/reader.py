@@ -198,7 +198,8 @@ class HiddenStatesReader:
             self._ledger.set_pages(page_bytes, pool_bytes // page_bytes)
         insecure = config.insecure
         if not secret and not insecure and isinstance(listen, str):
-            refuse_open_listen(parse_address(listen)[0], listen)  # before binding anything
+            # before binding anything
+            refuse_open_listen(parse_address(listen)[0], listen)
         lsock = listen_socket(listen)
         real_host, real_port = lsock.getsockname()[:2]
         self.address = format_address(real_host, real_port)
@@ -382,7 +383,8 @@ class HiddenStatesReader:
             held = self._ledger.view.leases()
         if len(held) < self.max_leases:
             return
-        gc.collect()  # leases whose tensors are only in reference cycles
+        # leases whose tensors are only in reference cycles
+        gc.collect()
         with self._lock:
             self._server.take_releases()
             held = self._ledger.view.leases()
@@ -420,7 +422,8 @@ class HiddenStatesReader:
         with self._lock:
             got = self._ledger.hand_out(key, time.monotonic())
             if got is None:
-                return None  # discarded since it was queued
+                # discarded since it was queued
+                return None
             ready, actions = got
             self._server.perform(actions)
         t0 = time.perf_counter()

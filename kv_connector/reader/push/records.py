@@ -20,18 +20,22 @@ from kv_connector.reader.push.sample_states import SampleState as SampleState
 from kv_connector.wire import protocol
 from kv_connector.wire.protocol import ProtocolError, ShareChecksum
 
-Key = tuple[str, str]  # (producer id, request id)
+# (producer id, request id)
+Key = tuple[str, str]
 
 
 class RequireChecksum(enum.Enum):
-    AUTO = "auto"  # from producers whose cache is in host memory (hashing it costs little)
+    # from producers whose cache is in host memory (hashing it costs little)
+    AUTO = "auto"
     ALWAYS = "always"
     NEVER = "never"
 
 
 class AckMode(enum.Enum):
-    ON_TAKE = "on_take"  # the producer is acked when the sample is handed out
-    MANUAL = "manual"  # when the user calls ``ack`` (e.g. once it is durably written)
+    # the producer is acked when the sample is handed out
+    ON_TAKE = "on_take"
+    # when the user calls ``ack`` (e.g. once it is durably written)
+    MANUAL = "manual"
 
 
 @dataclass(frozen=True)
@@ -98,15 +102,21 @@ class Share:
 
     blocks: frozenset[int]
     peer: PeerId
-    landing: int = 0  # how many times its WRITE landed (a Rewrite lands again)
+    # how many times its WRITE landed (a Rewrite lands again)
+    landing: int = 0
     landed: bool = False
     digest: int | None = None
-    digest_due: bool = False  # it landed saying its digest follows
-    early_digest: int | None = None  # a ShareDigest that came before its WriteDone
+    # it landed saying its digest follows
+    digest_due: bool = False
+    # a ShareDigest that came before its WriteDone
+    early_digest: int | None = None
     checked: bool = False
-    checking: int | None = None  # the landing being checked
-    screen: RowsScreen | None = None  # its rows' values screen, read with its check (fingerprints)
-    in_flight: bool = False  # sent a Grant or Rewrite, its WriteDone not come yet (a fence owed)
+    # the landing being checked
+    checking: int | None = None
+    # its rows' values screen, read with its check (fingerprints)
+    screen: RowsScreen | None = None
+    # sent a Grant or Rewrite, its WriteDone not come yet (a fence owed)
+    in_flight: bool = False
 
     def land(self, msg: protocol.WriteDone) -> None:
         """Its WRITE landed (again): not checked yet; its digest came with it, follows, or
@@ -136,13 +146,16 @@ class SampleRecord:
     world_size: int
     num_pages: int
     state: SampleState = SampleState.PROMISED
-    shares: dict[int, Share] = field(default_factory=dict)  # rank -> its share
+    # rank -> its share
+    shares: dict[int, Share] = field(default_factory=dict)
     pages: range | None = None
-    generation: int = 0  # of its grant of pages (0: none yet); every WRITE into them names it
+    # of its grant of pages (0: none yet); every WRITE into them names it
+    generation: int = 0
     rewrites: int = 0
     t_granted: float = 0.0
     t_handed_out: float = 0.0
-    t_requested: float = 0.0  # its first credit request
+    # its first credit request
+    t_requested: float = 0.0
 
     @property
     def peers(self) -> dict[int, PeerId]:
@@ -160,7 +173,8 @@ class SampleRecord:
                 raise ProtocolError(f"rank {rank} asked twice for {rid}")
             if share.blocks != blocks:
                 raise ProtocolError(f"rank {rank} changed its share of {rid}")
-            share.peer = peer  # the rank reconnected: it resends into the same pages
+            # the rank reconnected: it resends into the same pages
+            share.peer = peer
         else:
             for r, other in self.shares.items():
                 if blocks & other.blocks:
@@ -186,7 +200,8 @@ class SampleRecord:
             if not share.landed or share.checked or share.checking is not None:
                 continue
             if not verify or (share.digest is None and not share.digest_due):
-                share.checked = True  # nothing to check it against
+                # nothing to check it against
+                share.checked = True
             elif share.digest is not None:
                 share.checking = share.landing
                 actions.append(Verify(self.key, rank, share.landing, share.digest, checksum))

@@ -35,13 +35,17 @@ from kv_connector.wire.transport import Region, Transport, TransportError
 
 log = logging.getLogger("kv_connector.reader.push.reader")
 
-PAGE_ALIGN = 64  # pool pages are multiples of this, so any dtype can view them
-LEASE_LOG_S = 10.0  # at most one line per this while producers wait on held leases
+# pool pages are multiples of this, so any dtype can view them
+PAGE_ALIGN = 64
+# at most one line per this while producers wait on held leases
+LEASE_LOG_S = 10.0
 # deadlines (handshakes, samples, fences, departures) are looked at no oftener than this: the
 # busy poll turns many times a sample, and its deadlines are seconds long
 HOUSEKEEPING_S = 0.005
-MAX_CONNECTIONS = 1024  # or half the file descriptors the process may open, if fewer
-MAX_UNPROVEN_PER_HOST = 32  # connections of one host still in their handshake
+# or half the file descriptors the process may open, if fewer
+MAX_CONNECTIONS = 1024
+# connections of one host still in their handshake
+MAX_UNPROVEN_PER_HOST = 32
 
 
 def round_page(nbytes: int) -> int:
@@ -108,12 +112,14 @@ class ReaderServer:
         self._wake_lock = threading.Lock()
         self._released: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._checker = ShareChecker(pool, ledger, lock, self.perform, parts.screen)
-        self._lease_fences = pool.lease_fences  # lease ends waiting for a GPU's queued work
+        # lease ends waiting for a GPU's queued work
+        self._lease_fences = pool.lease_fences
         self._device = pool.device
         self._last_lease_log = 0.0
         self._last_housekeeping = 0.0
         self._conns: dict[PeerId, _Conn] = {}
-        self._by_agent: dict[str, _Conn] = {}  # connected and departing producers' agents
+        # connected and departing producers' agents
+        self._by_agent: dict[str, _Conn] = {}
         self._departing: dict[PeerId, _Conn] = {}
         self._next_id = 1
         self._accept_paused_until = 0.0
@@ -143,10 +149,12 @@ class ReaderServer:
 
     def close(self) -> None:
         self._closed = True
-        self.release(("", ""))  # wake the thread
+        # wake the thread
+        self.release(("", ""))
         self.thread.join(timeout=10)
         self._checker.close()
-        with self._wake_lock:  # a lease may end after the reader closed: nothing to wake then
+        # a lease may end after the reader closed: nothing to wake then
+        with self._wake_lock:
             os.close(self._wake_w)
             self._wake_w = -1
         with self._lock:
@@ -185,7 +193,8 @@ class ReaderServer:
             self._drop(connection, "it stopped reading")
             return
         except ConnectionClosed:
-            return  # its reading side will report it
+            # its reading side will report it
+            return
         if connection.conn.pending_out:
             self._writing.add(connection.id)
 
@@ -209,7 +218,8 @@ class ReaderServer:
 
     # ------------------------------------------------------------ the loop
     def _run(self) -> None:
-        on_device(self._device)  # it drives the agent holding a GPU pool's registration (UCX's CUDA IPC)
+        # it drives the agent holding a GPU pool's registration (UCX's CUDA IPC)
+        on_device(self._device)
         while not self._closed:
             with self._lock:
                 due = self._ledger.view.expecting_writes or self._ledger.view.departing
@@ -240,7 +250,8 @@ class ReaderServer:
                     busy |= self._poll_notifs()
                     self._housekeeping()
                     self._flush_writers()
-                except Exception:  # never let one bad event stop the reader
+                # never let one bad event stop the reader
+                except Exception:
                     log.exception("hidden-states reader: unexpected error while serving")
                     time.sleep(0.01)
             self._poller.after(busy)
@@ -248,7 +259,8 @@ class ReaderServer:
     def take_releases(self) -> None:
         """Return the pages of the leases that ended (call with the lock held)."""
         self._lease_fences.settle()
-        self._checker.settle()  # checks queued on a device pool's stream, read once done
+        # checks queued on a device pool's stream, read once done
+        self._checker.settle()
         now = time.monotonic()
         while True:
             try:
@@ -296,7 +308,8 @@ class ReaderServer:
             sock, addr = self._lsock.accept()
         except BlockingIOError:
             return
-        except OSError as e:  # e.g. EMFILE under a flood: pause accepting, keep serving
+        # e.g. EMFILE under a flood: pause accepting, keep serving
+        except OSError as e:
             log.warning("cannot accept a control connection (%s); pausing accepts for 0.2 s", e)
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(self._lsock)
@@ -325,7 +338,8 @@ class ReaderServer:
             host=host,
         )
         self._next_id += 1
-        c.conn.never_block()  # nothing a peer does may block the serving thread
+        # nothing a peer does may block the serving thread
+        c.conn.never_block()
         c.conn.max_frame = c.hs.frame_limit
         self._conns[c.id] = c
         self._sel.register(sock, selectors.EVENT_READ, c)
@@ -387,21 +401,25 @@ class ReaderServer:
         h = connection.hs.hello
         assert h is not None
         old = self._by_agent.get(h.agent_name)
-        if old is not None and old.id in self._conns:  # a replay of a connected producer's metadata
+        # a replay of a connected producer's metadata
+        if old is not None and old.id in self._conns:
             raise ProtocolError(f"agent {h.agent_name!r} is in use by a connected producer")
-        if old is not None:  # the same agent reconnecting while its departure's grace runs
+        # the same agent reconnecting while its departure's grace runs
+        if old is not None:
             self._transport.remove_peer(h.agent_name)
             del self._by_agent[h.agent_name]
         try:
             agent = self._transport.add_peer(auth.agent_metadata)
         except TransportError as e:
             raise ProtocolError(str(e)) from None
-        if agent in self._by_agent:  # another producer's metadata
+        # another producer's metadata
+        if agent in self._by_agent:
             raise ProtocolError(f"agent {agent!r} is in use by a connected producer")
         if agent != h.agent_name:
             self._transport.remove_peer(agent)
             raise ProtocolError(f"agent name {agent!r} does not match the hello's {h.agent_name!r}")
-        if self._ledger.view.pool is None:  # only a producer that completed its handshake decides
+        # only a producer that completed its handshake decides
+        if self._ledger.view.pool is None:
             page = min(round_page(h.block_bytes), self._region.nbytes // PAGE_ALIGN * PAGE_ALIGN)
             self._ledger.set_pages(page, self._region.nbytes // page)
             log.info(
