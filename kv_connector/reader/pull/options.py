@@ -5,8 +5,11 @@ all take."""
 
 from __future__ import annotations
 
-from kv_connector.common.errors import ConfigurationError
-from kv_connector.reader.options import ClientOptions
+from typing import Annotated
+
+import msgspec
+
+from kv_connector.reader.options import DEFAULT_POOL_BYTES, ClientOptions, PositiveSeconds
 from kv_connector.reader.pull.links import PAGE_BYTES
 
 FETCH_TIMEOUT_S = 60.0
@@ -25,15 +28,10 @@ class PullOptions(ClientOptions, frozen=True, kw_only=True, forbid_unknown_field
     fetch with ``FetchError("mismatch")`` before it is READ, and its producer frees it.
     """
 
-    timeout_s: float = FETCH_TIMEOUT_S
+    # at least one page
+    pool_bytes: Annotated[int, msgspec.Meta(ge=PAGE_BYTES)] = DEFAULT_POOL_BYTES
+    timeout_s: PositiveSeconds = FETCH_TIMEOUT_S
     shared_pool: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.pool_bytes < PAGE_BYTES:
-            raise ConfigurationError(f"pool_bytes must be at least {PAGE_BYTES}, got {self.pool_bytes}")
-        if not self.timeout_s > 0:
-            raise ConfigurationError(f"timeout_s must be positive, got {self.timeout_s}")
 
 
 __all__ = ["FETCH_TIMEOUT_S", "PullOptions"]

@@ -19,10 +19,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from msgspec.structs import force_setattr
-
 from kv_connector.common.errors import ClosedError, ConfigurationError, StateError
-from kv_connector.reader.options import ClientOptions, options_of
+from kv_connector.reader.options import BoundSocket, ClientOptions, PositiveInt, PositiveSeconds, options_of
 from kv_connector.reader.pool.hand_out import hand_out, values_verdict
 from kv_connector.reader.pool.lease import CopyBuffers, Sample
 from kv_connector.reader.pool.memory import make_pool, register_pool
@@ -113,41 +111,28 @@ class ReaderConfig(ClientOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     that differs from ``expect`` is refused when its producer asks for pages.
     """
 
-    listen: str | socket.socket = "127.0.0.1:0"
-    page_bytes: int | None = None
+    listen: str | BoundSocket = "127.0.0.1:0"
+    page_bytes: PositiveInt | None = None
     ack: AckMode = AckMode.ON_TAKE
     verify: bool = True
-    max_leases: int = DEFAULT_MAX_LEASES
+    max_leases: PositiveInt = DEFAULT_MAX_LEASES
     require_checksum: RequireChecksum = RequireChecksum.AUTO
-    sample_timeout_s: float = SAMPLE_TIMEOUT_S
+    sample_timeout_s: PositiveSeconds = SAMPLE_TIMEOUT_S
     insecure: bool = False
-    metrics_address: str | socket.socket | None = None
+    metrics_address: str | BoundSocket | None = None
     node_pool: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.node_pool and self.pool_device is not None:
             raise ConfigurationError("node_pool offers a host pool to producers: leave pool_device unset")
-        try:
-            force_setattr(self, "ack", AckMode(self.ack))
-        except ValueError:
-            raise ConfigurationError(f"ack must be 'on_take' or 'manual', got {self.ack!r}") from None
-        try:
-            force_setattr(self, "require_checksum", RequireChecksum(self.require_checksum))
-        except ValueError:
-            choices = ", ".join(repr(c.value) for c in RequireChecksum)
-            raise ConfigurationError(
-                f"require_checksum must be one of {choices}, got {self.require_checksum!r}"
-            ) from None
-        if not self.sample_timeout_s > 0:
-            raise ConfigurationError(f"sample_timeout_s must be positive, got {self.sample_timeout_s}")
-        if self.max_leases <= 0:
-            raise ConfigurationError(f"max_leases must be positive, got {self.max_leases}")
-        if self.page_bytes is not None:
-            page_bytes = round_page(self.page_bytes)
-            if page_bytes > self.pool_bytes:
-                raise ConfigurationError(f"page_bytes {page_bytes} exceeds pool_bytes {self.pool_bytes}")
-            force_setattr(self, "page_bytes", page_bytes)
+        if self.page_size is not None and self.page_size > self.pool_bytes:
+            raise ConfigurationError(f"page_bytes {self.page_size} exceeds pool_bytes {self.pool_bytes}")
+
+    @property
+    def page_size(self) -> int | None:
+        """``page_bytes`` rounded up to a multiple of 64 (None: the first producer's block)."""
+        return None if self.page_bytes is None else round_page(self.page_bytes)
 
 
 class HiddenStatesReader:
@@ -177,7 +162,7 @@ class HiddenStatesReader:
         **options: Any,
     ) -> None:
         self.config = config = options_of(ReaderConfig, config, options)
-        listen, pool_bytes, page_bytes = config.listen, config.pool_bytes, config.page_bytes
+        listen, pool_bytes, page_bytes = config.listen, config.pool_bytes, config.page_size
         self.max_leases = config.max_leases
         self._copy = config.copy
         self._check_values = config.check_values
@@ -397,7 +382,7 @@ class HiddenStatesReader:
             )
 
     def _bad_values(self, key: Key) -> bool:
-        """Check a VERIFIED sample's states where they lie (nothing writes a verified
+        """Check a CHECKED sample's states where they lie (nothing writes a checked
         sample's pages, so outside the lock); a bad one is rejected. True if it was."""
         with self._lock:
             ready = self._ledger.ready_sample(key)

@@ -26,10 +26,15 @@ from kv_connector.reader.agent.wire import AgentConfig
 
 
 def test_kinds_given_as_strings_become_their_types_and_pages_round_up() -> None:
-    c = ReaderConfig(ack="manual", require_checksum="never", pool_bytes=1 << 20, page_bytes=100)  # type: ignore[arg-type]
+    c = ReaderConfig.of(ack="manual", require_checksum="never", pool_bytes=1 << 20, page_bytes=100)
     assert c.ack is AckMode.MANUAL and c.require_checksum is RequireChecksum.NEVER
-    assert c.page_bytes == 128  # a multiple of 64
-    assert ReaderConfig() == ReaderConfig(ack=AckMode.ON_TAKE)
+    assert c.page_bytes == 100 and c.page_size == 128  # a multiple of 64
+    assert ReaderConfig() == ReaderConfig(ack=AckMode.ON_TAKE) == ReaderConfig.of(ack="on_take")
+    # a record built directly holds its types: a string for a kind is refused, naming both ways
+    named = r"ReaderConfig.ack takes a AckMode.*ReaderConfig.of\(ack='manual'\)"
+    with pytest.raises(ValueError, match=named):
+        ReaderConfig(ack="manual")  # type: ignore[arg-type]
+    assert PullOptions.of(timeout_s=2.5, copy=True) == PullOptions(timeout_s=2.5, copy=True)
 
 
 @pytest.mark.parametrize(
@@ -46,6 +51,8 @@ def test_kinds_given_as_strings_become_their_types_and_pages_round_up() -> None:
 def test_a_bad_value_is_refused_by_name(kw: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         ReaderConfig(**kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=named):
+        ReaderConfig.of(**kw)
 
 
 def test_the_reader_takes_a_config_or_keywords_not_both() -> None:
