@@ -20,7 +20,7 @@ import torch
 from kv_connector.cache.hasher import own_stream
 from kv_connector.common.errors import ConfigurationError, IntegrityError
 from kv_connector.wire import fingerprint, protocol
-from kv_connector.wire.block_digest import cache_block_digests, share_digest
+from kv_connector.wire.block_digest import cache_block_digests, checksum_of_digests
 from kv_connector.wire.identity import SampleIdentity
 from kv_connector.wire.integrity import block_checksum, manifest_bytes, spans_of_sample
 from kv_connector.wire.layout import BlockLayout, stripe
@@ -123,7 +123,7 @@ def share_block_digest(raw: torch.Tensor, job: ShareOf, pitch: int | None = None
     cache = blocks.view(getattr(torch, g.dtype)).view(-1, *g.block_shape())
     with own_stream(raw.device):
         digests = cache_block_digests(cache, m, job.block_ids, job.share)
-    return share_digest(m, job.share, digests)
+    return checksum_of_digests(m, job.share, digests)
 
 
 class CacheBlocks:

@@ -1,4 +1,4 @@
-"""Where the producer computes a share's digest: a thread of its own (``Hasher``), so
+"""Where the producer computes a share's checksum: a thread of its own (``Hasher``), so
 that the WRITE path never waits on the GIL for it, and on a GPU a stream of that
 thread's own (``own_stream``). What is computed is ``blocks``'s."""
 
@@ -16,7 +16,7 @@ from kv_connector.common.device import on_device
 
 
 class Hasher:
-    """One thread computing digests in submission order. Not a ThreadPoolExecutor:
+    """One thread computing checksums in submission order. Not a ThreadPoolExecutor:
     those refuse work once the interpreter starts exiting, which is exactly when a
     worker's shutdown drains its last samples."""
 
@@ -34,7 +34,7 @@ class Hasher:
         return fut
 
     def _run(self) -> None:
-        # the cache's GPU, before any digest reads it
+        # the cache's GPU, before any checksum reads it
         on_device(self._device)
         while (item := self._q.get()) is not None:
             fn, fut = item

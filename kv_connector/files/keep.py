@@ -111,7 +111,7 @@ def claim_folder(root: Path | str, describes: dict[str, str]) -> dict[str, str]:
     return theirs
 
 
-def digest(tensor: torch.Tensor) -> str:
+def xxh3_of(tensor: torch.Tensor) -> str:
     """XXH3-64 of one tensor's bytes (hex)."""
     return xxhash.xxh3_64_hexdigest(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
@@ -121,11 +121,11 @@ def parts_record(tensors: dict[str, torch.Tensor]) -> str:
     the fp8 scales; what a read of some layers verifies without the others' bytes."""
     states = tensors["hidden_states"]
     parts: dict[str, object] = {
-        "token_ids": digest(tensors["token_ids"]),
-        "layers": [digest(states[:, p]) for p in range(states.shape[1])],
+        "token_ids": xxh3_of(tensors["token_ids"]),
+        "layers": [xxh3_of(states[:, p]) for p in range(states.shape[1])],
     }
     if SCALES_KEY in tensors:
-        parts["scales"] = digest(tensors[SCALES_KEY])
+        parts["scales"] = xxh3_of(tensors[SCALES_KEY])
     return json.dumps(parts)
 
 
@@ -233,10 +233,10 @@ class RowStore:
         sliced = row_file.get_slice("hidden_states")
         layers = [sliced[:, p : p + 1] for p in positions]
         scales = row_file.get_tensor(SCALES_KEY) if SCALES_KEY in row_file.keys() else None  # noqa: SIM118
-        bad = digest(tokens) != parts["token_ids"] or any(
-            digest(t[:, 0]) != parts["layers"][p] for t, p in zip(layers, positions, strict=True)
+        bad = xxh3_of(tokens) != parts["token_ids"] or any(
+            xxh3_of(t[:, 0]) != parts["layers"][p] for t, p in zip(layers, positions, strict=True)
         )
-        if scales is not None and digest(scales) != parts.get("scales"):
+        if scales is not None and xxh3_of(scales) != parts.get("scales"):
             bad = True
         if bad:
             self._set_aside(path, "a layer's or its tokens' record does not match its bytes")

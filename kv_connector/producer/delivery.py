@@ -44,7 +44,7 @@ class Admission:
 
 
 class DeliveryBook:
-    """Admission verdicts and outcomes. Its state of a request lives in the request's
+    """Admission answers and outcomes. Its state of a request lives in the request's
     ``RequestRecord``, shared with the planner through ``table``."""
 
     def __init__(
@@ -88,7 +88,7 @@ class DeliveryBook:
         self.table.ensure(request_id).failed = SampleFailure(FailureReason.REQUEST_ID, why)
 
     def decided(self, request_id: str) -> Admission | None:
-        """The verdict a request already has, or None.
+        """The answer a request already has, or None.
 
         An admitted request always runs, even when it is preempted and recomputed; a failed
         one runs without shipping."""

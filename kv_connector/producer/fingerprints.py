@@ -25,7 +25,7 @@ import torch
 from kv_connector.cache.blocks import CacheBlocks
 from kv_connector.common.device import DeviceEvent, HostDone
 from kv_connector.common.errors import IntegrityError
-from kv_connector.producer.planning import StepExpect
+from kv_connector.producer.planning import StepSlots
 from kv_connector.wire import fingerprint
 from kv_connector.wire.protocol import Manifest
 
@@ -121,19 +121,19 @@ class Fingerprints:
         self.block_size = block_size
         self._samples: dict[str, SampleWords] = {}
 
-    def take(self, expect: StepExpect, last: Mapping[str, int] | None = None) -> None:
+    def take(self, planned: StepSlots, last: Mapping[str, int] | None = None) -> None:
         """Takes this step's positions, on the engine's thread after the drafter.
 
-        One gather, and nothing waits for the device. ``expect``: where the step's slices
+        One gather, and nothing waits for the device. ``planned``: where the step's slices
         were written. ``last``: the last position of each sample that ships in this step."""
-        singles = expect.singles
+        singles = planned.singles
         # a decode step's one-position slices, as columns: (request ids, positions, _, blocks)
         rids, firsts, _, cache_blocks = zip(*singles, strict=True) if singles else ((), (), (), ())
         runs: list[Run] = []
         pos = [np.array(firsts, dtype=np.int64)]
         blk = [np.array(cache_blocks, dtype=np.int64)]
         bs = self.block_size
-        for e in expect.spans:
+        for e in planned.spans:
             # the positions its table covers (the slot check fails the rest by name)
             n = min(e.num_tokens, (e.first_block + len(e.blocks)) * bs - e.start)
             if n <= 0:

@@ -265,7 +265,7 @@ class SlotMismatch(IntegrityError):
 
 
 @dataclass(frozen=True)
-class Expected:
+class SlotSpan:
     """Where a slice's positions ``start .. start + num_tokens - 1`` must have been written:
     block ``first_block + k`` of the request is cache block ``blocks[k]``."""
 
@@ -276,18 +276,18 @@ class Expected:
     blocks: tuple[int, ...]
 
 
-def check_slots(slots: Sequence[int], expected: Sequence[Expected], block_size: int) -> dict[str, str]:
+def check_slots(slots: Sequence[int], planned: Sequence[SlotSpan], block_size: int) -> dict[str, str]:
     """Check each slice against the slot mapping the cache-only layer wrote with; {request_id: error}.
 
     A slice's rows are found by the slot of its first position. Every slot of them must sit at
     its position's offset in the block its table names.
     """
-    if not expected:
+    if not planned:
         return {}
     bs = block_size
     row_of: dict[int, int] = {s: i for i, s in enumerate(slots) if s >= 0}
     errors: dict[str, str] = {}
-    for e in expected:
+    for e in planned:
         row = row_of.get(e.blocks[0] * bs + e.start % bs)
         if row is None or row + e.num_tokens > len(slots):
             errors[e.request_id] = (
@@ -312,18 +312,18 @@ def check_slots(slots: Sequence[int], expected: Sequence[Expected], block_size: 
 
 
 @dataclass
-class StepExpect:
+class StepSlots:
     """Where a step's slices must have been written, for ``check_step``.
 
-    A one-position slice (a decode step) is kept as its expected slot alone, the common case
+    A one-position slice (a decode step) is kept as its planned slot alone, the common case
     that must stay cheap. It passes ``check_slots`` exactly when that slot is non-negative and in
-    the slot mapping. Longer slices are kept as ``Expected``.
+    the slot mapping. Longer slices are kept as ``SlotSpan``.
     """
 
     # one-position slices: (request_id, position, block index, cache block), and their slots
     singles: list[tuple[str, int, int, int]] = field(default_factory=list)
     firsts: list[int] = field(default_factory=list)
-    spans: list[Expected] = field(default_factory=list)
+    spans: list[SlotSpan] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.firsts or self.spans)
@@ -331,9 +331,9 @@ class StepExpect:
     def __len__(self) -> int:
         return len(self.firsts) + len(self.spans)
 
-    def expected(self) -> list[Expected]:
-        """Every slice as an ``Expected`` (the one-position ones first)."""
-        return [Expected(rid, p, 1, j, (b,)) for rid, p, j, b in self.singles] + self.spans
+    def all_spans(self) -> list[SlotSpan]:
+        """Every slice as an ``SlotSpan`` (the one-position ones first)."""
+        return [SlotSpan(rid, p, 1, j, (b,)) for rid, p, j, b in self.singles] + self.spans
 
 
 # a slot mapping's stable argsort, and its slots in that order
@@ -347,9 +347,9 @@ def sort_slots(slots: np.ndarray) -> SortedSlots:
 
 
 def check_step(
-    slots: Sequence[int] | np.ndarray, expect: StepExpect, block_size: int, ranked: SortedSlots | None = None
+    slots: Sequence[int] | np.ndarray, planned: StepSlots, block_size: int, ranked: SortedSlots | None = None
 ) -> dict[str, str]:
-    """``check_slots`` for a step's ``StepExpect``: the same failures, with the same messages.
+    """``check_slots`` for a step's ``StepSlots``: the same failures, with the same messages.
 
     One-position slices are checked at once against the set of slots written. Longer ones compare
     their rows with the slots their table gives (``_spans_off``). Only those that fail go through
@@ -360,19 +360,19 @@ def check_step(
     # the slots as Python ints, made when a Python path needs them
     listed: list[int] = []
     errors: dict[str, str] = {}
-    if expect.spans:
-        off = _spans_off(arr, expect.spans, block_size, ranked or sort_slots(arr))
+    if planned.spans:
+        off = _spans_off(arr, planned.spans, block_size, ranked or sort_slots(arr))
         if off:
             listed = arr.tolist()
             errors.update(check_slots(listed, off, block_size))
-    firsts = expect.firsts
+    firsts = planned.firsts
     if firsts:
         listed = listed or arr.tolist()
         written = set(listed)
         if min(firsts) < 0 or not written.issuperset(firsts):
             bad = [
-                Expected(rid, p, 1, j, (b,))
-                for (rid, p, j, b), x in zip(expect.singles, firsts, strict=True)
+                SlotSpan(rid, p, 1, j, (b,))
+                for (rid, p, j, b), x in zip(planned.singles, firsts, strict=True)
                 if x < 0 or x not in written
             ]
             errors.update(check_slots(listed, bad, block_size))
@@ -380,8 +380,8 @@ def check_step(
 
 
 def _spans_off(
-    slots: np.ndarray, spans: Sequence[Expected], bs: int, sorted_slots: SortedSlots
-) -> list[Expected]:
+    slots: np.ndarray, spans: Sequence[SlotSpan], bs: int, sorted_slots: SortedSlots
+) -> list[SlotSpan]:
     """The slices ``check_slots`` may fail, found with a few array operations a slice.
 
     A slice passes there exactly when the rows from the last row holding its first slot hold, one
@@ -392,7 +392,7 @@ def _spans_off(
     order, ranked = sorted_slots
     if bool(np.any((ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0))):
         return list(spans)
-    off: list[Expected] = []
+    off: list[SlotSpan] = []
     for e in spans:
         first = e.blocks[0] * bs + e.start % bs
         k = int(np.searchsorted(ranked, first))
@@ -429,7 +429,7 @@ class BlockRecorder:
         self._blocks.pop(request_id, None)
         self._tables.pop(request_id, None)
 
-    def expect(self, slices: Sequence[StepSlice]) -> tuple[StepExpect, dict[str, str]]:
+    def slots_of(self, slices: Sequence[StepSlice]) -> tuple[StepSlots, dict[str, str]]:
         """Apply each slice's part of its block table and say where its positions must have been written.
 
         It returns those, for ``check_step`` once the slot mapping is on the host, and {request_id:
@@ -437,7 +437,7 @@ class BlockRecorder:
         every running request, so it costs a few operations a slice.
         """
         bs = self.block_size
-        out = StepExpect()
+        out = StepSlots()
         singles, firsts, spans = out.singles, out.firsts, out.spans
         tables = self._tables
         errors: dict[str, str] = {}
@@ -463,7 +463,7 @@ class BlockRecorder:
                 firsts.append(b * bs + start % bs)
             else:
                 j1 = (start + n - 1) // bs
-                spans.append(Expected(rid, start, n, j0, tuple(table[j0 : j1 + 1])))
+                spans.append(SlotSpan(rid, start, n, j0, tuple(table[j0 : j1 + 1])))
         return out, errors
 
     def record(self, slots: Sequence[int], slices: Sequence[StepSlice]) -> dict[str, str]:
@@ -471,10 +471,10 @@ class BlockRecorder:
         blocks they wrote; returns {request_id: error} for slices that do not match."""
         if not slices:
             return {}
-        expect, errors = self.expect(slices)
-        found = check_step(slots, expect, self.block_size)
+        planned, errors = self.slots_of(slices)
+        found = check_step(slots, planned, self.block_size)
         errors.update(found)
-        for e in expect.expected():
+        for e in planned.all_spans():
             if e.request_id not in found:
                 rec = self._blocks.setdefault(e.request_id, {})
                 rec.update((e.first_block + k, b) for k, b in enumerate(e.blocks))

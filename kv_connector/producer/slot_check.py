@@ -9,11 +9,11 @@ CPU a stand-in that is always done takes the event's place, and the same code ru
 A step is checked (``planning.check_step``) once its event is done, in step order, by
 whoever asks first. That is the worker side at its next hook, or a sender thread asking a
 ``StepGate`` whether a request's blocks may be read. Until then nothing reads them: the
-sender holds the request's job (no credit request, no digest, no WRITE).
+sender holds the request's job (no credit request, no checksum, no WRITE).
 
 The same step's input ids travel beside its slot mapping: the tokens the forward pass
 computed each row from. Each slice's rows are kept. A shipped sample's token ids are
-compared with them once its last step is checked (``expect_tokens``). A position computed
+compared with them once its last step is checked (``compare_tokens``). A position computed
 from another token than the sample names fails the sample by name; checksums cannot see
 it. vLLM #56417 is such a case: a drafter fed back another token than the one committed.
 """
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kv_connector.common.device import DeviceEvent, HostDone
-from kv_connector.producer.planning import SortedSlots, StepExpect, check_step, first_rows, sort_slots
+from kv_connector.producer.planning import SortedSlots, StepSlots, check_step, first_rows, sort_slots
 
 # positions a token mismatch names
 MAX_NAMED = 3
@@ -40,7 +40,7 @@ class _Step:
     done: DeviceEvent
     # on the host once ``done``
     slots: torch.Tensor | None
-    expected: StepExpect
+    planned: StepSlots
     # the step's input ids, row for row with ``slots``
     inputs: torch.Tensor | None = None
 
@@ -65,11 +65,11 @@ class SlotChecks:
         self._due: list[tuple[int, str, tuple[int, ...]]] = []
 
     def add(
-        self, slots: torch.Tensor | None, expected: StepExpect, inputs: torch.Tensor | None = None
+        self, slots: torch.Tensor | None, planned: StepSlots, inputs: torch.Tensor | None = None
     ) -> StepGate:
         """Adds the step that just ran, on the calling thread after its drafter.
 
-        ``slots``: its slot mapping, None when the step wrote no slots. ``expected``: where
+        ``slots``: its slot mapping, None when the step wrote no slots. ``planned``: where
         its slices must be. ``inputs``: its input ids, at least as many rows as the slot
         mapping (None: not checked)."""
         if slots is not None and inputs is not None:
@@ -84,16 +84,16 @@ class SlotChecks:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             # on the engine's current stream: after the drafter and the copies
             event.record()
-            step = _Step(self._next, event, host, expected, ids)
+            step = _Step(self._next, event, host, planned, ids)
         else:
             ids = inputs.to("cpu", copy=True) if inputs is not None and slots is not None else None
-            step = _Step(self._next, HostDone(), slots, expected, ids)
+            step = _Step(self._next, HostDone(), slots, planned, ids)
         self._next += 1
         with self._lock:
             self._pending.append(step)
         return StepGate(self, step.seq)
 
-    def expect_tokens(self, request_id: str, token_ids: tuple[int, ...], seq: int) -> None:
+    def compare_tokens(self, request_id: str, token_ids: tuple[int, ...], seq: int) -> None:
         """A sample ships ``token_ids`` from blocks written up to step ``seq``.
 
         Each of its positions computed in a checked step must have been computed from that
@@ -131,12 +131,12 @@ class SlotChecks:
                 return
             self._pending.popleft()
             self._settled = step.seq
-            if step.slots is not None and step.expected:
+            if step.slots is not None and step.planned:
                 slots = step.slots.numpy()
                 # one sort serves both checks; a step of one-position slices needs none
-                needed = bool(step.expected.spans) or step.inputs is not None
+                needed = bool(step.planned.spans) or step.inputs is not None
                 ranked = sort_slots(slots) if needed else None
-                for rid, why in check_step(slots, step.expected, self.block_size, ranked).items():
+                for rid, why in check_step(slots, step.planned, self.block_size, ranked).items():
                     self._fail(rid, why)
                 if step.inputs is not None:
                     self._keep_inputs(slots, step, ranked)
@@ -156,7 +156,7 @@ class SlotChecks:
         failed their check is failed already). One-position slices (decode steps) in one
         gather: a step may hold hundreds."""
         assert step.inputs is not None
-        ids, ex, failed, kept = step.inputs.numpy(), step.expected, self.failed, self._inputs
+        ids, ex, failed, kept = step.inputs.numpy(), step.planned, self.failed, self._inputs
         spans = ex.spans
         firsts = np.asarray(
             [*ex.firsts, *(e.blocks[0] * self.block_size + e.start % self.block_size for e in spans)],

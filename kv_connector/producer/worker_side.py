@@ -325,16 +325,16 @@ class WorkerSide:
         if plan.slices and slots is None:
             errors = {sl.request_id: "the cache-only layer wrote no slots this step" for sl in plan.slices}
         elif plan.slices or plan.ships:
-            expected, errors = self.recorder.expect(plan.slices)
+            planned, errors = self.recorder.slots_of(plan.slices)
             if self.fingerprints is not None:
                 # the words of the slots this step wrote, now (knowing the last of those that ship);
                 # a failure fails the step's requests by name, never the engine's step
                 try:
-                    self.fingerprints.take(expected, {o.request_id: len(o.token_ids) - 1 for o in plan.ships})
+                    self.fingerprints.take(planned, {o.request_id: len(o.token_ids) - 1 for o in plan.ships})
                 except Exception as e:
                     log.exception("fingerprints of this step's slots could not be taken")
                     errors.update({sl.request_id: f"fingerprints not taken: {e}" for sl in plan.slices})
-            gate = self.checks.add(slots if plan.slices else None, expected, self._input_ids)
+            gate = self.checks.add(slots if plan.slices else None, planned, self._input_ids)
         errors.update(self.checks.settle())
         return gate, errors
 
@@ -353,7 +353,7 @@ class WorkerSide:
             try:
                 blocks = self.recorder.ship_blocks(len(order.token_ids), order.block_ids)
                 if gate is not None and self._input_ids is not None:
-                    self.checks.expect_tokens(rid, order.token_ids, gate.seq)
+                    self.checks.compare_tokens(rid, order.token_ids, gate.seq)
                 done, wrong = gate.poll(rid) if gate is not None else (True, None)
                 if wrong is not None:
                     raise SlotMismatch(wrong)

@@ -14,7 +14,7 @@ States of a job (``JobState``), on the current connection to the reader, and its
     REQUESTED -- granted ---------> GRANTED     pages granted; WRITE due
     WAITING   -- placed ----------> GRANTED     a new job placed in a credit held ahead
                                                 (``Placed`` sent, no round trip); WRITE due
-    GRANTED   -- write_posted ----> WRITING     at most one WRITE in flight; its digest
+    GRANTED   -- write_posted ----> WRITING     at most one WRITE in flight; its checksum
                                                 rides with it, or follows
     GRANTED   -- nothing_to_write > WRITTEN     this rank has no block of it
     WRITING   -- write_completed -> WRITTEN

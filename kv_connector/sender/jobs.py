@@ -1,5 +1,5 @@
 """What the sender's job ledger (``ledger.py``; its machine is drawn and tabled in
-``job_states.py``) keeps and answers: a job (one request of this rank), the digest of
+``job_states.py``) keeps and answers: a job (one request of this rank), the checksum of
 its share, the failure the shell reports to the reader, and the ledger's errors. Pure
 data: no nixl, sockets, threads or clocks."""
 
@@ -25,7 +25,7 @@ class FrozenJob(StateError):
         self.request_id = request_id
 
 
-class DigestState(enum.Enum):
+class ChecksumState(enum.Enum):
     # checksums off, or an empty share: nothing to compute
     OFF = "off"
     # not started
@@ -46,8 +46,8 @@ class Job:
     t_submit: float
     state: JobState = JobState.WAITING
     grant: Grant | None = None
-    digest_state: DigestState = DigestState.OFF
-    digest: int | None = None
+    checksum_state: ChecksumState = ChecksumState.OFF
+    checksum: int | None = None
     # failed WRITEs on this connection
     attempts: int = 0
     retry_at: float = 0.0
@@ -60,8 +60,8 @@ class Job:
     t_granted: float = 0.0
     # requested or placed before: a resend asks for its pages again
     asked: bool = False
-    # a WRITE went out saying its digest follows; not sent yet
-    digest_owed: bool = False
+    # a WRITE went out saying its checksum follows; not sent yet
+    checksum_owed: bool = False
     # since when it waits for a working reader
     t_wait: float = 0.0
     # when its last WRITE was posted, or completed
@@ -70,29 +70,29 @@ class Job:
     xfer: object | None = field(default=None, repr=False)
 
     @property
-    def digest_safe(self) -> bool:
-        """Was the share's digest (if any) taken from the blocks as they were written?"""
-        return self.digest_state in (DigestState.OFF, DigestState.READY)
+    def checksum_safe(self) -> bool:
+        """Was the share's checksum (if any) taken from the blocks as they were written?"""
+        return self.checksum_state in (ChecksumState.OFF, ChecksumState.READY)
 
     @property
     def safely_written(self) -> bool:
-        """Its share is in the reader's pages: written, its digest taken, no Rewrite due."""
-        return self.state is JobState.WRITTEN and self.digest_safe and not self.rewrite_due
+        """Its share is in the reader's pages: written, its checksum taken, no Rewrite due."""
+        return self.state is JobState.WRITTEN and self.checksum_safe and not self.rewrite_due
 
     def notification(self) -> protocol.WriteDone:
-        """What its next WRITE announces: the grant it writes into, and its digest or
+        """What its next WRITE announces: the grant it writes into, and its checksum or
         that it follows."""
         assert self.grant is not None, "no WRITE without a grant (S2)"
         rid, gen = self.request_id, self.grant.generation
-        if self.digest_state is DigestState.READY:
-            return protocol.WriteDone(request_id=rid, generation=gen, checksum=self.digest)
-        follows = self.digest_state in (DigestState.NEEDED, DigestState.COMPUTING)
-        return protocol.WriteDone(request_id=rid, generation=gen, digest_follows=follows)
+        if self.checksum_state is ChecksumState.READY:
+            return protocol.WriteDone(request_id=rid, generation=gen, checksum=self.checksum)
+        follows = self.checksum_state in (ChecksumState.NEEDED, ChecksumState.COMPUTING)
+        return protocol.WriteDone(request_id=rid, generation=gen, checksum_follows=follows)
 
     def connection_lost(self) -> None:
         """WAITING again, to be resent: every grant of the lost connection is gone (S2)."""
         self.state, self.grant, self.xfer = JobState.WAITING, None, None
-        self.attempts, self.rewrite_due, self.retry_at, self.digest_owed = 0, False, 0.0, False
+        self.attempts, self.rewrite_due, self.retry_at, self.checksum_owed = 0, False, 0.0, False
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ that table (``job_states.step`` and ``end``), so a job never moves where the dra
 not. The ledger decides which event happens, and when.
 
 Failures: the reader refused the request; its WRITE failed ``max_write_attempts``
-times; its digest could not be computed; it waited ``connect_timeout_s`` for a working
+times; its checksum could not be computed; it waited ``connect_timeout_s`` for a working
 reader (``expire``); the shell gave up on everything (``fail_all``).
 
 Invariants (tests name the one they prove):
@@ -30,9 +30,9 @@ Invariants (tests name the one they prove):
   S5  A job waits for a working reader at most ``connect_timeout_s``; every answer of
       the reader (a grant, an ack) starts the wait of every job again, and a completed
       WRITE its own job's.
-  S6  With checksums on, every WRITE's notification carries the share's digest or says
-      it follows; a digest that follows is sent on the connection its WRITE went out on,
-      once, as soon as it is computed (a WRITE never waits for it); a digest that cannot
+  S6  With checksums on, every WRITE's notification carries the share's checksum or says
+      it follows; a checksum that follows is sent on the connection its WRITE went out on,
+      once, as soon as it is computed (a WRITE never waits for it); a checksum that cannot
       be computed fails the job.
   S7  A job granted pages and not acknowledged within the sample deadline fails, and
       the reader is told: a sample that cannot complete holds nobody's pages for long.
@@ -64,7 +64,7 @@ from collections.abc import Iterable
 
 from kv_connector.common.errors import ConfigurationError
 from kv_connector.sender.job_states import IllegalJobTransition, JobEvent, JobState, end, step
-from kv_connector.sender.jobs import DigestState, Failure, FrozenJob, Job
+from kv_connector.sender.jobs import ChecksumState, Failure, FrozenJob, Job
 from kv_connector.sender.stats import SenderMeter, SenderMetrics, SenderObservations, SenderStats
 from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason, SampleFailure
@@ -147,14 +147,14 @@ class SendLedger:
         return out
 
     def metrics_mark(self) -> tuple[int, ...]:
-        """A fingerprint of what ``take_metrics`` reports: while it stays as it was right
+        """A mark of what ``take_metrics`` reports: while it stays as it was right
         after the last take, there is nothing new (cheap enough to read every engine
         step; the shell reads it without its lock: ints read as they are)."""
         return self._meter.mark(len(self._jobs))
 
     def take_metrics(self) -> SenderMetrics:
         """For the metrics, at once: a snapshot of the counters, the observations since the
-        last take, the jobs in flight, and the fingerprint right after."""
+        last take, the jobs in flight, and the mark right after."""
         return self._meter.take(len(self._jobs))
 
     def take_observations(self) -> SenderObservations:
@@ -168,7 +168,7 @@ class SendLedger:
         self.stats.reconnects += 1
 
     def hashed(self, seconds: float) -> None:
-        """The shell's hashing thread took ``seconds`` to digest a share."""
+        """The shell's hashing thread took ``seconds`` to hash a share."""
         self.stats.checksum_s += seconds
 
     # ------------------------------------------------------------ caller events
@@ -180,7 +180,7 @@ class SendLedger:
         state = step(None, JobEvent.SUBMITTED, request_id)
         job = Job(request_id, manifest, block_ids, share, t_submit=now, state=state, t_wait=now)
         if self.checksum and share:
-            job.digest_state = DigestState.NEEDED
+            job.checksum_state = ChecksumState.NEEDED
         self._jobs[request_id] = job
         return job
 
@@ -221,7 +221,7 @@ class SendLedger:
 
     def requests_due(self) -> list[Job]:
         """WAITING jobs, oldest first: each gets a credit request now (WAITING ->
-        REQUESTED). A job's digest is computed once, whatever the connection."""
+        REQUESTED). A job's checksum is computed once, whatever the connection."""
         due = [j for j in self._jobs.values() if j.state is JobState.WAITING and not j.held]
         for j in due:
             j.state = step(j.state, JobEvent.REQUEST_SENT, j.request_id)
@@ -246,12 +246,12 @@ class SendLedger:
             out += self._parked.pop(rid, [])
         return out
 
-    def digests_due(self) -> list[Job]:
-        """Jobs whose share's digest must be computed now (once per job, whatever the
+    def checksums_due(self) -> list[Job]:
+        """Jobs whose share's checksum must be computed now (once per job, whatever the
         connection): NEEDED -> COMPUTING."""
-        due = [j for j in self._jobs.values() if j.digest_state is DigestState.NEEDED and not j.held]
+        due = [j for j in self._jobs.values() if j.checksum_state is ChecksumState.NEEDED and not j.held]
         for j in due:
-            j.digest_state = DigestState.COMPUTING
+            j.checksum_state = ChecksumState.COMPUTING
         return due
 
     def hold(self, request_id: str, held: bool = True) -> None:
@@ -261,25 +261,25 @@ class SendLedger:
         if job is not None:
             job.held = held
 
-    def digest_ready(self, request_id: str, value: int) -> None:
+    def checksum_ready(self, request_id: str, value: int) -> None:
         job = self._jobs.get(request_id)
         if job is None:
             # it failed meanwhile
             return
-        if job.digest_state is not DigestState.COMPUTING:
-            raise IllegalJobTransition(f"{request_id}: a digest it was not waiting for")
-        job.digest, job.digest_state = value, DigestState.READY
+        if job.checksum_state is not ChecksumState.COMPUTING:
+            raise IllegalJobTransition(f"{request_id}: a checksum it was not waiting for")
+        job.checksum, job.checksum_state = value, ChecksumState.READY
 
-    def digests_owed(self) -> list[Job]:
-        """Jobs whose WRITE went out saying the digest follows, now that it is ready: the
-        shell sends each a ``ShareDigest`` (S6)."""
-        due = [j for j in self._jobs.values() if j.digest_owed and j.digest_state is DigestState.READY]
+    def checksums_owed(self) -> list[Job]:
+        """Jobs whose WRITE went out saying the checksum follows, now that it is ready: the
+        shell sends each a ``LateChecksum`` (S6)."""
+        due = [j for j in self._jobs.values() if j.checksum_owed and j.checksum_state is ChecksumState.READY]
         for j in due:
-            j.digest_owed = False
+            j.checksum_owed = False
         return due
 
-    def digest_failed(self, request_id: str, why: str) -> Failure | None:
-        """The share's digest could not be computed: the job fails (S6)."""
+    def checksum_failed(self, request_id: str, why: str) -> Failure | None:
+        """The share's checksum could not be computed: the job fails (S6)."""
         job = self._jobs.get(request_id)
         if job is None:
             return None
@@ -287,7 +287,7 @@ class SendLedger:
 
     def writes_due(self, now: float) -> list[Job]:
         """GRANTED jobs whose WRITE may be posted now (backoff over); it does not wait for
-        its digest (S6). A job with an empty share has nothing to write: it is WRITTEN at
+        its checksum (S6). A job with an empty share has nothing to write: it is WRITTEN at
         once."""
         due = []
         for j in list(self._jobs.values()):
@@ -301,7 +301,7 @@ class SendLedger:
 
     def notification(self, request_id: str) -> protocol.WriteDone:
         """What the next WRITE of the job announces: its grant's generation, and its
-        digest or that it follows. Only a GRANTED job has a next WRITE (S2)."""
+        checksum or that it follows. Only a GRANTED job has a next WRITE (S2)."""
         job = self.job(request_id)
         # IllegalJobTransition if not GRANTED
         step(job.state, JobEvent.WRITE_POSTED, request_id)
@@ -314,7 +314,7 @@ class SendLedger:
         # only from GRANTED: S2, S4
         job.state = step(job.state, JobEvent.WRITE_POSTED, request_id)
         job.xfer, job.t_write = None, now
-        job.digest_owed = notif.digest_follows
+        job.checksum_owed = notif.checksum_follows
 
     def write_started(self, request_id: str, xfer: object, post_s: float = 0.0) -> bool:
         """The transport's handle of the WRITE being posted, whose post took ``post_s``.
@@ -546,7 +546,7 @@ class SendLedger:
 
     def unsafe(self, request_ids: Iterable[str]) -> list[str]:
         """Of ``request_ids``, the jobs whose share is not safely in the reader's pages yet:
-        not written, or written but its digest not taken (or a Rewrite due)."""
+        not written, or written but its checksum not taken (or a Rewrite due)."""
         return [rid for rid in request_ids if rid in self._jobs and not self._jobs[rid].safely_written]
 
     def freeze(self, request_ids: Iterable[str]) -> list[Failure]:

@@ -1,7 +1,7 @@
 """The sender's thread: one session after another with the reader (connect with
 backoff, handshake, serve until the connection is lost, settle), feeding what the reader
 says to the job ledger and doing what the ledger says: credit requests, WRITEs (through
-the ``ShareWriter``), digests (through the ``Hasher``), failures told to the reader."""
+the ``ShareWriter``), checksums (through the ``Hasher``), failures told to the reader."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class SenderError(WireError):
 class LoopParts:
     """What the loop works with: the agent, the job ledger and its lock, the WRITE path.
 
-    ``digest`` computes a job's share checksum (None: checksums off); ``inline_digest`` says it
+    ``checksum`` computes a job's share checksum (None: checksums off); ``inline_checksum`` says it
     is cheap enough for this thread (fingerprints of a CPU cache), with no hand-off to the
     hashing thread. ``open_gates`` releases held jobs and is True while some wait for their
     step; ``device`` is the cache's, set on the thread first.
@@ -58,10 +58,10 @@ class LoopParts:
     ledger: SendLedger
     lock: threading.Lock
     writer: ShareWriter
-    digest: Callable[[Job], int] | None = None
+    checksum: Callable[[Job], int] | None = None
     device: torch.device | None = None
     open_gates: Callable[[], bool] | None = None
-    inline_digest: bool = False
+    inline_checksum: bool = False
 
 
 class SenderLoop:
@@ -85,11 +85,11 @@ class SenderLoop:
         self._ledger = parts.ledger
         self._lock = parts.lock
         self._writer = parts.writer
-        self._digest = parts.digest
+        self._checksum = parts.checksum
         self.sample_timeout_s = config.sample_timeout_s
         self._next_deadline_check = 0.0
-        # an inline digest saves two wakes a sample, each a chance to hold the GIL the engine wants
-        hashed_apart = parts.digest is not None and not parts.inline_digest
+        # an inline checksum saves two wakes a sample, each a chance to hold the GIL the engine wants
+        hashed_apart = parts.checksum is not None and not parts.inline_checksum
         self._hasher = Hasher(f"hs-hash-r{me.rank}", parts.device) if hashed_apart else None
         self._conn: FramedConnection | None = None
         self._handshake_conn: FramedConnection | None = None
@@ -143,7 +143,7 @@ class SenderLoop:
         self.wake()
 
     def hasher_idle(self, timeout: float) -> bool:
-        """Wait until no digest is being computed (none reads the cache after this)."""
+        """Wait until no checksum is being computed (none reads the cache after this)."""
         try:
             return self._hasher is None or self._hasher.submit(lambda: 0).result(timeout) == 0
         except concurrent.futures.TimeoutError:
@@ -234,7 +234,7 @@ class SenderLoop:
                             self._handle(msg)
                 held = self._open_gates is not None and self._open_gates()
                 self.send_requests()
-                self._send_digests()
+                self._send_checksums()
                 self._check_deadlines()
             self._give_back_credits()
         finally:
@@ -435,13 +435,13 @@ class SenderLoop:
         """The loop's sending step. Every job that has no pages on this connection: a new
         one placed in a credit held ahead (``Placed``; its WRITE is due at once), else a
         credit request (new ones, and after a reconnect all that were not acknowledged),
-        oldest first; its digest is computed meanwhile, once (a placed job's before its
+        oldest first; its checksum is computed meanwhile, once (a placed job's before its
         WRITE, where this thread computes it)."""
         assert self._conn is not None
         with self._lock:
             placed, returned = self._ledger.place_due(time.monotonic(), self._writer.page_bytes)
             due = self._ledger.requests_due()
-            to_hash = self._ledger.digests_due() if self._digest is not None else []
+            to_hash = self._ledger.checksums_due() if self._checksum is not None else []
         try:
             for g in returned:
                 self._conn.send(protocol.CreditReturned(generation=g))
@@ -464,38 +464,39 @@ class SenderLoop:
         return bool(due or placed)
 
     def _hash(self, to_hash: list[Job]) -> None:
-        """Each job's digest: on this thread where it is cheap, else on the hashing thread."""
+        """Each job's checksum: on this thread where it is cheap, else on the hashing thread."""
         # hashed while the reader grants pages
         for job in to_hash:
-            assert self._digest is not None
+            assert self._checksum is not None
             if self._hasher is None:
-                self._digest_done(job.request_id, computed(functools.partial(self._digest, job)), wake=False)
+                value = computed(functools.partial(self._checksum, job))
+                self._checksum_done(job.request_id, value, wake=False)
                 continue
-            fut = self._hasher.submit(functools.partial(self._digest, job))
-            fut.add_done_callback(functools.partial(self._digest_done, job.request_id))
+            fut = self._hasher.submit(functools.partial(self._checksum, job))
+            fut.add_done_callback(functools.partial(self._checksum_done, job.request_id))
 
-    def _send_digests(self) -> bool:
-        """A ``ShareDigest`` for every WRITE that went out before its digest was ready."""
+    def _send_checksums(self) -> bool:
+        """A ``LateChecksum`` for every WRITE that went out before its checksum was ready."""
         assert self._conn is not None
         with self._lock:
-            owed = self._ledger.digests_owed()
+            owed = self._ledger.checksums_owed()
         for job in owed:
-            assert job.digest is not None
-            self._conn.send(protocol.ShareDigest(request_id=job.request_id, checksum=job.digest))
+            assert job.checksum is not None
+            self._conn.send(protocol.LateChecksum(request_id=job.request_id, checksum=job.checksum))
         return bool(owed)
 
-    def _digest_done(self, request_id: str, fut: concurrent.futures.Future[int], wake: bool = True) -> None:
+    def _checksum_done(self, request_id: str, fut: concurrent.futures.Future[int], wake: bool = True) -> None:
         """On the hashing thread (``wake``: then this one is woken) or this one: hand the
-        digest (or why not) to the ledger."""
+        checksum (or why not) to the ledger."""
         failure: Failure | None = None
         try:
             value = fut.result()
         except Exception as e:
             with self._lock:
-                failure = self._ledger.digest_failed(request_id, f"{type(e).__name__}: {e}")
+                failure = self._ledger.checksum_failed(request_id, f"{type(e).__name__}: {e}")
         else:
             with self._lock:
-                self._ledger.digest_ready(request_id, value)
+                self._ledger.checksum_ready(request_id, value)
         if failure is not None:
             log_failed(failure)
             self.tell_reader(failure)

@@ -120,7 +120,7 @@ class HiddenStatesSender:
             self._share_checksum if config.checksum else None,
             cache.device,
             self._open_gates,
-            inline_digest=config.checksum is ShareChecksum.FINGERPRINT and cache.device.type == "cpu",
+            inline_checksum=config.checksum is ShareChecksum.FINGERPRINT and cache.device.type == "cpu",
         )
         self._loop = SenderLoop(config, me, secret, parts)
         self._loop.start()
@@ -151,7 +151,7 @@ class HiddenStatesSender:
         made (``kv_connector.wire.identity``). A request that cannot travel (its id, its
         blocks) raises ``ValueError``; a sender whose thread died raises ``SenderError``:
         either way nothing was queued. With ``ready``, nothing reads the blocks (no credit
-        request, digest or WRITE) before it says so, on this sender's thread; a request it
+        request, checksum or WRITE) before it says so, on this sender's thread; a request it
         fails fails by name (``take_failed``). ``words``: the sample's fingerprint words
         as its steps took them (its record when ``config.checksum`` is FINGERPRINT)."""
         if self._loop.dead is not None or self._loop.closed or self._asleep is not None:
@@ -200,7 +200,7 @@ class HiddenStatesSender:
         """The engine goes to sleep and releases the cache's memory: ``ship`` refuses from
         now on; the jobs in flight get up to ``timeout`` seconds to be acknowledged, the
         rest fail with ``why`` (the reader is told, and drops their samples); WRITEs in
-        flight and the digest being computed end, the connection is left, and the cache is
+        flight and the checksum being computed end, the connection is left, and the cache is
         deregistered. Nothing reads the cache after this returns. Returns the request ids
         that failed. Idempotent."""
         if self._asleep is not None:
@@ -289,7 +289,7 @@ class HiddenStatesSender:
             return self._ledger.stats.snapshot()
 
     def metrics_mark(self) -> tuple[int, ...]:
-        """A fingerprint of what ``take_metrics`` reports (read without the lock: an idle
+        """A mark of what ``take_metrics`` reports (read without the lock: an idle
         engine step costs a few attribute reads)."""
         return self._ledger.metrics_mark()
 
@@ -317,7 +317,7 @@ class HiddenStatesSender:
         self._transport.close()
 
     def _share_checksum(self, job: Job) -> int:
-        """The digest of this rank's share (on the hashing thread)."""
+        """The checksum of this rank's share (on the hashing thread)."""
         t0 = time.perf_counter()
         assert self.config.checksum is not None
         with self._lock:

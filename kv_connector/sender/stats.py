@@ -56,7 +56,7 @@ class SenderObservations(NamedTuple):
 
 class SenderMetrics(NamedTuple):
     """What a sender's metrics read of it at once: its counters, its observations since
-    the last read, its requests in flight, and the fingerprint of all that right after
+    the last read, its requests in flight, and the mark of all that right after
     (``HiddenStatesSender.metrics_mark``)."""
 
     stats: SenderStats
@@ -96,14 +96,14 @@ class SenderMeter:
         self.stats.ack_wait_s += wait_s
 
     def mark(self, in_flight: int) -> tuple[int, ...]:
-        """The fingerprint of what ``take`` reports (see ``SendLedger.metrics_mark``)."""
+        """The mark of what ``take`` reports (see ``SendLedger.metrics_mark``)."""
         st = self.stats
         counts = (st.requests, st.bytes, st.writes, st.rewrites, st.write_retries, st.reconnects)
         return (*counts, in_flight, len(self._write_latency) + len(self._credit_wait))
 
     def take(self, in_flight: int) -> SenderMetrics:
         """A snapshot of the counters, the observations since the last take, the jobs in
-        flight, and the fingerprint right after."""
+        flight, and the mark right after."""
         stats, obs = self.stats.snapshot(), self.take_observations()
         return SenderMetrics(stats, obs, in_flight, self.mark(in_flight))
 

@@ -2,7 +2,7 @@
 are due into the run of pages the reader granted, polls them, and hands completions and
 failures back to the ledger. A WRITE is posted synchronously by the transport (UCX moves
 the bytes inside the call on some links), so this thread is not the one that serves the
-reader's messages: grants, acks and digests keep flowing meanwhile. One per sender; it
+reader's messages: grants, acks and checksums keep flowing meanwhile. One per sender; it
 works on the current connection's reader (``connect`` ... ``settle``)."""
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ def states_block_digests(states: torch.Tensor, manifest: Manifest, share: Iterab
     return [out[j] for j in share]
 
 
-def share_digest(manifest: Manifest, share: Iterable[int], digests: list[int]) -> int:
+def checksum_of_digests(manifest: Manifest, share: Iterable[int], digests: list[int]) -> int:
     """XXH3-64 of the manifest's bytes, the tag, and each (block index, digest) in order."""
     h = xxhash.xxh3_64(manifest_bytes(manifest))
     h.update(TAG)

@@ -29,7 +29,7 @@ class FailureReason(enum.Enum):
     ASLEEP = "asleep"
     # its request id cannot name a sample (refused at admission)
     REQUEST_ID = "request_id"
-    # the slot mapping disagreed, its digest failed, the sender stopped
+    # the slot mapping disagreed, its checksum failed, the sender stopped
     OTHER = "other"
 
 

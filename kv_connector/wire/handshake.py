@@ -74,7 +74,7 @@ class ProducerIdentity:
     # where the cache lives (the reader's checksum policy)
     cache_mem: MemType = "DRAM"
     # how its shares' checksums are computed
-    digest: protocol.ShareChecksum = protocol.ShareChecksum.XXH3
+    checksum_kind: protocol.ShareChecksum = protocol.ShareChecksum.XXH3
     # runs of pages it asks to be granted ahead (``protocol.Credit``)
     credits_ahead: int = 0
 
@@ -102,7 +102,7 @@ def as_producer(
             block_bytes=me.block_bytes,
             nonce=nonce,
             cache_mem=me.cache_mem,
-            digest=me.digest,
+            checksum_kind=me.checksum_kind,
             credits_ahead=me.credits_ahead,
         )
     )
@@ -116,14 +116,14 @@ def as_producer(
         raise HandshakeError("the reader requires a shared secret; set KV_CONNECTOR_SECRET")
     if secret is not None:
         want = auth.proof(secret, "reader", me.producer_id, me.rank, nonce, ch.nonce)
-        if not auth.verify(want, ch.digest):
+        if not auth.verify(want, ch.proof):
             _refuse(conn, "the reader's proof does not match the producer's shared secret")
             raise HandshakeError("the reader failed authentication (wrong or no shared secret)")
     digest = auth.proof(
         secret, "producer", me.producer_id, me.rank, nonce, ch.nonce, binding=auth.digest_of(metadata)
     )
     conn.max_frame = WELCOME_LIMIT
-    conn.send(protocol.Auth(digest=digest, agent_metadata=metadata))
+    conn.send(protocol.Auth(proof=digest, agent_metadata=metadata))
     w = conn.receive_one(max(0.0, deadline - time.monotonic()))
     if isinstance(w, protocol.Refuse):
         raise HandshakeError(f"reader refused: {w.message}")
@@ -207,7 +207,7 @@ class ReaderHandshake:
         return protocol.Challenge(
             version=protocol.PROTOCOL_VERSION,
             nonce=self.nonce,
-            digest=auth.proof(self.secret, "reader", msg.producer_id, msg.rank, msg.nonce, self.nonce),
+            proof=auth.proof(self.secret, "reader", msg.producer_id, msg.rank, msg.nonce, self.nonce),
             auth_required=self.secret is not None,
         )
 
@@ -220,7 +220,7 @@ class ReaderHandshake:
             h = self.hello
             binding = auth.digest_of(msg.agent_metadata)
             want = auth.proof(self.secret, "producer", h.producer_id, h.rank, h.nonce, self.nonce, binding)
-            if not auth.verify(want, msg.digest):
+            if not auth.verify(want, msg.proof):
                 raise ProtocolError(
                     "authentication failed: wrong shared secret (or metadata altered on the way)"
                 )

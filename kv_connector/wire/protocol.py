@@ -14,7 +14,7 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
     1: Hello/Challenge/Auth/Welcome, CreditRequest/Grant/Ack, WriteDone.
     2: ``WriteDone.checksum`` (XXH3-64 of a rank's share, ``wire.integrity``); ``Rewrite``.
     3: ``Manifest.geometry`` (a ``layout.BlockLayout``); ``Refuse.code`` a ``RefuseCode``.
-    4: ``Grant`` names one run of pages; ``WriteDone.digest_follows`` and ``ShareDigest``.
+    4: ``Grant`` names one run of pages; ``WriteDone.checksum_follows`` and ``LateChecksum``.
     5: (skipped: taken by a branch merged as 7.)
     6: proofs cover NIXL metadata and every Welcome field; session tags; ``Hello.cache_mem``.
     7: ``Manifest.sample_id``/``metadata`` (``wire.identity``), covered by the checksum.
@@ -33,6 +33,9 @@ Version history (bump ``PROTOCOL_VERSION`` on any change to a Struct below), one
     16: credits ahead for a producer of one rank: ``Hello.credits_ahead``, ``Credit`` (a run of
         pages granted before any sample needs it), ``Placed`` (a sample written into one, no
         round trip), ``CreditRecall`` and ``CreditReturned``.
+    17: one word a record: ``checksum`` its value, ``checksum_kind`` its kind (``Hello``,
+        ``PullShare``; were ``digest``); ``WriteDone.checksum_follows`` and ``LateChecksum``
+        (were ``digest_follows`` and ``ShareDigest``); ``Challenge.proof``, ``Auth.proof``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ from kv_connector.wire.fields import (
     REQUEST_ID_PATTERN,
     BlockIndex,
     Checksum,
-    Digest,
     Generation,
     LayerId,
     Metadata,
@@ -61,6 +63,7 @@ from kv_connector.wire.fields import (
     NonNegInt,
     PageIndex,
     PosInt,
+    Proof,
     Rank,
     RequestId,
     SafeName,
@@ -73,7 +76,7 @@ from kv_connector.wire.layout import MAX_LAYERS, BlockLayout, blocks_for, stripe
 from kv_connector.wire.provenance import Provenance
 from kv_connector.wire.transport import MemType
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 # runs of pages a reader may grant one producer ahead of its samples
 MAX_CREDITS_AHEAD = 8
 
@@ -100,7 +103,7 @@ class ShareChecksum(str, enum.Enum):
 class Hello(_Msg, tag="hello", frozen=True):
     """Producer -> reader, first message on a connection. ``cache_mem``: where the
     producer's cache lives (a reader requires checksums from host-memory caches by
-    default: hashing them costs little); ``digest``: how its shares' checksums are computed
+    default: hashing them costs little); ``checksum_kind``: how its shares' checksums are computed
     (``ShareChecksum``)."""
 
     version: int
@@ -111,7 +114,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     block_bytes: PosInt
     nonce: Nonce
     cache_mem: MemType = "DRAM"
-    digest: ShareChecksum = ShareChecksum.XXH3
+    checksum_kind: ShareChecksum = ShareChecksum.XXH3
     # runs of pages this rank asks to be granted ahead of its samples (``Credit``); a reader
     # grants them to a producer of one rank only (TP ranks must write the same pages)
     credits_ahead: Annotated[int, msgspec.Meta(ge=0, le=MAX_CREDITS_AHEAD)] = 0
@@ -123,14 +126,14 @@ class Challenge(_Msg, tag="challenge", frozen=True):
 
     version: int
     nonce: Nonce
-    digest: Digest
+    proof: Proof
     auth_required: bool
 
 
 class Auth(_Msg, tag="auth", frozen=True):
     """Producer -> reader: the producer's proof of the secret, bound to its NIXL metadata."""
 
-    digest: Digest
+    proof: Proof
     agent_metadata: Metadata
 
 
@@ -147,7 +150,7 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     num_pages: PosInt
     mem_type: MemType
     device_id: NonNegInt
-    proof: Digest
+    proof: Proof
 
     def __post_init__(self) -> None:
         if self.pool_addr + self.pool_bytes > 1 << 64:
@@ -353,23 +356,23 @@ class WriteDone(_Msg, tag="write_done", frozen=True):
     that rank promised in its credit request have landed in their granted pages;
     ``checksum`` is the XXH3-64 of those blocks' sample bytes (or of their block digests,
     as the Hello said); None with
-    ``digest_follows``: it comes in a ``ShareDigest`` once computed; None without: none
+    ``checksum_follows``: it comes in a ``LateChecksum`` once computed; None without: none
     (checksums off)."""
 
     request_id: RequestId
     # the grant whose pages it wrote (a stale one never lands)
     generation: Generation
     checksum: Checksum | None = None
-    digest_follows: bool = False
+    checksum_follows: bool = False
 
     def __post_init__(self) -> None:
-        if self.digest_follows and self.checksum is not None:
-            raise ConfigurationError("a WriteDone with a checksum has no digest to follow")
+        if self.checksum_follows and self.checksum is not None:
+            raise ConfigurationError("a WriteDone with a checksum has no checksum to follow")
 
 
-class ShareDigest(_Msg, tag="share_digest", frozen=True):
+class LateChecksum(_Msg, tag="late_checksum", frozen=True):
     """Producer -> reader: the checksum of this rank's share of a sample, for a WRITE
-    that was posted before the digest was ready (its WriteDone said it follows)."""
+    that was posted before the checksum was ready (its WriteDone said it follows)."""
 
     request_id: RequestId
     checksum: Checksum
@@ -432,7 +435,7 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     at ``cache_addr + block_ids[i] * pitch`` in the memory the NIXL metadata of the
     handshake registers (``pitch``: ``block_pitch``, the bytes from one cache block to the
     next, more than a block where vLLM padded the page; None: ``manifest.block_bytes``);
-    ``checksum``: the share's (None: checksums off), computed as ``digest`` says: XXH3-64
+    ``checksum``: the share's (None: checksums off), computed as ``checksum_kind`` says: XXH3-64
     over its bytes (``wire.integrity``) or over its block digests (``wire.block_digest``,
     taken where the cache is); ``fence``: the hold's fence (None: the rank fences no hold
     now; the consumer then waits for its release's answer)."""
@@ -447,7 +450,7 @@ class PullShare(_Msg, tag="pull_share", frozen=True):
     mem_type: MemType
     device_id: NonNegInt
     checksum: Checksum | None = None
-    digest: ShareChecksum = ShareChecksum.XXH3
+    checksum_kind: ShareChecksum = ShareChecksum.XXH3
     block_pitch: PosInt | None = None
     fence: HoldFence | None = None
 
@@ -528,7 +531,7 @@ Message = (
     | WriteDone
     | Fenced
     | Rewrite
-    | ShareDigest
+    | LateChecksum
     | PullFetch
     | PullShare
     | PullRelease

@@ -40,7 +40,7 @@ def measure(tokens: int = 4096, layout: str = "TLH") -> dict[str, Any]:
     from kv_connector.reader.pool.memory import fingerprint_screened
     from kv_connector.reader.pool.values import find_bad_values
     from kv_connector.wire import fingerprint
-    from kv_connector.wire.block_digest import sample_block_digests, share_digest
+    from kv_connector.wire.block_digest import checksum_of_digests, sample_block_digests
     from kv_connector.wire.identity import NO_IDENTITY
     from kv_connector.wire.integrity import sample_checksum
     from kv_connector.wire.layout import BlockLayout
@@ -57,8 +57,8 @@ def measure(tokens: int = 4096, layout: str = "TLH") -> dict[str, Any]:
 
     def step_words() -> None:  # one prefill step writing the sample, and its ship
         fp, rec = Fingerprints(blocks, BLOCK), BlockRecorder(BLOCK)
-        expect, _ = rec.expect([StepSlice("req-0", 0, tokens, tuple(table))])
-        fp.take(expect)
+        planned, _ = rec.slots_of([StepSlice("req-0", 0, tokens, tuple(table))])
+        fp.take(planned)
         fp.ship("req-0", tokens, table).record(share.manifest, share.share)
 
     # the landed sample as the reader's pool holds it: [T, L, H] rows, dense
@@ -77,7 +77,10 @@ def measure(tokens: int = 4096, layout: str = "TLH") -> dict[str, Any]:
         "reader_cpu_s_per_GB": {
             "fingerprint": least_cpu_s(lambda: fingerprint.states_record(landed, m, js)) / gb,
             "xxh3": least_cpu_s(lambda: sample_checksum(pool.data, 0, m, js)) / gb,
-            "blocks": least_cpu_s(lambda: share_digest(m, js, sample_block_digests(landed, m, js))) / gb,
+            "blocks": least_cpu_s(
+                lambda: checksum_of_digests(m, js, sample_block_digests(landed, m, js))
+            )
+            / gb,
             "values_screen": least_cpu_s(lambda: find_bad_values(landed, list(range(LAYERS)))) / gb,
             "values_screen_sampled": least_cpu_s(
                 lambda: find_bad_values(landed, list(range(LAYERS)), sample=True)

@@ -29,7 +29,7 @@ from kv_connector.cache.blocks import share_block_digest, share_checksum
 from kv_connector.reader.pool.lease import sample_view
 from kv_connector.sender.jobs import Job
 from kv_connector.wire import protocol
-from kv_connector.wire.block_digest import cache_block_digests, sample_block_digests, share_digest
+from kv_connector.wire.block_digest import cache_block_digests, checksum_of_digests, sample_block_digests
 from kv_connector.wire.integrity import sample_checksum
 from kv_connector.wire.layout import BlockLayout
 
@@ -75,7 +75,7 @@ def agreement(device: torch.device) -> int:
                 t.join()
                 run = _landed_run(raw.cpu(), job)
                 m, share = job.manifest, list(job.share)
-                want = share_digest(m, share, sample_block_digests(sample_view(run, m), m, share))
+                want = checksum_of_digests(m, share, sample_block_digests(sample_view(run, m), m, share))
                 assert got == [want], (layout, dtype, tokens, got, want)
                 cases += 1
     return cases

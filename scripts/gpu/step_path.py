@@ -6,7 +6,7 @@ driven by hand on a cache and slot mappings that live on ``device``:
 - the "forward pass" writes each step's states into the cache at its slot mapping (padded
   with -1 rows, as vLLM pads a step for a CUDA graph), behind a kernel that keeps the
   device busy for a while on the first step;
-- ``BlockRecorder.expect`` (where each slice must have been written), ``SlotChecks.add``
+- ``BlockRecorder.slots_of`` (where each slice must have been written), ``SlotChecks.add``
   (the slot mapping copied to the host asynchronously, an event recorded after it),
   ``SlotChecks.settle`` and ``StepGate.poll`` (what a sender asks before it reads a
   request's blocks), all on the engine's thread;
@@ -139,8 +139,8 @@ def check(device: torch.device) -> dict[str, Any]:
             rows = len(slots) - PAD_ROWS
             flat.index_copy_(0, slots[:rows], states[:rows])
             t0 = time.perf_counter()
-            expected, errors = recorder.expect(slices)
-            gate = checks.add(slots, expected)
+            planned, errors = recorder.slots_of(slices)
+            gate = checks.add(slots, planned)
             failures.update(checks.settle())
             engine_us.append((time.perf_counter() - t0) * 1e6)
             failures.update(errors)

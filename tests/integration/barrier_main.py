@@ -2,7 +2,7 @@
 one producer rank driven with real vLLM objects (``scripts.support.vllm_harness``), whose steps
 "run on a device" that stays busy until this script lets it (the host stand-in of the
 step's CUDA event says "not done" meanwhile). While it is busy, nothing of a shipped
-request may be read: no credit request, no digest, no WRITE; once it is done the sample
+request may be read: no credit request, no checksum, no WRITE; once it is done the sample
 goes out. A request whose slot mapping disagrees with its block table, found only once its
 step is done (after it was shipped), fails by name and never reaches the reader. Prints
 one JSON line.

@@ -99,8 +99,8 @@ class Session:
                 self.challenge = ch
             if state == "ready":
                 assert self.transport is not None
-                digest = auth.proof(None, "producer", self.pid, 0, self.nonce, self.challenge.nonce)
-                self.conn.send(protocol.Auth(digest=digest, agent_metadata=self.transport.metadata))
+                proof = auth.proof(None, "producer", self.pid, 0, self.nonce, self.challenge.nonce)
+                self.conn.send(protocol.Auth(proof=proof, agent_metadata=self.transport.metadata))
                 w = self.conn.receive_one(10)
                 assert isinstance(w, protocol.Welcome), w
                 self.welcome = w
@@ -327,10 +327,10 @@ def real_messages(draw: st.DrawFn) -> protocol._Msg:
         )
     if kind == "challenge":
         return protocol.Challenge(
-            version=protocol.PROTOCOL_VERSION, nonce=draw(nonces), digest=draw(nonces), auth_required=False
+            version=protocol.PROTOCOL_VERSION, nonce=draw(nonces), proof=draw(nonces), auth_required=False
         )
     if kind == "auth":
-        return protocol.Auth(digest=draw(nonces), agent_metadata=draw(st.binary(max_size=200)))
+        return protocol.Auth(proof=draw(nonces), agent_metadata=draw(st.binary(max_size=200)))
     if kind == "welcome":
         return protocol.Welcome(
             reader_id="r",
@@ -438,7 +438,7 @@ def challenge_for(hello: protocol.Message, secret: bytes | None = None, **kw: An
     fields: dict[str, Any] = dict(
         version=protocol.PROTOCOL_VERSION,
         nonce=rn,
-        digest=auth.proof(secret, "reader", hello.producer_id, hello.rank, hello.nonce, rn),
+        proof=auth.proof(secret, "reader", hello.producer_id, hello.rank, hello.nonce, rn),
         auth_required=secret is not None,
     )
     fields.update(kw)

@@ -3,7 +3,7 @@
 (``scripts.support.vllm_harness``), whose connector is called as vLLM 0.33's worker calls it at
 sleep (``unregister_kv_caches``) and wake (``restore_kv_caches``). Between the two the
 cache's memory is remapped (the tensor's storage moves to a new address, as sleep mode may
-map it) and the old memory is overwritten (freed memory reused), so a WRITE or a digest that
+map it) and the old memory is overwritten (freed memory reused), so a WRITE or a checksum that
 still read it would deliver garbage. Prints one JSON line.
 
     python tests/integration/sleep_main.py MODEL_DIR

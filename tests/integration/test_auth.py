@@ -276,7 +276,7 @@ def test_matching_secret_delivers_byte_exact(
             nonce = peer.hello("probe")
             ch = peer.recv()
             assert isinstance(ch, protocol.Challenge) and ch.auth_required
-            assert auth.verify(auth.proof(secret.encode(), "reader", "probe", 0, nonce, ch.nonce), ch.digest)
+            assert auth.verify(auth.proof(secret.encode(), "reader", "probe", 0, nonce, ch.nonce), ch.proof)
         finally:
             peer.close()
         proc = senders.start(sender_spec(reader.address, samples, 11, "matching"), env=env)
@@ -492,10 +492,10 @@ def test_the_secret_never_reaches_a_log(caplog: pytest.LogCaptureFixture, tmp_pa
             nonce = peer.hello("logged-raw")
             ch = peer.recv()
             assert isinstance(ch, protocol.Challenge)
-            digest = auth.proof(
+            proof = auth.proof(
                 wrong.encode(), "producer", "logged-raw", 0, nonce, ch.nonce, auth.digest_of(b"")
             )
-            peer.send(protocol.Auth(digest=digest, agent_metadata=b""))
+            peer.send(protocol.Auth(proof=proof, agent_metadata=b""))
             refusal = peer.expect_refused("authentication failed")
             outputs.append(refusal.message)
         finally:
@@ -549,7 +549,7 @@ def test_messages_out_of_handshake_order_are_refused(
             if kind == "hello":
                 peer.hello("out-of-order")
             elif kind == "auth":
-                peer.send(protocol.Auth(digest=b"\x01" * 32, agent_metadata=b"not nixl metadata"))
+                peer.send(protocol.Auth(proof=b"\x01" * 32, agent_metadata=b"not nixl metadata"))
             else:
                 peer.send(protocol.CreditRequest(manifest=manifest, blocks=[0, 1]))
 
@@ -594,13 +594,13 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
             peer.send(hello_msg(pid, agent, nonce, world))
             ch = peer.recv()
             assert isinstance(ch, protocol.Challenge) and ch.auth_required
-            assert auth.verify(auth.proof(secret, "reader", pid, 0, nonce, ch.nonce), ch.digest)
-            digest = {
+            assert auth.verify(auth.proof(secret, "reader", pid, 0, nonce, ch.nonce), ch.proof)
+            proof = {
                 "correct": lambda: auth.proof(secret, "producer", pid, 0, nonce, ch.nonce, bind),
                 "wrong-secret": lambda: auth.proof(
                     b"proof-secreT", "producer", pid, 0, nonce, ch.nonce, bind
                 ),
-                "reflected": lambda: ch.digest,
+                "reflected": lambda: ch.proof,
                 "other-rank": lambda: auth.proof(secret, "producer", pid, 1, nonce, ch.nonce, bind),
                 "replayed": lambda: captured,
                 "zeros": lambda: bytes(32),
@@ -610,7 +610,7 @@ def test_only_a_fresh_proof_of_the_secret_is_accepted(kind: str, raw_peers: list
                     secret, "producer", pid, 0, nonce, ch.nonce, auth.digest_of(b"the relay's metadata")
                 ),
             }[kind]()
-            peer.send(protocol.Auth(digest=digest, agent_metadata=transport.metadata))
+            peer.send(protocol.Auth(proof=proof, agent_metadata=transport.metadata))
             if kind == "correct":
                 w = peer.recv()
                 assert isinstance(w, protocol.Welcome) and w.agent_name == reader.reader_id

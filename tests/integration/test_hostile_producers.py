@@ -278,8 +278,8 @@ def test_replaying_a_connected_producers_agent_metadata_is_refused(reader: Hidde
             )
             ch = conn.receive_one(5)
             assert isinstance(ch, protocol.Challenge)
-            digest = auth.proof(None, "producer", pid, 0, nonce, ch.nonce)
-            conn.send(protocol.Auth(digest=digest, agent_metadata=transport.metadata))
+            proof = auth.proof(None, "producer", pid, 0, nonce, ch.nonce)
+            conn.send(protocol.Auth(proof=proof, agent_metadata=transport.metadata))
             msg = conn.receive_one(5)
             assert isinstance(msg, protocol.Refuse) and "in use" in msg.message, msg
         finally:
@@ -311,7 +311,7 @@ def test_a_refused_handshake_does_not_choose_the_page_size() -> None:
                 )
             )
             assert isinstance(conn.receive_one(5), protocol.Challenge)
-            conn.send(protocol.Auth(digest=bytes(32), agent_metadata=b"not NIXL metadata"))
+            conn.send(protocol.Auth(proof=bytes(32), agent_metadata=b"not NIXL metadata"))
             msg = conn.receive_one(5)
             assert isinstance(msg, protocol.Refuse) and "metadata" in msg.message
         finally:

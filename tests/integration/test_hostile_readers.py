@@ -121,7 +121,7 @@ SPECIFIC_WELCOMES: dict[str, tuple[str, Callable[..., protocol._Msg]]] = {
 
 def challenge_for_any() -> protocol.Challenge:
     return protocol.Challenge(
-        version=protocol.PROTOCOL_VERSION, nonce=bytes(32), digest=bytes(32), auth_required=False
+        version=protocol.PROTOCOL_VERSION, nonce=bytes(32), proof=bytes(32), auth_required=False
     )
 
 

@@ -391,7 +391,7 @@ def test_blocks_in_padded_pages_are_read_without_their_padding(
 
 
 @pytest.mark.parametrize("checksum", ["blocks", "xxh3"])
-def test_a_block_garbled_after_its_digest_was_taken_fails_the_fetch_by_name(
+def test_a_block_garbled_after_its_checksum_was_taken_fails_the_fetch_by_name(
     checksum: str, pulls: SharedProducers
 ) -> None:
     """A block that changes in the cache after its share's checksum was taken (as when

@@ -1,5 +1,5 @@
 """No host sync per step: the engine step hands its slot mapping over and goes on; the
-sender reads a shipped request's blocks (credit request, digest, WRITE) only once the
+sender reads a shipped request's blocks (credit request, checksum, WRITE) only once the
 step's event is done, and the slot-mapping check that runs then still fails a request
 whose slots disagree with its block table, by name. Real vLLM objects, a real reader,
 real NIXL (tests/integration/barrier_main.py); the step's CUDA event is the host

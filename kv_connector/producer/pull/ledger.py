@@ -80,7 +80,7 @@ class Held:
     """A sample one rank holds.
 
     ``block_ids``: the cache blocks of all the sample's blocks, in order. ``share``: the
-    range of them this rank serves. ``checksum``: the share's digest once the shell computed
+    range of them this rank serves. ``checksum``: the share's checksum once the shell computed
     it, lazily on the first fetch. ``fence``: its fence's (slot, value); None without a
     table or with the table full (P7)."""
 

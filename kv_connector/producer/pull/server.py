@@ -197,9 +197,9 @@ class PullServer:
 
     # ------------------------------------------------------------- engine side
     @property
-    def digest(self) -> ShareChecksum:
+    def checksum_kind(self) -> ShareChecksum:
         """The kind of checksum this rank's shares carry (what its Hello says)."""
-        return self._me.digest
+        return self._me.checksum_kind
 
     def hold(
         self,
@@ -516,18 +516,18 @@ class PullServer:
             with self._lock:
                 h = self._held_for(rid, nonce, self._ledger.fetch)
                 pending = self._hashing.get((rid, nonce))
-            digest = h.checksum
-            if self._checksum is not None and digest is None and len(h.share):
+            checksum = h.checksum
+            if self._checksum is not None and checksum is None and len(h.share):
                 if pending is not None and pending.exception() is None:
                     # taken since the request finished
-                    digest = pending.result()
+                    checksum = pending.result()
                 else:
-                    digest = self._share_checksum(h)
+                    checksum = self._share_checksum(h)
                 with self._lock:
                     # computed from the blocks while they were still held: still held now,
                     # so they were not given back to vLLM meanwhile
                     self._ledger.check(rid, nonce, self._clock())
-                    self._ledger.set_checksum(rid, nonce, digest)
+                    self._ledger.set_checksum(rid, nonce, checksum)
         except PullRefused as e:
             return protocol.PullError(request_id=rid, code=e.code, message=e.message)
         r = self._region
@@ -542,8 +542,8 @@ class PullServer:
             block_pitch=self.blocks.pitch,
             mem_type=r.mem_type,
             device_id=r.device_id,
-            checksum=digest if self._checksum is not None and len(h.share) else None,
-            digest=self._checksum or ShareChecksum.XXH3,
+            checksum=checksum if self._checksum is not None and len(h.share) else None,
+            checksum_kind=self._checksum or ShareChecksum.XXH3,
             fence=self._fence_of(h),
         )
 

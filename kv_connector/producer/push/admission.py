@@ -70,7 +70,7 @@ class Router:
 class ReaderAdmission:
     """Which readers every rank reaches, and the admission that follows from it.
 
-    The links of every (reader, rank) are its own; a request's verdict is the book's."""
+    The links of every (reader, rank) are its own; a request's answer is the book's."""
 
     def __init__(self, book: DeliveryBook, readers: Sequence[str], world_size: int, router: Router) -> None:
         if world_size <= 0:

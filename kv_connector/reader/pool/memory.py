@@ -49,7 +49,7 @@ from kv_connector.common.memory import host_memory, shared_host_memory
 from kv_connector.reader.pool.lease import CopyBuffers, Key, Lease, leased_view, sample_view
 from kv_connector.reader.pool.values import RowsScreen, find_bad_values, samples, screen_flags, screen_rows
 from kv_connector.wire import fingerprint
-from kv_connector.wire.block_digest import sample_block_digests, share_digest, states_block_digests
+from kv_connector.wire.block_digest import checksum_of_digests, sample_block_digests, states_block_digests
 from kv_connector.wire.integrity import sample_checksum
 from kv_connector.wire.protocol import Manifest, ShareChecksum
 from kv_connector.wire.transport import Region, Transport, TransportError
@@ -164,7 +164,7 @@ def pool_checksum(
         states = sample_view(torch.frombuffer(pool, dtype=torch.uint8, offset=base, count=n), manifest)
         if kind is ShareChecksum.FINGERPRINT:
             return fingerprint.states_record(states, manifest, blocks)
-        return share_digest(manifest, blocks, sample_block_digests(states, manifest, blocks))
+        return checksum_of_digests(manifest, blocks, sample_block_digests(states, manifest, blocks))
     return sample_checksum(pool, base, manifest, blocks)
 
 
@@ -177,8 +177,8 @@ def fingerprint_screened(
     lines of its own at hand-out. None for rows the screen reads whole."""
     if not samples(states.shape[-1]):
         return fingerprint.states_record(states, manifest, blocks), None
-    digest, lines = fingerprint.states_record_lines(states, manifest, blocks)
-    return digest, None if lines is None else screen_rows(lines)
+    record, lines = fingerprint.states_record_lines(states, manifest, blocks)
+    return record, None if lines is None else screen_rows(lines)
 
 
 def check_share(
@@ -294,8 +294,8 @@ class QueuedCheck:
     flags: torch.Tensor | None
 
     def result(self) -> tuple[int, RowsScreen | None]:
-        digest = fingerprint.record(self.manifest, self.blocks, self.words)
-        return digest, None if self.flags is None else RowsScreen.of(self.flags)
+        record = fingerprint.record(self.manifest, self.blocks, self.words)
+        return record, None if self.flags is None else RowsScreen.of(self.flags)
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -344,7 +344,7 @@ class DevicePool:
             if kind is ShareChecksum.FINGERPRINT:
                 return fingerprint.states_record(sample_view(run, manifest), manifest, blocks)
             if kind is ShareChecksum.BLOCKS:
-                return share_digest(
+                return checksum_of_digests(
                     manifest, blocks, states_block_digests(sample_view(run, manifest), manifest, blocks)
                 )
             # XXH3 reads host bytes: one copy of the sample

@@ -316,13 +316,13 @@ class PullClient:
                 if s.checksum is None:
                     screens.append(None)
                     continue
-                got, screen = check_share(memory, base, m, blocks, s.digest, sampled)
+                got, screen = check_share(memory, base, m, blocks, s.checksum_kind, sampled)
                 screens.append(screen)
                 if got != s.checksum:
                     raise FetchError(
                         "checksum",
                         f"sample {h.request_id}: rank {s.rank}'s share does not match its checksum "
-                        f"({s.digest.value}; its blocks changed while being read: expired?)",
+                        f"({s.checksum_kind.value}; its blocks changed while being read: expired?)",
                     )
             if check and (problem := values_verdict(memory, base, m, screens, full).problem):
                 raise FetchError("values", f"sample {h.request_id} has bad hidden states: {problem}")

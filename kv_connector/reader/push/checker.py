@@ -1,7 +1,7 @@
-"""The reader's checking thread: each rank's share is checked against its digest once it landed.
+"""The reader's checking thread: each rank's share is checked against its checksum once it landed.
 
 Checking here, off the serving thread and off the user's, means handing a sample out costs
-nothing per byte. The ledger asks for each check with a ``Verify`` action, and the results
+nothing per byte. The ledger asks for each check with a ``CheckShare`` action, and the results
 go back to it. XXH3 releases the GIL while it hashes. A share of block digests, from a
 producer whose cache is on a GPU, is recomputed from the pool where it lies
 (``pool.memory``).
@@ -31,7 +31,7 @@ from kv_connector.common.device import on_device
 from kv_connector.reader.pool.memory import DevicePool, LeaseFences, PoolMemory, QueuedCheck, check_share
 from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.push.ledger import ReaderLedger
-from kv_connector.reader.push.records import Action, Verify
+from kv_connector.reader.push.records import Action, CheckShare
 from kv_connector.wire.protocol import ShareChecksum
 
 log = logging.getLogger("kv_connector.reader.push.reader")
@@ -51,7 +51,7 @@ class ShareChecker:
         self._ledger = ledger
         self._lock = lock
         self._perform = perform
-        self._q: queue.SimpleQueue[Verify | None] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[CheckShare | None] = queue.SimpleQueue()
         # a device pool (a GPU's, or CI's on the host) queues a fingerprint check on its stream
         self._device_pool = pool if isinstance(pool, DevicePool) else None
         # checks queued on the device, with their events
@@ -61,17 +61,17 @@ class ShareChecker:
         self._thread = threading.Thread(target=self._run, name="hs-reader-check", daemon=True)
         self._thread.start()
 
-    def submit(self, verify: Verify) -> None:
+    def submit(self, job: CheckShare) -> None:
         """Check a fingerprinted share now on the caller's thread (a host pool), or queue it
         on the device pool's stream (read by ``settle``); hand the others to this thread."""
-        if verify.checksum is not ShareChecksum.FINGERPRINT:
-            self._q.put(verify)
+        if job.checksum_kind is not ShareChecksum.FINGERPRINT:
+            self._q.put(job)
         elif self._device_pool is not None:
-            self._logged(verify, self._queue)
+            self._logged(job, self._queue)
         elif self._inline:
-            self._logged(verify, self._check)
+            self._logged(job, self._check)
         else:
-            self._q.put(verify)
+            self._q.put(job)
 
     @property
     def waiting(self) -> int:
@@ -93,44 +93,44 @@ class ShareChecker:
         while (v := self._q.get()) is not None:
             self._logged(v, self._check)
 
-    def _logged(self, verify: Verify, step: Callable[..., None], *args: object) -> None:
-        """``step(verify, *args)``; a check that cannot run is logged and must not stop the others."""
+    def _logged(self, job: CheckShare, step: Callable[..., None], *args: object) -> None:
+        """``step(job, *args)``; a check that cannot run is logged and must not stop the others."""
         try:
-            step(verify, *args)
+            step(job, *args)
         except Exception:
-            log.exception("hidden-states reader: checking %s rank %d failed", verify.key, verify.rank)
+            log.exception("hidden-states reader: checking %s rank %d failed", job.key, job.rank)
 
-    def _queue(self, verify: Verify) -> None:
+    def _queue(self, job: CheckShare) -> None:
         assert self._device_pool is not None
         with self._lock:
-            where = self._ledger.view.share_to_check(verify)
+            where = self._ledger.view.share_to_check(job)
         if where is None:
             # gone, or landed again since: a newer check is queued
             return
         t0 = time.perf_counter()
         pool, blocks = self._device_pool, list(where.blocks)
         queued = pool.queue_fingerprint(where.base, where.manifest, blocks, self._screen)
-        self._queued.add(functools.partial(self._logged, verify, self._read, queued, t0), queued.event)
+        self._queued.add(functools.partial(self._logged, job, self._read, queued, t0), queued.event)
 
-    def _read(self, verify: Verify, queued: QueuedCheck, t0: float) -> None:
+    def _read(self, job: CheckShare, queued: QueuedCheck, t0: float) -> None:
         got, screen = queued.result()
-        self._checked(verify, got == verify.digest, time.perf_counter() - t0, screen)
+        self._checked(job, got == job.checksum, time.perf_counter() - t0, screen)
 
-    def _checked(self, verify: Verify, ok: bool, seconds: float, screen: RowsScreen | None) -> None:
+    def _checked(self, job: CheckShare, ok: bool, seconds: float, screen: RowsScreen | None) -> None:
         with self._lock:
             now = time.monotonic()
             self._perform(
-                self._ledger.share_checked(verify.key, verify.rank, verify.landing, ok, now, seconds, screen)
+                self._ledger.share_checked(job.key, job.rank, job.landing, ok, now, seconds, screen)
             )
 
-    def _check(self, verify: Verify) -> None:
+    def _check(self, job: CheckShare) -> None:
         with self._lock:
-            where = self._ledger.view.share_to_check(verify)
+            where = self._ledger.view.share_to_check(job)
         if where is None:
             # gone, or landed again since: a newer check is queued
             return
         t0 = time.perf_counter()
         got, screen = check_share(
-            self._pool, where.base, where.manifest, list(where.blocks), verify.checksum, self._screen
+            self._pool, where.base, where.manifest, list(where.blocks), job.checksum_kind, self._screen
         )
-        self._checked(verify, got == verify.digest, time.perf_counter() - t0, screen)
+        self._checked(job, got == job.checksum, time.perf_counter() - t0, screen)

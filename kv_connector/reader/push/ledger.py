@@ -2,7 +2,7 @@
 
 Pure logic: no nixl, sockets, threads or clocks, so times are passed in. The reader's shells
 (``server.py``, ``checker.py``, ``reader.py``) feed it what happened and perform the actions
-it answers (``Send``, ``Verify``, ``Ready``, ``Log``, in ``records.py``). Only the ledger
+it answers (``Send``, ``CheckShare``, ``Ready``, ``Log``, in ``records.py``). Only the ledger
 counts and decides. A peer's message that does not fit raises ``ProtocolError``, and the
 shell refuses that peer alone. A transition the state does not allow raises
 ``IllegalSampleTransition``. Its samples and pages are kept in ``book.py``, those delivered
@@ -14,8 +14,8 @@ transitions are ``sample_states.py``'s, which draws them. Every transition goes 
 table (``SampleRecord.move``, ``SampleBook.drop``), so a sample never moves where the drawing
 does not. The ledger decides which event happens, and when.
 
-Each rank's share is checked on the checking thread as soon as it has landed and its digest
-is known (``Verify``), so a hand-out costs nothing per byte. A check of an older landing is
+Each rank's share is checked on the checking thread as soon as it has landed and its checksum
+is known (``CheckShare``), so a hand-out costs nothing per byte. A check of an older landing is
 ignored; landings are numbered.
 
 Invariants (tests name the one they prove):
@@ -23,7 +23,7 @@ Invariants (tests name the one they prove):
       granted to it; a page belongs to at most one sample at a time.
   R2  A sample is handed out only when every rank of its producer registered its share,
       the shares tile the sample's blocks exactly, every non-empty share's WRITE landed
-      and, where it carries a digest, matched it; at most once.
+      and, where it carries a checksum, matched it; at most once.
   R3  A sample's pages return to the pool only when its lease is released (the user
       released it, or no tensor of it is left), or, for a sample that can never
       complete, once no WRITE into them can land: each rank sent the grant (or a
@@ -365,12 +365,12 @@ class ReaderLedger:
         s, share = self._share_of(peer, msg.request_id, "write_done")
         share.in_flight = False
         # a reconnected rank may land its share again into the same pages, also once the
-        # sample is complete: the same bytes, the same digest
-        if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):
+        # sample is complete: the same bytes, the same checksum
+        if s.state in (SampleState.CHECKED, SampleState.HANDED_OUT):
             return []
         if (
             msg.checksum is None
-            and not msg.digest_follows
+            and not msg.checksum_follows
             and share.blocks
             and self._requires_checksum(s.key[0])
         ):
@@ -378,10 +378,10 @@ class ReaderLedger:
         share.land(msg)
         return self._advance(s)
 
-    def share_digest(self, peer: PeerId, msg: protocol.ShareDigest) -> list[Action]:
-        """The digest of a rank's share, sent after its WRITE was posted."""
-        s, share = self._share_of(peer, msg.request_id, "share_digest")
-        return self._advance(s) if share.digest_came(msg.checksum) else []
+    def late_checksum(self, peer: PeerId, msg: protocol.LateChecksum) -> list[Action]:
+        """The checksum of a rank's share, sent after its WRITE was posted."""
+        s, share = self._share_of(peer, msg.request_id, "late_checksum")
+        return self._advance(s) if share.checksum_came(msg.checksum) else []
 
     def share_checked(
         self,
@@ -393,7 +393,7 @@ class ReaderLedger:
         seconds: float = 0.0,
         screen: RowsScreen | None = None,
     ) -> list[Action]:
-        """A ``Verify``'s result: it took ``seconds``, and ``screen`` is its rows' values screen.
+        """A ``CheckShare``'s result: it took ``seconds``, and ``screen`` is its rows' values screen.
 
         A share that matches is checked. One that does not is written again or, past
         ``max_rewrites``, its sample is refused (R5). One for an older landing, or for a
@@ -419,7 +419,7 @@ class ReaderLedger:
         if s is None or rank not in s.shares:
             return [Log("warning", f"{label} says: {msg.code} {msg.message}")]
         # complete and checked
-        if s.state in (SampleState.VERIFIED, SampleState.HANDED_OUT):
+        if s.state in (SampleState.CHECKED, SampleState.HANDED_OUT):
             return [
                 Log("warning", f"{label} gave up on {msg.request_id}, which it had delivered: {msg.message}")
             ]
@@ -436,18 +436,18 @@ class ReaderLedger:
 
     # ------------------------------------------------------------- the user
     def ready_sample(self, key: Key) -> ReadySample | None:
-        """The sample as the user's thread hands it out, while it is VERIFIED.
+        """The sample as the user's thread hands it out, while it is CHECKED.
 
         None when it is not ready: discarded, or written again since it was queued."""
         s = self._samples.get(key)
-        if s is None or s.state is not SampleState.VERIFIED:
+        if s is None or s.state is not SampleState.CHECKED:
             return None
         assert s.pages is not None and self._book.page_bytes is not None
         screens = tuple(share.screen for share in s.shares.values())
         return ReadySample(key, s.manifest, s.pages.start * self._book.page_bytes, screens)
 
     def hand_out(self, key: Key, now: float) -> tuple[ReadySample, list[Action]] | None:
-        """VERIFIED -> HANDED_OUT: the user takes a ready sample on lease.
+        """CHECKED -> HANDED_OUT: the user takes a ready sample on lease.
 
         It is remembered as delivered. Its producer is acked now (on take) or when the user
         acks (manual) (R4). None when it is not ready: discarded, or written again since it
@@ -479,13 +479,13 @@ class ReaderLedger:
     def reject(self, key: Key, why: str, now: float) -> list[Action]:
         """The consumer will not take a sample (R11).
 
-        A VERIFIED sample (checked before hand-out) is refused, and its pages quarantined.
+        A CHECKED sample (checked before hand-out) is refused, and its pages quarantined.
         For one HANDED_OUT and not acked yet (manual mode), its producer's ranks are refused
         instead of acked, and a resend is delivered again. Its producer fails the request
         with ``reader refused (rejected): why``."""
         s = self._samples.get(key)
         waiting = self.delivered.owed(key)
-        if s is not None and s.state is SampleState.VERIFIED:
+        if s is not None and s.state is SampleState.CHECKED:
             peers = list(s.peers.values())
         elif s is not None and s.state is SampleState.HANDED_OUT and waiting:
             peers = waiting
@@ -495,7 +495,7 @@ class ReaderLedger:
             raise IllegalSampleTransition(
                 f"cannot reject {key[1]} of {key[0]}: {state}, or acknowledged already"
             )
-        withdrawn = s if s.state is SampleState.VERIFIED else None
+        withdrawn = s if s.state is SampleState.CHECKED else None
         return self._refusals.rejected(key, withdrawn, peers, why, now)
 
     # ----------------------------------------------------------------- time
@@ -599,9 +599,10 @@ class ReaderLedger:
         return actions
 
     def _advance(self, sample: SampleRecord) -> list[Action]:
-        """Check every share that landed with its digest known; move the sample on."""
+        """Check every share that landed with its checksum known; move the sample on."""
         prod = self.producers.by_id.get(sample.key[0])
-        return sample.advance(self.config.verify, prod.checksum if prod is not None else ShareChecksum.XXH3)
+        kind = prod.checksum_kind if prod is not None else ShareChecksum.XXH3
+        return sample.advance(self.config.verify, kind)
 
     def _mismatch(self, sample: SampleRecord, rank: int, now: float) -> list[Action]:
         m, key = sample.manifest, sample.key

@@ -21,7 +21,7 @@ class Producer:
     world_size: int
     ranks: dict[int, PeerId] = field(default_factory=dict)
     host_cache: bool = True
-    checksum: ShareChecksum = ShareChecksum.XXH3
+    checksum_kind: ShareChecksum = ShareChecksum.XXH3
     # credits its one rank asked for (0 for a producer of more ranks)
     credits_ahead: int = 0
 
@@ -76,7 +76,7 @@ class Producers:
             )
         prod.ranks[hello.rank] = peer
         prod.host_cache = hello.cache_mem == "DRAM"
-        prod.checksum = hello.digest
+        prod.checksum_kind = hello.checksum_kind
         prod.credits_ahead = hello.credits_ahead if hello.world_size == 1 else 0
         self._peer_rank[peer] = (hello.producer_id, hello.rank)
         return prod

@@ -1,9 +1,9 @@
 """What the reader's ledger (``ledger.py``) keeps and answers.
 
 It holds the record of a sample and of each rank's share of it, the reader's options as
-types, and the actions a shell performs (``Send``, ``Verify``, ``Ready``, ``Log``). A record
+types, and the actions a shell performs (``Send``, ``CheckShare``, ``Ready``, ``Log``). A record
 keeps itself consistent: its shares tile the sample, and it tracks each share's landings
-and digest. Its state moves as shares land and are checked, only through the table of
+and checksum. Its state moves as shares land and are checked, only through the table of
 ``sample_states.py``, whose states it names here too. What happens across samples is the
 ledger's. Pure logic: no nixl, sockets, threads or clocks."""
 
@@ -45,20 +45,20 @@ class Send:
 
 
 @dataclass(frozen=True)
-class Verify:
-    """Check ``rank``'s share of a sample against ``digest`` (its ``landing``), computed the
+class CheckShare:
+    """Check ``rank``'s share of a sample against ``checksum`` (its ``landing``), computed the
     way its producer computes them (``checksum``)."""
 
     key: Key
     rank: int
     landing: int
-    digest: int
-    checksum: ShareChecksum = ShareChecksum.XXH3
+    checksum: int
+    checksum_kind: ShareChecksum = ShareChecksum.XXH3
 
 
 @dataclass(frozen=True)
 class ShareToCheck:
-    """Where a ``Verify``'s share lies in the pool: its sample's first byte, manifest and blocks."""
+    """Where a ``CheckShare``'s share lies in the pool: its sample's first byte, manifest and blocks."""
 
     base: int
     manifest: protocol.Manifest
@@ -74,7 +74,7 @@ class Ready:
 
 @dataclass(frozen=True)
 class ReadySample:
-    """A VERIFIED sample as the user's thread hands it out.
+    """A CHECKED sample as the user's thread hands it out.
 
     It holds its manifest, where its pages start in the pool (bytes), and each share's
     values screen (None: not screened)."""
@@ -93,7 +93,7 @@ class Log:
     text: str
 
 
-Action = Send | Verify | Ready | Log
+Action = Send | CheckShare | Ready | Log
 
 
 @dataclass
@@ -105,11 +105,11 @@ class Share:
     # how many times its WRITE landed (a Rewrite lands again)
     landing: int = 0
     landed: bool = False
-    digest: int | None = None
-    # it landed saying its digest follows
-    digest_due: bool = False
-    # a ShareDigest that came before its WriteDone
-    early_digest: int | None = None
+    checksum: int | None = None
+    # it landed saying its checksum follows
+    checksum_due: bool = False
+    # a LateChecksum that came before its WriteDone
+    early_checksum: int | None = None
     checked: bool = False
     # the landing being checked
     checking: int | None = None
@@ -119,23 +119,23 @@ class Share:
     in_flight: bool = False
 
     def land(self, msg: protocol.WriteDone) -> None:
-        """Its WRITE landed (again): not checked yet; its digest came with it, follows, or
-        came before it (``early_digest``). Each landing is numbered."""
+        """Its WRITE landed (again): not checked yet; its checksum came with it, follows, or
+        came before it (``early_checksum``). Each landing is numbered."""
         self.landing += 1
         self.landed, self.checked, self.checking, self.in_flight = True, False, None, False
         self.screen = None
-        self.digest, self.digest_due = msg.checksum, msg.digest_follows
-        if msg.digest_follows and self.early_digest is not None:
-            self.digest, self.digest_due, self.early_digest = self.early_digest, False, None
+        self.checksum, self.checksum_due = msg.checksum, msg.checksum_follows
+        if msg.checksum_follows and self.early_checksum is not None:
+            self.checksum, self.checksum_due, self.early_checksum = self.early_checksum, False, None
 
-    def digest_came(self, digest: int) -> bool:
-        """Its digest arrived after its WRITE; True if it was due, and the share may be checked now.
+    def checksum_came(self, checksum: int) -> bool:
+        """Its checksum arrived after its WRITE; True if it was due, and the share may be checked now.
 
-        Else its WriteDone is still on its way, and the digest is kept for it."""
-        if self.landed and self.digest_due:
-            self.digest, self.digest_due = digest, False
+        Else its WriteDone is still on its way, and the checksum is kept for it."""
+        if self.landed and self.checksum_due:
+            self.checksum, self.checksum_due = checksum, False
             return True
-        self.early_digest = digest
+        self.early_checksum = checksum
         return False
 
 
@@ -187,24 +187,24 @@ class SampleRecord:
                 raise ProtocolError(f"the ranks' shares of {rid} leave blocks unwritten")
         return new
 
-    def advance(self, verify: bool, checksum: ShareChecksum) -> list[Action]:
-        """Check every share that landed with its digest known (``Verify``), then move on.
+    def advance(self, verify: bool, kind: ShareChecksum) -> list[Action]:
+        """Check every share that landed with its checksum known (``CheckShare``), then move on.
 
-        The digest is computed the way ``checksum`` says. With ``verify`` off, or no digest,
+        The checksum is computed the way ``kind`` says. With ``verify`` off, or no checksum,
         a share is checked as it lands. The sample is WRITTEN once every share landed, and
-        VERIFIED (``Ready``) once every share is checked."""
+        CHECKED (``Ready``) once every share is checked."""
         if self.state not in (SampleState.GRANTED, SampleState.WRITTEN):
             return []
         actions: list[Action] = []
         for rank, share in self.shares.items():
             if not share.landed or share.checked or share.checking is not None:
                 continue
-            if not verify or (share.digest is None and not share.digest_due):
+            if not verify or (share.checksum is None and not share.checksum_due):
                 # nothing to check it against
                 share.checked = True
-            elif share.digest is not None:
+            elif share.checksum is not None:
                 share.checking = share.landing
-                actions.append(Verify(self.key, rank, share.landing, share.digest, checksum))
+                actions.append(CheckShare(self.key, rank, share.landing, share.checksum, kind))
         if self.all_checked():
             move(self, SampleEvent.CHECKED)
             actions.append(Ready(self.key))

@@ -12,15 +12,15 @@ States of a sample (``SampleState``), keyed by (producer id, request id), and it
                                                 pool's FIFO for a run of pages
     PROMISED   -- granted --------> GRANTED     pages free: every rank's peer gets the Grant
     GRANTED    -- landed ---------> WRITTEN     every rank registered, every WRITE landed
-    GRANTED/WRITTEN -- checked ---> VERIFIED    the last share checked: queued for the user
+    GRANTED/WRITTEN -- checked ---> CHECKED    the last share checked: queued for the user
                                                 (from GRANTED when nothing was left to check)
     GRANTED/WRITTEN -- check_failed -> GRANTED  that rank writes its share again (Rewrite)
-    VERIFIED   -- handed_out -----> HANDED_OUT  on lease to the user: a view of its pages
+    CHECKED   -- handed_out -----> HANDED_OUT  on lease to the user: a view of its pages
     HANDED_OUT -- released -------> released    the lease ended: its pages return to the pool
-    GRANTED/WRITTEN/VERIFIED -- refused -> refused    a share failed too often, came without
+    GRANTED/WRITTEN/CHECKED -- refused -> refused    a share failed too often, came without
                                                 the checksum required, or the sample was
                                                 not complete by its deadline; or the
-                                                consumer rejected it (VERIFIED): its
+                                                consumer rejected it (CHECKED): its
                                                 producer is told, its pages quarantined
     PROMISED/GRANTED/WRITTEN -- discarded -> discarded  its producer is gone or gave up:
                                                 its pages quarantined
@@ -48,7 +48,7 @@ class SampleState(enum.Enum):
     PROMISED = "promised"
     GRANTED = "granted"
     WRITTEN = "written"
-    VERIFIED = "verified"
+    CHECKED = "checked"
     HANDED_OUT = "handed_out"
 
 
@@ -79,15 +79,15 @@ SAMPLES: Transitions[SampleState | SampleEnd, SampleEvent] = Transitions(
         (None, _E.REQUESTED): _S.PROMISED,
         (_S.PROMISED, _E.GRANTED): _S.GRANTED,
         (_S.GRANTED, _E.LANDED): _S.WRITTEN,
-        (_S.GRANTED, _E.CHECKED): _S.VERIFIED,
-        (_S.WRITTEN, _E.CHECKED): _S.VERIFIED,
+        (_S.GRANTED, _E.CHECKED): _S.CHECKED,
+        (_S.WRITTEN, _E.CHECKED): _S.CHECKED,
         (_S.GRANTED, _E.CHECK_FAILED): _S.GRANTED,
         (_S.WRITTEN, _E.CHECK_FAILED): _S.GRANTED,
-        (_S.VERIFIED, _E.HANDED_OUT): _S.HANDED_OUT,
+        (_S.CHECKED, _E.HANDED_OUT): _S.HANDED_OUT,
         (_S.HANDED_OUT, _E.RELEASED): _END.RELEASED,
         (_S.GRANTED, _E.REFUSED): _END.REFUSED,
         (_S.WRITTEN, _E.REFUSED): _END.REFUSED,
-        (_S.VERIFIED, _E.REFUSED): _END.REFUSED,
+        (_S.CHECKED, _E.REFUSED): _END.REFUSED,
         (_S.PROMISED, _E.DISCARDED): _END.DISCARDED,
         (_S.GRANTED, _E.DISCARDED): _END.DISCARDED,
         (_S.WRITTEN, _E.DISCARDED): _END.DISCARDED,

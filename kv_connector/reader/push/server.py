@@ -26,7 +26,7 @@ from kv_connector.reader.pool.memory import PoolMemory
 from kv_connector.reader.push.checker import ShareChecker
 from kv_connector.reader.push.ledger import ReaderLedger
 from kv_connector.reader.push.producers import PeerId
-from kv_connector.reader.push.records import Action, Key, Log, Ready, Send, Verify
+from kv_connector.reader.push.records import Action, CheckShare, Key, Log, Ready, Send
 from kv_connector.wire import fields, protocol
 from kv_connector.wire.control import ConnectionClosed, FramedConnection, OutputFull, format_address
 from kv_connector.wire.handshake import HANDSHAKE_TIMEOUT_S, Phase, ReaderHandshake
@@ -176,7 +176,7 @@ class ReaderServer:
                         self._send(c, msg)
                 case Ready(key=key):
                     self._on_ready(key)
-                case Verify():
+                case CheckShare():
                     self._checker.submit(a)
                 case Log(level=level, text=text):
                     getattr(log, level)("%s", text)
@@ -387,8 +387,8 @@ class ReaderServer:
                 self.perform(self._ledger.placed(connection.id, msg, now))
             case protocol.CreditReturned():
                 self.perform(self._ledger.credit_returned(connection.id, msg, now))
-            case protocol.ShareDigest():
-                self.perform(self._ledger.share_digest(connection.id, msg))
+            case protocol.LateChecksum():
+                self.perform(self._ledger.late_checksum(connection.id, msg))
             case protocol.Fenced():
                 self.perform(self._ledger.fenced(connection.id, msg, now))
             case protocol.Refuse():

@@ -14,7 +14,7 @@ from kv_connector.reader.pool.pages import PagePool
 from kv_connector.reader.push.book import SampleBook
 from kv_connector.reader.push.credits import Credits
 from kv_connector.reader.push.producers import PeerId, Producers
-from kv_connector.reader.push.records import Key, SampleRecord, ShareToCheck, Verify
+from kv_connector.reader.push.records import CheckShare, Key, SampleRecord, ShareToCheck
 from kv_connector.reader.push.sample_states import SampleState
 from kv_connector.reader.push.stats import PoolState
 
@@ -43,15 +43,15 @@ class LedgerView:
         sample = self._book.samples.get(key)
         return sample.generation if sample is not None and sample.generation else None
 
-    def share_to_check(self, verify: Verify) -> ShareToCheck | None:
-        """Where the share a ``Verify`` names lies in the pool, or None if its check is moot.
+    def share_to_check(self, job: CheckShare) -> ShareToCheck | None:
+        """Where the share a ``CheckShare`` names lies in the pool, or None if its check is moot.
 
         The checking thread reads the pool outside the lock, so it asks first whether the
         share is still this landing's. A newer landing queued its own check, and a dropped
         sample needs none."""
-        sample = self._book.samples.get(verify.key)
-        share = sample.shares.get(verify.rank) if sample is not None else None
-        if sample is None or share is None or sample.pages is None or share.checking != verify.landing:
+        sample = self._book.samples.get(job.key)
+        share = sample.shares.get(job.rank) if sample is not None else None
+        if sample is None or share is None or sample.pages is None or share.checking != job.landing:
             return None
         assert self.page_bytes is not None
         start = sample.pages.start * self.page_bytes
@@ -78,7 +78,7 @@ class LedgerView:
 
     def ready(self, producer_id: str | None = None) -> list[Key]:
         """Samples complete and checked, not yet handed out (of ``producer_id``, if given)."""
-        verified = (k for k, s in self._book.samples.items() if s.state is SampleState.VERIFIED)
+        verified = (k for k, s in self._book.samples.items() if s.state is SampleState.CHECKED)
         return [k for k in verified if producer_id is None or k[0] == producer_id]
 
     def leases(self) -> list[SampleRecord]:

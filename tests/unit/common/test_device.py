@@ -58,7 +58,7 @@ def test_hasher_thread_sets_the_cache_device_first(set_device_calls: Calls) -> N
     h = Hasher("hs-hash-r3", GPU1)
     try:
         assert _wait_for(set_device_calls, "hs-hash-r3") == [GPU1]
-        # the digest runs on the same thread, after the device was set
+        # the checksum runs on the same thread, after the device was set
         assert h.submit(lambda: len(set_device_calls)).result(timeout=5) == 1
     finally:
         h.close()

@@ -736,18 +736,18 @@ def test_check_step_fails_exactly_the_slices_check_slots_fails_with_the_same_mes
         slots.append(rows)
     order = data.draw(st.permutations(range(num)))  # the runner's rows need not follow the plan
     flat = [-1, *(x for i in order for x in slots[i]), -1]
-    expect, errors = rec.expect(slices)
+    planned, errors = rec.slots_of(slices)
     assert errors == {}
-    assert len(expect) == num
-    assert check_step(flat, expect, bs) == check_slots(flat, expect.expected(), bs)
+    assert len(planned) == num
+    assert check_step(flat, planned, bs) == check_slots(flat, planned.all_spans(), bs)
 
 
 def test_expect_keeps_a_one_position_slice_s_block_when_its_table_changes_before_the_check() -> None:
     """On a GPU a step is checked after later steps changed the tables: each step is
     checked against the table it ran with."""
     rec = BlockRecorder(BS)
-    first, _ = rec.expect([StepSlice("r", 17, 1, (3, 5))])
-    later, _ = rec.expect([StepSlice("r", 0, 1, (9,), blocks_from=0)])  # reset: a new table
+    first, _ = rec.slots_of([StepSlice("r", 17, 1, (3, 5))])
+    later, _ = rec.slots_of([StepSlice("r", 0, 1, (9,), blocks_from=0)])  # reset: a new table
     assert check_step([5 * BS + 1], first, BS) == {}
     assert check_step([9 * BS + 1], first, BS) == {
         "r": f"positions 17..17 were not written where the block table puts them with block size {BS}"

@@ -153,7 +153,7 @@ def test_a_share_must_be_its_ranks_stripe_and_inside_the_cache() -> None:
             protocol.PullShare(**{**ok, **bad})  # type: ignore[arg-type]
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(protocol.encode(protocol.PullFetch(request_id="r", nonce="a" * 32))[:-3])
-    assert protocol.PROTOCOL_VERSION == 16
+    assert protocol.PROTOCOL_VERSION == 17
     keep = protocol.PullKeep(request_id="r", nonce="a" * 32)
     kept = protocol.PullKept(request_id="r", held_s=12.5)
     assert protocol.decode(protocol.encode(keep)) == keep and protocol.decode(protocol.encode(kept)) == kept

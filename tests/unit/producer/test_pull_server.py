@@ -95,7 +95,7 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
     for rank in range(world):
         s = server(cache, layout, kind, rank=rank, world=world)
         try:
-            assert s.digest is (kind or ShareChecksum.XXH3)  # what its Hello says
+            assert s.checksum_kind is (kind or ShareChecksum.XXH3)  # what its Hello says
             # the words the steps took (FINGERPRINT's record), as the worker side hands them over
             taken = Fingerprints(CacheBlocks(cache, layout), layout.block_size)
             words = taken.ship("req-1", len(tokens), blocks)
@@ -105,7 +105,7 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
         finally:
             s.close()
         assert isinstance(share, protocol.PullShare) and share == again
-        assert share.digest is (kind or ShareChecksum.XXH3)
+        assert share.checksum_kind is (kind or ShareChecksum.XXH3)
         assert protocol.decode(protocol.encode(share)) == share
         mine = list(stripe(4, rank, world))
         assert share.block_ids == [blocks[j] for j in mine]
@@ -113,12 +113,12 @@ def test_a_share_carries_the_checksum_its_option_resolves_to_and_the_consumer_ag
             assert share.checksum is None
             continue
         pool = read(cache, share)
-        assert share.checksum == pool_checksum(pool, 0, share.manifest, mine, share.digest)
+        assert share.checksum == pool_checksum(pool, 0, share.manifest, mine, share.checksum_kind)
         other = ShareChecksum.XXH3 if kind is not ShareChecksum.XXH3 else ShareChecksum.BLOCKS
         assert share.checksum != pool_checksum(pool, 0, share.manifest, mine, other)
         _, first, _ = layout.arranged_spans(4, mine[0])[0]  # where the share's first block lands
         np.frombuffer(pool, dtype=np.uint8)[first + 3] ^= 1  # one bit of it
-        assert share.checksum != pool_checksum(pool, 0, share.manifest, mine, share.digest)
+        assert share.checksum != pool_checksum(pool, 0, share.manifest, mine, share.checksum_kind)
 
 
 def test_block_digests_of_rows_that_are_not_whole_words_are_refused() -> None:
@@ -164,7 +164,8 @@ def test_a_finished_sample_is_hashed_in_the_background_once_and_a_fetch_waits_fo
         fetch.join(10)
         share = answers[0]
         assert isinstance(share, protocol.PullShare)
-        assert share.checksum == pool_checksum(read(cache, share), 0, share.manifest, [0, 1], share.digest)
+        kind = share.checksum_kind
+        assert share.checksum == pool_checksum(read(cache, share), 0, share.manifest, [0, 1], kind)
         assert s.answer(protocol.PullFetch("a", nonces["a"])) == share
         assert calls == ["hs-pull-r0-hash"]  # taken once
         late = s.answer(protocol.PullFetch("b", nonces["b"]))  # fetched before its finish: taken here

@@ -52,7 +52,7 @@ def test_every_failure_carries_its_reason_from_where_it_fails() -> None:
     write_failed = led.take_failed()["w"]
     hashing = SendLedger(checksum=True)
     submit(hashing, "d")
-    assert hashing.digest_failed("d", "MemoryError") is not None
+    assert hashing.checksum_failed("d", "MemoryError") is not None
     digest = hashing.take_failed()["d"]
     submit(led, "c")
     led.fail_all("sender closed: reset by peer")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kv_connector.sender as wing
 from kv_connector.sender.job_states import IllegalJobTransition, JobState
-from kv_connector.sender.jobs import DigestState, FrozenJob
+from kv_connector.sender.jobs import ChecksumState, FrozenJob
 from kv_connector.sender.stats import SenderObservations
 from kv_connector.wire import protocol
 from kv_connector.wire.failure import FailureReason, SampleFailure
@@ -287,7 +287,7 @@ def test_s9_a_job_refused_with_its_write_in_flight_hands_the_shell_its_handle_an
     (xfer,) = [j.xfer for j in led.writes_in_flight()]
     f = led.on_refuse(protocol.Refuse(code="timeout", message="late", request_id="a"))
     assert f is not None and f.xfer is xfer and f.generation == 5 and not f.tell_reader
-    g = led.fail("b", "its digest failed", FailureReason.OTHER)  # failed here, granted, no WRITE
+    g = led.fail("b", "its checksum failed", FailureReason.OTHER)  # failed here, granted, no WRITE
     assert g is not None and g.xfer is None and g.generation == 5 and g.tell_reader
 
 
@@ -342,85 +342,85 @@ def test_a_job_that_expires_after_its_credit_request_tells_the_reader() -> None:
     assert f.tell_reader  # the reader holds its credit request
 
 
-# ------------------------------------------------------------------ digests
-def test_s6_a_write_never_waits_for_its_digest_which_follows_once() -> None:
+# ------------------------------------------------------------------ checksums
+def test_s6_a_write_never_waits_for_its_checksum_which_follows_once() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
-    assert led.job("a").digest_state is DigestState.NEEDED
+    assert led.job("a").checksum_state is ChecksumState.NEEDED
     led.requests_due()
-    (job,) = led.digests_due()
-    assert job.digest_state is DigestState.COMPUTING and led.digests_due() == []
+    (job,) = led.checksums_due()
+    assert job.checksum_state is ChecksumState.COMPUTING and led.checksums_due() == []
     led.on_grant(grant("a"), PAGE, POOL, 1.0)
-    assert len(led.writes_due(1.0)) == 1  # not held back by the digest
+    assert len(led.writes_due(1.0)) == 1  # not held back by the checksum
     notif = post(led, "a", 1.0)
-    assert notif == protocol.WriteDone(request_id="a", generation=5, digest_follows=True)
-    assert led.digests_owed() == []  # not computed yet
-    led.digest_ready("a", 1234)
-    assert [j.digest for j in led.digests_owed()] == [1234]
-    assert led.digests_owed() == []  # sent once
+    assert notif == protocol.WriteDone(request_id="a", generation=5, checksum_follows=True)
+    assert led.checksums_owed() == []  # not computed yet
+    led.checksum_ready("a", 1234)
+    assert [j.checksum for j in led.checksums_owed()] == [1234]
+    assert led.checksums_owed() == []  # sent once
 
 
-def test_s6_a_digest_ready_before_the_write_rides_with_it() -> None:
+def test_s6_a_checksum_ready_before_the_write_rides_with_it() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
     led.requests_due()
-    led.digests_due()
-    led.digest_ready("a", 77)
+    led.checksums_due()
+    led.checksum_ready("a", 77)
     led.on_grant(grant("a"), PAGE, POOL, 1.0)
     assert post(led, "a", 1.0) == protocol.WriteDone(request_id="a", generation=5, checksum=77)
-    assert led.digests_owed() == []
+    assert led.checksums_owed() == []
 
 
-def test_s6_a_digest_owed_on_a_lost_connection_is_not_sent_on_the_next() -> None:
+def test_s6_a_checksum_owed_on_a_lost_connection_is_not_sent_on_the_next() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
     to_writing(led, "a")
-    led.digests_due()
+    led.checksums_due()
     led.connection_lost(2.0)
-    led.digest_ready("a", 9)
-    assert led.digests_owed() == []  # the resend's WRITE will carry it
+    led.checksum_ready("a", 9)
+    assert led.checksums_owed() == []  # the resend's WRITE will carry it
 
 
-def test_without_checksums_a_write_announces_no_digest() -> None:
+def test_without_checksums_a_write_announces_no_checksum() -> None:
     led = ledger(checksum=False)
     submit(led, "a")
     to_granted(led, "a")
     assert post(led, "a", 1.0) == protocol.WriteDone(request_id="a", generation=5)
 
 
-def test_s6_a_digest_that_cannot_be_computed_fails_the_job() -> None:
+def test_s6_a_checksum_that_cannot_be_computed_fails_the_job() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
     led.requests_due()
-    led.digests_due()
-    f = led.digest_failed("a", "RuntimeError: CUDA error")
+    led.checksums_due()
+    f = led.checksum_failed("a", "RuntimeError: CUDA error")
     assert f is not None and f.tell_reader and "cannot checksum its blocks" in f.why
-    assert led.digest_failed("a", "again") is None  # already gone
+    assert led.checksum_failed("a", "again") is None  # already gone
 
 
-def test_a_digest_nobody_asked_for_is_illegal() -> None:
+def test_a_checksum_nobody_asked_for_is_illegal() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
     with pytest.raises(IllegalJobTransition):
-        led.digest_ready("a", 1)  # not started
-    led.digest_ready("gone", 1)  # a job that failed meanwhile: ignored
+        led.checksum_ready("a", 1)  # not started
+    led.checksum_ready("gone", 1)  # a job that failed meanwhile: ignored
 
 
-def test_a_digest_is_computed_once_across_reconnects() -> None:
+def test_a_checksum_is_computed_once_across_reconnects() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
     led.requests_due()
-    led.digests_due()
-    led.digest_ready("a", 7)
+    led.checksums_due()
+    led.checksum_ready("a", 7)
     led.connection_lost(1.0)
     led.requests_due()
-    assert led.digests_due() == [] and led.job("a").digest == 7
+    assert led.checksums_due() == [] and led.job("a").checksum == 7
 
 
-def test_an_empty_share_is_written_at_once_and_needs_no_digest() -> None:
+def test_an_empty_share_is_written_at_once_and_needs_no_checksum() -> None:
     led = ledger(checksum=True)
     submit(led, "a", n=5, rank=1, world=2)
-    assert led.job("a").digest_state is DigestState.OFF
+    assert led.job("a").checksum_state is ChecksumState.OFF
     to_granted(led, "a", pages=1)
     assert led.writes_due(1.0) == [] and led.state_of("a") is JobState.WRITTEN
 
@@ -454,9 +454,9 @@ def test_s8_jobs_not_safely_written_are_the_ones_a_preemption_waits_for() -> Non
     led = ledger(checksum=True)
     for rid in "abcd":
         submit(led, rid)
-    led.digests_due()
+    led.checksums_due()
     for rid in "bcd":
-        led.digest_ready(rid, 7)
+        led.checksum_ready(rid, 7)
     to_writing(led, "b")
     led.write_completed("b", PAGE, 1.5)  # b: written, hashed: safe
     for k, rid in enumerate("acd"):
@@ -485,8 +485,8 @@ def test_s8_freezing_fails_what_is_not_safely_written_and_tells_the_reader() -> 
 def test_s8_a_frozen_job_that_was_written_lives_but_is_never_written_again() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
-    led.digests_due()
-    led.digest_ready("a", 7)
+    led.checksums_due()
+    led.checksum_ready("a", 7)
     to_writing(led, "a")
     led.write_completed("a", PAGE, 2.0)
     assert led.freeze(["a"]) == []
@@ -496,15 +496,15 @@ def test_s8_a_frozen_job_that_was_written_lives_but_is_never_written_again() -> 
     assert led.take_finished() == ["a"]
 
 
-def test_s8_a_written_job_whose_digest_was_not_taken_is_not_safe() -> None:
+def test_s8_a_written_job_whose_checksum_was_not_taken_is_not_safe() -> None:
     led = ledger(checksum=True)
     submit(led, "a")
-    led.digests_due()  # COMPUTING: the hash would read the reused blocks
+    led.checksums_due()  # COMPUTING: the hash would read the reused blocks
     to_writing(led, "a")
     led.write_completed("a", PAGE, 2.0)
     (f,) = led.freeze(["a"])
     assert f.code == "preempted" and f.tell_reader
-    led.digest_ready("a", 7)  # the late digest is dropped
+    led.checksum_ready("a", 7)  # the late checksum is dropped
     assert "a" not in led
 
 
@@ -649,11 +649,11 @@ def test_a_held_job_is_neither_requested_nor_hashed_until_released() -> None:
     led.hold("h")
     submit(led, "free")
     assert [j.request_id for j in led.requests_due()] == ["free"]
-    assert [j.request_id for j in led.digests_due()] == ["free"]
+    assert [j.request_id for j in led.checksums_due()] == ["free"]
     assert led.job("h").held and led.unsafe(["h"]) == ["h"] and led.unwritten == 2
     led.hold("h", False)
     assert not led.job("h").held
-    assert [j.request_id for j in led.digests_due()] == ["h"]
+    assert [j.request_id for j in led.checksums_due()] == ["h"]
     assert [j.request_id for j in led.requests_due()] == ["h"]
     m2 = manifest("bad")
     led.submit("bad", m2, list(range(m2.num_blocks)), stripe(m2.num_blocks, 0, 1), 0.0)

@@ -18,8 +18,8 @@ from kv_connector.wire import protocol
 from kv_connector.wire.block_digest import (
     TAG,
     cache_block_digests,
+    checksum_of_digests,
     sample_block_digests,
-    share_digest,
     states_block_digests,
     weights,
 )
@@ -90,7 +90,7 @@ def test_cache_and_pool_agree_with_the_reference(layout: str, dtype: str, num_to
     assert states_block_digests(sample_view(run, m), m, odd) == [want[j] for j in odd]
     # the share's checksum: the manifest's bytes, the tag, (index, digest) per block
     body = b"".join(struct.pack("<Iq", j, d) for j, d in zip(share, want, strict=True))
-    assert share_digest(m, share, want) == xxhash.xxh3_64_intdigest(manifest_bytes(m) + TAG + body)
+    assert checksum_of_digests(m, share, want) == xxhash.xxh3_64_intdigest(manifest_bytes(m) + TAG + body)
 
 
 @pytest.mark.parametrize("layout", ["LTH", "TLH"])
@@ -110,13 +110,13 @@ def test_gathers_in_chunks_give_the_same_digests(layout: str, monkeypatch: pytes
 def test_one_changed_element_in_the_sample_changes_it_and_the_tail_does_not(layout: str) -> None:
     raw, m, block_ids, run = landed(layout, "bfloat16", 10, bs=4)  # 3 blocks, 2 tokens in the last
     share = list(range(m.num_blocks))
-    want = share_digest(m, share, sample_block_digests(sample_view(run, m), m, share))
+    want = checksum_of_digests(m, share, sample_block_digests(sample_view(run, m), m, share))
     states = sample_view(run, m)
     for t, layer, h in [(0, 0, 0), (5, 2, 4), (9, 1, 3)]:
         bits = states[t, layer, h].view(torch.int16)
         for flip in (1, 1 << 15):  # the lowest bit, and the sign (an element's bits, not its value)
             bits ^= flip
-            got = share_digest(m, share, sample_block_digests(sample_view(run, m), m, share))
+            got = checksum_of_digests(m, share, sample_block_digests(sample_view(run, m), m, share))
             assert got != want, (t, layer, h, flip)
             bits ^= flip
     # the last block's tail (tokens 10, 11) is not the sample's: vLLM keeps writing there
@@ -124,7 +124,7 @@ def test_one_changed_element_in_the_sample_changes_it_and_the_tail_does_not(layo
     last = cache[block_ids[2]]
     tail = last[:, 3] if layout == "LTH" else last[3]
     tail.view(torch.int16).bitwise_xor_(0x5555)
-    assert share_digest(m, share, cache_block_digests(cache, m, block_ids, share)) == want
+    assert checksum_of_digests(m, share, cache_block_digests(cache, m, block_ids, share)) == want
 
 
 def test_the_manifest_is_covered() -> None:
@@ -135,7 +135,7 @@ def test_the_manifest_is_covered() -> None:
         request_id="r", token_ids=[0, 1, 2, 3, 4, 5, 99], layer_ids=m.layer_ids, geometry=m.geometry,
         num_blocks=m.num_blocks,
     )  # fmt: skip
-    assert share_digest(m, share, d) != share_digest(other, share, d)
+    assert checksum_of_digests(m, share, d) != checksum_of_digests(other, share, d)
 
 
 def test_the_senders_path_over_its_flat_cache_bytes() -> None:
@@ -143,7 +143,7 @@ def test_the_senders_path_over_its_flat_cache_bytes() -> None:
     the cache as one flat uint8 tensor) is the reader's number for the same share."""
     raw, m, block_ids, run = landed("LTH", "bfloat16", 11, bs=4)
     job = Job("r", m, block_ids, share=range(1, 3), t_submit=0.0)  # blocks 1 and 2 of 3
-    want = share_digest(m, [1, 2], sample_block_digests(sample_view(run, m), m, [1, 2]))
+    want = checksum_of_digests(m, [1, 2], sample_block_digests(sample_view(run, m), m, [1, 2]))
     assert share_block_digest(raw, job) == want
 
 

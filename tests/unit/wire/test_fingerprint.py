@@ -55,9 +55,9 @@ def written_in_steps(
     for start in range(0, TOKENS, chunk):
         n = min(chunk, TOKENS - start)
         sl = StepSlice(rid, start, n, tuple(table) if start == 0 else (), 0 if start == 0 else len(table))
-        expect, errors = rec.expect([sl])
+        planned, errors = rec.slots_of([sl])
         assert not errors
-        fp.take(expect, {rid: TOKENS - 1} if told_last and start + n == TOKENS else None)
+        fp.take(planned, {rid: TOKENS - 1} if told_last and start + n == TOKENS else None)
     return fp
 
 
@@ -94,8 +94,8 @@ def test_positions_no_step_wrote_are_taken_at_ship_from_the_shipped_blocks(layou
     table = [9, 2, 17, 4]
     bs = layout.block_size
     fp, rec = Fingerprints(blocks, bs), BlockRecorder(bs)
-    expect, _ = rec.expect([StepSlice("r", 2 * bs, TOKENS - 2 * bs, tuple(table))])
-    fp.take(expect)
+    planned, _ = rec.slots_of([StepSlice("r", 2 * bs, TOKENS - 2 * bs, tuple(table))])
+    fp.take(planned)
     words = fp.ship("r", TOKENS, table)
     s = share_of(blocks, "r", table)
     assert words.record(s.manifest, s.share) == fingerprint.states_record(
@@ -208,9 +208,9 @@ def test_a_steps_ships_share_one_gather_and_a_sample_that_fails_fails_alone(layo
         StepSlice("b", 2 * bs, TOKENS - 2 * bs, tuple(tables["b"])),  # its first two blocks: a prefix hit
         StepSlice("c", 0, TOKENS, tuple(tables["c"])),
     ]
-    expect, errors = rec.expect(slices)
+    planned, errors = rec.slots_of(slices)
     assert not errors
-    fp.take(expect)
+    fp.take(planned)
     got = fp.ship_many([(rid, TOKENS, table) for rid, table in tables.items()] + [("d", TOKENS, [6])])
     assert isinstance(got["d"], ValueError)  # one block cannot hold 53 tokens; the others ship
     shipped = [got[rid] for rid in tables]
@@ -239,11 +239,11 @@ def test_a_ship_gather_that_fails_is_retried_alone_and_its_failed_try_gives_no_w
     bs = layout.block_size
     tables = {"b": [1, 3, 5, 7], "e": [NUM_BLOCKS + 40, 8, 10, 15]}  # e's first block is not there
     fp, rec = Fingerprints(blocks, bs), BlockRecorder(bs)
-    expect, errors = rec.expect(
+    planned, errors = rec.slots_of(
         [StepSlice(rid, 2 * bs, TOKENS - 2 * bs, tuple(t)) for rid, t in tables.items()]  # prefix hits
     )
     assert not errors
-    fp.take(expect)
+    fp.take(planned)
     got = fp.ship_many([(rid, TOKENS, t) for rid, t in tables.items()])
     assert isinstance(got["e"], Exception)
     words = got["b"]

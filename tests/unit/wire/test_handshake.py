@@ -49,9 +49,9 @@ def test_the_reader_goes_hello_auth_ready(secret: bytes | None) -> None:
     ch = hs.on_hello(hello(), known_world=None, rank_taken=False)
     assert hs.phase is Phase.AUTH and hs.frame_limit == FRAME_LIMITS[Phase.AUTH]
     assert ch.auth_required == (secret is not None) and ch.nonce == hs.nonce
-    assert auth.verify(auth.proof(secret, "reader", "prod", 1, b"p" * 32, hs.nonce), ch.digest)
+    assert auth.verify(auth.proof(secret, "reader", "prod", 1, b"p" * 32, hs.nonce), ch.proof)
     proof = auth.proof(secret, "producer", "prod", 1, b"p" * 32, hs.nonce, auth.digest_of(b"md"))
-    hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"md"))
+    hs.on_auth(protocol.Auth(proof=proof, agent_metadata=b"md"))
     sealed = hs.welcome(welcome())
     assert hs.phase is Phase.READY and hs.frame_limit == fields.MAX_FRAME_BYTES
     assert not hs.expired(1e9)
@@ -68,8 +68,8 @@ def test_the_producers_proof_binds_its_metadata() -> None:
     hs.on_hello(hello(), None, False)
     proof = auth.proof(b"ours", "producer", "prod", 1, b"p" * 32, hs.nonce, auth.digest_of(b"md"))
     with pytest.raises(ProtocolError, match="metadata altered"):
-        hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"relay-md"))
-    hs.on_auth(protocol.Auth(digest=proof, agent_metadata=b"md"))  # the real one passes
+        hs.on_auth(protocol.Auth(proof=proof, agent_metadata=b"relay-md"))
+    hs.on_auth(protocol.Auth(proof=proof, agent_metadata=b"md"))  # the real one passes
 
 
 def test_a_wrong_proof_is_refused() -> None:
@@ -77,19 +77,19 @@ def test_a_wrong_proof_is_refused() -> None:
     hs.on_hello(hello(), None, False)
     bad = auth.proof(b"theirs", "producer", "prod", 1, b"p" * 32, hs.nonce, auth.digest_of(b"md"))
     with pytest.raises(ProtocolError, match="authentication failed"):
-        hs.on_auth(protocol.Auth(digest=bad, agent_metadata=b"md"))
+        hs.on_auth(protocol.Auth(proof=bad, agent_metadata=b"md"))
     unbound = auth.proof(b"ours", "producer", "prod", 1, b"p" * 32, hs.nonce)  # the v1 proof
     with pytest.raises(ProtocolError, match="authentication failed"):
-        hs.on_auth(protocol.Auth(digest=unbound, agent_metadata=b"md"))
+        hs.on_auth(protocol.Auth(proof=unbound, agent_metadata=b"md"))
     reflected = auth.proof(b"ours", "reader", "prod", 1, b"p" * 32, hs.nonce)  # its own proof back
     with pytest.raises(ProtocolError, match="authentication failed"):
-        hs.on_auth(protocol.Auth(digest=reflected, agent_metadata=b"md"))
+        hs.on_auth(protocol.Auth(proof=reflected, agent_metadata=b"md"))
 
 
 @pytest.mark.parametrize(
     "msg, known, taken, match",
     [
-        (protocol.Auth(digest=bytes(32), agent_metadata=b""), None, False, "expected hello, got Auth"),
+        (protocol.Auth(proof=bytes(32), agent_metadata=b""), None, False, "expected hello, got Auth"),
         (hello(), 4, False, "world size 4 before, now 2"),
         (hello(rank=2), None, False, "outside world size"),
         (hello(), None, True, "already connected"),
@@ -105,7 +105,7 @@ def test_a_bad_hello_is_refused(msg: protocol.Message, known: int | None, taken:
 def test_transitions_outside_their_phase_are_refused() -> None:
     hs = ReaderHandshake(None, t_accept=0.0)
     with pytest.raises(ProtocolError, match="an auth in phase hello"):
-        hs.on_auth(protocol.Auth(digest=bytes(32), agent_metadata=b""))
+        hs.on_auth(protocol.Auth(proof=bytes(32), agent_metadata=b""))
     with pytest.raises(ProtocolError, match="a welcome in phase hello"):
         hs.welcome(welcome())
     hs.on_hello(hello(), None, False)
@@ -115,7 +115,7 @@ def test_transitions_outside_their_phase_are_refused() -> None:
     with pytest.raises(ProtocolError, match="a welcome in phase ready"):
         hs.welcome(welcome())
     with pytest.raises(ProtocolError, match="an auth in phase ready"):
-        hs.on_auth(protocol.Auth(digest=bytes(32), agent_metadata=b""))
+        hs.on_auth(protocol.Auth(proof=bytes(32), agent_metadata=b""))
 
 
 def test_a_handshake_not_done_in_time_has_expired(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,7 +242,7 @@ def challenge(h: protocol.Hello, secret: bytes | None, **kw: object) -> protocol
     fields: dict[str, object] = dict(
         version=protocol.PROTOCOL_VERSION,
         nonce=b"r" * 32,
-        digest=auth.proof(secret, "reader", h.producer_id, h.rank, h.nonce, b"r" * 32),
+        proof=auth.proof(secret, "reader", h.producer_id, h.rank, h.nonce, b"r" * 32),
         auth_required=secret is not None,
     )
     fields.update(kw)

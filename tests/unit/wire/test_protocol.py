@@ -40,9 +40,9 @@ MESSAGES = [
         nonce=b"n" * 32,
     ),
     protocol.Challenge(
-        version=protocol.PROTOCOL_VERSION, nonce=b"r" * 32, digest=b"d" * 32, auth_required=True
+        version=protocol.PROTOCOL_VERSION, nonce=b"r" * 32, proof=b"d" * 32, auth_required=True
     ),
-    protocol.Auth(digest=b"d" * 32, agent_metadata=b"\x00meta"),
+    protocol.Auth(proof=b"d" * 32, agent_metadata=b"\x00meta"),
     protocol.Welcome(
         reader_id="r",
         agent_name="ra",
@@ -63,9 +63,9 @@ MESSAGES = [
     protocol.Refuse(code="checksum", message="no", request_id="req-1"),
     protocol.WriteDone(request_id="req-1", generation=1),
     protocol.WriteDone(request_id="req-1", generation=(1 << 63) - 1, checksum=(1 << 64) - 1),
-    protocol.WriteDone(request_id="req-1", generation=2, digest_follows=True),
+    protocol.WriteDone(request_id="req-1", generation=2, checksum_follows=True),
     protocol.Fenced(request_id="req-1", generation=3),
-    protocol.ShareDigest(request_id="req-1", checksum=5),
+    protocol.LateChecksum(request_id="req-1", checksum=5),
     protocol.Rewrite(request_id="req-1", reason="checksum"),
 ]
 
@@ -223,8 +223,8 @@ def test_a_write_done_names_a_grant_that_could_exist(generation: object) -> None
 
 
 def test_a_write_done_with_a_checksum_has_no_digest_to_follow() -> None:
-    with pytest.raises(ProtocolError, match="no digest to follow"):
-        fields = {"request_id": "r", "generation": 1, "checksum": 1, "digest_follows": True}
+    with pytest.raises(ProtocolError, match="no checksum to follow"):
+        fields = {"request_id": "r", "generation": 1, "checksum": 1, "checksum_follows": True}
         protocol.decode(raw({"type": "write_done", **fields}))
 
 
@@ -281,26 +281,27 @@ def test_the_new_refuse_codes_travel() -> None:
 
 
 def test_a_pull_share_says_which_checksum_it_carries() -> None:
-    """``PullShare.digest`` names the kind of its checksum (version 10); a share from an
-    older build, without it, reads as XXH3; an unknown kind is refused by decoding."""
+    """``PullShare.checksum_kind`` names the kind of its checksum (version 10, so named in
+    17); a share from an older build, without it, reads as XXH3; an unknown kind is
+    refused by decoding."""
     share = protocol.PullShare(
         manifest=manifest(), rank=0, world_size=1, first_block=0, block_ids=[3, 5], cache_addr=4096,
         cache_bytes=8 * GEOMETRY.block_bytes, mem_type="VRAM", device_id=1, checksum=(1 << 64) - 1,
-        digest=protocol.ShareChecksum.BLOCKS,
+        checksum_kind=protocol.ShareChecksum.BLOCKS,
     )  # fmt: skip
     back = protocol.decode(protocol.encode(share))
     assert back == share and isinstance(back, protocol.PullShare)
-    assert back.digest is protocol.ShareChecksum.BLOCKS
+    assert back.checksum_kind is protocol.ShareChecksum.BLOCKS
     fields = msgspec.msgpack.decode(protocol.encode(share))
-    assert fields["digest"] == "blocks"
-    del fields["digest"]
+    assert fields["checksum_kind"] == "blocks"
+    del fields["checksum_kind"]
     older = protocol.decode(msgspec.msgpack.encode(fields))
-    assert isinstance(older, protocol.PullShare) and older.digest is protocol.ShareChecksum.XXH3
-    with pytest.raises(ProtocolError, match="digest"):
-        protocol.decode(msgspec.msgpack.encode({**fields, "digest": "md5"}))
-    fp = protocol.decode(msgspec.msgpack.encode({**fields, "digest": "fingerprint"}))
-    assert isinstance(fp, protocol.PullShare) and fp.digest is protocol.ShareChecksum.FINGERPRINT
-    assert protocol.PROTOCOL_VERSION == 16
+    assert isinstance(older, protocol.PullShare) and older.checksum_kind is protocol.ShareChecksum.XXH3
+    with pytest.raises(ProtocolError, match="checksum_kind"):
+        protocol.decode(msgspec.msgpack.encode({**fields, "checksum_kind": "md5"}))
+    fp = protocol.decode(msgspec.msgpack.encode({**fields, "checksum_kind": "fingerprint"}))
+    assert isinstance(fp, protocol.PullShare) and fp.checksum_kind is protocol.ShareChecksum.FINGERPRINT
+    assert protocol.PROTOCOL_VERSION == 17
 
 
 def test_a_pull_share_in_padded_pages_says_its_pitch_and_blocks_must_fit_it() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from kv_connector.reader.push.ledger import LedgerConfig, ReaderLedger
-from kv_connector.reader.push.records import Ready, SampleState, Send, Verify
+from kv_connector.reader.push.records import CheckShare, Ready, SampleState, Send
 from kv_connector.wire import protocol
 from kv_connector.wire.layout import BlockLayout, stripe
 
@@ -62,12 +62,12 @@ def connected(led: ReaderLedger, *peers: tuple[int, protocol.Hello]) -> None:
         led.peer_ready(peer, h)
 
 
-def checks(actions: list[object]) -> list[Verify]:
-    return [a for a in actions if isinstance(a, Verify)]
+def checks(actions: list[object]) -> list[CheckShare]:
+    return [a for a in actions if isinstance(a, CheckShare)]
 
 
 def check_all(led: ReaderLedger, actions: list[object], ok: bool = True) -> list[object]:
-    """Carry out every Verify of ``actions`` (as the checking thread would), with ``ok``."""
+    """Carry out every CheckShare of ``actions`` (as the checking thread would), with ``ok``."""
     out: list[object] = []
     for v in checks(actions):
         out += led.share_checked(v.key, v.rank, v.landing, ok, 0.0)
@@ -92,13 +92,13 @@ def written(led: ReaderLedger, rid: str = "a", n: int = 40) -> tuple[str, str]:
     connected(led, (1, hello()))
     led.credit_request(1, credit(rid, n), 0.0)
     (v,) = checks(led.write_done(1, done(led, 1, rid, checksum=5)))
-    assert (v.key, v.rank, v.landing, v.digest) == (("p", rid), 0, 1, 5)
+    assert (v.key, v.rank, v.landing, v.checksum) == (("p", rid), 0, 1, 5)
     assert led.view.state_of(("p", rid)) is SampleState.WRITTEN
     return ("p", rid)
 
 
-def verified(led: ReaderLedger, rid: str = "a", n: int = 40) -> tuple[str, str]:
-    """One producer (peer 1) whose sample ``rid`` is VERIFIED, ready for the user."""
+def checked_sample(led: ReaderLedger, rid: str = "a", n: int = 40) -> tuple[str, str]:
+    """One producer (peer 1) whose sample ``rid`` is CHECKED, ready for the user."""
     connected(led, (1, hello()))
     led.credit_request(1, credit(rid, n), 0.0)
     assert readies(land(led, 1, rid)) == [("p", rid)]

@@ -17,7 +17,7 @@ from kv_connector.reader.pool.lease import sample_view
 from kv_connector.reader.pool.memory import DevicePool, QueuedCheck, run_of
 from kv_connector.reader.pool.values import RowsScreen
 from kv_connector.reader.push.checker import ShareChecker
-from kv_connector.reader.push.records import Action, ShareToCheck, Verify
+from kv_connector.reader.push.records import Action, CheckShare, ShareToCheck
 from kv_connector.wire import fingerprint
 from kv_connector.wire.protocol import ShareChecksum
 from tests.unit.reader.pool.helpers import BASE, POOL, Later, manifest
@@ -31,7 +31,7 @@ class _Ledger:
         self.checked: list[tuple[int, bool, RowsScreen | None]] = []
         self.view = self  # it answers the view's question too
 
-    def share_to_check(self, verify: Verify) -> ShareToCheck | None:
+    def share_to_check(self, job: CheckShare) -> ShareToCheck | None:
         return self.where
 
     def share_checked(
@@ -81,13 +81,14 @@ def test_a_device_pools_fingerprint_check_is_read_once_its_event_is_done(
     view = sample_view(run_of(pool.tensor, BASE, m), m)
     view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(1)).to(view.dtype))
     blocks = list(range(m.num_blocks))
-    digest = fingerprint.states_record(view, m, blocks)
+    checksum = fingerprint.states_record(view, m, blocks)
     ledger = _Ledger(ShareToCheck(BASE, m, tuple(blocks)))
     events = _held(pool, monkeypatch)
     checker = _checker(pool, ledger, screen)
     try:
-        checker.submit(Verify(("p", "r"), 0, 1, digest, ShareChecksum.FINGERPRINT))
-        checker.submit(Verify(("p", "r"), 0, 2, digest ^ 1, ShareChecksum.FINGERPRINT))  # a wrong digest
+        checker.submit(CheckShare(("p", "r"), 0, 1, checksum, ShareChecksum.FINGERPRINT))
+        # a wrong checksum
+        checker.submit(CheckShare(("p", "r"), 0, 2, checksum ^ 1, ShareChecksum.FINGERPRINT))
         assert ledger.checked == [] and checker.waiting == 2  # queued; nobody waited
         assert checker.settle() == 2 and ledger.checked == []
         events[1].done = True  # the device finishes checks in any order
@@ -107,7 +108,7 @@ def test_a_share_gone_before_its_check_is_queued_is_not_checked(
     ledger = _Ledger(None)  # dropped, or landed again since
     checker = _checker(pool, ledger)
     try:
-        checker.submit(Verify(("p", "r"), 0, 1, 0, ShareChecksum.FINGERPRINT))
+        checker.submit(CheckShare(("p", "r"), 0, 1, 0, ShareChecksum.FINGERPRINT))
         assert events == [] and checker.waiting == 0 and ledger.checked == []
     finally:
         checker.close()
@@ -118,13 +119,13 @@ def test_a_check_that_cannot_be_read_is_logged_and_the_others_go_on(
 ) -> None:
     m = manifest("TLH", "float32", 16)
     blocks = list(range(m.num_blocks))
-    digest = fingerprint.states_record(sample_view(run_of(pool.tensor, BASE, m), m), m, blocks)
+    checksum = fingerprint.states_record(sample_view(run_of(pool.tensor, BASE, m), m), m, blocks)
     ledger = _Ledger(ShareToCheck(BASE, m, tuple(blocks)))
     events = _held(pool, monkeypatch)
     checker = _checker(pool, ledger)
     try:
-        checker.submit(Verify(("p", "bad"), 0, 1, digest, ShareChecksum.FINGERPRINT))
-        checker.submit(Verify(("p", "good"), 0, 2, digest, ShareChecksum.FINGERPRINT))
+        checker.submit(CheckShare(("p", "bad"), 0, 1, checksum, ShareChecksum.FINGERPRINT))
+        checker.submit(CheckShare(("p", "good"), 0, 2, checksum, ShareChecksum.FINGERPRINT))
         monkeypatch.setattr(QueuedCheck, "result", _fails_once(QueuedCheck.result))
         for e in events:
             e.done = True

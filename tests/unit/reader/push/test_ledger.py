@@ -29,6 +29,7 @@ from tests.unit.reader.push.helpers import (
     LAYOUT,
     PAGE,
     check_all,
+    checked_sample,
     checks,
     connected,
     credit,
@@ -40,13 +41,12 @@ from tests.unit.reader.push.helpers import (
     manifest,
     readies,
     sends,
-    verified,
     written,
 )
 
 
 # ------------------------------------------------------------- the happy path
-def test_a_sample_goes_promised_granted_written_verified_handed_out_released() -> None:
+def test_a_sample_goes_promised_granted_written_checked_handed_out_released() -> None:
     led = ledger(pages=8)
     connected(led, (1, hello()))
     actions = led.credit_request(1, credit("a"), 0.0)
@@ -54,9 +54,9 @@ def test_a_sample_goes_promised_granted_written_verified_handed_out_released() -
     assert peer == 1 and isinstance(g, protocol.Grant) and g.pages == range(0, 3)
     assert led.view.state_of(("p", "a")) is SampleState.GRANTED and led.view.expecting_writes
     (v,) = checks(led.write_done(1, done(led, 1, "a", checksum=9)))
-    assert led.view.state_of(("p", "a")) is SampleState.WRITTEN and v.digest == 9
+    assert led.view.state_of(("p", "a")) is SampleState.WRITTEN and v.checksum == 9
     assert readies(led.share_checked(v.key, v.rank, v.landing, True, 0.5)) == [("p", "a")]
-    assert led.view.state_of(("p", "a")) is SampleState.VERIFIED
+    assert led.view.state_of(("p", "a")) is SampleState.CHECKED
     got = led.hand_out(("p", "a"), 1.0)
     assert got is not None
     ready, actions = got
@@ -98,21 +98,21 @@ def test_r3_the_checks_run_as_shares_land_not_when_the_user_takes_them() -> None
     assert readies(led.share_checked(v1.key, 1, v1.landing, True, 0.0)) == [("p", "a")]
 
 
-def test_a_digest_that_follows_its_write_is_checked_when_it_comes_in_either_order() -> None:
+def test_a_checksum_that_follows_its_write_is_checked_when_it_comes_in_either_order() -> None:
     led = ledger()
     connected(led, (1, hello()), (2, hello("q")))
     led.credit_request(1, credit("late"), 0.0)
-    assert checks(led.write_done(1, done(led, 1, "late", digest_follows=True))) == []
-    assert led.view.state_of(("p", "late")) is SampleState.WRITTEN  # landed, its digest awaited
-    (v,) = checks(led.share_digest(1, protocol.ShareDigest(request_id="late", checksum=3)))
-    assert v.digest == 3
-    led.credit_request(2, credit("early"), 0.0)  # the digest overtakes the notification
-    assert led.share_digest(2, protocol.ShareDigest(request_id="early", checksum=4)) == []
-    (v,) = checks(led.write_done(2, done(led, 2, "early", digest_follows=True)))
-    assert v.digest == 4
+    assert checks(led.write_done(1, done(led, 1, "late", checksum_follows=True))) == []
+    assert led.view.state_of(("p", "late")) is SampleState.WRITTEN  # landed, its checksum awaited
+    (v,) = checks(led.late_checksum(1, protocol.LateChecksum(request_id="late", checksum=3)))
+    assert v.checksum == 3
+    led.credit_request(2, credit("early"), 0.0)  # the checksum overtakes the notification
+    assert led.late_checksum(2, protocol.LateChecksum(request_id="early", checksum=4)) == []
+    (v,) = checks(led.write_done(2, done(led, 2, "early", checksum_follows=True)))
+    assert v.checksum == 4
 
 
-def test_a_share_without_a_digest_is_not_checked_when_none_is_required() -> None:
+def test_a_share_without_a_checksum_is_not_checked_when_none_is_required() -> None:
     led = ledger(require_checksum=RequireChecksum.NEVER)
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
@@ -243,7 +243,7 @@ def test_r6_a_gone_producers_incomplete_samples_wait_for_its_last_notifications(
     logs = [a for a in led.tick(10.3) if isinstance(a, Log)]
     assert any("discarded incomplete sample lost" in a.text for a in logs)
     assert led.forgotten(1) and led.view.state_of(("p", "lost")) is None
-    assert led.view.state_of(("p", "landing")) is SampleState.VERIFIED  # complete: kept
+    assert led.view.state_of(("p", "landing")) is SampleState.CHECKED  # complete: kept
     assert led.view.pool is not None and led.view.pool.free_pages == 2  # lost's pages are quarantined (R3)
     led.tick(10.3 + led.config.quarantine_s)
     assert led.view.pool.free_pages == 5
@@ -308,9 +308,9 @@ def test_a_refusal_of_a_sample_it_never_promised_is_only_logged() -> None:
 
 def test_a_refusal_racing_the_hand_out_does_not_take_the_sample_away() -> None:
     led = ledger()
-    key = verified(led)
+    key = checked_sample(led)
     actions = led.producer_refused(1, protocol.Refuse(code="write_failed", message="x", request_id="a"), 0.0)
-    assert not sends(actions, protocol.Refuse) and led.view.state_of(key) is SampleState.VERIFIED
+    assert not sends(actions, protocol.Refuse) and led.view.state_of(key) is SampleState.CHECKED
     hand_out(led, key)
 
 
@@ -351,7 +351,7 @@ def test_a_mismatch_with_its_producer_gone_discards_the_sample() -> None:
 
 
 # ---------------------------------------------------------- rejections (R11)
-def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank() -> None:
+def test_r11_a_checked_sample_rejected_before_hand_out_is_refused_to_every_rank() -> None:
     led = ledger(pages=8)
     connected(led, (1, hello(world=2)), (2, hello(rank=1, world=2)))
     led.credit_request(1, credit("a", rank=0, world=2), 0.0)
@@ -373,7 +373,7 @@ def test_r11_a_verified_sample_rejected_before_hand_out_is_refused_to_every_rank
 
 def test_r9_a_sample_rejected_before_hand_out_no_longer_counts_against_its_rank() -> None:
     led = ledger(pages=8, max_pending_per_rank=1)
-    key = verified(led, "a", n=16)
+    key = checked_sample(led, "a", n=16)
     led.reject(key, "NaN at token 3", 1.0)
     led.credit_request(1, credit("b", n=16), 1.0)  # not over the bound: "a" left the books
     assert led.view.state_of(("p", "b")) is SampleState.GRANTED
@@ -381,7 +381,7 @@ def test_r9_a_sample_rejected_before_hand_out_no_longer_counts_against_its_rank(
 
 def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> None:
     led = ledger(ack_mode=AckMode.MANUAL)
-    key = verified(led)
+    key = checked_sample(led)
     hand_out(led, key)
     actions = led.reject(key, "cannot write its file", 1.0)
     assert [p for p, _ in sends(actions, protocol.Refuse)] == [1] and not sends(actions, protocol.Ack)
@@ -393,7 +393,7 @@ def test_r11_a_handed_out_sample_not_acked_yet_is_refused_instead_of_acked() -> 
 
 def test_r11_an_acked_sample_cannot_be_rejected() -> None:
     led = ledger()  # acked on take
-    key = verified(led)
+    key = checked_sample(led)
     hand_out(led, key)
     with pytest.raises(IllegalSampleTransition, match="acknowledged"):
         led.reject(key, "too late", 1.0)
@@ -404,7 +404,7 @@ def test_r11_an_acked_sample_cannot_be_rejected() -> None:
 # -------------------------------------------------------------------- acks
 def test_r4_a_resend_of_a_delivered_sample_is_acked_not_delivered_again() -> None:
     led = ledger()
-    key = verified(led)
+    key = checked_sample(led)
     hand_out(led, key)
     # on lease: a resend is acked, not granted (its pages are the user's)
     assert sends(led.credit_request(1, credit("a"), 1.0), protocol.Ack) == [(1, protocol.Ack(request_id="a"))]
@@ -415,7 +415,7 @@ def test_r4_a_resend_of_a_delivered_sample_is_acked_not_delivered_again() -> Non
 
 def test_r4_in_manual_mode_the_producer_is_acked_when_the_user_acks() -> None:
     led = ledger(ack_mode=AckMode.MANUAL)
-    key = verified(led)
+    key = checked_sample(led)
     assert not sends(hand_out(led, key), protocol.Ack)
     # a resend before the ack waits for it too
     assert led.credit_request(1, credit("a"), 1.0) == []
@@ -454,7 +454,7 @@ def test_leases_are_listed_oldest_first() -> None:
 
 
 # ------------------------------------------------------- illegal transitions
-@pytest.mark.parametrize("state", ["promised", "granted", "written", "verified", "handed_out", "released"])
+@pytest.mark.parametrize("state", ["promised", "granted", "written", "checked", "handed_out", "released"])
 def test_user_transitions_outside_their_state_do_nothing(state: str) -> None:
     led = ledger(pages=3)
     connected(led, (1, hello()))
@@ -471,7 +471,7 @@ def test_user_transitions_outside_their_state_do_nothing(state: str) -> None:
     if state == "released":
         led.release(key, 0.0)
     assert led.view.state_of(key) is (None if state == "released" else SampleState(state))
-    if state != "verified":
+    if state != "checked":
         assert led.hand_out(key, 0.0) is None  # not ready (or gone): get() skips it
     if state != "handed_out":
         assert led.release(key, 0.0) == []
@@ -487,7 +487,7 @@ def test_a_write_done_for_a_sample_not_granted_is_the_producers_protocol_error()
         with pytest.raises(ProtocolError, match="not granted"):
             led.write_done(1, done(led, 1, rid))
         with pytest.raises(ProtocolError, match="not granted"):
-            led.share_digest(1, protocol.ShareDigest(request_id=rid, checksum=1))
+            led.late_checksum(1, protocol.LateChecksum(request_id=rid, checksum=1))
     with pytest.raises(ProtocolError, match="not granted"):
         led.write_done(2, done(led, 2, "blocker"))  # another producer's
 
@@ -598,11 +598,11 @@ def test_r10_a_share_without_a_checksum_is_refused_where_one_is_required(
         assert readies(actions) == [("p", "a")]
 
 
-def test_r10_a_digest_that_follows_is_not_a_missing_one() -> None:
+def test_r10_a_checksum_that_follows_is_not_a_missing_one() -> None:
     led = ledger(require_checksum=RequireChecksum.ALWAYS)
     connected(led, (1, hello()))
     led.credit_request(1, credit("a"), 0.0)
-    actions = led.write_done(1, done(led, 1, "a", digest_follows=True), 1.0)
+    actions = led.write_done(1, done(led, 1, "a", checksum_follows=True), 1.0)
     assert sends(actions, protocol.Refuse) == [] and led.view.state_of(("p", "a")) is SampleState.WRITTEN
 
 

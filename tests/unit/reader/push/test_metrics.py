@@ -12,7 +12,7 @@ from kv_connector.files.metrics import FilesCollector
 from kv_connector.files.stats import FileStats
 from kv_connector.reader.push.ledger import ReaderLedger
 from kv_connector.reader.push.metrics import ReaderCollector
-from kv_connector.reader.push.records import Verify
+from kv_connector.reader.push.records import CheckShare
 from kv_connector.reader.push.stats import PoolState, ReaderStats
 from kv_connector.wire import protocol
 from tests.unit.reader.push.helpers import (
@@ -108,7 +108,7 @@ def test_refusals_are_counted_by_reason() -> None:
     land(led, 1, "bad", checksum=None)  # no checksum from a host cache: refused (unchecked)
     led.credit_request(1, credit("worse", 1), 0.0)
     actions = led.write_done(1, done(led, 1, "worse", checksum=7))
-    (v,) = [a for a in actions if isinstance(a, Verify)]
+    (v,) = [a for a in actions if isinstance(a, CheckShare)]
     led.share_checked(v.key, v.rank, v.landing, False, 0.0)  # past max_rewrites at once: refused
     led.credit_request(1, credit("late", 1), 0.0)
     led.tick(100.0)  # the quarantines end: "late" is granted now

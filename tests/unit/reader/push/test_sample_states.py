@@ -17,7 +17,7 @@ from kv_connector.reader.push.sample_states import (
     end,
     step,
 )
-from tests.unit.reader.push.helpers import ledger, verified, written
+from tests.unit.reader.push.helpers import checked_sample, ledger, written
 
 
 def test_every_state_and_end_is_reachable_and_only_the_ends_are_terminal() -> None:
@@ -40,22 +40,22 @@ def test_an_illegal_transition_raises_and_names_it() -> None:
     with pytest.raises(IllegalSampleTransition, match="ends the sample"):
         step(SampleState.HANDED_OUT, SampleEvent.RELEASED)  # an end, not a state
     with pytest.raises(IllegalSampleTransition, match="does not end the sample"):
-        end(SampleState.VERIFIED, SampleEvent.HANDED_OUT)
+        end(SampleState.CHECKED, SampleEvent.HANDED_OUT)
     for e in SampleEnd:
         for event in SampleEvent:
             assert not SAMPLES.allows(e, event)  # type: ignore[arg-type]
 
 
 def test_the_ledger_hands_out_only_through_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Take VERIFIED -> HANDED_OUT out of the table: the hand-out raises and the sample
-    stays VERIFIED, ready (nothing moved before the table said yes)."""
-    rules = {k: v for k, v in SAMPLES.rules.items() if k != (SampleState.VERIFIED, SampleEvent.HANDED_OUT)}
+    """Take CHECKED -> HANDED_OUT out of the table: the hand-out raises and the sample
+    stays CHECKED, ready (nothing moved before the table said yes)."""
+    rules = {k: v for k, v in SAMPLES.rules.items() if k != (SampleState.CHECKED, SampleEvent.HANDED_OUT)}
     monkeypatch.setattr(sample_states.SAMPLES, "rules", rules)
     led = ledger()
-    key = verified(led)
-    with pytest.raises(IllegalSampleTransition, match="handed_out is not allowed in state verified"):
+    key = checked_sample(led)
+    with pytest.raises(IllegalSampleTransition, match="handed_out is not allowed in state checked"):
         led.hand_out(key, 1.0)
-    assert led.view.state_of(key) is SampleState.VERIFIED and led.view.ready() == [key]
+    assert led.view.state_of(key) is SampleState.CHECKED and led.view.ready() == [key]
 
 
 def test_the_book_drops_only_through_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
