@@ -332,7 +332,7 @@ class StepSlots:
         return len(self.firsts) + len(self.spans)
 
     def all_spans(self) -> list[SlotSpan]:
-        """Every slice as an ``SlotSpan`` (the one-position ones first)."""
+        """Every slice as a ``SlotSpan`` (the one-position ones first)."""
         return [SlotSpan(rid, p, 1, j, (b,)) for rid, p, j, b in self.singles] + self.spans
 
 
