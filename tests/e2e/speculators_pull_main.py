@@ -21,6 +21,12 @@ agent fetched by the end of each epoch and how many rows of a later epoch differ
 the first's, and speculators' own file backend (``FileTransfer``) reads every row from
 DIR, compared with the first epoch's. ``KV_TEST_SAMPLER`` passes ``--kv-hs-sampler``; the
 report names the train loader's batch sampler.
+
+With ``KV_TEST_THEN_WORKER=1``, after that report it reads a line from stdin; on
+"worker" it runs both loaders again, with one DataLoader worker and its own client
+(``--kv-hs-fetch-agent worker``, no keep), writes their rows to OUT_FILE with the suffix
+``.worker.safetensors`` and prints a second JSON line: the rows, the errors and the
+processes other than the rank's agent that mapped NIXL's UCX plugin.
 """
 
 from __future__ import annotations
@@ -32,9 +38,58 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 TOTAL_SEQ_LEN = 2048
 HIDDEN = 128
+
+
+def collect(train: Any, val: Any, index: dict[tuple[int, ...], int], tensors: dict[str, Any]) -> int:
+    """Every row of both loaders into ``tensors`` (by its index in the dataset); the
+    rows the loaders could not get."""
+    errors = 0
+    for loader in (train, val):
+        for batch in loader:
+            errors += int(batch["error_records"])
+            docs = batch["document_ids"][0]
+            for d in range(int(docs.max()) + 1):
+                at = docs == d
+                ids = batch["input_ids"][0][at]
+                i = index[tuple(ids.tolist())]  # KeyError: tokens that are no row's
+                tensors[f"{i}.input_ids"] = ids.clone()
+                tensors[f"{i}.hidden_states"] = batch["hidden_states"][0][at].clone()
+                tensors[f"{i}.verifier_last_hidden_states"] = batch["verifier_last_hidden_states"][0][
+                    at
+                ].clone()
+    return errors
+
+
+def loaders(data_dir: Path, endpoint: str, transfer: Any, num_workers: int) -> tuple[Any, Any]:
+    """speculators' own train and validation loaders over ``transfer``."""
+    import torch
+    from speculators.train.dataloader import create_train_val_loaders
+
+    train, val = create_train_val_loaders(
+        data_path=str(data_dir), total_seq_len=TOTAL_SEQ_LEN, hidden_states_dtype=torch.float32,
+        transfer=transfer, vllm_endpoint=endpoint, on_missing="generate", verifier_name_or_path=None,
+        request_timeout=120.0, max_retries=2, generation_validation_retries=2,
+        max_consecutive_generation_failures=5, hidden_size=HIDDEN, num_target_layers=3,
+        num_workers=num_workers, prefetch_factor=2, preprocess=None, train_data_ratio=0.75,
+    )  # fmt: skip
+    return train, val
+
+
+def transfer_of(backend: Any, data_dir: Path, argv: list[str]) -> Any:
+    """The backend's transfer, built as speculators' trainer builds it."""
+    parser = argparse.ArgumentParser()
+    backend.add_train_args(parser)
+    backend.add_train_args(parser)  # the trainer and a launcher may both add them
+    args = parser.parse_args(argv)
+    if verifier := os.environ.get("KV_TEST_VERIFIER"):  # what speculators' own parser would set
+        args.verifier_name_or_path, args.target_layer_ids = verifier, [1, 2]
+    transfer = backend.from_train_args(args, str(data_dir))
+    assert transfer.expect is not None or not verifier
+    return transfer
 
 
 def main() -> int:
@@ -45,14 +100,10 @@ def main() -> int:
     from datasets import load_from_disk
     from hs_connectors.transfer import HiddenStatesBackend
     from safetensors.torch import save_file
-    from speculators.train.dataloader import create_train_val_loaders
 
     importlib.import_module("kv_connector.speculators")
     importlib.reload(importlib.import_module("kv_connector.speculators"))  # imported twice: harmless
     backend = HiddenStatesBackend.registry["kv-hidden-states"]
-    parser = argparse.ArgumentParser()
-    backend.add_train_args(parser)
-    backend.add_train_args(parser)  # the trainer and a launcher may both add them
     argv = ["--kv-hs-pool-mib", "16", "--kv-hs-fetch-agent", mode]
     keep = os.environ.get("KV_TEST_KEEP")
     epochs = int(os.environ.get("KV_TEST_EPOCHS", "1"))
@@ -60,18 +111,8 @@ def main() -> int:
         argv += ["--kv-hs-keep", keep]
     if sampler := os.environ.get("KV_TEST_SAMPLER"):
         argv += ["--kv-hs-sampler", sampler]
-    args = parser.parse_args(argv)
-    if verifier := os.environ.get("KV_TEST_VERIFIER"):  # what speculators' own parser would set
-        args.verifier_name_or_path, args.target_layer_ids = verifier, [1, 2]
-    transfer = backend.from_train_args(args, str(data_dir))
-    assert transfer.expect is not None or not verifier
-    train, val = create_train_val_loaders(
-        data_path=str(data_dir), total_seq_len=TOTAL_SEQ_LEN, hidden_states_dtype=torch.float32,
-        transfer=transfer, vllm_endpoint=endpoint, on_missing="generate", verifier_name_or_path=None,
-        request_timeout=120.0, max_retries=2, generation_validation_retries=2,
-        max_consecutive_generation_failures=5, hidden_size=HIDDEN, num_target_layers=3,
-        num_workers=num_workers, prefetch_factor=2, preprocess=None, train_data_ratio=0.75,
-    )  # fmt: skip
+    transfer = transfer_of(backend, data_dir, argv)
+    train, val = loaders(data_dir, endpoint, transfer, num_workers)
     rows = load_from_disk(str(data_dir))
     index = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
     tensors: dict[str, torch.Tensor] = {}
@@ -93,19 +134,7 @@ def main() -> int:
         else:
             differ += sum(not torch.equal(first[k], v) for k, v in seen.items())
         time.sleep(2.0)  # the workers' writers keep the last rows
-    for loader in (train, val):
-        for batch in loader:
-            errors += int(batch["error_records"])
-            docs = batch["document_ids"][0]
-            for d in range(int(docs.max()) + 1):
-                at = docs == d
-                ids = batch["input_ids"][0][at]
-                i = index[tuple(ids.tolist())]  # KeyError: tokens that are no row's
-                tensors[f"{i}.input_ids"] = ids.clone()
-                tensors[f"{i}.hidden_states"] = batch["hidden_states"][0][at].clone()
-                tensors[f"{i}.verifier_last_hidden_states"] = batch["verifier_last_hidden_states"][0][
-                    at
-                ].clone()
+    errors += collect(train, val, index, tensors)
     from scripts.support.proc_tree import descendants, made_a_nixl_agent
 
     under = descendants(os.getpid())  # the persistent workers are alive still, and the agent
@@ -147,6 +176,19 @@ def main() -> int:
         },
     }
     print(json.dumps(report), flush=True)
+    if os.environ.get("KV_TEST_THEN_WORKER") and sys.stdin.readline().strip() == "worker":
+        # a client per DataLoader worker (no keep): every row fetched by the workers' own agents
+        worker = transfer_of(backend, data_dir, ["--kv-hs-pool-mib", "16", "--kv-hs-fetch-agent", "worker"])
+        # one worker a loader: its own agent (two workers' agents are the pull bench's count)
+        train, val = loaders(data_dir, endpoint, worker, 1)
+        got: dict[str, torch.Tensor] = {}
+        errors = collect(train, val, index, got)
+        rank_agent = stats.pid if stats is not None else None
+        under = descendants(os.getpid())
+        agents = [p for p in under if p != rank_agent and made_a_nixl_agent(p)]
+        save_file(got, str(out_file.with_suffix(".worker.safetensors")))
+        rows = sorted({int(k.split(".")[0]) for k in got})
+        print(json.dumps({"rows": rows, "errors": errors, "nixl_agent_pids": agents}), flush=True)
     return 0
 
 

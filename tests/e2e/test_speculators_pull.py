@@ -40,6 +40,16 @@ from tests.e2e.conftest import REPO, Reference, prompts_of, relative_error
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LENGTHS = [1, 7, 127, 128, 129, 300, 45, 600]
+SERVED = r"serves consumer agent (\S+) \(a (\d+) MiB pool\)"
+
+
+def _released_soon(server: ApiServer) -> bool:
+    """vLLM's cache holds no sample within a few engine steps (the last releases reach it)."""
+    for _ in range(30):
+        time.sleep(0.5)
+        if kv_cache_usage(server) == 0.0:
+            return True
+    return False
 
 
 def files_under(path: Path) -> set[Path]:
@@ -58,8 +68,10 @@ def test_speculators_dataloader_trains_from_pulled_samples_and_keeps_them_for_la
     UCX plugin. With ``--kv-hs-keep DIR`` and speculators' own sampler, three epochs: the
     first fetches every train row from vLLM and keeps it, the next read every row from DIR
     (vLLM computes each row once), exactly the first epoch's, and speculators' file
-    backend reads every row from DIR. A client per worker, and the rank-kept sampler on two
-    ranks, are ``tests/bench/test_pull_dataloader_arms.py``'s (the pull bench's arms)."""
+    backend reads every row from DIR. Then the same trainer runs both loaders again with a
+    client per worker (one worker, no keep): its own agent, each row again equal to the
+    transformers model's. The rank-kept sampler on two ranks is
+    ``tests/bench/test_pull_dataloader_arms.py``'s (the pull bench's keep arm)."""
     site = speculators_site()
     rows = prompts_of(LENGTHS, seed=31)
     data, keep = tmp_path / "data", tmp_path / "keep"
@@ -96,24 +108,39 @@ def test_speculators_dataloader_trains_from_pulled_samples_and_keeps_them_for_la
         assert e.value.code == "released"
 
     done_before = requests_done(server)
-    proc = subprocess.run(
+    trainer = subprocess.Popen(
         [sys.executable, str(PULL_MAIN), str(data), "http://localhost/v1", str(out_file), "2", "rank"],
         env={**env, "PYTHONPATH": os.pathsep.join([str(UDS_SITE), str(REPO), str(site)]),
              "KV_TEST_OPENAI_UDS": str(server.socket_path), "KV_TEST_KEEP": str(keep), "KV_TEST_EPOCHS": "3",
              # the trainer expects the verifier's layers 1, 2 and its last (4): every row is checked
-             "KV_TEST_VERIFIER": str(tiny_llama)},
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+             "KV_TEST_VERIFIER": str(tiny_llama), "KV_TEST_THEN_WORKER": "1"},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stderr[-5000:]}\n{tail(server.log)}"
-    report = json.loads(proc.stdout.splitlines()[-1])
-    prompts = requests_done(server) - done_before
-    usage = kv_cache_usage(server)
-    for _ in range(30):  # the last releases reach vLLM within an engine step or two
-        if usage == 0:
-            break
-        time.sleep(0.5)
+    try:
+        assert trainer.stdout is not None and trainer.stdin is not None
+        line = trainer.stdout.readline()  # the rank's agent's phase, its report
+        if not line:
+            _, err = trainer.communicate(timeout=60)
+            ended = f"the trainer ended ({trainer.returncode})"
+            raise AssertionError(f"{ended}: {err[-5000:]}\n{tail(server.log)}")
+        report = json.loads(line)
+        prompts = requests_done(server) - done_before
         usage = kv_cache_usage(server)
-    served = set(re.findall(r"serves consumer agent (\S+) \(a (\d+) MiB pool\)", log_since(server, log_from)))
+        for _ in range(30):  # the last releases reach vLLM within an engine step or two
+            if usage == 0:
+                break
+            time.sleep(0.5)
+            usage = kv_cache_usage(server)
+        rank_log = log_since(server, log_from)
+        worker_from = server.log.stat().st_size
+        out, err = trainer.communicate("worker\n", timeout=600)  # then a client per worker
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.communicate()
+    assert trainer.returncode == 0, f"{err[-5000:]}\n{tail(server.log)}"
+    by_worker = json.loads(out.splitlines()[-1])
+    served = set(re.findall(SERVED, rank_log))
     assert report["rows"] == list(range(len(rows))) and report["errors"] == 0, report
     assert report["processes"] >= 2  # the workers were alive when counted
     agent = report["agent"]
@@ -132,6 +159,13 @@ def test_speculators_dataloader_trains_from_pulled_samples_and_keeps_them_for_la
     assert sorted(p.name for p in keep.glob("hs_*.safetensors")) == sorted(
         f"hs_{i}.safetensors" for i in range(len(rows))
     )
+    # a client per worker: each loader's one worker made the one agent the producer served it
+    worker_consumers = {name for name, _ in re.findall(SERVED, log_since(server, worker_from))}
+    assert by_worker["rows"] == list(range(len(rows))) and by_worker["errors"] == 0, by_worker
+    assert 1 <= len(worker_consumers) == len(by_worker["nixl_agent_pids"]) <= 2, (worker_consumers, by_worker)
+    assert kv_cache_usage(server) == 0.0 or _released_soon(server)
+    assert files_under(data) == before
+    by_worker_rows = load_file(str(out_file.with_suffix(".worker.safetensors")))
     loaded = load_file(str(out_file))  # the last epoch's train rows (from DIR) and the validation rows
     worst = 0.0
     for i, tokens in enumerate(rows):
@@ -143,6 +177,11 @@ def test_speculators_dataloader_trains_from_pulled_samples_and_keeps_them_for_la
         errs = (relative_error(aux.view(t, 2, HIDDEN), want[:, :2]), relative_error(last_states, want[:, 2]))
         assert max(errs) < 1e-4, (i, t, errs)
         worst = max(worst, *errs)
+        # the same row through the workers' own clients
+        w_aux = by_worker_rows[f"{i}.hidden_states"]
+        assert by_worker_rows[f"{i}.input_ids"].tolist() == tokens
+        assert relative_error(w_aux.view(t, 2, HIDDEN), want[:, :2]) < 1e-4, i
+        assert relative_error(by_worker_rows[f"{i}.verifier_last_hidden_states"], want[:, 2]) < 1e-4, i
     print(f"{len(rows)} rows through speculators' DataLoader, worst relative error {worst:.2e}")
 
 
