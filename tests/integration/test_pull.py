@@ -211,13 +211,15 @@ def test_a_sample_other_than_expected_fails_by_name_unread_and_is_freed(pulls: S
 
 def test_a_sample_never_released_is_freed_by_the_timeout_and_then_expired(producers: list[Producer]) -> None:
     samples = samples_spec(2, LTH)
-    p = Producer(spec_of(LTH, samples, timeout_s=1.5))
-    producers.append(p)
+    # the client (its agent, its pool) is made first: on a busy host that took longer than
+    # the hold, and the first sample expired before it was asked for
     with PullClient() as client:
+        p = Producer(spec_of(LTH, samples, timeout_s=3.0))
+        producers.append(p)
         first = client.fetch(p.handles["req-0"])  # released at once: not the timeout's
         first.release()
         deadline_passed = False
-        for _ in range(100):
+        for _ in range(200):
             polled = p.poll()
             if "req-1" in polled["freed"][0]:
                 deadline_passed = True
