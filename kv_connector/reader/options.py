@@ -103,9 +103,6 @@ class ClientOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 got = msgspec.convert(value, hint)
             except msgspec.ValidationError as e:
                 raise ConfigurationError(f"{type(self).__name__}.{name}: {e}, got {value!r}") from None
-            except TypeError:
-                # a union with the bound socket: its client checks it
-                continue
             if got != value or (isinstance(got, enum.Enum) and got is not value):
                 raise ConfigurationError(
                     f"{type(self).__name__}.{name} takes a {type(got).__name__}, got {value!r}: pass "

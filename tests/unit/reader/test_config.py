@@ -5,6 +5,7 @@ or its fields as keywords, never both."""
 from __future__ import annotations
 
 import pickle
+import socket
 
 import msgspec
 import pytest
@@ -53,6 +54,13 @@ def test_a_bad_value_is_refused_by_name(kw: dict[str, object], named: str) -> No
         ReaderConfig(**kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=named):
         ReaderConfig.of(**kw)
+
+
+def test_a_bound_socket_is_taken_as_it_is_for_an_address() -> None:
+    with socket.socket() as listen, socket.socket() as metrics:
+        c = ReaderConfig(listen=listen, metrics_address=metrics)
+        assert c.listen is listen and c.metrics_address is metrics
+        assert ReaderConfig.of(listen=listen).listen is listen
 
 
 def test_the_reader_takes_a_config_or_keywords_not_both() -> None:
