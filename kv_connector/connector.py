@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_connector.producer import modes
+from kv_connector.producer.earlier_stage import EarlierStageWorker
 from kv_connector.producer.metrics import HiddenStatesConnectorStats, HiddenStatesPromMetrics, build_stats
 from kv_connector.producer.options import producer_id_for
 from kv_connector.producer.planning import StepPlan
@@ -79,6 +80,24 @@ def use_vllm_logging() -> None:
     ours.propagate = False
 
 
+def pipeline_stage() -> tuple[int, int, int] | None:
+    """(TP rank, stage, stages) of this worker when its pipeline stage is not the last;
+    None on the last stage (or without PP), whose ranks ship."""
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        model_parallel_is_initialized,
+    )
+
+    if not model_parallel_is_initialized():
+        # a worker side made outside vLLM's workers (tests): no pipeline
+        return None
+    pp = get_pp_group()
+    if pp.is_last_rank:
+        return None
+    return get_tensor_model_parallel_rank(), pp.rank_in_group, pp.world_size
+
+
 class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     """Ships each request's captured hidden states to a HiddenStatesReader over NIXL."""
 
@@ -92,7 +111,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         assert ktc is not None
         producer_id = producer_id_for(self.options.producer_id, str(ktc.engine_id))
         self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._worker: WorkerSide | EarlierStageWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             if (configured := configured_layer_ids(vllm_config)) != layer_ids:
                 # by the scheduler only: once per engine, not once per rank
@@ -110,6 +129,9 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
                 make_mode=modes.scheduler_mode,
             )
+        elif (stage := pipeline_stage()) is not None:
+            # a pipeline stage before the last: no captured states, nothing to ship
+            self._worker = EarlierStageWorker(*stage)
         else:
             worker = WorkerSide(
                 vllm_config,

@@ -118,6 +118,7 @@ class EngineSpec:
     enable_prefix_caching: bool | None = False
     kv_cache_memory_bytes: int = 128 << 20
     tp: int = 1
+    pp: int = 1
     inprocess: bool = True
     kv_role: str = "kv_producer"
     mamba_ssm_cache_dtype: str | None = None
@@ -174,6 +175,8 @@ class EngineSpec:
                 args += [flag, str(value)]
         if self.tp != 1:
             args += ["--tensor-parallel-size", str(self.tp)]
+        if self.pp != 1:
+            args += ["--pipeline-parallel-size", str(self.pp)]
         if self.enable_prefix_caching is not None:
             args.append(
                 "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"
@@ -194,6 +197,7 @@ class EngineSpec:
             "enable_prefix_caching": self.enable_prefix_caching,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "tp": self.tp,
+            "pp": self.pp,
             "inprocess": self.inprocess,
             "kv_role": self.kv_role,
             "mamba_ssm_cache_dtype": self.mamba_ssm_cache_dtype,

@@ -50,8 +50,9 @@ def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
             "extract_hidden_states needs eagle_aux_hidden_state_layer_ids in its hf_config"
         )
     layer_ids = captured_layer_order(configured)
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ConfigurationError("HiddenStatesConnector does not support pipeline parallelism yet (use TP)")
+    problem = pipeline_problem(vllm_config)
+    if problem is not None:
+        raise ConfigurationError(problem)
     problem = breakable_graph_problem(vllm_config)
     if problem is not None:
         raise ConfigurationError(problem)
@@ -64,6 +65,29 @@ def check_config(vllm_config: VllmConfig) -> tuple[ConnectorOptions, list[int]]:
             "registration would point at freed memory): upgrade vLLM, or drop --enable-sleep-mode"
         )
     return options, layer_ids
+
+
+def pipeline_problem(vllm_config: VllmConfig) -> str | None:
+    """Why this engine cannot ship hidden states under pipeline parallelism, or None.
+
+    vLLM builds the extract_hidden_states drafter, and its cache-only layer, on the last
+    stage only. Model Runner V2 carries the captured states of the earlier stages' layers
+    to it (``relay_aux_hidden_states``) for models whose decoder declares it
+    (``supports_aux_hidden_states_over_pp``: Llama, Qwen2 and their kin), and refuses the
+    others by name itself. The V1 model runner carries none, and its earlier stages ask
+    for the drafter they do not have as the cache is set up (vLLM 0.32 and 0.33)."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp <= 1 or vllm_config.use_v2_model_runner:
+        return None
+    return (
+        f"HiddenStatesConnector under pipeline parallelism ({pp} stages) needs vLLM's Model "
+        "Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, a GPU with Triton), which carries the captured "
+        "states of every stage to the last, where the drafter writes them. The V1 model runner "
+        "(the CPU build's, and a GPU's with V2 off) carries none across stages, and its "
+        "earlier stages fail at start without the drafter vLLM builds on the last stage only "
+        "(\"... object has no attribute 'drafter'\"). Use tensor parallelism "
+        "with the V1 runner"
+    )
 
 
 def breakable_graph_problem(vllm_config: VllmConfig) -> str | None:

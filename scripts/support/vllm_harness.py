@@ -55,6 +55,7 @@ def engine_config(
     dtype: str = "bfloat16",
     tp: int = 1,
     max_model_len: int = 8192,
+    pp: int = 1,
 ) -> Any:
     """vLLM's own VllmConfig for an extract_hidden_states producer (no engine started)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -66,6 +67,7 @@ def engine_config(
         max_model_len=max_model_len,
         max_num_batched_tokens=max_model_len,
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         enforce_eager=True,
         kv_cache_memory_bytes=1 << 30,
         speculative_config={
@@ -74,7 +76,7 @@ def engine_config(
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
         kv_transfer_config=kv_transfer_config,  # type: ignore[arg-type]  # vLLM accepts the dict
-        distributed_executor_backend="mp" if tp > 1 else None,
+        distributed_executor_backend="mp" if tp * pp > 1 else None,
     )
     return args.create_engine_config()
 

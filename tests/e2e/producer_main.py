@@ -47,6 +47,7 @@ def build(spec: dict[str, Any]) -> Any:
         enable_prefix_caching=spec.get("enable_prefix_caching", False),
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 128 << 20),
         tensor_parallel_size=spec.get("tp", 1),
+        pipeline_parallel_size=spec.get("pp", 1),
         enforce_eager=True,
         **pinned,
         speculative_config={

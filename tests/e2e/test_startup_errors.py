@@ -130,3 +130,22 @@ def test_vllm_with_duplicate_layer_ids_fails_to_start_and_says_why(tiny_llama: P
     assert result["rc"] != 0
     assert "outputs" not in result, "generate() ran although the layer ids name a layer twice"
     assert "lists layer 2 more than once" in result["stderr"], result["stderr"][-3000:]
+
+
+@pytest.mark.fresh_engine("vLLM failing to start")
+def test_two_pipeline_stages_on_the_v1_runner_fail_to_start_naming_model_runner_v2(tiny_llama: Path) -> None:
+    """vLLM's own refusal of the drafter under PP is lifted by our plugin (``vllm_plugin``);
+    the CPU build's V1 runner, which carries no captured states across stages and asks
+    every stage for the drafter built on the last, is then refused by our check in the
+    workers, by name, before vLLM fails on the first stage's missing drafter."""
+    spec = EngineSpec.of(
+        tiny_llama, [3, 4], block_size=None, max_model_len=1024, pp=2,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    )  # fmt: skip
+    result = run_producer(spec, Run([[1, 2, 3]]), ADDRESS, timeout=300)
+    assert result["rc"] != 0 and "outputs" not in result
+    log = result["log"]
+    assert "under pipeline parallelism (2 stages) needs vLLM's Model Runner V2" in log, log[-3000:]
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in log and "no attribute 'drafter'" in log  # (quoted by ours)
+    assert "Pipeline parallelism is not supported for this model" not in log  # vLLM's, lifted
+    assert "AttributeError" not in log  # refused before the first stage looked for the drafter

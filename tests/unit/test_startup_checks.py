@@ -85,3 +85,51 @@ def test_sleep_mode_on_a_vllm_without_the_sleep_hooks_is_refused(
         check_config(vllm_config)
     monkeypatch.setattr(vllm_config.model_config, "enable_sleep_mode", False)
     check_config(vllm_config)
+
+
+def _pipeline_config(tmp_path: Any, layer_ids: list[int]) -> Any:
+    """Two stages of a 4-layer Llama: layers 0-1, then 2-3."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # the CPU build cannot build a V2 engine
+        return engine_config(config_only_model(tmp_path, 256), layer_ids, KTC, pp=2)
+
+
+def test_vllm_refuses_the_drafter_under_pipeline_parallelism_unless_the_plugin_lifted_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own refusal, raised for the drafter (not the target) without our plugin's
+    lift; with it (vLLM loads the plugin as it builds the config) the engine's config is made
+    with two stages."""
+    from vllm.model_executor.models.registry import ModelRegistry, _ModelRegistry
+
+    from kv_connector.vllm_plugin import lift_drafter_pipeline_refusal
+
+    assert lift_drafter_pipeline_refusal() and lift_drafter_pipeline_refusal()  # once, then a no-op
+    lifted = _ModelRegistry.is_pp_supported_model
+    assert lifted.__wrapped__ is not lifted and not hasattr(lifted.__wrapped__, "__wrapped__")
+    cfg = _pipeline_config(tmp_path / "a", [3, 4])
+    assert cfg.parallel_config.pipeline_parallel_size == 2
+    assert cfg.speculative_config.draft_model_config.architectures == ["ExtractHiddenStatesModel"]
+    # the target is asked as before: a Llama supports PP
+    assert ModelRegistry.is_pp_supported_model(["LlamaForCausalLM"], cfg.model_config)
+    monkeypatch.setattr(_ModelRegistry, "is_pp_supported_model", lifted.__wrapped__)
+    monkeypatch.setattr("vllm.plugins.load_general_plugins", lambda: None)
+    monkeypatch.setattr("vllm.engine.arg_utils.load_general_plugins", lambda: None, raising=False)
+    with pytest.raises((NotImplementedError, ValueError), match="Pipeline parallelism is not supported"):
+        _pipeline_config(tmp_path / "b", [3, 4])
+
+
+@pytest.mark.parametrize("layer_ids", [[3, 4], [1, 2, 4]])
+def test_pipeline_parallelism_needs_model_runner_v2(tmp_path: Any, layer_ids: list[int]) -> None:
+    """Whatever layers are captured: the V1 runner is refused by name, V2 starts (it carries
+    every stage's captured states to the last, or refuses the model by name itself)."""
+    cfg = _pipeline_config(tmp_path, layer_ids)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+        with pytest.raises(ValueError) as e:
+            check_config(cfg)
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        assert check_config(cfg)[1] == layer_ids
+    why = str(e.value)
+    assert "under pipeline parallelism (2 stages) needs vLLM's Model Runner V2" in why, why
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in why and "Use tensor parallelism with the V1 runner" in why
