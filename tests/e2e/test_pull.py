@@ -338,6 +338,63 @@ def test_openai_server_with_two_ranks_serves_each_share_gathered_into_one_sample
         assert "Aborted request" in server.log.read_text() or "abort" in server.log.read_text().lower()
 
 
+@pytest.mark.fresh_engine("two data-parallel replicas")
+def test_two_data_parallel_replicas_each_name_their_own_endpoint_and_serve_their_samples(
+    tiny_llama: Path, llama_reference: Reference, tmp_path: Path
+) -> None:
+    """``--data-parallel-size 2`` behind the OpenAI server, in pull delivery: each replica is
+    a producer of its own name, and a handle names the endpoint of the replica that ran
+    its request; every sample is fetched once, exact; afterwards no replica holds a block."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.api_server import ApiServer, tail
+
+    prompts = prompts_of([1, BLOCK, BLOCK + 1, 300, 2, 3, 5, 7], seed=27)
+    with (
+        ApiServer(
+            tiny_llama,
+            {"delivery": "pull", "producer_id": "replicas"},
+            LAYER_IDS,
+            tmp_path,
+            args=["--block-size", str(BLOCK), "--data-parallel-size", "2"],
+        ) as server,
+        ThreadPoolExecutor(len(prompts)) as pool,
+    ):
+        body = {"model": str(tiny_llama), "max_tokens": 1, "temperature": 0}
+        responses = list(
+            pool.map(lambda p: server.http.post_json("/v1/completions", {**body, "prompt": p}), prompts)
+        )
+        params = [r["kv_transfer_params"] for r in responses]
+        handles = [decode_handle(p["handle"]) for p in params]
+        by_replica: dict[str, set[str]] = {}
+        for h in handles:
+            by_replica.setdefault(h.producer_id, set()).update(h.endpoints)
+        # vLLM spreads concurrent requests over both replicas; each serves at its own endpoint
+        assert set(by_replica) == {"replicas-dp0", "replicas-dp1"}, by_replica
+        assert all(len(e) == 1 for e in by_replica.values()), by_replica
+        assert by_replica["replicas-dp0"] != by_replica["replicas-dp1"]
+        with PullClient() as client:
+            for i, s in enumerate(client.fetch_many(params)):
+                assert not isinstance(s, FetchError), (i, s)
+                assert s.token_ids.tolist() == prompts[i] and s.producer_id == handles[i].producer_id
+                err = relative_error(s.hidden_states, llama_reference.states(prompts[i], LAYER_IDS))
+                assert err < 1e-4, (i, err)
+                s.release()
+        deadline = time.monotonic() + 15
+        while (held := _usages(server)) and any(u != 0.0 for u in held) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(held) == 2 and held == [0.0, 0.0], (held, tail(server.log))
+
+
+def _usages(server: Any) -> list[float]:
+    """``vllm:kv_cache_usage_perc`` of each engine (each data-parallel replica)."""
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in server.http.get_text("/metrics").splitlines()
+        if line.startswith("vllm:kv_cache_usage_perc{")
+    ]
+
+
 @pytest.mark.fresh_engine("a KV budget small enough for vLLM to preempt")
 def test_preempted_requests_fail_by_name_and_the_rest_arrive_exact(
     tiny_llama: Path, llama_reference: Reference, tmp_path: Path
