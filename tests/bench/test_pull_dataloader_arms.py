@@ -92,8 +92,9 @@ def test_every_loader_arm_delivers_every_row_and_counts_what_fetches(arm_servers
     made = [
         Loader("kv-hidden-states", work / "d-rank", pull_server, None, ROWS, WORKERS, "rank"),
         Loader("kv-hidden-states", work / "d-worker", pull_server, None, ROWS, WORKERS, "worker"),
-        Loader("file", work / "d-file", file_server, work / "hs-cache", ROWS, WORKERS),
-        Loader(NULL_ARM, work / "d-null", pull_server, None, ROWS, WORKERS),
+        # one worker where no claim counts workers: each worker is a spawned process
+        Loader("file", work / "d-file", file_server, work / "hs-cache", ROWS, 1),
+        Loader(NULL_ARM, work / "d-null", pull_server, None, ROWS, 1),
     ]
     with loaders(*made) as arms:
         runs = [ld.round() for ld in arms]
