@@ -2,14 +2,17 @@
 
 Starts ``vllm.entrypoints.openai.api_server`` in a subprocess with extract_hidden_states
 and the connector as a kv_producer, with two data-parallel replicas, sends token-id
-completions over HTTP, and checks that each request's prompt hidden states reach the
-reader exactly once and equal the transformers model's, each replica a producer of its
-own name."""
+completions over HTTP, then rows through the data-generation driver, and checks that
+each request's prompt hidden states reach the reader exactly once and equal the
+transformers model's, each replica a producer of its own name."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ import pytest
 
 from kv_connector.reader import HiddenStatesReader, Sample
 from tests.e2e.api_server import ApiServer, tail
-from tests.e2e.conftest import Reference, relative_error
+from tests.e2e.conftest import REPO, Reference, relative_error
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,6 +29,9 @@ LAYER_IDS = [1, 2, 4]
 PRODUCER = "served"  # a name given in the options: each replica adds -dp{n}
 BLOCK = 128  # pinned in the server's configuration (--block-size), so prompts cross it
 SAMPLE_TIMEOUT_S = 300.0
+_driven = random.Random(22)
+# rows the data-generation driver sends (python -m kv_connector.datagen), after the posts
+DRIVEN = [[_driven.randrange(1, 1024) for _ in range(n)] for n in (3, BLOCK + 2, 9, 64, 257, 17)]
 
 
 @pytest.mark.fresh_engine("a server whose log must show no refused connection from its start")
@@ -94,6 +100,26 @@ def test_openai_server_delivers_prompt_states(
         address = reader.address
         assert reader.stats().refused == 0  # the reader never saw them
 
+        # the data-generation driver on the same replicas: each row delivered once, by either
+        jsonl = tmp_path / "rows.jsonl"
+        jsonl.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in DRIVEN))
+        driver = subprocess.run(
+            [sys.executable, "-m", "kv_connector.datagen", "--jsonl", str(jsonl),
+             "--server", server.http.url, "--concurrency", str(len(DRIVEN))],
+            capture_output=True, text=True, cwd=REPO, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        summary = json.loads(driver.stdout.splitlines()[-1])
+        driven: dict[str, Sample] = {}
+        for _ in DRIVEN:
+            s = reader.get(timeout=SAMPLE_TIMEOUT_S, copy=True)
+            assert s.sample_id not in driven, f"row {s.sample_id} delivered twice"
+            driven[s.sample_id] = s
+        with pytest.raises(TimeoutError):
+            extra = reader.get(timeout=2.0)
+            pytest.fail(f"unexpected extra sample {extra.request_id}")
+
     for r in refused:
         params = r["kv_transfer_params"]["hidden_states"]
         assert params["status"] == "failed" and "cannot name a sample" in params["error"], params
@@ -123,4 +149,13 @@ def test_openai_server_delivers_prompt_states(
         assert params["request_id"].startswith(resp["id"] + "-0-")
     # two replicas, two producers: vLLM spreads the concurrent requests over both
     assert {s.producer_id for s in got.values()} == {f"{PRODUCER}-dp0", f"{PRODUCER}-dp1"}
+    assert summary["delivered"] == len(DRIVEN) and summary["failed"] == 0, summary
+    assert sorted(driven) == [str(i) for i in range(len(DRIVEN))]
+    assert {s.producer_id for s in driven.values()} <= {f"{PRODUCER}-dp0", f"{PRODUCER}-dp1"}
+    for row, s in driven.items():
+        prompt = DRIVEN[int(row)]
+        assert s.token_ids.tolist() == prompt
+        err = relative_error(s.hidden_states, llama_reference.states(prompt, LAYER_IDS))
+        assert err < 1e-4, (row, err)
+        worst = max(worst, err)
     print(f"worst relative error {worst:.2e}")
